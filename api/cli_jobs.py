@@ -1,0 +1,277 @@
+"""`jobs submit|status|list|wait|results|events|cancel|retry|workers`: commands that talk to the HTTP API."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from api.cli import cli, client, emit, job_exit_code
+from core.errors import InvalidInput
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+# --- submit -------------------------------------------------------------------------------------------------
+
+def load_spec_file(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidInput(f"cannot read spec file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"spec file {path} must hold a mapping of spec fields")
+    return data
+
+
+def parse_sets(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """--set key=value, the value read as YAML (numbers, booleans, lists)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InvalidInput(f"--set {pair!r}: expected key=value")
+        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+    return out
+
+
+def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
+    """Upload a local input file (so it works against a remote server) and make a local model path absolute."""
+    spec = dict(spec)
+    source = spec.get("input")
+    if source and not str(source).startswith("file_") and Path(source).expanduser().is_file():
+        spec["input"] = api.upload(Path(source).expanduser())["id"]
+    model = spec.get("model")
+    if model and Path(model).expanduser().exists():
+        spec["model"] = str(Path(model).expanduser().resolve())
+    return spec
+
+
+def common_submit_options(fn):
+    options = [
+        click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="YAML or JSON spec; flags override it"),
+        click.option("--model", help="model directory, or a Hub id cached on the workers"),
+        click.option("--input", "input_", help="dataset: a local file (uploaded), a file_… id, or a server path"),
+        click.option("--name", help="a label for the job"),
+        click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),
+        click.option("--revision", help="Hub revision of the model"),
+        click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="weights dtype (auto)"),
+        click.option("--attn-implementation", "--attn", "attn_implementation",
+                     help="sdpa (default), eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo"),
+        click.option("--quantization", help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"),
+        click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
+        click.option("--adapter", help="LoRA adapter: a fine-tune job id or a file id"),
+        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="any other spec field (repeatable)"),
+        click.option("--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"),
+        click.option("--json", "as_json", is_flag=True, help="print the job as JSON instead of its id"),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def submit_spec(kind: str, spec_file: str | None, sets: tuple[str, ...], flags: dict[str, Any]) -> dict[str, Any]:
+    spec = load_spec_file(spec_file)
+    spec.update({k: v for k, v in flags.items() if v not in (None, ())})
+    spec.update(parse_sets(sets))
+    if spec.setdefault("kind", kind) != kind:
+        raise InvalidInput(f"the spec file is a {spec['kind']!r} job, not {kind!r}")
+    for field in ("model", "input"):
+        if not spec.get(field):
+            raise InvalidInput(f"missing --{field} (or `{field}:` in the spec file)")
+    return spec
+
+
+def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
+    api = client()
+    job = api.submit(resolve_local_paths(spec, api))
+    if wait:
+        job = wait_with_progress(api, job["id"])
+    emit(job, as_json, lambda j: click.echo(j["id"]))
+    if wait:
+        raise SystemExit(job_exit_code(job))
+
+
+@cli.group()
+def submit() -> None:
+    """Submit a job; prints its id (`ID=$(jobs submit generate …)`)."""
+
+
+@submit.command("generate")
+@common_submit_options
+@click.option("--max-new-tokens", type=click.IntRange(1), help="tokens to generate per row (256)")
+@click.option("--temperature", type=float, help="sampling temperature; > 0 samples, default greedy")
+@click.option("--top-p", type=float, help="nucleus sampling")
+@click.option("--top-k", type=int, help="top-k sampling")
+@click.option("--do-sample/--greedy", default=None, help="force sampling or greedy decoding")
+@click.option("--seed", type=int, help="sampling seed")
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
+@click.option("--shard-rows", type=int, help="rows per shard (one task each)")
+@click.option("--batch-rows", type=int, help="rows per micro-batch commit")
+def submit_generate(spec_file, sets, wait, as_json, input_, **flags) -> None:
+    """Generate text for every row of a JSONL dataset (`prompt` or `messages` per line)."""
+    flags["input"] = input_
+    if flags.get("stop"):
+        flags["stop"] = list(flags["stop"])
+    finish_submit(submit_spec("generate", spec_file, sets, flags), wait, as_json)
+
+
+@submit.command("finetune")
+@common_submit_options
+@click.option("--max-steps", type=click.IntRange(1), help="training steps (overrides --epochs)")
+@click.option("--epochs", type=float, help="passes over the dataset (1)")
+@click.option("--learning-rate", type=float, help="peak learning rate (2e-4)")
+@click.option("--batch-size", type=click.IntRange(1), help="per-device batch size (4)")
+@click.option("--lora-r", type=click.IntRange(1), help="LoRA rank (16)")
+@click.option("--lora-alpha", type=click.IntRange(1), help="LoRA alpha (32)")
+@click.option("--max-seq-length", type=click.IntRange(8), help="truncate sequences to this length (2048)")
+def submit_finetune(spec_file, sets, wait, as_json, input_, **flags) -> None:
+    """Fine-tune a LoRA adapter on a dataset (chat `messages`, `prompt`/`completion`, or `text`)."""
+    flags["input"] = input_
+    finish_submit(submit_spec("finetune", spec_file, sets, flags), wait, as_json)
+
+
+# --- read ---------------------------------------------------------------------------------------------------
+
+def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[str, Any]:
+    with click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar:
+        def update(job: dict[str, Any]) -> None:
+            rows = job["rows"]
+            bar.length = max(rows["total"], 1)
+            bar.update(rows["succeeded"] + rows["failed"] - bar.pos)
+            bar.label = f"{job_id} {job['state']}"
+        return api.wait(job_id, on_update=update, timeout=timeout)
+
+
+def describe(job: dict[str, Any]) -> None:
+    rows, live = job["rows"], job.get("live") or {}
+    click.echo(f"{job['id']}  {job['state']}  {job.get('name') or ''}".rstrip())
+    click.echo(f"  model    {job['model']}  (queue {job['queue']})")
+    click.echo(f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
+               f"of {rows['total']}")
+    click.echo(f"  tokens   {job['tokens']['prompt']} prompt, {job['tokens']['completion']} completion")
+    if live:
+        eta = f"{live['eta_s']:.0f} s" if live.get("eta_s") is not None else "unknown"
+        click.echo(f"  rate     {live['tokens_per_s']} tok/s, {live['rows_per_s']} rows/s (last minute); ETA {eta}")
+    metrics = job.get("metrics") or {}
+    if metrics.get("output_tok_s") is not None:
+        click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s")
+    if job.get("error"):
+        click.echo(f"  error    {job['error']}")
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+def status(job_id: str, as_json: bool) -> None:
+    """Show a job's state, progress, rates, ETA and metrics."""
+    emit(client().job(job_id), as_json, describe)
+
+
+@cli.command("list")
+@click.option("--state", help="only jobs in this state")
+@click.option("--limit", default=50, show_default=True, help="how many, newest first")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
+    """List jobs, newest first."""
+    def table(jobs):
+        for j in jobs:
+            done = j["rows"]["succeeded"] + j["rows"]["failed"]
+            click.echo(f"{j['id']}  {j['state']:<10} {done:>7}/{j['rows']['total']:<7} {j['kind']:<9} {j['model']}")
+    emit(client().jobs(state=state, limit=limit), as_json, table)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--timeout", type=float, help="give up after this many seconds (exit 1)")
+@click.option("--json", "as_json", is_flag=True, help="print the finished job as JSON")
+def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
+    """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows."""
+    job = wait_with_progress(client(), job_id, timeout=timeout)
+    emit(job, as_json, describe)
+    raise SystemExit(job_exit_code(job))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="write JSONL here, not stdout")
+@click.option("--errors", is_flag=True, help="failed rows (with their line and error) instead of results")
+def results(job_id: str, output: str | None, errors: bool) -> None:
+    """Finished rows as JSONL in input order; works while the job still runs."""
+    rows = client().results(job_id, errors=errors)
+    out = open(output, "w", encoding="utf-8") if output else click.get_text_stream("stdout")
+    try:
+        count = 0
+        for record in rows:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    finally:
+        if output:
+            out.close()
+    if output:
+        click.echo(f"{count} rows written to {output}", err=True)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
+def events(job_id: str, follow: bool, as_json: bool) -> None:
+    """A job's events: state changes, loads, errors, metrics."""
+    api, after = client(), 0
+    while True:
+        batch = api.events(job_id, after=after)
+        for e in batch:
+            after = e["id"]
+            if as_json:
+                click.echo(json.dumps(e, default=str))
+            else:
+                stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+                click.echo(f"{stamp} {e['level']:<5} {e['message']}")
+        if not follow or (not batch and api.job(job_id)["state"] in TERMINAL):
+            return
+        if not batch:
+            time.sleep(1.0)
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+def cancel(job_id: str, as_json: bool) -> None:
+    """Cancel a job: running work stops within seconds, finished rows are kept."""
+    emit(client().cancel(job_id), as_json, lambda j: click.echo(f"{j['id']} {j['state']}"))
+
+
+@cli.command()
+@click.argument("job_id")
+@click.option("--failed-only", is_flag=True, help="re-run only failed rows, not rows a cancel left unfinished")
+@click.option("--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code")
+@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
+    """Re-open a finished job under the same id and re-run its failed rows."""
+    api = client()
+    job = api.retry(job_id, failed_only=failed_only)
+    if wait_:
+        job = wait_with_progress(api, job_id)
+    emit(job, as_json, lambda j: click.echo(j["id"]))
+    if wait_:
+        raise SystemExit(job_exit_code(job))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def workers(as_json: bool) -> None:
+    """Registered workers: slice, GPUs, state and heartbeat age."""
+    def table(ws):
+        for w in ws:
+            gpus = ", ".join(f"{g['name']} ({g['uuid']})" for g in w["gpus"]) or "CPU"
+            age = time.time() - w["heartbeat_at"]
+            click.echo(f"{w['name']}  {w['state']:<7} queues={','.join(w['queues'])}  heartbeat {age:.0f}s ago  {gpus}")
+    emit(client().workers(), as_json, table)

@@ -1,0 +1,177 @@
+"""`jobs up|down|worker|db|tokens|demo`: commands that run or manage local processes and the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from api import stack
+from api.cli import cli, client, emit, job_exit_code
+from api.cli_jobs import wait_with_progress
+from core.errors import InvalidInput
+from core.settings import get_settings
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@cli.command()
+@click.option("--gpus", help="worker slices, ';' between workers: '0,1;2;3'; 'none' = one CPU worker "
+              "(default: one worker per GPU that nvidia-smi lists, else one CPU worker)")
+@click.option("--host", default="127.0.0.1", show_default=True, help="API listen address (beyond loopback needs "
+              "JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)")
+@click.option("--port", default=8765, show_default=True, help="API port")
+@click.option("--detach", "-d", is_flag=True, help="return once the stack is healthy; stop it with `jobs down`")
+def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
+    """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME."""
+    slices = stack.parse_slices(gpus) if gpus is not None else None
+    if host not in ("127.0.0.1", "localhost", "::1") and not (get_settings().model_roots and get_settings().data_roots):
+        raise InvalidInput(f"--host {host} listens beyond loopback: set JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS first")
+    started = stack.up(slices, host=host, port=port, log=lambda m: click.echo(m, err=True))
+    try:
+        stack.wait_healthy(started)
+    except BaseException:
+        stack.down(log=lambda m: click.echo(m, err=True))
+        raise
+    click.echo(f"stack up: API {started['api_url']}, {len(started['workers'])} worker(s); home {get_settings().home}",
+               err=True)
+    if detach:
+        return
+    click.echo("running in the foreground; Ctrl-C stops it", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while all(stack.alive(p) for p in stack.stack_pids(started)):
+            time.sleep(1)
+        click.echo("a process of the stack exited: stopping the rest", err=True)
+    except KeyboardInterrupt:
+        pass
+    stack.down(log=lambda m: click.echo(m, err=True))
+
+
+@cli.command()
+def down() -> None:
+    """Stop the local stack started by `jobs up` (workers hand back their shards first)."""
+    if not stack.down(log=lambda m: click.echo(m, err=True)):
+        click.echo(f"no stack is running from {get_settings().home}", err=True)
+
+
+@cli.command()
+@click.option("--gpus", required=True, help="this worker's slice: GPU indices as nvidia-smi shows them ('2,0'), "
+              "or 'none' for a CPU worker")
+@click.option("--loglevel", default="INFO", show_default=True, help="worker log level")
+def worker(gpus: str, loglevel: str) -> None:
+    """Run one worker in the foreground, pinned to a GPU slice (replaces this process: same pid).
+
+    Sets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES on the worker's own environment; refuses to
+    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus.
+    """
+    devices = stack.parse_slice(gpus)
+    stack.check_inherited(devices)
+    command = stack.worker_command(devices) + ["--loglevel", loglevel]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(command[0], command, stack.worker_env(devices))
+
+
+@cli.group()
+def db() -> None:
+    """The SQL store."""
+
+
+@db.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the migrations to JOBS_DATABASE_URL (the embedded default does this on `jobs up`)."""
+    from core.db import upgrade
+
+    upgrade()
+    click.echo(f"database at head: {get_settings().database_url.split('@')[-1]}", err=True)
+
+
+@cli.group()
+def tokens() -> None:
+    """API tokens (admin; works directly on the database)."""
+
+
+@tokens.command("create")
+@click.option("--owner", required=True, help="the owner whose jobs this token submits and sees")
+@click.option("--scope", "scopes", multiple=True, default=["user"], show_default=True,
+              type=click.Choice(["user", "admin", "metrics"]), help="repeatable")
+@click.option("--name", help="a label")
+def tokens_create(owner: str, scopes: tuple[str, ...], name: str | None) -> None:
+    """Create a token and print it once (only its hash is stored)."""
+    from core import auth
+    from core.db import session_scope
+
+    with session_scope() as session:
+        click.echo(auth.create_token(session, owner=owner, scopes=list(scopes), name=name))
+
+
+@tokens.command("list")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def tokens_list(as_json: bool) -> None:
+    """List tokens (ids, owners, scopes; never the secrets)."""
+    from core import auth
+    from core.db import session_scope
+
+    with session_scope() as session:
+        rows = [{"id": t.id, "owner": t.owner, "scopes": t.scopes, "name": t.name, "revoked": t.revoked_at is not None}
+                for t in auth.list_tokens(session)]
+    emit(rows, as_json, lambda ts: [click.echo(f"{t['id']}  {t['owner']:<16} {t['scopes']:<20} "
+                                               f"{'revoked' if t['revoked'] else ''} {t['name'] or ''}") for t in ts])
+
+
+@tokens.command("revoke")
+@click.argument("token_id")
+def tokens_revoke(token_id: str) -> None:
+    """Revoke a token by id."""
+    from core import auth
+    from core.db import session_scope
+
+    with session_scope() as session:
+        auth.revoke(session, token_id)
+
+
+@cli.command()
+@click.option("--examples", type=click.Path(file_okay=False, exists=True), default=str(EXAMPLES),
+              show_default=True, help="folder with qa.jsonl and prompts.jsonl")
+@click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
+def demo(examples: str, keep_running: bool) -> None:
+    """Run a real job end to end on this machine: start the stack, build a tiny model that has memorized a few
+    answers, submit a generation job over examples/prompts.jsonl, wait, and print where the results are."""
+    settings = get_settings()
+    if not stack.read_stack():
+        click.echo("starting the local stack (`jobs up --detach`) ...", err=True)
+        up.callback(gpus=None, host="127.0.0.1", port=8765, detach=True)
+    model = settings.home / "models" / "tiny-qa"
+    if not (model / "model.safetensors").exists():
+        click.echo(f"building a tiny model that memorizes {examples}/qa.jsonl into {model} ...", err=True)
+        subprocess.run([sys.executable, "-m", "worker.tinymodel", str(model), "--qa", str(Path(examples) / "qa.jsonl")],
+                       check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    api = client()
+    spec = {"kind": "generate", "model": str(model), "input": api.upload(Path(examples) / "prompts.jsonl")["id"],
+            "max_new_tokens": 24, "name": "demo"}
+    job = api.submit(spec)
+    click.echo(f"submitted {job['id']}", err=True)
+    job = wait_with_progress(api, job["id"])
+    out = settings.home / "demo" / f"results-{job['id']}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = list(api.results(job["id"]))
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    for r in rows:
+        click.echo(f"  {r['custom_id']:<12} {r['output']!r}", err=True)
+    click.echo(f"{job['state']}: {job['rows']['succeeded']} rows, {job['tokens']['completion']} tokens; "
+               f"results in {out}", err=True)
+    click.echo(str(out))
+    if not keep_running:
+        stack.down(log=lambda m: click.echo(m, err=True))
+    else:
+        click.echo("the stack is still up: try `jobs list`, `jobs status ID`; stop it with `jobs down`", err=True)
+    raise SystemExit(job_exit_code(job))
+
+

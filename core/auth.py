@@ -1,0 +1,49 @@
+"""API tokens: stored as SHA-256 only, each with an owner and scopes (`user`, `admin`, `metrics`)."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core.errors import InvalidInput, Unauthorized
+from core.models import Token
+from core.store import new_id, now
+
+SCOPES = ("user", "admin", "metrics")
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(session: Session, *, owner: str, scopes: list[str], name: str | None = None) -> str:
+    """Create a token and return its secret; only its hash is stored, so it is shown once."""
+    bad = sorted(set(scopes) - set(SCOPES))
+    if bad or not scopes:
+        raise InvalidInput(f"unknown scope(s) {bad or scopes}: use {', '.join(SCOPES)}")
+    secret = "jt_" + secrets.token_urlsafe(32)
+    session.add(Token(id=new_id("tok"), sha256=digest(secret), owner=owner, scopes=",".join(scopes), name=name, created_at=now()))
+    return secret
+
+
+def authenticate(session: Session, secret: str | None) -> Token:
+    if not secret:
+        raise Unauthorized("missing bearer token: set JOBS_TOKEN, or run `jobs up` which writes a local admin token")
+    token = session.scalar(select(Token).where(Token.sha256 == digest(secret)))
+    if token is None or token.revoked_at is not None:
+        raise Unauthorized("invalid or revoked token: check JOBS_TOKEN (an admin can create one with `jobs tokens create`)")
+    return token
+
+
+def revoke(session: Session, token_id: str) -> None:
+    token = session.get(Token, token_id)
+    if token is None:
+        raise InvalidInput(f"no token {token_id!r}")
+    token.revoked_at = now()
+
+
+def list_tokens(session: Session) -> list[Token]:
+    return list(session.scalars(select(Token).order_by(Token.created_at)).all())

@@ -1,0 +1,114 @@
+"""Engines, sessions and migrations.
+
+SQLite runs in WAL mode with a busy timeout, so the API, several workers and the reaper can write to one file;
+Postgres is the cluster store. Either way the schema comes only from `alembic upgrade head` (`upgrade()`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.errors import ServiceUnavailable
+from core.settings import get_settings
+
+log = logging.getLogger(__name__)
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+_engines: dict[str, Engine] = {}
+
+
+def get_engine(url: str | None = None) -> Engine:
+    url = url or get_settings().database_url
+    if url not in _engines:
+        _engines[url] = _create_engine(url)
+    return _engines[url]
+
+
+def _create_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+@cache
+def _sessionmaker(url: str) -> sessionmaker[Session]:
+    return sessionmaker(get_engine(url), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(url: str | None = None) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error; database outages become ServiceUnavailable."""
+    session = _sessionmaker(url or get_settings().database_url)()
+    try:
+        yield session
+        session.commit()
+    except OperationalError as exc:
+        session.rollback()
+        raise ServiceUnavailable(f"the database cannot be reached or is locked: {exc.orig}") from exc
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(url: str | None = None):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", (url or get_settings().database_url).replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> None:
+    """Apply the migrations: the only way a schema is created."""
+    from alembic import command
+
+    try:
+        command.upgrade(alembic_config(url), revision)
+    except OperationalError as exc:
+        raise ServiceUnavailable(f"cannot migrate the database: {exc.orig}") from exc
+
+
+def check_reachable(url: str | None = None) -> None:
+    try:
+        with get_engine(url).connect() as conn:
+            conn.execute(text("select 1"))
+    except OperationalError as exc:
+        raise ServiceUnavailable(
+            f"the database at {get_engine(url).url.render_as_string(hide_password=True)} cannot be reached: "
+            f"{exc.orig}. Check JOBS_DATABASE_URL, or start the local stack with `jobs up`."
+        ) from exc
+
+
+def dispose() -> None:
+    """Drop pooled connections (after a fork, or between tests that change the URL)."""
+    for engine in _engines.values():
+        engine.dispose()
+    _engines.clear()
+    _sessionmaker.cache_clear()

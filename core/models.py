@@ -1,0 +1,165 @@
+"""SQLAlchemy 2 models: the whole store. Schemas are built only by the Alembic migrations in `migrations/`.
+
+Times are Unix seconds (float, UTC) written by the process that makes the change. Leases compare the
+reaper's clock with the holder's: hosts of one cluster must keep their clocks in sync (NTP), and the
+lease length (30 s by default) is far above usual skew. Floats keep lease arithmetic and metrics trivial and
+behave the same on SQLite and Postgres.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from core.states import JobState, RowState, ShardState
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), default=JobState.queued.value)
+    owner: Mapped[str] = mapped_column(String(128))
+    spec: Mapped[dict[str, Any]]
+    input_file_id: Mapped[str | None] = mapped_column(String(40))
+    queue: Mapped[str] = mapped_column(String(32))
+    gpus: Mapped[int] = mapped_column(Integer)
+    rows_total: Mapped[int] = mapped_column(Integer, default=0)
+    rows_succeeded: Mapped[int] = mapped_column(Integer, default=0)
+    rows_failed: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    load_options: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    versions: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    retries: Mapped[int] = mapped_column(Integer, default=0)
+
+    __table_args__ = (Index("ix_jobs_owner_created", "owner", "created_at"), Index("ix_jobs_state", "state"))
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    idx: Mapped[int] = mapped_column(Integer)
+    row_start: Mapped[int] = mapped_column(Integer)
+    row_end: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=ShardState.queued.value)
+    lease_owner: Mapped[str | None] = mapped_column(String(255))
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    enqueued_at: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    rows_done: Mapped[int] = mapped_column(Integer, default=0)
+    rows_failed: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        Index("ix_shards_job_state", "job_id", "state"),
+        Index("ix_shards_state_lease", "state", "lease_expires_at"),
+    )
+
+
+class JobRow(Base):
+    """One input row and, once run, its result. Written idempotently on (job_id, idx)."""
+
+    __tablename__ = "job_rows"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(255))
+    line: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=RowState.pending.value)
+    input: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    output: Mapped[str | None] = mapped_column(Text)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    executions: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (Index("ix_job_rows_job_state", "job_id", "state"),)
+
+
+class JobEvent(Base):
+    """A state change, a log line or a metric of a job, in order of `id`."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    shard_id: Mapped[int | None] = mapped_column(Integer)
+    ts: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(16))
+    level: Mapped[str] = mapped_column(String(8), default="info")
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_job_events_job_id", "job_id", "id"),)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    slice: Mapped[str] = mapped_column(String(255))
+    queues: Mapped[list[Any]]
+    gpus: Mapped[list[Any]]
+    capabilities: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[float] = mapped_column(Float)
+    heartbeat_at: Mapped[float] = mapped_column(Float)
+    current_shard_id: Mapped[int | None] = mapped_column(Integer)
+
+
+class File(Base):
+    """A stored file: an uploaded input, a result export or an artifact such as an adapter."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+    job_id: Mapped[str | None] = mapped_column(String(40))
+
+    __table_args__ = (Index("ix_files_owner", "owner"),)
+
+
+class Token(Base):
+    """An API token, stored as its SHA-256 only. Scopes: `user`, `admin`, `metrics` (comma separated)."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    owner: Mapped[str] = mapped_column(String(128))
+    scopes: Mapped[str] = mapped_column(String(128))
+    name: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float)

@@ -1,0 +1,84 @@
+"""The Celery app (configuration only: no task code here) and the helpers that enqueue by task *name*.
+
+Why these settings (see docs/design.md for the long version):
+
+- JSON only: ids go through the broker, never objects, and a pickle payload is refused by every worker.
+- acks_late + reject_on_worker_lost + prefetch 1: a task is acknowledged only after it ran, and a worker holds
+  at most one message it has not started.
+- The Redis visibility timeout is far above the longest task (12 h). It only guards against double delivery;
+  recovery of a dead worker's shard is the reaper's job (SQL leases, seconds), never Redis's.
+- Queues by slice size: `cpu`, `gpu1`, `gpu2`, ... A worker consumes the queue of its own slice size.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from celery import Celery
+
+from core.errors import ServiceUnavailable
+from core.settings import get_settings
+
+TASK_RUN_SHARD = "gpujobs.run_shard"
+TASK_RUN_FINETUNE = "gpujobs.run_finetune"
+
+
+def queue_for(gpus: int) -> str:
+    return "cpu" if gpus == 0 else f"gpu{gpus}"
+
+
+def redis_url() -> str:
+    url = get_settings().redis_url
+    if not url:
+        raise ServiceUnavailable(
+            "no Redis is configured: start the local stack with `jobs up`, or set JOBS_REDIS_URL"
+        )
+    return url
+
+
+@cache
+def get_app() -> Celery:
+    settings = get_settings()
+    app = Celery("gpujobs", broker=redis_url(), set_as_current=False)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue="cpu",
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=5,
+        task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5},
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+    )
+    return app
+
+
+def ping_redis() -> None:
+    """Fail fast, with the fix in the message, when Redis is down (before anything is written)."""
+    import redis
+
+    url = redis_url()
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping()
+    except (redis.RedisError, OSError) as exc:
+        safe = url.split("@")[-1]
+        raise ServiceUnavailable(
+            f"Redis at {safe} cannot be reached ({exc}): start the local stack with `jobs up`, or check JOBS_REDIS_URL"
+        ) from exc
+
+
+def send(task: str, args: list, queue: str) -> None:
+    try:
+        get_app().send_task(task, args=args, queue=queue)
+    except Exception as exc:  # kombu raises many types for one cause: the broker is gone
+        raise ServiceUnavailable(f"could not enqueue {task} on {queue}: {exc}") from exc
+
+
+def reset() -> None:
+    get_app.cache_clear()

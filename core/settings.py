@@ -1,0 +1,131 @@
+"""One typed settings object, read from `JOBS_*` environment variables when first asked for.
+
+Nothing is read at import time: tests and launchers change the environment and call `reset()`.
+
+Embedded default (no configuration): everything lives under `JOBS_HOME` (default `~/.gpujobs`):
+
+    jobs.db          SQLite store (WAL)
+    artifacts/       uploaded files, results, adapters (JOBS_ARTIFACTS points elsewhere in a cluster)
+    logs/            one log file per process started by `jobs up`
+    run/stack.json   what `jobs up` started: Redis URL, API URL, pids
+    token            the local admin token written by `jobs up` (mode 0600)
+
+Cluster: set `JOBS_REDIS_URL`, `JOBS_DATABASE_URL`, `JOBS_API_URL`, `JOBS_ARTIFACTS` (a path every host mounts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else default
+
+
+def _paths(name: str) -> list[Path]:
+    value = _env(name)
+    return [Path(p).expanduser().resolve() for p in value.split(os.pathsep) if p] if value else []
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    redis_url: str | None
+    api_url: str
+    api_host: str
+    api_port: int
+    artifacts: Path
+    token: str | None
+    model_roots: list[Path] = field(default_factory=list)
+    data_roots: list[Path] = field(default_factory=list)
+    allow_remote_code: bool = False
+    hostname: str | None = None
+    shard_rows: int = 256
+    batch_rows: int = 16
+    lease_seconds: float = 30.0
+    max_attempts: int = 3
+    worker_timeout: float = 30.0
+    visibility_timeout: int = 12 * 3600
+    max_upload_bytes: int = 1 << 30
+
+    @property
+    def files_dir(self) -> Path:
+        return self.artifacts / "files"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.home / "run"
+
+    @property
+    def stack_file(self) -> Path:
+        return self.run_dir / "stack.json"
+
+    @property
+    def token_file(self) -> Path:
+        return self.home / "token"
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        return self.lease_seconds / 3
+
+    @property
+    def is_loopback(self) -> bool:
+        return self.api_host in ("127.0.0.1", "localhost", "::1")
+
+
+def _stack(home: Path) -> dict:
+    try:
+        return json.loads((home / "run" / "stack.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _token(home: Path) -> str | None:
+    try:
+        return (home / "token").read_text().strip() or None
+    except OSError:
+        return None
+
+
+@cache
+def get_settings() -> Settings:
+    home = Path(_env("JOBS_HOME", "~/.gpujobs")).expanduser().resolve()
+    stack = _stack(home)
+    host = _env("JOBS_API_HOST", "127.0.0.1")
+    port = int(_env("JOBS_API_PORT", "8765"))
+    return Settings(
+        home=home,
+        database_url=_env("JOBS_DATABASE_URL", f"sqlite:///{home / 'jobs.db'}"),
+        redis_url=_env("JOBS_REDIS_URL", stack.get("redis_url")),
+        api_url=_env("JOBS_API_URL", stack.get("api_url", f"http://{host}:{port}")).rstrip("/"),
+        api_host=host,
+        api_port=port,
+        artifacts=Path(_env("JOBS_ARTIFACTS", str(home / "artifacts"))).expanduser().resolve(),
+        token=_env("JOBS_TOKEN") or _token(home),
+        model_roots=_paths("JOBS_MODEL_ROOTS"),
+        data_roots=_paths("JOBS_DATA_ROOTS"),
+        allow_remote_code=_env("JOBS_ALLOW_REMOTE_CODE", "0").lower() in ("1", "true", "yes"),
+        hostname=_env("JOBS_HOSTNAME"),
+        shard_rows=int(_env("JOBS_SHARD_ROWS", "256")),
+        batch_rows=int(_env("JOBS_BATCH_ROWS", "16")),
+        lease_seconds=float(_env("JOBS_LEASE_SECONDS", "30")),
+        max_attempts=int(_env("JOBS_MAX_ATTEMPTS", "3")),
+        worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
+        visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
+        max_upload_bytes=int(_env("JOBS_MAX_UPLOAD_BYTES", str(1 << 30))),
+    )
+
+
+def reset() -> None:
+    """Forget the cached settings (after the environment or the stack file changed)."""
+    get_settings.cache_clear()

@@ -1,0 +1,175 @@
+"""The job spec (pydantic) and the dataset row model.
+
+A spec is flat: loading knobs, generation parameters and job settings side by side, so a YAML file, the HTTP
+body and the CLI flags (`--max-new-tokens` ↔ `max_new_tokens`) all read the same. Unknown fields are refused
+with their name (`extra="forbid"`): a typo must never silently fall back to a default.
+
+`gpus` is a slice *size* (0 = CPU), never device ids: which devices a worker owns is the worker's business
+(`jobs worker --gpus 2,0`), so a spec runs unchanged on any host.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from core.errors import InvalidInput
+
+ATTN_BACKENDS = (
+    "sdpa",
+    "eager",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
+QUANT_METHODS = ("bnb-4bit", "bnb-8bit", "torchao-int8", "torchao-int4", "torchao-float8", "fp8")
+_HUB_KERNEL = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Quantization(Strict):
+    method: Literal["bnb-4bit", "bnb-8bit", "torchao-int8", "torchao-int4", "torchao-float8", "fp8"]
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="bitsandbytes 4-bit data type")
+    double_quant: bool = Field(True, description="bitsandbytes 4-bit nested quantization")
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+def _attn_ok(value: str) -> str:
+    name = value.split("|", 1)[1] if value.startswith("paged|") else value
+    if name in ATTN_BACKENDS or _HUB_KERNEL.match(name):
+        return value
+    raise ValueError(
+        f"unknown attention backend {value!r}: use one of {', '.join(ATTN_BACKENDS)}, 'paged|<backend>', "
+        "or a Hub kernel repo id such as 'kernels-community/flash-attn'"
+    )
+
+
+class LoadOptions(Strict):
+    """How a worker loads the model. Equal load options share one resident model."""
+
+    model: str = Field(description="local directory, or a Hub id already in the worker's cache (offline-safe)")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="auto: bf16 on compute capability >= 8.0, fp16 below, fp32 on CPU"
+    )
+    attn_implementation: Annotated[str, Field(description="attention backend")] = "sdpa"
+    use_kernels: bool = Field(False, description="replace layers with Hub kernels (transformers KernelConfig)")
+    kernel_config: dict[str, Any] | None = Field(None, description="kernel mapping keyed by device, e.g. cuda")
+    quantization: Quantization | None = None
+    device_map: Literal["cuda", "auto", "cpu"] | None = Field(
+        None, description="cuda: one GPU; auto: split over the worker's slice; cpu. Default: cuda on a GPU slice"
+    )
+    adapter: str | None = Field(None, description="LoRA adapter: a fine-tune job id or a stored file id")
+    trust_remote_code: bool = Field(False, description="only where the server allows it")
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attn(cls, value: str) -> str:
+        return _attn_ok(value)
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _quant_shorthand(cls, value: Any) -> Any:
+        return {"method": value} if isinstance(value, str) else value
+
+    def load_key(self) -> str:
+        """Identity of a loaded model: jobs with equal keys reuse the resident model."""
+        return self.model_dump_json(include=set(LoadOptions.model_fields))
+
+
+class SamplingParams(Strict):
+    """Generation parameters: job-wide in the spec, and overridable per row."""
+
+    max_new_tokens: int | None = Field(None, ge=1, le=131072)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=100000)
+    do_sample: bool | None = Field(None, description="default: sample when temperature > 0, else greedy")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] | None = Field(None, max_length=16, description="stop strings")
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_string(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class JobSettings(Strict):
+    input: str = Field(description="a stored file id (file_…) or a server-side path under the data roots")
+    name: str | None = Field(None, max_length=200)
+    gpus: int | None = Field(None, ge=0, le=64, description="slice size: 0 = CPU; default: the smallest live slice")
+    metadata: dict[str, str] | None = None
+
+
+class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
+    kind: Literal["generate"] = "generate"
+    max_new_tokens: int = Field(256, ge=1, le=131072)
+    shard_rows: int | None = Field(None, ge=1, le=1_000_000, description="rows per shard (one task each)")
+    batch_rows: int | None = Field(None, ge=1, le=65536, description="rows per micro-batch commit")
+
+
+class FinetuneSpec(JobSettings, LoadOptions):
+    kind: Literal["finetune"] = "finetune"
+    validation_input: str | None = None
+    validation_split: float | None = Field(None, gt=0, lt=1)
+    lora_r: int = Field(16, ge=1, le=1024)
+    lora_alpha: int = Field(32, ge=1, le=4096)
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    modules_to_save: list[str] | None = None
+    epochs: float = Field(1.0, gt=0, le=1000)
+    max_steps: int | None = Field(None, ge=1)
+    learning_rate: float = Field(2e-4, gt=0, le=1)
+    lr_scheduler: str = "cosine"
+    batch_size: int = Field(4, ge=1, le=4096)
+    gradient_accumulation: int = Field(1, ge=1, le=4096)
+    max_seq_length: int = Field(2048, ge=8, le=1_048_576)
+    packing: bool = False
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    checkpoint_steps: int = Field(50, ge=1)
+
+
+Spec = GenerateSpec | FinetuneSpec
+
+
+def parse_spec(data: dict[str, Any]) -> Spec:
+    """Validate a spec dict; errors name each bad field."""
+    if not isinstance(data, dict):
+        raise InvalidInput("a job spec must be a JSON/YAML object")
+    kind = data.get("kind", "generate")
+    model = {"generate": GenerateSpec, "finetune": FinetuneSpec}.get(kind)
+    if model is None:
+        raise InvalidInput(f"unknown job kind {kind!r}: use 'generate' or 'finetune'")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidInput(f"invalid {kind} spec: {describe(exc)}") from None
+
+
+def describe(exc: ValidationError) -> str:
+    """One readable line per problem, e.g. `max_new_tokens: Input should be greater than or equal to 1`."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "value"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {where!r}")
+        else:
+            parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def sampling_of(spec: GenerateSpec, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The row's effective generation parameters: the spec's, overridden by the row's."""
+    params = {k: getattr(spec, k) for k in SamplingParams.model_fields}
+    params.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if params["do_sample"] is None:
+        params["do_sample"] = bool(params["temperature"])
+    return params

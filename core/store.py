@@ -1,0 +1,236 @@
+"""Data access: state transitions, events, jobs, rows and finalization. Plain keyword-only functions over a
+session; callers own the transaction (`core.db.session_scope`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import and_, func, select, update
+from sqlalchemy.orm import Session
+
+from core.dataset import ParsedRow
+from core.errors import IllegalTransition, NotFound
+from core.models import Job, JobEvent, JobRow, Shard
+from core.states import JobState, RowState, ShardState, allowed_sources
+
+INSERT_CHUNK = 2000
+
+
+def now() -> float:
+    return time.time()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(6)}"
+
+
+def add_event(
+    session: Session,
+    job_id: str,
+    message: str,
+    *,
+    kind: str = "log",
+    level: str = "info",
+    data: dict[str, Any] | None = None,
+    shard_id: int | None = None,
+) -> None:
+    session.add(JobEvent(job_id=job_id, shard_id=shard_id, ts=now(), kind=kind, level=level, message=message, data=data))
+
+
+def transition(
+    session: Session,
+    obj: Job | Shard,
+    to: JobState | ShardState,
+    *,
+    reason: str = "",
+    where: Iterable[Any] = (),
+    **values: Any,
+) -> Job | Shard:
+    """The one way a job's or a shard's state changes.
+
+    A conditional UPDATE from the allowed source states (plus any `where` conditions, such as "the lease is
+    still mine"), the extra column `values`, and a `state` event, in the caller's transaction. Raises
+    IllegalTransition when the change is not allowed or another process changed the row first.
+    Works with detached objects too; returns the row as now stored, bound to `session`.
+    """
+    model = type(obj)
+    kind = "job" if model is Job else "shard"
+    sources = allowed_sources(kind, to.value)
+    if not sources:
+        raise IllegalTransition(f"no {kind} may move to {to.value}")
+    stmt = (
+        update(model)
+        .where(model.id == obj.id, model.state.in_(sources), *where)
+        .values(state=to.value, **values)
+        .execution_options(synchronize_session=False)
+    )
+    changed = session.execute(stmt).rowcount == 1
+    fresh = session.get(model, obj.id, populate_existing=True)
+    if not changed:
+        current = fresh.state if fresh is not None else "deleted"
+        raise IllegalTransition(f"{kind} {obj.id} cannot move from {current} to {to.value}")
+    job_id, shard_id = (fresh.id, None) if kind == "job" else (fresh.job_id, fresh.id)
+    label = kind if kind == "job" else f"shard {fresh.idx}"
+    add_event(
+        session,
+        job_id,
+        f"{label} → {to.value}" + (f": {reason}" if reason else ""),
+        kind="state",
+        data={"object": kind, "state": to.value, "reason": reason or None},
+        shard_id=shard_id,
+    )
+    return fresh
+
+
+def get_job(session: Session, job_id: str, *, owner: str | None = None) -> Job:
+    """A job by id; `owner` (None for admins) hides other owners' jobs as if they did not exist."""
+    job = session.get(Job, job_id)
+    if job is None or (owner is not None and job.owner != owner):
+        raise NotFound(f"no job {job_id!r}: list yours with `jobs list`")
+    return job
+
+
+def insert_rows(session: Session, job_id: str, rows: Iterable[ParsedRow]) -> tuple[int, int, str | None]:
+    """Insert parsed rows in chunks. Returns (total, failed, first error)."""
+    total = failed = 0
+    first_error = None
+    chunk: list[dict[str, Any]] = []
+    for row in rows:
+        bad = row.error is not None
+        total += 1
+        failed += bad
+        first_error = first_error or row.error
+        chunk.append(
+            dict(
+                job_id=job_id,
+                idx=row.idx,
+                custom_id=row.custom_id,
+                line=row.line,
+                input=row.input,
+                state=(RowState.failed if bad else RowState.pending).value,
+                error=row.error,
+                executions=0,
+            )
+        )
+        if len(chunk) >= INSERT_CHUNK:
+            session.execute(JobRow.__table__.insert(), chunk)
+            chunk.clear()
+    if chunk:
+        session.execute(JobRow.__table__.insert(), chunk)
+    return total, failed, first_error
+
+
+def create_shards(session: Session, job: Job, *, shard_rows: int, max_attempts: int) -> list[Shard]:
+    shards = [
+        Shard(
+            job_id=job.id,
+            idx=i,
+            row_start=start,
+            row_end=min(start + shard_rows, job.rows_total),
+            state=ShardState.queued.value,
+            attempts=0,
+            max_attempts=max_attempts,
+            rows_done=0,
+            rows_failed=0,
+            completion_tokens=0,
+        )
+        for i, start in enumerate(range(0, job.rows_total, shard_rows))
+    ]
+    session.add_all(shards)
+    session.flush()
+    return shards
+
+
+def progress(session: Session, job: Job) -> dict[str, int]:
+    """Rows done/failed/pending from the rows themselves (exact, also while shards run)."""
+    counts = dict(
+        session.execute(
+            select(JobRow.state, func.count()).where(JobRow.job_id == job.id).group_by(JobRow.state)
+        ).all()
+    )
+    tokens = session.execute(
+        select(func.coalesce(func.sum(JobRow.prompt_tokens), 0), func.coalesce(func.sum(JobRow.completion_tokens), 0))
+        .where(JobRow.job_id == job.id)
+    ).one()
+    return {
+        "total": job.rows_total,
+        "succeeded": counts.get(RowState.succeeded.value, 0),
+        "failed": counts.get(RowState.failed.value, 0),
+        "pending": counts.get(RowState.pending.value, 0),
+        "prompt_tokens": int(tokens[0]),
+        "completion_tokens": int(tokens[1]),
+    }
+
+
+def open_shards(session: Session, job_id: str) -> int:
+    live = (ShardState.queued.value, ShardState.running.value)
+    return session.scalar(select(func.count()).where(Shard.job_id == job_id, Shard.state.in_(live))) or 0
+
+
+def maybe_finalize(session: Session, job_id: str) -> bool:
+    """Finish the job if no shard is open. Safe to call from many processes: one conditional update wins."""
+    job = session.get(Job, job_id)
+    if job is None or open_shards(session, job_id):
+        return False
+    if job.state == JobState.cancelling.value:
+        transition(session, job, JobState.cancelled, reason="every shard stopped", finished_at=now(), **_totals(session, job))
+        return True
+    if job.state != JobState.running.value:
+        return False
+    try:
+        transition(session, job, JobState.finalizing, reason="every shard is done")
+    except IllegalTransition:
+        return False  # another process is finalizing it
+    totals = _totals(session, job)
+    failed_shards = session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.failed.value)).all()
+    if failed_shards:
+        error = "; ".join(f"shard {s.idx} (rows {s.row_start}-{s.row_end - 1}): {s.error}" for s in failed_shards)
+        transition(session, job, JobState.failed, reason=error, error=error, finished_at=now(), **totals)
+    else:
+        transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
+    return True
+
+
+def _totals(session: Session, job: Job) -> dict[str, Any]:
+    p = progress(session, job)
+    shards = session.scalars(select(Shard).where(Shard.job_id == job.id)).all()
+    shard_metrics = [s.metrics or {} for s in shards]
+    started = job.started_at or job.created_at
+    duration = max(now() - started, 1e-9)
+    metrics = dict(job.metrics or {})
+    metrics.update(
+        duration_s=round(duration, 3),
+        output_tok_s=round(p["completion_tokens"] / duration, 2),
+        gpu_seconds=round(sum(m.get("gpu_seconds", 0.0) for m in shard_metrics), 3),
+        engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
+        peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
+    )
+    return dict(
+        rows_succeeded=p["succeeded"],
+        rows_failed=p["failed"],
+        prompt_tokens=p["prompt_tokens"],
+        completion_tokens=p["completion_tokens"],
+        metrics=metrics,
+    )
+
+
+def _summary(totals: dict[str, Any]) -> str:
+    m = totals["metrics"]
+    return (
+        f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
+        f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"
+    )
+
+
+def fail_pending_rows(session: Session, job_id: str, start: int, end: int, reason: str) -> None:
+    session.execute(
+        update(JobRow)
+        .where(
+            and_(JobRow.job_id == job_id, JobRow.idx >= start, JobRow.idx < end, JobRow.state == RowState.pending.value)
+        )
+        .values(state=RowState.failed.value, error=reason, finished_at=now())
+    )

@@ -1,0 +1,174 @@
+"""Pytest helpers for tests that need a real Redis or PostgreSQL.
+
+Not a conftest: import the fixtures where they are wanted, e.g. in tests/conftest.py
+
+    from tests.services import postgres_url, redis_server  # noqa: F401
+
+A missing service skips the test on a laptop but fails it under CI (`CI=true`): CI must never
+go green by skipping.
+
+- `redis_server` (module scope): a private redis-server from core.embedded on a free TCP port,
+  no persistence. `.url` (redis-py), `.broker_url` (Celery/kombu), `.port`, `.proc`,
+  `.kill()`, `.start()`, `.restart()` (SIGKILL, then a fresh empty server on the SAME port),
+  `.client()` (a redis.Redis).
+- `postgres_url` (function scope): a fresh database on the server named by
+  `JOBS_TEST_POSTGRES_URL` (e.g. `postgresql+psycopg://postgres@127.0.0.1:55432/postgres`),
+  dropped afterwards; yields its SQLAlchemy URL string.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core import embedded
+
+POSTGRES_ENV = "JOBS_TEST_POSTGRES_URL"
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require_service(name: str, why: str) -> None:
+    """Skip the current test because `name` is missing; under CI=true fail it instead."""
+    message = f"{name} is not available: {why}"
+    if in_ci():
+        pytest.fail(f"{message} (CI=true: a missing service fails the run instead of skipping)", pytrace=False)
+    pytest.skip(message)
+
+
+class RedisHandle:
+    """A redis-server owned by a fixture, that fault tests may kill and bring back on the same port."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.server = embedded.start_redis(workdir)
+        self.port: int = self.server.port  # fixed for the handle's life: restart() reuses it
+
+    @property
+    def proc(self):
+        return self.server.proc
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def broker_url(self) -> str:
+        return self.server.broker_url
+
+    @property
+    def alive(self) -> bool:
+        return self.server.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: nothing saved, clients see dropped connections)."""
+        if self.alive:
+            self.server.proc.kill()
+        self.server.proc.wait()
+
+    def start(self) -> None:
+        """Start a fresh, empty server on the same port (after kill())."""
+        if self.alive:
+            raise RuntimeError(f"redis-server pid {self.proc.pid} is still running on port {self.port}")
+        for attempt in range(20):  # the old socket may linger an instant after SIGKILL
+            try:
+                self.server = embedded.start_redis(self.workdir, port=self.port)
+                return
+            except embedded.PortInUse:
+                if attempt == 19:
+                    raise
+                time.sleep(0.1)
+
+    def restart(self) -> None:
+        """SIGKILL, then start again on the same port. The data is gone (no persistence)."""
+        self.kill()
+        self.start()
+
+    def stop(self) -> None:
+        embedded.stop_process(self.server.proc)
+
+    def client(self, **kwargs):
+        import redis
+
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"RedisHandle({self.url}, pid={self.proc.pid}, alive={self.alive})"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisHandle]:
+    try:
+        embedded.find_redis_server()
+    except RuntimeError as exc:
+        require_service("redis-server", str(exc))
+    handle = RedisHandle(tmp_path_factory.mktemp("redis"))
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    server_url = os.environ.get(POSTGRES_ENV, "").strip()
+    if not server_url:
+        require_service(
+            "PostgreSQL",
+            f"set {POSTGRES_ENV} to a server URL such as "
+            "postgresql+psycopg://postgres@127.0.0.1:55432/postgres (.ci/run shows how to start one)",
+        )
+    try:
+        import psycopg
+        from psycopg import sql
+        from sqlalchemy.engine import make_url
+    except ImportError as exc:
+        missing = str(exc)
+    else:
+        missing = None
+    if missing:
+        require_service("psycopg/SQLAlchemy", f"{missing} (pip install -e '.[postgres]')")
+
+    server = make_url(server_url)
+    # psycopg takes a libpq URI: the same URL without SQLAlchemy's "+driver".
+    admin_conninfo = server.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"jobs_test_{uuid.uuid4().hex[:12]}"
+    error = None
+    try:
+        with psycopg.connect(admin_conninfo, autocommit=True, connect_timeout=10) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    except psycopg.Error as exc:
+        error = exc
+    if error is not None:
+        # The variable was set on purpose: an unreachable server is an error, never a skip.
+        pytest.fail(f"{POSTGRES_ENV}={server.render_as_string(hide_password=True)} is set but "
+                    f"CREATE DATABASE failed: {error}", pytrace=False)
+
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        _drop_database(psycopg, sql, admin_conninfo, name)
+
+
+def _drop_database(psycopg, sql, admin_conninfo: str, name: str) -> None:
+    """Drop `name`, first ending the sessions a test left open (pools not disposed, leaked connections)."""
+    with psycopg.connect(admin_conninfo, autocommit=True, connect_timeout=10) as conn:
+        for attempt in range(10):
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (name,),
+            )
+            try:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(name)))
+                return
+            except psycopg.errors.ObjectInUse:  # a pool reconnected in between: terminate again
+                if attempt == 9:
+                    raise
+                time.sleep(0.2)

@@ -1,0 +1,66 @@
+"""What this worker process can run: devices it really got and installed backends. Stored in its registration
+and used at submit to refuse jobs no live worker could run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from typing import Any
+
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "flash-attn", "kernels",
+            "liger-kernel", "triton")
+
+
+def versions() -> dict[str, str | None]:
+    found = {}
+    for name in PACKAGES:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def gpus() -> list[dict[str, Any]]:
+    """Per visible device: name, UUID, memory and compute capability, in CUDA order (= the slice's order)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        found.append({
+            "index": i,
+            "name": p.name,
+            "uuid": f"GPU-{p.uuid}" if getattr(p, "uuid", None) else None,
+            "memory_bytes": p.total_memory,
+            "compute_capability": f"{p.major}.{p.minor}",
+        })
+    return found
+
+
+def probe() -> dict[str, Any]:
+    import torch
+
+    devices = gpus()
+    return {
+        "cuda_available": bool(devices),
+        "device_count": len(devices),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
+        "torch_cuda": torch.version.cuda,
+        "min_compute_capability": min((float(d["compute_capability"]) for d in devices), default=None),
+        "versions": versions(),
+        "attention": attention_backends(devices),
+        "hub_reachable": False if os.environ.get("HF_HUB_OFFLINE") == "1" else None,
+    }
+
+
+def attention_backends(devices: list[dict[str, Any]]) -> list[str]:
+    """Backends this process could load. flash-attn needs its package and an Ampere+ GPU."""
+    backends = ["sdpa", "eager", "flex_attention"]
+    if devices and importlib.util.find_spec("flash_attn") and min(float(d["compute_capability"]) for d in devices) >= 8.0:
+        backends.append("flash_attention_2")
+    return backends

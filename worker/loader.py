@@ -1,0 +1,115 @@
+"""Load a model the way a job's spec asks: dtype, attention backend, quantization, device map, adapter.
+
+Every resolved choice is returned and recorded on the job; nothing falls back silently. Loads are offline
+(`local_files_only`): a Hub id must already be in the worker's cache. Safetensors only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from core.errors import InvalidInput
+from core.spec import LoadOptions
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    resolved: dict[str, Any]
+
+
+def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if not on_gpu:
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(0)
+    return torch.bfloat16 if major >= 8 else torch.float16
+
+
+def resolve_device_map(opts: LoadOptions, gpus: int) -> str:
+    on_gpu = gpus > 0 and torch.cuda.is_available()
+    if gpus > 0 and not torch.cuda.is_available():
+        raise InvalidInput(f"the job asks for {gpus} GPU(s) but this worker sees no CUDA device "
+                           "(check the worker's --gpus and CUDA_VISIBLE_DEVICES)")
+    wanted = opts.device_map or ("cuda" if on_gpu else "cpu")
+    if wanted in ("cuda", "auto") and not on_gpu:
+        raise InvalidInput(f"device_map={wanted!r} needs a GPU slice: submit with --gpus 1 or device_map cpu")
+    return wanted
+
+
+def quantization_config(opts: LoadOptions, dtype: torch.dtype):
+    q = opts.quantization
+    if q is None:
+        return None
+    compute = dtype if q.compute_dtype == "auto" else DTYPES[q.compute_dtype]
+    if q.method.startswith("bnb-"):
+        from transformers import BitsAndBytesConfig
+
+        if q.method == "bnb-8bit":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                                  bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=compute)
+    if q.method.startswith("torchao-"):
+        from transformers import TorchAoConfig
+        from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+        config = {"torchao-int8": Int8WeightOnlyConfig, "torchao-int4": Int4WeightOnlyConfig,
+                  "torchao-float8": Float8WeightOnlyConfig}[q.method]()
+        return TorchAoConfig(quant_type=config)
+    from transformers import FineGrainedFP8Config
+
+    return FineGrainedFP8Config()
+
+
+def load(opts: LoadOptions, *, gpus: int) -> Loaded:
+    if opts.use_kernels or opts.kernel_config:
+        raise InvalidInput("use_kernels needs the `kernels` package and Hub access, which this worker lacks")
+    if opts.adapter:
+        raise InvalidInput("LoRA adapters are not supported by this worker version yet")
+    device_map = resolve_device_map(opts, gpus)
+    on_gpu = device_map != "cpu"
+    dtype = resolve_dtype(opts.dtype, on_gpu)
+    kwargs: dict[str, Any] = dict(
+        revision=opts.revision, dtype=dtype, attn_implementation=opts.attn_implementation,
+        device_map=device_map, trust_remote_code=opts.trust_remote_code, use_safetensors=True,
+        local_files_only=True,
+    )
+    quant = quantization_config(opts, dtype)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    try:
+        model = AutoModelForCausalLM.from_pretrained(opts.model, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(opts.model, revision=opts.revision, local_files_only=True,
+                                                  trust_remote_code=opts.trust_remote_code)
+    except OSError as exc:
+        raise InvalidInput(f"cannot load model {opts.model!r}: {exc}") from exc
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device = next(model.parameters()).device
+    resolved = {
+        "model": opts.model,
+        "revision": opts.revision,
+        "dtype": str(dtype).removeprefix("torch."),
+        "attn_implementation": model.config._attn_implementation,
+        "device_map": device_map,
+        "device": str(device),
+        "quantization": opts.quantization.model_dump() if opts.quantization else None,
+        "adapter": opts.adapter,
+        "use_kernels": opts.use_kernels,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    log.info("loaded %s: %s", opts.model, resolved)
+    return Loaded(model, tokenizer, device, resolved)

@@ -1,0 +1,66 @@
+"""Worker process entry point: `python -m worker.main --slice 2,0`.
+
+Started by `jobs worker` / `jobs up` / ops launchers with CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES already set
+on this process's own environment; this module checks they agree with `--slice` and never changes them. CUDA is
+initialised here, in a process that never forks (Celery's solo pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from celery import signals
+
+from core.logs import setup_logging
+from core.queue import queue_for
+
+log = logging.getLogger("worker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker.main")
+    parser.add_argument("--slice", required=True, help="CUDA_VISIBLE_DEVICES of this worker ('' for CPU)")
+    parser.add_argument("--name", help="worker name (default: w<pid>-<slice>@<host>)")
+    parser.add_argument("--loglevel", default="INFO")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.loglevel)
+    from core.settings import get_settings
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        log.error("refusing to start: CUDA_VISIBLE_DEVICES=%r / CUDA_DEVICE_ORDER=%r do not match --slice %r; "
+                  "start workers with `jobs worker --gpus ...`", os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  os.environ.get("CUDA_DEVICE_ORDER"), args.slice)
+        return 5
+    devices = [d for d in args.slice.split(",") if d]
+    host = get_settings().hostname or socket.gethostname()
+    name = args.name or f"w{os.getpid()}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
+    queue = queue_for(len(devices))
+
+    from worker import runtime as rt
+    from worker import tasks
+
+    runtime = rt.Runtime(name=name, host=host, slice=args.slice, queues=[queue], gpus=len(devices))
+    tasks.runtime = runtime
+    runtime.register(os.getpid())
+    runtime.start_heartbeat()
+    signals.worker_shutting_down.connect(lambda **_: runtime.shutting_down.set(), weak=False)
+    try:
+        tasks.app.worker_main([
+            "worker", "--pool=solo", f"--queues={queue}", f"--hostname={name}", f"--loglevel={args.loglevel}",
+            "--without-gossip", "--without-mingle", "--task-events",
+        ])
+    finally:
+        runtime.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
