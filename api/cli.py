@@ -9,7 +9,6 @@ Exit codes (a contract for scripts; see README):
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import click
@@ -77,7 +76,3 @@ def main() -> None:
 
     cli(prog_name="jobs")
 
-
-if __name__ == "__main__":
-    main()
-    sys.exit(0)

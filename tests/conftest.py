@@ -1,0 +1,224 @@
+"""Shared fixtures: real Redis, real SQLite/Postgres (schema from migrations only), real worker processes,
+a tiny Qwen3 model that has memorized six answers.
+
+`jobs_env` points every JOBS_* setting of this test process at fresh state; `spawn_worker` and `api_server`
+start real processes with the same environment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.services import postgres_url, redis_server  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _reset_caches() -> None:
+    from core import db, queue, settings
+
+    settings.reset()
+    db.dispose()
+    queue.reset()
+
+
+@dataclass
+class JobsEnv:
+    home: Path
+    database_url: str
+    redis_url: str
+    env: dict[str, str]
+
+
+def make_env(tmp: Path, database_url: str, redis_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(
+        JOBS_HOME=str(tmp / "home"),
+        JOBS_DATABASE_URL=database_url,
+        JOBS_REDIS_URL=redis_url,
+        JOBS_ARTIFACTS=str(tmp / "artifacts"),
+        JOBS_LEASE_SECONDS="6",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(ROOT),
+    )
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path) -> str:
+    """Each test using this runs on SQLite and on Postgres."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'jobs.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'jobs.db'}"
+
+
+@pytest.fixture
+def jobs_env(tmp_path, redis_server, sqlite_url, monkeypatch) -> Iterator[JobsEnv]:  # noqa: F811
+    """Fresh settings for this process: a migrated SQLite store (override with `jobs_env_for`), a clean Redis."""
+    yield from _jobs_env(tmp_path, redis_server, sqlite_url, monkeypatch)
+
+
+def _jobs_env(tmp_path, redis_server, database_url, monkeypatch) -> Iterator[JobsEnv]:  # noqa: F811
+    env = make_env(tmp_path, database_url, redis_server.url)
+    for key in [k for k in os.environ if k.startswith("JOBS_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    redis_server.client().flushall()
+    _reset_caches()
+    from core.db import upgrade
+
+    upgrade()
+    yield JobsEnv(Path(env["JOBS_HOME"]), database_url, redis_server.url, env)
+    _reset_caches()
+
+
+@pytest.fixture
+def pg_jobs_env(tmp_path, redis_server, postgres_url, monkeypatch) -> Iterator[JobsEnv]:  # noqa: F811
+    yield from _jobs_env(tmp_path, redis_server, postgres_url, monkeypatch)
+
+
+@pytest.fixture
+def any_jobs_env(tmp_path, redis_server, database_url, monkeypatch) -> Iterator[JobsEnv]:  # noqa: F811
+    """jobs_env on SQLite and on Postgres."""
+    yield from _jobs_env(tmp_path, redis_server, database_url, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3 model + tokenizer that has memorized examples/qa.jsonl (answers are asserted exactly)."""
+    out = tmp_path_factory.mktemp("models") / "tiny-qa"
+    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl")],
+                   check=True, cwd=ROOT, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return out
+
+
+def qa_pairs() -> list[tuple[str, str]]:
+    import json
+
+    lines = (ROOT / "examples" / "qa.jsonl").read_text().splitlines()
+    return [(d["question"], d["answer"]) for d in map(json.loads, lines) if d]
+
+
+# --- processes ------------------------------------------------------------------------------------------------
+
+
+class Proc:
+    def __init__(self, popen: subprocess.Popen, log: Path):
+        self.popen, self.log = popen, log
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2, procs: list[Proc] = ()):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if not p.alive():
+                raise AssertionError(f"process {p.pid} died while waiting for {what}:\n{p.tail()}")
+        time.sleep(interval)
+    logs = "\n".join(p.tail() for p in procs)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+
+
+@pytest.fixture
+def spawn_worker(tmp_path, jobs_env) -> Iterator:
+    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered."""
+    from api.stack import worker_command, worker_env
+
+    procs: list[Proc] = []
+
+    def spawn(devices: list[str] | None = None, *, wait: bool = True, **extra: str) -> Proc:
+        devices = devices or []
+        env = worker_env(devices, {**jobs_env.env, **extra})
+        log = tmp_path / f"worker-{len(procs)}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(worker_command(devices), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        proc = Proc(popen, log)
+        procs.append(proc)
+        if wait:
+            wait_for(lambda: registered(env["JOBS_DATABASE_URL"], proc.pid), 90, "worker registration", procs=[proc])
+        return proc
+
+    yield spawn
+    for p in procs:
+        p.stop()
+
+
+def registered(database_url: str, pid: int) -> bool:
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import Worker
+
+    with session_scope(database_url) as session:
+        return session.scalar(select(Worker.name).where(Worker.pid == pid, Worker.state == "online")) is not None
+
+
+@pytest.fixture
+def api_server(tmp_path, jobs_env) -> Iterator[tuple[str, str, Proc]]:
+    """A real API server (uvicorn) on a free port; yields (url, admin token, process)."""
+    import httpx
+
+    from core import auth
+    from core.db import session_scope
+    from core.embedded import free_port
+
+    with session_scope() as session:
+        token = auth.create_token(session, owner="alice", scopes=["admin", "user"], name="tests")
+    port = free_port()
+    log = tmp_path / "api.log"
+    with open(log, "wb") as out:
+        popen = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.app:app", "--port", str(port)],
+                                 env=jobs_env.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    proc = Proc(popen, log)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(healthy, 60, "the API server", procs=[proc])
+    yield url, token, proc
+    proc.stop()

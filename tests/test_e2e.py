@@ -1,0 +1,74 @@
+"""End to end through the CLI: a real API server, real Redis, a real worker process, the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, qa_pairs
+
+
+def jobs(env: dict[str, str], *args: str, check: bool = False) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "api", *args], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=180)
+    if check and result.returncode != 0:
+        raise AssertionError(f"jobs {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_submit_wait_results_through_the_cli(tmp_path, jobs_env, api_server, spawn_worker, tiny_model):
+    """submit → Redis → a pinned worker → SQL → results: memorized answers come back in input order with
+    pass-through keys; a malformed line becomes a failed row and the job exits 4."""
+    url, token, _ = api_server
+    env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
+    spawn_worker([])
+    qa = qa_pairs()
+    rows = [{"prompt": q, "custom_id": f"q{i}", "source": "test"} for i, (q, _) in enumerate(qa)]
+    rows.insert(2, "{not json")
+    rows.append({"messages": [{"role": "user", "content": qa[0][0]}], "max_new_tokens": 2})
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    sub = jobs(env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--max-new-tokens", "16",
+               "--wait")
+    assert sub.returncode == 4, sub.stderr
+    job_id = sub.stdout.strip()
+    assert job_id.startswith("job_")
+
+    out = jobs(env, "results", job_id, check=True)
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["custom_id"] for r in results] == [f"q{i}" for i in range(len(qa))] + ["line-8"]
+    assert [r["output"] for r in results[:-1]] == [a for _, a in qa]
+    assert all(r["source"] == "test" and r["finish_reason"] == "stop" for r in results[:-1])
+    assert results[-1]["completion_tokens"] == 2 and results[-1]["finish_reason"] == "length"
+
+    errors = [json.loads(line) for line in jobs(env, "results", job_id, "--errors", check=True).stdout.splitlines()]
+    assert len(errors) == 1 and errors[0]["line"] == 3 and "invalid JSON" in errors[0]["error"]
+
+    status = json.loads(jobs(env, "status", job_id, "--json", check=True).stdout)
+    assert status["state"] == "succeeded"
+    assert status["rows"] == {"total": 8, "succeeded": 7, "failed": 1, "pending": 0}
+    assert status["metrics"]["output_tok_s"] > 0 and status["load_options"]["dtype"] == "float32"
+    assert status["versions"]["transformers"]
+
+
+def test_unreachable_server_exits_3(tmp_path, jobs_env):
+    """With no API listening, every command says how to start one and exits 3."""
+    env = dict(jobs_env.env, JOBS_API_URL="http://127.0.0.1:9", JOBS_TOKEN="x")
+    result = jobs(env, "list")
+    assert result.returncode == 3
+    assert "jobs up" in result.stderr
+
+
+def test_wrong_token_exits_2(jobs_env, api_server):
+    """A wrong token is refused with a message naming JOBS_TOKEN."""
+    url, _, _ = api_server
+    result = jobs(dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN="jt_wrong"), "list")
+    assert result.returncode == 2
+    assert "JOBS_TOKEN" in result.stderr
+
+
