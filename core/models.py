@@ -2,7 +2,7 @@
 
 Times are Unix seconds (float, UTC) written by the process that makes the change. Leases compare the
 reaper's clock with the holder's: hosts of one cluster must keep their clocks in sync (NTP), and the
-lease length (30 s by default) is far above usual skew. Floats keep lease arithmetic and metrics trivial and
+lease length (20 s by default) is far above usual skew. Floats keep lease arithmetic and metrics trivial and
 behave the same on SQLite and Postgres.
 """
 

@@ -48,7 +48,7 @@ class Settings:
     hostname: str | None = None
     shard_rows: int = 256
     batch_rows: int = 16
-    lease_seconds: float = 30.0
+    lease_seconds: float = 20.0
     max_attempts: int = 3
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
@@ -118,7 +118,7 @@ def get_settings() -> Settings:
         hostname=_env("JOBS_HOSTNAME"),
         shard_rows=int(_env("JOBS_SHARD_ROWS", "256")),
         batch_rows=int(_env("JOBS_BATCH_ROWS", "16")),
-        lease_seconds=float(_env("JOBS_LEASE_SECONDS", "30")),
+        lease_seconds=float(_env("JOBS_LEASE_SECONDS", "20")),
         max_attempts=int(_env("JOBS_MAX_ATTEMPTS", "3")),
         worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
         visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),

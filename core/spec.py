@@ -94,6 +94,7 @@ class SamplingParams(Strict):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[str] | None = Field(None, max_length=16, description="stop strings")
     repetition_penalty: float | None = Field(None, gt=0, le=100)
+    ignore_eos: bool | None = Field(None, description="generate exactly max_new_tokens (benchmarks)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -145,7 +146,7 @@ def parse_spec(data: dict[str, Any]) -> Spec:
     if not isinstance(data, dict):
         raise InvalidInput("a job spec must be a JSON/YAML object")
     kind = data.get("kind", "generate")
-    model = {"generate": GenerateSpec, "finetune": FinetuneSpec}.get(kind)
+    model = {"generate": GenerateSpec, "finetune": FinetuneSpec}.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise InvalidInput(f"unknown job kind {kind!r}: use 'generate' or 'finetune'")
     try:

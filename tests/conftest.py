@@ -45,7 +45,6 @@ def make_env(tmp: Path, database_url: str, redis_url: str, **extra: str) -> dict
         JOBS_DATABASE_URL=database_url,
         JOBS_REDIS_URL=redis_url,
         JOBS_ARTIFACTS=str(tmp / "artifacts"),
-        JOBS_LEASE_SECONDS="6",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=str(ROOT),

@@ -89,6 +89,8 @@ def _run_group(loaded: Loaded, group, started: float, should_stop) -> list[RowRe
         kwargs.update({k: params[k] for k in ("temperature", "top_p", "top_k") if params[k] is not None})
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)
+    if params["ignore_eos"]:
+        kwargs["min_new_tokens"] = params["max_new_tokens"]  # EOS is masked until the last token
     if params["repetition_penalty"] is not None:
         kwargs["repetition_penalty"] = params["repetition_penalty"]
     if params["stop"]:
@@ -98,7 +100,7 @@ def _run_group(loaded: Loaded, group, started: float, should_stop) -> list[RowRe
     with torch.inference_mode():
         out = model.generate(**enc, **kwargs)
     new = out[:, enc["input_ids"].shape[1] :].tolist()
-    eos = _eos_ids(loaded)
+    eos = set() if params["ignore_eos"] else _eos_ids(loaded)
     return [_result(tok, idx, len(ids), tokens, eos, p["stop"], started) for (idx, _, p, ids), tokens in zip(group, new)]
 
 
@@ -115,8 +117,23 @@ def _result(tok, idx: int, prompt_len: int, tokens: list[int], eos: set[int], st
     finish = "stop" if end is not None else "length"
     kept = tokens[: end + 1] if end is not None else tokens
     text = tok.decode(kept, skip_special_tokens=True)
-    for s in stop or []:
-        if s in text:
-            text, finish = text[: text.index(s)], "stop"
+    hits = [s for s in stop or [] if s in text]
+    if hits:
+        # `generate` ends a row on the token that completes a stop string and pads it after that (with a pad token
+        # that may be an EOS): count the tokens through the stop string, not the padding, whatever the batch.
+        kept = kept[: min(_tokens_through(tok, kept, s) for s in hits)]
+        text, finish = text[: min(text.index(s) for s in hits)], "stop"
     return RowResult(idx, output=text, finish_reason=finish, prompt_tokens=prompt_len,
                      completion_tokens=len(kept), started_at=started)
+
+
+def _tokens_through(tok, tokens: list[int], stop: str) -> int:
+    """Length of the shortest prefix of `tokens` whose text contains `stop` (binary search: few decodes)."""
+    lo, hi = 1, len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if stop in tok.decode(tokens[:mid], skip_special_tokens=True):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

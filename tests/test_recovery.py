@@ -1,0 +1,116 @@
+"""Recovery with real processes: a SIGKILLed worker's shard is finished by another worker, nothing runs twice;
+cancel stops work and keeps finished rows; retry re-opens the same job id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from sqlalchemy import func, select
+
+from api import service
+from core.db import session_scope
+from core.models import Job, JobRow, Shard, Worker
+from tests.conftest import wait_for
+
+
+def write_dataset(path, n: int) -> str:
+    path.write_text("".join(json.dumps({"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def long_spec(model, data: str, **extra) -> dict:
+    """Every row generates exactly 48 tokens (EOS off), 4 rows per committed micro-batch."""
+    return {"model": str(model), "input": data, "gpus": 0, "max_new_tokens": 48, "ignore_eos": True,
+            "batch_rows": 4, **extra}
+
+
+def row_counts(job_id: str) -> dict[str, int]:
+    with session_scope() as session:
+        return dict(session.execute(select(JobRow.state, func.count()).where(JobRow.job_id == job_id)
+                                    .group_by(JobRow.state)).all())
+
+
+def job_state(job_id: str) -> str:
+    with session_scope() as session:
+        return session.get(Job, job_id).state
+
+
+def test_sigkilled_worker_shard_is_finished_by_another_within_60s(tmp_path, jobs_env, spawn_worker, tiny_model):
+    """SIGKILL the worker holding a half-committed shard (its pid read from its registration): with default
+    settings the other worker finishes the job in under 60 s, every row has one result, and every row,
+    including those committed before the kill, was executed exactly once."""
+    workers = [spawn_worker([]), spawn_worker([])]
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480),
+                                                        shard_rows=480))
+
+    def half_done():
+        counts = row_counts(job["id"])
+        return counts.get("succeeded", 0) >= 8 and counts.get("pending", 0) >= 40
+
+    wait_for(half_done, 120, "a shard with committed and uncommitted rows", interval=0.05, procs=workers)
+    with session_scope() as session:
+        shard = session.scalars(select(Shard).where(Shard.job_id == job["id"])).one()
+        victim = session.get(Worker, shard.lease_owner)
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    dead = next(w for w in workers if w.pid == victim.pid)
+    dead.popen.wait(10)
+    assert not dead.alive()
+    with session_scope() as session:
+        committed_before = set(session.scalars(select(JobRow.idx).where(JobRow.job_id == job["id"],
+                                                                        JobRow.state == "succeeded")).all())
+    assert 8 <= len(committed_before) < 480
+
+    survivor = next(w for w in workers if w.pid != victim.pid)
+    wait_for(lambda: job_state(job["id"]) in ("succeeded", "failed"), 60, "the job to finish", procs=[survivor])
+    assert time.monotonic() - killed_at < 60
+    assert job_state(job["id"]) == "succeeded"
+    with session_scope() as session:
+        rows = session.scalars(select(JobRow).where(JobRow.job_id == job["id"])).all()
+    assert len(rows) == 480 and all(r.state == "succeeded" and r.completion_tokens == 48 for r in rows)
+    assert {r.executions for r in rows} == {1}, "a row was executed twice"
+    with session_scope() as session:
+        survivor_name = session.scalar(select(Worker.name).where(Worker.pid == survivor.pid))
+    assert {r.worker for r in rows if r.idx not in committed_before} == {survivor_name}
+
+
+def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, spawn_worker, tiny_model):
+    """Cancel while a shard runs: no row is committed after the cancel settles, finished rows stay, the job ends
+    cancelled within seconds, and the worker takes its next job at once."""
+    worker = spawn_worker([])
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480),
+                                                        shard_rows=120))
+    wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=[worker])
+    cancelled_at = time.monotonic()
+    service.cancel(job["id"], owner=None, by="t")
+    wait_for(lambda: job_state(job["id"]) == "cancelled", 10, "the job to be cancelled", procs=[worker])
+    assert time.monotonic() - cancelled_at < 10
+    done = row_counts(job["id"]).get("succeeded", 0)
+    time.sleep(2)
+    assert row_counts(job["id"]).get("succeeded", 0) == done, "rows were committed after the cancel"
+    assert 8 <= done < 480
+    results = list(service.results(job["id"], owner=None))
+    assert len(results) == done
+
+    small = service.submit(owner="t", spec_data={"model": str(tiny_model), "gpus": 0, "max_new_tokens": 4,
+                                                 "input": write_dataset(tmp_path / "s.jsonl", 3)})
+    wait_for(lambda: job_state(small["id"]) == "succeeded", 15, "the next job", procs=[worker])
+
+
+def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_model):
+    """After a cancel, `retry` re-runs the unfinished rows under the same id; `--failed-only` has nothing to do
+    for rows a cancel left pending."""
+    worker = spawn_worker([])
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120),
+                                                        shard_rows=40))
+    wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 4, 120, "first rows", procs=[worker])
+    service.cancel(job["id"], owner=None, by="t")
+    wait_for(lambda: job_state(job["id"]) == "cancelled", 15, "cancelled", procs=[worker])
+    retried = service.retry(job["id"], owner=None, failed_only=False, by="t")
+    assert retried["id"] == job["id"] and retried["retries"] == 1
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the retried job", procs=[worker])
+    assert row_counts(job["id"]) == {"succeeded": 120}
