@@ -159,15 +159,18 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2, procs:
 
 
 @pytest.fixture
-def spawn_worker(tmp_path, jobs_env) -> Iterator:
-    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered."""
+def spawn_worker(tmp_path) -> Iterator:
+    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered.
+
+    Workers inherit this process's environment as set by `jobs_env` / `pg_jobs_env` (request one of them first),
+    plus any JOBS_* overrides given as keywords."""
     from api.stack import worker_command, worker_env
 
     procs: list[Proc] = []
 
     def spawn(devices: list[str] | None = None, *, wait: bool = True, **extra: str) -> Proc:
         devices = devices or []
-        env = worker_env(devices, {**jobs_env.env, **extra})
+        env = worker_env(devices, {**os.environ, **extra})
         log = tmp_path / f"worker-{len(procs)}.log"
         with open(log, "wb") as out:
             popen = subprocess.Popen(worker_command(devices), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
