@@ -15,7 +15,7 @@ import click
 from api import stack
 from api.cli import cli, client, emit, job_exit_code
 from api.cli_jobs import wait_with_progress
-from core.errors import InvalidInput
+from core.errors import InvalidInput, JobsError
 from core.settings import get_settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -140,19 +140,25 @@ def tokens_revoke(token_id: str) -> None:
 @cli.command()
 @click.option("--examples", type=click.Path(file_okay=False, exists=True), default=str(EXAMPLES),
               show_default=True, help="folder with qa.jsonl and prompts.jsonl")
+@click.option("--port", default=8765, show_default=True, help="API port if the stack must be started")
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
-def demo(examples: str, keep_running: bool) -> None:
+def demo(examples: str, port: int, keep_running: bool) -> None:
     """Run a real job end to end on this machine: start the stack, build a tiny model that has memorized a few
     answers, submit a generation job over examples/prompts.jsonl, wait, and print where the results are."""
     settings = get_settings()
     if not stack.read_stack():
         click.echo("starting the local stack (`jobs up --detach`) ...", err=True)
-        up.callback(gpus=None, host="127.0.0.1", port=8765, detach=True)
+        up.callback(gpus=None, host="127.0.0.1", port=port, detach=True)
     model = settings.home / "models" / "tiny-qa"
     if not (model / "model.safetensors").exists():
         click.echo(f"building a tiny model that memorizes {examples}/qa.jsonl into {model} ...", err=True)
-        subprocess.run([sys.executable, "-m", "worker.tinymodel", str(model), "--qa", str(Path(examples) / "qa.jsonl")],
-                       check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        log = settings.logs_dir / "tinymodel.log"
+        with open(log, "wb") as out:
+            build = subprocess.run([sys.executable, "-m", "worker.tinymodel", str(model), "--qa",
+                                    str(Path(examples) / "qa.jsonl")], stdout=subprocess.DEVNULL, stderr=out,
+                                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        if build.returncode:
+            raise JobsError(f"building the tiny model failed: see {log}")
     api = client()
     spec = {"kind": "generate", "model": str(model), "input": api.upload(Path(examples) / "prompts.jsonl")["id"],
             "max_new_tokens": 24, "name": "demo"}

@@ -58,7 +58,7 @@ def _parse_line(idx: int, line_no: int, raw: bytes) -> ParsedRow:
     except UnicodeDecodeError as exc:
         return _bad(idx, line_no, fallback_id, raw, f"not valid UTF-8 at byte {exc.start}")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text.rstrip("\r\n"))  # the line ending must not move the reported column
     except json.JSONDecodeError as exc:
         return _bad(idx, line_no, fallback_id, raw, f"invalid JSON: {exc.msg} (column {exc.colno})")
     if not isinstance(obj, dict):

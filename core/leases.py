@@ -67,25 +67,32 @@ def claim(session: Session, shard_id: int, worker: str, lease_seconds: float) ->
         _stop(session, shard, job)
         return None
     t = now()
-    if shard.state == ShardState.running.value:
-        if shard.lease_expires_at and shard.lease_expires_at > t:
-            log.info("%s shard %s is leased by %s: duplicate message ignored", job.id, shard.idx, shard.lease_owner)
+    try:
+        if shard.state == ShardState.running.value:
+            if shard.lease_expires_at and shard.lease_expires_at > t:
+                log.info("%s shard %s is leased by %s: duplicate message ignored", job.id, shard.idx,
+                         shard.lease_owner)
+                return None
+            expired_lease = Shard.lease_expires_at == shard.lease_expires_at
+            transition(session, shard, ShardState.queued, reason=f"lease of {shard.lease_owner} expired",
+                       where=[expired_lease])
+        if shard.attempts >= shard.max_attempts:
+            lost = shard.error or "the worker was lost each time"
+            give_up(session, shard, f"gave up after {shard.attempts} attempts: {lost}")
             return None
-        expired_lease = Shard.lease_expires_at == shard.lease_expires_at
-        transition(session, shard, ShardState.queued, reason=f"lease of {shard.lease_owner} expired", where=[expired_lease])
-    if shard.attempts >= shard.max_attempts:
-        give_up(session, shard, f"gave up after {shard.attempts} attempts: {shard.error or 'the worker was lost each time'}")
+        transition(
+            session,
+            shard,
+            ShardState.running,
+            reason=f"claimed by {worker} (attempt {shard.attempts + 1} of {shard.max_attempts})",
+            lease_owner=worker,
+            lease_expires_at=t + lease_seconds,
+            attempts=Shard.attempts + 1,
+            started_at=t,
+        )
+    except IllegalTransition:  # a duplicate message claimed it (or the reaper re-queued it) at the same time
+        log.info("%s shard %s was taken by another process: duplicate message ignored", job.id, shard.idx)
         return None
-    transition(
-        session,
-        shard,
-        ShardState.running,
-        reason=f"claimed by {worker} (attempt {shard.attempts + 1} of {shard.max_attempts})",
-        lease_owner=worker,
-        lease_expires_at=t + lease_seconds,
-        attempts=Shard.attempts + 1,
-        started_at=t,
-    )
     if job.state == JobState.running.value and job.started_at is None:
         session.execute(update(Job).where(Job.id == job.id, Job.started_at.is_(None)).values(started_at=t))
     rows = session.scalars(

@@ -1,0 +1,128 @@
+"""The `jobs` CLI contract: the local stack, exit codes, read commands, bad input, a resident model."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from core.embedded import free_port
+from tests.test_e2e import jobs, write_rows
+
+
+def test_up_demo_down_on_a_fresh_home(tmp_path, redis_server):
+    """`jobs up --detach` on an empty JOBS_HOME starts embedded Redis, migrates, writes a 0600 admin token and
+    starts one CPU worker; `jobs demo` runs a real job on it; `jobs down` stops every process it started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
+    env["JOBS_HOME"] = str(tmp_path / "home")
+    port = str(free_port())
+    up = jobs(env, "up", "--detach", "--port", port)
+    assert up.returncode == 0, up.stderr
+    try:
+        home = tmp_path / "home"
+        assert stat.S_IMODE((home / "token").stat().st_mode) == 0o600
+        stack = json.loads((home / "run" / "stack.json").read_text())
+        pids = [stack["redis"], stack["api"], *stack["workers"]]
+        assert all(os.path.exists(f"/proc/{p}") for p in pids)
+        workers = json.loads(jobs(env, "workers", "--json", check=True).stdout)
+        assert [(w["state"], w["queues"], w["slice"]) for w in workers] == [("online", ["cpu"], "")]
+        again = jobs(env, "up", "--detach", "--port", port)
+        assert again.returncode == 1 and "already running" in again.stderr
+
+        demo = jobs(env, "demo", "--port", port)
+        assert demo.returncode == 0, demo.stderr
+        results = [json.loads(line) for line in open(demo.stdout.strip())]
+        assert {r["custom_id"]: r["output"] for r in results}["france-plain"] == "Paris."
+    finally:
+        down = jobs(env, "down")
+    assert down.returncode == 0
+    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"
+                   for p in pids)
+    assert not (tmp_path / "home" / "run" / "stack.json").exists()
+
+
+@pytest.fixture
+def cli_env(jobs_env, api_server):
+    url, token, _ = api_server
+    return dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
+
+
+def test_bad_submissions_exit_2_and_write_nothing(tmp_path, cli_env, spawn_worker, tiny_model):
+    """An unknown spec field, a model path that does not exist, a pickle-only model and a missing token each
+    get one clear message and exit 2, and no job is created."""
+    spawn_worker([])
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    cases = [
+        (["--model", str(tiny_model), "--set", "bogus=1"], "unknown field 'bogus'"),
+        (["--model", str(tmp_path / "nope")], "does not exist"),
+        (["--model", str(tiny_model), "--max-new-tokens", "0"], "Invalid value for '--max-new-tokens'"),
+        (["--model", str(tiny_model), "--attn", "bogus"], "unknown attention backend 'bogus'"),
+    ]
+    pickle_only = tmp_path / "pickle-model"
+    pickle_only.mkdir()
+    (pickle_only / "config.json").write_text("{}")
+    (pickle_only / "pytorch_model.bin").write_bytes(b"x")
+    cases.append((["--model", str(pickle_only)], "pickle .bin checkpoints are refused"))
+    for args, message in cases:
+        result = jobs(cli_env, "submit", "generate", "--input", data, *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr, (args, result.stderr)
+    no_token = jobs({k: v for k, v in cli_env.items() if k != "JOBS_TOKEN"}, "list")
+    assert no_token.returncode == 2 and "missing bearer token" in no_token.stderr
+    assert json.loads(jobs(cli_env, "list", "--json", check=True).stdout) == []
+
+
+def test_redis_down_at_submit_exits_3_and_writes_nothing(tmp_path, cli_env, redis_server, spawn_worker, tiny_model):
+    """With Redis gone the submit says so, exits 3 and leaves no job behind; with Redis back it works."""
+    spawn_worker([])
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    redis_server.kill()
+    try:
+        result = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data)
+        assert result.returncode == 3, result.stderr
+        assert "Redis" in result.stderr and "jobs up" in result.stderr
+    finally:
+        redis_server.start()
+    assert json.loads(jobs(cli_env, "list", "--json", check=True).stdout) == []
+
+
+def test_read_commands_follow_a_job_and_the_model_stays_resident(tmp_path, cli_env, spawn_worker, tiny_model):
+    """`events --follow` ends when the job ends and shows its state changes; `list --json` and `wait --json`
+    report it; a second job with the same load options reuses the resident model (one load event in all)."""
+    spawn_worker([])
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}] * 3)
+    ids = []
+    for _ in range(2):
+        sub = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--max-new-tokens",
+                   "8", check=True)
+        ids.append(sub.stdout.strip())
+        follow = jobs(cli_env, "events", ids[-1], "--follow", check=True)
+        assert "job → succeeded" in follow.stdout
+    waited = jobs(cli_env, "wait", ids[1], "--json")
+    assert waited.returncode == 0 and json.loads(waited.stdout)["state"] == "succeeded"
+    listed = json.loads(jobs(cli_env, "list", "--json", check=True).stdout)
+    assert [j["id"] for j in listed] == ids[::-1]
+    loads = _load_events(cli_env, ids)
+    assert len(loads) == 1
+
+
+def _load_events(env, ids) -> list[dict]:
+    found = []
+    for job_id in ids:
+        lines = jobs(env, "events", job_id, "--json", check=True).stdout.splitlines()
+        found += [e for e in map(json.loads, lines) if " loaded " in e["message"]]
+    return found
+
+
+def test_cancelled_job_waits_with_exit_1(tmp_path, cli_env, tiny_model):
+    """A job cancelled before any worker took it ends `cancelled`; `jobs wait` exits 1, `jobs cancel` again is
+    refused with a clear message."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 4)
+    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                  check=True).stdout.strip()
+    assert jobs(cli_env, "cancel", job_id, check=True).stdout.split() == [job_id, "cancelled"]
+    assert jobs(cli_env, "wait", job_id).returncode == 1
+    again = jobs(cli_env, "cancel", job_id)
+    assert again.returncode == 1 and "already cancelled" in again.stderr
