@@ -73,6 +73,7 @@ def worker_env(devices: list[str], base: dict[str, str] | None = None) -> dict[s
     env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return env
 
 

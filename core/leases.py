@@ -239,16 +239,19 @@ def requeue_expired(session: Session, shard: Shard) -> bool:
     return True
 
 
-def unsent_shards(session: Session, older_than: float) -> list[Shard]:
-    """Queued shards whose message was never sent (Redis down at submit, crash between commit and send)."""
-    return list(
-        session.scalars(
-            select(Shard)
-            .join(Job, Job.id == Shard.job_id)
-            .where(Shard.state == ShardState.queued.value, Shard.enqueued_at.is_(None), Job.created_at < older_than)
-            .limit(1000)
-        ).all()
+def queued_shards(session: Session, *, older_than: float, unsent_only: bool = True) -> list[Shard]:
+    """Queued shards of jobs created before `older_than`: only those never sent (Redis down at submit, crash
+    between commit and send), or all of them (after a Redis restart lost the messages)."""
+    stmt = (
+        select(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Shard.state == ShardState.queued.value, Job.created_at < older_than)
+        .order_by(Shard.id)
+        .limit(10000)
     )
+    if unsent_only:
+        stmt = stmt.where(Shard.enqueued_at.is_(None))
+    return list(session.scalars(stmt).all())
 
 
 def stuck_jobs(session: Session) -> list[str]:

@@ -368,19 +368,22 @@ def test_requeue_expired_loses_to_a_renewed_lease():
     assert (shard_of(s0).state, shard_of(s0).lease_owner) == ("running", "w1")
 
 
-def test_unsent_shards_finds_queued_never_sent_shards_older_than_the_cutoff():
-    """unsent_shards() lists queued shards with enqueued_at NULL of jobs created before the cutoff, nothing else."""
+def test_queued_shards_finds_queued_never_sent_shards_older_than_the_cutoff():
+    """queued_shards() lists queued shards with enqueued_at NULL of jobs created before the cutoff, nothing else."""
     old_job, (old_a, old_b, old_c) = make_job(rows=6, created_at=now() - 120)
     young_job, (young,) = make_job(rows=2, created_at=now())
     with session_scope() as session:
         leases.mark_enqueued(session, [old_b])
     assert claim(old_c, "w1") is not None
     with session_scope() as session:
-        found = [s.id for s in leases.unsent_shards(session, older_than=now() - 60)]
+        found = [s.id for s in leases.queued_shards(session, older_than=now() - 60)]
     assert found == [old_a]
     with session_scope() as session:  # a later cutoff takes the young job's shard too
-        found = sorted(s.id for s in leases.unsent_shards(session, older_than=now() + 1))
+        found = sorted(s.id for s in leases.queued_shards(session, older_than=now() + 1))
     assert found == sorted([old_a, young])
+    with session_scope() as session:  # after a Redis restart: every queued shard, sent or not
+        found = sorted(s.id for s in leases.queued_shards(session, older_than=now() + 1, unsent_only=False))
+    assert found == sorted([old_a, old_b, young])
 
 
 def test_stuck_jobs_finds_running_or_cancelling_jobs_without_an_open_shard():

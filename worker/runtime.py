@@ -23,7 +23,7 @@ from core.queue import TASK_RUN_SHARD, send
 from core.settings import get_settings
 from core.spec import GenerateSpec, LoadOptions
 from core.store import add_event, maybe_finalize, now
-from worker import capabilities, generate, loader
+from worker import capabilities, faults, generate, loader
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class Runtime:
         log.info("%s shard %s: %d pending rows", job.id, shard.idx, len(rows))
         try:
             self._run(shard, job, rows)
-        except LeaseLost as exc:
+        except (LeaseLost, IllegalTransition) as exc:  # someone else owns the shard now: leave it to them
             log.warning("%s %s", job.id, exc)
         except InvalidInput as exc:
             self._give_up(shard, str(exc))
@@ -132,6 +132,7 @@ class Runtime:
         t_engine = time.perf_counter()
         for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop):
             engine_s += time.perf_counter() - t_engine
+            faults.hit("batch")
             with session_scope() as session:
                 if leases.job_stopping(session, job.id):
                     break
@@ -141,11 +142,14 @@ class Runtime:
             if leases.job_stopping(session, job.id):
                 leases.stop_cancelled(session, shard, self.name)
                 return
-            if should_stop():  # shutdown or lost lease: hand the unfinished rows back
+            handing_back = should_stop()  # shutdown or lost lease: hand the unfinished rows back
+            if handing_back:
                 leases.hand_back(session, shard, self.name, "worker stopping: unfinished rows handed back",
                                  count_attempt=False)
-                self._resend(shard.id, job.queue)
-                return
+        if handing_back:
+            self._resend(shard.id, job.queue)
+            return
+        with session_scope() as session:
             wall = time.perf_counter() - t0
             metrics = {"wall_seconds": round(wall, 3), "engine_seconds": round(engine_s, 3),
                        "gpu_seconds": round(wall * max(self.gpus, 0), 3), "rows": len(rows),
@@ -205,12 +209,16 @@ def shard_queue(job_id: str) -> str:
 def reap() -> None:
     """Send never-sent shards, re-queue shards whose lease expired, finalize jobs whose shards all ended.
 
-    Two reapers may both send an unsent shard: the second message finds the shard leased and does nothing.
+    After a Redis restart (its data, our messages included, are gone) every queued shard is sent again. Two
+    reapers may both send a shard: the second message finds the shard leased or done and does nothing.
     """
     settings = get_settings()
+    broker_restarted = _claim_broker_epoch()
     with session_scope() as session:
         registry.mark_lost(session, settings.worker_timeout)
-        to_send = [(s.id, s.job_id) for s in leases.unsent_shards(session, older_than=now() - settings.lease_seconds)]
+        cutoff = now() if broker_restarted else now() - settings.lease_seconds
+        shards = leases.queued_shards(session, older_than=cutoff, unsent_only=not broker_restarted)
+        to_send = [(s.id, s.job_id) for s in shards]
         for shard in leases.expired_shards(session):
             if leases.requeue_expired(session, shard):
                 to_send.append((shard.id, shard.job_id))
@@ -222,6 +230,17 @@ def reap() -> None:
     with session_scope() as session:
         for job_id in leases.stuck_jobs(session):
             maybe_finalize(session, job_id)
+
+
+def _claim_broker_epoch() -> bool:
+    """True for the one process that first sees an empty Redis (a fresh or restarted server lost its messages).
+
+    That process re-sends every queued shard; duplicate messages are harmless (a claim is idempotent).
+    """
+    import redis
+
+    client = redis.Redis.from_url(get_settings().redis_url, socket_timeout=5)
+    return bool(client.set("gpujobs:broker-epoch", str(now()), nx=True))
 
 
 def _record_load(job_id: str, resolved: dict[str, Any]) -> None:

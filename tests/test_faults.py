@@ -1,0 +1,88 @@
+"""Faults with real processes: a shard that kills its worker every time, SIGTERM mid-shard, Redis's visibility
+timeout shorter than a shard, and a Redis restart mid-job. Each has a stated outcome and loses nothing."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from sqlalchemy import select
+
+from api import service
+from core.db import session_scope
+from core.models import JobRow
+from tests.conftest import wait_for
+from tests.test_recovery import job_state, long_spec, row_counts, write_dataset
+
+
+def executions(job_id: str) -> list[int]:
+    with session_scope() as session:
+        return list(session.scalars(select(JobRow.executions).where(JobRow.job_id == job_id)).all())
+
+
+def test_a_shard_that_kills_its_worker_every_time_fails_after_the_attempt_cap(tmp_path, jobs_env, spawn_worker,
+                                                                              tiny_model):
+    """A worker that dies on every micro-batch (restarted each time, as systemd would) makes the shard fail with
+    "gave up after 3 attempts" instead of looping; the job fails with that reason."""
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 8)))
+    deadline = time.monotonic() + 240
+    restarts = 0
+    while job_state(job["id"]) not in ("failed", "succeeded") and time.monotonic() < deadline:
+        worker = spawn_worker([], JOBS_TEST_FAULTS="kill@batch", JOBS_LEASE_SECONDS="3")
+        while worker.alive() and job_state(job["id"]) not in ("failed", "succeeded"):
+            time.sleep(0.2)
+        worker.stop()
+        restarts += 1
+    final = service.get(job["id"], owner=None)
+    assert final["state"] == "failed"
+    assert "gave up after 3 attempts" in final["error"]
+    assert final["rows"]["failed"] == 8 and restarts >= 3
+    assert executions(job["id"]) == [0] * 8  # nothing was ever committed, nothing half-written
+
+
+def test_sigterm_hands_back_the_shard_and_another_worker_finishes_it(tmp_path, jobs_env, spawn_worker, tiny_model):
+    """SIGTERM mid-shard: the worker stops after its current micro-batch, hands the shard back without counting
+    an attempt, and exits; another worker finishes the job; every row ran once."""
+    first = spawn_worker([])
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240),
+                                                        shard_rows=240))
+    wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=[first])
+    first.popen.send_signal(signal.SIGTERM)
+    first.popen.wait(30)
+    events = [e["message"] for e in service.events(job["id"], owner=None)]
+    assert any("handed back" in m for m in events), events
+    second = spawn_worker([])
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[second])
+    assert set(executions(job["id"])) == {1}
+
+
+def test_visibility_timeout_shorter_than_a_shard_runs_every_row_once(tmp_path, jobs_env, spawn_worker, tiny_model):
+    """With Redis's visibility timeout at 5 s and a shard of about 20 s, Redis redelivers the message to the
+    second worker, which finds the shard leased and does nothing: every row is executed once."""
+    env = {"JOBS_VISIBILITY_TIMEOUT": "5"}
+    workers = [spawn_worker([], **env), spawn_worker([], **env)]
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480),
+                                                        shard_rows=480))
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 240, "the job", procs=workers)
+    assert set(executions(job["id"])) == {1}
+    with session_scope() as session:
+        started = min(r.started_at for r in session.scalars(select(JobRow).where(JobRow.job_id == job["id"])))
+        ended = max(r.finished_at for r in session.scalars(select(JobRow).where(JobRow.job_id == job["id"])))
+    assert ended - started > 5, "the shard must outlast the visibility timeout for this test to mean anything"
+    logs = "".join(w.log.read_text() for w in workers)
+    assert "duplicate message ignored" in logs, "Redis never redelivered the message: the test proved nothing"
+
+
+def test_redis_killed_and_restarted_mid_job_the_job_completes(tmp_path, jobs_env, redis_server, spawn_worker,
+                                                              tiny_model):
+    """SIGKILL Redis while a job runs and restart it empty on the same port: the workers reconnect, the lost
+    queued messages are sent again, and the job completes with every row once."""
+    workers = [spawn_worker([]), spawn_worker([])]
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240),
+                                                        shard_rows=24))
+    wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=workers)
+    redis_server.kill()
+    time.sleep(2)
+    redis_server.start()
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 180, "the job", procs=workers)
+    assert set(executions(job["id"])) == {1}
