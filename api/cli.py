@@ -9,6 +9,8 @@ Exit codes (a contract for scripts; see README):
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 import click
@@ -66,13 +68,14 @@ def client():
 def cli() -> None:
     """gpujobs: queued generation and LoRA fine-tune jobs on GPU workers.
 
-    Start a local stack with `jobs up`, submit with `jobs submit generate`, read with `jobs status` and
-    `jobs results`. Settings come from JOBS_* environment variables (see README).
+    Start a local stack with `gpujobs up`, submit with `gpujobs submit generate`, read with `gpujobs status` and
+    `gpujobs results`. Settings come from JOBS_* environment variables (see README).
     """
 
 
 def main() -> None:
     from api import cli_jobs, cli_stack  # noqa: F401  (registers the commands)
 
-    cli(prog_name="jobs")
+    name = os.path.basename(sys.argv[0])
+    cli(prog_name=name if name in ("jobs", "gpujobs") else "gpujobs")
 

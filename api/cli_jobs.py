@@ -1,4 +1,4 @@
-"""`jobs submit|status|list|wait|results|events|cancel|retry|workers`: commands that talk to the HTTP API."""
+"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers`: commands that talk to the HTTP API."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
 
 @cli.group()
 def submit() -> None:
-    """Submit a job; prints its id (`ID=$(jobs submit generate …)`)."""
+    """Submit a job; prints its id (`ID=$(gpujobs submit generate …)`)."""
 
 
 @submit.command("generate")

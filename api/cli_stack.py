@@ -1,4 +1,4 @@
-"""`jobs up|down|worker|db|tokens|demo`: commands that run or manage local processes and the store."""
+"""`gpujobs up|down|worker|db|tokens|demo`: commands that run or manage local processes and the store."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 @click.option("--host", default="127.0.0.1", show_default=True, help="API listen address (beyond loopback needs "
               "JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)")
 @click.option("--port", default=8765, show_default=True, help="API port")
-@click.option("--detach", "-d", is_flag=True, help="return once the stack is healthy; stop it with `jobs down`")
+@click.option("--detach", "-d", is_flag=True, help="return once the stack is healthy; stop it with `gpujobs down`")
 def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME."""
     slices = stack.parse_slices(gpus) if gpus is not None else None
@@ -56,7 +56,7 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
 
 @cli.command()
 def down() -> None:
-    """Stop the local stack started by `jobs up` (workers hand back their shards first)."""
+    """Stop the local stack started by `gpujobs up` (workers hand back their shards first)."""
     if not stack.down(log=lambda m: click.echo(m, err=True)):
         click.echo(f"no stack is running from {get_settings().home}", err=True)
 
@@ -86,7 +86,7 @@ def db() -> None:
 
 @db.command("upgrade")
 def db_upgrade() -> None:
-    """Apply the migrations to JOBS_DATABASE_URL (the embedded default does this on `jobs up`)."""
+    """Apply the migrations to JOBS_DATABASE_URL (the embedded default does this on `gpujobs up`)."""
     from core.db import upgrade
 
     upgrade()
@@ -147,7 +147,7 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
     answers, submit a generation job over examples/prompts.jsonl, wait, and print where the results are."""
     settings = get_settings()
     if not stack.read_stack():
-        click.echo("starting the local stack (`jobs up --detach`) ...", err=True)
+        click.echo("starting the local stack (`gpujobs up --detach`) ...", err=True)
         up.callback(gpus=None, host="127.0.0.1", port=port, detach=True)
     model = settings.home / "models" / "tiny-qa"
     if not (model / "model.safetensors").exists():
@@ -177,7 +177,7 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
     if not keep_running:
         stack.down(log=lambda m: click.echo(m, err=True))
     else:
-        click.echo("the stack is still up: try `jobs list`, `jobs status ID`; stop it with `jobs down`", err=True)
+        click.echo("the stack is still up: try `gpujobs list`, `gpujobs status ID`; stop it with `gpujobs down`", err=True)
     raise SystemExit(job_exit_code(job))
 
 

@@ -1,7 +1,7 @@
 """A small typed HTTP client for the jobs API, used by the CLI and usable from scripts and notebooks:
 
     from api.client import Client
-    c = Client()                       # JOBS_API_URL / JOBS_TOKEN, or what `jobs up` wrote
+    c = Client()                       # JOBS_API_URL / JOBS_TOKEN, or what `gpujobs up` wrote
     job = c.submit({"model": "/models/m", "input": c.upload("data.jsonl")["id"]})
     c.wait(job["id"]); rows = list(c.results(job["id"]))
 """
@@ -35,7 +35,7 @@ class Client:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise errors.ServiceUnavailable(f"cannot reach the jobs API at {self.url} ({exc}): start one with "
-                                            "`jobs up`, or set JOBS_API_URL") from exc
+                                            "`gpujobs up`, or set JOBS_API_URL") from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
@@ -100,7 +100,7 @@ class Client:
 
 
 def errors_unreachable(url: str, exc: Exception) -> errors.ServiceUnavailable:
-    return errors.ServiceUnavailable(f"cannot reach the jobs API at {url} ({exc}): start one with `jobs up`")
+    return errors.ServiceUnavailable(f"cannot reach the jobs API at {url} ({exc}): start one with `gpujobs up`")
 
 
 def _error(response: httpx.Response) -> errors.JobsError:

@@ -102,10 +102,10 @@ def _resolve_gpus(session: Session, spec: Spec) -> int:
     if spec.gpus is not None:
         if workers and not any(registry.can_serve(w, spec.gpus) for w in workers):
             raise Unschedulable(f"no live worker serves jobs of {spec.gpus} GPU(s) (queue {queue_for(spec.gpus)}); "
-                                f"live workers: {_describe(workers)}. Start one with `jobs worker --gpus ...`")
+                                f"live workers: {_describe(workers)}. Start one with `gpujobs worker --gpus ...`")
         return spec.gpus
     if not workers:
-        raise Unschedulable("no live worker: start the local stack with `jobs up`, or pass --gpus N to queue the job "
+        raise Unschedulable("no live worker: start the local stack with `gpujobs up`, or pass --gpus N to queue the job "
                             "until a worker of that slice size starts")
     return min(len(w.gpus) if w.capabilities.get("device_count") else 0 for w in workers)
 

@@ -1,4 +1,4 @@
-"""The local stack behind `jobs up` / `jobs down` / `jobs worker`: Redis, the API server and pinned workers.
+"""The local stack behind `gpujobs up` / `gpujobs down` / `gpujobs worker`: Redis, the API server and pinned workers.
 
 GPU pinning follows the NVIDIA guide: every worker gets `CUDA_DEVICE_ORDER=PCI_BUS_ID` and its own
 `CUDA_VISIBLE_DEVICES` set explicitly on its own environment (empty for a CPU worker), so indices match
@@ -137,7 +137,7 @@ def up(slices: list[list[str]] | None, *, host: str, port: int, log=print) -> di
     stack = read_stack()
     if stack and any(alive(p) for p in stack_pids(stack)):
         raise JobsError(f"a stack is already running from {settings.home} (API {stack.get('api_url')}): "
-                        "use it, or stop it with `jobs down`")
+                        "use it, or stop it with `gpujobs down`")
     for d in (settings.home, settings.run_dir, settings.logs_dir, settings.artifacts):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.home, 0o700)

@@ -31,10 +31,10 @@ def create_token(session: Session, *, owner: str, scopes: list[str], name: str |
 
 def authenticate(session: Session, secret: str | None) -> Token:
     if not secret:
-        raise Unauthorized("missing bearer token: set JOBS_TOKEN, or run `jobs up` which writes a local admin token")
+        raise Unauthorized("missing bearer token: set JOBS_TOKEN, or run `gpujobs up` which writes a local admin token")
     token = session.scalar(select(Token).where(Token.sha256 == digest(secret)))
     if token is None or token.revoked_at is not None:
-        raise Unauthorized("invalid or revoked token: check JOBS_TOKEN (an admin can create one with `jobs tokens create`)")
+        raise Unauthorized("invalid or revoked token: check JOBS_TOKEN (an admin can create one with `gpujobs tokens create`)")
     return token
 
 

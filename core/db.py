@@ -102,7 +102,7 @@ def check_reachable(url: str | None = None) -> None:
     except OperationalError as exc:
         raise ServiceUnavailable(
             f"the database at {get_engine(url).url.render_as_string(hide_password=True)} cannot be reached: "
-            f"{exc.orig}. Check JOBS_DATABASE_URL, or start the local stack with `jobs up`."
+            f"{exc.orig}. Check JOBS_DATABASE_URL, or start the local stack with `gpujobs up`."
         ) from exc
 
 

@@ -1,4 +1,4 @@
-"""Start and stop a private redis-server: for `jobs up` (embedded mode) and for the tests.
+"""Start and stop a private redis-server: for `gpujobs up` (embedded mode) and for the tests.
 
 Standard library only. The server keeps nothing outside its `workdir`: no RDB snapshots
 (`--save ''`), no AOF (`--appendonly no`), and its log lives in `workdir`.

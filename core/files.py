@@ -59,7 +59,7 @@ def save(session: Session, *, owner: str, filename: str, stream: BinaryIO, purpo
 def get(session: Session, file_id: str, *, owner: str | None) -> File:
     file = session.get(File, file_id)
     if file is None or (owner is not None and file.owner != owner):
-        raise NotFound(f"no file {file_id!r}: upload it with the job (`jobs submit --input FILE`)")
+        raise NotFound(f"no file {file_id!r}: upload it with the job (`gpujobs submit --input FILE`)")
     return file
 
 

@@ -31,7 +31,7 @@ def redis_url() -> str:
     url = get_settings().redis_url
     if not url:
         raise ServiceUnavailable(
-            "no Redis is configured: start the local stack with `jobs up`, or set JOBS_REDIS_URL"
+            "no Redis is configured: start the local stack with `gpujobs up`, or set JOBS_REDIS_URL"
         )
     return url
 
@@ -78,7 +78,7 @@ def ping_redis() -> None:
     except (redis.RedisError, OSError) as exc:
         safe = url.split("@")[-1]
         raise ServiceUnavailable(
-            f"Redis at {safe} cannot be reached ({exc}): start the local stack with `jobs up`, or check JOBS_REDIS_URL"
+            f"Redis at {safe} cannot be reached ({exc}): start the local stack with `gpujobs up`, or check JOBS_REDIS_URL"
         ) from exc
 
 

@@ -6,9 +6,9 @@ Embedded default (no configuration): everything lives under `JOBS_HOME` (default
 
     jobs.db          SQLite store (WAL)
     artifacts/       uploaded files, results, adapters (JOBS_ARTIFACTS points elsewhere in a cluster)
-    logs/            one log file per process started by `jobs up`
-    run/stack.json   what `jobs up` started: Redis URL, API URL, pids
-    token            the local admin token written by `jobs up` (mode 0600)
+    logs/            one log file per process started by `gpujobs up`
+    run/stack.json   what `gpujobs up` started: Redis URL, API URL, pids
+    token            the local admin token written by `gpujobs up` (mode 0600)
 
 Cluster: set `JOBS_REDIS_URL`, `JOBS_DATABASE_URL`, `JOBS_API_URL`, `JOBS_ARTIFACTS` (a path every host mounts).
 """

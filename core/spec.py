@@ -5,7 +5,7 @@ body and the CLI flags (`--max-new-tokens` ↔ `max_new_tokens`) all read the sa
 with their name (`extra="forbid"`): a typo must never silently fall back to a default.
 
 `gpus` is a slice *size* (0 = CPU), never device ids: which devices a worker owns is the worker's business
-(`jobs worker --gpus 2,0`), so a spec runs unchanged on any host.
+(`gpujobs worker --gpus 2,0`), so a spec runs unchanged on any host.
 """
 
 from __future__ import annotations

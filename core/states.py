@@ -61,7 +61,7 @@ JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
     J.failed: (J.queued, J.validating, J.running, J.finalizing),
     J.cancelling: LIVE_JOB_STATES,
     J.cancelled: (J.cancelling,),
-    # `jobs retry` re-opens a finished job under the same id
+    # `gpujobs retry` re-opens a finished job under the same id
     J.queued: (J.succeeded, J.failed, J.cancelled),
 }
 

@@ -90,7 +90,7 @@ def get_job(session: Session, job_id: str, *, owner: str | None = None) -> Job:
     """A job by id; `owner` (None for admins) hides other owners' jobs as if they did not exist."""
     job = session.get(Job, job_id)
     if job is None or (owner is not None and job.owner != owner):
-        raise NotFound(f"no job {job_id!r}: list yours with `jobs list`")
+        raise NotFound(f"no job {job_id!r}: list yours with `gpujobs list`")
     return job
 
 

@@ -1,6 +1,6 @@
 """Worker process entry point: `python -m worker.main --slice 2,0`.
 
-Started by `jobs worker` / `jobs up` / ops launchers with CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES already set
+Started by `gpujobs worker` / `gpujobs up` / ops launchers with CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES already set
 on this process's own environment; this module checks they agree with `--slice` and never changes them. CUDA is
 initialised here, in a process that never forks (Celery's solo pool).
 """
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
         log.error("refusing to start: CUDA_VISIBLE_DEVICES=%r / CUDA_DEVICE_ORDER=%r do not match --slice %r; "
-                  "start workers with `jobs worker --gpus ...`", os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "start workers with `gpujobs worker --gpus ...`", os.environ.get("CUDA_VISIBLE_DEVICES"),
                   os.environ.get("CUDA_DEVICE_ORDER"), args.slice)
         return 5
     devices = [d for d in args.slice.split(",") if d]
