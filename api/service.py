@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core import files, leases, registry
+from core import capability, files, leases, registry
 from core.dataset import parse_jsonl
 from core.db import session_scope
 from core.errors import Forbidden, IllegalTransition, InvalidInput, Unschedulable
@@ -98,16 +98,29 @@ def _resolve_model(spec: Spec) -> Spec:
 
 
 def _resolve_gpus(session: Session, spec: Spec) -> int:
+    """The slice size the job runs on: the spec's, or the smallest that a live worker able to run it offers.
+
+    Refused when live workers exist but none can run the job; the message names each candidate and what it
+    lacks. With no live worker at all, a job that names `gpus` is queued until one starts.
+    """
     workers = registry.live(session, get_settings().worker_timeout)
-    if spec.gpus is not None:
-        if workers and not any(registry.can_serve(w, spec.gpus) for w in workers):
-            raise Unschedulable(f"no live worker serves jobs of {spec.gpus} GPU(s) (queue {queue_for(spec.gpus)}); "
-                                f"live workers: {_describe(workers)}. Start one with `gpujobs worker --gpus ...`")
-        return spec.gpus
     if not workers:
-        raise Unschedulable("no live worker: start the local stack with `gpujobs up`, or pass --gpus N to queue the job "
-                            "until a worker of that slice size starts")
-    return min(len(w.gpus) if w.capabilities.get("device_count") else 0 for w in workers)
+        if spec.gpus is None:
+            raise Unschedulable("no live worker: start the local stack with `gpujobs up`, or pass --gpus N to queue "
+                                "the job until a worker of that slice size starts")
+        return spec.gpus
+    sizes = [spec.gpus] if spec.gpus is not None else sorted({registry.slice_size(w) for w in workers})
+    gaps = []
+    for size in sizes:
+        for worker in (w for w in workers if registry.can_serve(w, size)):
+            lacking = capability.missing(spec, worker.capabilities, size)
+            if not lacking:
+                return size
+            gaps.append(f"{worker.name} ({queue_for(size)}): {'; '.join(lacking)}")
+    if not gaps:
+        raise Unschedulable(f"no live worker serves jobs of {spec.gpus} GPU(s) (queue {queue_for(spec.gpus)}); "
+                            f"live workers: {_describe(workers)}. Start one with `gpujobs worker --gpus ...`")
+    raise Unschedulable("no live worker can run this job: " + " | ".join(gaps))
 
 
 def _describe(workers: list) -> str:

@@ -48,6 +48,10 @@ def mark_lost(session: Session, timeout: float) -> None:
     session.execute(stmt)
 
 
+def slice_size(worker: Worker) -> int:
+    return len([d for d in worker.slice.split(",") if d])
+
+
 def can_serve(worker: Worker, gpus: int) -> bool:
     """A worker serves the queue of its own slice size, and only if it really sees that many GPUs."""
     if gpus == 0:

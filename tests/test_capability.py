@@ -1,0 +1,72 @@
+"""Submit refuses what no live worker can run, naming what is missing, and accepts it once a registered worker
+reports the capability. Workers here are registrations in SQL, as real workers write them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api import service
+from core import registry
+from core.capability import missing
+from core.db import session_scope
+from core.errors import Unschedulable
+from core.spec import LoadOptions
+
+CPU = {"device_count": 0, "min_compute_capability": None, "attention": ["sdpa", "eager", "flex_attention"],
+       "versions": {"torch": "2.13.0", "bitsandbytes": "0.50.2", "torchao": None, "kernels": None, "flash-attn": None}}
+H200 = {**CPU, "device_count": 1, "min_compute_capability": 9.0,
+        "attention": ["sdpa", "eager", "flex_attention", "flash_attention_2"],
+        "versions": {**CPU["versions"], "flash-attn": "2.8.3", "torchao": "0.18.0"}}
+T4 = {**CPU, "device_count": 1, "min_compute_capability": 7.5, "versions": {**CPU["versions"], "torchao": "0.18.0"}}
+
+
+def opts(**kw) -> LoadOptions:
+    return LoadOptions(model="m", **kw)
+
+
+@pytest.mark.parametrize("spec, caps, gpus, expected", [
+    (opts(), CPU, 0, []),
+    (opts(attn_implementation="paged|sdpa"), CPU, 0, []),
+    (opts(attn_implementation="flash_attention_2"), CPU, 0,
+     ["flash_attention_2 needs the flash-attn package (missing) and an Ampere or newer GPU (worker has no GPU)"]),
+    (opts(attn_implementation="flash_attention_2"), H200, 1, []),
+    (opts(attn_implementation="flash_attention_3"), H200, 1,
+     ["flash_attention_3 needs the flash-attn package (installed) and an Ampere or newer GPU (worker has compute "
+      "capability 9.0)"]),
+    (opts(attn_implementation="kernels-community/flash-attn"), H200, 1,
+     ["attention kernel 'kernels-community/flash-attn' needs the `kernels` package"]),
+    (opts(use_kernels=True), H200, 1, ["use_kernels needs the `kernels` package and Hub access"]),
+    (opts(quantization="torchao-int8"), CPU, 0, ["torchao-int8 needs torchao (pip install torchao)"]),
+    (opts(quantization="bnb-4bit"), CPU, 0, []),
+    (opts(quantization="torchao-float8"), T4, 1,
+     ["torchao-float8 needs a GPU of compute capability 8.9 or newer (worker has compute capability 7.5)"]),
+    (opts(quantization="torchao-float8"), H200, 1, []),
+    (opts(quantization="fp8"), H200, 1, ["fp8 (FineGrainedFP8Config) needs the `kernels` package and Hub access"]),
+    (opts(device_map="cuda"), CPU, 0, ["device_map='cuda' needs a GPU slice (gpus >= 1)"]),
+])
+def test_missing_names_each_gap(spec, caps, gpus, expected):
+    """Each backend, kernel and quantization is checked against the registered capabilities, with a message."""
+    assert missing(spec, caps, gpus) == expected
+
+
+def register(name: str, slice_: str, caps: dict) -> None:
+    with session_scope() as session:
+        registry.register(session, name=name, host="h", pid=1, slice=slice_,
+                          queues=["gpu1" if slice_ else "cpu"], gpus=[], capabilities=caps)
+
+
+def test_submit_refuses_then_accepts_when_a_capable_worker_registers(tmp_path, jobs_env, tiny_model):
+    """flash_attention_2 with only a CPU worker live is refused naming the worker and the gap; once a worker
+    registers flash-attn on an H200 the same submit is accepted on its queue."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    spec = {"model": str(tiny_model), "input": str(data), "attn_implementation": "flash_attention_2"}
+    register("cpu-worker", "", CPU)
+    with pytest.raises(Unschedulable, match=r"cpu-worker \(cpu\): flash_attention_2 needs the flash-attn package"):
+        service.submit(owner="t", spec_data=spec)
+    assert service.list_jobs(owner=None) == []
+    register("h200-worker", "0", H200)
+    job = service.submit(owner="t", spec_data=spec)
+    assert (job["queue"], job["gpus"], job["state"]) == ("gpu1", 1, "running")
