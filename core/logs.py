@@ -14,3 +14,5 @@ def setup_logging(level: str = "INFO") -> None:
     )
     for noisy in ("httpx", "httpcore", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # bitsandbytes logs a warning on every 8-bit matmul (100k lines per job): keep its errors only
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

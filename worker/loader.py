@@ -72,6 +72,16 @@ def quantization_config(opts: LoadOptions, dtype: torch.dtype):
     return FineGrainedFP8Config()
 
 
+def _quant_record(opts: LoadOptions) -> dict[str, Any] | None:
+    """The quantization that ran, with only the options that apply to its method."""
+    q = opts.quantization
+    if q is None:
+        return None
+    if q.method == "bnb-4bit":
+        return q.model_dump()
+    return {"method": q.method} | ({"compute_dtype": q.compute_dtype} if q.method.startswith("bnb") else {})
+
+
 def load(opts: LoadOptions, *, gpus: int) -> Loaded:
     if opts.use_kernels or opts.kernel_config:
         raise InvalidInput("use_kernels needs the `kernels` package and Hub access, which this worker lacks")
@@ -106,7 +116,7 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
         "attn_implementation": model.config._attn_implementation,
         "device_map": device_map,
         "device": str(device),
-        "quantization": opts.quantization.model_dump() if opts.quantization else None,
+        "quantization": _quant_record(opts),
         "adapter": opts.adapter,
         "use_kernels": opts.use_kernels,
         "parameters": sum(p.numel() for p in model.parameters()),

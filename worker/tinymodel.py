@@ -171,6 +171,29 @@ def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None,
     return out
 
 
+# Workload G1's architecture (DESIGN.md): Qwen3-0.6B shapes with random bf16 weights, for GPU checks and benchmarks.
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True)
+
+
+def build_random(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A Qwen3-0.6B-shaped model with random weights and our small tokenizer (ids it never emits decode to "")."""
+    out = Path(out_dir)
+    torch.manual_seed(seed)
+    tok = build_tokenizer([])
+    eos = tok.convert_tokens_to_ids(EOS)
+    config = Qwen3Config(**QWEN3_06B, initializer_range=0.02, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                         dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos, do_sample=False)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def _read_qa(path: Path) -> list[tuple[str, str]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [(r["question"], r["answer"]) for r in rows]
@@ -182,8 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa", type=Path, help="jsonl with {'question', 'answer'} rows to memorize")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps")
+    parser.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="tiny",
+                        help="qwen3-0.6b: random bf16 weights of that shape (GPU checks, benchmarks)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    if args.arch == "qwen3-0.6b":
+        print(build_random(args.out_dir, seed=args.seed))
+        return 0
     qa = _read_qa(args.qa) if args.qa else None
     print(build_model(args.out_dir, qa=qa, seed=args.seed, steps=args.steps))
     return 0
