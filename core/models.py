@@ -87,7 +87,8 @@ class JobRow(Base):
     line: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), default=RowState.pending.value)
     input: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    output: Mapped[str | None] = mapped_column(Text)
+    # JSON, not text: generated text may hold NUL characters, which Postgres text columns refuse
+    output: Mapped[str | None] = mapped_column(JSON)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

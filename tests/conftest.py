@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import postgres_url, redis_server  # noqa: F401
+from tests.services import postgres_url, private_postgres, redis_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,6 +90,12 @@ def _jobs_env(tmp_path, redis_server, database_url, monkeypatch) -> Iterator[Job
 @pytest.fixture
 def pg_jobs_env(tmp_path, redis_server, postgres_url, monkeypatch) -> Iterator[JobsEnv]:  # noqa: F811
     yield from _jobs_env(tmp_path, redis_server, postgres_url, monkeypatch)
+
+
+@pytest.fixture
+def private_pg_jobs_env(tmp_path, redis_server, private_postgres, monkeypatch) -> Iterator[JobsEnv]:  # noqa: F811
+    """jobs_env on a PostgreSQL server of the test's own, which the test may stop and start."""
+    yield from _jobs_env(tmp_path, redis_server, private_postgres.url, monkeypatch)
 
 
 @pytest.fixture

@@ -172,3 +172,50 @@ def _drop_database(psycopg, sql, admin_conninfo: str, name: str) -> None:
                 if attempt == 9:
                     raise
                 time.sleep(0.2)
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of the test's own (initdb in a temp dir, run as the postgres user), which a fault test
+    may stop in immediate mode and start again on the same port."""
+
+    def __init__(self, root: Path):
+        import shutil
+        import subprocess
+
+        self.root, self.port = root, embedded.free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.chown(root, "postgres")
+        self._run = lambda *args: subprocess.run(["runuser", "-u", "postgres", "--", *args], cwd=root, check=True,
+                                                  capture_output=True, text=True)
+        self._run(str(PG_BIN / "initdb"), "-D", str(root / "data"), "--auth=trust", "--no-locale", "-E", "UTF8")
+        self.start()
+
+    def start(self) -> None:
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.root / "data"), "-l", str(self.root / "log"), "-w", "-o",
+                  f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.root / "data"), "-m", mode, "-w", "stop")
+
+
+@pytest.fixture
+def private_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivatePostgres]:
+    if os.geteuid() != 0 or not (PG_BIN / "initdb").exists():
+        require_service("a private PostgreSQL", f"needs root and {PG_BIN}/initdb (apt install postgresql)")
+    import tempfile
+
+    server = PrivatePostgres(Path(tempfile.mkdtemp(prefix="gpujobs-pg-")))
+    try:
+        yield server
+    finally:
+        try:
+            server.stop("immediate")
+        except Exception:  # already stopped by the test
+            pass
+        import shutil
+
+        shutil.rmtree(server.root, ignore_errors=True)

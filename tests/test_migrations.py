@@ -114,3 +114,28 @@ def test_jobs_db_upgrade_command_migrates_a_fresh_sqlite_file(tmp_path):
         assert _drift(url) == []
     finally:
         db.dispose()
+
+
+def test_0002_keeps_outputs_and_stores_nul_characters(blank_url):
+    """Upgrading from 0001 turns stored output text into JSON strings unchanged, and afterwards an output with a
+    NUL character (which a Postgres text column refuses) round-trips exactly."""
+    from sqlalchemy import text
+
+    from core.db import session_scope
+    from core.models import JobRow
+
+    db.upgrade(blank_url, "0001")
+    with db.get_engine(blank_url).begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, kind, state, owner, spec, queue, gpus, rows_total, rows_succeeded, "
+                          "rows_failed, prompt_tokens, completion_tokens, created_at, retries) VALUES ('job_1', "
+                          "'generate', 'running', 'o', '{}', 'cpu', 0, 2, 0, 0, 0, 0, 0, 0)"))
+        conn.execute(text("INSERT INTO job_rows (job_id, idx, custom_id, line, state, output, executions) VALUES "
+                          "('job_1', 0, 'a', 1, 'succeeded', 'Paris. \"quoted\"', 1), "
+                          "('job_1', 1, 'b', 2, 'pending', NULL, 0)"))
+    db.upgrade(blank_url)
+    with session_scope(blank_url) as session:
+        assert session.get(JobRow, ("job_1", 0)).output == 'Paris. "quoted"'
+        session.get(JobRow, ("job_1", 1)).output = "nul\x00inside"
+    with session_scope(blank_url) as session:
+        assert session.get(JobRow, ("job_1", 1)).output == "nul\x00inside"
+    assert _drift(blank_url) == []
