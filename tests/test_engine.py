@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core.errors import InvalidInput
-from core.spec import GenerateSpec
+from core.spec import GenerateSpec, LoadOptions
 from tests.conftest import qa_pairs
 from worker.generate import generate
 from worker.loader import Loaded, load, resolve_dtype
@@ -252,3 +252,26 @@ def test_quantized_load_generates_on_cpu(tiny_model, method, layer_type, min_rig
     assert all(x.error is None and x.output is not None and x.finish_reason in ("stop", "length") for x in r.values())
     right = sum(r[i].output == answer for i, (_, answer) in enumerate(qa))
     assert right >= min_right, {i: x.output for i, x in r.items()}
+
+
+def test_out_of_memory_splits_the_group_and_reports_it(tiny_model, monkeypatch):
+    """A CUDA out-of-memory on a group of 8 rows (injected above 2 rows) is retried as halves down to groups of 2;
+    every row still gets its memorized answer and each split is reported as an event."""
+    from worker import faults
+
+    monkeypatch.setenv("JOBS_TEST_FAULTS", "oom_over_2@generate")
+    faults._faults.cache_clear()
+    try:
+        loaded = load(LoadOptions(model=str(tiny_model)), gpus=0)
+        qa = qa_pairs()[:4] * 2
+        rows = [(i, {"prompt": q, "params": {}, "extra": {}}) for i, (q, _) in enumerate(qa)]
+        events: list[str] = []
+        spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16})
+        results = [r for batch in generate(loaded, spec, rows, batch_rows=8, on_event=events.append) for r in batch]
+    finally:
+        monkeypatch.delenv("JOBS_TEST_FAULTS")
+        faults._faults.cache_clear()
+    assert [r.output for r in results] == [a for _, a in qa]
+    assert events == ["out of memory generating 8 rows together: retrying as 4 + 4",
+                      "out of memory generating 4 rows together: retrying as 2 + 2",
+                      "out of memory generating 4 rows together: retrying as 2 + 2"]

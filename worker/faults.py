@@ -2,8 +2,8 @@
 
 `JOBS_TEST_FAULTS` is a comma-separated list of `action@point`:
 
-    kill@batch   SIGKILL this worker just before it commits a micro-batch
-    oom@batch    raise torch.cuda.OutOfMemoryError where the engine runs a micro-batch
+    kill@batch           SIGKILL this worker just before it commits a micro-batch
+    oom_over_N@generate  raise torch.cuda.OutOfMemoryError when `model.generate` gets more than N rows at once
 
 Unset (always, outside tests) it costs one dict lookup per call.
 """
@@ -20,13 +20,17 @@ def _faults() -> frozenset[str]:
     return frozenset(f.strip() for f in os.environ.get("JOBS_TEST_FAULTS", "").split(",") if f.strip())
 
 
-def hit(point: str) -> None:
+def hit(point: str, *, rows: int = 0) -> None:
     faults = _faults()
     if not faults:
         return
-    if f"kill@{point}" in faults:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if f"oom@{point}" in faults:
-        import torch
+    for fault in faults:
+        action, _, where = fault.partition("@")
+        if where != point:
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action.startswith("oom_over_") and rows > int(action.removeprefix("oom_over_")):
+            import torch
 
-        raise torch.cuda.OutOfMemoryError(f"injected by JOBS_TEST_FAULTS at {point}")
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by JOBS_TEST_FAULTS at {point}, {rows} rows)")

@@ -18,6 +18,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from core.leases import RowResult
 from core.spec import GenerateSpec, sampling_of
+from worker import faults
 from worker.loader import Loaded
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,13 @@ def generate(
     *,
     batch_rows: int,
     should_stop: Callable[[], bool] = lambda: False,
+    on_event: Callable[[str], None] = lambda message: None,
 ) -> Iterator[list[RowResult]]:
-    """Yield results micro-batch by micro-batch for `rows` = [(idx, stored row input)]."""
+    """Yield results micro-batch by micro-batch for `rows` = [(idx, stored row input)].
+
+    A CUDA out-of-memory splits the failing group in halves and retries them (down to one row, then the error
+    propagates and the shard's attempt fails); each split is reported through `on_event`.
+    """
     for start in range(0, len(rows), batch_rows):
         if should_stop():
             return
@@ -72,14 +78,33 @@ def generate(
                 continue
             groups.setdefault(repr(sorted(params.items())), []).append((idx, row_input, params, ids))
         for group in groups.values():
-            results.extend(_run_group(loaded, group, started, should_stop))
+            results.extend(_run_splitting(loaded, group, started, should_stop, on_event))
         if should_stop():
             return  # a cancelled or interrupted batch is not committed; its rows stay pending
         results.sort(key=lambda r: r.idx)
         yield results
 
 
+def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event) -> list[RowResult]:
+    try:
+        return _run_group(loaded, group, started, should_stop)
+    except torch.OutOfMemoryError:
+        if len(group) == 1:
+            raise
+        _free_cuda_cache()
+        half = len(group) // 2
+        on_event(f"out of memory generating {len(group)} rows together: retrying as {half} + {len(group) - half}")
+        return (_run_splitting(loaded, group[:half], started, should_stop, on_event)
+                + _run_splitting(loaded, group[half:], started, should_stop, on_event))
+
+
+def _free_cuda_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _run_group(loaded: Loaded, group, started: float, should_stop) -> list[RowResult]:
+    faults.hit("generate", rows=len(group))
     tok, model = loaded.tokenizer, loaded.model
     params = group[0][2]
     enc = tok.pad({"input_ids": [g[3] for g in group]}, padding=True, return_tensors="pt").to(loaded.device)
