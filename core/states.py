@@ -67,7 +67,7 @@ JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
 
 SHARD_TRANSITIONS: dict[ShardState, tuple[ShardState, ...]] = {
     S.running: (S.queued,),  # claimed under a lease
-    S.queued: (S.running, S.failed, S.cancelled),  # lease expired / handed back, or retried
+    S.queued: (S.running, S.succeeded, S.failed, S.cancelled),  # lease expired / handed back, or retried
     S.succeeded: (S.running,),
     S.failed: (S.queued, S.running),  # attempts exhausted, or the engine gave up
     S.cancelled: (S.queued, S.running),
