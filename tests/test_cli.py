@@ -126,3 +126,54 @@ def test_cancelled_job_waits_with_exit_1(tmp_path, cli_env, tiny_model):
     assert jobs(cli_env, "wait", job_id).returncode == 1
     again = jobs(cli_env, "cancel", job_id)
     assert again.returncode == 1 and "already cancelled" in again.stderr
+
+
+def test_up_in_the_foreground_stops_everything_on_ctrl_c(tmp_path):
+    """`gpujobs up` without --detach stays in the foreground; Ctrl-C (SIGINT) stops Redis, the API and the
+    worker it started and removes its stack file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, wait_for
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
+    env["JOBS_HOME"] = str(tmp_path / "home")
+    stack_file = tmp_path / "home" / "run" / "stack.json"
+    proc = subprocess.Popen([sys.executable, "-m", "api", "up", "--port", str(free_port())], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def healthy():
+            return stack_file.exists() and json.loads(stack_file.read_text()).get("workers") and \
+                jobs(env, "workers", "--json").returncode == 0 and \
+                any(w["state"] == "online" for w in json.loads(jobs(env, "workers", "--json").stdout))
+
+        wait_for(healthy, 120, "the foreground stack")
+        stack = json.loads(stack_file.read_text())
+        time.sleep(1)
+        assert proc.poll() is None, "up returned instead of staying in the foreground"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    pids = [stack["redis"], stack["api"], *stack["workers"]]
+    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"
+                   for p in pids)
+    assert not stack_file.exists()
+
+
+def test_submit_reads_a_spec_file_and_flags_override_it(tmp_path, cli_env, spawn_worker, tiny_model):
+    """`--spec job.yaml` supplies the spec; a flag given too wins over the file."""
+    spawn_worker([])
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}])
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"kind: generate\nmodel: {tiny_model}\ninput: {data}\nmax_new_tokens: 2\nname: from-file\n")
+    job_id = jobs(cli_env, "submit", "generate", "--spec", str(spec), "--max-new-tokens", "16", "--wait",
+                  check=True).stdout.strip()
+    job = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
+    assert job["name"] == "from-file" and job["spec"]["max_new_tokens"] == 16
+    assert json.loads(jobs(cli_env, "results", job_id, check=True).stdout)["output"] == "Paris."
+    wrong_kind = jobs(cli_env, "submit", "finetune", "--spec", str(spec))
+    assert wrong_kind.returncode == 2 and "is a 'generate' job, not 'finetune'" in wrong_kind.stderr
