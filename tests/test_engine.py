@@ -275,3 +275,18 @@ def test_out_of_memory_splits_the_group_and_reports_it(tiny_model, monkeypatch):
     assert events == ["out of memory generating 8 rows together: retrying as 4 + 4",
                       "out of memory generating 4 rows together: retrying as 2 + 2",
                       "out of memory generating 4 rows together: retrying as 2 + 2"]
+
+
+def test_a_row_the_chat_template_refuses_fails_alone(tiny_model):
+    """A row whose messages the chat template rejects becomes a failed row naming the template's error; the rest
+    of the micro-batch still gets its answers."""
+    loaded = load(LoadOptions(model=str(tiny_model)), gpus=0)
+    loaded.tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+                                      "{% endif %}" + loaded.tokenizer.chat_template)
+    (q, a), = qa_pairs()[:1]
+    rows = [(0, {"messages": [{"role": "system", "content": "x"}], "params": {}, "extra": {}}),
+            (1, {"prompt": q, "params": {}, "extra": {}})]
+    spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16})
+    bad, good = next(generate(loaded, spec, rows, batch_rows=2))
+    assert bad.error.startswith("cannot build the prompt:") and "no system" in bad.error
+    assert good.output == a and good.error is None

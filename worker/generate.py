@@ -69,7 +69,11 @@ def generate(
         groups: dict[str, list[tuple[int, dict[str, Any], dict[str, Any], list[int]]]] = {}
         for idx, row_input in batch:
             params = sampling_of(spec, row_input.get("params"))
-            ids = render(loaded, row_input)
+            try:
+                ids = render(loaded, row_input)
+            except Exception as exc:  # e.g. a chat template that refuses these messages: this row fails alone
+                results.append(RowResult(idx, started_at=started, error=f"cannot build the prompt: {exc}"))
+                continue
             limit = context_limit(loaded)
             if limit and len(ids) + params["max_new_tokens"] > limit:
                 results.append(RowResult(idx, prompt_tokens=len(ids), started_at=started, error=(
