@@ -1,24 +1,41 @@
 """The HTTP API (FastAPI). Routes are thin: parse, call one service function, format.
 
-Every route but `/healthz` needs `Authorization: Bearer <token>`; the job's owner comes from the token.
+Every route but `/healthz` needs `Authorization: Bearer <token>` with the `user` or `admin` scope; the job's owner
+comes from the token. A user sees and changes only their own jobs and files (another owner's answer 404, exactly
+as if they did not exist); an admin sees every owner's. `tests/test_access.py` checks this on every route of the
+OpenAPI schema, so a new route must take `Caller` (or be added to its public list on purpose).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, File, Header, Query, Request, UploadFile
+from fastapi import Body, Depends, FastAPI, File, Query, Request, UploadFile
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
 from api import service
 from core import auth, files
 from core.db import check_reachable, session_scope
-from core.errors import Forbidden, JobsError
+from core.errors import Forbidden, InvalidInput, JobsError
 from core.queue import ping_redis
+from core.settings import get_settings
+from core.states import JobState
+
+log = logging.getLogger(__name__)
+MAX_ID = 2**63 - 1  # the largest integer SQLite and Postgres (bigint) store
+
+bearer = HTTPBearer(auto_error=False, description="A token from `gpujobs tokens create` (scope user or admin); "
+                                                  "`gpujobs up` writes a local admin token to $JOBS_HOME/token.")
 
 
 @dataclass(frozen=True)
@@ -36,14 +53,14 @@ class Principal:
         return None if self.is_admin else self.owner
 
 
-def principal(authorization: Annotated[str | None, Header()] = None) -> Principal:
-    secret = authorization.removeprefix("Bearer ").strip() if authorization else None
+def principal(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
     with session_scope() as session:
-        token = auth.authenticate(session, secret)
-        scopes = frozenset(token.scopes.split(","))
+        token = auth.authenticate(session, credentials.credentials if credentials else None)
+        owner, scopes = token.owner, frozenset(token.scopes.split(","))
     if not scopes & {"user", "admin"}:
-        raise Forbidden("this token has no user or admin scope")
-    return Principal(owner=token.owner, scopes=scopes)
+        raise Forbidden(f"this token has only the scope(s) {', '.join(sorted(scopes))}: jobs, files and usage need "
+                        "a token with the user or admin scope (`gpujobs tokens create --owner NAME`)")
+    return Principal(owner=owner, scopes=scopes)
 
 
 Caller = Annotated[Principal, Depends(principal)]
@@ -57,7 +74,27 @@ app = FastAPI(
 
 @app.exception_handler(JobsError)
 async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
-    return JSONResponse(status_code=exc.http_status, content={"error": {"type": type(exc).__name__, "message": str(exc)}})
+    return _error(exc.http_status, type(exc).__name__, str(exc))
+
+
+@app.exception_handler(DataError)
+async def _data_error(request: Request, exc: DataError) -> JSONResponse:
+    """A value the database refuses (a NUL character in a string, a number out of range): the request's fault."""
+    log.warning("%s %r: the database refused a value: %s", request.method, request.url.path, exc.orig)
+    return _error(422, "InvalidInput", f"the request holds a value the database cannot store ({exc.orig}): "
+                                       "remove NUL characters and keep numbers within 64 bits")
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's own 422 (`detail`, kept for its clients), plus our `error` with one readable line for the CLI."""
+    problems = "; ".join(f"{' '.join(map(str, e['loc']))}: {e['msg']}"
+                         + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "") for e in exc.errors())
+    return _error(422, "InvalidInput", f"invalid request: {problems}", detail=jsonable_encoder(exc.errors()))
+
+
+def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}, **extra})
 
 
 @app.get("/healthz", summary="Liveness: the database and Redis answer")
@@ -80,12 +117,47 @@ def file_info(caller: Caller, file_id: str) -> dict[str, Any]:
 
 @app.post("/jobs", status_code=201, summary="Submit a job (the spec; `input` is a file id or a server path)")
 async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+    _refuse_nul(spec, "spec")
+    if not caller.is_admin:
+        _check_user_server_path(spec.get("input"))
     return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec)
 
 
+def _refuse_nul(spec: Any, where: str) -> None:
+    """No spec field may hold a NUL character: paths cannot, and Postgres text columns refuse them."""
+    stack = [(where, spec)]
+    while stack:  # iterative: a body nested a thousand levels deep is no reason for a RecursionError
+        where, value = stack.pop()
+        if isinstance(value, str) and "\x00" in value:
+            raise InvalidInput(f"{where} holds a NUL character: remove it")
+        if isinstance(value, dict):
+            stack += [(f"a key of {where}", k) for k in value] + [(f"{where}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _check_user_server_path(source: Any) -> None:
+    """A user reads server files only under JOBS_DATA_ROOTS, and never the store itself (other owners' files,
+    the database, the local admin token): without this a user could import another owner's stored file by path."""
+    if not isinstance(source, str) or source.startswith("file_"):
+        return  # a file id (checked against the owner) or not a path at all (the spec check says what is wrong)
+    settings = get_settings()
+    if not settings.data_roots:
+        raise Forbidden("server-side dataset paths are for admins unless the server sets JOBS_DATA_ROOTS: upload "
+                        "the file instead (`gpujobs submit --input FILE` uploads a local file)")
+    try:
+        real = Path(source).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise InvalidInput(f"dataset path {source!r} cannot be resolved ({exc}): give an absolute path under "
+                           "JOBS_DATA_ROOTS, or a file id") from None
+    if any(real.is_relative_to(p) for p in (settings.home, settings.artifacts)):
+        raise Forbidden(f"dataset path {source!r} is inside the jobs store: refer to a stored file by its id")
+
+
 @app.get("/jobs", summary="List jobs, newest first")
-def list_jobs(caller: Caller, state: str | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict]:
-    return service.list_jobs(owner=caller.visible_owner, state=state, limit=limit)
+def list_jobs(caller: Caller, state: JobState | None = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict]:
+    return service.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit)
 
 
 @app.get("/jobs/{job_id}", summary="A job: state, progress, rates, metrics")
@@ -105,7 +177,8 @@ def results(caller: Caller, job_id: str, errors: bool = False) -> StreamingRespo
 
 
 @app.get("/jobs/{job_id}/events", summary="A job's events after an event id")
-def job_events(caller: Caller, job_id: str, after: int = 0, limit: Annotated[int, Query(ge=1, le=5000)] = 500) -> list:
+def job_events(caller: Caller, job_id: str, after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+               limit: Annotated[int, Query(ge=1, le=5000)] = 500) -> list:
     return service.events(job_id, owner=caller.visible_owner, after=after, limit=limit)
 
 
@@ -117,6 +190,18 @@ def cancel(caller: Caller, job_id: str) -> dict[str, Any]:
 @app.post("/jobs/{job_id}/retry", summary="Re-open a finished job and re-run its failed rows")
 def retry(caller: Caller, job_id: str, failed_only: bool = False) -> dict[str, Any]:
     return service.retry(job_id, owner=caller.visible_owner, failed_only=failed_only, by=caller.owner)
+
+
+@app.get("/usage", summary="Usage per owner: jobs, rows, tokens, GPU-seconds and engine seconds")
+def usage(caller: Caller,
+          owner: Annotated[str | None, Query(description="one owner (admins); a user sees only their own")] = None,
+          since: Annotated[str | None, Query(description="jobs created since: a duration (7d, 12h, 30m) or an "
+                                                         "ISO date or time (2026-01-31, 2026-01-31T12:00Z)")] = None,
+          ) -> dict[str, Any]:
+    owner = owner or None
+    if not caller.is_admin and owner not in (None, caller.owner):
+        raise Forbidden(f"only an admin can read the usage of {owner!r}: leave out --owner to see your own")
+    return service.usage(owner=caller.visible_owner or owner, since=since)
 
 
 @app.get("/workers", summary="Registered workers, their slices, GPUs and heartbeats")

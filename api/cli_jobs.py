@@ -1,4 +1,4 @@
-"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers`: commands that talk to the HTTP API."""
+"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|usage`: commands that talk to the HTTP API."""
 
 from __future__ import annotations
 
@@ -275,3 +275,19 @@ def workers(as_json: bool) -> None:
             age = time.time() - w["heartbeat_at"]
             click.echo(f"{w['name']}  {w['state']:<7} queues={','.join(w['queues'])}  heartbeat {age:.0f}s ago  {gpus}")
     emit(client().workers(), as_json, table)
+
+
+@cli.command()
+@click.option("--owner", help="one owner's usage (admins; a user always sees their own)")
+@click.option("--since", help="jobs created since: a duration (7d, 12h, 30m) or an ISO date (2026-01-31)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def usage(owner: str | None, since: str | None, as_json: bool) -> None:
+    """Usage per owner: jobs, rows, tokens, GPU-seconds (wall time × slice size) and engine seconds."""
+    def table(data):
+        click.echo(f"{'owner':<20} {'jobs':>6} {'rows ok':>9} {'failed':>7} {'prompt tok':>11} {'output tok':>11} "
+                   f"{'GPU-s':>10} {'engine-s':>10}")
+        for u in data["owners"] + ([{"owner": "total", **data["total"]}] if len(data["owners"]) > 1 else []):
+            click.echo(f"{u['owner']:<20} {u['jobs']:>6} {u['rows_succeeded']:>9} {u['rows_failed']:>7} "
+                       f"{u['prompt_tokens']:>11} {u['completion_tokens']:>11} {u['gpu_seconds']:>10.1f} "
+                       f"{u['engine_seconds']:>10.1f}")
+    emit(client().usage(owner=owner, since=since), as_json, table)

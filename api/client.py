@@ -20,6 +20,7 @@ from core import errors
 from core.settings import get_settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+LONG = httpx.Timeout(60.0, read=1800.0)  # uploads and submits of large datasets
 
 
 class Client:
@@ -48,10 +49,11 @@ class Client:
 
     def upload(self, path: str | Path) -> dict[str, Any]:
         with open(path, "rb") as stream:
-            return self._json("POST", "/files", files={"file": (Path(path).name, stream)})
+            return self._json("POST", "/files", files={"file": (Path(path).name, stream)}, timeout=LONG)
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._json("POST", "/jobs", json=spec)
+        # a submit parses and stores every row before it answers: minutes for millions of rows
+        return self._json("POST", "/jobs", json=spec, timeout=LONG)
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self._json("GET", f"/jobs/{job_id}")
@@ -83,6 +85,11 @@ class Client:
 
     def workers(self) -> list[dict[str, Any]]:
         return self._json("GET", "/workers")
+
+    def usage(self, *, owner: str | None = None, since: str | None = None) -> dict[str, Any]:
+        """Per-owner sums (jobs, rows, tokens, GPU- and engine seconds); `since` is 7d, 12h… or an ISO date."""
+        params = {k: v for k, v in {"owner": owner, "since": since}.items() if v is not None}
+        return self._json("GET", "/usage", params=params)
 
     def wait(self, job_id: str, *, poll: float = 1.0, timeout: float | None = None,
              on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

@@ -6,19 +6,22 @@ did not exist.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from core import capability, files, leases, registry
-from core.dataset import parse_jsonl
+from core.dataset import SAMPLE_AT_ZERO, count_rows, parse_jsonl, too_many_rows
 from core.db import session_scope
-from core.errors import Forbidden, IllegalTransition, InvalidInput, Unschedulable
+from core.errors import Forbidden, IllegalTransition, InvalidInput, JobsError, Unschedulable
 from core.models import Job, JobEvent, JobRow, Shard
 from core.queue import TASK_RUN_SHARD, ping_redis, queue_for, send
 from core.settings import get_settings
@@ -27,7 +30,8 @@ from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, insert_rows, maybe_finalize, new_id, now, progress, transition
 
 log = logging.getLogger(__name__)
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_ID = re.compile(r"^(?!\.)[\w.-]+/(?!\.)[\w.-]+$")  # org/name; `./x` and `../x` are paths, not Hub ids
+MAX_CONFIG_BYTES = 10 << 20  # a model's config.json, read as JSON at submit
 RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 
 
@@ -39,6 +43,7 @@ def submit(*, owner: str, spec_data: dict[str, Any]) -> dict[str, Any]:
     spec = parse_spec(spec_data)
     if spec.kind != "generate":
         raise InvalidInput("fine-tune jobs are not available yet on this server: submit a generate job")
+    _check_sampling(spec)
     spec = _resolve_model(spec)
     ping_redis()
     with session_scope() as session:
@@ -51,7 +56,7 @@ def submit(*, owner: str, spec_data: dict[str, Any]) -> dict[str, Any]:
         session.add(job)
         session.flush()
         with open(files.absolute(input_file), "rb") as stream:
-            total, failed, first_error = insert_rows(session, job.id, parse_jsonl(stream))
+            total, failed, first_error = insert_rows(session, job.id, parse_jsonl(stream, spec=spec))
         job.rows_total = total
         add_event(session, job.id, f"submitted by {owner}: {total} rows, {failed} invalid, queue {job.queue}")
         transition(session, job, JobState.validating, reason="structural checks done")
@@ -77,24 +82,59 @@ def enqueue(shard_ids: list[int], queue: str) -> None:
             leases.mark_enqueued(session, [shard_id])
 
 
+def _check_sampling(spec: Spec) -> None:
+    """Parameters that are each valid but cannot run together (the engine would fail every row)."""
+    if getattr(spec, "do_sample", None) and spec.temperature == 0:
+        raise InvalidInput(f"invalid {spec.kind} spec: {SAMPLE_AT_ZERO}")
+
+
 def _resolve_model(spec: Spec) -> Spec:
+    """Check the model a spec names before anything is stored; a local path becomes its resolved directory.
+
+    With JOBS_MODEL_ROOTS set, a path is checked against the roots before it is looked at, so a refusal never
+    tells whether a path outside them exists, and Hub ids are refused (models come only from the roots).
+    """
     settings = get_settings()
     if spec.trust_remote_code and not settings.allow_remote_code:
         raise Forbidden("trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that "
                         "transformers supports natively")
-    path = Path(spec.model).expanduser()
-    if not path.exists():
-        if HUB_ID.match(spec.model) and not settings.model_roots:
+    if not spec.model.strip():
+        raise InvalidInput("model is empty: give a local model directory or a Hub id (org/name) cached on the workers")
+    path = files.resolve(spec.model, what="model") if spec.model.startswith("~") else Path(spec.model)
+    roots = settings.model_roots
+    if not path.is_absolute() and HUB_ID.match(spec.model) and not path.exists():
+        if not roots:
             return spec  # a Hub id: the worker loads it from its cache, offline
-        raise InvalidInput(f"model {spec.model!r} does not exist: give a local model directory"
-                           + ("" if settings.model_roots else " or a Hub id (org/name) cached on the workers"))
-    real = files.check_server_path(str(path), settings.model_roots, what="model")
-    if not (real / "config.json").is_file():
-        raise InvalidInput(f"model directory {spec.model!r} has no config.json: point at a saved transformers model")
-    if not any(real.glob("*.safetensors")):
-        raise InvalidInput(f"model directory {spec.model!r} has no .safetensors weights (pickle .bin checkpoints are "
-                           "refused): convert it with save_pretrained(..., safe_serialization=True)")
+        raise InvalidInput(f"model {spec.model!r} is not a directory under the model roots "
+                           f"({os.pathsep.join(map(str, roots))}): this server loads models only from "
+                           "JOBS_MODEL_ROOTS, not by Hub id")
+    if not roots and not path.exists():
+        raise InvalidInput(f"model {spec.model!r} does not exist: give a local model directory or a Hub id "
+                           "(org/name) cached on the workers")
+    real = files.check_server_path(str(path), roots, what="model")
+    _check_model_dir(real, spec.model)
     return spec.model_copy(update={"model": str(real)})
+
+
+def _check_model_dir(real: Path, name: str) -> None:
+    """A saved transformers model: a directory with a config.json object and safetensors weights."""
+    if not real.is_dir():
+        raise InvalidInput(f"model path {name!r} is not a directory: point at a directory saved with "
+                           "save_pretrained (config.json and *.safetensors)")
+    config = real / "config.json"
+    if not config.is_file():
+        raise InvalidInput(f"model directory {name!r} has no config.json: point at a saved transformers model")
+    try:
+        with open(config, "rb") as stream:
+            data = json.loads(stream.read(MAX_CONFIG_BYTES + 1)) if config.stat().st_size <= MAX_CONFIG_BYTES else 0
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict):
+        raise InvalidInput(f"model directory {name!r} has a config.json that is not a JSON object (of at most "
+                           f"{MAX_CONFIG_BYTES} bytes): save the model again with save_pretrained")
+    if not any(real.glob("*.safetensors")):
+        raise InvalidInput(f"model directory {name!r} has no .safetensors weights (pickle .bin checkpoints are "
+                           "refused): convert it with save_pretrained(..., safe_serialization=True)")
 
 
 def _resolve_gpus(session: Session, spec: Spec) -> int:
@@ -128,9 +168,27 @@ def _describe(workers: list) -> str:
 
 
 def _input_file(session: Session, owner: str, ref: str):
+    """The stored file the job reads: the owner's file id, or a server path copied into the store.
+
+    A dataset of more rows than JOBS_MAX_ROWS is refused here, before a single row is inserted.
+    """
+    if not ref.strip():
+        raise InvalidInput("input is empty: give a file id (file_…) from POST /files, or a server path under "
+                           "JOBS_DATA_ROOTS")
     if ref.startswith("file_"):
-        return files.get(session, ref, owner=owner)
-    return files.import_server_file(session, owner=owner, path=ref)
+        file = files.get(session, ref, owner=owner)
+    else:
+        file = files.import_server_file(session, owner=owner, path=ref)
+    max_rows = get_settings().max_rows
+    try:
+        with open(files.absolute(file), "rb") as stream:
+            rows = count_rows(stream, limit=max_rows)
+    except OSError as exc:
+        raise JobsError(f"stored file {file.id} cannot be read from the artifacts store ({exc.strerror}): check "
+                        "JOBS_ARTIFACTS on the API host, or upload the dataset again") from None
+    if rows > max_rows:
+        raise too_many_rows(max_rows)
+    return file
 
 
 # --- read ---------------------------------------------------------------------------------------------------
@@ -325,3 +383,82 @@ def spec_schema() -> dict[str, Any]:
     return GenerateSpec.model_json_schema()
 
 
+
+
+# --- usage --------------------------------------------------------------------------------------------------
+
+USAGE_FIELDS = ("jobs", "rows_succeeded", "rows_failed", "prompt_tokens", "completion_tokens", "gpu_seconds",
+                "engine_seconds")
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def usage(*, owner: str | None, since: str | None = None) -> dict[str, Any]:
+    """What each owner used, summed in SQL over jobs created since `since` (a duration such as 7d, or an ISO date).
+
+    Finished jobs count the totals written when they were finalized; live jobs count their rows so far and the
+    metrics of their finished shards. GPU-seconds are each shard's wall time × its worker's slice size (0 on a
+    CPU worker); engine seconds are the time spent inside generation. `owner=None` (admins): every owner.
+    """
+    start = usage_since(since)
+    where = [Job.owner == owner] if owner is not None else []
+    where += [Job.created_at >= start] if start is not None else []
+    terminal = [s.value for s in JobState if s.terminal]
+    totals: dict[str, dict[str, float]] = {owner: dict.fromkeys(USAGE_FIELDS, 0)} if owner is not None else {}
+    with session_scope() as session:
+        for query in _usage_queries(where, terminal):
+            for record in session.execute(query).mappings():
+                sums = totals.setdefault(record["owner"], dict.fromkeys(USAGE_FIELDS, 0))
+                for key, value in record.items():
+                    if key != "owner":
+                        sums[key] += value or 0
+    owners = [{"owner": name, **_rounded(sums)} for name, sums in sorted(totals.items())]
+    overall = {key: sum(o[key] for o in owners) for key in USAGE_FIELDS}
+    return {"since": start, "until": now(), "owners": owners, "total": _rounded(overall)}
+
+
+def _usage_queries(where: list, terminal: list[str]) -> list:
+    """Per-owner sums: job counts; finished jobs' totals; live jobs' rows so far; live jobs' finished shards."""
+    def metric(column, name: str):
+        return func.coalesce(func.sum(column[name].as_float()), 0.0)
+
+    def counted(state: RowState):
+        return func.coalesce(func.sum(case((JobRow.state == state.value, 1), else_=0)), 0)
+
+    finished, live = Job.state.in_(terminal), Job.state.not_in(terminal)
+    return [
+        select(Job.owner, func.count().label("jobs")).where(*where).group_by(Job.owner),
+        select(Job.owner, func.sum(Job.rows_succeeded).label("rows_succeeded"),
+               func.sum(Job.rows_failed).label("rows_failed"), func.sum(Job.prompt_tokens).label("prompt_tokens"),
+               func.sum(Job.completion_tokens).label("completion_tokens"),
+               metric(Job.metrics, "gpu_seconds").label("gpu_seconds"),
+               metric(Job.metrics, "engine_seconds").label("engine_seconds"))
+        .where(*where, finished).group_by(Job.owner),
+        select(Job.owner, counted(RowState.succeeded).label("rows_succeeded"),
+               counted(RowState.failed).label("rows_failed"),
+               func.coalesce(func.sum(JobRow.prompt_tokens), 0).label("prompt_tokens"),
+               func.coalesce(func.sum(JobRow.completion_tokens), 0).label("completion_tokens"))
+        .join(JobRow, JobRow.job_id == Job.id).where(*where, live).group_by(Job.owner),
+        select(Job.owner, metric(Shard.metrics, "gpu_seconds").label("gpu_seconds"),
+               metric(Shard.metrics, "engine_seconds").label("engine_seconds"))
+        .join(Shard, Shard.job_id == Job.id).where(*where, live).group_by(Job.owner),
+    ]
+
+
+def _rounded(sums: dict[str, float]) -> dict[str, Any]:
+    return {k: round(float(v), 3) if k.endswith("_seconds") else int(v) for k, v in sums.items()}
+
+
+def usage_since(value: str | None) -> float | None:
+    """`7d`, `12h`, `30m`, `90s`, `2w` before now, or an ISO date/time (UTC unless it names a zone) → Unix seconds."""
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    if match := DURATION.match(text):
+        return max(0.0, now() - float(match[1]) * UNIT_SECONDS[match[2]])
+    try:
+        moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
+        return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
+    except (ValueError, OverflowError):
+        raise InvalidInput(f"since {value!r}: give a duration such as 7d, 12h, 30m or 2w, or an ISO date or time "
+                           "such as 2026-01-31 or 2026-01-31T12:00:00Z") from None

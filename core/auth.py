@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 
 from sqlalchemy import select
@@ -13,6 +14,7 @@ from core.models import Token
 from core.store import new_id, now
 
 SCOPES = ("user", "admin", "metrics")
+OWNER = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")  # the name jobs are filed under: no spaces, no control characters
 
 
 def digest(token: str) -> str:
@@ -24,8 +26,12 @@ def create_token(session: Session, *, owner: str, scopes: list[str], name: str |
     bad = sorted(set(scopes) - set(SCOPES))
     if bad or not scopes:
         raise InvalidInput(f"unknown scope(s) {bad or scopes}: use {', '.join(SCOPES)}")
+    if not OWNER.fullmatch(owner):
+        raise InvalidInput(f"owner {owner!r}: give a name of 1 to 128 characters without spaces or control characters")
     secret = "jt_" + secrets.token_urlsafe(32)
-    session.add(Token(id=new_id("tok"), sha256=digest(secret), owner=owner, scopes=",".join(scopes), name=name, created_at=now()))
+    scope_list = ",".join(s for s in SCOPES if s in scopes)
+    session.add(Token(id=new_id("tok"), sha256=digest(secret), owner=owner, scopes=scope_list, name=name,
+                      created_at=now()))
     return secret
 
 
@@ -34,15 +40,16 @@ def authenticate(session: Session, secret: str | None) -> Token:
         raise Unauthorized("missing bearer token: set JOBS_TOKEN, or run `gpujobs up` which writes a local admin token")
     token = session.scalar(select(Token).where(Token.sha256 == digest(secret)))
     if token is None or token.revoked_at is not None:
-        raise Unauthorized("invalid or revoked token: check JOBS_TOKEN (an admin can create one with `gpujobs tokens create`)")
+        raise Unauthorized("invalid or revoked token: check JOBS_TOKEN (an admin can create one with "
+                           "`gpujobs tokens create`)")
     return token
 
 
 def revoke(session: Session, token_id: str) -> None:
     token = session.get(Token, token_id)
     if token is None:
-        raise InvalidInput(f"no token {token_id!r}")
-    token.revoked_at = now()
+        raise InvalidInput(f"no token {token_id!r}: `gpujobs tokens list` shows the ids")
+    token.revoked_at = token.revoked_at or now()
 
 
 def list_tokens(session: Session) -> list[Token]:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import unicodedata
 from pathlib import Path
 from typing import BinaryIO
 
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from core.errors import Forbidden, InvalidInput, NotFound
@@ -29,31 +31,67 @@ def absolute(file: File) -> Path:
 
 def save(session: Session, *, owner: str, filename: str, stream: BinaryIO, purpose: str = "input",
          job_id: str | None = None) -> File:
+    """Copy `stream` into the store as a new file of `owner`'s, recorded in `session`'s transaction.
+
+    Nothing is left half-written: the copy goes to `<id>.part` and is renamed once whole; an upload over
+    JOBS_MAX_UPLOAD_BYTES or any error removes the part file; and the stored copy is deleted again if the
+    transaction that records it does not commit (a submit refused after its server-side input was copied in).
+    """
     settings = get_settings()
     file_id = new_id("file")
     rel = Path("files") / file_id
     dest = settings.artifacts / rel
     dest.parent.mkdir(parents=True, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
+    label = _label(filename)
     tmp = dest.with_suffix(".part")
-    with open(tmp, "wb") as out:
-        while chunk := stream.read(CHUNK):
-            size += len(chunk)
-            if size > settings.max_upload_bytes:
-                out.close()
-                tmp.unlink()
-                raise InvalidInput(
-                    f"{filename!r} is larger than the upload limit of {settings.max_upload_bytes} bytes "
-                    "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs"
-                )
-            digest.update(chunk)
-            out.write(chunk)
-    os.replace(tmp, dest)
-    label = os.path.basename(filename.replace("\\", "/")) or "upload"
-    file = File(id=file_id, owner=owner, filename=label[:255], purpose=purpose, path=str(rel), bytes=size,
+    try:
+        digest, size = _copy(stream, tmp, label, settings.max_upload_bytes)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _discard_unless_committed(session, dest)
+    file = File(id=file_id, owner=owner, filename=label, purpose=purpose, path=str(rel), bytes=size,
                 sha256=digest.hexdigest(), created_at=now(), job_id=job_id)
     session.add(file)
     return file
+
+
+def _copy(stream: BinaryIO, tmp: Path, label: str, limit: int):
+    digest, size = hashlib.sha256(), 0
+    with open(tmp, "wb") as out:
+        while chunk := stream.read(CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise InvalidInput(f"{label!r} is larger than the upload limit of {limit} bytes "
+                                   "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs")
+            digest.update(chunk)
+            out.write(chunk)
+    return digest, size
+
+
+def _label(filename: str) -> str:
+    """The user's file name, kept only as a label: its last path component, without control characters."""
+    base = os.path.basename((filename or "").replace("\\", "/"))
+    base = "".join(ch for ch in base if unicodedata.category(ch)[0] != "C").strip()
+    return base[:255] if base not in ("", ".", "..") else "upload"
+
+
+def _discard_unless_committed(session: Session, path: Path) -> None:
+    """Delete `path` when the session's current transaction ends without a commit (rollback or close)."""
+    state = {"committed": False, "done": False}
+
+    def committed(_session: Session) -> None:
+        state["committed"] = True
+
+    def ended(_session: Session, transaction) -> None:
+        if transaction.parent is None and not state["done"]:
+            state["done"] = True
+            if not state["committed"]:
+                path.unlink(missing_ok=True)
+
+    event.listen(session, "after_commit", committed)
+    event.listen(session, "after_transaction_end", ended)
 
 
 def get(session: Session, file_id: str, *, owner: str | None) -> File:
@@ -63,6 +101,14 @@ def get(session: Session, file_id: str, *, owner: str | None) -> File:
     return file
 
 
+def resolve(path: str, *, what: str) -> Path:
+    """`~user` expanded and symlinks followed; an unknown user or a bad path is the caller's error, not ours."""
+    try:
+        return Path(path).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise InvalidInput(f"{what} path {path!r} cannot be resolved ({exc}): give an absolute path") from None
+
+
 def check_server_path(path: str, roots: list[Path], *, what: str) -> Path:
     """Resolve a server-side path (following symlinks) and require it under one of `roots`.
 
@@ -70,7 +116,7 @@ def check_server_path(path: str, roots: list[Path], *, what: str) -> Path:
     single-user default); beyond loopback roots are required.
     """
     settings = get_settings()
-    real = Path(path).expanduser().resolve()
+    real = resolve(path, what=what)
     if roots:
         if not any(real.is_relative_to(root) for root in roots):
             names = os.pathsep.join(str(r) for r in roots)

@@ -53,6 +53,8 @@ class Settings:
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
     max_upload_bytes: int = 1 << 30
+    max_rows: int = 10_000_000
+    max_row_bytes: int = 1 << 20
 
     @property
     def files_dir(self) -> Path:
@@ -123,6 +125,8 @@ def get_settings() -> Settings:
         worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
         visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
         max_upload_bytes=int(_env("JOBS_MAX_UPLOAD_BYTES", str(1 << 30))),
+        max_rows=int(_env("JOBS_MAX_ROWS", "10000000")),
+        max_row_bytes=int(_env("JOBS_MAX_ROW_BYTES", str(1 << 20))),
     )
 
 

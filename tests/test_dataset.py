@@ -14,6 +14,7 @@ from core.errors import InvalidInput
 
 EMPTY = "the dataset is empty: expected one JSON object per line with 'prompt' or 'messages'"
 ONE_OF = "a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
+CUSTOM_ID = "custom_id must be a non-empty string of at most 255 printable characters"
 BAD_MESSAGE = "must be an object with 'role' (one of system, user, assistant, tool, developer) and 'content'"
 
 
@@ -72,8 +73,8 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
     [
         (b'{"prompt": "x"', "invalid JSON: Expecting ',' delimiter (column 15)"),
         (b"{prompt: x}", "invalid JSON: Expecting property name enclosed in double quotes (column 2)"),
-        (b'\xff{"prompt": "x"}', "not valid UTF-8 at byte 0"),
-        (b'{"prompt": "caf\xe9"}', "not valid UTF-8 at byte 15"),  # a 0-based byte offset
+        (b'\xff{"prompt": "x"}', "not valid UTF-8 at byte 0: save the file as UTF-8"),
+        (b'{"prompt": "caf\xe9"}', "not valid UTF-8 at byte 15: save the file as UTF-8"),  # a 0-based byte offset
         (b"[1, 2]", "expected a JSON object, got list"),
         (b'"just a string"', "expected a JSON object, got str"),
         (b"42", "expected a JSON object, got int"),
@@ -81,9 +82,9 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
         (b'{"custom_id": "c", "tag": 1}', ONE_OF),
         (b'{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}', ONE_OF),
         (b'{"prompt": ""}', "'prompt' must be a non-empty string"),
-        (b'{"prompt": 5}', "'prompt' must be a non-empty string"),
+        (b'{"prompt": 5}', "'prompt' must be a non-empty string, not a number"),
         (b'{"messages": []}', "'messages' must be a non-empty list of {role, content} objects"),
-        (b'{"messages": "hi"}', "'messages' must be a non-empty list of {role, content} objects"),
+        (b'{"messages": "hi"}', "'messages' must be a non-empty list of {role, content} objects, not a string"),
         (b'{"messages": [{"role": "robot", "content": "x"}]}', f"messages[0] {BAD_MESSAGE}"),
         (b'{"messages": [{"role": "user", "content": "x"}, {"role": "user"}]}', f"messages[1] {BAD_MESSAGE}"),
         (b'{"messages": [{"role": "user", "content": 3}]}', f"messages[0] {BAD_MESSAGE}"),
@@ -94,10 +95,10 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
          "invalid per-row parameter: max_new_tokens: Input should be greater than or equal to 1; "
          "top_p: Input should be less than or equal to 1"),
         (b'{"prompt": "x", "stop": 5}', "invalid per-row parameter: stop: Input should be a valid list"),
-        (b'{"prompt": "x", "custom_id": ""}', "custom_id must be a non-empty string of at most 255 characters"),
-        (b'{"prompt": "x", "custom_id": 7}', "custom_id must be a non-empty string of at most 255 characters"),
+        (b'{"prompt": "x", "custom_id": ""}', CUSTOM_ID),
+        (b'{"prompt": "x", "custom_id": 7}', CUSTOM_ID),
         (b'{"prompt": "x", "custom_id": "' + b"c" * 256 + b'"}',
-         "custom_id must be a non-empty string of at most 255 characters"),
+         CUSTOM_ID),
     ],
 )
 def test_a_bad_row_fails_alone_with_its_line_and_reason(line, reason):
