@@ -110,3 +110,13 @@ def test_postgres_down_for_seconds_mid_job_the_job_completes(tmp_path, private_p
         rows = {r.idx: r for r in session.scalars(select(JobRow).where(JobRow.job_id == job["id"]))}
     assert all(rows[i].state == "succeeded" for i in before)
     assert {r.executions for r in rows.values()} == {1}
+
+
+def test_out_of_memory_in_a_worker_is_retried_smaller_and_reported(tmp_path, jobs_env, spawn_worker, tiny_model):
+    """A worker whose engine runs out of memory above 2 rows per generate call (test-only fault hook) still
+    finishes the job, and the job's events say it split the batch."""
+    worker = spawn_worker([], JOBS_TEST_FAULTS="oom_over_2@generate")
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 8)))
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[worker])
+    messages = [e["message"] for e in service.events(job["id"], owner=None)]
+    assert "shard 0: out of memory generating 4 rows together: retrying as 2 + 2" in messages

@@ -130,7 +130,12 @@ class Runtime:
         _reset_peak_memory()
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
         t_engine = time.perf_counter()
-        for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop):
+        def on_event(message: str) -> None:
+            with session_scope() as session:
+                add_event(session, job.id, f"shard {shard.idx}: {message}", level="warning", shard_id=shard.id)
+
+        for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
+                                         on_event=on_event):
             engine_s += time.perf_counter() - t_engine
             faults.hit("batch")
             with session_scope() as session:
