@@ -48,7 +48,12 @@ def _create_engine(url: str) -> Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        # One connection per thread of the API's thread pool (anyio's 40), and as many again for other threads: with
+        # SQLAlchemy's default (5 + 10 overflow) a status read queued for a connection behind submissions waiting
+        # for SQLite's write lock (ops/bench/README.md, "Load"). In WAL mode readers never wait for the writer; an
+        # idle connection is a file handle.
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=40,
+                               max_overflow=40)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)

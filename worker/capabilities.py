@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+from functools import cache
 from typing import Any
 
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "flash-attn", "kernels",
             "liger-kernel", "triton")
 
 
+@cache
 def versions() -> dict[str, str | None]:
     found = {}
     for name in PACKAGES:
