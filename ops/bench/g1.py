@@ -1,0 +1,589 @@
+"""Workload G1 (DESIGN.md, "Performance: the yardstick") on one GPU: plain-transformers baselines and our service,
+measured in one run so that the ratios compare like with like.
+
+    python ops/bench/g1.py --out ops/bench/results/g1.json          # on a GPU host, from the repo root
+    python ops/bench/g1.py --out ... --slow --slow-prompts 256      # also transformers' `generate_batch` defaults
+
+G1: Qwen3-0.6B architecture with random bf16 weights (`worker.tinymodel --arch qwen3-0.6b`), 1024 prompts of exactly
+256 token ids, 256 new tokens each, EOS off, greedy. Phases, in this order (each skipped if its time would not fit
+in `--budget-s`, so that the later ones still run):
+
+1. `generate_padded` — `model.generate`, dynamic cache, `--padded-batch` rows a call (4 calls of 256).
+2. `static_cache` — `model.generate(cache_implementation="static")` at `--static-batch` (1024) rows: transformers
+   compiles the decode step (torch.compile + CUDA graphs). Run twice; the second is the throughput, the first minus
+   the second is the compile/warm-up cost.
+3. `service` — `gpujobs up --detach --gpus 0`, a small warm-up job with the same load options, then the G1 job over
+   HTTP (`batch_rows` 256, `shard_rows` 1024, `ignore_eos`, prompts as text that tokenizes to exactly 256 tokens).
+   Throughput = Σ rows.completion_tokens ÷ (last row's finished_at − first shard's started_at), read from SQL.
+4. `generate_batch_defaults` (`--slow`) — transformers continuous batching with its defaults.
+
+Phases 1, 2 and 4 run in child processes of this one (each releases all GPU memory when it exits, so the service's
+worker starts on an empty GPU); the token ids are the same in all phases (seeded), and the service's text prompts
+are drawn from the same seed. Writes JSON (`{"g1": {...}}`) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+BOUND_TOK_S = 94_000  # DESIGN.md: KV-cache reads dominate, 112 KiB per token of context on an H200
+SEED = 0
+
+
+def log(message: str) -> None:
+    print(f"[g1 {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def prompt_ids(n: int, length: int, vocab: int, specials: set[int], seed: int = SEED) -> list[list[int]]:
+    """n prompts of exactly `length` ids drawn from the tokenizer's vocabulary, special tokens excluded."""
+    pool = [i for i in range(vocab) if i not in specials]
+    rng = random.Random(seed)
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
+
+
+def one_token_words(tok) -> list[str]:
+    """Strings ' word' that our byte-level BPE tokenizes as exactly one token (so N of them are N tokens)."""
+    words = []
+    for tid in range(len(tok)):
+        piece = tok.convert_ids_to_tokens(tid)
+        if piece and piece.startswith("Ġ") and piece[1:].isalpha():
+            text = tok.convert_tokens_to_string([piece])
+            if tok(text, add_special_tokens=False)["input_ids"] == [tid]:
+                words.append(text)
+    return words
+
+
+def text_prompts(tok, n: int, length: int, seed: int = SEED) -> list[str]:
+    words = one_token_words(tok)
+    if len(words) < 20:
+        raise RuntimeError(f"only {len(words)} one-token words in the tokenizer: cannot build text prompts")
+    rng = random.Random(seed)
+    prompts = ["".join(rng.choice(words) for _ in range(length)) for _ in range(n)]
+    counts = {len(tok(p)["input_ids"]) for p in prompts}  # the call worker.generate.render makes
+    if counts != {length}:
+        raise RuntimeError(f"text prompts tokenize to {sorted(counts)} tokens, not {length}")
+    return prompts
+
+
+# --- in-process baselines (child process) -------------------------------------------------------------------
+
+
+def _sync(torch) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak(torch) -> int | None:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def _reset_peak(torch) -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_inproc(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out = Path(args.child_out)
+    report: dict = {"errors": {}, "windows": {}}  # wall-clock (epoch) spans of the timed calls, for nvidia-smi
+
+    def save() -> None:
+        out.write_text(json.dumps(report, indent=2, default=str))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report["torch"], report["transformers"] = torch.__version__, transformers.__version__
+    report["cuda"] = torch.version.cuda
+    if device == "cuda":
+        report["device_name"] = torch.cuda.get_device_name(0)
+        report["device_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map=device).eval()
+    _sync(torch)
+    report["load_s"] = round(time.perf_counter() - t0, 2)
+    pad = tok.pad_token_id
+    # EOS off: `generate` fills unset fields from model.generation_config, so clear it there (not just per call).
+    model.generation_config.eos_token_id = None
+    prompts = prompt_ids(args.prompts, args.input_len, len(tok), set(tok.all_special_ids))
+    n_new, L = args.new_tokens, args.input_len
+    log(f"model loaded in {report['load_s']} s on {device}; {len(prompts)} prompts × {L} ids, {n_new} new tokens")
+
+    def ids(rows: list[list[int]]):
+        x = torch.tensor(rows, device=device)
+        return x, torch.ones_like(x)
+
+    def gen(rows: list[list[int]], window: str | None = None, **kw) -> tuple[float, int]:
+        x, mask = ids(rows)
+        _sync(torch)
+        t, wall = time.perf_counter(), time.time()
+        with torch.inference_mode():
+            y = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=n_new, do_sample=False,
+                               temperature=None, top_p=None, top_k=None, pad_token_id=pad, **kw)
+        _sync(torch)
+        dt_ = time.perf_counter() - t
+        if window:
+            report["windows"][window] = [wall, time.time()]
+        new = y.shape[1] - x.shape[1]
+        if new != n_new:
+            raise RuntimeError(f"generate returned {new} new tokens, not {n_new} (EOS not off?)")
+        return dt_, new * len(rows)
+
+    # one small call first: CUDA context, cuBLAS handles and kernel loading stay out of the numbers
+    gen(prompts[:4])
+
+    if "padded" in args.phases:
+        try:
+            _reset_peak(torch)
+            times, tokens = [], 0
+            for start in range(0, len(prompts), args.padded_batch):
+                call = start // args.padded_batch + 1
+                s, t = gen(prompts[start : start + args.padded_batch], window=f"padded call {call}")
+                times.append(round(s, 3))
+                tokens += t
+                log(f"padded generate: batch {start // args.padded_batch + 1}: {s:.1f} s ({t / s:,.0f} tok/s)")
+            report["generate_padded"] = {
+                "batch": args.padded_batch, "calls": len(times), "seconds_per_call": times,
+                "seconds": round(sum(times), 3), "output_tokens": tokens,
+                "output_tok_s": round(tokens / sum(times), 1), "peak_memory_bytes": _peak(torch),
+                # the first call at a new batch shape ran ~2.5x slower on the H200 (2026-12-02): shown apart
+                "output_tok_s_after_first_call": round(tokens * (len(times) - 1) / len(times) / sum(times[1:]), 1)
+                if len(times) > 1 else None,
+            }
+        except Exception as exc:  # keep going: the other phases still mean something
+            report["errors"]["generate_padded"] = f"{type(exc).__name__}: {exc}"
+            log(f"padded generate failed: {exc!r}")
+        save()
+
+    if "static" in args.phases:
+        try:
+            _reset_peak(torch)
+            batch = prompts[: args.static_batch]
+            first, tokens = gen(batch, window="static run 1", cache_implementation="static")
+            log(f"static cache, batch {len(batch)}, first run (compile + capture + run): {first:.1f} s")
+            report["static_cache"] = {"batch": len(batch), "first_run_s": round(first, 3)}
+            save()
+            second, tokens = gen(batch, window="static run 2", cache_implementation="static")
+            log(f"static cache, second run: {second:.1f} s ({tokens / second:,.0f} tok/s)")
+            report["static_cache"].update(
+                second_run_s=round(second, 3), output_tokens=tokens, output_tok_s=round(tokens / second, 1),
+                compile_warmup_s=round(first - second, 3), peak_memory_bytes=_peak(torch),
+                compiled=hasattr(model, "_compiled_call"),  # set by generate's auto-compile of the decode step
+                compile_config=str(getattr(model, "_last_compile_config", None)),
+            )
+        except Exception as exc:
+            report["errors"]["static_cache"] = f"{type(exc).__name__}: {exc}"
+            log(f"static cache failed: {exc!r}")
+        save()
+
+    if "slow" in args.phases:
+        try:
+            _reset_peak(torch)
+            cfg = GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=-1, pad_token_id=pad)
+            batch = prompts[: args.slow_prompts]
+            t = time.perf_counter()
+            model.generate_batch(inputs=batch[:8], generation_config=GenerationConfig(
+                max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=pad))
+            warm = time.perf_counter() - t
+            _sync(torch)
+            t, wall = time.perf_counter(), time.time()
+            results = model.generate_batch(inputs=batch, generation_config=cfg)
+            _sync(torch)
+            s = time.perf_counter() - t
+            report["windows"]["generate_batch timed call"] = [wall, time.time()]
+            lengths = [len(r.generated_tokens) for r in results.values()]
+            failed = sum(r.error is not None for r in results.values())
+            tokens = sum(lengths)
+            report["generate_batch_defaults"] = {
+                "prompts": len(batch), "returned": len(results), "failed": failed,
+                "min_new": min(lengths, default=0), "max_new": max(lengths, default=0),
+                "seconds": round(s, 3), "output_tokens": tokens, "output_tok_s": round(tokens / s, 1),
+                "small_first_call_s": round(warm, 3), "peak_memory_bytes": _peak(torch),
+                "note": "one call, manager creation and its CUDA-graph warm-up included (generate_batch's defaults)",
+            }
+            log(f"generate_batch defaults: {len(batch)} prompts, {s:.1f} s ({tokens / s:,.0f} tok/s), "
+                f"new tokens {min(lengths, default=0)}..{max(lengths, default=0)}, {failed} failed")
+        except Exception as exc:
+            report["errors"]["generate_batch_defaults"] = f"{type(exc).__name__}: {exc}"
+            log(f"generate_batch failed: {exc!r}")
+        save()
+    return 0
+
+
+def run_child(args: argparse.Namespace, phases: list[str], timeout: float, work: Path) -> dict:
+    child_out = work / f"child-{'-'.join(phases)}.json"
+    child_out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", "inproc", "--phases", ",".join(phases),
+           "--child-out", str(child_out), "--model", str(args.model), "--prompts", str(args.prompts),
+           "--input-len", str(args.input_len), "--new-tokens", str(args.new_tokens),
+           "--padded-batch", str(args.padded_batch), "--static-batch", str(args.static_batch),
+           "--slow-prompts", str(args.slow_prompts or args.prompts)]
+    log(f"child {phases} with a {timeout:.0f} s limit")
+    rc: int | str
+    try:
+        rc = subprocess.run(cmd, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    report = json.loads(child_out.read_text()) if child_out.exists() else {"errors": {}}
+    if rc != 0:
+        report.setdefault("errors", {})[f"child {','.join(phases)}"] = f"exit {rc}"
+    return report
+
+
+# --- the service ---------------------------------------------------------------------------------------------
+
+
+def run_service(args: argparse.Namespace, deadline: float, work: Path, out_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = text_prompts(tok, args.prompts, args.input_len)
+    data = work / "g1.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "custom_id": f"g1-{i}"}) + "\n" for i, p in enumerate(prompts)))
+    warm = work / "g1-warm.jsonl"
+    warm.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts[:16]))
+    report: dict = {"prompt_check": f"{len(prompts)} text prompts, each {args.input_len} tokens by tok(prompt)"}
+    t = time.monotonic()
+    up = subprocess.run([sys.executable, "-m", "api", "up", "--detach", "--gpus", args.up_gpus, "--port",
+                         str(args.port)], capture_output=True, text=True)
+    report["up_s"] = round(time.monotonic() - t, 2)
+    if up.returncode != 0:
+        raise RuntimeError(f"gpujobs up failed: {up.stderr[-2000:]}")
+    log(f"stack up in {report['up_s']} s")
+    try:
+        _service_jobs(args, deadline, data, warm, report)
+    finally:
+        subprocess.run([sys.executable, "-m", "api", "down"], capture_output=True, text=True)
+        home = Path(os.environ.get("JOBS_HOME", "~/.gpujobs")).expanduser()
+        for name in ("worker-0.log",):
+            if (home / "logs" / name).exists():
+                shutil.copy(home / "logs" / name, out_dir / f"g1-{name}")
+    return report
+
+
+def _service_jobs(args, deadline: float, data: Path, warm: Path, report: dict) -> None:
+    from api.client import Client
+    from core.errors import JobsError
+
+    client = Client()  # after `up`: settings (token, URL) are read on first use
+    report["workers"] = client.workers()
+    base = {"model": str(args.model), "ignore_eos": True, "batch_rows": args.batch_rows,
+            "shard_rows": args.shard_rows, "gpus": args.spec_gpus}
+    t = time.monotonic()
+    job = client.submit({**base, "input": client.upload(warm)["id"], "max_new_tokens": 16, "name": "g1-warm-up"})
+    job = client.wait(job["id"], poll=0.5, timeout=max(deadline - time.monotonic() - 60, 10))
+    report["warm_up"] = {"id": job["id"], "state": job["state"], "wall_s": round(time.monotonic() - t, 2),
+                         "load_options": job["load_options"], "error": job["error"]}
+    log(f"warm-up job {job['state']} in {report['warm_up']['wall_s']} s")
+    if job["state"] != "succeeded":
+        raise RuntimeError(f"warm-up job {job['state']}: {job['error']}")
+    t = time.monotonic()
+    file_id = client.upload(data)["id"]
+    job = client.submit({**base, "input": file_id, "max_new_tokens": args.new_tokens, "name": "g1"})
+    report["submit_s"] = round(time.monotonic() - t, 2)
+    log(f"G1 job {job['id']} submitted ({report['submit_s']} s incl. upload); waiting")
+    try:
+        job = client.wait(job["id"], poll=1.0, timeout=max(deadline - time.monotonic() - 10, 10))
+    except JobsError as exc:
+        report["timeout"] = str(exc)
+        client.cancel(job["id"])
+        job = client.job(job["id"])
+    report["job"] = {k: job.get(k) for k in ("id", "state", "error", "tokens", "metrics", "load_options",
+                                             "created_at", "started_at", "finished_at")}
+    report.update(_sql_numbers(job["id"]))
+
+
+def _after_first(rows: int, completion: int | None, commits: list[float], first_shard: float | None) -> float | None:
+    """Throughput over the micro-batches after the first (equal-sized batches of equal rows assumed, as in G1)."""
+    if not (rows and completion and first_shard) or len(commits) < 2:
+        return None
+    return round(completion * (len(commits) - 1) / len(commits) / (commits[-1] - commits[0]), 1)
+
+
+def _sql_numbers(job_id: str) -> dict:
+    from sqlalchemy import func, select
+
+    from core.db import session_scope
+    from core.models import JobRow, Shard
+
+    with session_scope() as s:
+        r = s.execute(select(
+            func.count(), func.sum(JobRow.completion_tokens), func.sum(JobRow.prompt_tokens),
+            func.min(JobRow.prompt_tokens), func.max(JobRow.prompt_tokens), func.min(JobRow.completion_tokens),
+            func.max(JobRow.completion_tokens), func.max(JobRow.executions), func.min(JobRow.started_at),
+            func.max(JobRow.finished_at),
+        ).where(JobRow.job_id == job_id, JobRow.state == "succeeded")).one()
+        commits = sorted(t for (t,) in s.execute(select(JobRow.finished_at).where(
+            JobRow.job_id == job_id, JobRow.finished_at.is_not(None)).distinct()))
+        shards = s.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.idx)).all()
+        shard_info = [{"idx": sh.idx, "state": sh.state, "attempts": sh.attempts, "started_at": sh.started_at,
+                       "finished_at": sh.finished_at, "metrics": sh.metrics} for sh in shards]
+    rows, completion, prompt, pmin, pmax, cmin, cmax, execs, row_start, row_end = r
+    first_shard = min((sh["started_at"] for sh in shard_info if sh["started_at"]), default=None)
+    window = (row_end - first_shard) if (row_end and first_shard) else None
+    out = {
+        "rows_succeeded": rows, "completion_tokens": completion, "prompt_tokens": prompt,
+        "prompt_tokens_min_max": [pmin, pmax], "completion_tokens_min_max": [cmin, cmax], "max_executions": execs,
+        "first_shard_started_at": first_shard, "last_row_finished_at": row_end, "window_s": window and round(window, 3),
+        "output_tok_s": round(completion / window, 1) if (window and completion) else None,
+        "throughput_definition": "sum(job_rows.completion_tokens) / (max(job_rows.finished_at) - "
+                                 "min(shards.started_at)), read with core.db.session_scope from JOBS_HOME's SQLite",
+        # each micro-batch commits its rows with one finished_at: the gaps are the per-batch times
+        "commit_times_s": [round(c - first_shard, 3) for c in commits] if first_shard else commits,
+        "output_tok_s_after_first_micro_batch": _after_first(rows, completion, commits, first_shard),
+        "shards": shard_info,
+    }
+    return out
+
+
+# --- GPU utilisation sampling ----------------------------------------------------------------------------------
+
+
+def start_sampler(path: Path):
+    if not shutil.which("nvidia-smi"):
+        return None
+    f = path.open("w")
+    return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used,power.draw,"
+                             "clocks.sm", "--format=csv,noheader,nounits", "-lms", "500"], stdout=f,
+                            stderr=subprocess.DEVNULL), f
+
+
+def utilisation(path: Path, windows: dict[str, tuple[float, float]]) -> dict:
+    """Mean / median GPU utilisation (nvidia-smi's 'fraction of time a kernel ran') per phase window."""
+    samples = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            ts = dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((ts, float(parts[1]), float(parts[2]), float(parts[3]), float(parts[4])))
+        except (ValueError, IndexError):
+            continue
+    result = {}
+    for name, (a, b) in windows.items():
+        inside = [s for s in samples if a <= s[0] <= b]
+        if inside:
+            util = sorted(s[1] for s in inside)
+            result[name] = {"samples": len(inside), "util_mean_pct": round(sum(util) / len(util), 1),
+                            "util_median_pct": util[len(util) // 2], "mem_used_mib_max": max(s[2] for s in inside),
+                            "power_w_mean": round(sum(s[3] for s in inside) / len(inside), 1),
+                            "sm_clock_mhz_mean": round(sum(s[4] for s in inside) / len(inside))}
+    return result
+
+
+# --- main ---------------------------------------------------------------------------------------------------------
+
+
+def commit_info() -> dict:
+    info = {"commit": os.environ.get("G1_COMMIT"), "tree_note": os.environ.get("G1_TREE_NOTE")}
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        info["commit"] = head.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+        info["modified"] = [ln[3:] for ln in dirty.splitlines() if ln[:2].strip() and not ln.startswith("??")]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "g1.json")
+    p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"), help="built there if missing")
+    p.add_argument("--arch", choices=["qwen3-0.6b", "tiny"], default="qwen3-0.6b", help="tiny: CPU smoke test")
+    p.add_argument("--prompts", type=int, default=1024)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--padded-batch", type=int, default=256)
+    p.add_argument("--static-batch", type=int, default=1024)
+    p.add_argument("--batch-rows", type=int, default=256, help="service: rows per micro-batch")
+    p.add_argument("--shard-rows", type=int, default=1024, help="service: rows per shard")
+    p.add_argument("--slow", action="store_true", help="also generate_batch with its defaults (last, if time fits)")
+    p.add_argument("--slow-prompts", type=int, default=0, help="prompts for --slow (default: all)")
+    p.add_argument("--skip", default="", help="comma list of padded,static,service")
+    p.add_argument("--budget-s", type=float, default=530, help="wall-clock budget for the whole script")
+    p.add_argument("--service-reserve-s", type=float, default=180, help="kept for the service phase")
+    p.add_argument("--up-gpus", default="0", help="`gpujobs up --gpus` (none: a CPU worker)")
+    p.add_argument("--spec-gpus", type=int, default=1)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--work", type=Path, default=Path("/tmp/g1-work"))
+    p.add_argument("--phase", default="main", help=argparse.SUPPRESS)
+    p.add_argument("--phases", default="", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.phases = [x for x in args.phases.split(",") if x]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.phase == "inproc":
+        return run_inproc(args)
+    t_start = time.monotonic()
+    deadline = t_start + args.budget_s
+    skip = {x for x in args.skip.split(",") if x}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    out_dir = args.out.parent
+    g1: dict = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **commit_info(),
+        "workload": {"arch": args.arch, "prompts": args.prompts, "input_tokens": args.input_len,
+                     "output_tokens": args.new_tokens, "eos": "off", "decoding": "greedy", "dtype": "bfloat16",
+                     "attn_implementation": "sdpa (default)"},
+        "bound_tok_s": BOUND_TOK_S, "baselines": {}, "service": {}, "skipped": [], "errors": {},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                     if k not in ("phase", "phases", "child_out")},
+    }
+    try:
+        g1["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        g1["nvidia_smi"] = None
+
+    def save() -> None:
+        args.out.write_text(json.dumps({"g1": g1}, indent=2, default=str))
+
+    if not (args.model / "model.safetensors").exists():
+        t = time.monotonic()
+        cmd = [sys.executable, "-m", "worker.tinymodel", str(args.model)]
+        cmd += ["--arch", "qwen3-0.6b"] if args.arch == "qwen3-0.6b" else ["--steps", "1"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+        g1["model_build_s"] = round(time.monotonic() - t, 2)
+        log(f"built {args.model} in {g1['model_build_s']} s")
+    sampler = start_sampler(out_dir / "g1-nvidia-smi.csv")
+    windows: dict[str, tuple[float, float]] = {}
+    remaining = lambda: deadline - time.monotonic()  # noqa: E731
+
+    phases = [p for p in ("padded", "static") if p not in skip]
+    reserve = 0 if "service" in skip else args.service_reserve_s
+    if phases and remaining() - reserve > 60:
+        w0 = time.time()
+        child = run_child(args, phases, remaining() - reserve, args.work)
+        windows["inproc"] = (w0, time.time())
+        for key in ("torch", "transformers", "cuda", "device_name", "device_memory_bytes", "load_s"):
+            if key in child:
+                g1[key] = child[key]
+        if "generate_padded" in child:
+            g1["baselines"][f"generate_padded_{args.padded_batch}"] = child["generate_padded"]
+        if "static_cache" in child:
+            g1["baselines"][f"static_cache_{args.static_batch}"] = child["static_cache"]
+        g1["errors"].update(child.get("errors", {}))
+        windows.update({k: tuple(v) for k, v in child.get("windows", {}).items()})
+    else:
+        g1["skipped"] += phases
+    save()
+
+    if "service" not in skip and remaining() > 90:
+        w0 = time.time()
+        try:
+            g1["service"] = run_service(args, deadline, args.work, out_dir)
+            svc = g1["service"]
+            if svc.get("first_shard_started_at") and svc.get("last_row_finished_at"):
+                a, b = svc["first_shard_started_at"], svc["last_row_finished_at"]
+                windows["service job"] = (a, b)
+                if len(svc["commit_times_s"]) > 1:
+                    windows["service job after first micro-batch"] = (a + svc["commit_times_s"][0], b)
+        except Exception as exc:
+            g1["errors"]["service"] = f"{type(exc).__name__}: {exc}"
+            log(f"service phase failed: {exc!r}")
+        windows["service"] = (w0, time.time())
+    elif "service" not in skip:
+        g1["skipped"].append("service")
+    save()
+
+    if args.slow:
+        n = args.slow_prompts or args.prompts
+        estimate = n * args.new_tokens / 1200 + 60  # DESIGN.md: ≈1.2–1.4k tok/s, plus start and CUDA-graph warm-up
+        if remaining() > estimate:
+            w0 = time.time()
+            child = run_child(args, ["slow"], remaining(), args.work)
+            windows["generate_batch"] = (w0, time.time())
+            if "generate_batch_defaults" in child:
+                g1["baselines"]["generate_batch_defaults"] = child["generate_batch_defaults"]
+            g1["errors"].update(child.get("errors", {}))
+            windows.update({k: tuple(v) for k, v in child.get("windows", {}).items()})
+        else:
+            g1["skipped"].append(f"generate_batch_defaults (estimated {estimate:.0f} s, {remaining():.0f} s left)")
+
+    if sampler:
+        sampler[0].terminate()
+        sampler[0].wait()
+        sampler[1].close()
+        g1["gpu_utilisation"] = utilisation(out_dir / "g1-nvidia-smi.csv", windows)
+    g1["ratios"] = ratios(g1)
+    g1["total_s"] = round(time.monotonic() - t_start, 1)
+    save()
+    print_table(g1)
+    log(f"wrote {args.out}")
+    return 0 if not g1["errors"] else 1
+
+
+def ratios(g1: dict) -> dict:
+    rates = {name: b.get("output_tok_s") for name, b in g1["baselines"].items()}
+    rates["service"] = g1["service"].get("output_tok_s")
+    out = {f"{name}/bound": round(v / g1["bound_tok_s"], 4) for name, v in rates.items() if v}
+    svc = rates.get("service")
+    if svc:
+        out.update({f"service/{name}": round(svc / v, 3) for name, v in rates.items() if v and name != "service"})
+    return out
+
+
+def print_table(g1: dict) -> None:
+    def gib(b):
+        return f"{b / 2**30:.1f}" if b else "-"
+
+    print()
+    print(f"G1 on {g1.get('device_name', '?')}: {g1['workload']['prompts']} prompts × {g1['workload']['input_tokens']} "
+          f"in + {g1['workload']['output_tokens']} out, EOS off; torch {g1.get('torch')}, transformers "
+          f"{g1.get('transformers')}; commit {str(g1.get('commit'))[:12]}")
+    print(f"{'engine':<34} {'out tok/s':>10} {'÷ bound':>8} {'seconds':>9} {'compile/warm s':>15} {'peak GiB':>9} "
+          f"{'after 1st batch':>15}")
+    bound = g1["bound_tok_s"]
+    for name, b in g1["baselines"].items():
+        secs = b.get("second_run_s", b.get("seconds"))
+        warm = b.get("compile_warmup_s", b.get("small_first_call_s", "-"))
+        rate = b.get("output_tok_s")
+        label = name + (f" ({b['prompts']} prompts)" if name == "generate_batch_defaults" else "")
+        after = b.get("output_tok_s_after_first_call")
+        print(f"{label:<34} {rate or 0:>10,.0f} {(rate or 0) / bound:>8.3f} {secs or 0:>9.1f} {warm!s:>15} "
+              f"{gib(b.get('peak_memory_bytes')):>9} {f'{after:,.0f}' if after else '-':>15}")
+    s = g1["service"]
+    if s.get("output_tok_s"):
+        peak = max((sh.get("metrics") or {}).get("peak_memory_bytes", 0) for sh in s.get("shards", [{}]))
+        label = f"service (batch_rows {g1['settings']['batch_rows']}, warm)"
+        after = s.get("output_tok_s_after_first_micro_batch")
+        print(f"{label:<34} {s['output_tok_s']:>10,.0f} {s['output_tok_s'] / bound:>8.3f} "
+              f"{s['window_s']:>9.1f} {'-':>15} {gib(peak):>9} {f'{after:,.0f}' if after else '-':>15}")
+    print(f"{'bound (DESIGN.md)':<34} {bound:>10,}")
+    for k, v in g1["ratios"].items():
+        if k.startswith("service/"):
+            print(f"  {k} = {v}")
+    if g1.get("gpu_utilisation"):
+        print("GPU utilisation (nvidia-smi, 0.5 s samples), mean / median %, mean W:")
+        for k, v in g1["gpu_utilisation"].items():
+            print(f"  {k:<40} {v['util_mean_pct']:>5} / {v['util_median_pct']:>5}  {v['power_w_mean']:>6} W")
+    if g1["skipped"]:
+        print("skipped:", g1["skipped"])
+    if g1["errors"]:
+        print("errors:", json.dumps(g1["errors"])[:2000])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
