@@ -56,7 +56,13 @@ def _create_engine(url: str) -> Engine:
                                max_overflow=40)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args=PG_CONNECT_ARGS)
+
+
+# libpq: give up a connect after 10 s; notice a dead peer (host gone, network cut) after ~20 s instead of TCP's
+# ~15 min (unacknowledged data: tcp_user_timeout) or 2 h (idle connection: keepalives).
+PG_CONNECT_ARGS = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+                   "keepalives_count": 3, "tcp_user_timeout": 20_000}
 
 
 @cache

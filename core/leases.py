@@ -216,7 +216,10 @@ def mark_enqueued(session: Session, shard_ids: list[int]) -> None:
 def expired_shards(session: Session) -> list[Shard]:
     return list(
         session.scalars(
-            select(Shard).where(Shard.state == ShardState.running.value, Shard.lease_expires_at < now()).limit(100)
+            select(Shard)
+            .where(Shard.state == ShardState.running.value, Shard.lease_expires_at < now())
+            .limit(100)
+            .with_for_update(skip_locked=True)  # a row locked by a session of a partitioned host: next beat
         ).all()
     )
 
@@ -252,6 +255,32 @@ def queued_shards(session: Session, *, older_than: float, unsent_only: bool = Tr
     if unsent_only:
         stmt = stmt.where(Shard.enqueued_at.is_(None))
     return list(session.scalars(stmt).all())
+
+
+def sent_long_ago(session: Session, *, sent_before: float) -> list[tuple[Shard, str]]:
+    """Queued shards (with their queue) whose message was sent before `sent_before` and never claimed."""
+    stmt = (
+        select(Shard, Job.queue)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Shard.state == ShardState.queued.value, Shard.enqueued_at < sent_before)
+        .order_by(Shard.id)
+        .limit(1000)
+    )
+    return [(shard, queue) for shard, queue in session.execute(stmt).all()]
+
+
+def mark_resent(session: Session, shard: Shard) -> bool:
+    """Reaper step for a shard whose message is gone. True if this process won and must send it again."""
+    stmt = (
+        update(Shard)
+        .where(Shard.id == shard.id, Shard.state == ShardState.queued.value, Shard.enqueued_at == shard.enqueued_at)
+        .values(enqueued_at=now())
+    )
+    if session.execute(stmt).rowcount != 1:
+        return False
+    add_event(session, shard.job_id, f"shard {shard.idx} sent again: queued since its send, and its queue is empty "
+              "(the message was lost in flight)", shard_id=shard.id)
+    return True
 
 
 def stuck_jobs(session: Session) -> list[str]:

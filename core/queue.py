@@ -82,6 +82,17 @@ def ping_redis() -> None:
         ) from exc
 
 
+KOMBU_PRIORITY_KEYS = ("", "\x06\x163", "\x06\x166", "\x06\x169")  # kombu's Redis lists of one queue
+
+
+def waiting_messages(queue: str) -> int:
+    """Messages waiting in Redis for `queue` (kombu keeps one list per priority step)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=5, socket_timeout=5)
+    return sum(client.llen(queue + suffix) for suffix in KOMBU_PRIORITY_KEYS)
+
+
 def send(task: str, args: list, queue: str) -> None:
     try:
         get_app().send_task(task, args=args, queue=queue)

@@ -47,6 +47,7 @@ def make_env(tmp: Path, database_url: str, redis_url: str, **extra: str) -> dict
         JOBS_ARTIFACTS=str(tmp / "artifacts"),
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",  # CPU workers share 2 cores with the API and the test: one torch thread each
         PYTHONPATH=str(ROOT),
     )
     env.update(extra)

@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.loglevel)
     from core.settings import get_settings
 
+    # A session of this worker left inside a transaction (its host cut off between UPDATE and COMMIT) is ended by
+    # the server within one lease, so its row locks never outlive the lease; and no statement waits on a lock long.
+    lease_ms = int(get_settings().lease_seconds * 1000)
+    os.environ.setdefault("PGOPTIONS", f"-c idle_in_transaction_session_timeout={lease_ms} -c lock_timeout=5000")
+
     if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
         log.error("refusing to start: CUDA_VISIBLE_DEVICES=%r / CUDA_DEVICE_ORDER=%r do not match --slice %r; "
                   "start workers with `gpujobs worker --gpus ...`", os.environ.get("CUDA_VISIBLE_DEVICES"),

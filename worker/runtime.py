@@ -19,7 +19,7 @@ from core import leases, registry
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, LeaseLost
 from core.models import Job, Shard
-from core.queue import TASK_RUN_SHARD, send
+from core.queue import TASK_RUN_SHARD, send, waiting_messages
 from core.settings import get_settings
 from core.spec import GenerateSpec, LoadOptions
 from core.store import add_event, maybe_finalize, now
@@ -226,6 +226,13 @@ def reap() -> None:
         to_send = [(s.id, s.job_id) for s in shards]
         for shard in leases.expired_shards(session):
             if leases.requeue_expired(session, shard):
+                to_send.append((shard.id, shard.job_id))
+        # A message Redis handed to a host as it dropped off the network is gone (kombu records it as unacked only
+        # once read): a shard still queued a lease after its send, while its queue is empty, is sent again.
+        stale = leases.sent_long_ago(session, sent_before=now() - settings.lease_seconds)
+        empty = {q for q in {q for _, q in stale} if waiting_messages(q) == 0}
+        for shard, queue in stale:
+            if queue in empty and leases.mark_resent(session, shard):
                 to_send.append((shard.id, shard.job_id))
     for shard_id, job_id in to_send:
         log.info("%s reaper: enqueuing shard %s", job_id, shard_id)
