@@ -210,10 +210,10 @@ def test_cut_worker_host_mid_job_other_host_finishes_and_cut_host_writes_nothing
     recovered_after = time.monotonic() - restored_t
     log = proc_a.log.read_text(errors="replace")
     refused = f"is no longer leased by {a}" in log or "lost the lease of shard" in log
-    if how == "switch":  # nothing failed while cut: A's commit went out after the restore and was refused
-        assert refused, proc_a.tail(60)
-    else:  # a "cable" cut makes A's new connections fail fast: its attempt may end on that error instead
-        assert refused or "database cannot be reached" in log, proc_a.tail(60)
+    # A's late commit is refused by the lease check, or (libpq's tcp_user_timeout and keepalives notice a cut within
+    # ~20 s, and a "cable" cut fails new connections at once) its attempt ends on the network error instead: either
+    # way it wrote nothing, which the store comparison below checks
+    assert refused or "database cannot be reached" in log, proc_a.tail(60)
     time.sleep(1)  # a commit that slipped past the lease check would have landed by now
     assert settled(job_id) == store, "host A wrote rows after it lost its lease"
     assert job_state(job_id) == "succeeded"
