@@ -7,7 +7,6 @@ made directly with the models; between cases a raw UPDATE puts the object back i
 from __future__ import annotations
 
 import itertools
-import threading
 
 import pytest
 from sqlalchemy import func, select, update
@@ -17,6 +16,7 @@ from core.errors import IllegalTransition
 from core.models import Job, JobEvent, Shard
 from core.states import JOB_TRANSITIONS, SHARD_TRANSITIONS, JobState, ShardState
 from core.store import new_id, now, transition
+from tests.test_leases import race
 
 KINDS = {
     "job": (Job, JobState, JOB_TRANSITIONS),
@@ -163,28 +163,6 @@ def test_a_target_with_no_sources_is_refused_by_name(any_jobs_env, monkeypatch):
         assert session.scalar(select(Job.state).where(Job.id == job.id)) == "finalizing"
 
 
-def _race(n: int, attempt) -> list[object]:
-    """Run `attempt(i)` in n threads released together, each in its own session; return results or exceptions."""
-    barrier = threading.Barrier(n)
-    results: list[object] = [None] * n
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            with session_scope() as session:
-                results[i] = attempt(session, i)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a racing session hung"
-    return results
-
-
 @pytest.mark.parametrize("kind", ["job", "shard"])
 def test_sessions_racing_the_same_transition_only_one_wins(any_jobs_env, kind):
     """Four sessions make the same legal move at once (finalize a job / claim a shard): one wins, three get IllegalTransition."""
@@ -199,7 +177,7 @@ def test_sessions_racing_the_same_transition_only_one_wins(any_jobs_env, kind):
         return transition(session, session.get(Shard, shard_id), ShardState.running, reason=f"by w{i}",
                           lease_owner=f"w{i}", attempts=Shard.attempts + 1).state
 
-    results = _race(4, attempt)
+    results = race(4, attempt)
     winners = [r for r in results if not isinstance(r, Exception)]
     losers = [r for r in results if isinstance(r, Exception)]
     assert len(winners) == 1, results
