@@ -61,8 +61,8 @@ def test_visibility_timeout_shorter_than_a_shard_runs_every_row_once(tmp_path, j
     second worker, which finds the shard leased and does nothing: every row is executed once."""
     env = {"JOBS_VISIBILITY_TIMEOUT": "5"}
     workers = [spawn_worker([], **env), spawn_worker([], **env)]
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480),
-                                                        shard_rows=480))
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 1440),
+                                                        shard_rows=1440))
     wait_for(lambda: job_state(job["id"]) == "succeeded", 240, "the job", procs=workers)
     assert set(executions(job["id"])) == {1}
     with session_scope() as session:
