@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 from sqlalchemy import select
 
 from api import service
@@ -73,16 +74,18 @@ def test_visibility_timeout_shorter_than_a_shard_runs_every_row_once(tmp_path, j
     assert "duplicate message ignored" in logs, "Redis never redelivered the message: the test proved nothing"
 
 
+@pytest.mark.parametrize("outage", [2, 10])
 def test_redis_killed_and_restarted_mid_job_the_job_completes(tmp_path, jobs_env, redis_server, spawn_worker,
-                                                              tiny_model):
-    """SIGKILL Redis while a job runs and restart it empty on the same port: the workers reconnect, the lost
-    queued messages are sent again, and the job completes with every row once."""
+                                                              tiny_model, outage):
+    """SIGKILL Redis while a job runs and restart it empty on the same port after `outage` seconds: the workers
+    survive (an ack that fails while Redis is down used to end a Celery 5.7 worker), reconnect, the lost queued
+    messages are sent again, and the job completes with every row once."""
     workers = [spawn_worker([]), spawn_worker([])]
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240),
                                                         shard_rows=24))
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=workers)
     redis_server.kill()
-    time.sleep(2)
+    time.sleep(outage)
     redis_server.start()
     wait_for(lambda: job_state(job["id"]) == "succeeded", 180, "the job", procs=workers)
     assert set(executions(job["id"])) == {1}

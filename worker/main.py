@@ -29,6 +29,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def survive_broker_loss_with_unacked_messages() -> None:
+    """Keep the worker alive when Redis dies while it holds an unacknowledged message.
+
+    Celery 5.7 handles a lost broker connection by `collect()`ing it (which detaches its transport) and then
+    closing it; closing the default channel tries to restore the unacked message through the detached transport,
+    raises AttributeError, and Celery ends the worker as an "unrecoverable error". Kombu already ignores
+    AttributeError when it closes the connection itself; we ignore it when it closes the channel too. Nothing is
+    lost by that: the message could not be put back into a dead Redis anyway, and the shard's SQL lease and the
+    reaper re-queue it (tests/test_faults.py kills Redis for 2 s and 10 s mid-job).
+    """
+    from kombu.connection import Connection
+
+    def maybe_close_channel(self, channel):
+        try:
+            channel.close()
+        except (self.connection_errors + self.channel_errors + (AttributeError,)):
+            pass
+
+    Connection.maybe_close_channel = maybe_close_channel
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.loglevel)
@@ -57,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime.register(os.getpid())
     runtime.start_heartbeat()
     signals.worker_shutting_down.connect(lambda **_: runtime.shutting_down.set(), weak=False)
+    survive_broker_loss_with_unacked_messages()
     try:
         tasks.app.worker_main([
             "worker", "--pool=solo", f"--queues={queue}", f"--hostname={name}", f"--loglevel={args.loglevel}",
