@@ -79,26 +79,33 @@ def test_sigkilled_worker_shard_is_finished_by_another_within_60s(tmp_path, jobs
 
 
 def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, spawn_worker, tiny_model):
-    """Cancel while a shard runs: no row is committed after the cancel settles, finished rows stay, the job ends
-    cancelled within seconds, and the worker takes its next job at once."""
+    """Cancel while a shard runs: no row is committed later than cancel + 5 s (read from SQL), the running
+    `generate` stops between decode steps, finished rows stay, the job ends cancelled, and the worker claims its
+    next task within 5 s of that task being queued."""
     worker = spawn_worker([])
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480),
                                                         shard_rows=120))
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=[worker])
-    cancelled_at = time.monotonic()
+    cancelled_at = time.time()
     service.cancel(job["id"], owner=None, by="t")
     wait_for(lambda: job_state(job["id"]) == "cancelled", 10, "the job to be cancelled", procs=[worker])
-    assert time.monotonic() - cancelled_at < 10
     done = row_counts(job["id"]).get("succeeded", 0)
     time.sleep(2)
     assert row_counts(job["id"]).get("succeeded", 0) == done, "rows were committed after the cancel"
     assert 8 <= done < 480
+    with session_scope() as session:
+        last_commit = session.scalar(select(func.max(JobRow.finished_at)).where(JobRow.job_id == job["id"]))
+    assert last_commit <= cancelled_at + 5, f"a row was committed {last_commit - cancelled_at:.1f} s after cancel"
     results = list(service.results(job["id"], owner=None))
     assert len(results) == done
 
     small = service.submit(owner="t", spec_data={"model": str(tiny_model), "gpus": 0, "max_new_tokens": 4,
                                                  "input": write_dataset(tmp_path / "s.jsonl", 3)})
     wait_for(lambda: job_state(small["id"]) == "succeeded", 15, "the next job", procs=[worker])
+    with session_scope() as session:
+        shard = session.scalars(select(Shard).where(Shard.job_id == small["id"])).one()
+    waited = shard.started_at - shard.enqueued_at
+    assert waited < 5, f"the next task was claimed {waited:.1f} s after it was queued"
 
 
 def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_model):
