@@ -3,17 +3,18 @@
 Every route but `/healthz` needs `Authorization: Bearer <token>` with the `user` or `admin` scope; the job's owner
 comes from the token. A user sees and changes only their own jobs and files (another owner's answer 404, exactly
 as if they did not exist); an admin sees every owner's. `tests/test_access.py` checks this on every route of the
-OpenAPI schema, so a new route must take `Caller` (or be added to its public list on purpose).
+OpenAPI schema, so a new route must take `Caller` (or be added to its public list on purpose). The routers
+mounted below stay out of the schema and check access themselves, each with its own tests: `/metrics` (Prometheus
+text, metrics or admin scope: tests/test_metrics.py), `/dashboard` (a static page; its data comes from the routes
+here), `/v1/files` and `/v1/batches` (OpenAI's specification describes them: tests/test_openai_api.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Body, Depends, FastAPI, File, Query, Request, UploadFile
 from fastapi.encoders import jsonable_encoder
@@ -23,8 +24,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
-from api import service
-from core import auth, files
+from api import dashboard, metrics, openai_api, service, service_finetune
+from core import auth, files, formats
 from core.db import check_reachable, session_scope
 from core.errors import Forbidden, InvalidInput, JobsError
 from core.queue import ping_redis
@@ -70,6 +71,9 @@ app = FastAPI(
     summary="Queued generation and LoRA fine-tune jobs on GPU workers",
     version="0.1.0",
 )
+app.include_router(metrics.router)  # GET /metrics (Prometheus; the metrics or admin scope)
+app.include_router(dashboard.router)  # the web dashboard's static page at /dashboard (its data: the routes below)
+app.include_router(openai_api.router)  # /v1/files and /v1/batches: the OpenAI Batch API over our jobs
 
 
 @app.exception_handler(JobsError)
@@ -120,7 +124,10 @@ async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dic
     _refuse_nul(spec, "spec")
     if not caller.is_admin:
         _check_user_server_path(spec.get("input"))
-    return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec)
+        _check_user_server_path(spec.get("validation_input"))  # a fine-tune's other datasets, checked the same way
+        then = spec.get("then_generate")
+        _check_user_server_path(then.get("input") if isinstance(then, dict) else then)
+    return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin)
 
 
 def _refuse_nul(spec: Any, where: str) -> None:
@@ -165,15 +172,26 @@ def get_job(caller: Caller, job_id: str) -> dict[str, Any]:
     return service.get(job_id, owner=caller.visible_owner)
 
 
-@app.get("/jobs/{job_id}/results", summary="Finished rows as JSONL, in input order (also while the job runs)")
-def results(caller: Caller, job_id: str, errors: bool = False) -> StreamingResponse:
+@app.get("/jobs/{job_id}/results", summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while "
+                                          "the job runs)")
+def results(caller: Caller, job_id: str, errors: bool = False,
+            format: Annotated[Literal["jsonl", "openai", "csv", "parquet"],
+                              Query(description="jsonl (ours), openai (Batch output file; with errors, its error "
+                                                "file), csv or parquet")] = "jsonl",
+            order: Annotated[Literal["input", "finished"],
+                             Query(description="input order, or the order rows finished")] = "input",
+            ) -> StreamingResponse:
     service.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
+    name = f"{job_id}{'-errors' if errors else ''}.{'jsonl' if format == 'openai' else format}"
+    return StreamingResponse(service.export(job_id, owner=caller.visible_owner, fmt=format, errors=errors,
+                                            order=order),
+                             media_type=formats.MEDIA_TYPES[format],
+                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
-    def lines() -> Iterator[bytes]:
-        for record in service.results(job_id, owner=caller.visible_owner, errors=errors):
-            yield (json.dumps(record, ensure_ascii=False) + "\n").encode()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+@app.get("/jobs/{job_id}/throughput", summary="Rows and output tokens per second over a job's run (time buckets)")
+def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
+    return dashboard.throughput(job_id, owner=caller.visible_owner)
 
 
 @app.get("/jobs/{job_id}/events", summary="A job's events after an event id")
@@ -202,6 +220,17 @@ def usage(caller: Caller,
     if not caller.is_admin and owner not in (None, caller.owner):
         raise Forbidden(f"only an admin can read the usage of {owner!r}: leave out --owner to see your own")
     return service.usage(owner=caller.visible_owner or owner, since=since)
+
+
+@app.get("/adapters", summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first")
+def list_adapters(caller: Caller, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+    return service_finetune.list_adapters(owner=caller.visible_owner, limit=limit)
+
+
+@app.get("/adapters/{job_id}", summary="An adapter (its id is the fine-tune job's): base model, tokenizer, LoRA "
+         "config, metrics")
+def get_adapter(caller: Caller, job_id: str) -> dict[str, Any]:
+    return service_finetune.get_adapter(job_id, owner=caller.visible_owner)
 
 
 @app.get("/workers", summary="Registered workers, their slices, GPUs and heartbeats")

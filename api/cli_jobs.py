@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -41,33 +45,68 @@ def parse_sets(pairs: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def parse_columns(pairs: tuple[str, ...]) -> dict[str, str]:
+    """--column ours=theirs pairs as the spec's input_columns."""
+    out = {}
+    for pair in pairs:
+        ours, sep, theirs = pair.partition("=")
+        if not sep or not ours.strip() or not theirs:
+            raise InvalidInput(f"--column {pair!r}: expected OURS=THEIRS, e.g. prompt=question")
+        out[ours.strip()] = theirs
+    return out
+
+
 def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     """Upload a local input file (so it works against a remote server) and make a local model path absolute."""
     spec = dict(spec)
     source = spec.get("input")
     if source and not str(source).startswith("file_") and Path(source).expanduser().is_file():
         spec["input"] = api.upload(Path(source).expanduser())["id"]
+    elif source and not str(source).startswith("file_") and Path(source).expanduser().is_dir():
+        with pack_saved_dataset(Path(source).expanduser()) as packed:
+            spec["input"] = api.upload(packed)["id"]
     model = spec.get("model")
     if model and Path(model).expanduser().exists():
         spec["model"] = str(Path(model).expanduser().resolve())
     return spec
 
 
+@contextlib.contextmanager
+def pack_saved_dataset(folder: Path):
+    """A directory written by `Dataset.save_to_disk`, packed into one zip for upload (removed afterwards).
+
+    Only the files a saved dataset has at its top level are packed (state.json, dataset_info.json, *.arrow)."""
+    if (folder / "dataset_dict.json").is_file():
+        raise InvalidInput(f"{folder} is a DatasetDict (it holds splits): save one split, e.g. "
+                           "`ds['train'].save_to_disk(path)`, and pass that directory")
+    if not (folder / "state.json").is_file():
+        raise InvalidInput(f"{folder} is a directory but not a dataset saved with save_to_disk (no state.json): "
+                           "pass a JSONL, CSV or Parquet file, or a save_to_disk directory")
+    with tempfile.TemporaryDirectory(prefix="gpujobs-") as tmp:
+        packed = Path(tmp) / f"{folder.name or 'dataset'}.hf.zip"
+        with zipfile.ZipFile(packed, "w", zipfile.ZIP_STORED) as archive:  # Arrow files barely compress
+            for path in sorted(folder.iterdir()):
+                if path.is_file() and (path.suffix in (".arrow", ".json")):
+                    archive.write(path, path.name)
+        yield packed
+
+
 def common_submit_options(fn):
     options = [
         click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="YAML or JSON spec; flags override it"),
         click.option("--model", help="model directory, or a Hub id cached on the workers"),
-        click.option("--input", "input_", help="dataset: a local file (uploaded), a file_… id, or a server path"),
+        click.option("--input", "input_", help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path"),
         click.option("--name", help="a label for the job"),
         click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),
         click.option("--revision", help="Hub revision of the model"),
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="weights dtype (auto)"),
         click.option("--attn-implementation", "--attn", "attn_implementation",
-                     help="sdpa (default), eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo"),
+                     help="sdpa (default), sdpa_gqa, eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo"),
         click.option("--quantization", help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"),
         click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
         click.option("--adapter", help="LoRA adapter: a fine-tune job id or a file id"),
-        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="any other spec field (repeatable)"),
+        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                     help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4"),
         click.option("--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"),
         click.option("--json", "as_json", is_flag=True, help="print the job as JSON instead of its id"),
     ]
@@ -83,9 +122,22 @@ def submit_spec(kind: str, spec_file: str | None, sets: tuple[str, ...], flags: 
     if spec.setdefault("kind", kind) != kind:
         raise InvalidInput(f"the spec file is a {spec['kind']!r} job, not {kind!r}")
     for field in ("model", "input"):
-        if not spec.get(field):
-            raise InvalidInput(f"missing --{field} (or `{field}:` in the spec file)")
+        if not spec.get(field) and not (field == "model" and _model_in_lines(kind, spec)):
+            raise InvalidInput(f"missing --{field} (or `{field}:` in the spec file)"
+                               + ("; only OpenAI batch lines may name the model instead, in body.model"
+                                  if field == "model" and kind == "generate" else ""))
     return spec
+
+
+def _model_in_lines(kind: str, spec: dict[str, Any]) -> bool:
+    """A generation job may leave the model to its OpenAI batch lines' body.model (the server checks them all);
+    for a local file the CLI looks at its format first, so a plain JSONL without --model is refused at once."""
+    from core import formats
+
+    source = Path(str(spec.get("input") or "")).expanduser()
+    if kind != "generate" or spec.get("input_format", "auto") not in ("auto", "openai"):
+        return False
+    return not source.is_file() or formats.detect(source, source.name) == "openai"
 
 
 def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
@@ -115,11 +167,17 @@ def submit() -> None:
 @click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
 @click.option("--shard-rows", type=int, help="rows per shard (one task each)")
 @click.option("--batch-rows", type=int, help="rows per micro-batch commit")
-def submit_generate(spec_file, sets, wait, as_json, input_, **flags) -> None:
+@click.option("--input-format", type=click.Choice(["auto", "jsonl", "openai", "csv", "parquet", "hf"]),
+              help="how to read --input (auto: by content and file name); a save_to_disk directory is packed")
+@click.option("--column", "columns", multiple=True, metavar="OURS=THEIRS",
+              help="map a column of a CSV/Parquet/dataset input, e.g. prompt=question, custom_id=id (repeatable)")
+def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
     """Generate text for every row of a JSONL dataset (`prompt` or `messages` per line)."""
     flags["input"] = input_
     if flags.get("stop"):
         flags["stop"] = list(flags["stop"])
+    if columns:
+        flags["input_columns"] = parse_columns(columns)
     finish_submit(submit_spec("generate", spec_file, sets, flags), wait, as_json)
 
 
@@ -131,11 +189,37 @@ def submit_generate(spec_file, sets, wait, as_json, input_, **flags) -> None:
 @click.option("--batch-size", type=click.IntRange(1), help="per-device batch size (4)")
 @click.option("--lora-r", type=click.IntRange(1), help="LoRA rank (16)")
 @click.option("--lora-alpha", type=click.IntRange(1), help="LoRA alpha (32)")
-@click.option("--max-seq-length", type=click.IntRange(8), help="truncate sequences to this length (2048)")
+@click.option("--max-seq-length", type=click.IntRange(8), help="longest sequence in tokens (2048)")
+@click.option("--truncation", type=click.Choice(["refuse", "truncate"]),
+              help="rows longer than --max-seq-length: refuse the job (default) or truncate them")
+@click.option("--lr-scheduler", help="linear, cosine (default), constant, constant_with_warmup, …")
+@click.option("--gradient-accumulation", type=click.IntRange(1), help="micro-batches per optimizer step (1)")
+@click.option("--target-modules", help="comma-separated module names, or all-linear (default)")
+@click.option("--packing/--no-packing", default=None, help="pack rows into max-seq-length blocks")
+@click.option("--checkpoint-steps", type=click.IntRange(1), help="checkpoint every N steps (50); resume uses them")
+@click.option("--validation-input", help="validation rows: a local file (uploaded), a file_… id, or a server path")
+@click.option("--then-generate", help="after training, generate over this dataset with the new adapter")
 def submit_finetune(spec_file, sets, wait, as_json, input_, **flags) -> None:
-    """Fine-tune a LoRA adapter on a dataset (chat `messages`, `prompt`/`completion`, or `text`)."""
+    """Fine-tune a LoRA adapter (QLoRA with --quantization bnb-4bit) on a JSONL dataset: chat `messages` (loss on
+    assistant turns), `prompt`/`completion` (loss on the completion) or `text`. Prints the job id, which is
+    also the adapter's id (`--adapter ID` on a generate job)."""
     flags["input"] = input_
-    finish_submit(submit_spec("finetune", spec_file, sets, flags), wait, as_json)
+    if flags.get("target_modules") and flags["target_modules"] != "all-linear":
+        flags["target_modules"] = [m.strip() for m in flags["target_modules"].split(",") if m.strip()]
+    spec = submit_spec("finetune", spec_file, sets, flags)
+    api = client()
+    for key in ("validation_input", "then_generate"):
+        spec[key] = _uploaded(spec.get(key), api)
+    if isinstance(spec.get("then_generate"), dict):
+        spec["then_generate"] = {**spec["then_generate"], "input": _uploaded(spec["then_generate"].get("input"), api)}
+    finish_submit(spec, wait, as_json)
+
+
+def _uploaded(source: Any, api) -> Any:
+    """A local file named by a fine-tune option, uploaded (so it works against a remote server); else unchanged."""
+    if isinstance(source, str) and not source.startswith("file_") and Path(source).expanduser().is_file():
+        return api.upload(Path(source).expanduser())["id"]
+    return source
 
 
 # --- read ---------------------------------------------------------------------------------------------------
@@ -161,8 +245,19 @@ def describe(job: dict[str, Any]) -> None:
         eta = f"{live['eta_s']:.0f} s" if live.get("eta_s") is not None else "unknown"
         click.echo(f"  rate     {live['tokens_per_s']} tok/s, {live['rows_per_s']} rows/s (last minute); ETA {eta}")
     metrics = job.get("metrics") or {}
+    if metrics.get("time_to_first_result_s") is not None:
+        per_shard = metrics.get("shard_time_to_first_result_s")
+        shards = (f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim ({per_shard['shards']} "
+                  "shards)") if per_shard else ""
+        click.echo(f"  first    result {metrics['time_to_first_result_s']} s after the start{shards}")
     if metrics.get("output_tok_s") is not None:
         click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s")
+    training = job.get("training")
+    if training:
+        eta = f"; ETA {training['eta_s']:.0f} s" if training.get("eta_s") is not None else ""
+        loss = f", loss {training['loss']:.4f}" if training.get("loss") is not None else ""
+        click.echo(f"  training step {training['step']}/{training['max_steps']}, epoch {training['epoch']:.2f}"
+                   f"{loss}{eta}")
     if job.get("error"):
         click.echo(f"  error    {job['error']}")
 
@@ -201,22 +296,30 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="write JSONL here, not stdout")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="write here, not to stdout")
 @click.option("--errors", is_flag=True, help="failed rows (with their line and error) instead of results")
-def results(job_id: str, output: str | None, errors: bool) -> None:
-    """Finished rows as JSONL in input order; works while the job still runs."""
-    rows = client().results(job_id, errors=errors)
-    out = open(output, "w", encoding="utf-8") if output else click.get_text_stream("stdout")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "openai", "csv", "parquet"]), default="jsonl",
+              show_default=True, help="jsonl (ours), openai (Batch output file; with --errors its error file), csv, "
+                                      "parquet")
+@click.option("--order", type=click.Choice(["input", "finished"]), default="input", show_default=True,
+              help="input order, or the order rows finished")
+def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str) -> None:
+    """Finished rows (or, with --errors, failed rows); works while the job still runs."""
+    if fmt == "parquet" and not output and sys.stdout.isatty():
+        raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")
+    chunks = client().download(job_id, format=fmt, errors=errors, order=order)
+    out = open(output, "wb") if output else click.get_binary_stream("stdout")
+    size = lines = 0
     try:
-        count = 0
-        for record in rows:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            count += 1
+        for chunk in chunks:
+            out.write(chunk)
+            size, lines = size + len(chunk), lines + chunk.count(b"\n")
     finally:
         if output:
             out.close()
     if output:
-        click.echo(f"{count} rows written to {output}", err=True)
+        what = f"{lines} rows" if fmt in ("jsonl", "openai") else f"{size} bytes"
+        click.echo(f"{what} written to {output}", err=True)
 
 
 @cli.command()

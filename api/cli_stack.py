@@ -143,28 +143,42 @@ def tokens_revoke(token_id: str) -> None:
 @click.option("--port", default=8765, show_default=True, help="API port if the stack must be started")
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
 def demo(examples: str, port: int, keep_running: bool) -> None:
-    """Run a real job end to end on this machine: start the stack, build a tiny model that has memorized a few
-    answers, submit a generation job over examples/prompts.jsonl, wait, and print where the results are."""
+    """Run a fine-tune and a generation job end to end on this machine: start the stack, build a tiny base model
+    that knows no answer, fine-tune a LoRA adapter on examples/finetune_qa.jsonl through the service, then generate
+    answers for examples/prompts.jsonl with that adapter (a chained job), and print them."""
+    import yaml
+
     settings = get_settings()
     if not stack.read_stack():
         click.echo("starting the local stack (`gpujobs up --detach`) ...", err=True)
         up.callback(gpus=None, host="127.0.0.1", port=port, detach=True)
-    model = settings.home / "models" / "tiny-qa"
+    model = settings.home / "models" / "tiny-base"
     if not (model / "model.safetensors").exists():
-        click.echo(f"building a tiny model that memorizes {examples}/qa.jsonl into {model} ...", err=True)
+        click.echo(f"building a tiny base model (untrained weights) into {model} ...", err=True)
         log = settings.logs_dir / "tinymodel.log"
         with open(log, "wb") as out:
-            build = subprocess.run([sys.executable, "-m", "worker.tinymodel", str(model), "--qa",
+            build = subprocess.run([sys.executable, "-m", "worker.tinymodel", str(model), "--base", "--qa",
                                     str(Path(examples) / "qa.jsonl")], stdout=subprocess.DEVNULL, stderr=out,
                                    env=dict(os.environ, HF_HUB_OFFLINE="1"))
         if build.returncode:
             raise JobsError(f"building the tiny model failed: see {log}")
     api = client()
-    spec = {"kind": "generate", "model": str(model), "input": api.upload(Path(examples) / "prompts.jsonl")["id"],
-            "max_new_tokens": 24, "name": "demo"}
-    job = api.submit(spec)
-    click.echo(f"submitted {job['id']}", err=True)
-    job = wait_with_progress(api, job["id"])
+    spec = yaml.safe_load((Path(examples) / "finetune.yaml").read_text())
+    spec.update(model=str(model), name="demo fine-tune", input=api.upload(Path(examples) / "finetune_qa.jsonl")["id"],
+                then_generate={"input": api.upload(Path(examples) / "prompts.jsonl")["id"], "max_new_tokens": 24,
+                               "name": "demo"})
+    finetune = api.submit(spec)
+    click.echo(f"submitted fine-tune {finetune['id']} (`gpujobs events {finetune['id']} --follow` shows its "
+               "training)", err=True)
+    finetune = wait_with_progress(api, finetune["id"])
+    training = (finetune.get("metrics") or {}).get("training") or {}
+    click.echo(f"fine-tune {finetune['state']}: {training.get('steps')} steps, final loss "
+               f"{training.get('final_loss')}; adapter {finetune['id']}", err=True)
+    job_id = (finetune.get("metrics") or {}).get("then_generate_job")
+    if finetune["state"] != "succeeded" or not job_id:
+        raise JobsError(f"the demo fine-tune {finetune['state']}: {finetune.get('error')}")
+    click.echo(f"generating with the adapter: job {job_id}", err=True)
+    job = wait_with_progress(api, job_id)
     out = settings.home / "demo" / f"results-{job['id']}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = list(api.results(job["id"]))

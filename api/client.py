@@ -1,18 +1,24 @@
 """A small typed HTTP client for the jobs API, used by the CLI and usable from scripts and notebooks:
 
     from api.client import Client
-    c = Client()                       # JOBS_API_URL / JOBS_TOKEN, or what `gpujobs up` wrote
-    job = c.submit({"model": "/models/m", "input": c.upload("data.jsonl")["id"]})
-    c.wait(job["id"]); rows = list(c.results(job["id"]))
+    with Client() as c:                                # JOBS_API_URL / JOBS_TOKEN, or what `gpujobs up` wrote
+        job = c.submit({"model": "/models/m", "max_new_tokens": 64}, input="data.jsonl")   # uploads the file
+        c.wait(job["id"], progress=True)               # a progress line on stderr; or on_update=callback
+        for row in c.results(job["id"]):               # finished rows in input order (also while it runs)
+            print(row["custom_id"], row["output"])
+
+Every method returns the API's JSON (typed below as TypedDicts: `Job`, `Result`) and raises the exception types of
+`core.errors` (`InvalidInput`, `NotFound`, `ServiceUnavailable`, …) with the server's message.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 
@@ -23,6 +29,43 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 LONG = httpx.Timeout(60.0, read=1800.0)  # uploads and submits of large datasets
 
 
+class Rows(TypedDict):
+    total: int
+    succeeded: int
+    failed: int
+    pending: int
+
+
+class Job(TypedDict, total=False):
+    """GET /jobs/{id}: the fields scripts use most (the API sends more: metrics, load_options, versions…)."""
+
+    id: str
+    kind: str
+    state: str  # queued, validating, running, finalizing, succeeded, failed, cancelling, cancelled
+    owner: str
+    model: str
+    rows: Rows
+    tokens: dict[str, int]  # prompt, completion
+    live: dict[str, Any]  # while it runs: rows_per_s, tokens_per_s, eta_s
+    metrics: dict[str, Any]
+    error: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+class Result(TypedDict, total=False):
+    """One line of GET /jobs/{id}/results (plus the row's own pass-through keys)."""
+
+    custom_id: str
+    line: int
+    output: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str  # with errors=True
+
+
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0):
         settings = get_settings()
@@ -30,6 +73,15 @@ class Client:
         self.token = token or settings.token
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -51,18 +103,27 @@ class Client:
         with open(path, "rb") as stream:
             return self._json("POST", "/files", files={"file": (Path(path).name, stream)}, timeout=LONG)
 
-    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def submit(self, spec: dict[str, Any], *, input: str | Path | None = None) -> Job:
+        """Submit a job. `input` (optional) is a local JSONL file, uploaded first; otherwise `spec["input"]` names
+        a file id or a server path."""
+        if input is not None:
+            if not Path(input).is_file():
+                raise errors.InvalidInput(f"input {str(input)!r} is not a local file: give the path of a JSONL "
+                                          "dataset, or put a file id / server path in spec['input']")
+            spec = {**spec, "input": self.upload(input)["id"]}
         # a submit parses and stores every row before it answers: minutes for millions of rows
         return self._json("POST", "/jobs", json=spec, timeout=LONG)
 
-    def job(self, job_id: str) -> dict[str, Any]:
+    def job(self, job_id: str) -> Job:
         return self._json("GET", f"/jobs/{job_id}")
 
-    def jobs(self, *, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+    status = job  # `gpujobs status`
+
+    def jobs(self, *, state: str | None = None, limit: int = 50) -> list[Job]:
         params = {"limit": limit} | ({"state": state} if state else {})
         return self._json("GET", "/jobs", params=params)
 
-    def results(self, job_id: str, *, errors: bool = False) -> Iterator[dict[str, Any]]:
+    def results(self, job_id: str, *, errors: bool = False) -> Iterator[Result]:
         try:
             with self.http.stream("GET", f"/jobs/{job_id}/results", params={"errors": errors}) as response:
                 if response.status_code >= 400:
@@ -74,17 +135,38 @@ class Client:
         except httpx.TransportError as exc:
             raise errors_unreachable(self.url, exc) from exc
 
+    def download(self, job_id: str, *, format: str = "jsonl", errors: bool = False,
+                 order: str = "input") -> Iterator[bytes]:
+        """The results file as bytes, chunk by chunk: `format` jsonl, openai (the OpenAI Batch output file, or
+        its error file with `errors`), csv or parquet; `order` input or finished."""
+        params = {"errors": errors, "format": format, "order": order}
+        try:
+            with self.http.stream("GET", f"/jobs/{job_id}/results", params=params, timeout=LONG) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _error(response)
+                yield from response.iter_bytes()
+        except httpx.TransportError as exc:
+            raise errors_unreachable(self.url, exc) from exc
+
     def events(self, job_id: str, *, after: int = 0) -> list[dict[str, Any]]:
         return self._json("GET", f"/jobs/{job_id}/events", params={"after": after})
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str) -> Job:
         return self._json("POST", f"/jobs/{job_id}/cancel")
 
-    def retry(self, job_id: str, *, failed_only: bool = False) -> dict[str, Any]:
+    def retry(self, job_id: str, *, failed_only: bool = False) -> Job:
         return self._json("POST", f"/jobs/{job_id}/retry", params={"failed_only": failed_only})
 
     def workers(self) -> list[dict[str, Any]]:
         return self._json("GET", "/workers")
+
+    def adapters(self) -> list[dict[str, Any]]:
+        """Registered LoRA adapters (id = the fine-tune job that made it), newest first."""
+        return self._json("GET", "/adapters")
+
+    def adapter(self, adapter_id: str) -> dict[str, Any]:
+        return self._json("GET", f"/adapters/{adapter_id}")
 
     def usage(self, *, owner: str | None = None, since: str | None = None) -> dict[str, Any]:
         """Per-owner sums (jobs, rows, tokens, GPU- and engine seconds); `since` is 7d, 12h… or an ISO date."""
@@ -92,18 +174,31 @@ class Client:
         return self._json("GET", "/usage", params=params)
 
     def wait(self, job_id: str, *, poll: float = 1.0, timeout: float | None = None,
-             on_update: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        """Poll until the job ends; `on_update` sees every poll (progress bars)."""
+             on_update: Callable[[Job], None] | None = None, progress: bool = False) -> Job:
+        """Poll until the job ends and return it; `on_update` sees every poll (progress bars), `progress=True`
+        prints one updating line on stderr. Raises JobsError after `timeout` seconds (the job keeps running)."""
         deadline = time.monotonic() + timeout if timeout else None
         while True:
             job = self.job(job_id)
             if on_update:
                 on_update(job)
+            if progress:
+                print_progress(job)
             if job["state"] in TERMINAL:
                 return job
             if deadline and time.monotonic() > deadline:
-                raise errors.JobsError(f"job {job_id} is still {job['state']} after {timeout} s")
+                raise errors.JobsError(f"job {job_id} is still {job['state']} after {timeout} s: wait again, or "
+                                       f"`gpujobs cancel {job_id}`")
             time.sleep(poll)
+
+
+def print_progress(job: Job) -> None:
+    rows = job["rows"]
+    done = rows["succeeded"] + rows["failed"]
+    rate = (job.get("live") or {}).get("tokens_per_s")
+    line = f"\r{job['id']} {job['state']:<10} {done}/{rows['total']} rows" + (f", {rate} tok/s" if rate else "")
+    end = "\n" if job["state"] in TERMINAL else ""
+    print(line, end=end, file=sys.stderr, flush=True)
 
 
 def errors_unreachable(url: str, exc: Exception) -> errors.ServiceUnavailable:

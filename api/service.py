@@ -18,8 +18,9 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from core import capability, files, leases, registry
-from core.dataset import SAMPLE_AT_ZERO, count_rows, parse_jsonl, too_many_rows
+from core import adapters, capability, files, leases, registry
+from core import formats
+from core.dataset import PARAMS, SAMPLE_AT_ZERO, InputCheck, count_rows, openai_models, parse_dataset, too_many_rows
 from core.db import session_scope
 from core.errors import Forbidden, IllegalTransition, InvalidInput, JobsError, Unschedulable
 from core.models import Job, JobEvent, JobRow, Shard
@@ -38,28 +39,44 @@ RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens"
 # --- submit -------------------------------------------------------------------------------------------------
 
 
-def submit(*, owner: str, spec_data: dict[str, Any]) -> dict[str, Any]:
-    """Validate, store the job and its rows, then enqueue its shards. Nothing is written if a check fails."""
+def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False) -> dict[str, Any]:
+    """Validate, store the job and its rows, then enqueue its shards. Nothing is written if a check fails.
+
+    A generation job whose `adapter` names a fine-tune still running waits, queued without shards, for its
+    adapter (`core.adapters`). `admin` lets an admin's job use another owner's adapter."""
+    spec_data = _model_from_input(owner, spec_data)
     spec = parse_spec(spec_data)
-    if spec.kind != "generate":
-        raise InvalidInput("fine-tune jobs are not available yet on this server: submit a generate job")
+    if spec.kind == "finetune":
+        from api.service_finetune import submit_finetune
+
+        return submit_finetune(owner=owner, spec=spec, admin=admin)
     _check_sampling(spec)
     spec = _resolve_model(spec)
     ping_redis()
     with session_scope() as session:
         gpus = _resolve_gpus(session, spec)
-        input_file = _input_file(session, owner, spec.input)
+        waiting = bool(spec.adapter) and adapters.check_for_generation(
+            session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision)
+        input_file = _input_file(session, owner, spec.input, fmt=spec.input_format)
+        spec = _with_input_format(spec, input_file)
         job = Job(id=new_id("job"), kind=spec.kind, state=JobState.queued.value, owner=owner,
                   spec=spec.model_dump(mode="json"), input_file_id=input_file.id, queue=queue_for(gpus), gpus=gpus,
                   created_at=now(), rows_total=0, rows_succeeded=0, rows_failed=0, prompt_tokens=0,
                   completion_tokens=0, retries=0)
         session.add(job)
         session.flush()
-        with open(files.absolute(input_file), "rb") as stream:
-            total, failed, first_error = insert_rows(session, job.id, parse_jsonl(stream, spec=spec))
+        checked = InputCheck(spec)
+        rows = checked.rows(parse_dataset(files.absolute(input_file), spec.input_format, spec=spec,
+                                          columns=spec.input_columns))
+        total, failed, first_error = insert_rows(session, job.id, rows)
         job.rows_total = total
+        job.metrics = {"input": checked.summary()}
         add_event(session, job.id, f"submitted by {owner}: {total} rows, {failed} invalid, queue {job.queue}")
+        if waiting and failed < total:  # queued, no shards: released when the fine-tune ends
+            add_event(session, job.id, f"waiting for fine-tune {spec.adapter} to register its adapter")
+            return job_view(session, job)
         transition(session, job, JobState.validating, reason="structural checks done")
+        add_event(session, job.id, checked.token_note())
         if failed == total:
             error = f"every row is invalid; the first: {first_error}"
             transition(session, job, JobState.failed, reason=error, error=error, rows_failed=failed, finished_at=now())
@@ -167,10 +184,11 @@ def _describe(workers: list) -> str:
     return ", ".join(f"{w.name} ({'+'.join(w.queues)})" for w in workers)
 
 
-def _input_file(session: Session, owner: str, ref: str):
+def _input_file(session: Session, owner: str, ref: str, *, fmt: str = "auto"):
     """The stored file the job reads: the owner's file id, or a server path copied into the store.
 
-    A dataset of more rows than JOBS_MAX_ROWS is refused here, before a single row is inserted.
+    A dataset of more rows than JOBS_MAX_ROWS is refused here, before a single row is inserted (JSONL and CSV
+    by their lines, Parquet by its footer; a saved dataset while it is parsed).
     """
     if not ref.strip():
         raise InvalidInput("input is empty: give a file id (file_…) from POST /files, or a server path under "
@@ -181,14 +199,89 @@ def _input_file(session: Session, owner: str, ref: str):
         file = files.import_server_file(session, owner=owner, path=ref)
     max_rows = get_settings().max_rows
     try:
-        with open(files.absolute(file), "rb") as stream:
-            rows = count_rows(stream, limit=max_rows)
+        fmt = formats.detect(files.absolute(file), file.filename) if fmt == "auto" else fmt
+        if fmt in ("parquet", "hf"):
+            rows = formats.parquet_rows(files.absolute(file)) if fmt == "parquet" else 0
+        else:
+            with open(files.absolute(file), "rb") as stream:
+                rows = count_rows(stream, limit=max_rows + (fmt == "csv"))  # a CSV header is not a row
+                rows -= fmt == "csv"
     except OSError as exc:
         raise JobsError(f"stored file {file.id} cannot be read from the artifacts store ({exc.strerror}): check "
                         "JOBS_ARTIFACTS on the API host, or upload the dataset again") from None
     if rows > max_rows:
         raise too_many_rows(max_rows)
     return file
+
+
+def _with_input_format(spec: Spec, file) -> Spec:
+    """The spec with `input_format` resolved (auto → what the stored file is) and its column mapping checked."""
+    fmt = spec.input_format
+    if fmt == "auto":
+        fmt = formats.detect(files.absolute(file), file.filename)
+    columns = spec.input_columns or {}
+    ours = {"prompt", "messages", "custom_id", *PARAMS}
+    unknown = sorted(set(columns) - ours)
+    if unknown:
+        raise InvalidInput(f"input_columns {', '.join(map(repr, unknown))}: map one of prompt, messages, custom_id "
+                           f"or a sampling parameter ({', '.join(sorted(PARAMS))}) to a column of the file")
+    if columns and fmt == "openai":
+        raise InvalidInput("input_columns does not apply to OpenAI batch lines (their keys are fixed): leave it out")
+    if "prompt" in columns and "messages" in columns:
+        raise InvalidInput("input_columns maps both prompt and messages: a row is one or the other")
+    return spec.model_copy(update={"input_format": fmt})
+
+
+def _model_from_input(owner: str, spec_data: Any) -> Any:
+    """A generation job that names no model takes it from its OpenAI batch lines' `body.model`: every line must
+    name the same one, and it must be allowed. With JOBS_MODEL_ROOTS set, a name is a directory under one of the
+    roots (`qwen3-0.6b` → `/models/qwen3-0.6b`); without roots (the single-user local default) it is whatever
+    `model` may be in a spec (a local directory, or a Hub id cached on the workers)."""
+    if not isinstance(spec_data, dict) or spec_data.get("model") or spec_data.get("kind", "generate") != "generate":
+        return spec_data
+    ref, fmt = spec_data.get("input"), spec_data.get("input_format", "auto")
+    missing = InvalidInput("model is missing: name one (--model, or `model:` in the spec); only OpenAI batch lines "
+                           "may name it instead, in body.model")
+    if not isinstance(ref, str) or not ref.strip():
+        return spec_data  # the spec check says what is missing
+    if fmt not in ("auto", "openai"):
+        raise missing
+    with session_scope() as session:
+        if ref.startswith("file_"):
+            file = files.get(session, ref, owner=owner)
+            path, name = files.absolute(file), file.filename
+        else:
+            path = files.check_server_path(ref, get_settings().data_roots, what="dataset")
+            name = path.name
+    if not path.is_file() or (fmt == "auto" and formats.detect(path, name) != "openai"):
+        raise missing
+    models, unnamed = openai_models(path)
+    if not models:
+        raise InvalidInput("model is missing: the job names none and no OpenAI batch line names one in body.model: "
+                           "name one (--model, or `model:` in the spec)")
+    (first, first_line), *others = models.items()
+    if others:
+        second, second_line = others[0]
+        raise InvalidInput(f"lines {first_line} and {second_line} name different models ({first!r} and {second!r}) "
+                           "in body.model: when the job names no model every line must name the same one; or name "
+                           "the model in the job (--model)")
+    if unnamed is not None:
+        raise InvalidInput(f"line {unnamed} names no body.model while line {first_line} names {first!r}: when the job "
+                           "names no model every line must name the same one; or name the model in the job (--model)")
+    return {**spec_data, "model": _allowed_model(first)}
+
+
+def _allowed_model(name: str) -> str:
+    roots = get_settings().model_roots
+    if not roots:
+        return name  # checked like any spec's model by _resolve_model
+    if not Path(name).is_absolute() and ".." not in Path(name).parts:
+        for root in roots:
+            if (root / name).is_dir():
+                return str(root / name)
+    raise InvalidInput(f"body.model {name!r} is not a model directory under the model roots "
+                       f"({os.pathsep.join(map(str, roots))}): name one of those directories, or name the model in "
+                       "the job (--model)")
 
 
 # --- read ---------------------------------------------------------------------------------------------------
@@ -210,7 +303,7 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,
-        "metrics": job.metrics or {},
+        "metrics": _metrics(session, job),
         "load_options": job.load_options,
         "versions": job.versions,
         "error": job.error,
@@ -220,7 +313,27 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
     }
     if not JobState(job.state).terminal:
         view["live"] = _live_rates(session, job, p)
+    if job.kind == "finetune":
+        from api.service_finetune import training_progress
+
+        view["training"] = training_progress(session, job)
     return view
+
+
+def _metrics(session: Session, job: Job) -> dict[str, Any]:
+    """The job's stored metrics plus time to first result: for the job, its first committed row after its start;
+    per shard, each finished shard's first committed row after its claim (min / max over shards)."""
+    metrics = dict(job.metrics or {})
+    if job.started_at is not None and "time_to_first_result_s" not in metrics:
+        first = session.scalar(select(func.min(JobRow.finished_at)).where(
+            JobRow.job_id == job.id, JobRow.worker.is_not(None)))
+        metrics["time_to_first_result_s"] = round(first - job.started_at, 3) if first is not None else None
+    shard_ttfr = [m["time_to_first_result_s"] for m in session.scalars(select(Shard.metrics).where(
+        Shard.job_id == job.id, Shard.metrics.is_not(None))) if (m or {}).get("time_to_first_result_s") is not None]
+    if shard_ttfr:
+        metrics["shard_time_to_first_result_s"] = {"min": min(shard_ttfr), "max": max(shard_ttfr),
+                                                   "shards": len(shard_ttfr)}
+    return metrics
 
 
 def _live_rates(session: Session, job: Job, p: dict[str, int]) -> dict[str, Any]:
@@ -255,31 +368,80 @@ def get(job_id: str, *, owner: str | None) -> dict[str, Any]:
         return job_view(session, get_job(session, job_id, owner=owner))
 
 
-def results(job_id: str, *, owner: str | None, errors: bool = False) -> Iterator[dict[str, Any]]:
-    """Finished rows in input order (succeeded, or failed with `errors`); works while the job still runs."""
+def results(job_id: str, *, owner: str | None, errors: bool = False,
+            order: str = "input") -> Iterator[dict[str, Any]]:
+    """Finished rows (succeeded, or failed with `errors`) in input order or as they finished (`order`), as our
+    JSONL records; works while the job still runs."""
     with session_scope() as session:
-        get_job(session, job_id, owner=owner)
-        state = RowState.failed if errors else RowState.succeeded
-        stmt = (
-            select(JobRow)
-            .where(JobRow.job_id == job_id, JobRow.state == state.value)
-            .order_by(JobRow.idx)
-            .execution_options(yield_per=1000)
-        )
-        for row in session.scalars(stmt):
-            yield result_record(row, errors=errors)
+        job = get_job(session, job_id, owner=owner)
+        where = formats.location(job.spec.get("input_format") or "jsonl")
+        for row in _finished_rows(session, job_id, errors=errors, order=order):
+            yield result_record(row, errors=errors, where=where)
 
 
-def result_record(row: JobRow, *, errors: bool) -> dict[str, Any]:
+def export(job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool = False,
+           order: str = "input") -> Iterator[bytes]:
+    """Finished rows as the bytes of a results file: `jsonl` (ours), `openai` (the OpenAI Batch output file, or
+    its error file with `errors`), `csv` or `parquet`. Streams chunk by chunk; works while the job still runs.
+
+    CSV and Parquet have the columns custom_id, line (or row), output, finish_reason, prompt_tokens,
+    completion_tokens (error, with `errors`), then the rows' pass-through keys as text columns (lists and objects
+    JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet)."""
+    if fmt not in formats.OUTPUT_FORMATS or order not in ("input", "finished"):
+        raise InvalidInput(f"format {fmt!r} / order {order!r}: use a format of {', '.join(formats.OUTPUT_FORMATS)} "
+                           "and order input or finished")
+    with session_scope() as session:
+        job = get_job(session, job_id, owner=owner)
+        spec, info = job.spec, (job.metrics or {}).get("input") or {}
+        where = formats.location(spec.get("input_format") or "jsonl")
+        rows = _finished_rows(session, job_id, errors=errors, order=order)
+        if fmt == "openai":
+            model = spec.get("model") or ""
+            yield from formats.jsonl_chunks(formats.openai_error_record(r, job_id=job_id) if errors else
+                                            formats.openai_output_record(r, job_id=job_id, model=model) for r in rows)
+            return
+        records = (result_record(r, errors=errors, where=where) for r in rows)
+        if fmt == "jsonl":
+            yield from formats.jsonl_chunks(records)
+            return
+        fixed = ["custom_id", where] + (["error"] if errors else ["output", "finish_reason", "prompt_tokens",
+                                                                  "completion_tokens"])
+        keys = info.get("extra_keys") or []
+        columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
+        columns += ["extra"] if any(k in RESULT_FIELDS or k == "row" for k in keys) else []
+        if fmt == "csv":
+            yield from formats.csv_chunks(records, columns)
+            return
+        several = info.get("several_outputs") or (spec.get("num_return_sequences") or 1) > 1
+        types = {where: "int", "prompt_tokens": "int", "completion_tokens": "int",
+                 **({"output": "list", "finish_reason": "list"} if several else {})}
+        yield from formats.parquet_chunks(records, columns, types)
+
+
+def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -> Iterator[JobRow]:
+    state = RowState.failed if errors else RowState.succeeded
+    by = (JobRow.idx,) if order == "input" else (func.coalesce(JobRow.finished_at, 0.0), JobRow.idx)
+    stmt = (
+        select(JobRow)
+        .where(JobRow.job_id == job_id, JobRow.state == state.value)
+        .order_by(*by)
+        .execution_options(yield_per=1000)
+    )
+    yield from session.scalars(stmt)
+
+
+def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str, Any]:
+    """A row as a line of our JSONL results: its pass-through keys, custom_id, `line` (or `row` for Parquet and
+    saved-dataset inputs), and output, finish_reason and token counts (or error). Several outputs are a list."""
     extra = (row.input or {}).get("extra", {})
-    record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS}
-    shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS}
-    record.update(custom_id=row.custom_id, line=row.line)
+    record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS and k != where}
+    shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS or k == where}
+    record.update({"custom_id": row.custom_id, where: row.line})
     if errors:
         record["error"] = row.error
     else:
-        record.update(output=row.output, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
-                      completion_tokens=row.completion_tokens)
+        record.update(output=row.output, finish_reason=row.finish_reason,
+                      prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens)
     if shadowed:
         record["extra"] = shadowed
     return record
@@ -343,7 +505,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> dict
 
 
 def _structural_error(row: JobRow) -> bool:
-    return bool(row.error and row.error.startswith(f"line {row.line}:"))
+    return bool(row.error and row.error.startswith((f"line {row.line}:", f"row {row.line}:")))
 
 
 def _reopen_shards(session: Session, job: Job, idxs: set[int]) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from core.spec import LoadOptions
 
-BUILTIN_ATTENTION = ("sdpa", "eager", "flex_attention")
+BUILTIN_ATTENTION = ("sdpa", "sdpa_gqa", "eager", "flex_attention")
 
 
 def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
@@ -43,4 +43,44 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
             problems.append("fp8 (FineGrainedFP8Config) needs the `kernels` package and Hub access")
     if opts.device_map in ("cuda", "auto") and gpus == 0:
         problems.append(f"device_map={opts.device_map!r} needs a GPU slice (gpus >= 1)")
+    problems += _engine_problems(opts, gpus)
+    problems += _finetune_problems(opts, caps)
+    return problems
+
+
+def _finetune_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[str]:
+    """A fine-tune needs peft; QLoRA needs bitsandbytes 4-bit working on the worker's device (probed after it
+    registers: `qlora` in its capabilities)."""
+    if getattr(opts, "kind", None) != "finetune":
+        return []
+    problems = []
+    if not (caps.get("versions") or {}).get("peft"):
+        problems.append("fine-tunes need peft (pip install peft)")
+    q = opts.quantization
+    if q is not None and q.method == "bnb-4bit" and (caps.get("versions") or {}).get("bitsandbytes"):
+        qlora = caps.get("qlora")
+        if qlora is None:
+            problems.append("its bitsandbytes 4-bit probe has not finished yet (it runs just after the worker "
+                            "starts): submit again in a few seconds")
+        elif not qlora.get("ok"):
+            problems.append(f"QLoRA (bnb-4bit) cannot run: {qlora.get('reason')}")
+    return problems
+
+
+def _engine_problems(opts: LoadOptions, gpus: int) -> list[str]:
+    """Engine options (generation specs only) that no worker of this slice size can honour."""
+    problems = []
+    engine = getattr(opts, "engine", None)
+    attn = opts.attn_implementation.removeprefix("paged|")
+    if engine == "continuous" and attn in ("flex_attention", "sdpa_gqa"):
+        problems.append(f"engine continuous cannot run {attn} (transformers' continuous batching takes sdpa, "
+                        "eager or flash attention): use engine padded or another attn_implementation")
+    if engine == "static" and opts.attn_implementation not in ("sdpa", "sdpa_gqa", "eager"):
+        problems.append(f"engine static cannot run {opts.attn_implementation} (it runs sdpa, sdpa_gqa or eager with "
+                        "a static KV cache): use engine padded or one of those attn_implementations")
+    for knob in ("cuda_graphs", "async_batching"):
+        if getattr(opts, knob, None) == "on" and gpus == 0:
+            problems.append(f"{knob}=on needs a GPU slice (gpus >= 1); use auto or off on CPU")
+        if getattr(opts, knob, None) == "on" and engine != "continuous":
+            problems.append(f"{knob}=on applies to engine continuous only: set engine continuous")
     return problems

@@ -1,10 +1,20 @@
-"""Structural checks of dataset rows, run in the API at submit (no torch).
+"""Structural checks of dataset rows, run in the API at submit (no torch), and the token pre-flight check.
 
-A bad row never sinks the job: it becomes a failed row that names its 1-based physical line and the problem,
-and the other rows run. Blank lines are skipped (they are not rows) but still count for line numbers.
+Every input format (`core.formats`: jsonl, openai, csv, parquet, hf) is read by `read_records` into records with
+their place in the file; `parse_dataset` turns each into a stored row. A bad row never sinks the job: it becomes a
+failed row that names its place and the problem (`line 7: …`, 1-based physical line, for jsonl, openai and csv;
+`row 6: …`, 0-based, for parquet and saved datasets), and the other rows run. Blank lines are skipped (they are
+not rows) but still count for line numbers. Whole-file problems (empty, duplicate custom_ids, too many rows, a
+column mapping naming a missing column, an unreadable Parquet file) refuse the submission.
 
 A good row is stored as `{"prompt": str} | {"messages": [...]}` plus `"params"` (per-row overrides of the
-sampling parameters) and `"extra"` (every other key, returned unchanged with the row's result).
+sampling parameters) and `"extra"` (every other key, returned unchanged with the row's result); a row of an
+OpenAI batch line also keeps `"openai": {"url", "model"}` for its response.
+
+Token checks (`TokenCheck`) run in the `validating` step where the model's tokenizer is readable in the API
+process: `tokenizer.json` through the `tokenizers` library and the chat template through jinja2, never
+transformers (whose AutoTokenizer imports torch). A row whose prompt plus `max_new_tokens` exceeds the model's
+context becomes a failed row with the same reason the worker would give, before any GPU time.
 
 Limits (settings): a row longer than `JOBS_MAX_ROW_BYTES` becomes a failed row and only its first bytes are kept
 (it is never read into memory whole); a dataset of more than `JOBS_MAX_ROWS` rows is refused as a whole.
@@ -14,15 +24,18 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO, get_args
 
 from pydantic import ValidationError
 
+from core import formats
 from core.errors import InvalidInput
+from core.formats import Record
 from core.settings import get_settings
-from core.spec import SamplingParams, describe
+from core.spec import SamplingParams, describe, sampling_of
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 RAW_KEPT = 2000  # bytes of a bad row kept for `results --errors`
@@ -38,7 +51,7 @@ SAMPLE_AT_ZERO = ("do_sample is true but temperature is 0 (the row's or the job'
 @dataclass
 class ParsedRow:
     idx: int
-    line: int
+    line: int  # the record's place: 1-based physical line, or 0-based row for parquet and hf inputs
     custom_id: str
     input: dict[str, Any] | None
     error: str | None = None
@@ -53,33 +66,82 @@ def parse_jsonl(source: BinaryIO | Iterable[bytes], *, spec: Any = None, max_row
     iterable of lines. `spec` (the job's), when given, lets a row's parameters be checked together with the
     job's. Limits default to the settings (`JOBS_MAX_ROWS`, `JOBS_MAX_ROW_BYTES`).
     """
-    settings = get_settings()
-    max_rows = settings.max_rows if max_rows is None else max_rows
-    max_row_bytes = settings.max_row_bytes if max_row_bytes is None else max_row_bytes
-    seen: dict[str, int] = {}
-    idx = 0
+    return parse_records(read_jsonl(source, max_row_bytes=max_row_bytes), fmt="jsonl", spec=spec, max_rows=max_rows)
+
+
+def parse_dataset(path: Path, fmt: str, *, spec: Any = None, columns: dict[str, str] | None = None,
+                  max_rows: int | None = None, max_row_bytes: int | None = None) -> Iterator[ParsedRow]:
+    """The stored rows of the input file at `path` in format `fmt` (not `auto`: see `formats.detect`)."""
+    return parse_records(read_records(path, fmt, columns=columns, max_row_bytes=max_row_bytes), fmt=fmt, spec=spec,
+                         max_rows=max_rows)
+
+
+def read_records(path: Path, fmt: str, *, columns: dict[str, str] | None = None,
+                 max_row_bytes: int | None = None) -> Iterator[Record]:
+    """The records of an input file of any format, each with its line (or row) and its data as a dict, or the
+    reason it cannot be read. This is the reader for every kind of job (generation and fine-tune datasets)."""
+    max_row_bytes = get_settings().max_row_bytes if max_row_bytes is None else max_row_bytes
+    if fmt in ("jsonl", "openai"):
+        with open(path, "rb") as stream:
+            yield from read_jsonl(stream, max_row_bytes=max_row_bytes, columns=columns if fmt == "jsonl" else None)
+    elif fmt == "csv":
+        with open(path, "rb") as stream:
+            head = stream.read(2)
+            stream.seek(0)
+            if head in UTF16_BOMS:
+                raise InvalidInput("the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it "
+                                   "as UTF-8")
+            yield from formats.read_csv(stream, columns=columns, max_row_bytes=max_row_bytes)
+    elif fmt == "parquet":
+        yield from formats.read_parquet(path, columns=columns, max_row_bytes=max_row_bytes)
+    elif fmt == "hf":
+        yield from formats.read_hf(path, columns=columns, max_row_bytes=max_row_bytes)
+    else:
+        raise InvalidInput(f"unknown input_format {fmt!r}: use one of {', '.join(formats.INPUT_FORMATS)}")
+
+
+def read_jsonl(source: BinaryIO | Iterable[bytes], *, max_row_bytes: int | None = None,
+               columns: dict[str, str] | None = None) -> Iterator[Record]:
+    """JSON-object records of JSONL bytes, by 1-based physical line; blank lines are skipped."""
+    max_row_bytes = get_settings().max_row_bytes if max_row_bytes is None else max_row_bytes
     for line_no, (raw, size) in enumerate(_lines(source, max_row_bytes), start=1):
         if line_no == 1:
             raw = _strip_bom(raw)
         if size <= max_row_bytes and not raw.strip():
             continue
+        text = raw[:RAW_KEPT].decode("utf-8", "replace")
+        if size > max_row_bytes:
+            yield Record(line_no, None, text, f"row of {size} bytes exceeds the limit of {max_row_bytes} bytes "
+                                              "(JOBS_MAX_ROW_BYTES): shorten the row or split it")
+            continue
+        obj, error = _decode_line(raw)
+        yield Record(line_no, formats.map_columns(obj, columns) if obj is not None else None, text, error)
+
+
+def parse_records(records: Iterable[Record], *, fmt: str, spec: Any = None,
+                  max_rows: int | None = None) -> Iterator[ParsedRow]:
+    """Stored rows of records; raise InvalidInput for an empty dataset, more than `max_rows` rows or duplicate
+    custom_ids (naming both places)."""
+    max_rows = get_settings().max_rows if max_rows is None else max_rows
+    where = formats.location(fmt)
+    seen: dict[str, int] = {}
+    idx = 0
+    for record in records:
         if idx >= max_rows:
             raise too_many_rows(max_rows)
-        if size > max_row_bytes:
-            row = _bad(idx, line_no, f"line-{line_no}", raw, f"row of {size} bytes exceeds the limit of "
-                       f"{max_row_bytes} bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it")
-        else:
-            row = _parse_line(idx, line_no, raw, spec)
+        row = _parse_record(idx, record, fmt, spec)
         if row.custom_id in seen:
             raise InvalidInput(
-                f"duplicate custom_id {row.custom_id!r} on lines {seen[row.custom_id]} and {line_no}: "
+                f"duplicate custom_id {row.custom_id!r} on {where}s {seen[row.custom_id]} and {record.pos}: "
                 "custom_ids must be unique within a dataset"
             )
-        seen[row.custom_id] = line_no
+        seen[row.custom_id] = record.pos
         yield row
         idx += 1
     if idx == 0:
-        raise InvalidInput("the dataset is empty: expected one JSON object per line with 'prompt' or 'messages'")
+        if fmt in ("jsonl", "openai"):
+            raise InvalidInput("the dataset is empty: expected one JSON object per line with 'prompt' or 'messages'")
+        raise InvalidInput(f"the dataset has no rows: expected a {fmt} file with one record per row")
 
 
 def too_many_rows(max_rows: int) -> InvalidInput:
@@ -132,36 +194,120 @@ def _strip_bom(raw: bytes) -> bytes:
     return raw.removeprefix(UTF8_BOM)  # editors on Windows write one; it is not part of the first row
 
 
-def _parse_line(idx: int, line_no: int, raw: bytes, spec: Any = None) -> ParsedRow:
-    fallback_id = f"line-{line_no}"
+def _decode_line(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """A JSONL line as a JSON object, or why it is not one."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return _bad(idx, line_no, fallback_id, raw, f"not valid UTF-8 at byte {exc.start}: save the file as UTF-8")
+        return None, f"not valid UTF-8 at byte {exc.start}: save the file as UTF-8"
     try:
         # the line ending must not move the reported column
         obj = json.loads(text.rstrip("\r\n"), parse_constant=_not_json)
     except json.JSONDecodeError as exc:
-        return _bad(idx, line_no, fallback_id, raw, f"invalid JSON: {exc.msg} (column {exc.colno})")
+        return None, f"invalid JSON: {exc.msg} (column {exc.colno})"
     except ValueError as exc:  # NaN or Infinity: Python reads them, JSON (and Postgres) does not
-        return _bad(idx, line_no, fallback_id, raw, f"invalid JSON: {exc}")
+        return None, f"invalid JSON: {exc}"
     except RecursionError:
-        return _bad(idx, line_no, fallback_id, raw, "invalid JSON: nested too deeply")
+        return None, "invalid JSON: nested too deeply"
     if LONE_SURROGATE.search(raw) and not _encodable(obj):
-        return _bad(idx, line_no, fallback_id, raw, "the row holds a lone UTF-16 surrogate escape (\\ud800 to "
-                                                    "\\udfff), which is not text: fix or remove the escape")
+        return None, ("the row holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), which is not text: fix "
+                      "or remove the escape")
     if not isinstance(obj, dict):
-        return _bad(idx, line_no, fallback_id, raw, f"expected a JSON object, got {type(obj).__name__}")
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    return obj, None
+
+
+def _parse_record(idx: int, record: Record, fmt: str, spec: Any = None) -> ParsedRow:
+    where = formats.location(fmt)
+    fallback_id = f"{where}-{record.pos}"
+    if record.error is not None:
+        return _bad(idx, record.pos, fallback_id, record.raw, record.error, where)
+    obj = dict(record.data)
+    if fmt == "openai":
+        return _openai_row(idx, record, obj, spec)
     custom_id = obj.pop("custom_id", None)
+    if fmt != "jsonl" and isinstance(custom_id, int) and not isinstance(custom_id, bool):
+        custom_id = str(custom_id)  # an integer id column of a table
+    if fmt == "csv" and custom_id == "":
+        custom_id = None
     if custom_id is not None and (not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255
                                   or not custom_id.isprintable()):
-        return _bad(idx, line_no, fallback_id, raw, "custom_id must be a non-empty string of at most 255 "
-                                                    "printable characters")
+        return _bad(idx, record.pos, fallback_id, record.raw, "custom_id must be a non-empty string of at most 255 "
+                                                              "printable characters", where)
     custom_id = custom_id or fallback_id
     try:
-        return ParsedRow(idx, line_no, custom_id, _row_input(obj, spec))
+        if fmt == "csv":
+            obj = _csv_cells(obj)
+        elif fmt != "jsonl":  # a table's empty (null) parameter cell means "the job's value"
+            obj = {k: v for k, v in obj.items() if not (k in PARAMS and v is None)}
+        return ParsedRow(idx, record.pos, custom_id, _row_input(obj, spec))
     except ValueError as exc:
-        return _bad(idx, line_no, custom_id, raw, str(exc))
+        return _bad(idx, record.pos, custom_id, record.raw, str(exc), where)
+
+
+def _csv_cells(obj: dict[str, Any]) -> dict[str, Any]:
+    """CSV cells are text: a parameter cell is read as JSON (12, 0.5, true; a stop string may stay plain text, or
+    be a JSON list), an empty one means the job's value, and a `messages` cell holds the messages as JSON."""
+    out = {}
+    for key, value in obj.items():
+        if key in PARAMS:
+            if value == "":
+                continue
+            if key == "stop" and not value.lstrip().startswith("["):
+                out[key] = value
+                continue
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                out[key] = value  # the strict check names the parameter and what it should be
+        elif key == "messages" and value != "":
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                raise ValueError("the messages column must hold a JSON list of {role, content} objects") from None
+        elif key in ("messages", "prompt") and value == "":
+            continue
+        else:
+            out[key] = value
+    return out
+
+
+def _openai_row(idx: int, record: Record, obj: dict[str, Any], spec: Any) -> ParsedRow:
+    fallback_id = f"line-{record.pos}"
+    n_param = "num_return_sequences" if "num_return_sequences" in PARAMS else None
+    try:
+        request = formats.openai_request(obj, n_param=n_param)
+    except ValueError as exc:
+        custom_id = obj.get("custom_id")
+        ok = isinstance(custom_id, str) and 0 < len(custom_id) <= 255 and custom_id.isprintable()
+        return _bad(idx, record.pos, custom_id if ok else fallback_id, record.raw, str(exc))
+    if len(request.custom_id) > 255 or not request.custom_id.isprintable():
+        return _bad(idx, record.pos, fallback_id, record.raw, "custom_id must be a non-empty string of at most 255 "
+                                                              "printable characters")
+    try:
+        row = _row_input({request.kind: request.content, **request.params}, spec)
+    except ValueError as exc:
+        return _bad(idx, record.pos, request.custom_id, record.raw, f"{exc} (in body)")
+    row["openai"] = {"url": request.url, "model": request.model}
+    return ParsedRow(idx, record.pos, request.custom_id, row)
+
+
+def openai_models(path: Path, *, max_row_bytes: int | None = None) -> tuple[dict[str, int], int | None]:
+    """The models that OpenAI batch lines name in `body.model`: {name: first line}, and the first line that
+    names none (None when every line names one). Unreadable lines are left to the row checks."""
+    models: dict[str, int] = {}
+    unnamed = None
+    with open(path, "rb") as stream:
+        for record in read_jsonl(stream, max_row_bytes=max_row_bytes):
+            body = (record.data or {}).get("body")
+            if not isinstance(body, dict):
+                continue
+            model = body.get("model")
+            if isinstance(model, str) and model.strip():
+                models.setdefault(model, record.pos)
+            elif unnamed is None:
+                unnamed = record.pos
+    return models, unnamed
 
 
 def _not_json(name: str) -> Any:
@@ -226,7 +372,183 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
     return messages
 
 
-def _bad(idx: int, line_no: int, custom_id: str, raw: bytes, reason: str) -> ParsedRow:
-    """A failed row: its reason with the line number, and only the first RAW_KEPT bytes of the line."""
-    return ParsedRow(idx, line_no, custom_id, {"raw": raw[:RAW_KEPT].decode("utf-8", "replace")},
-                     f"line {line_no}: {reason}")
+def _bad(idx: int, pos: int, custom_id: str, raw: str, reason: str, where: str = "line") -> ParsedRow:
+    """A failed row: its reason with its line (or row), and only the start of the record's text."""
+    return ParsedRow(idx, pos, custom_id, {"raw": raw[:RAW_KEPT]}, f"{where} {pos}: {reason}")
+
+
+# --- token checks (the `validating` step) -------------------------------------------------------------------
+
+TEMPLATE_SLACK = 32  # tokens a post-processor may add beyond one token per byte of text
+
+
+class TokenCheck:
+    """Prompt length against the model's context, in the API process, without torch or transformers.
+
+    Built from a saved model directory: `tokenizer.json` (the `tokenizers` library), the chat template
+    (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`, rendered with jinja2 as transformers
+    renders it) and the context length (`max_position_embeddings` in `config.json`). A row surely fits when its
+    text's UTF-8 bytes + TEMPLATE_SLACK + max_new_tokens fit (no tokenizer makes more tokens than bytes plus the
+    special tokens it adds), so only long rows are tokenized. A messages row whose template cannot be rendered
+    here is checked by the sum of its contents' tokens, a lower bound: the worker checks it exactly.
+    """
+
+    def __init__(self, tokenizer: Any, context: int, template: Any, special: dict[str, Any]):
+        self.tokenizer, self.context, self.template, self.special = tokenizer, context, template, special
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path) -> TokenCheck | None:
+        """The check for a local model directory, or None where the tokenizer or the context is not readable."""
+        root = Path(model_dir)
+        try:
+            config = json.loads((root / "config.json").read_text())
+            context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+                "max_position_embeddings")
+            if not (root / "tokenizer.json").is_file() or not isinstance(context, int) or context <= 0:
+                return None
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+            tok_config = _json_file(root / "tokenizer_config.json")
+        except Exception:  # unreadable files, or a tokenizer.json this tokenizers version cannot load
+            return None
+        source = _read_text(root / "chat_template.jinja") or tok_config.get("chat_template")
+        special = {k: _token_text(tok_config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return cls(tokenizer, context, _compile_template(source), special)
+
+    def problems(self, inputs: list[dict[str, Any]], spec: Any) -> list[str | None]:
+        """For each stored row input: None if it fits, else the reason (the worker's wording)."""
+        out: list[str | None] = [None] * len(inputs)
+        todo: dict[bool, list[tuple[int, str, int]]] = {True: [], False: []}  # by "with special tokens"
+        for i, row in enumerate(inputs):
+            new_tokens = sampling_of(spec, row.get("params"))["max_new_tokens"]
+            text = self._text(row)
+            if text is None:
+                continue
+            if len(text.encode("utf-8", "replace")) + TEMPLATE_SLACK + new_tokens <= self.context:
+                continue  # surely fits: no tokenization needed
+            todo["prompt" in row].append((i, text, new_tokens))
+        for special, items in todo.items():
+            if not items:
+                continue
+            # as the worker does: a prompt with the tokenizer's special tokens, a rendered chat template without
+            encodings = self.tokenizer.encode_batch([t for _, t, _ in items], add_special_tokens=special)
+            for (i, _, new_tokens), enc in zip(items, encodings):
+                self._judge(out, i, len(enc.ids), new_tokens)
+        return out
+
+    def _judge(self, out: list[str | None], i: int, count: int, new_tokens: int) -> None:
+        if count + new_tokens > self.context:
+            out[i] = (f"prompt of {count} tokens + max_new_tokens {new_tokens} exceeds the model's context of "
+                      f"{self.context} tokens: shorten the prompt or lower max_new_tokens")
+
+    def _text(self, row: dict[str, Any]) -> str | None:
+        """The text the worker tokenizes; for messages without a usable template, their contents (a lower bound)."""
+        if "prompt" in row:
+            return row["prompt"]
+        messages = row.get("messages")
+        if not messages:
+            return None
+        if self.template is not None:
+            try:
+                return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            except Exception:  # a template that needs what we do not provide: fall back to the lower bound
+                pass
+        return "".join(m.get("content") or "" for m in messages)
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _token_text(value: Any) -> Any:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _compile_template(source: Any) -> Any:
+    """A chat template compiled the way transformers compiles it (sandboxed jinja2), or None."""
+    if not isinstance(source, str) or not source:
+        return None
+    try:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: __import__("datetime").datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except Exception:
+        return None
+
+
+EXTRA_KEYS_KEPT = 1000  # pass-through keys listed for CSV and Parquet results (JSONL results keep every key)
+
+
+class InputCheck:
+    """Wraps the parsed rows of a submit: runs the token check on good rows, 1,000 at a time, and notes what
+    the job's results need to know about its input (its format and its pass-through keys, for table outputs)."""
+
+    def __init__(self, spec: Any, chunk: int = 1000):
+        self.spec, self.chunk = spec, chunk
+        self.where = formats.location(spec.input_format)
+        model_dir = Path(spec.model)
+        self.tokens = TokenCheck.for_model(model_dir) if model_dir.is_absolute() and model_dir.is_dir() else None
+        self.extra_keys: dict[str, None] = {}
+        self.too_long = 0
+        self.several = (getattr(spec, "num_return_sequences", None) or 1) > 1  # some row has several outputs
+
+    def rows(self, rows: Iterable[ParsedRow]) -> Iterator[ParsedRow]:
+        buffer: list[ParsedRow] = []
+        for row in rows:
+            buffer.append(row)
+            if len(buffer) >= self.chunk:
+                yield from self._checked(buffer)
+                buffer = []
+        yield from self._checked(buffer)
+
+    def _checked(self, rows: list[ParsedRow]) -> list[ParsedRow]:
+        good = [r for r in rows if r.error is None]
+        for row in good:
+            self.several = self.several or (row.input["params"].get("num_return_sequences") or 1) > 1
+            if len(self.extra_keys) < EXTRA_KEYS_KEPT:
+                self.extra_keys.update(dict.fromkeys(row.input.get("extra", {})))
+        if self.tokens is None or not good:
+            return rows
+        for row, problem in zip(good, self.tokens.problems([r.input for r in good], self.spec)):
+            if problem:
+                row.error = f"{self.where} {row.line}: {problem}"
+                self.too_long += 1
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        return {"format": self.spec.input_format, "extra_keys": list(self.extra_keys)[:EXTRA_KEYS_KEPT],
+                "several_outputs": self.several, "token_check": self.tokens is not None, "too_long": self.too_long}
+
+    def token_note(self) -> str:
+        if self.tokens is None:
+            return ("token checks left to the worker: the model's tokenizer.json and config.json are not readable "
+                    "by the API")
+        return (f"token checks done against a context of {self.tokens.context} tokens: {self.too_long} rows too "
+                "long")

@@ -45,7 +45,7 @@ class Claim:
 class RowResult:
     idx: int
     output: str | None = None
-    finish_reason: str | None = None
+    finish_reason: str | list[str] | None = None  # a list with num_return_sequences > 1
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None

@@ -89,7 +89,7 @@ class JobRow(Base):
     input: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # JSON, not text: generated text may hold NUL characters, which Postgres text columns refuse
     output: Mapped[str | None] = mapped_column(JSON)
-    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    finish_reason: Mapped[str | list[str] | None] = mapped_column(JSON)  # a list with num_return_sequences > 1
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
@@ -164,3 +164,28 @@ class Token(Base):
     name: Mapped[str | None] = mapped_column(String(255))
     created_at: Mapped[float] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float)
+
+
+class Adapter(Base):
+    """A LoRA adapter made by a fine-tune job: stored under the artifacts dir and checked to load onto its base.
+
+    Its id is the fine-tune job's id (one adapter per job), so `adapter: <job id>` in a generation spec names it.
+    """
+
+    __tablename__ = "adapters"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    owner: Mapped[str] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(Text)
+    base_revision: Mapped[str | None] = mapped_column(String(255))
+    tokenizer: Mapped[str] = mapped_column(Text)
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    lora_config: Mapped[dict[str, Any]]
+    load_options: Mapped[dict[str, Any]]
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (Index("ix_adapters_owner", "owner"),)

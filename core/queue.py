@@ -61,8 +61,14 @@ def get_app() -> Celery:
 
 def transport_options(visibility_timeout: int) -> dict:
     """Kombu scans for unacknowledged messages past their visibility timeout about every 100 s; a short
-    timeout (tests, tuning) only means something with a scan every second."""
-    options: dict = {"visibility_timeout": visibility_timeout}
+    timeout (tests, tuning) only means something with a scan every second.
+
+    Socket timeouts and keepalives: without them a worker whose host is cut off from Redis can wait on a dead
+    socket until the kernel gives up on it (the TCP retransmission timeout) before it reconnects; with them a read
+    fails after 15 s. The BRPOP the consumer blocks in lasts 1 s, well under that read timeout.
+    """
+    options: dict = {"visibility_timeout": visibility_timeout, "socket_timeout": 15, "socket_connect_timeout": 5,
+                     "socket_keepalive": True, "health_check_interval": 10}
     if visibility_timeout < 600:
         options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
     return options

@@ -52,6 +52,7 @@ class Settings:
     max_attempts: int = 3
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
+    batch_window_seconds: float = 24 * 3600.0  # OpenAI batches' completion_window "24h" (shorter only in tests)
     max_upload_bytes: int = 1 << 30
     max_rows: int = 10_000_000
     max_row_bytes: int = 1 << 20
@@ -124,6 +125,7 @@ def get_settings() -> Settings:
         max_attempts=int(_env("JOBS_MAX_ATTEMPTS", "3")),
         worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
         visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
+        batch_window_seconds=float(_env("JOBS_BATCH_WINDOW_SECONDS", str(24 * 3600))),
         max_upload_bytes=int(_env("JOBS_MAX_UPLOAD_BYTES", str(1 << 30))),
         max_rows=int(_env("JOBS_MAX_ROWS", "10000000")),
         max_row_bytes=int(_env("JOBS_MAX_ROW_BYTES", str(1 << 20))),

@@ -19,6 +19,7 @@ from core.errors import InvalidInput
 
 ATTN_BACKENDS = (
     "sdpa",
+    "sdpa_gqa",  # sdpa with enable_gqa instead of repeated K/V heads (worker/attention.py)
     "eager",
     "flex_attention",
     "flash_attention_2",
@@ -95,6 +96,9 @@ class SamplingParams(Strict):
     stop: list[str] | None = Field(None, max_length=16, description="stop strings")
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool | None = Field(None, description="generate exactly max_new_tokens (benchmarks)")
+    num_return_sequences: int | None = Field(
+        None, ge=1, le=16, description="outputs per row (needs sampling); above 1 a row's output is a JSON list"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -114,28 +118,109 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
     max_new_tokens: int = Field(256, ge=1, le=131072)
     shard_rows: int | None = Field(None, ge=1, le=1_000_000, description="rows per shard (one task each)")
     batch_rows: int | None = Field(None, ge=1, le=65536, description="rows per micro-batch commit")
+    # how the dataset is read (core/formats.py); a submitted `auto` is stored as the format it resolved to
+    input_format: Literal["auto", "jsonl", "openai", "csv", "parquet", "hf"] = Field(
+        "auto", description="auto: by content and file name; jsonl, openai (batch lines), csv, parquet, hf "
+        "(a save_to_disk directory, packed by the CLI)")
+    input_columns: dict[str, str] | None = Field(
+        None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}")
+    engine: Literal["auto", "padded", "static", "continuous"] = Field(
+        "auto", description="padded: batched model.generate; static: model.generate with a static KV cache, "
+        "compiled on CUDA, fixed shapes (batch_rows slots, bucketed cache length); continuous: transformers "
+        "continuous batching (generate_batch's engine); auto: see docs/design.md 'Generation engines'"
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="continuous engine: CUDA graphs")
+    async_batching: Literal["auto", "on", "off"] = Field(
+        "auto", description="continuous engine: overlap CPU scheduling with the GPU (double buffers)"
+    )
+
+    @field_validator("cuda_graphs", "async_batching", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 (and so `--set cuda_graphs=on` and spec files) reads on/off as booleans
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _n_needs_sampling(self) -> GenerateSpec:
+        sampling = self.do_sample if self.do_sample is not None else bool(self.temperature)
+        if (self.num_return_sequences or 1) > 1 and not sampling:
+            raise ValueError("num_return_sequences > 1 needs sampling (greedy decoding returns the same text "
+                             "n times): set temperature > 0 or do_sample true")
+        return self
+
+
+LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                 "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
 
 
 class FinetuneSpec(JobSettings, LoadOptions):
+    """A LoRA (or QLoRA, with `quantization: bnb-4bit`) fine-tune: one shard, checkpointed, resumable.
+
+    `truncation` has no silent default: `refuse` (the default) fails the job before training and names the rows
+    longer than `max_seq_length`; `truncate` cuts them and records how many were cut. `then_generate` chains a
+    generation job (a dataset, or an object of generate-spec fields) that runs with the new adapter.
+    """
+
     kind: Literal["finetune"] = "finetune"
-    validation_input: str | None = None
-    validation_split: float | None = Field(None, gt=0, lt=1)
+    input_format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
+        "auto", description="auto: each row is `messages`, `prompt`+`completion`, or `text`")
+    validation_input: str | None = Field(None, description="a stored file id or server path of validation rows")
+    validation_split: float | None = Field(None, gt=0, lt=1, description="fraction of rows held out for eval")
     lora_r: int = Field(16, ge=1, le=1024)
     lora_alpha: int = Field(32, ge=1, le=4096)
     lora_dropout: float = Field(0.05, ge=0, lt=1)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     modules_to_save: list[str] | None = None
     epochs: float = Field(1.0, gt=0, le=1000)
-    max_steps: int | None = Field(None, ge=1)
+    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="overrides epochs")
     learning_rate: float = Field(2e-4, gt=0, le=1)
-    lr_scheduler: str = "cosine"
+    lr_scheduler: str = Field("cosine", description="a transformers scheduler: " + ", ".join(LR_SCHEDULERS))
+    warmup_steps: int = Field(0, ge=0)
     batch_size: int = Field(4, ge=1, le=4096)
     gradient_accumulation: int = Field(1, ge=1, le=4096)
     max_seq_length: int = Field(2048, ge=8, le=1_048_576)
+    truncation: Literal["refuse", "truncate"] = Field(
+        "refuse", description="rows longer than max_seq_length: refuse the job, or truncate them")
     packing: bool = False
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     gradient_checkpointing: bool = False
     checkpoint_steps: int = Field(50, ge=1)
+    then_generate: dict[str, Any] | None = Field(
+        None, description="a generation job run with the adapter once training succeeds: a dataset, or "
+        "an object of generate-spec fields (`input` required)")
+
+    @field_validator("lr_scheduler")
+    @classmethod
+    def _scheduler(cls, value: str) -> str:
+        if value not in LR_SCHEDULERS:
+            raise ValueError(f"unknown lr_scheduler {value!r}: use one of {', '.join(LR_SCHEDULERS)}")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: Any) -> Any:
+        if isinstance(value, list) and (not value or not all(v.strip() for v in value)):
+            raise ValueError("give module names such as ['q_proj', 'v_proj'], or 'all-linear'")
+        return value
+
+    @field_validator("then_generate", mode="before")
+    @classmethod
+    def _then_generate(cls, value: Any) -> Any:
+        return {"input": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _training_knobs(self) -> "FinetuneSpec":
+        if self.quantization is not None and self.quantization.method != "bnb-4bit":
+            raise ValueError(f"quantization {self.quantization.method!r} cannot be trained: fine-tunes take "
+                             "bnb-4bit (QLoRA) or no quantization")
+        if self.adapter:
+            raise ValueError("adapter: a fine-tune trains a new adapter on the base model; continuing an adapter "
+                             "is not supported")
+        if self.validation_input and self.validation_split:
+            raise ValueError("give validation_input or validation_split, not both")
+        if self.then_generate is not None and not self.then_generate.get("input"):
+            raise ValueError("then_generate needs an input dataset")
+        return self
 
 
 Spec = GenerateSpec | FinetuneSpec

@@ -114,6 +114,16 @@ def tiny_model(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def base_model(tmp_path_factory) -> Path:
+    """A tiny Qwen3 *base* model: its tokenizer knows examples/qa.jsonl's words, its weights know no answer (a LoRA
+    fine-tune teaches them)."""
+    out = tmp_path_factory.mktemp("models") / "tiny-base"
+    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl"),
+                    "--base"], check=True, cwd=ROOT, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return out
+
+
 def qa_pairs() -> list[tuple[str, str]]:
     import json
 

@@ -24,7 +24,7 @@ from sqlalchemy import func, select, text
 from api.app import Caller, app
 from core import auth
 from core.db import session_scope
-from core.models import Job, JobEvent, JobRow, Token
+from core.models import Adapter, Job, JobEvent, JobRow, Token
 from core.settings import get_settings
 from tests.conftest import ROOT
 
@@ -106,8 +106,16 @@ def world(jobs_env, tiny_model) -> World:
         for job_id in w.a_jobs:
             row = session.get(JobRow, (job_id, 0))
             row.state, row.output, row.finish_reason, row.completion_tokens = "succeeded", SECRETS[2], "stop", 3
+            # an adapter registered for the job, as a fine-tune's worker would have (its id is the job's id)
+            session.add(Adapter(id=job_id, job_id=job_id, owner=ALICE, base_model=w.model, tokenizer=w.model,
+                                path=f"adapters/{job_id}", bytes=1, sha256="0" * 64, lora_config={"r": 8},
+                                load_options={}, metrics={"note": SECRETS[1]}, created_at=0.0))
     w.b_file = upload(w, BOB, "bob.jsonl", rows_file({"prompt": "bob's own prompt"}))
     w.b_job = submit(w, BOB, w.b_file)["id"]
+    with session_scope() as session:
+        session.add(Adapter(id=w.b_job, job_id=w.b_job, owner=BOB, base_model=w.model, tokenizer=w.model,
+                            path=f"adapters/{w.b_job}", bytes=1, sha256="0" * 64, lora_config={"r": 8},
+                            load_options={}, metrics={}, created_at=0.0))
     return w
 
 

@@ -37,7 +37,7 @@ EMPTY = "the dataset is empty: expected one JSON object per line with 'prompt' o
 ONE_OF = "a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
 SAMPLE_AT_ZERO = ("do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
                   "above 0; set one, or set do_sample false for greedy decoding")
-ATTN = ("unknown attention backend 'bogus': use one of sdpa, eager, flex_attention, flash_attention_2, "
+ATTN = ("unknown attention backend 'bogus': use one of sdpa, sdpa_gqa, eager, flex_attention, flash_attention_2, "
         "flash_attention_3, flash_attention_4, 'paged|<backend>', or a Hub kernel repo id such as "
         "'kernels-community/flash-attn'")
 
@@ -146,7 +146,8 @@ SPEC_CASES = [
     # (case, spec fields over a valid spec, HTTP status, exact message)
     ("unknown field", {"bogus": 1}, 422, "invalid generate spec: unknown field 'bogus'"),
     ("a misspelt field", {"max_tokens": 5}, 422, "invalid generate spec: unknown field 'max_tokens'"),
-    ("no model", {"model": DROP}, 422, "invalid generate spec: model: Field required"),
+    ("no model", {"model": DROP}, 422, "model is missing: name one (--model, or `model:` in the spec); only OpenAI "
+     "batch lines may name it instead, in body.model"),
     ("no input", {"input": DROP}, 422, "invalid generate spec: input: Field required"),
     ("model as a number", {"model": 5}, 422, "invalid generate spec: model: Input should be a valid string"),
     ("max_new_tokens 0", {"max_new_tokens": 0}, 422,
@@ -168,8 +169,10 @@ SPEC_CASES = [
      f"invalid generate spec: {SAMPLE_AT_ZERO}"),
     ("unknown kind", {"kind": "train"}, 422, "unknown job kind 'train': use 'generate' or 'finetune'"),
     ("kind not a string", {"kind": 3}, 422, "unknown job kind 3: use 'generate' or 'finetune'"),
-    ("a fine-tune", {"kind": "finetune"}, 422,
-     "fine-tune jobs are not available yet on this server: submit a generate job"),
+    ("a fine-tune with an unknown scheduler", {"kind": "finetune", "lr_scheduler": "cosinus"}, 422,
+     "invalid finetune spec: lr_scheduler: Value error, unknown lr_scheduler 'cosinus': use one of linear, cosine, "
+     "cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr, "
+     "warmup_stable_decay"),
     ("gpus -1", {"gpus": -1}, 422, "invalid generate spec: gpus: Input should be greater than or equal to 0"),
     ("gpus 65", {"gpus": 65}, 422, "invalid generate spec: gpus: Input should be less than or equal to 64"),
     ("unknown attention backend", {"attn_implementation": "bogus"}, 422,
@@ -528,7 +531,8 @@ def test_the_cli_refuses_bad_input_with_its_exit_code_and_writes_nothing(tmp_pat
     empty = write_rows(tmp_path / "empty.jsonl", [])
     bad = write_rows(tmp_path / "bad.jsonl", ["{oops", {"prompt": ""}])
     cases = [
-        (["--input", bad], 2, "Error: missing --model (or `model:` in the spec file)"),
+        (["--input", bad], 2, "Error: missing --model (or `model:` in the spec file); only OpenAI batch lines may "
+                              "name the model instead, in body.model"),
         (["--model", str(model), "--input", empty, "--gpus", "0"], 2, f"Error: {EMPTY}"),
         (["--model", str(model), "--input", str(tmp_path / "missing.jsonl"), "--gpus", "0"], 2,
          f"Error: dataset path '{tmp_path / 'missing.jsonl'}' does not exist on the server"),
@@ -581,7 +585,8 @@ def test_a_worker_survives_bad_rows_and_takes_the_next_job(api, jobs_env, spawn_
     assert done["state"] == "succeeded" and done["rows"]["succeeded"] == 2 and done["rows"]["failed"] == 4
     errors = {custom_id: error for _, custom_id, error in row_errors(api, first["id"])}
     assert sorted(errors) == ["line-2", "line-3", "line-5", "long"]
-    assert re.fullmatch(r"prompt of \d+ tokens \+ max_new_tokens 131072 exceeds the model's context of 512 tokens: "
+    # caught before any GPU time by the API's token check (the validating step), so it names its line
+    assert re.fullmatch(r"line 4: prompt of \d+ tokens \+ max_new_tokens 131072 exceeds the model's context of 512 tokens: "
                         r"shorten the prompt or lower max_new_tokens", errors["long"]), errors["long"]
     assert worker.alive()
     second = api.submit({**spec, "input": api.upload(lines({"prompt": "again"}))}).json()

@@ -164,3 +164,21 @@ def test_a_given_custom_id_equal_to_a_generated_one_is_a_duplicate():
     assert str(info.value) == (
         "duplicate custom_id 'line-3' on lines 1 and 3: custom_ids must be unique within a dataset"
     )
+
+
+def test_read_records_gives_every_format_its_place(tmp_path):
+    """The format-agnostic reader (reused by fine-tunes): the same two rows from JSONL, CSV and Parquet, each with
+    its 1-based line (CSV counts the header) or 0-based row, and the data with mapped column names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from core.dataset import read_records
+
+    (tmp_path / "a.jsonl").write_text('{"q": "x"}\n\n{"q": "y"}\n')
+    (tmp_path / "a.csv").write_text("q\nx\ny\n")
+    pq.write_table(pa.table({"q": ["x", "y"]}), tmp_path / "a.parquet")
+    places = {fmt: [(r.pos, r.data) for r in read_records(tmp_path / f"a.{fmt}", fmt, columns={"prompt": "q"})]
+              for fmt in ("jsonl", "csv", "parquet")}
+    assert places == {"jsonl": [(1, {"prompt": "x"}), (3, {"prompt": "y"})],
+                      "csv": [(2, {"prompt": "x"}), (3, {"prompt": "y"})],
+                      "parquet": [(0, {"prompt": "x"}), (1, {"prompt": "y"})]}

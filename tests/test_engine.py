@@ -290,3 +290,42 @@ def test_a_row_the_chat_template_refuses_fails_alone(tiny_model):
     bad, good = next(generate(loaded, spec, rows, batch_rows=2))
     assert bad.error.startswith("cannot build the prompt:") and "no system" in bad.error
     assert good.output == a and good.error is None
+
+
+# --- sdpa_gqa (worker/attention.py) --------------------------------------------------------------------------
+
+
+def test_sdpa_gqa_matches_sdpa_logits_and_greedy_outputs(tiny_model, loaded, spec):
+    """A model loaded with attn_implementation sdpa_gqa (enable_gqa instead of repeat_kv) records it, gives the
+    logits of sdpa on a left-padded batch (float32, 1e-5) and the same greedy answers."""
+    gqa = load(make_spec(tiny_model, attn_implementation="sdpa_gqa"), gpus=0)
+    assert gqa.resolved["attn_implementation"] == "sdpa_gqa"
+    assert gqa.model.config.num_key_value_heads < gqa.model.config.num_attention_heads  # the case it is for
+    tok = loaded.tokenizer
+    enc = tok.pad({"input_ids": [tok(q)["input_ids"] for q, _ in qa_pairs()]}, padding=True, return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any()  # really padded: a mask is passed, the case repeat_kv hurt
+    with torch.inference_mode():
+        want = loaded.model(**enc).logits
+        got = gqa.model(**enc).logits
+    real = enc["attention_mask"].bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    r = run(gqa, make_spec(tiny_model, attn_implementation="sdpa_gqa"), memorized_rows())
+    assert [r[i].output for i in range(len(qa_pairs()))] == [a for _, a in qa_pairs()]
+
+
+def test_padded_engine_switches_to_sdpa_gqa_on_cuda_and_back(tiny_model):
+    """On CUDA (forced here on CPU) the padded engine runs a grouped-query sdpa model with sdpa_gqa, records it,
+    answers the same, and leaves the resident model on sdpa afterwards; off CUDA it keeps sdpa."""
+    from worker.generate import padded_attention
+
+    loaded = load(make_spec(tiny_model), gpus=0)
+    with padded_attention(loaded, on_cuda=True) as attn:
+        assert attn == "sdpa_gqa" == loaded.model.config._attn_implementation
+        q, a = qa_pairs()[2]
+        assert run(loaded, make_spec(tiny_model, engine="padded"), [(0, row(prompt=q))])[0].output == a
+    assert loaded.model.config._attn_implementation == "sdpa"
+    with padded_attention(loaded, on_cuda=False) as attn:
+        assert attn == "sdpa"
+    eager = load(make_spec(tiny_model, attn_implementation="eager"), gpus=0)
+    with padded_attention(eager, on_cuda=True) as attn:
+        assert attn == "eager"  # only sdpa is replaced

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -124,21 +125,27 @@ def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_mo
 
 
 def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_env, spawn_worker, tiny_model):
-    """A row that failed in the engine (prompt + max_new_tokens over the context) lives in a succeeded shard;
-    `retry --failed-only` re-opens that shard, re-runs only that row (it fails again, for the same reason) and the
-    job ends succeeded with retries=1; structurally invalid rows are never re-run."""
+    """A row that failed in the engine (a chat template that refuses its messages on the worker) lives in a
+    succeeded shard; `retry --failed-only` re-opens that shard, re-runs only that row (it fails again, for the same
+    reason) and the job ends succeeded with retries=1; structurally invalid rows are never re-run."""
     worker = spawn_worker([])
+    model = tmp_path / "strict-template"
+    shutil.copytree(tiny_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(
+        "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool "
+        "message') }}{%- endif %}" + template)
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join([json.dumps({"prompt": "What is the capital of France?"}),
-                               json.dumps({"prompt": "hi", "max_new_tokens": 100000}), "{broken"]) + "\n")
-    job = service.submit(owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0,
+                               json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), "{broken"]) + "\n")
+    job = service.submit(owner="t", spec_data={"model": str(model), "input": str(data), "gpus": 0,
                                                "max_new_tokens": 8})
     wait_for(lambda: job_state(job["id"]) == "succeeded", 60, "the job", procs=[worker])
     retried = service.retry(job["id"], owner=None, failed_only=True, by="t")
     assert retried["retries"] == 1
     wait_for(lambda: job_state(job["id"]) == "succeeded", 60, "the retried job", procs=[worker])
     errors = {r["line"]: r["error"] for r in service.results(job["id"], owner=None, errors=True)}
-    assert "exceeds the model's context" in errors[2] and "invalid JSON" in errors[3]
+    assert "cannot start with a tool message" in errors[2] and "invalid JSON" in errors[3]
     with session_scope() as session:
         executions = dict(session.execute(select(JobRow.idx, JobRow.executions).where(JobRow.job_id == job["id"])).all())
     assert executions == {0: 1, 1: 2, 2: 0}

@@ -10,7 +10,7 @@ from core.spec import ATTN_BACKENDS, FinetuneSpec, GenerateSpec, Quantization, p
 BASE = {"model": "Qwen/Qwen3-0.6B", "input": "file_abc"}
 ATTN_ERROR = (
     "invalid generate spec: attn_implementation: Value error, unknown attention backend {value!r}: use one of "
-    "sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, flash_attention_4, 'paged|<backend>', "
+    "sdpa, sdpa_gqa, eager, flex_attention, flash_attention_2, flash_attention_3, flash_attention_4, 'paged|<backend>', "
     "or a Hub kernel repo id such as 'kernels-community/flash-attn'"
 )
 

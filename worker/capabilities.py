@@ -66,3 +66,27 @@ def attention_backends(devices: list[dict[str, Any]]) -> list[str]:
     if devices and importlib.util.find_spec("flash_attn") and min(float(d["compute_capability"]) for d in devices) >= 8.0:
         backends.append("flash_attention_2")
     return backends
+
+
+def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """Can bitsandbytes 4-bit (QLoRA) run on this worker's device? Quantize a small matrix and multiply with it.
+
+    Importing bitsandbytes takes seconds, so the runtime calls this in a thread after registration and merges the
+    answer into the registration (`qlora`); until then submit says the probe is pending.
+    """
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return {"ok": False, "reason": "bitsandbytes is not installed (pip install bitsandbytes)"}
+    try:
+        import bitsandbytes as bnb
+        import torch
+
+        device = "cuda" if devices else "cpu"
+        weight = torch.randn(64, 64, device=device)
+        packed, state = bnb.functional.quantize_4bit(weight, quant_type="nf4")
+        out = bnb.matmul_4bit(torch.randn(2, 64, device=device), packed.t(), quant_state=state)
+        if out.shape != (2, 64) or not torch.isfinite(out).all():
+            raise RuntimeError("4-bit matmul gave a wrong result")
+    except Exception as exc:  # noqa: BLE001  any failure means: no QLoRA here, and why
+        return {"ok": False, "reason": f"bitsandbytes 4-bit does not run on this worker's {device}: "
+                                       f"{type(exc).__name__}: {exc}"}
+    return {"ok": True, "reason": None, "device": device}

@@ -4,6 +4,8 @@
 
     kill@batch           SIGKILL this worker just before it commits a micro-batch
     oom_over_N@generate  raise torch.cuda.OutOfMemoryError when `model.generate` gets more than N rows at once
+    truncate@adapter_saved  cut the file at `path` to half its size (a fine-tune's adapter, before its check)
+    sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests)
 
 Unset (always, outside tests) it costs one dict lookup per call.
 """
@@ -20,7 +22,7 @@ def _faults() -> frozenset[str]:
     return frozenset(f.strip() for f in os.environ.get("JOBS_TEST_FAULTS", "").split(",") if f.strip())
 
 
-def hit(point: str, *, rows: int = 0) -> None:
+def hit(point: str, *, rows: int = 0, path=None) -> None:
     faults = _faults()
     if not faults:
         return
@@ -30,6 +32,12 @@ def hit(point: str, *, rows: int = 0) -> None:
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "truncate" and path is not None:
+            os.truncate(path, os.path.getsize(path) // 2)
+        if action.startswith("sleep_"):
+            import time
+
+            time.sleep(float(action.removeprefix("sleep_")))
         if action.startswith("oom_over_") and rows > int(action.removeprefix("oom_over_")):
             import torch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -85,8 +86,6 @@ def _quant_record(opts: LoadOptions) -> dict[str, Any] | None:
 def load(opts: LoadOptions, *, gpus: int) -> Loaded:
     if opts.use_kernels or opts.kernel_config:
         raise InvalidInput("use_kernels needs the `kernels` package and Hub access, which this worker lacks")
-    if opts.adapter:
-        raise InvalidInput("LoRA adapters are not supported by this worker version yet")
     device_map = resolve_device_map(opts, gpus)
     on_gpu = device_map != "cpu"
     dtype = resolve_dtype(opts.dtype, on_gpu)
@@ -98,12 +97,19 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
     quant = quantization_config(opts, dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
+    if opts.attn_implementation == "sdpa_gqa":
+        from worker import attention
+
+        attention.register()  # our AttentionInterface entry (worker/attention.py) must exist before loading
     try:
         model = AutoModelForCausalLM.from_pretrained(opts.model, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(opts.model, revision=opts.revision, local_files_only=True,
                                                   trust_remote_code=opts.trust_remote_code)
     except OSError as exc:
         raise InvalidInput(f"cannot load model {opts.model!r}: {exc}") from exc
+    adapter = apply_adapter(model, opts) if opts.adapter else None
+    if adapter is not None:
+        model = adapter.pop("model")
     model.eval()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -117,9 +123,38 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
         "device_map": device_map,
         "device": str(device),
         "quantization": _quant_record(opts),
-        "adapter": opts.adapter,
+        "adapter": adapter,
         "use_kernels": opts.use_kernels,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     log.info("loaded %s: %s", opts.model, resolved)
     return Loaded(model, tokenizer, device, resolved)
+
+
+def adapter_path(ref: str) -> Path:
+    """The registered adapter's folder for `ref` (a fine-tune job id); the submit checked owner and base."""
+    from core import adapters
+    from core.db import session_scope
+    from core.models import Adapter
+
+    with session_scope() as session:
+        row = session.get(Adapter, ref)
+        if row is None:
+            raise InvalidInput(f"adapter {ref!r} is not registered (its fine-tune has not succeeded): list adapters "
+                               "with `gpujobs adapters list`")
+        return adapters.absolute(row)
+
+
+def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
+    """Load the LoRA adapter onto the base. Unquantized, it is merged (`merge_and_unload`): the engine then runs a
+    plain transformers model at full speed. On a quantized base it stays a PeftModel (merging would dequantize)."""
+    from peft import PeftModel
+
+    path = adapter_path(opts.adapter)
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise InvalidInput(f"adapter {opts.adapter} does not load onto {opts.model}: {exc}") from exc
+    merged = opts.quantization is None
+    return {"id": opts.adapter, "path": str(path), "merged": merged,
+            "model": peft_model.merge_and_unload() if merged else peft_model}

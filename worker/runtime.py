@@ -15,13 +15,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from core import leases, registry
+from core import adapters, leases, registry
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, LeaseLost
 from core.models import Job, Shard
 from core.queue import TASK_RUN_SHARD, send, waiting_messages
 from core.settings import get_settings
-from core.spec import GenerateSpec, LoadOptions
+from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
 from core.store import add_event, maybe_finalize, now
 from worker import capabilities, faults, generate, loader
 
@@ -59,6 +59,17 @@ class Runtime:
     def start_heartbeat(self) -> None:
         self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._beat.start()
+        threading.Thread(target=self._probe_qlora, name="qlora-probe", daemon=True).start()
+
+    def _probe_qlora(self) -> None:
+        """Merge the (slow) bitsandbytes 4-bit probe into this worker's registration once it has run."""
+        try:
+            result = capabilities.probe_qlora(capabilities.gpus())
+            with session_scope() as session:
+                registry.heartbeat(session, self.name, current_shard_id=self.current, extra={"qlora": result})
+            log.info("worker %s: QLoRA probe %s", self.name, result)
+        except Exception:
+            log.exception("QLoRA probe of %s failed to record", self.name)
 
     def stop(self) -> None:
         self.shutting_down.set()
@@ -77,7 +88,8 @@ class Runtime:
                 if time.time() - last_beat >= settings.heartbeat_seconds:
                     last_beat = time.time()
                     with session_scope() as session:
-                        registry.heartbeat(session, self.name, current_shard_id=self.current)
+                        registry.heartbeat(session, self.name, current_shard_id=self.current,
+                                           extra={"gpu_memory": _gpu_memory()} if self.gpus else None)
                     reap()
             except Exception:  # the beat must survive database or broker outages; the lease covers the gap
                 log.exception("heartbeat of %s failed; retrying", self.name)
@@ -103,14 +115,18 @@ class Runtime:
                 return
             shard, job = claim.shard, claim.job
             rows = [(r.idx, r.input) for r in claim.rows]
+            lines = {r.idx: r.line for r in claim.rows}
         self.current, self.current_job = shard.id, job.id
         self.stop_current.clear()
         log.info("%s shard %s: %d pending rows", job.id, shard.idx, len(rows))
         try:
-            self._run(shard, job, rows)
+            if job.kind == "finetune":
+                self._run_finetune(shard, job, rows, lines)
+            else:
+                self._run(shard, job, rows)
         except (LeaseLost, IllegalTransition) as exc:  # someone else owns the shard now: leave it to them
             log.warning("%s %s", job.id, exc)
-        except InvalidInput as exc:
+        except (InvalidInput, adapters.RegistryError) as exc:
             self._give_up(shard, str(exc))
         except Exception:
             self._failed_attempt(shard, traceback.format_exc())
@@ -118,6 +134,8 @@ class Runtime:
             self.current = self.current_job = None
         with session_scope() as session:
             maybe_finalize(session, job.id)
+        if job.kind == "finetune":
+            release_waiting(job.id)
 
     def _run(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]]) -> None:
         settings = get_settings()
@@ -134,14 +152,17 @@ class Runtime:
             with session_scope() as session:
                 add_event(session, job.id, f"shard {shard.idx}: {message}", level="warning", shard_id=shard.id)
 
+        engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
+        first_result: float | None = None
         for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                         on_event=on_event):
+                                         on_event=on_event, info=engine_info):
             engine_s += time.perf_counter() - t_engine
             faults.hit("batch")
             with session_scope() as session:
                 if leases.job_stopping(session, job.id):
                     break
                 leases.commit_rows(session, shard, self.name, results, settings.lease_seconds)
+            first_result = first_result or time.time()  # time to first result: first commit after the claim
             t_engine = time.perf_counter()
         with session_scope() as session:
             if leases.job_stopping(session, job.id):
@@ -158,7 +179,67 @@ class Runtime:
             wall = time.perf_counter() - t0
             metrics = {"wall_seconds": round(wall, 3), "engine_seconds": round(engine_s, 3),
                        "gpu_seconds": round(wall * max(self.gpus, 0), 3), "rows": len(rows),
-                       "peak_memory_bytes": _peak_memory(), "worker": self.name, "started_at": started}
+                       "peak_memory_bytes": _peak_memory(), "worker": self.name, "started_at": started,
+                       "engine": engine_info, "time_to_first_result_s":
+                           round(first_result - (shard.started_at or started), 3) if first_result else None}
+            leases.finish(session, shard, self.name, metrics)
+        _record_engine(job.id, engine_info)
+
+    def _run_finetune(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]], lines: dict[int, int]) -> None:
+        """Train (resuming from the last complete checkpoint), register the adapter, then finish the shard.
+
+        The resident model is dropped first: training wraps a model in place, so it is never shared with jobs.
+        """
+        from worker import finetune
+
+        settings = get_settings()
+        spec = FinetuneSpec.model_validate(job.spec)
+        opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
+        self.resident = None
+        _free_memory()
+        workdir = adapters.workdir(job.id)
+        checkpoint = finetune.latest_checkpoint(workdir / "checkpoints")
+        _event(job.id, shard, f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint
+                                                                 else ""))
+        should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
+
+        def on_log(record: dict[str, Any]) -> None:
+            _event(job.id, shard, finetune_line(record), kind="metric", data=record)
+            faults.hit("train_step")
+
+        t0 = time.perf_counter()
+        result = finetune.finetune(opts, spec, [(lines[i], row) for i, row in rows], workdir, gpus=self.gpus,
+                                   should_stop=should_stop, on_log=on_log)
+        _record_load(job.id, result.metrics["load"])
+        with session_scope() as session:
+            if leases.job_stopping(session, job.id):
+                leases.stop_cancelled(session, shard, self.name)
+                return
+            if result.stopped:  # shutdown or lost lease: the next worker resumes from the last checkpoint
+                leases.hand_back(session, shard, self.name, "worker stopping: training handed back at step "
+                                 f"{result.metrics['steps']}", count_attempt=False)
+        if result.stopped:
+            self._resend(shard.id, job.queue)
+            return
+        folder = adapters.adapter_dir(job.id)
+        _publish(result.adapter_dir, folder)
+        faults.hit("adapter_saved", path=folder / adapters.WEIGHTS)
+        try:
+            finetune.verify_adapter(opts, folder, gpus=self.gpus)
+        except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
+            raise adapters.RegistryError(f"registry error: the adapter saved at {folder} does not load onto "
+                                         f"{spec.model} and generate ({type(exc).__name__}: {exc})") from exc
+        wall = time.perf_counter() - t0
+        metrics = {**{k: v for k, v in result.metrics.items() if k != "load"}, "wall_seconds": round(wall, 3),
+                   "gpu_seconds": round(wall * max(self.gpus, 0), 3), "worker": self.name,
+                   "resumed_from_step": result.resumed_from}
+        with session_scope() as session:
+            leases.commit_rows(session, shard, self.name, [leases.RowResult(idx=i) for i, _ in rows],
+                               settings.lease_seconds)
+            registered = session.get(Job, job.id)
+            adapters.register(session, registered, folder, lora_config=result.lora_config,
+                              load_options=result.metrics["load"], metrics=metrics)
+            registered.metrics = {**(registered.metrics or {}), "training": metrics}
             leases.finish(session, shard, self.name, metrics)
 
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
@@ -206,6 +287,45 @@ class Runtime:
             leases.mark_enqueued(session, [shard_id])
 
 
+def finetune_line(record: dict[str, Any]) -> str:
+    """One readable line per training log: `step 12/60 epoch 2.00 loss 0.4123 lr 1.0e-02 …`."""
+    parts = [f"step {record['step']}/{record['max_steps']}", f"epoch {record['epoch']:.2f}"]
+    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("learning_rate", "lr {:.1e}"),
+                     ("grad_norm", "grad_norm {:.3f}"), ("tokens_per_s", "{:.0f} tok/s"),
+                     ("gpu_peak_memory_bytes", "peak {:.0f} MiB")):
+        if record.get(key) is not None:
+            value = record[key] / 2**20 if key == "gpu_peak_memory_bytes" else record[key]
+            parts.append(fmt.format(value))
+    return " ".join(parts)
+
+
+def _event(job_id: str, shard, message: str, **kwargs: Any) -> None:
+    with session_scope() as session:
+        add_event(session, job_id, message, shard_id=shard.id, **kwargs)
+
+
+def _publish(src, dest) -> None:
+    """Move the saved adapter to its registry folder: copy beside it, then rename, so a reader never sees half."""
+    import shutil
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def release_waiting(finetune_id: str | None = None) -> None:
+    """Shard (or fail) generation jobs that waited for a fine-tune that has now ended, and send their shards."""
+    with session_scope() as session:
+        to_send = adapters.release_waiting(session, finetune_id)
+    for shard_ids, queue in to_send:
+        for shard_id in shard_ids:
+            send(TASK_RUN_SHARD, [shard_id], queue)
+            with session_scope() as session:
+                leases.mark_enqueued(session, [shard_id])
+
+
 def shard_queue(job_id: str) -> str:
     with session_scope() as session:
         return session.get(Job, job_id).queue
@@ -242,6 +362,7 @@ def reap() -> None:
     with session_scope() as session:
         for job_id in leases.stuck_jobs(session):
             maybe_finalize(session, job_id)
+    release_waiting()  # chained jobs whose fine-tune ended while no worker was there to release them
 
 
 def _claim_broker_epoch() -> bool:
@@ -263,6 +384,15 @@ def _record_load(job_id: str, resolved: dict[str, Any]) -> None:
             job.versions = capabilities.versions()
 
 
+def _record_engine(job_id: str, engine_info: dict[str, Any]) -> None:
+    """The job's load options also say which engine ran, as the first finished shard saw it (each shard's
+    metrics keep their own)."""
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        if job.load_options is not None and "engine" not in job.load_options:
+            job.load_options = {**job.load_options, "engine": engine_info}
+
+
 def _reset_peak_memory() -> None:
     import torch
 
@@ -278,6 +408,16 @@ def _peak_memory() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: peak resident set of the process
+
+
+def _gpu_memory() -> list[dict[str, int]]:
+    """What this process's torch holds on each of its GPUs (GET /metrics); never initialises CUDA itself."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return [{"index": i, "allocated_bytes": int(torch.cuda.memory_allocated(i)),
+             "reserved_bytes": int(torch.cuda.memory_reserved(i))} for i in range(torch.cuda.device_count())]
 
 
 def _free_memory() -> None:

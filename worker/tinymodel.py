@@ -139,8 +139,13 @@ def _train(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, qa: list[tuple
     return step, accuracy
 
 
-def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None, seed: int = 0, steps: int | None = None) -> Path:
-    """Build (and optionally memorize ``qa`` into) a tiny Qwen3 model saved at ``out_dir``."""
+def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None, seed: int = 0, steps: int | None = None,
+                memorize: bool = True) -> Path:
+    """Build (and optionally memorize ``qa`` into) a tiny Qwen3 model saved at ``out_dir``.
+
+    ``memorize=False`` builds a *base* model: the tokenizer knows the words of ``qa`` but the random weights have
+    learnt nothing, so a LoRA fine-tune is what teaches it the answers (tests of fine-tuning, the demo).
+    """
     out = Path(out_dir)
     t0 = time.monotonic()
     torch.manual_seed(seed)
@@ -153,16 +158,21 @@ def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None,
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
     )
     model = Qwen3ForCausalLM(config)
+    if not memorize:
+        # The embedding's padding_idx row (pad = EOS here) starts at zero and, tied to lm_head, pins EOS's logit at
+        # 0: a LoRA could never learn to stop. A real base model has a trained EOS row; give ours a random one.
+        with torch.no_grad():
+            model.get_input_embeddings().weight[eos].normal_(0.0, config.initializer_range)
     # Stop on either terminator so plain prompts and chat both end cleanly.
     model.generation_config = GenerationConfig(
         eos_token_id=[im_end, eos], pad_token_id=eos, bos_token_id=eos, do_sample=False, max_new_tokens=32
     )
-    trained, accuracy = _train(model, tok, qa, steps) if qa else (0, None)
+    trained, accuracy = _train(model, tok, qa, steps) if qa and memorize else (0, None)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     meta = {
-        "seed": seed, "steps": trained, "qa_pairs": len(qa or []), "memorized": accuracy == 1.0,
+        "seed": seed, "steps": trained, "qa_pairs": len(qa or []) if memorize else 0, "memorized": accuracy == 1.0,
         "accuracy": accuracy, "params": sum(p.numel() for p in model.parameters()),
         "build_seconds": round(time.monotonic() - t0, 2),
     }
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa", type=Path, help="jsonl with {'question', 'answer'} rows to memorize")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps")
+    parser.add_argument("--base", action="store_true",
+                        help="a base model: tokenizer from --qa's words, weights untrained (for fine-tunes)")
     parser.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="tiny",
                         help="qwen3-0.6b: random bf16 weights of that shape (GPU checks, benchmarks)")
     args = parser.parse_args(argv)
@@ -213,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(build_random(args.out_dir, seed=args.seed))
         return 0
     qa = _read_qa(args.qa) if args.qa else None
-    print(build_model(args.out_dir, qa=qa, seed=args.seed, steps=args.steps))
+    print(build_model(args.out_dir, qa=qa, seed=args.seed, steps=args.steps, memorize=not args.base))
     return 0
 
 

@@ -3,6 +3,7 @@ measured in one run so that the ratios compare like with like.
 
     python ops/bench/g1.py --out ops/bench/results/g1.json          # on a GPU host, from the repo root
     python ops/bench/g1.py --out ... --slow --slow-prompts 256      # also transformers' `generate_batch` defaults
+    python ops/bench/g1.py --phase static --budget-s 170 --out ...  # engine static vs static-cache generate
 
 G1: Qwen3-0.6B architecture with random bf16 weights (`worker.tinymodel --arch qwen3-0.6b`), 1024 prompts of exactly
 256 token ids, 256 new tokens each, EOS off, greedy. Phases, in this order (each skipped if its time would not fit
@@ -249,6 +250,476 @@ def run_child(args: argparse.Namespace, phases: list[str], timeout: float, work:
     return report
 
 
+# --- the engine check (--phase engine) -----------------------------------------------------------------------
+
+
+def run_engine_check(args: argparse.Namespace) -> int:
+    """Short, in one process: (1) correctness of `sdpa_gqa` on G1's architecture (per-step logits of 64 left-padded
+    rows against plain `sdpa` `generate`, bf16 tolerance) and of both our engines on the memorized tiny model
+    (greedy outputs equal plain `generate`'s); (2) throughput on `--prompts` G1 rows: plain padded `generate` with
+    sdpa (baseline) and with sdpa_gqa, then our engine alone (`worker.generate.generate`, padded and continuous),
+    each after the others so the allocator is warm. Phases that would overrun `--budget-s` are skipped."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.spec import GenerateSpec
+    from worker import attention
+    from worker.generate import generate
+    from worker.loader import Loaded
+
+    deadline = time.monotonic() + args.budget_s
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g1: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **commit_info(),
+                "phase": "engine", "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "workload": {"prompts": args.prompts, "input_tokens": args.input_len, "output_tokens": args.new_tokens,
+                             "eos": "off", "decoding": "greedy", "dtype": str(dtype)},
+                "bound_tok_s": BOUND_TOK_S, "baselines": {}, "engine": {}, "correctness": {}, "skipped": [],
+                "errors": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.out.write_text(json.dumps({"g1": g1}, indent=2, default=str))
+
+    for path, cmd in ((args.model, ["--arch", "qwen3-0.6b"] if args.arch == "qwen3-0.6b" else ["--steps", "1"]),
+                      (args.qa_model, ["--qa", str(ROOT / "examples" / "qa.jsonl")])):
+        if not (path / "model.safetensors").exists():
+            subprocess.run([sys.executable, "-m", "worker.tinymodel", str(path), *cmd], check=True,
+                           stdout=subprocess.DEVNULL, cwd=ROOT)
+    attention.register()
+
+    def load(path: Path, attn: str):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
+                                                     attn_implementation=attn).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.padding_side = "left"
+        return model, tok
+
+    # 1a. sdpa_gqa vs sdpa: per-step logits of 64 left-padded rows of G1's architecture (bf16)
+    try:
+        model, tok = load(args.model, "sdpa")
+        rng = random.Random(SEED)
+        rows = prompt_ids(64, args.input_len, len(tok), set(tok.all_special_ids))
+        rows = [r[: rng.randint(args.input_len // 4, args.input_len)] for r in rows]  # ragged: a mask is passed
+        enc = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt").to(device)
+        steps = 16
+        outs = {}
+        for attn in ("sdpa", attention.NAME):
+            model.set_attn_implementation(attn)
+            with torch.inference_mode():
+                y = model.generate(**enc, max_new_tokens=steps, do_sample=False, temperature=None, top_p=None,
+                                   top_k=None, output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                                   pad_token_id=tok.pad_token_id)
+            outs[attn] = (y.sequences, torch.stack(y.logits, 1).float())
+        (seq_a, lg_a), (seq_b, lg_b) = outs["sdpa"], outs[attention.NAME]
+        diff = (lg_a - lg_b).abs()
+        scale = lg_a.abs().amax().item()
+        first_diverge = (seq_a != seq_b).any(0).nonzero()
+        # compare logits only up to the first step where any row's greedy token differs (then inputs differ)
+        upto = int(first_diverge[0]) - enc["input_ids"].shape[1] if len(first_diverge) else steps
+        upto = max(upto, 1)
+        max_abs = diff[:, :upto].amax().item()
+        tol = 0.05 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-4 * max(scale, 1.0)
+        g1["correctness"]["logits_sdpa_gqa_vs_sdpa"] = {
+            "rows": 64, "steps_compared": upto, "of_steps": steps, "max_abs_diff": max_abs, "max_abs_logit": scale,
+            "tolerance": tol, "greedy_rows_equal": int((seq_a == seq_b).all(1).sum()), "passed": max_abs <= tol}
+        log(f"logits sdpa_gqa vs sdpa: max |diff| {max_abs:.4f} over {upto} steps (|logit| up to {scale:.1f}, "
+            f"tolerance {tol:.3f}); greedy rows equal {g1['correctness']['logits_sdpa_gqa_vs_sdpa']['greedy_rows_equal']}/64")
+        del model
+    except Exception as exc:
+        g1["errors"]["logits"] = f"{type(exc).__name__}: {exc}"
+        log(f"logits check failed: {exc!r}")
+    save()
+
+    # 1b. the memorized model: greedy outputs of our engines (padded with sdpa_gqa on CUDA, continuous) = generate
+    try:
+        qa = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line]
+        model, tok = load(args.qa_model, "sdpa")
+        loaded = Loaded(model, tok, model.device, {})
+        rows = [(i, {"prompt": d["question"], "params": {}}) for i, d in enumerate(qa * 16)]
+        enc = tok.pad({"input_ids": [tok(r["prompt"])["input_ids"] for _, r in rows]}, padding=True,
+                      return_tensors="pt").to(device)
+        with torch.inference_mode():
+            y = model.generate(**enc, max_new_tokens=16, do_sample=False, temperature=None, top_p=None, top_k=None,
+                               pad_token_id=tok.pad_token_id)
+        eos = tok.eos_token_id
+        plain = []
+        for t in y[:, enc["input_ids"].shape[1]:].tolist():
+            plain.append(tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True))
+        for name in ("padded", "continuous"):
+            spec = GenerateSpec(model=str(args.qa_model), input="x", max_new_tokens=16, engine=name)
+            info: dict = {}
+            got = {r.idx: r.output for b in generate(loaded, spec, rows, batch_rows=32, info=info) for r in b}
+            equal = sum(got[i] == plain[i] for i in range(len(rows)))
+            g1["correctness"][f"greedy_{name}_vs_generate"] = {
+                "rows": len(rows), "equal": equal, "share": round(equal / len(rows), 4),
+                "passed": equal >= 0.99 * len(rows), "engine": info}
+            log(f"greedy {name} engine vs generate: {equal}/{len(rows)} equal ({info.get('attn_implementation')})")
+        del model, loaded
+    except Exception as exc:
+        g1["errors"]["greedy"] = f"{type(exc).__name__}: {exc}"
+        log(f"greedy check failed: {exc!r}")
+    save()
+
+    # 2. throughput on G1 rows, every phase in this process, the slowest-to-warm first
+    model, tok = load(args.model, "sdpa")
+    model.generation_config.eos_token_id = None
+    ids = prompt_ids(args.prompts, args.input_len, len(tok), set(tok.all_special_ids))
+    n_new = args.new_tokens
+
+    def timed(name: str, fn, estimate_s: float) -> None:
+        if time.monotonic() + estimate_s > deadline:
+            g1["skipped"].append(name)
+            log(f"skipped {name}: would not fit the budget")
+            return
+        try:
+            _reset_peak(torch)
+            _sync(torch)
+            t = time.perf_counter()
+            tokens = fn()
+            _sync(torch)
+            s = time.perf_counter() - t
+            entry = {"seconds": round(s, 3), "output_tokens": tokens, "output_tok_s": round(tokens / s, 1),
+                     "peak_memory_bytes": _peak(torch)}
+            (g1["engine"] if name.startswith("engine") else g1["baselines"])[name] = entry
+            log(f"{name}: {s:.1f} s, {tokens / s:,.0f} output tok/s")
+        except Exception as exc:
+            g1["errors"][name] = f"{type(exc).__name__}: {exc}"
+            log(f"{name} failed: {exc!r}")
+        save()
+
+    def plain_generate(attn: str) -> int:
+        model.set_attn_implementation(attn)
+        tokens = 0
+        for start in range(0, len(ids), args.padded_batch):
+            x = torch.tensor(ids[start : start + args.padded_batch], device=device)
+            with torch.inference_mode():
+                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n_new,
+                                   do_sample=False, temperature=None, top_p=None, top_k=None,
+                                   pad_token_id=tok.pad_token_id)
+            tokens += (y.shape[1] - x.shape[1]) * x.shape[0]
+        model.set_attn_implementation("sdpa")
+        return tokens
+
+    texts = text_prompts(tok, args.prompts, args.input_len)
+    rows = [(i, {"prompt": p, "params": {}}) for i, p in enumerate(texts)]
+    loaded = Loaded(model, tok, model.device, {})
+
+    def ours(engine: str, **fields) -> int:
+        spec = GenerateSpec(model=str(args.model), input="x", max_new_tokens=n_new, ignore_eos=True, engine=engine,
+                            **fields)
+        info: dict = {}
+        tokens = sum(r.completion_tokens or 0 for b in generate(loaded, spec, rows, batch_rows=args.padded_batch,
+                                                                 info=info) for r in b)
+        g1.setdefault("engine_info", {})[engine] = info
+        return tokens
+
+    timed("warm_up_generate_padded", lambda: plain_generate("sdpa"), 60)  # first call at this shape: slow
+    g1["baselines"].pop("warm_up_generate_padded", None)
+    timed(f"generate_padded_{args.padded_batch}", lambda: plain_generate("sdpa"), 30)
+    timed(f"generate_padded_{args.padded_batch}_sdpa_gqa", lambda: plain_generate(attention.NAME), 20)
+    timed("engine_padded", lambda: ours("padded"), 20)
+    timed("engine_continuous", lambda: ours("continuous", cuda_graphs="on" if device == "cuda" else "off"), 60)
+    base = g1["baselines"].get(f"generate_padded_{args.padded_batch}", {}).get("output_tok_s")
+    for name, entry in [*g1["baselines"].items(), *g1["engine"].items()]:
+        if base:
+            entry["ratio_vs_generate_padded"] = round(entry["output_tok_s"] / base, 3)
+    best = max((e["output_tok_s"] for e in g1["engine"].values()), default=None)
+    g1["engine"]["output_tok_s"] = best
+    save()
+    print(json.dumps({k: g1[k] for k in ("baselines", "engine", "correctness", "skipped", "errors")}, indent=1,
+                     default=str))
+    return 0
+
+
+# --- the static-cache engine check (--phase static) ----------------------------------------------------------
+
+# seconds each step needs on an H200 at 1024 G1 rows (the budget check): compile ~50 s, static generate ~22 s
+STATIC_ESTIMATE_S = {"greedy": 20, "engine": 75, "logits": 8, "baseline": 75}
+
+
+def run_static_check(args: argparse.Namespace) -> int:
+    """`engine: static` against plain `generate(cache_implementation="static")`, in one process (≤ 170 s on an
+    H200 by design; `--budget-s`). Steps, each skipped and listed if its estimate would overrun the budget:
+
+    1. greedy: our static engine (compiled on CUDA) vs plain `generate` on the tiny memorized model (96 rows);
+    2. ours: `worker.generate.generate(engine=static)` on `--prompts` G1 rows at `--static-batch` slots, text
+       prompts of exactly `--input-len` tokens, EOS off; compile (the engine's warm-up call) reported apart;
+    3. logits: 64 ragged G1 rows through our exact configuration (sdpa_gqa, static cache, the compiled graph of
+       step 2: same slots and cache length, dummy rows filling the call) vs plain `generate` (sdpa, dynamic cache),
+       per-step logits until the first greedy divergence, bf16 tolerance. After step 2 so it reuses its compile;
+    4. baseline: plain `generate(cache_implementation="static")` with `sdpa` at `--static-batch` rows: a 4-token
+       call first (its compile, timed apart), then the timed call. Last: switching the model's compile config
+       back to ours would recompile.
+    """
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.spec import GenerateSpec
+    from worker import attention
+    from worker import generate as engine
+    from worker.loader import Loaded
+
+    t_start = time.monotonic()
+    deadline = t_start + args.budget_s
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g1: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **commit_info(),
+                "phase": "static", "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "workload": {"arch": args.arch, "prompts": args.prompts, "input_tokens": args.input_len,
+                             "output_tokens": args.new_tokens, "batch": args.static_batch, "eos": "off",
+                             "decoding": "greedy", "dtype": str(dtype)},
+                "bound_tok_s": BOUND_TOK_S, "baselines": {}, "engine": {}, "correctness": {}, "skipped": [],
+                "errors": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.out.write_text(json.dumps({"g1": g1}, indent=2, default=str))
+
+    def fits(name: str) -> bool:
+        left = deadline - time.monotonic()
+        if left >= STATIC_ESTIMATE_S[name] * args.estimate_scale:
+            return True
+        g1["skipped"].append(f"{name} (estimated {STATIC_ESTIMATE_S[name] * args.estimate_scale:.0f} s, "
+                             f"{left:.0f} s left)")
+        log(f"skipped {name}: would not fit the budget")
+        return False
+
+    # the G1 model (~24 s to build on the H200 host) builds in a child process while step 1 runs
+    t_build = time.monotonic()
+    building = None
+    if not (args.model / "model.safetensors").exists():
+        cmd = ["--arch", "qwen3-0.6b"] if args.arch == "qwen3-0.6b" else ["--steps", "1"]
+        building = subprocess.Popen([sys.executable, "-m", "worker.tinymodel", str(args.model), *cmd],
+                                    stdout=subprocess.DEVNULL, cwd=ROOT)
+    if not (args.qa_model / "model.safetensors").exists():
+        subprocess.run([sys.executable, "-m", "worker.tinymodel", str(args.qa_model), "--qa",
+                        str(ROOT / "examples" / "qa.jsonl")], check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    attention.register()
+
+    def load(path: Path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
+                                                     attn_implementation="sdpa").eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.padding_side = "left"
+        return model, tok
+
+    def plain(model, tok, rows: list[list[int]], new: int, **kw):
+        enc = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt").to(device)
+        with torch.inference_mode():
+            y = model.generate(**enc, max_new_tokens=new, do_sample=False, temperature=None, top_p=None, top_k=None,
+                               pad_token_id=tok.pad_token_id, **kw)
+        return enc, y
+
+    # 1. greedy outputs on the memorized model: our static engine (compiled on CUDA) vs plain generate
+    if fits("greedy"):
+        try:
+            qa = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line]
+            model, tok = load(args.qa_model)
+            rows = [(i, {"prompt": d["question"], "params": {}}) for i, d in enumerate(qa * 16)]
+            enc, y = plain(model, tok, [tok(r["prompt"])["input_ids"] for _, r in rows], 16)
+            eos = tok.eos_token_id
+            want = [tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True)
+                    for t in y[:, enc["input_ids"].shape[1]:].tolist()]
+            spec = GenerateSpec(model=str(args.qa_model), input="x", max_new_tokens=16, engine="static")
+            info: dict = {}
+            got = {r.idx: r.output for b in engine.generate(Loaded(model, tok, model.device, {}), spec, rows,
+                                                             batch_rows=len(rows), info=info) for r in b}
+            equal = sum(got[i] == want[i] for i in range(len(rows)))
+            g1["correctness"]["greedy_static_vs_generate"] = {
+                "rows": len(rows), "equal": equal, "share": round(equal / len(rows), 4),
+                "passed": equal >= 0.99 * len(rows), "engine": info}
+            log(f"greedy static engine vs generate: {equal}/{len(rows)} equal (compiled "
+                f"{info['static']['compiled']}, compile {info['static']['compile_s']} s)")
+            del model
+        except Exception as exc:
+            g1["errors"]["greedy"] = f"{type(exc).__name__}: {exc}"
+            log(f"greedy check failed: {exc!r}")
+        save()
+
+    if building is not None and building.wait() != 0:
+        raise RuntimeError(f"building {args.model} failed (exit {building.returncode})")
+    g1["model_build_wait_s"] = round(time.monotonic() - t_build, 2)  # build, overlapped with step 1
+    model, tok = load(args.model)
+    model.generation_config.eos_token_id = None  # EOS off for the baseline (ours passes ignore_eos)
+    loaded = Loaded(model, tok, model.device, {})
+    n_new = args.new_tokens
+
+    # 2. ours: the static engine on G1 rows, compile (its warm-up call at the new shape) reported apart
+    ours_shape = None
+    if fits("engine"):
+        try:
+            texts = text_prompts(tok, args.prompts, args.input_len)
+            rows = [(i, {"prompt": p, "params": {}}) for i, p in enumerate(texts)]
+            spec = GenerateSpec(model=str(args.model), input="x", max_new_tokens=n_new, ignore_eos=True,
+                                engine="static")
+            info = {}
+            _reset_peak(torch)
+            _sync(torch)
+            t = time.perf_counter()
+            tokens = sum(r.completion_tokens or 0 for b in engine.generate(
+                loaded, spec, rows, batch_rows=args.static_batch, info=info) for r in b)
+            _sync(torch)
+            total = time.perf_counter() - t
+            st = info["static"]
+            run_s = total - st["compile_s"]
+            g1["engine"]["static"] = {
+                "batch_rows": args.static_batch, "rows": len(rows), "output_tokens": tokens,
+                "seconds_incl_compile": round(total, 3), "compile_s": st["compile_s"], "seconds": round(run_s, 3),
+                "output_tok_s": round(tokens / run_s, 1), "output_tok_s_incl_compile": round(tokens / total, 1),
+                "peak_memory_bytes": _peak(torch), "info": info}
+            g1["engine"]["output_tok_s"] = g1["engine"]["static"]["output_tok_s"]
+            ours_shape = st["shapes"][-1] if st["shapes"] else None
+            log(f"ours (static engine): {tokens / run_s:,.0f} output tok/s excluding compile "
+                f"({st['compile_s']:.1f} s), {tokens / total:,.0f} including; {st['calls']} calls, "
+                f"peak {(_peak(torch) or 0) / 2**30:.1f} GiB")
+        except Exception as exc:
+            g1["errors"]["engine_static"] = f"{type(exc).__name__}: {exc}"
+            log(f"static engine failed: {exc!r}")
+        save()
+
+    # 3. per-step logits of 64 ragged rows: our configuration (the compiled shape of step 2) vs plain generate
+    if fits("logits"):
+        try:
+            g1["correctness"]["logits_static_vs_generate"] = _static_logits(
+                torch, engine, loaded, args, ours_shape, dtype, device)
+            c = g1["correctness"]["logits_static_vs_generate"]
+            log(f"logits static vs generate: max |diff| {c['max_abs_diff']:.4f} over {c['steps_compared']} steps "
+                f"(|logit| up to {c['max_abs_logit']:.1f}, tolerance {c['tolerance']:.3f}); greedy rows equal "
+                f"{c['greedy_rows_equal']}/{c['rows']}; passed {c['passed']}")
+        except Exception as exc:
+            g1["errors"]["logits"] = f"{type(exc).__name__}: {exc}"
+            log(f"logits check failed: {exc!r}")
+        save()
+
+    # 4. baseline: plain generate, static cache, sdpa, auto-compiled by transformers (default CompileConfig)
+    if fits("baseline"):
+        try:
+            model.set_attn_implementation("sdpa")
+            ids = prompt_ids(args.prompts, args.input_len, len(tok), set(tok.all_special_ids))[: args.static_batch]
+            _reset_peak(torch)
+            _sync(torch)
+            t = time.perf_counter()
+            # the compile happens on this call; max_cache_len: the same cache as the timed call's (its own length)
+            same = dict(cache_implementation="static", max_cache_len=args.input_len + n_new)
+            plain(model, tok, ids, 4, **same)
+            _sync(torch)
+            compile_s = time.perf_counter() - t
+            log(f"baseline static generate: compile call {compile_s:.1f} s")
+            t = time.perf_counter()
+            enc, y = plain(model, tok, ids, n_new, **same)
+            _sync(torch)
+            run_s = time.perf_counter() - t
+            new = y.shape[1] - enc["input_ids"].shape[1]
+            if new != n_new:
+                raise RuntimeError(f"generate returned {new} new tokens, not {n_new} (EOS not off?)")
+            tokens = new * len(ids)
+            g1["baselines"]["static_generate"] = {
+                "batch": len(ids), "attn_implementation": "sdpa", "output_tokens": tokens, "compile_s":
+                round(compile_s, 3), "seconds": round(run_s, 3), "output_tok_s": round(tokens / run_s, 1),
+                "output_tok_s_incl_compile": round(tokens / (run_s + compile_s), 1),
+                "peak_memory_bytes": _peak(torch), "compiled": hasattr(model, "_compiled_call"),
+                "compile_config": str(getattr(model, "_last_compile_config", None)),
+                "note": "compile_s is a 4-token call at the same batch and cache length (compile + CUDA graphs)"}
+            log(f"baseline static generate: {tokens / run_s:,.0f} output tok/s excluding compile, "
+                f"{tokens / (run_s + compile_s):,.0f} including")
+        except Exception as exc:
+            g1["errors"]["baseline_static_generate"] = f"{type(exc).__name__}: {exc}"
+            log(f"baseline failed: {exc!r}")
+        save()
+
+    g1["ratios"] = _static_ratios(g1)
+    g1["total_s"] = round(time.monotonic() - t_start, 1)
+    save()
+    _print_static(g1)
+    log(f"wrote {args.out}")
+    return 0 if not g1["errors"] else 1
+
+
+def _static_logits(torch, engine, loaded, args, shape, dtype, device) -> dict:
+    """64 ragged, left-padded rows: per-step logits of our configuration vs plain `generate` (sdpa, dynamic cache)."""
+    model, tok = loaded.model, loaded.tokenizer
+    steps, n = 8, 64
+    rng = random.Random(SEED + 1)
+    rows = prompt_ids(n, args.input_len, len(tok), set(tok.all_special_ids), seed=SEED + 1)
+    rows = [r[: rng.randint(max(1, args.input_len // 4), args.input_len)] for r in rows]
+    common = dict(max_new_tokens=steps, do_sample=False, temperature=None, top_p=None, top_k=None,
+                  output_logits=True, return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    model.set_attn_implementation("sdpa")
+    enc = tok.pad({"input_ids": rows}, padding=True, return_tensors="pt").to(device)
+    with torch.inference_mode():
+        want = model.generate(**enc, **common)
+    # ours: the engine's call as `_static_call` makes it (dummy rows to the slots, the bucketed cache length, the
+    # same CompileConfig object), at the shape step 2 compiled when it ran
+    slots, cache_len = (shape[0], shape[1]) if shape else (n, engine.cache_bucket(args.input_len + steps))
+    slots, cache_len = max(slots, n), max(cache_len, engine.cache_bucket(args.input_len + steps))
+    padded = rows + [rows[0]] * (slots - n)
+    enc2 = tok.pad({"input_ids": padded}, padding=True, return_tensors="pt").to(device)
+    config, _ = engine._static_compile_config(loaded)
+    fixed = {"compile_config": config} if config is not None else {"disable_compile": True}
+    with engine.padded_attention(loaded, on_cuda=True) as attn, torch.inference_mode():
+        model._previous_max_cache_length = cache_len
+        got = model.generate(**enc2, **common, cache_implementation="static", max_cache_len=cache_len, **fixed)
+    lg_a = torch.stack(want.logits, 1).float()
+    lg_b = torch.stack(got.logits, 1)[:n].float()
+    seq_a = want.sequences[:, enc["input_ids"].shape[1]:]
+    seq_b = got.sequences[:n, enc2["input_ids"].shape[1]:]
+    differ = (seq_a != seq_b).any(0).nonzero()
+    upto = max(int(differ[0]) if len(differ) else steps, 1)  # after a greedy divergence the inputs differ
+    scale = lg_a.abs().amax().item()
+    max_abs = (lg_a - lg_b)[:, :upto].abs().amax().item()
+    tol = 0.05 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-3 * max(scale, 1.0)
+    return {"rows": n, "slots": slots, "cache_len": cache_len, "attn_implementation": attn,
+            "compiled": config is not None, "steps_compared": upto, "of_steps": steps, "max_abs_diff": max_abs,
+            "max_abs_logit": scale, "tolerance": tol, "greedy_rows_equal": int((seq_a == seq_b).all(1).sum()),
+            "passed": max_abs <= tol}
+
+
+def _static_ratios(g1: dict) -> dict:
+    ours, base = g1["engine"].get("static", {}), g1["baselines"].get("static_generate", {})
+    out = {}
+    for key in ("output_tok_s", "output_tok_s_incl_compile"):
+        if ours.get(key):
+            out[f"static_engine/bound ({key})"] = round(ours[key] / g1["bound_tok_s"], 4)
+        if base.get(key):
+            out[f"static_generate/bound ({key})"] = round(base[key] / g1["bound_tok_s"], 4)
+        if ours.get(key) and base.get(key):
+            out[f"static_engine/static_generate ({key})"] = round(ours[key] / base[key], 3)
+    checks = g1["correctness"].values()
+    out["correctness_passed"] = bool(checks) and all(c.get("passed") for c in checks)
+    return out
+
+
+def _print_static(g1: dict) -> None:
+    w = g1["workload"]
+    print()
+    print(f"G1 static phase on {g1['device']}: {w['prompts']} prompts × {w['input_tokens']} in + "
+          f"{w['output_tokens']} out, batch {w['batch']}, EOS off; torch {g1['torch']}, transformers "
+          f"{g1['transformers']}; commit {str(g1.get('commit'))[:12]}")
+    print(f"{'':<40} {'tok/s':>9} {'tok/s incl. compile':>20} {'compile s':>10} {'run s':>7} {'peak GiB':>9}")
+    for name, e in (("plain generate, static cache, sdpa", g1["baselines"].get("static_generate")),
+                    ("ours: engine static (sdpa_gqa)", g1["engine"].get("static"))):
+        if e:
+            peak = f"{e['peak_memory_bytes'] / 2**30:.1f}" if e.get("peak_memory_bytes") else "-"
+            print(f"{name:<40} {e['output_tok_s']:>9,.0f} {e['output_tok_s_incl_compile']:>20,.0f} "
+                  f"{e['compile_s']:>10.1f} {e['seconds']:>7.1f} {peak:>9}")
+    print(f"{'bound (DESIGN.md)':<40} {g1['bound_tok_s']:>9,}")
+    for k, v in g1["ratios"].items():
+        print(f"  {k} = {v}")
+    for k, v in g1["correctness"].items():
+        print(f"  correctness {k}: passed {v.get('passed')} "
+              f"({', '.join(f'{x}={v[x]}' for x in ('equal', 'rows', 'max_abs_diff', 'tolerance') if x in v)})")
+    if g1["skipped"]:
+        print("skipped:", g1["skipped"])
+    if g1["errors"]:
+        print("errors:", json.dumps(g1["errors"])[:2000])
+
+
+
 # --- the service ---------------------------------------------------------------------------------------------
 
 
@@ -425,7 +896,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--spec-gpus", type=int, default=1)
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--work", type=Path, default=Path("/tmp/g1-work"))
-    p.add_argument("--phase", default="main", help=argparse.SUPPRESS)
+    p.add_argument("--phase", default="main", help="main: the whole G1 run; engine: the short in-process engine "
+                   "check (correctness of sdpa_gqa and both engines, then padded sdpa vs sdpa_gqa vs our engines); "
+                   "static: engine static vs plain static-cache generate, correctness first (--budget-s 170)")
+    p.add_argument("--estimate-scale", type=float, default=1.0,
+                   help="static phase: scale its per-step time estimates (the budget check; e.g. 0 on CPU)")
+    p.add_argument("--qa-model", type=Path, default=Path("/tmp/g1-qa-model"),
+                   help="engine phase: the tiny memorized model for the greedy-equality check (built if missing)")
     p.add_argument("--phases", default="", help=argparse.SUPPRESS)
     p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -437,6 +914,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.phase == "inproc":
         return run_inproc(args)
+    if args.phase == "engine":
+        return run_engine_check(args)
+    if args.phase == "static":
+        return run_static_check(args)
     t_start = time.monotonic()
     deadline = t_start + args.budget_s
     skip = {x for x in args.skip.split(",") if x}

@@ -1,0 +1,333 @@
+"""OpenAI-compatible Batch API: `/v1/files` and `/v1/batches`, mapped onto our generation jobs.
+
+A script written for the OpenAI Batch API runs unchanged with `OpenAI(base_url="http://HOST:8765/v1",
+api_key=<a gpujobs token>)`: `files.create(purpose="batch")`, `batches.create(...)`, `batches.retrieve` until
+`completed`, `files.content(output_file_id)`, `batches.list` (cursor pagination), `batches.cancel`.
+
+How it maps (choices that clients see, hence written down here):
+
+- A batch **is** a generation job: its id is the job id (`job_…`), so `gpujobs status/results/events` work on it,
+  and any job whose input is OpenAI batch lines shows as a batch. `batches.create` submits
+  `{"input": file, "input_format": "openai"}` with no model: the lines' `body.model` names it, checked against
+  the model allow-list (`JOBS_MODEL_ROOTS`, see api/service.py `_model_from_input`). Every line's `url` must be
+  the batch's `endpoint`. Parsing the lines and writing the output and error files are `core.formats`'
+  (`openai_request`, `openai_output_record`, `openai_error_record`), through `service.export(fmt="openai")`.
+- States map one to one: queued/validating → `validating`, running → `in_progress`, finalizing → `finalizing`,
+  succeeded → `completed`, failed → `failed`, cancelling → `cancelling`, cancelled → `cancelled`, and a batch
+  cancelled by its completion window → `expired` (`finalizing` while that cancel is under way).
+- `completion_window` is `24h` only (JOBS_BATCH_WINDOW_SECONDS shortens it in tests). The window is enforced when
+  a batch is read (retrieve, list): a live batch past `expires_at` is cancelled then, its finished rows kept.
+  OpenAI clients poll, so this is prompt in practice; a batch nobody reads runs on until it ends.
+- The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
+  rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
+  deleted on their own. Uploaded files are ordinary stored files (`file_…`), usable by `gpujobs submit` too.
+- `request_counts` are the job's rows: total, succeeded (`completed`), failed; `usage` its tokens.
+- The endpoints check tokens like the rest of the API (scope user or admin; a user sees only their own). They are
+  not in our OpenAPI schema: OpenAI's specification describes them, and tests/test_openai_api.py checks their
+  access (a user gets 404 for another owner's batch and file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api import service
+from core import auth, files
+from core.db import session_scope
+from core.errors import Conflict, Forbidden, IllegalTransition, InvalidInput, NotFound
+from core.models import File as StoredFile
+from core.models import Job, JobEvent
+from core.settings import get_settings
+from core.states import JobState
+from core.store import get_job, now
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+META = "openai_batch."  # spec.metadata keys of ours, hidden from the batch's metadata
+EXPIRED_BY = "the batch's completion window (24h)"
+STATUS = {"queued": "validating", "validating": "validating", "running": "in_progress",
+          "finalizing": "finalizing", "succeeded": "completed", "failed": "failed", "cancelling": "cancelling",
+          "cancelled": "cancelled"}
+OUTPUT, ERRORS = "-output", "-errors"
+
+router = APIRouter(prefix="/v1", include_in_schema=False)
+bearer = HTTPBearer(auto_error=False)
+
+
+class Caller(BaseModel):
+    owner: str
+    admin: bool
+
+    @property
+    def visible_owner(self) -> str | None:
+        return None if self.admin else self.owner
+
+
+def caller(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
+    """The same check as api.app's `principal` (kept apart: app.py imports this module)."""
+    with session_scope() as session:
+        token = auth.authenticate(session, credentials.credentials if credentials else None)
+        owner, scopes = token.owner, set(token.scopes.split(","))
+    if not scopes & {"user", "admin"}:
+        raise Forbidden(f"this token has only the scope(s) {', '.join(sorted(scopes))}: batches and files need a "
+                        "token with the user or admin scope (`gpujobs tokens create --owner NAME`)")
+    return Caller(owner=owner, admin="admin" in scopes)
+
+
+Who = Annotated[Caller, Depends(caller)]
+
+
+# --- files ---------------------------------------------------------------------------------------------------
+
+
+@router.post("/files")
+def create_file(who: Who, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
+    if purpose != "batch":
+        raise InvalidInput(f"purpose {purpose!r} is not supported here: upload batch input files with "
+                           "purpose='batch'")
+    with session_scope() as session:
+        stored = files.save(session, owner=who.owner, filename=file.filename or "batch.jsonl", stream=file.file,
+                            purpose="batch")
+        return file_object(stored)
+
+
+@router.get("/files/{file_id}")
+def retrieve_file(who: Who, file_id: str) -> dict[str, Any]:
+    if job_id := _virtual(file_id):
+        size = sum(len(chunk) for chunk in _virtual_content(who, file_id, job_id))
+        with session_scope() as session:
+            job = get_job(session, job_id, owner=who.visible_owner)
+            return {"id": file_id, "object": "file", "bytes": size, "created_at": int(job.finished_at or now()),
+                    "filename": f"{file_id}.jsonl", "purpose": "batch_output", "status": "processed",
+                    "expires_at": None, "status_details": None}
+    with session_scope() as session:
+        return file_object(files.get(session, file_id, owner=who.visible_owner))
+
+
+@router.get("/files/{file_id}/content")
+def file_content(who: Who, file_id: str):
+    if job_id := _virtual(file_id):
+        chunks = _virtual_content(who, file_id, job_id)
+        first = next(chunks, b"")  # a 404 is raised here, before the response starts
+        return StreamingResponse(_chain(first, chunks), media_type="application/jsonl")
+    with session_scope() as session:
+        stored = files.get(session, file_id, owner=who.visible_owner)
+        path, name = files.absolute(stored), stored.filename
+    return FileResponse(path, media_type="application/octet-stream", filename=name)
+
+
+@router.delete("/files/{file_id}")
+def delete_file(who: Who, file_id: str) -> dict[str, Any]:
+    if job_id := _virtual(file_id):
+        with session_scope() as session:
+            get_job(session, job_id, owner=who.visible_owner)
+        raise Conflict(f"{file_id} is built from batch {job_id}'s rows: it cannot be deleted on its own")
+    with session_scope() as session:
+        stored = files.get(session, file_id, owner=who.visible_owner)
+        live = [s.value for s in JobState if not s.terminal]
+        busy = session.scalar(select(Job.id).where(Job.input_file_id == file_id, Job.state.in_(live)).limit(1))
+        if busy:
+            raise Conflict(f"file {file_id} is the input of batch {busy}, which is still {_live_state(session, busy)}:"
+                           " delete it once the batch has ended (or cancel the batch)")
+        path = files.absolute(stored)
+        session.delete(stored)
+    path.unlink(missing_ok=True)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+def file_object(f: StoredFile) -> dict[str, Any]:
+    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": int(f.created_at), "filename": f.filename,
+            "purpose": "batch" if f.purpose in ("batch", "input") else f.purpose, "status": "processed",
+            "expires_at": None, "status_details": None}
+
+
+def _virtual(file_id: str) -> str | None:
+    """The job id of a batch's output or error file id, else None."""
+    for suffix in (OUTPUT, ERRORS):
+        if file_id.startswith("job_") and file_id.endswith(suffix):
+            return file_id.removesuffix(suffix)
+    return None
+
+
+def _virtual_content(who: Caller, file_id: str, job_id: str) -> Iterator[bytes]:
+    return service.export(job_id, owner=who.visible_owner, fmt="openai", errors=file_id.endswith(ERRORS))
+
+
+def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    if first:
+        yield first
+    yield from rest
+
+
+def _live_state(session: Session, job_id: str) -> str:
+    return STATUS[session.get(Job, job_id).state]
+
+
+# --- batches -------------------------------------------------------------------------------------------------
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # newer client fields (output_expires_after…) change nothing here
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = None
+
+
+@router.post("/batches")
+async def create_batch(who: Who, request: BatchRequest) -> dict[str, Any]:
+    spec = await run_in_threadpool(batch_spec, who, request)
+    job = await run_in_threadpool(service.submit, owner=who.owner, spec_data=spec, admin=who.admin)
+    return await run_in_threadpool(_view, who, job["id"])
+
+
+def batch_spec(who: Caller, request: BatchRequest) -> dict[str, Any]:
+    """The job spec of a batch request, after the checks OpenAI makes when a batch is created."""
+    if request.endpoint not in ENDPOINTS:
+        raise InvalidInput(f"endpoint {request.endpoint!r} is not supported: use {' or '.join(ENDPOINTS)}")
+    if request.completion_window != "24h":
+        raise InvalidInput(f"completion_window {request.completion_window!r}: only '24h' is supported")
+    metadata = request.metadata or {}
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise InvalidInput("metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512")
+    if any(k.startswith(META) for k in metadata):
+        raise InvalidInput(f"metadata keys starting with {META!r} are reserved by this server: rename them")
+    with session_scope() as session:
+        stored = files.get(session, request.input_file_id, owner=who.owner)
+        path = files.absolute(stored)
+    check_urls(path, request.endpoint)
+    return {"kind": "generate", "input": request.input_file_id, "input_format": "openai",
+            "metadata": {**metadata, META + "endpoint": request.endpoint, META + "completion_window": "24h"}}
+
+
+def check_urls(path, endpoint: str) -> None:
+    """Every line must be a request to the batch's endpoint (lines that are not JSON are left to the row checks)."""
+    with open(path, "rb") as stream:
+        for line_no, raw in enumerate(stream, start=1):
+            try:
+                url = json.loads(raw).get("url") if raw.strip() else None
+            except (ValueError, AttributeError):
+                continue
+            if url is not None and url != endpoint:
+                raise InvalidInput(f"line {line_no} has url {url!r} but the batch's endpoint is {endpoint!r}: every "
+                                   "line of a batch must use the batch's endpoint")
+
+
+@router.get("/batches/{batch_id}")
+def retrieve_batch(who: Who, batch_id: str) -> dict[str, Any]:
+    return _view(who, batch_id)
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(who: Who, batch_id: str) -> dict[str, Any]:
+    _view(who, batch_id)  # 404 for a job that is not a batch; expires it first if its window has passed
+    try:
+        service.cancel(batch_id, owner=who.visible_owner, by=who.owner)
+    except IllegalTransition as exc:
+        raise Conflict(f"batch {batch_id} cannot be cancelled: {exc}") from None
+    return _view(who, batch_id)
+
+
+@router.get("/batches")
+def list_batches(who: Who, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                 after: Annotated[str | None, Query(description="the last batch id of the previous page")] = None,
+                 ) -> dict[str, Any]:
+    with session_scope() as session:
+        stmt = select(Job.id).where(Job.kind == "generate", Job.spec["input_format"].as_string() == "openai")
+        if who.visible_owner is not None:
+            stmt = stmt.where(Job.owner == who.visible_owner)
+        if after:
+            cursor = get_job(session, after, owner=who.visible_owner)
+            stmt = stmt.where(or_(Job.created_at < cursor.created_at,
+                                  and_(Job.created_at == cursor.created_at, Job.id < cursor.id)))
+        ids = list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
+    data = [_view(who, job_id) for job_id in ids[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
+
+
+def _view(who: Caller, batch_id: str) -> dict[str, Any]:
+    expire_if_due(who, batch_id)
+    with session_scope() as session:
+        job = get_job(session, batch_id, owner=who.visible_owner)
+        if job.kind != "generate" or job.spec.get("input_format") != "openai":
+            raise NotFound(f"no batch {batch_id!r}: job {batch_id} is not an OpenAI batch (its input is not batch "
+                           "lines); read it with `gpujobs status`")
+        return batch_object(session, job)
+
+
+def expire_if_due(who: Caller, batch_id: str) -> None:
+    with session_scope() as session:
+        job = session.get(Job, batch_id)
+        due = (job is not None and (who.visible_owner in (None, job.owner)) and not JobState(job.state).terminal
+               and job.spec.get("input_format") == "openai"
+               and now() > job.created_at + get_settings().batch_window_seconds)
+    if due:
+        try:
+            service.cancel(batch_id, owner=None, by=EXPIRED_BY)
+        except IllegalTransition:
+            pass  # it ended meanwhile
+
+
+def batch_object(session: Session, job: Job) -> dict[str, Any]:
+    view = service.job_view(session, job)
+    times = state_times(session, job.id)
+    expired = EXPIRED_BY in times.get("cancelling_reason", "")
+    status = STATUS[job.state]
+    if expired:
+        status = "expired" if job.state == "cancelled" else "finalizing"
+    ended = JobState(job.state).terminal
+    rows, tokens = view["rows"], view["tokens"]
+    meta = (job.spec.get("metadata") or {})
+    errors = None
+    if job.state == "failed" and job.error:
+        errors = {"object": "list", "data": [{"code": "failed", "message": job.error, "param": None, "line": None}]}
+    return {
+        "id": job.id, "object": "batch", "endpoint": meta.get(META + "endpoint", ENDPOINTS[0]),
+        "errors": errors, "input_file_id": job.input_file_id, "completion_window": "24h", "status": status,
+        "output_file_id": job.id + OUTPUT if ended and rows["succeeded"] else None,
+        "error_file_id": job.id + ERRORS if ended and rows["failed"] else None,
+        "created_at": int(job.created_at),
+        "in_progress_at": _ts(times.get("running")),
+        "expires_at": int(job.created_at + get_settings().batch_window_seconds),
+        "finalizing_at": _ts(times.get("finalizing")),
+        "completed_at": _ts(times.get("succeeded")),
+        "failed_at": _ts(times.get("failed")),
+        "expired_at": _ts(times.get("cancelled")) if expired else None,
+        "cancelling_at": None if expired else _ts(times.get("cancelling")),
+        "cancelled_at": None if expired else _ts(times.get("cancelled")),
+        "request_counts": {"total": rows["total"], "completed": rows["succeeded"], "failed": rows["failed"]},
+        "metadata": {k: v for k, v in meta.items() if not k.startswith(META)} or None,
+        "model": job.spec.get("model"),
+        "usage": {"input_tokens": tokens["prompt"], "output_tokens": tokens["completion"],
+                  "total_tokens": tokens["prompt"] + tokens["completion"],
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+    }
+
+
+def state_times(session: Session, job_id: str) -> dict[str, Any]:
+    """When the job last entered each state (from its state events), and the reason of its last cancel."""
+    stmt = (select(JobEvent.ts, JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "state",
+                                                     JobEvent.shard_id.is_(None)).order_by(JobEvent.id))
+    times: dict[str, Any] = {}
+    for ts, data in session.execute(stmt).all():
+        state = (data or {}).get("state")
+        if state:
+            times[state] = ts
+            if state == "cancelling":
+                times["cancelling_reason"] = (data or {}).get("reason") or ""
+    return times
+
+
+def _ts(value: float | None) -> int | None:
+    return int(value) if value is not None else None

@@ -1,0 +1,176 @@
+// gpujobs dashboard: plain JavaScript, no build step. Every API call sends the token from localStorage as Bearer.
+"use strict";
+
+const TOKEN_KEY = "gpujobs.token";
+const POLL_MS = 1000;
+const main = document.getElementById("main");
+let timer = null;        // the current view's polling timer
+let view = 0;            // bumped on every navigation: stale polls of a previous view draw nothing
+
+class Unauthorized extends Error {}
+
+async function api(path) {
+  const response = await fetch(path, { headers: { Authorization: "Bearer " + localStorage.getItem(TOKEN_KEY) } });
+  if (response.status === 401) throw new Unauthorized("the token was refused: sign in again");
+  const body = await response.json();
+  if (!response.ok) throw new Error((body.error && body.error.message) || response.statusText);
+  return body;
+}
+
+function esc(value) {
+  return String(value ?? "").replace(/[&<>"']/g, c => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+
+function ago(ts) {
+  if (!ts) return "";
+  const s = Math.max(0, Date.now() / 1000 - ts);
+  return s < 90 ? `${s.toFixed(0)} s ago` : s < 5400 ? `${(s / 60).toFixed(0)} min ago` : `${(s / 3600).toFixed(1)} h ago`;
+}
+
+function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : ""; }
+function gib(bytes) { return bytes == null ? "?" : (bytes / 2 ** 30).toFixed(1) + " GiB"; }
+function done(job) { return job.rows.succeeded + job.rows.failed; }
+
+function rate(job) {
+  if (job.live && job.live.tokens_per_s) return `${job.live.tokens_per_s} tok/s`;
+  if (job.metrics && job.metrics.output_tok_s != null) return `${job.metrics.output_tok_s} tok/s`;
+  return "";
+}
+
+function bar(job) {
+  const pct = job.rows.total ? (100 * done(job)) / job.rows.total : 0;
+  return `<span class="bar"><span style="width:${pct.toFixed(1)}%"></span></span>`;
+}
+
+// A line chart as inline SVG: points [{x, y}], axis labels, min/max on the axes.
+function chart(title, points, xLabel, yLabel) {
+  const w = 520, h = 200, pad = 40;
+  if (!points.length) return `<div class="chart"><b>${esc(title)}</b><p class="muted">no points yet</p></div>`;
+  const xs = points.map(p => p.x), ys = points.map(p => p.y);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(0, ...ys), y1 = Math.max(...ys) || 1;
+  const sx = x => pad + ((x - x0) / (x1 - x0 || 1)) * (w - 2 * pad);
+  const sy = y => h - pad + (-(y - y0) / (y1 - y0 || 1)) * (h - 2 * pad);
+  const path = points.map((p, i) => `${i ? "L" : "M"}${sx(p.x).toFixed(1)},${sy(p.y).toFixed(1)}`).join(" ");
+  const dots = points.length < 60 ? points.map(p => `<circle cx="${sx(p.x).toFixed(1)}" cy="${sy(p.y).toFixed(1)}" r="2"/>`).join("") : "";
+  return `<div class="chart"><b>${esc(title)}</b>
+    <svg width="${w}" height="${h}" role="img" aria-label="${esc(title)}">
+      <line x1="${pad}" y1="${h - pad}" x2="${w - pad}" y2="${h - pad}" stroke="#999"/>
+      <line x1="${pad}" y1="${pad}" x2="${pad}" y2="${h - pad}" stroke="#999"/>
+      <text x="${pad}" y="${h - pad + 14}" font-size="10">${esc(+x0.toFixed(2))}</text>
+      <text x="${w - pad}" y="${h - pad + 14}" font-size="10" text-anchor="end">${esc(+x1.toFixed(2))} ${esc(xLabel)}</text>
+      <text x="${pad - 4}" y="${pad}" font-size="10" text-anchor="end">${esc(+y1.toFixed(3))}</text>
+      <text x="${pad - 4}" y="${h - pad}" font-size="10" text-anchor="end">${esc(+y0.toFixed(3))}</text>
+      <text x="${pad}" y="${pad - 8}" font-size="10">${esc(yLabel)}</text>
+      <path d="${path}" fill="none" stroke="#2f80ed" stroke-width="1.5"/><g fill="#2f80ed">${dots}</g>
+    </svg></div>`;
+}
+
+// --- views ---------------------------------------------------------------------------------------------------
+
+function signin(message) {
+  clearInterval(timer);
+  document.getElementById("signout").hidden = true;
+  main.innerHTML = document.getElementById("signin-template").innerHTML;
+  document.getElementById("signin-error").textContent = message || "";
+  document.getElementById("signin-form").addEventListener("submit", async event => {
+    event.preventDefault();
+    localStorage.setItem(TOKEN_KEY, document.getElementById("token").value.trim());
+    try {
+      await api("/jobs?limit=1");
+    } catch (err) {
+      localStorage.removeItem(TOKEN_KEY);
+      document.getElementById("signin-error").textContent = err.message;
+      return;
+    }
+    if (location.hash === "#/signout" || !location.hash) location.hash = "#/jobs"; else route();
+  });
+}
+
+async function jobsView(v) {
+  const jobs = await api("/jobs?limit=200");
+  if (v !== view) return;
+  main.innerHTML = `<h2>Jobs</h2><table id="jobs"><thead><tr><th>job</th><th>state</th><th>progress</th>
+    <th>throughput</th><th>owner</th><th>model</th><th>created</th></tr></thead><tbody>` +
+    jobs.map(j => `<tr data-job="${esc(j.id)}"><td><a href="#/jobs/${esc(j.id)}">${esc(j.id)}</a> ${esc(j.name || "")}</td>
+      <td class="state ${esc(j.state)}">${esc(j.state)}</td>
+      <td>${bar(j)} <span class="done">${done(j)}</span>/${j.rows.total}${j.rows.failed ? ` (${j.rows.failed} failed)` : ""}</td>
+      <td>${esc(rate(j))}</td><td>${esc(j.owner)}</td><td>${esc(j.model)}</td><td>${esc(ago(j.created_at))}</td></tr>`).join("") +
+    `</tbody></table>` + (jobs.length ? "" : `<p class="muted">No jobs yet: <code>gpujobs submit …</code></p>`);
+}
+
+const jobState = { id: null, events: [], after: 0, throughputAt: 0, throughput: null };
+
+async function jobView(v, id) {
+  if (jobState.id !== id) Object.assign(jobState, { id, events: [], after: 0, throughputAt: 0, throughput: null });
+  const job = await api(`/jobs/${encodeURIComponent(id)}`);
+  const fresh = await api(`/jobs/${encodeURIComponent(id)}/events?after=${jobState.after}&limit=5000`);
+  jobState.events.push(...fresh);
+  if (fresh.length) jobState.after = fresh[fresh.length - 1].id;
+  if (Date.now() - jobState.throughputAt > 3000 || !jobState.throughput) {
+    jobState.throughput = await api(`/jobs/${encodeURIComponent(id)}/throughput`);
+    jobState.throughputAt = Date.now();
+  }
+  if (v !== view) return;
+  const t0 = job.started_at || job.created_at;
+  const tput = jobState.throughput.points.map(p => ({ x: p.t - t0, y: p.tokens_per_s }));
+  const loss = jobState.events.filter(e => e.data && typeof e.data.loss === "number")
+    .map((e, i) => ({ x: typeof e.data.step === "number" ? e.data.step : i, y: e.data.loss }));
+  const live = job.live || {};
+  main.innerHTML = `<h2>${esc(job.id)} <span class="state ${esc(job.state)}" id="job-state">${esc(job.state)}</span></h2>
+    <p class="muted">${esc(job.kind)} · ${esc(job.model)} · owner ${esc(job.owner)} · created ${esc(when(job.created_at))}</p>
+    ${job.error ? `<p class="error">${esc(job.error)}</p>` : ""}
+    <div class="cards">
+      <div class="card">rows done<b><span id="job-done">${done(job)}</span> / <span id="job-total">${job.rows.total}</span></b>${bar(job)}</div>
+      <div class="card">failed<b id="job-failed">${job.rows.failed}</b></div>
+      <div class="card">tokens/s<b id="job-rate">${esc(live.tokens_per_s ?? job.metrics.output_tok_s ?? "")}</b></div>
+      <div class="card">rows/s<b>${esc(live.rows_per_s ?? "")}</b></div>
+      <div class="card">ETA<b>${live.eta_s != null ? esc(live.eta_s) + " s" : ""}</b></div>
+      <div class="card">output tokens<b>${job.tokens.completion}</b></div>
+    </div>
+    <div class="charts">
+      ${chart("Throughput over time", tput, "s", "output tokens/s")}
+      ${job.kind === "finetune" || loss.length ? chart("Training loss", loss, "step", "loss") : ""}
+    </div>
+    <h3>Events</h3><table id="events"><thead><tr><th>time</th><th>level</th><th>kind</th><th>message</th></tr></thead><tbody>` +
+    jobState.events.slice(-200).reverse().map(e => `<tr><td>${esc(when(e.ts))}</td><td>${esc(e.level)}</td><td>${esc(e.kind)}</td>
+      <td><pre>${esc(e.message)}</pre></td></tr>`).join("") + `</tbody></table>`;
+}
+
+async function workersView(v) {
+  const workers = await api("/workers");
+  if (v !== view) return;
+  main.innerHTML = `<h2>Workers</h2><table id="workers"><thead><tr><th>worker</th><th>state</th><th>host</th><th>slice</th>
+    <th>GPUs</th><th>heartbeat</th><th>shard</th></tr></thead><tbody>` +
+    workers.map(w => {
+      const used = Object.fromEntries(((w.capabilities || {}).gpu_memory || []).map(g => [g.index, g]));
+      const gpus = (w.gpus || []).map(g => `${esc(g.index)}: ${esc(g.name)} (${gib(used[g.index] && used[g.index].reserved_bytes)} / ${gib(g.memory_bytes)}, cc ${esc(g.compute_capability)})`);
+      return `<tr><td>${esc(w.name)}</td><td class="state ${esc(w.state)}">${esc(w.state)}</td><td>${esc(w.host)}</td>
+        <td>${esc(w.slice || "cpu")}</td><td>${gpus.join("<br>") || "CPU"}</td><td>${esc(ago(w.heartbeat_at))}</td>
+        <td>${esc(w.current_shard_id ?? "")}</td></tr>`;
+    }).join("") + `</tbody></table>`;
+}
+
+// --- routing -------------------------------------------------------------------------------------------------
+
+function route() {
+  clearInterval(timer);
+  view += 1;
+  const v = view, hash = location.hash || "#/jobs";
+  if (hash === "#/signout") { localStorage.removeItem(TOKEN_KEY); return signin(); }
+  if (!localStorage.getItem(TOKEN_KEY)) return signin();
+  document.getElementById("signout").hidden = false;
+  const match = hash.match(/^#\/jobs\/(.+)$/);
+  const draw = match ? () => jobView(v, decodeURIComponent(match[1])) : hash === "#/workers" ? () => workersView(v) : () => jobsView(v);
+  const tick = () => draw().catch(err => {
+    if (err instanceof Unauthorized) { localStorage.removeItem(TOKEN_KEY); signin(err.message); }
+    else if (v === view) {
+      if (!document.getElementById("view-error")) main.insertAdjacentHTML("afterbegin", `<p class="error" id="view-error"></p>`);
+      document.getElementById("view-error").textContent = err.message;
+    }
+  });
+  tick();
+  timer = setInterval(tick, match ? POLL_MS : 2 * POLL_MS);
+}
+
+window.addEventListener("hashchange", route);
+route();

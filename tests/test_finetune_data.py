@@ -1,0 +1,111 @@
+"""Fine-tune data and checkpoints without a queue (fast; also run under transformers 5.17): which tokens carry the
+loss, truncate-or-refuse, packing, the validation split, target-module checks, complete-checkpoint selection."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.errors import InvalidInput
+from core.spec import FinetuneSpec
+from worker import finetune
+
+
+@pytest.fixture(scope="module")
+def tok(base_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_model)
+
+
+def spec(**extra) -> FinetuneSpec:
+    return FinetuneSpec(**{"model": "m", "input": "file_x", **extra})
+
+
+def learned(tok, ex: finetune.Example) -> str:
+    return tok.decode([t for t, label in zip(ex.input_ids, ex.labels) if label != finetune.IGNORE])
+
+
+def test_loss_is_only_on_the_completion_and_the_assistant_turns(tok):
+    """prompt/completion: the completion and EOS; chat: each assistant turn and its end token, never the user's or
+    the template's generation prompt; text: every token."""
+    ex = finetune.tokenize_row(tok, {"prompt": "What is 2 + 2?", "completion": "Four."})
+    assert learned(tok, ex) == "Four.<|endoftext|>"
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sky?"},
+                         {"role": "assistant", "content": "Blue."}]}
+    ex = finetune.tokenize_row(tok, chat)
+    assert learned(tok, ex) == "Hello.<|im_end|>\nBlue.<|im_end|>\n"
+    assert tok.decode(ex.input_ids) == tok.apply_chat_template(chat["messages"], tokenize=False)
+    ex = finetune.tokenize_row(tok, {"text": "the sky is blue"})
+    assert ex.labels == ex.input_ids
+
+
+def test_long_rows_are_refused_by_line_or_truncated_by_choice_and_packing_splits_them(tok):
+    rows = [(1, {"text": "short"}), (2, {"text": "the sky is blue " * 20}), (3, {"text": "ok"})]
+    with pytest.raises(InvalidInput, match=r"1 row\(s\) are longer than max_seq_length=16 tokens: line 2 \("):
+        finetune.build_examples(tok, rows, spec(max_seq_length=16))
+    examples, truncated = finetune.build_examples(tok, rows, spec(max_seq_length=16, truncation="truncate"))
+    assert truncated == 1 and max(len(e.input_ids) for e in examples) == 16
+    examples, truncated = finetune.build_examples(tok, rows, spec(max_seq_length=16, packing=True))
+    blocks = finetune.pack(examples, 16)
+    assert truncated == 0 and sum(len(b.input_ids) for b in blocks) == sum(len(e.input_ids) for e in examples)
+    assert all(len(b.input_ids) == 16 for b in blocks[:-1])
+
+
+def test_validation_split_is_seeded_and_validation_rows_are_kept_apart():
+    rows = [(i, {"text": f"row {i}"}) for i in range(1, 11)]
+    train, valid = finetune.split_validation(rows, 0.2, seed=3)
+    assert len(valid) == 2 and len(train) == 8
+    assert finetune.split_validation(rows, 0.2, seed=3) == (train, valid)
+    marked = rows + [(1, {"text": "v", "split": "validation"})]
+    assert finetune.split_validation(marked, None, seed=0) == (rows, [(1, {"text": "v", "split": "validation"})])
+
+
+def test_unknown_target_modules_are_refused_naming_the_models_linear_layers(base_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    with pytest.raises(InvalidInput, match=r"target_modules \['qkv'\] do not exist.*'q_proj'"):
+        finetune.check_target_modules(model, spec(target_modules=["q_proj", "qkv"]))
+    with pytest.raises(InvalidInput, match="modules_to_save"):
+        finetune.check_target_modules(model, spec(modules_to_save=["wte"]))
+    finetune.check_target_modules(model, spec(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_removes_half_written_ones(tmp_path):
+    for step, complete in ((10, True), (20, True), (30, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / finetune.COMPLETE).write_text(str(step))
+    assert finetune.latest_checkpoint(tmp_path) == tmp_path / "checkpoint-20"
+    assert not (tmp_path / "checkpoint-30").exists()
+    assert finetune.latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_finetune_spec_refuses_untrainable_settings_with_a_reason():
+    from core.spec import parse_spec
+
+    for extra, match in (({"lr_scheduler": "cosinus"}, "unknown lr_scheduler"),
+                         ({"quantization": "torchao-int8"}, "bnb-4bit"),
+                         ({"adapter": "job_x"}, "continuing an adapter"),
+                         ({"truncation": "cut"}, "truncation"),
+                         ({"then_generate": {"max_new_tokens": 3}}, "then_generate needs an input")):
+        with pytest.raises(InvalidInput, match=match):
+            parse_spec({"kind": "finetune", "model": "m", "input": "file_x", **extra})
+
+
+def test_a_short_run_without_a_queue_logs_eval_loss_and_saves_the_adapter(tmp_path, base_model):
+    """finetune() runs as a plain function: a validation split is evaluated at each checkpoint (eval_loss logged),
+    checkpoints are marked complete, and the adapter is saved in safetensors."""
+    from core.spec import LoadOptions
+
+    rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i}."}) for i in range(1, 9)]
+    logs: list[dict] = []
+    result = finetune.finetune(LoadOptions(model=str(base_model)),
+                               spec(model=str(base_model), max_steps=4, checkpoint_steps=2, validation_split=0.25,
+                                    batch_size=2), rows, tmp_path, on_log=logs.append)
+    assert [e["step"] for e in logs if "eval_loss" in e] == [2, 4]
+    assert [s for s, _ in finetune.complete_checkpoints(tmp_path / "checkpoints")] == [2, 4]
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file() and not result.stopped
+    assert result.metrics["validation_examples"] == 2 and result.metrics["examples"] == 6

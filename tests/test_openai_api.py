@@ -1,0 +1,130 @@
+"""The OpenAI-compatible Batch API, driven by the official `openai` client (only base_url and api_key set) against a
+live API server and a real worker."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+from openai import OpenAI
+
+from api.client import Client
+from core import auth
+from core.db import session_scope
+from tests.conftest import qa_pairs, wait_for
+
+MODEL = "tiny-qa"  # the tiny model's directory name under JOBS_MODEL_ROOTS (the allow-list)
+SLOW = "sleep_0.4@batch"  # the worker sleeps before each micro-batch commit: long batches last, whatever the engine
+
+
+@pytest.fixture
+def model_roots(jobs_env, tiny_model):
+    """The API allows the models under the tiny model's parent directory (set before api_server starts)."""
+    jobs_env.env["JOBS_MODEL_ROOTS"] = str(tiny_model.parent)
+    assert tiny_model.name == MODEL
+
+
+def chat_line(custom_id: str, content, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], **body}}
+
+
+def write_lines(path, lines) -> str:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+def wait_status(client: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120):
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b, timeout,
+                    f"batch {batch_id} to reach {statuses}", interval=0.5)
+
+
+def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model_roots, jobs_env, api_server,
+                                                                 spawn_worker):
+    """files.create(purpose=batch) → batches.create → retrieve until completed → files.content(output_file_id)
+    gives each memorized answer under its custom_id, and the error file the bad line; list pages with has_more and
+    `after`; cancel ends cancelled with finished rows kept; another user gets 404; 24h only, allow-listed models."""
+    url, token, _ = api_server
+    spawn_worker([], JOBS_TEST_FAULTS=SLOW)
+    client = OpenAI(base_url=f"{url}/v1", api_key=token)
+    qa = qa_pairs()
+    lines = [chat_line(f"q{i}", q, max_tokens=16) for i, (q, _) in enumerate(qa)]
+    lines.append(chat_line("bad", "x", logit_bias={"1": 2}))  # a key this server does not support: a failed row
+    with open(write_lines(tmp_path / "batch.jsonl", lines), "rb") as f:
+        uploaded = client.files.create(file=f, purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.bytes > 0
+
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"run": "docs"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "docs"}
+    done = wait_status(client, batch.id, ("completed", "failed"))
+    assert done.status == "completed" and done.completed_at and done.in_progress_at
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (len(qa) + 1,
+                                                                                                      len(qa), 1)
+    output = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
+    answers = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in output}
+    assert answers == {f"q{i}": a for i, (_, a) in enumerate(qa)}
+    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["object"] == "chat.completion"
+               for o in output)
+    [error] = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
+    assert "logit_bias" in error["response"]["body"]["error"]["message"]
+    assert client.files.retrieve(done.output_file_id).bytes == len(client.files.content(done.output_file_id).content)
+    assert done.usage.output_tokens > 0
+
+    long = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(300)]
+    with open(write_lines(tmp_path / "long.jsonl", long), "rb") as f:
+        second = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
+                                       endpoint="/v1/chat/completions", completion_window="24h")
+    assert client.batches.cancel(second.id).status in ("cancelling", "cancelled")
+    cancelled = wait_status(client, second.id, ("cancelled",))
+    assert cancelled.cancelled_at and cancelled.request_counts.completed < 300
+
+    first_page = client.batches.list(limit=1)
+    assert [b.id for b in first_page.data] == [second.id] and first_page.has_more
+    assert [b.id for b in client.batches.list(limit=1)] == [second.id, batch.id]  # auto-paging follows `after`
+
+    with session_scope() as session:
+        bob = OpenAI(base_url=f"{url}/v1", api_key=auth.create_token(session, owner="bob", scopes=["user"]))
+    for call in (lambda: bob.batches.retrieve(batch.id), lambda: bob.files.content(done.output_file_id),
+                 lambda: bob.files.retrieve(uploaded.id), lambda: bob.batches.cancel(second.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert bob.batches.list().data == []
+
+    with pytest.raises(openai.UnprocessableEntityError, match="only '24h'"):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="48h")
+    with open(write_lines(tmp_path / "other.jsonl", [chat_line("a", "hi") | {"body": {"model": "gpt-4o",
+                                                                                       "messages": []}}]), "rb") as f:
+        other = client.files.create(file=f, purpose="batch")
+    with pytest.raises(openai.UnprocessableEntityError, match="not a model directory under the model roots"):
+        client.batches.create(input_file_id=other.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert client.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(tmp_path, model_roots, jobs_env,
+                                                                            spawn_worker, request):
+    """With the window shortened to 6 s, a long batch (slowed down) read after it is `expired`, its finished rows
+    are in the output file and counted in request_counts, and the job underneath is cancelled."""
+    jobs_env.env["JOBS_BATCH_WINDOW_SECONDS"] = "6"
+    url, token, _ = request.getfixturevalue("api_server")
+    spawn_worker([], JOBS_TEST_FAULTS=SLOW)
+    client = OpenAI(base_url=f"{url}/v1", api_key=token)
+    lines = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(400)]  # 25 commits of 16 rows: >= 10 s
+    with open(write_lines(tmp_path / "long.jsonl", lines), "rb") as f:
+        batch = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.expires_at - batch.created_at in (5, 6, 7)
+    ours = Client(url, token)
+    wait_for(lambda: ours.job(batch.id)["rows"]["succeeded"] > 0, 60, "the first finished rows")
+    time.sleep(max(0.0, batch.expires_at + 1 - time.time()))
+    expired = wait_status(client, batch.id, ("expired",), timeout=60)
+    counts = expired.request_counts
+    assert 0 < counts.completed < 400 and expired.expired_at and expired.cancelled_at is None
+    output = client.files.content(expired.output_file_id).text.splitlines()
+    assert len(output) == counts.completed
+    assert ours.job(batch.id)["state"] == "cancelled"
