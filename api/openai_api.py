@@ -16,8 +16,8 @@ How it maps (choices that clients see, hence written down here):
   succeeded → `completed`, failed → `failed`, cancelling → `cancelling`, cancelled → `cancelled`, and a batch
   cancelled by its completion window → `expired` (`finalizing` while that cancel is under way).
 - `completion_window` is `24h` only (JOBS_BATCH_WINDOW_SECONDS shortens it in tests). The window is enforced when
-  a batch is read (retrieve, list): a live batch past `expires_at` is cancelled then, its finished rows kept.
-  OpenAI clients poll, so this is prompt in practice; a batch nobody reads runs on until it ends.
+  a batch is read (retrieve, list) and by every worker's reaper (`core.store.expire_batches`): a live batch past
+  `expires_at` is cancelled, its finished rows kept.
 - The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
   rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
   deleted on their own. Uploaded files are ordinary stored files (`file_…`), usable by `gpujobs submit` too.
@@ -49,11 +49,11 @@ from core.models import File as StoredFile
 from core.models import Job, JobEvent
 from core.settings import get_settings
 from core.states import JobState
-from core.store import get_job, now
+from core.store import BATCH_EXPIRED_BY, get_job, now
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 META = "openai_batch."  # spec.metadata keys of ours, hidden from the batch's metadata
-EXPIRED_BY = "the batch's completion window (24h)"
+EXPIRED_BY = BATCH_EXPIRED_BY
 STATUS = {"queued": "validating", "validating": "validating", "running": "in_progress",
           "finalizing": "finalizing", "succeeded": "completed", "failed": "failed", "cancelling": "cancelling",
           "cancelled": "cancelled"}

@@ -28,7 +28,8 @@ from core.queue import TASK_RUN_SHARD, ping_redis, queue_for, send
 from core.settings import get_settings
 from core.spec import GenerateSpec, Spec, parse_spec
 from core.states import JobState, RowState, ShardState
-from core.store import add_event, create_shards, get_job, insert_rows, maybe_finalize, new_id, now, progress, transition
+from core.store import (add_event, cancel_job, create_shards, get_job, insert_rows, new_id, now, progress,
+                        transition)
 
 log = logging.getLogger(__name__)
 HUB_ID = re.compile(r"^(?!\.)[\w.-]+/(?!\.)[\w.-]+$")  # org/name; `./x` and `../x` are paths, not Hub ids
@@ -55,8 +56,9 @@ def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False) -> dic
     ping_redis()
     with session_scope() as session:
         gpus = _resolve_gpus(session, spec)
+        notes: list[str] = []  # an adapter file's check, for the job's events
         waiting = bool(spec.adapter) and adapters.check_for_generation(
-            session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision)
+            session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision, notes=notes)
         input_file = _input_file(session, owner, spec.input, fmt=spec.input_format)
         spec = _with_input_format(spec, input_file)
         job = Job(id=new_id("job"), kind=spec.kind, state=JobState.queued.value, owner=owner,
@@ -72,6 +74,8 @@ def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False) -> dic
         job.rows_total = total
         job.metrics = {"input": checked.summary()}
         add_event(session, job.id, f"submitted by {owner}: {total} rows, {failed} invalid, queue {job.queue}")
+        for note in notes:
+            add_event(session, job.id, note)
         if waiting and failed < total:  # queued, no shards: released when the fine-tune ends
             add_event(session, job.id, f"waiting for fine-tune {spec.adapter} to register its adapter")
             return job_view(session, job)
@@ -464,17 +468,7 @@ def events(job_id: str, *, owner: str | None, after: int = 0, limit: int = 500) 
 def cancel(job_id: str, *, owner: str | None, by: str) -> dict[str, Any]:
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
-        if JobState(job.state).terminal:
-            raise IllegalTransition(f"job {job_id} is already {job.state}: nothing to cancel")
-        if job.state != JobState.cancelling.value:
-            transition(session, job, JobState.cancelling, reason=f"cancel requested by {by}")
-        queued = session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.queued.value))
-        for shard in queued.all():
-            try:
-                transition(session, shard, ShardState.cancelled, reason="job cancelled before it ran")
-            except IllegalTransition:
-                pass  # a worker claimed it just now; it will see the job is cancelling and stop
-        maybe_finalize(session, job_id)
+        cancel_job(session, job, by=by)
         return job_view(session, job)
 
 

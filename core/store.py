@@ -165,6 +165,43 @@ def open_shards(session: Session, job_id: str) -> int:
     return session.scalar(select(func.count()).where(Shard.job_id == job_id, Shard.state.in_(live))) or 0
 
 
+BATCH_EXPIRED_BY = "the batch's completion window (24h)"  # the cancel reason that makes an OpenAI batch `expired`
+
+
+def cancel_job(session: Session, job: Job, *, by: str) -> None:
+    """Move a live job to cancelling, cancel its shards no worker has claimed, and finalize it if nothing runs.
+
+    A running shard's worker sees the job stopping within a heartbeat and stops between decode steps."""
+    if JobState(job.state).terminal:
+        raise IllegalTransition(f"job {job.id} is already {job.state}: nothing to cancel")
+    if job.state != JobState.cancelling.value:
+        transition(session, job, JobState.cancelling, reason=f"cancel requested by {by}")
+    queued = session.scalars(select(Shard).where(Shard.job_id == job.id, Shard.state == ShardState.queued.value))
+    for shard in queued.all():
+        try:
+            transition(session, shard, ShardState.cancelled, reason="job cancelled before it ran")
+        except IllegalTransition:
+            pass  # a worker claimed it just now; it will see the job is cancelling and stop
+    maybe_finalize(session, job.id)
+
+
+def expire_batches(session: Session, window_seconds: float) -> list[str]:
+    """Cancel OpenAI batches (jobs whose input is batch lines) still live past their completion window; their
+    finished rows are kept. Run by every worker's reaper, so a batch nobody reads expires too."""
+    terminal = [s.value for s in JobState if s.terminal] + [JobState.cancelling.value]
+    live = session.scalars(select(Job).where(Job.kind == "generate", Job.state.not_in(terminal),
+                                             Job.created_at < now() - window_seconds)).all()
+    expired = []
+    for job in live:
+        if job.spec.get("input_format") == "openai":
+            try:
+                cancel_job(session, job, by=BATCH_EXPIRED_BY)
+                expired.append(job.id)
+            except IllegalTransition:
+                pass  # it ended meanwhile
+    return expired
+
+
 def maybe_finalize(session: Session, job_id: str) -> bool:
     """Finish the job if no shard is open. Safe to call from many processes: one conditional update wins."""
     job = session.get(Job, job_id)

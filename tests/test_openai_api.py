@@ -106,6 +106,26 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model
         client.files.retrieve(uploaded.id)
 
 
+def test_a_batch_nobody_reads_still_expires_by_the_workers_reaper(tmp_path, model_roots, jobs_env, spawn_worker,
+                                                                   request):
+    """No client reads the batch after creating it: the workers' reaper cancels it once its (6 s) window has
+    passed, with the window as the reason, and keeps its finished rows; /v1 then reports it `expired`."""
+    jobs_env.env["JOBS_BATCH_WINDOW_SECONDS"] = "6"
+    url, token, _ = request.getfixturevalue("api_server")
+    worker = spawn_worker([], JOBS_TEST_FAULTS=SLOW, JOBS_BATCH_WINDOW_SECONDS="6")
+    client = OpenAI(base_url=f"{url}/v1", api_key=token)
+    lines = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(400)]
+    with open(write_lines(tmp_path / "long.jsonl", lines), "rb") as f:
+        batch = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+    ours = Client(url, token)  # reads through our own API only: nothing here runs the /v1 expiry check
+    job = wait_for(lambda: (j := ours.job(batch.id))["state"] == "cancelled" and j, 60, "the reaper's expiry",
+                   procs=[worker])
+    assert 0 < job["rows"]["succeeded"] < 400
+    assert any("completion window" in e["message"] for e in ours.events(batch.id))
+    assert client.batches.retrieve(batch.id).status == "expired"
+
+
 def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(tmp_path, model_roots, jobs_env,
                                                                             spawn_worker, request):
     """With the window shortened to 6 s, a long batch (slowed down) read after it is `expired`, its finished rows

@@ -22,7 +22,7 @@ from core.models import Job, Shard
 from core.queue import TASK_RUN_SHARD, send, waiting_messages
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from core.store import add_event, maybe_finalize, now
+from core.store import add_event, expire_batches, maybe_finalize, now
 from worker import capabilities, faults, generate, loader
 
 log = logging.getLogger(__name__)
@@ -362,6 +362,8 @@ def reap() -> None:
     with session_scope() as session:
         for job_id in leases.stuck_jobs(session):
             maybe_finalize(session, job_id)
+        for job_id in expire_batches(session, settings.batch_window_seconds):
+            log.info("%s reaper: OpenAI batch past its completion window: cancelled as expired", job_id)
     release_waiting()  # chained jobs whose fine-tune ended while no worker was there to release them
 
 
