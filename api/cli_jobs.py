@@ -68,7 +68,41 @@ def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     model = spec.get("model")
     if model and Path(model).expanduser().exists():
         spec["model"] = str(Path(model).expanduser().resolve())
+    adapter = spec.get("adapter")
+    if adapter and spec.get("kind") == "generate" and not str(adapter).startswith(("file_", "job_")):
+        spec["adapter"] = _upload_adapter(Path(adapter).expanduser(), api)
     return spec
+
+
+def _upload_adapter(source: Path, api) -> str:
+    """A local LoRA adapter (a save_pretrained directory, or its zip) uploaded; its file id names it in the spec."""
+    if source.is_file() and source.suffix == ".zip":
+        return api.upload(source)["id"]
+    if not source.is_dir():
+        raise InvalidInput(f"--adapter {source}: not a fine-tune job id (job_…), a file id (file_…), nor a local "
+                           "adapter directory (adapter_config.json + adapter_model.safetensors) or its .zip")
+    with pack_adapter(source) as packed:
+        return api.upload(packed)["id"]
+
+
+@contextlib.contextmanager
+def pack_adapter(folder: Path):
+    """A PEFT LoRA adapter directory (as `save_pretrained` writes it) packed into one zip for upload: only
+    adapter_config.json and adapter_model.safetensors, the two files the worker loads (the server checks them)."""
+    from core.adapters import ADAPTER_CONFIG, WEIGHTS
+
+    if not (folder / WEIGHTS).is_file() and (folder / "adapter_model.bin").is_file():
+        raise InvalidInput(f"{folder} holds pickle weights (adapter_model.bin), which are refused: save the adapter "
+                           "with save_pretrained(..., safe_serialization=True)")
+    for name in (ADAPTER_CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise InvalidInput(f"{folder} has no {name}: pass the directory that PEFT's save_pretrained wrote")
+    with tempfile.TemporaryDirectory(prefix="gpujobs-") as tmp:
+        packed = Path(tmp) / f"{folder.resolve().name or 'adapter'}.adapter.zip"
+        with zipfile.ZipFile(packed, "w", zipfile.ZIP_STORED) as archive:  # weights barely compress
+            for name in (ADAPTER_CONFIG, WEIGHTS):
+                archive.write(folder / name, name)
+        yield packed
 
 
 @contextlib.contextmanager
@@ -104,7 +138,8 @@ def common_submit_options(fn):
                      help="sdpa (default), sdpa_gqa, eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo"),
         click.option("--quantization", help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"),
         click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
-        click.option("--adapter", help="LoRA adapter: a fine-tune job id or a file id"),
+        click.option("--adapter", help="LoRA adapter: a fine-tune job id, a file id, or a local PEFT adapter "
+                     "directory (uploaded as a zip)"),
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
                      help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4"),
         click.option("--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"),
@@ -197,13 +232,22 @@ def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) ->
 @click.option("--target-modules", help="comma-separated module names, or all-linear (default)")
 @click.option("--packing/--no-packing", default=None, help="pack rows into max-seq-length blocks")
 @click.option("--checkpoint-steps", type=click.IntRange(1), help="checkpoint every N steps (50); resume uses them")
-@click.option("--validation-input", help="validation rows: a local file (uploaded), a file_… id, or a server path")
+@click.option("--validation-input",
+              help="validation rows: a local file or save_to_disk directory (uploaded), a file_… id, or a server "
+                   "path")
 @click.option("--then-generate", help="after training, generate over this dataset with the new adapter")
-def submit_finetune(spec_file, sets, wait, as_json, input_, **flags) -> None:
-    """Fine-tune a LoRA adapter (QLoRA with --quantization bnb-4bit) on a JSONL dataset: chat `messages` (loss on
-    assistant turns), `prompt`/`completion` (loss on the completion) or `text`. Prints the job id, which is
-    also the adapter's id (`--adapter ID` on a generate job)."""
+@click.option("--file-format", type=click.Choice(["auto", "jsonl", "csv", "parquet", "hf"]),
+              help="how to read --input and --validation-input (auto: by content and file name); a save_to_disk "
+                   "directory is packed")
+@click.option("--column", "columns", multiple=True, metavar="OURS=THEIRS",
+              help="map a column to messages, prompt, completion or text, e.g. completion=answer (repeatable)")
+def submit_finetune(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
+    """Fine-tune a LoRA adapter (QLoRA with --quantization bnb-4bit) on a JSONL, CSV, Parquet or saved-dataset
+    input whose rows are chat `messages` (loss on assistant turns), `prompt`/`completion` (loss on the
+    completion) or `text`. Prints the job id, which is also the adapter's id (`--adapter ID` on a generate job)."""
     flags["input"] = input_
+    if columns:
+        flags["input_columns"] = parse_columns(columns)
     if flags.get("target_modules") and flags["target_modules"] != "all-linear":
         flags["target_modules"] = [m.strip() for m in flags["target_modules"].split(",") if m.strip()]
     spec = submit_spec("finetune", spec_file, sets, flags)
@@ -216,9 +260,13 @@ def submit_finetune(spec_file, sets, wait, as_json, input_, **flags) -> None:
 
 
 def _uploaded(source: Any, api) -> Any:
-    """A local file named by a fine-tune option, uploaded (so it works against a remote server); else unchanged."""
+    """A local file (or save_to_disk directory, packed) named by a fine-tune option, uploaded (so it works against
+    a remote server); else unchanged."""
     if isinstance(source, str) and not source.startswith("file_") and Path(source).expanduser().is_file():
         return api.upload(Path(source).expanduser())["id"]
+    if isinstance(source, str) and not source.startswith("file_") and Path(source).expanduser().is_dir():
+        with pack_saved_dataset(Path(source).expanduser()) as packed:
+            return api.upload(packed)["id"]
     return source
 
 

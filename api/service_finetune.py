@@ -2,8 +2,11 @@
 
 A fine-tune is one shard over all its rows, so it is claimed, leased, renewed and reaped like any generation shard;
 a worker that takes over after a crash resumes from the last complete checkpoint. Training rows are checked
-structurally here (`core.training_data`): one bad row refuses the job, naming its line. Validation rows, when given
-as a file, are stored as rows marked `split: validation` after the training rows.
+structurally here (`core.training_data`): one bad row refuses the job, naming its line (or 0-based row). Validation
+rows, when given as a file, are stored as rows marked `split: validation` after the training rows. Both files are
+read by the reader every job uses (JSONL, CSV, Parquet, a saved dataset; `file_format`, `input_columns`); the format
+each resolved to is recorded in the job's metrics (`input`), and generated row ids name the place (`line-7`,
+`row-6`, `validation-line-3`).
 
 `then_generate` creates the generation job right after the fine-tune is stored: it names the fine-tune as its
 adapter and waits, queued and without shards, until the adapter is registered (see `core.adapters`).
@@ -16,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from core import adapters, files
+from core import adapters, files, formats
 from core.db import session_scope
 from core.errors import JobsError
 from core.models import Job, JobRow, Shard
@@ -25,7 +28,7 @@ from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, parse_spec
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, new_id, now, transition
-from core.training_data import TrainingRow, parse_training_jsonl
+from core.training_data import TrainingRow, file_format, parse_training_file
 
 log = logging.getLogger(__name__)
 INHERITED = ("revision", "dtype", "attn_implementation", "use_kernels", "kernel_config", "device_map",
@@ -40,20 +43,22 @@ def submit_finetune(*, owner: str, spec: FinetuneSpec, admin: bool = False) -> d
     ping_redis()
     with session_scope() as session:
         gpus = service._resolve_gpus(session, spec)
-        input_file_id, rows = _training_rows(session, owner, spec)
+        input_file_id, rows, read_as = _training_rows(session, owner, spec)
         job = Job(id=new_id("job"), kind="finetune", state=JobState.queued.value, owner=owner,
                   spec=spec.model_dump(mode="json"), input_file_id=input_file_id, queue=queue_for(gpus), gpus=gpus,
                   created_at=now(), rows_total=len(rows), rows_succeeded=0, rows_failed=0, prompt_tokens=0,
-                  completion_tokens=0, retries=0)
+                  completion_tokens=0, retries=0, metrics={"input": read_as})
         session.add(job)
         session.flush()
         session.execute(JobRow.__table__.insert(), [
             {"job_id": job.id, "idx": r.idx, "line": r.line, "input": r.input, "state": RowState.pending.value,
-             "custom_id": ("validation-" if r.input.get("split") else "") + f"line-{r.line}", "executions": 0}
+             "custom_id": ("validation-" if r.input.get("split") else "") + f"{r.where}-{r.line}", "executions": 0}
             for r in rows])
         n_valid = sum(1 for r in rows if r.input.get("split"))
         add_event(session, job.id, f"submitted by {owner}: fine-tune on {len(rows) - n_valid} training rows"
-                  + (f" and {n_valid} validation rows" if n_valid else "") + f", queue {job.queue}")
+                  f" ({read_as['format']})"
+                  + (f" and {n_valid} validation rows ({read_as['validation_format']})" if n_valid else "")
+                  + f", queue {job.queue}")
         transition(session, job, JobState.validating, reason="structural checks done")
         # One shard over every row: the fine-tune is leased, renewed and reaped like any shard.
         shards = create_shards(session, job, shard_rows=max(len(rows), 1), max_attempts=get_settings().max_attempts)
@@ -66,20 +71,31 @@ def submit_finetune(*, owner: str, spec: FinetuneSpec, admin: bool = False) -> d
         return service.job_view(session, get_job(session, job_id))
 
 
-def _training_rows(session, owner: str, spec: FinetuneSpec) -> tuple[str, list[TrainingRow]]:
+def _training_rows(session, owner: str, spec: FinetuneSpec) -> tuple[str, list[TrainingRow], dict[str, str]]:
+    """The checked rows of `input` (then `validation_input`), the training file's id, and the format each file was
+    read as."""
+    settings = get_settings()
+    limits = dict(max_rows=settings.max_rows, max_row_bytes=settings.max_row_bytes, input_format=spec.input_format,
+                  columns=spec.input_columns)
+    train_file, fmt = _dataset_file(session, owner, spec.input, spec.file_format)
+    rows = parse_training_file(files.absolute(train_file), fmt, **limits)
+    read_as = {"format": fmt}
+    if spec.validation_input:
+        valid_file, valid_fmt = _dataset_file(session, owner, spec.validation_input, spec.file_format)
+        rows += parse_training_file(files.absolute(valid_file), valid_fmt, split="validation", start_idx=len(rows),
+                                    what="validation dataset", **limits)
+        read_as["validation_format"] = valid_fmt
+    return train_file.id, rows, read_as
+
+
+def _dataset_file(session, owner: str, ref: str, fmt: str):
+    """The stored file (row count checked against JOBS_MAX_ROWS) and the format it is read as (`auto` resolved)."""
     from api import service
 
-    settings = get_settings()
-    limits = dict(max_rows=settings.max_rows, max_row_bytes=settings.max_row_bytes, input_format=spec.input_format)
-    train_file = service._input_file(session, owner, spec.input)
-    with open(files.absolute(train_file), "rb") as stream:
-        rows = parse_training_jsonl(stream, **limits)
-    if spec.validation_input:
-        valid_file = service._input_file(session, owner, spec.validation_input)
-        with open(files.absolute(valid_file), "rb") as stream:
-            rows += parse_training_jsonl(stream, split="validation", start_idx=len(rows), what="validation dataset",
-                                         **limits)
-    return train_file.id, rows
+    file = service._input_file(session, owner, ref, fmt=fmt)
+    if fmt == "auto":
+        fmt = file_format(formats.detect(files.absolute(file), file.filename))
+    return file, fmt
 
 
 def _then_generate_spec(spec: FinetuneSpec) -> dict[str, Any] | None:

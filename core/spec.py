@@ -159,11 +159,23 @@ class FinetuneSpec(JobSettings, LoadOptions):
     `truncation` has no silent default: `refuse` (the default) fails the job before training and names the rows
     longer than `max_seq_length`; `truncate` cuts them and records how many were cut. `then_generate` chains a
     generation job (a dataset, or an object of generate-spec fields) that runs with the new adapter.
+
+    Two fields say how the data is read, and they are not the generation spec's: `input_format` is the ROW shape
+    (messages, prompt_completion, text; it predates file formats, and renaming it would break stored specs and
+    scripts), `file_format` is the FILE format (auto, jsonl, csv, parquet, hf), for `input` and
+    `validation_input` alike (with `auto` each file is detected on its own; the resolved formats are recorded in
+    the job's metrics, `input.format` / `input.validation_format`, while the stored spec keeps what was
+    submitted). `input_columns` means what it means for generation: our field -> the file's column, for both files.
     """
 
     kind: Literal["finetune"] = "finetune"
     input_format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
-        "auto", description="auto: each row is `messages`, `prompt`+`completion`, or `text`")
+        "auto", description="the row shape; auto: each row is `messages`, `prompt`+`completion`, or `text`")
+    file_format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = Field(
+        "auto", description="how input and validation_input are read; auto: by content and file name; hf: a "
+        "save_to_disk directory (packed by the CLI)")
+    input_columns: dict[str, str] | None = Field(
+        None, description="our field -> the file's column, e.g. {prompt: question, completion: answer}")
     validation_input: str | None = Field(None, description="a stored file id or server path of validation rows")
     validation_split: float | None = Field(None, gt=0, lt=1, description="fraction of rows held out for eval")
     lora_r: int = Field(16, ge=1, le=1024)
@@ -208,6 +220,17 @@ class FinetuneSpec(JobSettings, LoadOptions):
     def _then_generate(cls, value: Any) -> Any:
         return {"input": value} if isinstance(value, str) else value
 
+    @field_validator("input_columns")
+    @classmethod
+    def _training_columns(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        unknown = sorted(set(value or {}) - {"messages", "prompt", "completion", "text"})
+        if unknown:
+            raise ValueError(f"cannot map {', '.join(map(repr, unknown))}: a fine-tune maps messages, prompt, "
+                             "completion or text to a column of the file")
+        if value is not None and any(not isinstance(v, str) or not v for v in value.values()):
+            raise ValueError("each mapped column must be a non-empty column name")
+        return value
+
     @model_validator(mode="after")
     def _training_knobs(self) -> "FinetuneSpec":
         if self.quantization is not None and self.quantization.method != "bnb-4bit":
@@ -220,6 +243,11 @@ class FinetuneSpec(JobSettings, LoadOptions):
             raise ValueError("give validation_input or validation_split, not both")
         if self.then_generate is not None and not self.then_generate.get("input"):
             raise ValueError("then_generate needs an input dataset")
+        shape = {"messages": {"messages"}, "prompt_completion": {"prompt", "completion"}, "text": {"text"}}
+        stray = set(self.input_columns or ()) - shape.get(self.input_format, set(self.input_columns or ()))
+        if stray:
+            raise ValueError(f"input_columns maps {', '.join(sorted(stray))}, which input_format "
+                             f"{self.input_format} rows do not have")
         return self
 
 

@@ -132,12 +132,18 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
 
 
 def adapter_path(ref: str) -> Path:
-    """The registered adapter's folder for `ref` (a fine-tune job id); the submit checked owner and base."""
+    """The adapter's folder for `ref`: a fine-tune job id (its registered folder), or a stored file id (extracted
+    once per file into the artifacts store, `core.adapters.extract_file`); the submit checked owner and base."""
     from core import adapters
     from core.db import session_scope
-    from core.models import Adapter
+    from core.models import Adapter, File
 
     with session_scope() as session:
+        if adapters.is_file_ref(ref):
+            file = session.get(File, ref)
+            if file is None:
+                raise InvalidInput(f"adapter file {ref} no longer exists: upload the adapter again and resubmit")
+            return adapters.extract_file(file)
         row = session.get(Adapter, ref)
         if row is None:
             raise InvalidInput(f"adapter {ref!r} is not registered (its fine-tune has not succeeded): list adapters "
@@ -148,13 +154,33 @@ def adapter_path(ref: str) -> Path:
 def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
     """Load the LoRA adapter onto the base. Unquantized, it is merged (`merge_and_unload`): the engine then runs a
     plain transformers model at full speed. On a quantized base it stays a PeftModel (merging would dequantize)."""
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
+
+    from core import adapters
 
     path = adapter_path(opts.adapter)
     try:
-        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False)
+        config = PeftConfig.from_pretrained(str(path))
+        config.init_lora_weights = False  # every tensor comes from the file (checked below): no init runs on the base
+        peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False, config=config)
     except (OSError, ValueError, RuntimeError) as exc:
         raise InvalidInput(f"adapter {opts.adapter} does not load onto {opts.model}: {exc}") from exc
+    _check_complete(peft_model, path, opts)
     merged = opts.quantization is None
-    return {"id": opts.adapter, "path": str(path), "merged": merged,
+    source = "file" if adapters.is_file_ref(opts.adapter) else "finetune"
+    return {"id": opts.adapter, "source": source, "path": str(path), "sha256": adapters.digest(path)[1],
+            "merged": merged,
             "model": peft_model.merge_and_unload() if merged else peft_model}
+
+
+def _check_complete(peft_model: Any, path: Path, opts: LoadOptions) -> None:
+    """PEFT only warns when the file lacks weights for LoRA modules it created (an adapter of another model whose
+    config happens to name modules this one has): those would run as untrained no-ops, so the job fails instead."""
+    from peft.utils import get_peft_model_state_dict, load_peft_weights
+
+    expected = set(get_peft_model_state_dict(peft_model))
+    missing = sorted(expected - set(load_peft_weights(str(path), device="cpu")))
+    if missing:
+        raise InvalidInput(f"adapter {opts.adapter} does not fit {opts.model}: its weights lack {len(missing)} of the "
+                           f"{len(expected)} LoRA tensors its config asks for (e.g. {missing[0]}); it was trained on "
+                           "another model: use that base, or train an adapter on this one")
