@@ -258,8 +258,7 @@ def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outpu
         assert [r.output for r in rows] == [[a, a] for _, a in qa[:3]]
         tok = AutoTokenizer.from_pretrained(tiny_model)
         assert [r.completion_tokens for r in rows] == [2 * (len(tok.encode(a)) + 1) for _, a in qa[:3]]  # + EOS
-        # interim: a list of finish reasons is JSON text until job_rows.finish_reason becomes a JSON column
-        assert [json.loads(r.finish_reason) for r in rows] == [["stop", "stop"]] * 3
+        assert [r.finish_reason for r in rows] == [["stop", "stop"]] * 3  # a JSON list (migration 0004)
         shard = session.scalars(select(Shard).where(Shard.job_id == job["id"])).one()
         assert shard.metrics["engine"]["engine"] == "continuous"
         assert shard.metrics["engine"]["cuda_graphs"] == {"varlen": False, "decode": False}
