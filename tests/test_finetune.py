@@ -4,6 +4,9 @@ adapter reproduces them; events and metrics are recorded; chaining; QLoRA; the r
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +22,21 @@ from tests.conftest import ROOT, qa_pairs, wait_for
 FT_DATA = ROOT / "examples" / "finetune_qa.jsonl"
 PROMPTS = ROOT / "examples" / "prompts.jsonl"
 TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+UNBROKEN = """
+import json, sys
+from core.spec import FinetuneSpec, LoadOptions
+from core.training_data import parse_training_jsonl
+from worker import finetune
+spec = FinetuneSpec.model_validate_json(sys.argv[1])
+with open(sys.argv[2], "rb") as stream:
+    rows = [(r.line, r.input) for r in parse_training_jsonl(stream, max_rows=100, max_row_bytes=1 << 20)]
+logs = []
+finetune.finetune(LoadOptions(model=spec.model), spec, rows, sys.argv[3], on_log=logs.append)
+open(sys.argv[4], "w").write(json.dumps({e["step"]: e["loss"] for e in logs if "loss" in e}))
+"""
 
 
 def ft_spec(model: Path, **extra) -> dict:
@@ -112,14 +130,10 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
         tmp_path, jobs_env, spawn_worker, base_model):
     """SIGKILL the training worker after checkpoint 20: another worker skips a half-written later checkpoint,
     resumes from checkpoint-20 (first logged step 21, loss within 5 % of an unbroken run) and finishes the job."""
-    import os
     import signal
 
-    import torch
-
     from core import adapters
-    from core.spec import FinetuneSpec, LoadOptions
-    from core.training_data import parse_training_jsonl
+    from core.spec import FinetuneSpec
     from worker import finetune
 
     # a learning rate at which step 21's loss is still far from 0, so 5 % of it is more than rounding noise
@@ -147,18 +161,14 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
     resumed = [e.data for e in after if "loss" in e.data]
     assert resumed[0]["step"] == 21 and resumed[-1]["step"] == 40
 
-    # The same 40 steps unbroken, in this process: the resumed step 21 has the same loss (within 5 %).
-    with open(FT_DATA, "rb") as stream:
-        rows = [(r.line, r.input) for r in parse_training_jsonl(stream, max_rows=100, max_row_bytes=1 << 20)]
-    logs: list[dict] = []
+    # The same 40 steps unbroken, in a fresh process set up like a worker (one torch thread), so nothing this test
+    # process did before can change the reference: the resumed step 21 has the same loss (within 5 %).
     spec = FinetuneSpec.model_validate({**spec_data, "model": str(base_model)})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread, as in the workers (OMP_NUM_THREADS=1): the same reduction order
-    try:
-        finetune.finetune(LoadOptions(model=str(base_model)), spec, rows, tmp_path / "unbroken", on_log=logs.append)
-    finally:
-        torch.set_num_threads(threads)
-    unbroken = {e["step"]: e["loss"] for e in logs if "loss" in e}
+    reference = tmp_path / "unbroken.json"
+    subprocess.run([sys.executable, "-c", UNBROKEN, spec.model_dump_json(), str(FT_DATA), str(tmp_path / "unbroken"),
+                    str(reference)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    unbroken = {int(step): loss for step, loss in json.loads(reference.read_text()).items()}
     assert resumed[0]["loss"] == pytest.approx(unbroken[21], rel=0.05)
 
 

@@ -241,9 +241,13 @@ def load_base(opts: LoadOptions, gpus: int):
 
 
 def wrap_lora(model, spec: FinetuneSpec):
+    """The base wrapped with the spec's LoRA. The LoRA weights are initialized from `spec.seed`, not from whatever
+    the process's random state happens to be, so a job (and a resumed one's reference run) is reproducible."""
     from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import set_seed
 
     check_target_modules(model, spec)
+    set_seed(spec.seed)
     if spec.quantization is not None:  # QLoRA: fp32 norms, input grads, gradient checkpointing as configured
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec.gradient_checkpointing)
     elif spec.gradient_checkpointing:
