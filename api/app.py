@@ -12,20 +12,19 @@ here), `/v1/files` and `/v1/batches` (OpenAI's specification describes them: tes
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, Depends, FastAPI, File, Query, Request, UploadFile
+from fastapi import Body, FastAPI, File, Query, Request, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
 from api import dashboard, metrics, openai_api, service, service_finetune
-from core import auth, files, formats
+from api.access import Caller
+from core import files, formats
 from core.db import check_reachable, session_scope
 from core.errors import Forbidden, InvalidInput, JobsError
 from core.queue import ping_redis
@@ -35,36 +34,7 @@ from core.states import JobState
 log = logging.getLogger(__name__)
 MAX_ID = 2**63 - 1  # the largest integer SQLite and Postgres (bigint) store
 
-bearer = HTTPBearer(auto_error=False, description="A token from `gpujobs tokens create` (scope user or admin); "
-                                                  "`gpujobs up` writes a local admin token to $JOBS_HOME/token.")
 
-
-@dataclass(frozen=True)
-class Principal:
-    owner: str
-    scopes: frozenset[str]
-
-    @property
-    def is_admin(self) -> bool:
-        return "admin" in self.scopes
-
-    @property
-    def visible_owner(self) -> str | None:
-        """The owner filter for reads and changes: None (everything) for admins."""
-        return None if self.is_admin else self.owner
-
-
-def principal(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
-    with session_scope() as session:
-        token = auth.authenticate(session, credentials.credentials if credentials else None)
-        owner, scopes = token.owner, frozenset(token.scopes.split(","))
-    if not scopes & {"user", "admin"}:
-        raise Forbidden(f"this token has only the scope(s) {', '.join(sorted(scopes))}: jobs, files and usage need "
-                        "a token with the user or admin scope (`gpujobs tokens create --owner NAME`)")
-    return Principal(owner=owner, scopes=scopes)
-
-
-Caller = Annotated[Principal, Depends(principal)]
 
 app = FastAPI(
     title="gpujobs",

@@ -33,18 +33,17 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import service
-from core import auth, files
+from api import access, service
+from core import files
 from core.db import session_scope
-from core.errors import Conflict, Forbidden, IllegalTransition, InvalidInput, NotFound
+from core.errors import Conflict, IllegalTransition, InvalidInput, NotFound
 from core.models import File as StoredFile
 from core.models import Job, JobEvent
 from core.settings import get_settings
@@ -60,30 +59,8 @@ STATUS = {"queued": "validating", "validating": "validating", "running": "in_pro
 OUTPUT, ERRORS = "-output", "-errors"
 
 router = APIRouter(prefix="/v1", include_in_schema=False)
-bearer = HTTPBearer(auto_error=False)
+Who = access.Caller
 
-
-class Caller(BaseModel):
-    owner: str
-    admin: bool
-
-    @property
-    def visible_owner(self) -> str | None:
-        return None if self.admin else self.owner
-
-
-def caller(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Caller:
-    """The same check as api.app's `principal` (kept apart: app.py imports this module)."""
-    with session_scope() as session:
-        token = auth.authenticate(session, credentials.credentials if credentials else None)
-        owner, scopes = token.owner, set(token.scopes.split(","))
-    if not scopes & {"user", "admin"}:
-        raise Forbidden(f"this token has only the scope(s) {', '.join(sorted(scopes))}: batches and files need a "
-                        "token with the user or admin scope (`gpujobs tokens create --owner NAME`)")
-    return Caller(owner=owner, admin="admin" in scopes)
-
-
-Who = Annotated[Caller, Depends(caller)]
 
 
 # --- files ---------------------------------------------------------------------------------------------------
@@ -158,7 +135,7 @@ def _virtual(file_id: str) -> str | None:
     return None
 
 
-def _virtual_content(who: Caller, file_id: str, job_id: str) -> Iterator[bytes]:
+def _virtual_content(who: access.Principal, file_id: str, job_id: str) -> Iterator[bytes]:
     return service.export(job_id, owner=who.visible_owner, fmt="openai", errors=file_id.endswith(ERRORS))
 
 
@@ -187,11 +164,11 @@ class BatchRequest(BaseModel):
 @router.post("/batches")
 async def create_batch(who: Who, request: BatchRequest) -> dict[str, Any]:
     spec = await run_in_threadpool(batch_spec, who, request)
-    job = await run_in_threadpool(service.submit, owner=who.owner, spec_data=spec, admin=who.admin)
+    job = await run_in_threadpool(service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin)
     return await run_in_threadpool(_view, who, job["id"])
 
 
-def batch_spec(who: Caller, request: BatchRequest) -> dict[str, Any]:
+def batch_spec(who: access.Principal, request: BatchRequest) -> dict[str, Any]:
     """The job spec of a batch request, after the checks OpenAI makes when a batch is created."""
     if request.endpoint not in ENDPOINTS:
         raise InvalidInput(f"endpoint {request.endpoint!r} is not supported: use {' or '.join(ENDPOINTS)}")
@@ -256,7 +233,7 @@ def list_batches(who: Who, limit: Annotated[int, Query(ge=1, le=100)] = 20,
             "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
 
 
-def _view(who: Caller, batch_id: str) -> dict[str, Any]:
+def _view(who: access.Principal, batch_id: str) -> dict[str, Any]:
     expire_if_due(who, batch_id)
     with session_scope() as session:
         job = get_job(session, batch_id, owner=who.visible_owner)
@@ -266,7 +243,7 @@ def _view(who: Caller, batch_id: str) -> dict[str, Any]:
         return batch_object(session, job)
 
 
-def expire_if_due(who: Caller, batch_id: str) -> None:
+def expire_if_due(who: access.Principal, batch_id: str) -> None:
     with session_scope() as session:
         job = session.get(Job, batch_id)
         due = (job is not None and (who.visible_owner in (None, job.owner)) and not JobState(job.state).terminal

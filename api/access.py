@@ -1,0 +1,47 @@
+"""Who is calling: the bearer-token dependency every user-facing route takes (api.app and api.openai_api).
+
+A token with the user or admin scope passes; an admin sees every owner's jobs and files (`visible_owner` None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from core import auth
+from core.db import session_scope
+from core.errors import Forbidden
+
+bearer = HTTPBearer(auto_error=False, description="A token from `gpujobs tokens create` (scope user or admin); "
+                                                  "`gpujobs up` writes a local admin token to $JOBS_HOME/token.")
+
+
+@dataclass(frozen=True)
+class Principal:
+    owner: str
+    scopes: frozenset[str]
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
+    @property
+    def visible_owner(self) -> str | None:
+        """The owner filter for reads and changes: None (everything) for admins."""
+        return None if self.is_admin else self.owner
+
+
+def principal(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+    with session_scope() as session:
+        token = auth.authenticate(session, credentials.credentials if credentials else None)
+        owner, scopes = token.owner, frozenset(token.scopes.split(","))
+    if not scopes & {"user", "admin"}:
+        raise Forbidden(f"this token has only the scope(s) {', '.join(sorted(scopes))}: jobs, files, batches and usage "
+                        "need a token with the user or admin scope (`gpujobs tokens create --owner NAME`)")
+    return Principal(owner=owner, scopes=scopes)
+
+
+Caller = Annotated[Principal, Depends(principal)]
