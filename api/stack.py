@@ -3,7 +3,8 @@
 GPU pinning follows the NVIDIA guide: every worker gets `CUDA_DEVICE_ORDER=PCI_BUS_ID` and its own
 `CUDA_VISIBLE_DEVICES` set explicitly on its own environment (empty for a CPU worker), so indices match
 `nvidia-smi` and order is respected (`2,0` makes GPU 2 `cuda:0`). An inherited CUDA_VISIBLE_DEVICES that
-contradicts the requested slice is refused (exit code 5), never silently obeyed or overridden.
+contradicts the requested slice is refused (exit code 5), never silently obeyed or overridden. Every worker also gets
+NVLink multicast off (core/slices.py); the worker passes the same variables on to every child it launches.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from core.db import session_scope, upgrade
 from core.embedded import start_redis
 from core.errors import InvalidInput, JobsError
 from core.settings import get_settings, reset
-
-NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from core.slices import pinned_env
 
 
 class GpuConflict(JobsError):
@@ -67,10 +67,7 @@ def check_inherited(devices: list[str]) -> None:
 
 
 def worker_env(devices: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    env.update(NVLINK_MULTICAST_OFF)
-    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    env = pinned_env(devices, os.environ if base is None else base)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.errors import InvalidInput
+from core.slices import plan
 from core.spec import LoadOptions
 
 BUILTIN_ATTENTION = ("sdpa", "sdpa_gqa", "eager", "flex_attention")
@@ -45,7 +47,30 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
         problems.append(f"device_map={opts.device_map!r} needs a GPU slice (gpus >= 1)")
     problems += _engine_problems(opts, gpus)
     problems += _finetune_problems(opts, caps)
+    problems += _slice_problems(opts, caps, gpus)
     return problems
+
+
+def _slice_problems(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
+    """How a job uses a slice of several GPUs: a fine-tune's strategy (core/slices.py) and DeepSpeed's package; a
+    generation's tp_plan, which the workers do not run yet (docs/design.md 'Several GPUs')."""
+    if getattr(opts, "tp_plan", None):
+        if gpus < 2:
+            return [f"tp_plan {opts.tp_plan} needs a slice of 2 or more GPUs (gpus >= 2), this one has {gpus}"]
+        return ["tp_plan auto (tensor parallel under torchrun) is not supported by the workers yet: use device_map "
+                "auto to split the model over the slice, or one 1-GPU worker per GPU for data-parallel generation"]
+    strategy = getattr(opts, "strategy", None)
+    if strategy is None:
+        return []
+    try:
+        strategy, _ = plan(strategy, opts.nproc, gpus=gpus, device_map=opts.device_map,
+                           quantized=opts.quantization is not None)
+    except InvalidInput as exc:
+        return [str(exc)]
+    if strategy.startswith("deepspeed") and not (caps.get("versions") or {}).get("deepspeed"):
+        return [f"strategy {strategy} needs the deepspeed package on the worker (pip install deepspeed), and it is "
+                "missing: use ddp or fsdp2"]
+    return []
 
 
 def _finetune_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[str]:
@@ -56,6 +81,7 @@ def _finetune_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[str]:
     problems = []
     if not (caps.get("versions") or {}).get("peft"):
         problems.append("fine-tunes need peft (pip install peft)")
+    problems += _finetune_speed_problems(opts, caps)
     q = opts.quantization
     if q is not None and q.method == "bnb-4bit" and (caps.get("versions") or {}).get("bitsandbytes"):
         qlora = caps.get("qlora")
@@ -67,6 +93,21 @@ def _finetune_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _finetune_speed_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[str]:
+    """Speed levers asked for explicitly (`on`, `varlen`) that this worker cannot honour; `auto` never refuses."""
+    problems = []
+    cuda = bool(caps.get("cuda_available"))
+    if getattr(opts, "liger", None) == "on" and not ((caps.get("versions") or {}).get("liger-kernel") and cuda):
+        problems.append("liger=on needs the liger-kernel package and a GPU (worker has "
+                        f"{'liger-kernel' if (caps.get('versions') or {}).get('liger-kernel') else 'no liger-kernel'}"
+                        f", {'a GPU' if cuda else 'no GPU'}): pip install liger-kernel on a GPU worker, or use "
+                        "liger auto/off (off: our chunked cross-entropy, same result)")
+    if getattr(opts, "packed_attention", None) == "varlen" and not caps.get("varlen_attention"):
+        problems.append("packed_attention=varlen needs a GPU of compute capability 8.0 or newer and a torch with "
+                        "torch.nn.attention.varlen (2.10+): use packed_attention auto or mask")
+    return problems
+
+
 def _engine_problems(opts: LoadOptions, gpus: int) -> list[str]:
     """Engine options (generation specs only) that no worker of this slice size can honour."""
     problems = []
@@ -75,6 +116,9 @@ def _engine_problems(opts: LoadOptions, gpus: int) -> list[str]:
     if engine == "continuous" and attn in ("flex_attention", "sdpa_gqa"):
         problems.append(f"engine continuous cannot run {attn} (transformers' continuous batching takes sdpa, "
                         "eager or flash attention): use engine padded or another attn_implementation")
+    if engine == "fast" and opts.attn_implementation not in ("sdpa", "sdpa_gqa", "eager"):
+        problems.append(f"engine fast cannot honour {opts.attn_implementation} (it replaces the attention with its "
+                        "own slot-cache kernel): use attn_implementation sdpa, or engine padded for that kernel")
     if engine == "static" and opts.attn_implementation not in ("sdpa", "sdpa_gqa", "eager"):
         problems.append(f"engine static cannot run {opts.attn_implementation} (it runs sdpa, sdpa_gqa or eager with "
                         "a static KV cache): use engine padded or one of those attn_implementations")

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.errors import InvalidInput
+from core.slices import DISTRIBUTED, plan
 
 ATTN_BACKENDS = (
     "sdpa",
@@ -124,21 +125,33 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         "(a save_to_disk directory, packed by the CLI)")
     input_columns: dict[str, str] | None = Field(
         None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}")
-    engine: Literal["auto", "padded", "static", "continuous"] = Field(
-        "auto", description="padded: batched model.generate; static: model.generate with a static KV cache, "
+    engine: Literal["auto", "fast", "padded", "static", "continuous"] = Field(
+        "auto", description="fast: continuous batching over a slot KV cache with a Triton decode attention and "
+        "CUDA graphs (worker/fastgen.py); padded: batched model.generate; static: model.generate with a static KV cache, "
         "compiled on CUDA, fixed shapes (batch_rows slots, bucketed cache length); continuous: transformers "
-        "continuous batching (generate_batch's engine); auto: see docs/design.md 'Generation engines'"
+        "continuous batching (generate_batch's engine); auto: fast on CUDA where it applies, else padded (docs/design.md "
+        "'Generation engines')"
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="continuous engine: CUDA graphs")
     async_batching: Literal["auto", "on", "off"] = Field(
         "auto", description="continuous engine: overlap CPU scheduling with the GPU (double buffers)"
     )
+    tp_plan: Literal["auto"] | None = Field(
+        None, description="auto: tensor parallel over the slice (one process per GPU under torchrun); needs a slice "
+        "of 2 or more GPUs, not with device_map auto. Refused at submit for now: docs/design.md 'Several GPUs'")
 
     @field_validator("cuda_graphs", "async_batching", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: Any) -> Any:
         # YAML 1.1 (and so `--set cuda_graphs=on` and spec files) reads on/off as booleans
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _tp_plan_alone(self) -> GenerateSpec:
+        if self.tp_plan and self.device_map == "auto":
+            raise ValueError("tp_plan auto shards every layer over the slice, device_map auto places whole layers "
+                             "on its GPUs: use one or the other")
+        return self
 
     @model_validator(mode="after")
     def _n_needs_sampling(self) -> GenerateSpec:
@@ -197,6 +210,24 @@ class FinetuneSpec(JobSettings, LoadOptions):
     seed: int = Field(0, ge=0, le=2**32 - 1)
     gradient_checkpointing: bool = False
     checkpoint_steps: int = Field(50, ge=1)
+    # speed levers (worker/finetune.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
+    liger: Literal["auto", "on", "off"] = Field(
+        "auto", description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "
+        "on any device; auto: liger where the worker has it and a GPU. Neither materializes the logits")
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto", description="torch.compile each decoder layer (compiled before the first step, time recorded); "
+        "auto: on for packed training on CUDA without quantization")
+    packed_attention: Literal["auto", "varlen", "mask"] = Field(
+        "auto", description="with packing, how rows in one block are kept apart: varlen (flash-attention over each "
+        "row, CUDA, torch's varlen_attn), mask (transformers' block-diagonal mask for attn_implementation); auto: "
+        "varlen where it runs, else mask")
+    strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"] = Field(
+        "auto", description="how a slice of several GPUs trains: auto (one process on one GPU or the CPU, ddp on a "
+        "slice of 2 or more unless device_map auto), single (one process), ddp, fsdp2, deepspeed_zero2/3 (needs "
+        "deepspeed on the worker); batch_size is per process")
+    nproc: int | None = Field(
+        None, ge=1, le=64, description="processes of a distributed strategy; default: one per GPU of the slice. On "
+        "the CPU (gloo; tests and debugging) give it to run several")
     then_generate: dict[str, Any] | None = Field(
         None, description="a generation job run with the adapter once training succeeds: a dataset, or "
         "an object of generate-spec fields (`input` required)")
@@ -214,6 +245,12 @@ class FinetuneSpec(JobSettings, LoadOptions):
         if isinstance(value, list) and (not value or not all(v.strip() for v in value)):
             raise ValueError("give module names such as ['q_proj', 'v_proj'], or 'all-linear'")
         return value
+
+    @field_validator("liger", "compile", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 (and so `--set liger=on` and spec files) reads on/off as booleans
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("then_generate", mode="before")
     @classmethod
@@ -241,14 +278,30 @@ class FinetuneSpec(JobSettings, LoadOptions):
                              "is not supported")
         if self.validation_input and self.validation_split:
             raise ValueError("give validation_input or validation_split, not both")
+        self._check_strategy()
         if self.then_generate is not None and not self.then_generate.get("input"):
             raise ValueError("then_generate needs an input dataset")
+        if self.packed_attention != "auto" and not self.packing:
+            raise ValueError(f"packed_attention {self.packed_attention} applies to packed rows: set packing true, "
+                             "or leave packed_attention auto")
         shape = {"messages": {"messages"}, "prompt_completion": {"prompt", "completion"}, "text": {"text"}}
         stray = set(self.input_columns or ()) - shape.get(self.input_format, set(self.input_columns or ()))
         if stray:
             raise ValueError(f"input_columns maps {', '.join(sorted(stray))}, which input_format "
                              f"{self.input_format} rows do not have")
         return self
+
+    def _check_strategy(self) -> None:
+        """Strategy and nproc against the slice size, when the spec names it; without `gpus`, what holds on any
+        slice big enough (the submit then picks a slice that fits, core/capability.py)."""
+        if self.strategy not in DISTRIBUTED and self.nproc is None:
+            return
+        gpus = self.gpus if self.gpus is not None else (self.nproc or 2)
+        try:
+            plan(self.strategy, self.nproc, gpus=gpus, device_map=self.device_map,
+                 quantized=self.quantization is not None)
+        except InvalidInput as exc:
+            raise ValueError(str(exc)) from None
 
 
 Spec = GenerateSpec | FinetuneSpec

@@ -277,6 +277,34 @@ def test_out_of_memory_splits_the_group_and_reports_it(tiny_model, monkeypatch):
                       "out of memory generating 4 rows together: retrying as 2 + 2"]
 
 
+def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_model, monkeypatch):
+    """The retry of a group that ran out of memory starts only once the failed call's tensors are freed (on an H200
+    a retry inside the `except` block kept them alive through the traceback, and every smaller retry failed too)."""
+    import weakref
+
+    from worker import generate as engine
+
+    loaded = load(LoadOptions(model=str(tiny_model)), gpus=0)
+    real = engine._run_group
+    held: list = []
+
+    def run_group(loaded, group, started, should_stop):
+        if held:
+            assert held[-1]() is None, "the failed call's tensor is still alive during the retry"
+        if len(group) > 1:
+            activations = torch.zeros(1024)  # stands for the failed generate's activations
+            held.append(weakref.ref(activations))
+            raise torch.OutOfMemoryError("injected")
+        return real(loaded, group, started, should_stop)
+
+    monkeypatch.setattr(engine, "_run_group", run_group)
+    rows = [(i, {"prompt": q, "params": {}, "extra": {}}) for i, (q, _) in enumerate(qa_pairs()[:2])]
+    spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16,
+                                        "engine": "padded"})
+    results = [r for batch in generate(loaded, spec, rows, batch_rows=2) for r in batch]
+    assert [r.output for r in results] == [a for _, a in qa_pairs()[:2]] and len(held) == 1
+
+
 def test_a_row_the_chat_template_refuses_fails_alone(tiny_model):
     """A row whose messages the chat template rejects becomes a failed row naming the template's error; the rest
     of the micro-batch still gets its answers."""

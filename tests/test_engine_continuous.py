@@ -74,7 +74,7 @@ def test_auto_runs_padded_and_says_why(loaded, tiny_model):
     """engine auto picks padded and records the reason and the attention that ran."""
     info: dict = {}
     r, _ = run(loaded, make_spec(tiny_model), memorized()[:2], info=info)
-    assert info["engine"] == "padded" and info["engine_reason"].startswith("auto")
+    assert info["engine"] == "padded" and info["engine_reason"].startswith("auto: padded on CPU")
     assert info["attn_implementation"] == "sdpa" and r[0].output == qa_pairs()[0][1]
 
 

@@ -48,8 +48,8 @@ def test_long_rows_are_refused_by_line_or_truncated_by_choice_and_packing_splits
     assert truncated == 1 and max(len(e.input_ids) for e in examples) == 16
     examples, truncated = finetune.build_examples(tok, rows, spec(max_seq_length=16, packing=True))
     blocks = finetune.pack(examples, 16)
-    assert truncated == 0 and sum(len(b.input_ids) for b in blocks) == sum(len(e.input_ids) for e in examples)
-    assert all(len(b.input_ids) == 16 for b in blocks[:-1])
+    assert truncated == 0 and sum(b.real_tokens for b in blocks) == sum(len(e.input_ids) for e in examples)
+    assert all(len(b.input_ids) == 16 for b in blocks)  # padded to full blocks (worker/finetune.py pack)
 
 
 def test_validation_split_is_seeded_and_validation_rows_are_kept_apart():

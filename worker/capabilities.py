@@ -10,7 +10,7 @@ from functools import cache
 from typing import Any
 
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "flash-attn", "kernels",
-            "liger-kernel", "triton")
+            "liger-kernel", "triton", "deepspeed")
 
 
 @cache
@@ -56,6 +56,7 @@ def probe() -> dict[str, Any]:
         "min_compute_capability": min((float(d["compute_capability"]) for d in devices), default=None),
         "versions": versions(),
         "attention": attention_backends(devices),
+        "varlen_attention": varlen_attention(devices),
         "hub_reachable": False if os.environ.get("HF_HUB_OFFLINE") == "1" else None,
     }
 
@@ -66,6 +67,13 @@ def attention_backends(devices: list[dict[str, Any]]) -> list[str]:
     if devices and importlib.util.find_spec("flash_attn") and min(float(d["compute_capability"]) for d in devices) >= 8.0:
         backends.append("flash_attention_2")
     return backends
+
+
+def varlen_attention(devices: list[dict[str, Any]]) -> bool:
+    """Can packed fine-tunes use torch's flash-attention varlen kernel here (`packed_attention: varlen`)? It needs
+    torch.nn.attention.varlen (torch 2.10+) and an Ampere or newer GPU. finetune() checks its numbers on first use."""
+    return bool(devices and importlib.util.find_spec("torch.nn.attention.varlen")
+                and min(float(d["compute_capability"]) for d in devices) >= 8.0)
 
 
 def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:

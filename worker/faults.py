@@ -6,6 +6,8 @@
     oom_over_N@generate  raise torch.cuda.OutOfMemoryError when `model.generate` gets more than N rows at once
     truncate@adapter_saved  cut the file at `path` to half its size (a fine-tune's adapter, before its check)
     sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests)
+    raise@rank1_step     raise RuntimeError at that point (rankR_step: each step's end in rank R of a distributed
+                         fine-tune, worker/finetune_dist.py)
 
 Unset (always, outside tests) it costs one dict lookup per call.
 """
@@ -30,6 +32,8 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
         action, _, where = fault.partition("@")
         if where != point:
             continue
+        if action == "raise":
+            raise RuntimeError(f"injected failure (JOBS_TEST_FAULTS {fault})")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "truncate" and path is not None:

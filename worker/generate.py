@@ -1,8 +1,12 @@
 """Generation over rows: plain functions, runnable without a queue.
 
 `generate()` yields one micro-batch of `RowResult`s at a time; the caller commits each before asking for the
-next, so a crash loses at most one micro-batch. Three engines run the rows (spec field `engine`):
+next, so a crash loses at most one micro-batch. Four engines run the rows (spec field `engine`):
 
+- `fast` (worker/fastgen.py): continuous batching over a preallocated slot KV cache sized from free memory,
+  a Triton decode attention that reads each row's real context only, decode steps captured as CUDA graphs and the
+  decoder layers compiled. Greedy and temperature sampling; rows asking for top_p, top_k or repetition_penalty
+  run padded under `auto` and fail under `fast`. Finished rows are yielded `batch_rows` at a time as they finish.
 - `padded`: micro-batches of `batch_rows` rows, left-padded, through `model.generate`. Rows with different
   sampling parameters never share a call. Sampling with a `seed` reseeds torch per call, so a job is reproducible
   for the same batching.
@@ -13,21 +17,19 @@ next, so a crash loses at most one micro-batch. Three engines run the rows (spec
   have finished (in finishing order, sorted within the micro-batch). Every output's `error` is checked: a request
   that failed inside the engine is a failed row with that error, never an empty success. Stop strings are cut
   after the fact (the request runs to EOS or `max_new_tokens`). `repetition_penalty` is not supported there
-  (transformers drops that processor silently): such a row fails under `engine: continuous` and runs padded
-  under `auto`.
-
+  (transformers drops that processor silently): such a row fails under `engine: continuous`.
 - `static`: `model.generate` with a static KV cache on `sdpa_gqa`, compiled on CUDA once per shape: calls of
   exactly `batch_rows` sequence slots (dummy rows fill the last call and are dropped), cache length bucketed
   (`cache_bucket`), rows grouped over the shard and sorted by length; compile time measured apart in a warm-up
   call and recorded (`info["static"]`). Details and reasons: `_generate_static` and docs/design.md.
 
-`auto` picks `padded` (see `choose_engine`): on an H200 (transformers 5.17, G1 rows, same run) this continuous
-engine ran at 1,470 output tok/s with CUDA graphs on, the padded one at 6,985 (ops/bench/README.md, "Engine
-check"), so continuous batching is opt-in until a measurement says otherwise; `static` is opt-in until its H200
-run (`ops/bench/g1.py --phase static`) has been measured. On CUDA the padded engine runs a
+`auto` picks `fast` on CUDA for an unquantized model it can run, else `padded` (see `choose_engine`). Measured on
+an H200 (G1, transformers 5.17, ops/bench/results/2026-12-03-h200): fast 54,772 output tok/s warm, the padded
+engine ~5–7k, transformers' continuous batching 1,470 (session 2). On CUDA the padded engine runs a
 grouped-query model loaded with `sdpa` on `sdpa_gqa` (worker/attention.py). What ran (engine, the attention that
-really ran, CUDA graphs, async batching, cache size) is written into the `info` dict the caller passes, for the
-shard's metrics and the job's load options.
+really ran, CUDA graphs, cache size, compile and capture times) is written into the `info` dict the caller passes,
+for the shard's metrics and the job's load options. An engine other than `fast` first releases the fast engine's
+resident cache (`fastgen.release`).
 
 `num_return_sequences` n > 1 gives a row n samples: its `output` is a list of n strings, `finish_reason` a list
 of n reasons and `completion_tokens` their sum; n == 1 keeps a plain string.
@@ -52,7 +54,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from core.errors import InvalidInput
 from core.leases import RowResult
 from core.spec import GenerateSpec, sampling_of
-from worker import attention, faults
+from worker import attention, fastgen, faults
 from worker.loader import Loaded
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,11 @@ def generate(
     info = {} if info is None else info
     engine, reason = choose_engine(spec, loaded)
     info.update(engine=engine, engine_reason=reason)
+    if engine == "fast":
+        yield from _generate_fast(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
+                                  on_event=on_event, info=info)
+        return
+    fastgen.release(loaded.model)  # the fast engine's resident cache would take the memory this engine needs
     if engine == "continuous":
         yield from _generate_continuous(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
                                         on_event=on_event, info=info)
@@ -195,12 +202,24 @@ CONTINUOUS_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3
 
 
 def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
-    """The engine for this spec on this model, and why. `auto` is `padded` for now: see the module docstring.
-    `static` and `continuous` refuse an attention they cannot run (InvalidInput, before any GPU work)."""
+    """The engine for this spec on this model, and why. `auto`: `fast` on CUDA for an unquantized model it can run,
+    else `padded` (see the module docstring). `fast`, `static` and `continuous` refuse a model or attention they
+    cannot run (InvalidInput, before any GPU work)."""
     if spec.engine == "padded":
         return "padded", "asked for"
+    problem = fastgen.model_problem(loaded.model)
     if spec.engine == "auto":
-        return "padded", "auto: padded generate measured faster than transformers continuous batching on G1"
+        if loaded.device.type != "cuda":
+            return "padded", "auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU)"
+        if getattr(loaded.model, "hf_quantizer", None) is not None:
+            return "padded", "auto: padded for a quantized model (the fast engine captures CUDA graphs)"
+        if problem:
+            return "padded", f"auto: padded, because {problem}"
+        return "fast", "auto: fast on CUDA (slot KV cache, Triton decode attention, CUDA graphs)"
+    if spec.engine == "fast":
+        if problem:
+            raise InvalidInput(problem)
+        return "fast", "asked for"
     attn = loaded.model.config._attn_implementation
     if spec.engine == "static":
         if attn.startswith("paged|") or attn not in STATIC_ATTENTION:
@@ -220,15 +239,20 @@ def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event)
     except torch.OutOfMemoryError:
         if len(group) == 1:
             raise
-        _free_cuda_cache()
-        half = len(group) // 2
-        on_event(f"out of memory generating {len(group)} rows together: retrying as {half} + {len(group) - half}")
-        return (_run_splitting(loaded, group[:half], started, should_stop, on_event)
-                + _run_splitting(loaded, group[half:], started, should_stop, on_event))
+    # retried here, after the except block: inside it the exception's traceback would keep the failed call's
+    # tensors alive (on an H200 each retry then failed for lack of the memory the previous one still held)
+    _free_cuda_cache()
+    half = len(group) // 2
+    on_event(f"out of memory generating {len(group)} rows together: retrying as {half} + {len(group) - half}")
+    return (_run_splitting(loaded, group[:half], started, should_stop, on_event)
+            + _run_splitting(loaded, group[half:], started, should_stop, on_event))
 
 
 def _free_cuda_cache() -> None:
     if torch.cuda.is_available():
+        import gc
+
+        gc.collect()  # tensors of a failed call held in reference cycles (frames, tracebacks) go first
         torch.cuda.empty_cache()
 
 
@@ -310,6 +334,97 @@ def _tokens_through(tok, tokens: list[int], stop: str) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+# --- the fast engine (worker/fastgen.py) ------------------------------------------------------------------------
+
+
+def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
+                   info: dict[str, Any]) -> Iterator[list[RowResult]]:
+    """Rows through `fastgen.Engine`, one run per distinct seed; finished rows are yielded `batch_rows` at a time
+    in finishing order (sorted within a micro-batch). Rows whose sampling the fast engine cannot do run on the
+    padded engine afterwards under `auto` and fail under `fast`. Out of memory: the unfinished sequences run again
+    with half the slots (reported through `on_event`)."""
+    started = time.time()
+    ready: list[RowResult] = []
+    inputs = dict(rows)
+    others: list[tuple[int, dict[str, Any]]] = []
+    groups: dict[Any, list[fastgen.Seq]] = {}
+    for item in prepare(loaded, spec, rows, started):
+        if isinstance(item, RowResult):
+            ready.append(item)
+        elif (unsupported := fastgen.row_problem(item.params)) and spec.engine == "auto":
+            others.append((item.idx, inputs[item.idx]))
+        elif unsupported:
+            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started, error=(
+                f"{unsupported} is not supported by the fast engine: use engine auto (which runs such rows "
+                "padded) or padded")))
+        else:
+            groups.setdefault(item.params["seed"], []).extend(fastgen.Seq(item, k) for k in range(item.n))
+    stats = info.setdefault("fast", {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
+    info["attn_implementation"] = f"{fastgen.NAME} (decode: " + (
+        "triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference") + ")"
+    fastgen.register()
+    eos = _eos_ids(loaded)
+    for seed, group in groups.items():
+        done: dict[int, dict[int, fastgen.Seq]] = {}
+        for seq in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats):
+            got = done.setdefault(seq.row.idx, {})
+            got[seq.k] = seq
+            if len(got) == seq.row.n:
+                sequences = [_sequence(loaded.tokenizer, got[k].tokens, set() if seq.row.params["ignore_eos"] else eos,
+                                       seq.row.params["stop"]) for k in range(seq.row.n)]
+                ready.append(_row_result(loaded.tokenizer, seq.row, sequences, started))
+                del done[seq.row.idx]
+            if len(ready) >= batch_rows:
+                yield _sorted(ready)
+                ready = []
+        if should_stop():
+            return  # finished rows not yet yielded stay pending
+    if ready:
+        yield _sorted(ready)
+    if others:
+        with padded_attention(loaded, on_cuda=loaded.device.type == "cuda"):
+            yield from _generate_padded(loaded, spec, others, batch_rows=batch_rows, should_stop=should_stop,
+                                        on_event=on_event)
+
+
+def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], should_stop, on_event,
+              stats: dict[str, Any]) -> Iterator[fastgen.Seq]:
+    """One group (same seed) to the end; an out-of-memory halves the slots and reruns the unfinished sequences."""
+    model = loaded.model
+    vocab = model.get_output_embeddings().weight.shape[0]
+    graphs = loaded.device.type == "cuda" and getattr(model, "hf_quantizer", None) is None
+    cap = fastgen.MAX_SLOTS
+    todo = list(group)
+    while todo and not should_stop():
+        if seed is not None:
+            torch.manual_seed(seed)
+        for seq in todo:
+            seq.tokens, seq.slot = [], -1
+        finished: set[int] = set()
+        engine = None
+        try:
+            slots, max_len = fastgen.plan(model, loaded.device, len(todo), max(s.need for s in todo), vocab, cap)
+            engine = fastgen.Engine(loaded, fastgen.state_for(model, loaded.device, slots, max_len), eos,
+                                    slots=slots, graphs=graphs, compiled=graphs and fastgen.COMPILE)
+            with torch.inference_mode():
+                for seq in engine.run(todo, should_stop):
+                    finished.add(id(seq))
+                    yield seq
+        except torch.OutOfMemoryError:
+            was = engine.slots if engine else cap
+            if was <= 1:
+                raise
+            fastgen.release(model)
+            _free_cuda_cache()
+            cap = was // 2
+            on_event(f"out of memory in the fast engine with {was} slots: retrying the "
+                     f"{len(todo) - len(finished)} unfinished sequences with at most {cap}")
+        finally:
+            if engine is not None:
+                engine.record(stats)
+        todo = [s for s in todo if id(s) not in finished]
 
 
 # --- the continuous engine -----------------------------------------------------------------------------------

@@ -122,6 +122,7 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
         "attn_implementation": model.config._attn_implementation,
         "device_map": device_map,
         "device": str(device),
+        "devices": _devices(model),
         "quantization": _quant_record(opts),
         "adapter": adapter,
         "use_kernels": opts.use_kernels,
@@ -129,6 +130,14 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
     }
     log.info("loaded %s: %s", opts.model, resolved)
     return Loaded(model, tokenizer, device, resolved)
+
+
+def _devices(model: Any) -> list[str]:
+    """Where the weights are: with device_map auto, every GPU of the slice that got layers (cuda:0 = the slice's
+    first GPU, in its order); else the one device."""
+    placed = getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device}
+    names = {f"cuda:{d}" if isinstance(d, int) else str(d) for d in placed.values()}
+    return sorted(names)
 
 
 def adapter_path(ref: str) -> Path:

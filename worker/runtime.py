@@ -140,6 +140,9 @@ class Runtime:
     def _run(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]]) -> None:
         settings = get_settings()
         spec = GenerateSpec.model_validate(job.spec)
+        if spec.tp_plan:  # refused at submit too; a job queued while no worker was live reaches this
+            raise InvalidInput("tp_plan auto (tensor parallel under torchrun) is not supported by the workers yet: "
+                               "use device_map auto to split the model over the slice")
         started, t0 = time.time(), time.perf_counter()
         loaded = self.model_for(spec, job.id)
         _record_load(job.id, loaded.resolved)
@@ -190,7 +193,7 @@ class Runtime:
 
         The resident model is dropped first: training wraps a model in place, so it is never shared with jobs.
         """
-        from worker import finetune
+        from worker import distributed, finetune
 
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
@@ -208,8 +211,9 @@ class Runtime:
             faults.hit("train_step")
 
         t0 = time.perf_counter()
-        result = finetune.finetune(opts, spec, [(lines[i], row) for i, row in rows], workdir, gpus=self.gpus,
-                                   should_stop=should_stop, on_log=on_log)
+        # one process, or one per GPU of the slice under torchrun (worker/distributed.py); this process writes SQL
+        result = distributed.finetune(opts, spec, [(lines[i], row) for i, row in rows], workdir, gpus=self.gpus,
+                                      should_stop=should_stop, on_log=on_log)
         _record_load(job.id, result.metrics["load"])
         with session_scope() as session:
             if leases.job_stopping(session, job.id):

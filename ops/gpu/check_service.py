@@ -126,7 +126,12 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=1, help="slice size of the jobs (0: a CPU smoke run)")
     parser.add_argument("--smoke", action="store_true", help="sdpa, LoRA and the refusals only (a CPU check of "
                         "this script); no forced OOM")
+    parser.add_argument("--only", default="runs,finetune,oom,refusals",
+                        help="comma list of the parts to run: runs, finetune, oom, refusals")
+    parser.add_argument("--runs", default="", help="comma list of RUNS labels to run (default: all)")
     args = parser.parse_args()
+    only = set(args.only.split(","))
+    labels = set(args.runs.split(",")) - {""}
     args.work.mkdir(parents=True, exist_ok=True)
     client = Client()
     models, data = build_models(args.work / "models", args.smoke), datasets(args.work)
@@ -134,7 +139,8 @@ def main() -> int:
                     "refusals": []}
     smi = shutil.which("nvidia-smi")
     report["nvidia_smi"] = subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip() if smi else None
-    for label, extra in RUNS[:1] if args.smoke else RUNS:
+    runs = [r for r in (RUNS[:1] if args.smoke else RUNS) if "runs" in only and (not labels or r[0] in labels)]
+    for label, extra in runs:
         qa = run_job(client, {"model": str(models["tiny-qa"]), "input": client.upload(data["qa"])["id"],
                               "max_new_tokens": 16, "gpus": args.gpus, **extra}, timeout=300)
         answers = {r["custom_id"]: r["output"] for r in client.results(qa["id"])} if qa["state"] == "succeeded" else {}
@@ -147,17 +153,17 @@ def main() -> int:
         print(f"{label:<16} tiny-qa {qa['state']:<9} {qa['memorized_correct']}/6   "
               f"0.6B {bulk['state']:<9} {bulk.get('metrics', {}).get('output_tok_s', '-')} tok/s", flush=True)
     tunes = (("LoRA", {}), ("QLoRA bnb-4bit", {"quantization": "bnb-4bit"}))
-    for label, extra in tunes[:1] if args.smoke else tunes:
+    for label, extra in (tunes[:1] if args.smoke else tunes) if "finetune" in only else ():
         tuned = report.setdefault("finetune_then_generate", {})[label] = finetune_then_generate(
             client, args.work, data, {"gpus": args.gpus, **extra})
         print(f"fine-tune {label:<15} {tuned['finetune']['state']:<9} then generate "
               f"{tuned['generate_with_adapter']['state']} {tuned['generate_with_adapter'].get('memorized_correct')}/6",
               flush=True)
-    if not args.smoke:
+    if not args.smoke and "oom" in only:
         report["forced_oom"] = forced_oom(client, models["qwen3-0.6b"], args.work)
         oom = report["forced_oom"]
         print(f"forced OOM: {oom['state']}, rows {oom.get('rows')}, {len(oom['oom_events'])} split events", flush=True)
-    for label, extra in REFUSALS:
+    for label, extra in REFUSALS if "refusals" in only else ():
         try:
             job = client.submit({"model": str(models["tiny-qa"]), "input": client.upload(data["qa"])["id"],
                                  "gpus": args.gpus, **extra})
@@ -178,10 +184,11 @@ def main() -> int:
     w = report["workers"][0] if report["workers"] else {}
     print(f"\nworker {w.get('name')}: {json.dumps(w.get('gpus'))}")
     print(report["nvidia_smi"])
+    oom = report.get("forced_oom")
     ok = all(r["qwen3_0.6b_bulk"]["state"] == "succeeded" for r in report["runs"]) and all(
-        r["refused"] for r in report["refusals"]) and (args.smoke or report["forced_oom"]["state"] == "succeeded"
-        and report["forced_oom"]["oom_events"]) and all(
-        t["generate_with_adapter"].get("memorized_correct", 0) >= 5 for t in report["finetune_then_generate"].values())
+        r["refused"] for r in report["refusals"]) and (oom is None or oom["state"] == "succeeded"
+        and oom["oom_events"]) and all(t["generate_with_adapter"].get("memorized_correct", 0) >= 5
+                                        for t in report.get("finetune_then_generate", {}).values())
     return 0 if ok else 1
 
 

@@ -1,0 +1,609 @@
+"""F1 benchmark: LoRA fine-tune speed, peak memory and loss curve, ours (a fine-tune job through the service) against
+plain PEFT + AdamW, in one run.
+
+Workload F1 (DESIGN.md): the Qwen3-0.6B architecture with random bf16 weights (`worker/tinymodel.py --arch
+qwen3-0.6b`), PEFT LoRA r=16 on all linear layers, sequences of 2,048 tokens, packed. The corpus is learnable: rows
+of 64–1,024 words drawn from a Markov chain over `--words` (8) one-token words, each followed by one of `--branch`
+(2) others. Why so few words: lm_head is the frozen tied embedding and the final RMSNorm fixes |h| = sqrt(1024), so
+with random embeddings (|e| ≈ 0.64) a logit can rise at most ~20 above the rest; learning only *which* 8 words occur
+already takes the loss from ~12 to ~4.8 (≥ 50 %), learning the successors towards ln 2. A vocabulary of ~100 words
+would cap what the unigram alone gives at ~10, leaving the 50 % fall to the slower bigram learning.
+
+    python ops/bench/f1.py --out ops/bench/results/f1-h200.json      # the H200 run (~6 min; --budget-s bounds it)
+    python ops/bench/f1.py --phases variants --variant-steps 30      # each speed lever alone, short runs
+    python ops/bench/f1.py --smoke --out /tmp/f1-smoke.json          # CPU, tiny model, every phase, < 2 min
+
+Phases, each in its own process so each starts on an empty GPU (default `service,baseline`; `--phases` picks):
+
+- `service`: ours, as a fine-tune job: `gpujobs up` with one worker pinned to GPU 0, the corpus uploaded, the job
+  submitted over HTTP with the bench spec (`--batch` × `--grad-accum` rows of `--seq` tokens, lr `--lr` constant,
+  LoRA dropout 0, checkpoints every 100 steps) and every speed lever on `auto`; the loss and step times come back
+  from the job's metric events, compile time and peak memory from its metrics.
+- `engine`: the same spec through `worker.finetune.finetune()` in a child process (no queue).
+- `baseline`: plain PEFT + torch AdamW (weight decay 0, grad-norm clip 1.0 as Trainer does), bf16 autocast,
+  transformers' own packed-sequence handling (position_ids, `sdpa`), on the very blocks ours trains on, in the order
+  the Trainer draws them (its own sampler, seeded alike), `--baseline-batch` rows per step (16; halved into
+  accumulation steps if the first step runs out of memory).
+- `variants`: short engine runs (`--variant-steps`) of each lever switched off or changed alone (VARIANTS).
+
+Throughput counts real tokens (padding excluded) over the steps after the first `--warm-steps`, from each step's
+logged time: "steady" = tokens / seconds over those steps (checkpoint saves included), "median" = the median step.
+Compile time (ours compiles before step 1) and the first steps are reported apart. JSON: `f1.service.train_tok_s`,
+`f1.engine.train_tok_s`, `f1.baseline.train_tok_s`, `f1.peak_gib` (ours), `f1.loss_agreement` (|ours − plain| /
+plain at every step both logged, passes at ≤ 2 %), `f1.loss_fall` (passes at ≥ 50 %), `f1.variants.*`, ratios,
+settings, commit, device, versions. A phase cut by the budget keeps what it logged (`partial`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+TARGET_TOK_S, TARGET_GIB, AGREEMENT, FALL = 90_000, 40.0, 0.02, 0.5
+VARIANTS = {  # name: spec overrides of one short engine run each
+    "auto": {},
+    "no-compile": {"compile": "off"},
+    "chunked-ce": {"liger": "off"},
+    "mask-attention": {"packed_attention": "mask"},
+    "batch16": {"batch_size": 16, "gradient_accumulation": 1},
+    "qlora": {"quantization": "bnb-4bit"},  # QLoRA (bitsandbytes 4-bit nf4 base): not compiled by auto
+}
+# rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
+OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
+# kept for a later phase while an earlier one runs (the variants take what is left)
+RESERVE_S = {"service": 150, "engine": 120, "baseline": 150, "variants": 0}
+
+
+def log(message: str) -> None:
+    print(f"[f1 {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# --- corpus and spec ----------------------------------------------------------------------------------------------
+
+
+def one_token_words(tok) -> list[str]:
+    """Words of the tokenizer's seed corpus that are a single token after a space."""
+    from worker.tinymodel import SEED_CORPUS
+
+    words = sorted({w for w in SEED_CORPUS.split() if w.isalpha()})
+    return [w for w in words if len(tok.encode(" " + w, add_special_tokens=False)) == 1]
+
+
+def corpus(tok, tokens: int, *, words: int, branch: int, min_words: int, max_words: int, seed: int = 0) -> list[dict]:
+    """`text` rows of a Markov chain over `words` one-token words, each followed by one of `branch` others, `tokens`
+    tokens or more in all (plus EOS per row)."""
+    rng = random.Random(seed)
+    vocabulary = one_token_words(tok)
+    if len(vocabulary) < max(words, branch):
+        raise RuntimeError(f"the tokenizer has only {len(vocabulary)} one-token words")
+    words = rng.sample(vocabulary, words)
+    follow = {w: rng.sample(words, branch) for w in words}
+    rows, total = [], 0
+    while total < tokens:
+        n = rng.randint(min_words, max_words)
+        word, out = rng.choice(words), []
+        for _ in range(n):
+            out.append(word)
+            word = rng.choice(follow[word])
+        rows.append({"text": " " + " ".join(out)})
+        total += n + 1
+    return rows
+
+
+def bench_spec(args: argparse.Namespace, steps: int, **overrides) -> dict:
+    """The fine-tune spec of every run of ours (the baseline mirrors its training settings)."""
+    spec = {"kind": "finetune", "model": str(args.model), "max_steps": steps, "batch_size": args.batch,
+            "gradient_accumulation": args.grad_accum, "max_seq_length": args.seq, "packing": True, "lora_r": 16,
+            "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear", "learning_rate": args.lr,
+            "lr_scheduler": "constant", "warmup_steps": 0, "checkpoint_steps": 100, "seed": 0,
+            "gpus": 1 if args.cuda else 0, "name": "f1"}
+    return {**spec, **overrides}
+
+
+def read_rows(path: Path) -> list[tuple[int, dict]]:
+    return [(i + 1, json.loads(line)) for i, line in enumerate(path.read_text().splitlines()) if line]
+
+
+# --- step statistics --------------------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict], warm: int) -> dict:
+    """Loss curve and throughput from per-step log records (step, loss, tokens_per_s, step_seconds)."""
+    steps = [r for r in records if r.get("loss") is not None and r.get("step_seconds")]
+    curve = {int(r["step"]): float(r["loss"]) for r in steps}
+    steady = [r for r in steps if r["step"] > warm]
+    tokens = sum(r["tokens_per_s"] * r["step_seconds"] for r in steady)
+    seconds = sum(r["step_seconds"] for r in steady)
+    first = [r for r in steps if r["step"] <= warm]
+    return {"steps_logged": len(steps), "train_tok_s": round(tokens / seconds, 1) if seconds else None,
+            "train_tok_s_median": round(statistics.median(r["tokens_per_s"] for r in steady), 1) if steady else None,
+            "first_steps_s": round(sum(r["step_seconds"] for r in first), 2), "warm_steps": warm,
+            "steady_steps": len(steady), "loss": curve}
+
+
+def agreement(ours: dict[int, float], plain: dict[int, float]) -> dict:
+    common = sorted(set(ours) & set(plain))
+    if not common:
+        return {"passed": False, "steps_compared": 0, "tolerance": AGREEMENT}
+    diffs = {s: abs(ours[s] - plain[s]) / abs(plain[s]) for s in common}
+    worst = max(diffs, key=diffs.get)
+    return {"passed": diffs[worst] <= AGREEMENT, "max_rel_diff": round(diffs[worst], 5), "worst_step": worst,
+            "mean_rel_diff": round(sum(diffs.values()) / len(diffs), 5), "steps_compared": len(common),
+            "tolerance": AGREEMENT}
+
+
+def fall(curve: dict[int, float]) -> dict | None:
+    if len(curve) < 2:
+        return None
+    first, last = curve[min(curve)], curve[max(curve)]
+    return {"first": round(first, 4), "last": round(last, 4), "steps": max(curve), "fraction": round(1 - last / first, 4),
+            "passed": 1 - last / first >= FALL}
+
+
+# --- children: engine and baseline ----------------------------------------------------------------------------------
+
+
+def child_engine(args: argparse.Namespace) -> dict:
+    """Ours through worker.finetune.finetune(), as the worker runs it."""
+    import torch
+
+    from core.spec import FinetuneSpec, LoadOptions
+    from worker.finetune import finetune
+
+    spec = FinetuneSpec.model_validate({**json.loads(args.spec_json), "input": "bench"})
+    opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
+    rows = read_rows(args.data)
+    records: list[dict] = []
+    deadline = time.monotonic() + args.child_budget_s
+    out = {"spec": spec.model_dump(exclude_none=True)}
+
+    def on_log(record: dict) -> None:
+        records.append(record)
+        if len(records) % 10 == 0:
+            _write(args.child_out, {**out, "records": records, "partial": True})
+
+    with tempfile.TemporaryDirectory() as work:
+        result = finetune(opts, spec, rows, Path(work), gpus=1 if torch.cuda.is_available() else 0, on_log=on_log,
+                          should_stop=lambda: time.monotonic() > deadline)
+    out.update(records=records, metrics=result.metrics, partial=result.stopped)
+    if torch.cuda.is_available():
+        out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+    return out
+
+
+def child_baseline(args: argparse.Namespace) -> dict:
+    """Plain PEFT + AdamW on ours' packed blocks, in the order the Trainer draws them."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    from core.spec import FinetuneSpec
+    from worker.finetune import build_examples, pack
+
+    spec = FinetuneSpec.model_validate({**json.loads(args.spec_json), "input": "bench"})
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    tok = AutoTokenizer.from_pretrained(spec.model)
+    blocks = pack(build_examples(tok, read_rows(args.data), spec)[0], spec.max_seq_length, tok.pad_token_id or 0)
+    per_step = spec.batch_size * spec.gradient_accumulation
+    order = trainer_order(spec, len(blocks), spec.max_steps * per_step)
+    base = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.bfloat16 if cuda else torch.float32,
+                                                attn_implementation="sdpa").to(device)
+    set_seed(spec.seed)
+    net = get_peft_model(base, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                                          target_modules=spec.target_modules, task_type="CAUSAL_LM"))
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0)
+    net.train()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    micro, records, deadline = min(args.baseline_batch, per_step), [], time.monotonic() + args.child_budget_s
+    out = {"blocks": len(blocks), "rows_per_step": per_step}
+    step = 0
+    while step < spec.max_steps and time.monotonic() < deadline:
+        idx = order[step * per_step:(step + 1) * per_step]
+        t0 = time.perf_counter()
+        oom = False
+        try:
+            loss, tokens = _baseline_step(net, opt, params, [blocks[i] for i in idx], micro, device)
+        except torch.OutOfMemoryError:
+            if step or micro == 1:
+                raise
+            oom = True
+        if oom:  # outside the except block: its traceback no longer holds the failed step's tensors
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            out.setdefault("out_of_memory_at_micro_batch", []).append(micro)
+            micro //= 2
+            log(f"baseline: out of memory at {micro * 2} rows per micro-batch, retrying with {micro}")
+            continue
+        seconds = time.perf_counter() - t0
+        step += 1
+        records.append({"step": step, "loss": loss, "tokens_per_s": tokens / seconds, "step_seconds": seconds})
+        if step % 10 == 0:
+            _write(args.child_out, {**out, "records": records, "partial": True, "micro_batch": micro})
+    out.update(records=records, micro_batch=micro, partial=step < spec.max_steps)
+    if cuda:
+        out.update(peak_memory_bytes=int(torch.cuda.max_memory_allocated()),
+                   peak_reserved_bytes=int(torch.cuda.max_memory_reserved()))
+    return out
+
+
+def _baseline_step(net, opt, params, blocks, micro: int, device) -> tuple[float, int]:
+    """One optimizer step over `blocks`, `micro` rows per forward; the loss is the mean over the step's targets."""
+    import torch
+
+    ids = torch.tensor([b.input_ids for b in blocks], device=device)
+    positions = torch.tensor([b.position_ids for b in blocks], device=device)
+    labels = torch.tensor([b.labels for b in blocks], device=device)
+    count = (labels[:, 1:] != -100).sum()
+    total = torch.zeros((), device=device)
+    for a in range(0, len(blocks), micro):
+        part = slice(a, a + micro)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            # use_cache=False: with a cache, transformers ignores the packed position_ids when masking (rows would
+            # attend to each other); Trainer turns the cache off for training, a plain loop must say so itself
+            out = net(input_ids=ids[part], position_ids=positions[part], labels=labels[part], use_cache=False)
+        loss = out.loss * (labels[part, 1:] != -100).sum() / count
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(total.item()), sum(b.real_tokens for b in blocks)
+
+
+def trainer_order(spec, n_blocks: int, wanted: int) -> list[int]:
+    """Block indices in the order transformers' Trainer draws them for this spec (its own sampler and data_seed,
+    epoch after epoch as its training loop does), `wanted` of them."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    class Index(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return n_blocks
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=1, seed=spec.seed, data_seed=spec.seed,
+                                 report_to="none", dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
+        loader = Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=Index(),
+                         data_collator=lambda batch: batch).get_train_dataloader()
+        order, epoch = [], 0
+        while len(order) < wanted:
+            if hasattr(loader, "set_epoch"):
+                loader.set_epoch(epoch)
+            order += [i for batch in loader for i in batch]
+            epoch += 1
+    return order[:wanted]
+
+
+def _write(path: str, data: dict) -> None:
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    tmp.replace(path)
+
+
+# --- parent: phases -------------------------------------------------------------------------------------------------
+
+
+def run_child(args: argparse.Namespace, phase: str, spec: dict, budget_s: float) -> dict:
+    """Run `phase` (engine or baseline) in a fresh process; what it wrote comes back even if it was cut short."""
+    out = args.work / f"{phase}-{int(time.time() * 1000)}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--spec-json", json.dumps(spec),
+           "--data", str(args.data), "--child-out", str(out), "--child-budget-s", str(max(budget_s - 30, 10)),
+           "--baseline-batch", str(args.baseline_batch)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True, check=False)
+        error = None if proc.returncode == 0 else (proc.stderr or proc.stdout)[-3000:]
+    except subprocess.TimeoutExpired:
+        error = f"cut at {budget_s:.0f} s"
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    if error:
+        result["error"] = error
+        log(f"{phase} child: {error.strip().splitlines()[-1] if error.strip() else 'failed'}")
+    return result
+
+
+def run_service(args: argparse.Namespace, spec: dict, budget_s: float) -> dict:
+    """Ours as a fine-tune job: start the stack, upload, submit, wait; read the loss and step times back."""
+    deadline = time.monotonic() + budget_s
+    t = time.monotonic()
+    up = subprocess.run([sys.executable, "-m", "api", "up", "--detach", "--gpus", "0" if args.cuda else "none",
+                         "--port", str(args.port)], capture_output=True, text=True, cwd=ROOT, check=False)
+    report: dict = {"up_s": round(time.monotonic() - t, 2)}
+    if up.returncode != 0:
+        return {**report, "error": f"gpujobs up failed: {(up.stderr or up.stdout)[-2000:]}"}
+    try:
+        _service_job(args, spec, deadline, report)
+    except Exception:  # noqa: BLE001  record it: the baseline still runs
+        report["error"] = traceback.format_exc()[-3000:]
+    finally:
+        subprocess.run([sys.executable, "-m", "api", "down"], capture_output=True, text=True, cwd=ROOT, check=False)
+        worker_log = Path(os.environ["JOBS_HOME"]) / "logs" / "worker-0.log"
+        if worker_log.exists():
+            (args.out.parent / f"{args.out.stem}-worker-0.log").write_text(worker_log.read_text()[-200_000:])
+    return report
+
+
+def _service_job(args: argparse.Namespace, spec: dict, deadline: float, report: dict) -> None:
+    from api.client import Client
+    from core.errors import JobsError
+
+    client = Client()
+    t = time.monotonic()
+    job = client.submit({**spec, "input": client.upload(args.data)["id"]})
+    report.update(submit_s=round(time.monotonic() - t, 2), job_id=job["id"])
+    log(f"service: fine-tune job {job['id']} submitted; waiting")
+    try:
+        job = client.wait(job["id"], poll=2.0, timeout=max(deadline - time.monotonic() - 15, 10))
+    except JobsError as exc:
+        report["partial"] = str(exc)
+        client.cancel(job["id"])
+        time.sleep(5)
+        job = client.job(job["id"])
+    events, after = [], 0
+    while batch := client.events(job["id"], after=after):
+        events += batch
+        after = batch[-1]["id"]
+    report.update(state=job["state"], error=job.get("error"), job_wall_s=round(
+        (job.get("finished_at") or time.time()) - (job.get("started_at") or job["created_at"]), 1),
+        training=(job.get("metrics") or {}).get("training"), load_options=job.get("load_options"))
+    report["records"] = [e["data"] for e in events if e["kind"] == "metric" and e.get("data")]
+    report["messages"] = [e["message"] for e in events if e["kind"] != "metric"][-12:]
+
+
+# --- parent: main -------------------------------------------------------------------------------------------------
+
+
+def ours_summary(result: dict, warm: int) -> dict:
+    """Throughput, loss, memory and the speed levers that ran, from an engine child's or the service's result."""
+    metrics = result.get("metrics") or result.get("training") or {}
+    peak = metrics.get("peak_memory_bytes")
+    summary = {**summarize(result.get("records") or [], warm), "peak_gib": round(peak / 2**30, 2) if peak else None,
+               "peak_reserved_gib": round(result["peak_reserved_bytes"] / 2**30, 2)
+               if result.get("peak_reserved_bytes") else None,
+               "speed": metrics.get("speed"), "train_seconds": metrics.get("train_seconds"),
+               "wall_s": result.get("wall_s"), "partial": bool(result.get("partial"))}
+    for key in ("job_id", "state", "error", "up_s", "submit_s", "job_wall_s", "messages"):
+        if result.get(key) is not None:
+            summary[key] = result[key]
+    return summary
+
+
+def baseline_summary(result: dict, warm: int) -> dict:
+    summary = {**summarize(result.get("records") or [], warm), "micro_batch": result.get("micro_batch"),
+               "rows_per_step": result.get("rows_per_step"), "wall_s": result.get("wall_s"),
+               "partial": bool(result.get("partial"))}
+    for key, name in (("peak_memory_bytes", "peak_gib"), ("peak_reserved_bytes", "peak_reserved_gib")):
+        if result.get(key):
+            summary[name] = round(result[key] / 2**30, 2)
+    for key in ("error", "out_of_memory_at_micro_batch"):
+        if result.get(key):
+            summary[key] = result[key]
+    return summary
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """Build the model (if missing) and write the corpus; returns what the report records about them."""
+    from transformers import AutoTokenizer
+
+    t = time.monotonic()
+    if not (args.model / "model.safetensors").exists():
+        build = [sys.executable, "-m", "worker.tinymodel", str(args.model)]
+        build += ["--qa", str(ROOT / "examples" / "qa.jsonl"), "--base"] if args.smoke else ["--arch", "qwen3-0.6b"]
+        subprocess.run(build, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    built_s = round(time.monotonic() - t, 1)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rows_per_step = max(args.batch * args.grad_accum, args.baseline_batch)
+    needed = max(args.steps, args.variant_steps) * rows_per_step * args.seq
+    rows = corpus(tok, int(needed * 1.12), words=args.words, branch=args.branch, min_words=args.min_words,
+                  max_words=args.max_words)
+    args.data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": str(args.model), "model_build_s": built_s, "corpus_rows": len(rows), "words": args.words,
+            "branch": args.branch, "row_words": [args.min_words, args.max_words]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        result = child_engine(args) if args.child == "engine" else child_baseline(args)
+        _write(args.child_out, result)
+        return 0
+    import torch
+
+    from worker import capabilities
+
+    args.cuda = torch.cuda.is_available()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.data = args.work / "f1-corpus.jsonl"
+    os.environ.setdefault("JOBS_HOME", str(args.work / "jobs-home"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    report = {"f1": {}, "started": time.time(), "host": platform.node(), "device": capabilities.gpus() or "cpu",
+              "versions": capabilities.versions(), **commit_info(),
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                           if k not in ("child", "spec_json", "child_out", "child_budget_s")}}
+    report["corpus"] = prepare(args)
+    log(f"model and corpus ready ({report['corpus']})")
+    f1, left = report["f1"], lambda: args.budget_s - (time.monotonic() - start)
+    main_spec = bench_spec(args, args.steps)
+    report["spec"] = main_spec
+    for i, phase in enumerate(args.phases):
+        if phase == "variants":
+            f1["variants"] = run_variants(args, left)
+            continue
+        steps_s = args.steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s[phase]
+        reserve = sum(RESERVE_S[later] for later in args.phases[i + 1:]) * args.estimate_scale
+        budget = left() - reserve - 5
+        if budget < OVERHEAD_S[phase] * args.estimate_scale + 0.3 * steps_s:
+            report.setdefault("skipped", []).append(f"{phase}: {left():.0f} s left, {reserve:.0f} s kept for later")
+            continue
+        log(f"{phase}: {args.steps} steps, {budget:.0f} s of {left():.0f} s left")
+        if phase == "service":
+            f1["service"] = ours_summary(run_service(args, main_spec, budget), args.warm_steps)
+        elif phase == "engine":
+            f1["engine"] = ours_summary(run_child(args, "engine", main_spec, budget), args.warm_steps)
+        else:
+            # same spec: the same blocks, 16 rows a step; --baseline-batch rows per forward
+            f1["baseline"] = baseline_summary(run_child(args, "baseline", main_spec, budget), args.warm_steps)
+        _finish(report, args)
+    _finish(report, args)
+    print_table(report["f1"])
+    print(args.out)
+    return 0 if f1.get("targets", {}).get("met") else 3  # 3: ran, targets not met (a crash exits 1)
+
+
+def run_variants(args: argparse.Namespace, left) -> dict:
+    results = {}
+    for name in args.variants:
+        steps_s = args.variant_steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s["engine"]
+        if left() < OVERHEAD_S["variant"] * args.estimate_scale + steps_s:
+            results[name] = {"skipped": f"{left():.0f} s left"}
+            continue
+        log(f"variant {name}: {args.variant_steps} steps, {left():.0f} s left")
+        spec = bench_spec(args, args.variant_steps, **VARIANTS[name], checkpoint_steps=10**6)
+        results[name] = {"overrides": VARIANTS[name], **ours_summary(run_child(args, "engine", spec, left() - 5),
+                                                                      min(args.warm_steps, args.variant_steps // 3))}
+    return results
+
+
+def _finish(report: dict, args: argparse.Namespace) -> None:
+    """Ratios, agreement and targets from what has run so far; written after every phase (a cut run keeps it)."""
+    f1 = report["f1"]
+    ours = f1.get("service") if (f1.get("service") or {}).get("train_tok_s") else f1.get("engine")
+    base = f1.get("baseline") or {}
+    if ours:
+        f1["peak_gib"] = ours.get("peak_gib")
+        f1["ours_from"] = "service" if ours is f1.get("service") else "engine"
+        f1["loss_fall"] = {"ours": fall(ours["loss"]), "baseline": fall(base.get("loss") or {})}
+    if ours and base.get("loss"):
+        f1["loss_agreement"] = agreement(ours["loss"], base["loss"])
+    if ours and base.get("train_tok_s") and ours.get("train_tok_s"):
+        f1["ratios"] = {"ours_vs_baseline": round(ours["train_tok_s"] / base["train_tok_s"], 3)}
+        if ours.get("peak_gib") and base.get("peak_gib"):
+            f1["ratios"]["peak_memory_ours_vs_baseline"] = round(ours["peak_gib"] / base["peak_gib"], 3)
+    if ours:
+        met = {"train_tok_s": (ours.get("train_tok_s") or 0) >= TARGET_TOK_S,
+               "peak_gib": ours.get("peak_gib") is not None and ours["peak_gib"] <= TARGET_GIB,
+               "loss_agreement": (f1.get("loss_agreement") or {}).get("passed", False),
+               "loss_fall": ((f1.get("loss_fall") or {}).get("ours") or {}).get("passed", False),
+               "steps": (ours.get("steps_logged") or 0) >= 200}
+        f1["targets"] = {"train_tok_s": TARGET_TOK_S, "peak_gib": TARGET_GIB, "checks": met, "met": all(met.values())}
+    report["finished"] = time.time()
+    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+def print_table(f1: dict) -> None:
+    runs = [("plain PEFT + AdamW", f1.get("baseline")), ("ours, service job", f1.get("service")),
+            ("ours, finetune()", f1.get("engine"))]
+    runs += [(f"variant {k}", v) for k, v in (f1.get("variants") or {}).items()]
+    base = (f1.get("baseline") or {}).get("train_tok_s")
+    print(f"{'run':<30} {'steps':>5} {'tok/s':>9} {'median':>9} {'x plain':>7} {'peak GiB':>8} {'resv GiB':>8} "
+          f"{'compile s':>9} {'first s':>7} {'last loss':>9}  levers")
+    for label, r in runs:
+        if not r or r.get("skipped"):
+            if r:
+                print(f"{label:<30} skipped: {r['skipped']}")
+            continue
+        speed = r.get("speed") or {}
+        levers = ",".join(str(speed.get(k)) for k in ("loss", "packed_attention", "compile")) if speed else "-"
+        tok_s = r.get("train_tok_s")
+        last = r["loss"][max(r["loss"])] if r.get("loss") else None
+        print(f"{label:<30} {r.get('steps_logged', 0):>5} {tok_s!s:>9} {r.get('train_tok_s_median')!s:>9} "
+              f"{(round(tok_s / base, 2) if tok_s and base else '-')!s:>7} {r.get('peak_gib', '-')!s:>8} "
+              f"{r.get('peak_reserved_gib', '-')!s:>8} {speed.get('compile_seconds', '-')!s:>9} "
+              f"{r.get('first_steps_s', '-')!s:>7} {(round(last, 4) if last else '-')!s:>9}  {levers}"
+              + ("  ERROR" if r.get("error") else "") + ("  (partial)" if r.get("partial") else ""))
+    for key in ("loss_agreement", "loss_fall", "ratios", "targets"):
+        if f1.get(key):
+            print(f"{key}: {json.dumps(f1[key])}")
+
+
+def commit_info() -> dict:
+    info = {"commit": os.environ.get("F1_COMMIT"), "tree_note": os.environ.get("F1_TREE_NOTE")}
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        info["commit"] = head.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
+                               check=False).stdout
+        info["modified"] = [ln[3:] for ln in dirty.splitlines() if ln[:2].strip() and not ln.startswith("??")]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "f1.json")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "f1-work",
+                   help="model, corpus, the stack's JOBS_HOME (unless set) and the children's files")
+    p.add_argument("--model", type=Path, help="the model folder (built there if missing; default WORK/model)")
+    p.add_argument("--phases", help="comma list, run in this order, of: service, engine, baseline, variants "
+                   "(default service,baseline; with --smoke all but engine)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of ours and of the baseline")
+    p.add_argument("--warm-steps", type=int, default=5, help="first steps left out of the steady throughput")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per packed block")
+    p.add_argument("--batch", type=int, default=8, help="ours: rows per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=2, help="ours: micro-batches per step (8 × 2 = 16 rows)")
+    p.add_argument("--baseline-batch", type=int, default=16, help="baseline: rows per forward (halved on OOM)")
+    p.add_argument("--lr", type=float, default=5e-4, help="constant learning rate of both")
+    p.add_argument("--words", type=int, default=8, help="distinct words of the Markov corpus (see the docstring)")
+    p.add_argument("--branch", type=int, default=2, help="successors per word in the Markov corpus")
+    p.add_argument("--min-words", type=int, default=64)
+    p.add_argument("--max-words", type=int, default=1024)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variant-steps", type=int, default=30)
+    p.add_argument("--budget-s", type=float, default=410, help="wall-clock budget of the whole script; a phase is "
+                   "skipped if it cannot fit, cut (keeping what it logged) if it runs over")
+    p.add_argument("--estimate-scale", type=float, default=1.0, help="scale of the per-phase overhead estimates")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny model, short blocks, few steps")
+    p.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
+    p.add_argument("--spec-json", help=argparse.SUPPRESS)
+    p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    p.add_argument("--child-budget-s", type=float, default=600, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seq, args.batch, args.grad_accum, args.baseline_batch = 128, 2, 2, 4
+        args.steps, args.warm_steps, args.variant_steps, args.min_words, args.max_words = 12, 2, 4, 8, 60
+        args.estimate_scale, args.variants = 0.0, "auto"
+    args.model = args.model or args.work / ("model-tiny" if args.smoke else "model")
+    args.phases = [x for x in (args.phases or ("service,baseline,variants" if args.smoke else "service,baseline"))
+                   .split(",") if x]
+    if set(args.phases) - {"service", "engine", "baseline", "variants"}:
+        p.error(f"unknown phases in {args.phases}: use service, engine, baseline, variants")
+    args.variants = [x for x in args.variants.split(",") if x]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}: use {', '.join(VARIANTS)}")
+    # steady tok/s assumed when checking whether a phase fits the budget (H200 guesses; CPU runs are tiny)
+    args.expect_tok_s = {"service": 90_000, "engine": 90_000, "baseline": 36_000} if not args.smoke else \
+        {"service": 1e9, "engine": 1e9, "baseline": 1e9}
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Tuning runs for the fast engine on a GPU (issue 6): which decode-kernel launch configuration, and what compiling
+the decoder layers buys, measured as milliseconds per decode step and prefill seconds on G1-shaped rows.
+
+    python ops/bench/fast_tune.py --out ops/bench/results/fast-tune.json     # on the H200
+
+1. kernel: every (block, warps, stages) of CONFIGS at batch 1024 × context 384 and 512 (CUDA events, median);
+2. engine: 1024 G1 prompts (256 tokens) × `--new` tokens through `fastgen.Engine`, compiled and not; per-step
+   decode time = decode seconds / steps, prefill seconds, first-prefill and capture seconds (compile);
+3. profile: the top CUDA kernels of one eager decode step (no graph, not compiled), by total time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 2, 4)]
+
+
+def kernels(torch, da, out: dict) -> None:
+    sys.path.insert(0, str(ROOT / "ops" / "bench"))
+    from decode_kernel import timed
+
+    results = []
+    for ctx in (384, 512):
+        q = torch.randn(1024, 16, 128, device="cuda", dtype=torch.bfloat16)
+        cache = torch.randn(2, 1024, 8, 512, 128, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.full((1024,), ctx, device="cuda", dtype=torch.int32)
+        read = 2 * 1024 * 8 * ctx * 128 * 2
+        for block, warps, stages in CONFIGS:
+            da.CONFIG.update(block=block, warps=warps, stages=stages)
+            for splits in (1, 2):
+                try:
+                    ms = timed(torch, lambda s=splits: da._triton_decode(q, cache[0], cache[1], lengths, 0.088, s))
+                except Exception as exc:  # a config the compiler refuses (shared memory): reported
+                    results.append({"ctx": ctx, "config": [block, warps, stages], "splits": splits,
+                                    "error": str(exc)[:200]})
+                    continue
+                results.append({"ctx": ctx, "config": [block, warps, stages], "splits": splits, "ms": round(ms, 4),
+                                "tb_s": round(read / ms / 1e9, 2)})
+                print(results[-1], flush=True)
+    out["kernel"] = results
+    ok = [r for r in results if "ms" in r and r["ctx"] == 384]
+    best = min(ok, key=lambda r: r["ms"])
+    out["kernel_best_384"] = best
+    block, warps, stages = best["config"]
+    da.CONFIG.update(block=block, warps=warps, stages=stages)
+    print("best at 384:", best, flush=True)
+
+
+def engine_runs(torch, args, out: dict) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.spec import GenerateSpec
+    from worker import fastgen
+    from worker import generate as g
+    from worker.loader import Loaded
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map="cuda",
+                                                 attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    loaded = Loaded(model, tok, model.device, {})
+    import random
+
+    rng = random.Random(0)
+    ids = [[rng.randrange(1000, 100000) for _ in range(256)] for _ in range(1024)]
+    spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, max_new_tokens=args.new, engine="fast")
+    params = g.sampling_of(spec, None)
+    out["engine"] = []
+    for compiled in (False, True, True):
+        fastgen.release(model)
+        seqs = [fastgen.Seq(g.Prepared(i, params, ids[i]), 0) for i in range(1024)]
+        state = fastgen.state_for(model, loaded.device, 1024, 256 + args.new)
+        if not compiled:
+            state.compiled = None
+        eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=True, compiled=compiled)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            n = sum(len(s.tokens) for s in eng.run(seqs, lambda: False))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        stats: dict = {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0}
+        eng.record(stats)
+        row = {"compiled": compiled, "tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1),
+               "decode_ms_per_step": round(1000 * eng.decode_s / max(eng.steps, 1), 3), **stats}
+        out["engine"].append(row)
+        print(row, flush=True)
+        if compiled:
+            model.__dict__.pop("_gpujobs_fast", None)  # keep compiled wrappers? no: a fresh state each run
+    fastgen.release(model)
+
+    # 3. profile one eager decode step
+    state = fastgen.state_for(model, loaded.device, 1024, 512)
+    eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=False, compiled=False)
+    seqs = [fastgen.Seq(g.Prepared(i, params, ids[i]), 0, slot=i) for i in range(1024)]
+    with torch.inference_mode():
+        for start in range(0, 1024, 128):
+            eng.prefill(seqs[start : start + 128])
+        state.pos[:1024] += 128  # contexts of ~384 like G1's middle
+        eng._decode(1024, False)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng._decode(1024, False)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    print(table, flush=True)
+    out["profile_top"] = table
+
+
+def main() -> int:
+    import torch
+
+    from worker import decode_attention as da
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "fast-tune.json")
+    p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"))
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--skip", default="")
+    args = p.parse_args()
+    if not (args.model / "model.safetensors").exists():
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "worker.tinymodel", str(args.model), "--arch", "qwen3-0.6b"],
+                       check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for name, fn in (("kernel", lambda: kernels(torch, da, out)), ("engine", lambda: engine_runs(torch, args, out))):
+        if name in args.skip:
+            continue
+        try:
+            fn()
+        except Exception:
+            import traceback
+
+            out[f"{name}_error"] = traceback.format_exc()
+            print(out[f"{name}_error"], flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

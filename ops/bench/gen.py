@@ -1,0 +1,501 @@
+"""Generation workloads G1 and G2 (DESIGN.md, issue 6) on one GPU: the fast engine alone, through the whole service,
+its correctness, and plain-transformers baselines, all in one run so the ratios compare like with like.
+
+    python ops/bench/gen.py g1 --out ops/bench/results/g1.json     # on the H200, from the repo root
+    python ops/bench/gen.py g2 --out ops/bench/results/g2.json
+    python ops/bench/gen.py g1 --slow ...                          # also transformers' generate_batch defaults
+    python ops/bench/gen.py g1 --smoke --out /tmp/g1-smoke.json    # CPU: tiny model, a few rows, every step
+
+Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
+- G1: 1024 prompts × 256 input tokens, 256 output tokens each.
+- G2: 2048 prompts, input lengths uniform in 32–1024, outputs uniform in 16–512 (per-row `max_new_tokens`).
+
+Steps (each in its own time box; a step that would not fit is listed under `skipped`):
+1. In a child process (it releases the GPU before the service starts):
+   a. correctness, greedy: the fast engine vs plain `generate` on the tiny memorized model (96 rows);
+   b. engine: `worker.generate.generate(engine=fast)` over the workload's rows, twice: the first run pays the
+      Triton compile and CUDA-graph captures (reported as `cold`), the second is `engine.output_tok_s`;
+   c. correctness, logits: 64 of the workload's rows inside a batch of the engine's slot count, teacher-forced
+      along plain `generate`'s greedy tokens for 8 steps: per-step logits within a bf16 tolerance;
+   d. baselines: plain `generate` padded (batches of 256), and for G1 `generate(cache_implementation="static")`
+      at batch 1024 (transformers compiles it; compile time reported apart); `--slow`: `generate_batch` defaults.
+2. The service: `gpujobs up --gpus 0`, a warm-up job (loads the model, captures graphs), a small second job
+   (warm start: seconds from submit to its first committed row), then the workload as one job of one shard.
+   Throughput = Σ completion_tokens ÷ (last row committed − first shard started), read from SQL.
+
+The bound is computed from the dataset alone: Σ over rows and decode steps of the row's real context × the KV
+bytes per token (112 KiB for this model), plus the weight bytes once per decode step of a full batch of 1024, at
+4.3 TB/s (measured on the H200). Writes `{"g1": {...}}` (or g2) with `service.output_tok_s`, `engine.output_tok_s`,
+`baselines.*`, `bound_tok_s`, `correctness.*`, `ratios`, job ids, commit and device; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+_spec = importlib.util.spec_from_file_location("g1bench", Path(__file__).with_name("g1.py"))
+g1bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(g1bench)
+
+BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6)
+FULL_BATCH = 1024
+SEED = 0
+
+
+def log(message: str) -> None:
+    print(f"[gen {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --- workloads -----------------------------------------------------------------------------------------------
+
+
+def workload(name: str, tok, smoke: bool) -> list[tuple[str, int]]:
+    """(prompt text, max_new_tokens) per row; prompts are one-token words, so a prompt of n words is n tokens."""
+    rng = random.Random(SEED)
+    words = g1bench.one_token_words(tok)
+    if name == "g1":
+        n, lengths = (24, [(16, 16)]) if smoke else (1024, [(256, 256)])
+        return [("".join(rng.choice(words) for _ in range(i)), o) for i, o in lengths * n]
+    n, (lo_in, hi_in), (lo_out, hi_out) = (32, (4, 40), (2, 24)) if smoke else (2048, (32, 1024), (16, 512))
+    return [("".join(rng.choice(words) for _ in range(rng.randint(lo_in, hi_in))), rng.randint(lo_out, hi_out))
+            for _ in range(n)]
+
+
+def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
+    """The bandwidth bound of `rows` = [(prompt tokens, output tokens)] for this model config."""
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    params = _param_count(config)
+    kv = sum(per_token * (p * o + o * (o - 1) // 2) for p, o in rows)  # contexts p, p+1, …, p+o-1
+    outputs = sum(o for _, o in rows)
+    steps = outputs / min(len(rows), FULL_BATCH)
+    weights = params * dtype_bytes * steps
+    seconds = (kv + weights) / BANDWIDTH
+    return {"bound_tok_s": round(outputs / seconds, 1), "kv_bytes": kv, "weight_bytes": weights,
+            "kv_bytes_per_token": per_token, "params": params, "output_tokens": outputs,
+            "definition": "sum over rows and steps of context x KV bytes/token, plus weights once per step of a "
+                          f"full batch of {FULL_BATCH}, at {BANDWIDTH / 1e12} TB/s"}
+
+
+def _param_count(config) -> int:
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * head_dim
+    embed = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return layers * per_layer + embed + h
+
+
+# --- in-process steps (child) -------------------------------------------------------------------------------
+
+
+def run_inproc(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.spec import GenerateSpec
+    from worker import fastgen
+    from worker import generate as engine
+    from worker.loader import Loaded
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    deadline = time.monotonic() + args.budget_s
+    out: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
+                 "transformers": transformers.__version__, "engine": {}, "baselines": {}, "correctness": {},
+                 "errors": {}, "skipped": []}
+
+    def save() -> None:
+        Path(args.child_out).write_text(json.dumps(out, indent=2, default=str))
+
+    def load(path: Path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
+                                                     attn_implementation="sdpa").eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.padding_side = "left"
+        return model, tok
+
+    def step(name: str, estimate: float, fn) -> None:
+        left = deadline - time.monotonic()
+        if left < estimate:
+            out["skipped"].append(f"{name} (estimated {estimate:.0f} s, {left:.0f} s left)")
+            log(f"skipped {name}")
+            return
+        try:
+            fn()
+        except Exception as exc:  # a failed step is reported; the others still run
+            import traceback
+
+            out["errors"][name] = f"{type(exc).__name__}: {exc}"
+            log(f"{name} failed: {traceback.format_exc()}")
+        save()
+
+    # a. greedy outputs on the memorized model: fast engine vs plain generate
+    def greedy() -> None:
+        qa = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line]
+        model, tok = load(args.qa_model)
+        rows = [(i, {"prompt": d["question"], "params": {}}) for i, d in enumerate(qa * 16)]
+        enc = tok.pad({"input_ids": [tok(r["prompt"])["input_ids"] for _, r in rows]}, padding=True,
+                      return_tensors="pt").to(device)
+        with torch.inference_mode():
+            y = model.generate(**enc, max_new_tokens=16, do_sample=False, temperature=None, top_p=None,
+                               top_k=None, pad_token_id=tok.pad_token_id)
+        eos = tok.eos_token_id
+        want = [tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True)
+                for t in y[:, enc["input_ids"].shape[1]:].tolist()]
+        spec = GenerateSpec(model=str(args.qa_model), input="x", max_new_tokens=16, engine="fast")
+        info: dict = {}
+        got = {r.idx: r.output for b in engine.generate(Loaded(model, tok, model.device, {}), spec, rows,
+                                                         batch_rows=len(rows), info=info) for r in b}
+        equal = sum(got[i] == want[i] for i in range(len(rows)))
+        out["correctness"]["greedy_fast_vs_generate"] = {
+            "rows": len(rows), "equal": equal, "share": round(equal / len(rows), 4),
+            "passed": equal >= 0.99 * len(rows), "engine": info}
+        log(f"greedy fast engine vs generate: {equal}/{len(rows)} equal")
+
+    step("greedy", 30, greedy)
+
+    model, tok = load(args.model)
+    model.generation_config.eos_token_id = None  # EOS off for the baselines (ours passes ignore_eos)
+    loaded = Loaded(model, tok, model.device, {})
+    data = workload(args.workload, tok, args.smoke)
+    out["bound"] = bound(model.config, [(len(tok(p)["input_ids"]), o) for p, o in data])
+    rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(data)]
+    spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, engine="fast")
+
+    # b. the engine alone, cold then warm
+    def engine_runs() -> None:
+        for name in ("cold", "warm"):
+            info: dict = {}
+            g1bench._reset_peak(torch)
+            g1bench._sync(torch)
+            t = time.perf_counter()
+            tokens = sum(r.completion_tokens or 0 for b in engine.generate(loaded, spec, rows, batch_rows=256,
+                                                                           info=info) for r in b)
+            g1bench._sync(torch)
+            seconds = time.perf_counter() - t
+            out["engine"][name] = {"rows": len(rows), "output_tokens": tokens, "seconds": round(seconds, 3),
+                                   "output_tok_s": round(tokens / seconds, 1), "peak_memory_bytes":
+                                   g1bench._peak(torch), "info": info}
+            log(f"engine fast ({name}): {tokens / seconds:,.0f} output tok/s, {seconds:.2f} s, "
+                f"{info.get('fast', {}).get('steps')} steps, capture {info.get('fast', {}).get('capture_s')} s")
+        out["engine"]["output_tok_s"] = out["engine"]["warm"]["output_tok_s"]
+
+    step("engine", 40, engine_runs)
+
+    # c. per-step logits of 64 rows inside a full batch, teacher-forced along plain generate's tokens
+    def logits() -> None:
+        out["correctness"]["logits_fast_vs_generate"] = _logits_check(torch, fastgen, loaded, rows, device, dtype)
+        c = out["correctness"]["logits_fast_vs_generate"]
+        log(f"logits fast vs generate: max |diff| {c['max_abs_diff']:.4f} (|logit| up to {c['max_abs_logit']:.1f}, "
+            f"tolerance {c['tolerance']:.3f}) over {c['steps']} steps at batch {c['batch']}; passed {c['passed']}")
+
+    step("logits", 20, logits)
+    fastgen.release(model)
+
+    # d. baselines
+    ids = [tok(p)["input_ids"] for p, _ in data]
+
+    def padded() -> None:
+        n = min(len(ids), args.padded_rows)
+        order = sorted(range(n), key=lambda i: len(ids[i]))
+        useful, t = 0, time.perf_counter()
+        for start in range(0, n, args.padded_batch):
+            part = order[start : start + args.padded_batch]
+            new = max(data[i][1] for i in part)
+            enc = tok.pad({"input_ids": [ids[i] for i in part]}, padding=True, return_tensors="pt").to(device)
+            with torch.inference_mode():
+                model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, temperature=None,
+                               top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+            useful += sum(data[i][1] for i in part)
+        g1bench._sync(torch)
+        seconds = time.perf_counter() - t
+        out["baselines"][f"generate_padded_{args.padded_batch}"] = {
+            "rows": n, "output_tokens": useful, "seconds": round(seconds, 3), "output_tok_s": round(useful / seconds, 1),
+            "note": "rows sorted by prompt length, each call runs to its longest max_new_tokens; only each row's "
+                    "own max_new_tokens count"}
+        log(f"baseline padded generate: {useful / seconds:,.0f} output tok/s ({n} rows)")
+
+    step("baseline_padded", 20 if args.smoke else 60, padded)
+
+    def static() -> None:
+        n = min(len(ids), FULL_BATCH)
+        same = dict(cache_implementation="static", max_cache_len=max(len(i) for i in ids[:n]) + data[0][1])
+        enc = tok.pad({"input_ids": ids[:n]}, padding=True, return_tensors="pt").to(device)
+        common = dict(do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=4, **common, **same)
+        g1bench._sync(torch)
+        compile_s = time.perf_counter() - t
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=data[0][1], min_new_tokens=data[0][1], **common, **same)
+        g1bench._sync(torch)
+        seconds = time.perf_counter() - t
+        tokens = n * data[0][1]
+        out["baselines"]["static_generate_1024"] = {
+            "rows": n, "output_tokens": tokens, "compile_s": round(compile_s, 3), "seconds": round(seconds, 3),
+            "output_tok_s": round(tokens / seconds, 1), "attn_implementation": "sdpa",
+            "note": "compile_s: a 4-token call at the same batch and cache length (transformers compiles it)"}
+        log(f"baseline static-cache generate: {tokens / seconds:,.0f} output tok/s (compile {compile_s:.1f} s)")
+
+    if args.workload == "g1":
+        step("baseline_static", 30 if args.smoke else 150, static)
+
+    def slow() -> None:
+        n = min(len(ids), args.slow_rows)
+        with torch.inference_mode():
+            g1bench._sync(torch)
+            t = time.perf_counter()
+            model.generate_batch(inputs=ids[:n], generation_config=transformers.GenerationConfig(
+                max_new_tokens=data[0][1], min_new_tokens=data[0][1], do_sample=False, eos_token_id=-1))
+            g1bench._sync(torch)
+        seconds = time.perf_counter() - t
+        tokens = sum(o for _, o in data[:n])
+        out["baselines"]["generate_batch_defaults"] = {"rows": n, "output_tokens": tokens, "seconds":
+                                                       round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
+        log(f"baseline generate_batch defaults: {tokens / seconds:,.0f} output tok/s ({n} rows)")
+
+    if args.slow:
+        step("baseline_generate_batch", 150, slow)
+    save()
+    return 0
+
+
+def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, steps: int = 8) -> dict:
+    """Per-step logits of `n` rows: plain `generate` (sdpa, dynamic cache) vs the fast engine at a full batch of
+    the engine's slot count (the other slots hold further rows of the workload), teacher-forced along plain
+    generate's greedy tokens so both see the same inputs at every step."""
+    model, tok = loaded.model, loaded.tokenizer
+    ids = [tok(r["prompt"])["input_ids"] for _, r in rows]
+    slots, max_len = fastgen.plan(model, loaded.device, len(rows), max(len(i) for i in ids) + steps + 2,
+                                  model.get_output_embeddings().weight.shape[0])
+    n = min(n, slots)
+    enc = tok.pad({"input_ids": ids[:n]}, padding=True, return_tensors="pt").to(device)
+    with torch.inference_mode():
+        want = model.generate(**enc, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
+                              temperature=None, top_p=None, top_k=None, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    forced = want.sequences[:, enc["input_ids"].shape[1]:]  # (n, steps + 1)
+    from worker.generate import Prepared
+
+    state = fastgen.state_for(model, loaded.device, slots, max_len)
+    eng = fastgen.Engine(loaded, state, set(), slots=slots, graphs=False)
+    params = {"max_new_tokens": steps + 2, "do_sample": False, "temperature": None, "ignore_eos": True}
+    seqs = [fastgen.Seq(Prepared(i, params, ids[i]), 0, slot=i) for i in range(min(slots, len(rows)))]
+    state.active.zero_()
+    diffs, scale, agree = [], 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(seqs), 128):
+            first = eng.prefill(seqs[start : start + 128])
+            if start == 0:
+                agree += int((first[:n] == forced[:, 0]).sum())
+        batch = len(seqs)
+        for k in range(steps):
+            state.tok[:n] = forced[:, k]
+            got = eng.logits(batch)[:n]
+            ref = want.logits[k + 1].float()
+            diffs.append((got - ref).abs().amax().item())
+            scale = max(scale, ref.abs().amax().item())
+            agree += int((got.argmax(-1) == forced[:, k + 1]).sum())
+            state.pos[:batch] += state.active[:batch]
+    fastgen.release(model)
+    tol = 0.05 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-3 * max(scale, 1.0)
+    return {"rows": n, "batch": batch, "steps": steps, "max_abs_diff": max(diffs), "per_step_max_abs_diff":
+            [round(d, 4) for d in diffs], "max_abs_logit": scale, "tolerance": tol,
+            "greedy_tokens_equal": agree, "of_tokens": n * (steps + 1), "passed": max(diffs) <= tol}
+
+
+# --- the service ---------------------------------------------------------------------------------------------
+
+
+def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
+    from transformers import AutoTokenizer
+
+    from api.client import Client
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    data = workload(args.workload, tok, args.smoke)
+    main = work / f"{args.workload}.jsonl"
+    main.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"}) + "\n"
+                            for i, (p, o) in enumerate(data)))
+    small = work / "small.jsonl"
+    small.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 16}) + "\n" for p, _ in data[:16]))
+    t = time.monotonic()
+    up = subprocess.run([sys.executable, "-m", "api", "up", "--detach", "--gpus", args.up_gpus, "--port",
+                         str(args.port)], capture_output=True, text=True)
+    if up.returncode != 0:
+        raise RuntimeError(f"gpujobs up failed: {up.stderr[-2000:]}")
+    report["up_s"] = round(time.monotonic() - t, 2)
+    try:
+        client = Client()
+        base = {"model": str(args.model), "ignore_eos": True, "batch_rows": args.batch_rows,
+                "shard_rows": len(data), "gpus": args.spec_gpus}
+        small_id = client.upload(small)["id"]
+        for name in ("warm_up", "warm_start"):
+            t = time.monotonic()
+            job = client.submit({**base, "input": small_id, "max_new_tokens": 16, "name": name})
+            job = client.wait(job["id"], poll=0.2, timeout=300)
+            numbers = g1bench._sql_numbers(job["id"])
+            first = min(numbers["commit_times_s"]) if numbers["commit_times_s"] else None
+            report[name] = {"id": job["id"], "state": job["state"], "wall_s": round(time.monotonic() - t, 2),
+                            "first_row_after_shard_start_s": first, "engine": (job.get("load_options") or {})
+                            .get("engine"), "error": job["error"]}
+            log(f"{name} job {job['state']} in {report[name]['wall_s']} s (first row {first} s after its shard "
+                "started)")
+            if job["state"] != "succeeded":
+                raise RuntimeError(f"{name} job {job['state']}: {job['error']}")
+        job = client.submit({**base, "input": client.upload(main)["id"], "name": args.workload})
+        log(f"{args.workload} job {job['id']} submitted")
+        job = client.wait(job["id"], poll=0.5, timeout=max(60, args.service_s - 60))
+        report["job"] = {k: job.get(k) for k in ("id", "state", "error", "tokens", "metrics", "load_options")}
+        report.update(g1bench._sql_numbers(job["id"]))
+        log(f"service: {report.get('output_tok_s')} output tok/s over {report.get('window_s')} s")
+    finally:
+        subprocess.run([sys.executable, "-m", "api", "down"], capture_output=True, text=True)
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+
+def ratios(r: dict) -> dict:
+    out = {}
+    service, engine = r["service"].get("output_tok_s"), r["engine"].get("output_tok_s")
+    bound_tok_s = r.get("bound_tok_s")
+    best = max((b.get("output_tok_s") or 0 for b in r["baselines"].values()), default=0)
+    for name, value in (("service", service), ("engine", engine)):
+        if value and bound_tok_s:
+            out[f"{name}/bound"] = round(value / bound_tok_s, 4)
+        if value and best:
+            out[f"{name}/best_baseline"] = round(value / best, 2)
+        for base, b in r["baselines"].items():
+            if value and b.get("output_tok_s"):
+                out[f"{name}/{base}"] = round(value / b["output_tok_s"], 2)
+    if service and engine:
+        out["service_overhead"] = round(1 - service / engine, 4)
+    checks = r["correctness"].values()
+    out["correctness_passed"] = bool(checks) and all(c.get("passed") for c in checks)
+    return out
+
+
+def print_table(name: str, r: dict) -> None:
+    print(f"\n{name.upper()} on {r.get('device')}: {r['workload']}; torch {r.get('torch')}, transformers "
+          f"{r.get('transformers')}; commit {r.get('commit')}")
+    print(f"{'':44}{'tok/s':>10}{'peak GiB':>10}{'compile s':>11}")
+    lines = [("ours: service (fast engine, SQL)", r["service"].get("output_tok_s"), None, None),
+             ("ours: engine alone (warm)", r["engine"].get("output_tok_s"),
+              r["engine"].get("warm", {}).get("peak_memory_bytes"), None),
+             ("ours: engine alone (cold)", r["engine"].get("cold", {}).get("output_tok_s"), None,
+              r["engine"].get("cold", {}).get("info", {}).get("fast", {}).get("capture_s"))]
+    lines += [(f"baseline: {k}", b.get("output_tok_s"), None, b.get("compile_s")) for k, b in r["baselines"].items()]
+    lines.append(("bound (from the dataset)", r.get("bound_tok_s"), None, None))
+    for label, tps, peak, comp in lines:
+        print(f"{label:44}{(f'{tps:,.0f}' if tps else '-'):>10}{(f'{peak / 2**30:.1f}' if peak else ''):>10}"
+              f"{(f'{comp:.1f}' if comp else ''):>11}")
+    for k, v in r["ratios"].items():
+        print(f"  {k} = {v}")
+    for k, c in r["correctness"].items():
+        print(f"  correctness {k}: passed {c.get('passed')}")
+    if r["skipped"] or r["errors"]:
+        print(f"skipped: {r['skipped']}\nerrors: {r['errors']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("workload", choices=["g1", "g2"])
+    p.add_argument("--out", type=Path, default=None, help="default: ops/bench/results/<workload>.json")
+    p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"), help="built there if missing")
+    p.add_argument("--qa-model", type=Path, default=Path("/tmp/g1-qa-model"), help="built there if missing")
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, a few rows")
+    p.add_argument("--slow", action="store_true", help="also transformers' generate_batch with its defaults")
+    p.add_argument("--slow-rows", type=int, default=256)
+    p.add_argument("--padded-batch", type=int, default=256)
+    p.add_argument("--padded-rows", type=int, default=512, help="rows of the padded-generate baseline")
+    p.add_argument("--batch-rows", type=int, default=256, help="service: rows per micro-batch commit")
+    p.add_argument("--inproc-s", type=float, default=330, help="time box of step 1 (the child process)")
+    p.add_argument("--service-s", type=float, default=150, help="time box of step 2")
+    p.add_argument("--skip", default="", help="comma list of inproc,service")
+    p.add_argument("--up-gpus", default="0")
+    p.add_argument("--spec-gpus", type=int, default=1)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--work", type=Path, default=Path("/tmp/gen-work"))
+    p.add_argument("--phase", default="main", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--budget-s", type=float, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.phase == "inproc":
+        return run_inproc(args)
+    args.out = args.out or ROOT / "ops" / "bench" / "results" / f"{args.workload}.json"
+    if args.smoke and args.up_gpus == "0":
+        args.up_gpus, args.spec_gpus = "none", 0
+    skip = set(args.skip.split(",")) - {""}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    for path, extra in ((args.model, ["--arch", "tiny" if args.smoke else "qwen3-0.6b"]),
+                        (args.qa_model, ["--qa", str(ROOT / "examples" / "qa.jsonl")])):
+        if not (path / "model.safetensors").exists():
+            extra = ["--steps", "1"] if extra == ["--arch", "tiny"] else extra
+            subprocess.run([sys.executable, "-m", "worker.tinymodel", str(path), *extra], check=True,
+                           stdout=subprocess.DEVNULL, cwd=ROOT)
+    r: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **g1bench.commit_info(),
+               "workload": args.workload, "engine": {}, "baselines": {}, "correctness": {}, "service": {},
+               "skipped": [], "errors": {}, "model_build_s": round(time.monotonic() - t0, 1)}
+
+    def save() -> None:
+        args.out.write_text(json.dumps({args.workload: r}, indent=2, default=str))
+
+    if "inproc" not in skip:
+        child_out = args.work / "child.json"
+        child_out.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), args.workload, "--phase", "inproc", "--child-out",
+               str(child_out), "--model", str(args.model), "--qa-model", str(args.qa_model), "--budget-s",
+               str(args.inproc_s - 10), "--padded-batch", str(args.padded_batch), "--padded-rows",
+               str(args.padded_rows), "--slow-rows", str(args.slow_rows)] + ["--smoke"] * args.smoke + \
+            ["--slow"] * args.slow
+        try:
+            rc = subprocess.run(cmd, timeout=args.inproc_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        child = json.loads(child_out.read_text()) if child_out.exists() else {}
+        if rc != 0:
+            r["errors"]["inproc"] = f"exit {rc}"
+        for key in ("device", "torch", "transformers", "engine", "baselines", "correctness"):
+            r[key] = child.get(key, r.get(key))
+        r["errors"].update(child.get("errors", {}))
+        r["skipped"] += child.get("skipped", [])
+        if "bound" in child:
+            r["bound"] = child["bound"]
+            r["bound_tok_s"] = child["bound"]["bound_tok_s"]
+        save()
+    if "service" not in skip:
+        try:
+            run_service(args, args.work, r["service"])
+        except Exception as exc:
+            r["errors"]["service"] = f"{type(exc).__name__}: {exc}"
+            log(f"service failed: {exc!r}")
+    r["ratios"] = ratios(r)
+    r["total_s"] = round(time.monotonic() - t0, 1)
+    save()
+    print_table(args.workload, r)
+    log(f"wrote {args.out}")
+    return 0 if not r["errors"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The fine-tune speed levers keep the numbers of plain training (CPU; the speed itself is measured by
+ops/bench/f1.py): the chunked cross-entropy equals the plain one with its gradients, packed rows never attend to each
+other (a packed batch's loss is its rows' losses run one by one, through both the mask and the varlen attention),
+gradient accumulation weighs every token alike, and explicit levers a worker cannot run are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.capability import missing
+from core.errors import InvalidInput
+from core.spec import FinetuneSpec, LoadOptions, parse_spec
+from worker import finetune, linear_ce, packed_attention
+
+
+def spec(**extra) -> FinetuneSpec:
+    return FinetuneSpec(**{"model": "m", "input": "file_x", **extra})
+
+
+@pytest.fixture(scope="module")
+def tok(base_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base_model)
+
+
+def test_chunked_cross_entropy_equals_the_plain_loss_and_its_gradients(monkeypatch):
+    """Several chunks, ignored targets, a trainable lm_head weight: loss, d/d(hidden), d/d(weight) as the plain one."""
+    monkeypatch.setattr(linear_ce, "CHUNK_BYTES", 4 * 700 * 128)  # 128 rows a chunk: 150 rows → 2 chunks
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 50, 32, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(700, 32, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 700, (3, 50), generator=gen)
+    labels[0, :7] = linear_ce.IGNORE
+    labels[2, 40:] = linear_ce.IGNORE
+    assert linear_ce.chunk_rows(700) == 128
+    total, count = linear_ce.causal_lm_loss(hidden, weight, labels)
+    grads = torch.autograd.grad(total / count, (hidden, weight))
+    want = linear_ce.reference_loss(hidden, weight, labels)
+    grads_want = torch.autograd.grad(want / count, (hidden, weight))
+    assert count == (labels[:, 1:] != linear_ce.IGNORE).sum()
+    assert torch.allclose(total.double(), want, rtol=1e-6)
+    for got, expected in zip(grads, grads_want):
+        assert torch.allclose(got, expected, atol=1e-7)
+
+
+def test_pack_keeps_rows_whole_best_fit_and_pads_every_block_with_its_own_positions(tok):
+    rows = [(i, {"text": " ".join(["the sky is blue"] * (i % 6 + 1))}) for i in range(1, 30)]
+    rows.append((30, {"text": "the sky is blue " * 30}))  # longer than a block: cut into pieces, never refused
+    examples, _ = finetune.build_examples(tok, rows, spec(packing=True, max_seq_length=40))
+    blocks = finetune.pack(examples, 40, tok.pad_token_id)
+    lengths = sorted(len(e.input_ids) for e in examples if len(e.input_ids) <= 40)
+    pieces = sorted(n for b in blocks for n in b.segments[:len(b.segments) - (b.real_tokens < 40)])
+    assert all(len(b.input_ids) == len(b.position_ids) == len(b.labels) == 40 for b in blocks)
+    assert sum(b.real_tokens for b in blocks) == sum(len(e.input_ids) for e in examples)
+    assert all(n in pieces for n in lengths)  # every row that fits a block is one whole segment
+    for b in blocks:
+        start = 0
+        for n in b.segments:
+            assert b.position_ids[start:start + n] == list(range(n))  # positions restart at every row
+            assert b.labels[start] == finetune.IGNORE  # a row's first token is never a target
+            start += n
+    assert len(blocks) <= -(-sum(b.real_tokens for b in blocks) // 40) + 1  # best fit: one block more at most
+
+
+@pytest.mark.parametrize("attention", ["mask", "varlen"])
+def test_a_packed_batch_loss_is_its_rows_losses_run_one_by_one(tok, base_model, attention):
+    """No row attends to another: through transformers' block-diagonal mask and through packed_varlen (whose CPU
+    path runs SDPA row by row) the loss of a packed batch equals the sum of each row's loss run alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).eval()
+    rows = [(i, {"prompt": f"Q{i}?", "completion": " ".join(["the sky is blue"] * (i % 4 + 1))}) for i in range(1, 14)]
+    examples, _ = finetune.build_examples(tok, rows, spec(packing=True, max_seq_length=48))
+    blocks = finetune.pack(examples, 48, tok.pad_token_id)
+    assert any(len(b.segments) > 2 for b in blocks)
+    if attention == "varlen":
+        model.set_attn_implementation(packed_attention.register())
+    batch = finetune._collate_packed(attention == "varlen")([finetune._Dataset(blocks)[i] for i in range(len(blocks))])
+    labels = batch.pop("labels")
+    with torch.no_grad():
+        hidden = model.get_decoder()(**batch, use_cache=False).last_hidden_state
+        total, count = linear_ce.causal_lm_loss(hidden, model.get_output_embeddings().weight, labels)
+    model.set_attn_implementation("sdpa")
+    alone, targets = 0.0, 0
+    with torch.no_grad():
+        for b in blocks:
+            start = 0
+            for n in b.segments:
+                ids, lab = (torch.tensor([x[start:start + n]]) for x in (b.input_ids, b.labels))
+                k = int((lab[:, 1:] != finetune.IGNORE).sum())
+                if k:
+                    alone += model(input_ids=ids, labels=lab, use_cache=False).loss.item() * k
+                    targets += k
+                start += n
+    assert count == targets
+    assert abs(total.item() - alone) <= 1e-4 * alone
+
+
+def test_gradient_accumulation_trains_like_one_big_batch_and_records_the_levers(tmp_path, base_model):
+    """4 rows × 1 step and 2 rows × 2 accumulated micro-batches give the same losses (each token weighs alike:
+    the loss is divided by the whole step's target count), and the job's metrics say which levers ran."""
+    rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} " + "the sky is blue " * (i % 3)}) for i in range(1, 40)]
+    curves, results = [], []
+    for batch, accumulate in ((4, 1), (2, 2)):
+        logs: list[dict] = []
+        results.append(finetune.finetune(
+            LoadOptions(model=str(base_model)),
+            spec(model=str(base_model), packing=True, max_seq_length=48, max_steps=3, batch_size=batch,
+                 gradient_accumulation=accumulate, learning_rate=1e-2, lora_dropout=0.0, lr_scheduler="constant"),
+            rows, tmp_path / f"b{batch}", on_log=logs.append))
+        curves.append([r["loss"] for r in logs if "loss" in r])
+    assert len(curves[0]) == 3 and curves[0] == pytest.approx(curves[1], rel=1e-4)
+    speed = results[0].metrics["speed"]
+    assert speed["loss"] == "chunked" and speed["packed_attention"] == "mask" and speed["compile"] is False
+    assert 0.5 < speed["fill"] <= 1 and not results[0].stopped
+
+
+def test_levers_a_worker_cannot_run_are_refused_at_submit_and_before_training(base_model):
+    cpu = {"cuda_available": False, "versions": {"peft": "0.21", "liger-kernel": None}, "varlen_attention": False}
+    gpu = {"cuda_available": True, "versions": {"peft": "0.21", "liger-kernel": "0.8.5"}, "varlen_attention": True}
+    asked = spec(liger="on", packing=True, packed_attention="varlen")
+    problems = missing(asked, cpu, 0)
+    assert any("liger=on needs the liger-kernel package and a GPU" in p for p in problems)
+    assert any("packed_attention=varlen needs a GPU" in p for p in problems)
+    assert missing(asked, gpu, 1) == [] and missing(spec(), cpu, 0) == []
+    with pytest.raises(InvalidInput, match="packed_attention varlen applies to packed rows"):
+        parse_spec({"kind": "finetune", "model": "m", "input": "f", "packed_attention": "varlen"})
+    assert parse_spec({"kind": "finetune", "model": "m", "input": "f", "liger": False, "compile": True}).compile == "on"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    with pytest.raises(InvalidInput, match="liger=on cannot run: liger-kernel runs on CUDA only"):
+        finetune.choose_speed(spec(liger="on"), torch.device("cpu"), model)
+    with pytest.raises(InvalidInput, match="packed_attention=varlen cannot run: the varlen kernel runs on CUDA"):
+        finetune.choose_speed(spec(packing=True, packed_attention="varlen"), torch.device("cpu"), model)
+    auto = finetune.choose_speed(spec(packing=True), torch.device("cpu"), model)
+    assert (auto.loss, auto.packed_attention, auto.compile, auto.notes) == ("chunked", "mask", False, [])
+
+
+@pytest.mark.slow
+def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_for_step(tmp_path):
+    """ops/bench/f1.py --smoke (CPU, tiny model): a fine-tune job through a real stack, the plain PEFT baseline on
+    the same blocks in the Trainer's order, and a variant; on the CPU both compute the same function in fp32, so the
+    loss curves agree to rounding from the first step (same data, same LoRA init, same masking)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.embedded import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "f1.json"
+    env = {**os.environ, "JOBS_HOME": str(tmp_path / "jobs-home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(root / "ops" / "bench" / "f1.py"), "--smoke", "--work", str(tmp_path),
+                           "--out", str(out), "--port", str(free_port())], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=400, check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]  # ran; the H200 targets are not met on a CPU
+    f1 = json.loads(out.read_text())["f1"]
+    assert f1["service"]["state"] == "succeeded" and f1["service"]["steps_logged"] == 12
+    assert f1["service"]["speed"]["loss"] == "chunked" and f1["service"]["speed"]["packed_attention"] == "mask"
+    assert f1["baseline"]["steps_logged"] == 12 and f1["variants"]["auto"]["steps_logged"] == 4
+    assert f1["loss_agreement"]["passed"] and f1["loss_agreement"]["max_rel_diff"] <= 1e-4
+    assert f1["loss_agreement"]["steps_compared"] == 12

@@ -1,0 +1,104 @@
+"""One rank of a distributed fine-tune: `python -m worker.finetune_dist RUN_DIR`, started by torchrun (never by
+hand: worker/distributed.py launches it and documents the run folder's files).
+
+Every rank runs the same `worker.finetune.finetune()` on the same rows (the Trainer's sampler gives each rank its
+part); rank 0 alone reports progress and writes the result. A rank that raises writes its error for the parent, then
+exits non-zero, which makes torchrun end the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from core.errors import InvalidInput
+from core.spec import FinetuneSpec, LoadOptions
+from worker import faults
+from worker.distributed import die_with_parent
+
+log = logging.getLogger("worker.finetune_dist")
+
+
+def synced_stop(stop_file: Path, device, rank: int) -> Callable[[], bool]:
+    """True on every rank at the same step once the parent created `stop_file`: the ranks' answers are all-reduced
+    (MAX), so no rank leaves a collective that the others still wait in. Called at each step's end on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    decided = False
+
+    def should_stop() -> bool:
+        nonlocal decided
+        if decided:
+            return True
+        faults.hit(f"rank{rank}_step")
+        flag = torch.tensor([1.0 if stop_file.exists() else 0.0], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        decided = bool(flag.item())
+        return decided
+
+    return should_stop
+
+
+def progress_writer(path: Path, world: int) -> Callable[[dict[str, Any]], None]:
+    def write(record: dict[str, Any]) -> None:
+        with open(path, "a") as f:  # one complete line per write: the parent reads only whole lines
+            f.write(json.dumps({**record, "rank": 0, "world_size": world}) + "\n")
+    return write
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def train(run_dir: Path, rank: int, local_rank: int, world: int) -> dict[str, Any]:
+    import torch
+
+    from worker import finetune
+
+    request = json.loads((run_dir / "request.json").read_text())
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.set_device(local_rank)  # rank r trains on cuda:r of the slice
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    result = finetune.finetune(
+        LoadOptions.model_validate(request["base"]), FinetuneSpec.model_validate(request["spec"]),
+        [(line, row) for line, row in request["rows"]], Path(request["workdir"]), gpus=1 if on_gpu else 0,
+        should_stop=synced_stop(run_dir / "stop", device, rank),
+        on_log=progress_writer(run_dir / "progress.jsonl", world) if rank == 0 else lambda record: None,
+        strategy=request["strategy"])
+    return {"adapter_dir": str(result.adapter_dir), "metrics": result.metrics, "resumed_from": result.resumed_from,
+            "stopped": result.stopped, "lora_config": result.lora_config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent(signal.SIGKILL)  # torchrun gone: nothing may go on writing checkpoints
+    run_dir = Path((argv if argv is not None else sys.argv[1:])[0])
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s %(levelname)s %(message)s")
+    try:
+        result = train(run_dir, rank, local_rank, world)
+    except BaseException as exc:
+        write_json(run_dir / f"error-rank{rank}.json", {
+            "rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+            "invalid_input": isinstance(exc, InvalidInput), "traceback": traceback.format_exc()})
+        raise
+    if rank == 0:
+        write_json(run_dir / "result.json", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
