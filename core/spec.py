@@ -127,10 +127,10 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}")
     engine: Literal["auto", "fast", "padded", "static", "continuous"] = Field(
         "auto", description="fast: continuous batching over a slot KV cache with a Triton decode attention and "
-        "CUDA graphs (worker/fastgen.py); padded: batched model.generate; static: model.generate with a static KV cache, "
-        "compiled on CUDA, fixed shapes (batch_rows slots, bucketed cache length); continuous: transformers "
-        "continuous batching (generate_batch's engine); auto: fast on CUDA where it applies, else padded (docs/design.md "
-        "'Generation engines')"
+        "CUDA graphs (worker/fastgen.py); padded: batched model.generate; static: model.generate with a static KV "
+        "cache, compiled on CUDA, fixed shapes (batch_rows slots, bucketed cache length); continuous: transformers "
+        "continuous batching (generate_batch's engine); auto: fast on CUDA where it applies, else padded "
+        "(docs/design.md 'Generation engines')"
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="continuous engine: CUDA graphs")
     async_batching: Literal["auto", "on", "off"] = Field(

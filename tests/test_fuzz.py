@@ -47,8 +47,9 @@ def seeded(any_jobs_env, tiny_model) -> dict[str, Any]:
 
 # The body of POST /jobs is a free-form object in the schema (the spec is checked by our own code, for our own
 # messages), so generated bodies rarely name a spec field: half the time, a valid spec gets odd values for some of
-# its real fields instead.
-ODD = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=40),
+# its real fields instead (JSON has no NaN or infinity: a client cannot send them).
+ODD = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+                st.text(max_size=40),
                 st.sampled_from(["/", ".", "..", "/dev/null", "file_", "org/name", "a\x00b", "~/x"]),
                 st.lists(st.text(max_size=5), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
 SPEC_OVERRIDES = st.dictionaries(st.sampled_from(sorted(GenerateSpec.model_fields)), ODD, max_size=3)

@@ -63,6 +63,7 @@ COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
 
 _step: _Step | None = None  # what the attention function reads during a forward of this engine
+_registered = None  # fast_attention as registered (wrapped by torch.compiler.disable)
 
 
 @dataclass
@@ -73,7 +74,6 @@ class _Step:
     splits: int = 1
 
 
-@torch.compiler.disable
 def fast_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                    **kwargs) -> tuple[torch.Tensor, None]:
@@ -106,7 +106,12 @@ def register() -> str:
     builds no mask at all, which this attention does not need)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, fast_attention)
+    # left out of the compiled layers (COMPILE) as an opaque call; wrapped here, not at import, because
+    # torch.compiler.disable imports torch._dynamo (1.3 s), which a worker that never runs this engine need not pay
+    global _registered
+    if _registered is None:  # once: compiled layers guard on the function object they call
+        _registered = torch.compiler.disable(fast_attention)
+        AttentionInterface.register(NAME, _registered)
     return NAME
 
 
@@ -126,6 +131,8 @@ def model_problem(model) -> str | None:
         return "engine fast supports full-attention models only (this one has sliding-window layers)"
     if getattr(model, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
         return "engine fast runs decoder-only models"
+    if any(getattr(text, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale")):
+        return "engine fast applies the output layer alone (this model post-processes its logits): use engine padded"
     return None
 
 
@@ -161,6 +168,8 @@ class SlotState:
     pool: Any = None
     capture_s: float = 0.0
     compiled: list | None = None  # one torch.compile wrapper per decoder layer (see COMPILE)
+    eos: tuple[int, ...] | None = None  # the EOS ids the captured graphs mask (`eos_index`, on the device)
+    eos_index: torch.Tensor | None = None
     first_prefill_s: float | None = None  # the first prefill of this state: with COMPILE, mostly compiling
 
     @property
@@ -273,11 +282,16 @@ class Engine:
         self.use_graphs = graphs
         if compiled and state.compiled is None:
             _raise_recompile_limit()
-            state.compiled = [torch.compile(layer._call_impl, dynamic=True, backend=COMPILE_BACKEND) for layer in self.decoder.layers]
+            state.compiled = [torch.compile(layer._call_impl, dynamic=True, backend=COMPILE_BACKEND)
+                              for layer in self.decoder.layers]
         self.compiled = state.compiled if compiled else None
         self.sizes = buckets(slots)
         self.pad = loaded.tokenizer.pad_token_id or 0
-        self.eos_index = torch.tensor(sorted(eos), device=state.cache.device) if eos else None
+        if state.eos != tuple(sorted(eos)):  # graphs read the state's tensors only: new EOS ids, new graphs
+            state.eos = tuple(sorted(eos))
+            state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
+            state.graphs.clear()
+        self.eos_index = state.eos_index
         self.steps = 0
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -353,8 +367,8 @@ class Engine:
         return first
 
     def logits(self, batch: int) -> torch.Tensor:
-        """The next-token logits (the model's dtype) of slots 0..batch-1 after writing their current token's K/V (inactive
-        slots compute garbage that nothing reads). Leaves `tok` and `pos` as they were."""
+        """The next-token logits (the model's dtype) of slots 0..batch-1 after writing their current token's K/V
+        (inactive slots compute garbage that nothing reads). Leaves `tok` and `pos` as they were."""
         st = self.state
         st.lengths[:batch] = ((st.pos[:batch] + 1) * st.active[:batch]).to(torch.int32)
         splits = decode_attention.splits_for(batch, st.cache.shape[3], st.max_len, PROGRAMS)

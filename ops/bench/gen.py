@@ -225,7 +225,8 @@ def run_inproc(args: argparse.Namespace) -> int:
         g1bench._sync(torch)
         seconds = time.perf_counter() - t
         out["baselines"][f"generate_padded_{args.padded_batch}"] = {
-            "rows": n, "output_tokens": useful, "seconds": round(seconds, 3), "output_tok_s": round(useful / seconds, 1),
+            "rows": n, "output_tokens": useful, "seconds": round(seconds, 3),
+            "output_tok_s": round(useful / seconds, 1),
             "note": "rows sorted by prompt length, each call runs to its longest max_new_tokens; only each row's "
                     "own max_new_tokens count"}
         log(f"baseline padded generate: {useful / seconds:,.0f} output tok/s ({n} rows)")
