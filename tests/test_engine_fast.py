@@ -193,7 +193,7 @@ def test_out_of_memory_halves_the_slots_and_reports_it(loaded, tiny_model, monke
 
 def test_auto_is_padded_on_cpu_and_fast_refuses_what_it_cannot_run(loaded, tiny_model):
     """auto: padded on CPU, with the reason; engine fast refuses flex_attention at submit (capabilities) and in
-    the worker, naming what to use instead."""
+    the worker, and a model split over several GPUs, naming what to use instead."""
     assert engine.choose_engine(make_spec(tiny_model), loaded) == (
         "padded", "auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU)")
     caps = {"versions": {"torch": torch.__version__}, "attention": ["sdpa", "eager", "flex_attention"]}
@@ -203,6 +203,10 @@ def test_auto_is_padded_on_cpu_and_fast_refuses_what_it_cannot_run(loaded, tiny_
     flex.model.config._attn_implementation = "flex_attention"
     with pytest.raises(InvalidInput, match="engine fast replaces the attention"):
         engine.choose_engine(make_spec(tiny_model, engine="fast"), flex)
+    split = load(make_spec(tiny_model), gpus=0)
+    split.model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}  # as device_map auto over 2 GPUs
+    with pytest.raises(InvalidInput, match="engine fast runs a model on one device"):
+        engine.choose_engine(make_spec(tiny_model, engine="fast"), split)
 
 
 def test_plan_sizes_slots_from_the_cap_and_aligns_lengths(loaded):

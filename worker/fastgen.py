@@ -20,8 +20,9 @@ so every weight, norm, RoPE and LoRA layer is transformers' own:
   decode step shrinks to a smaller bucket.
 
 What it does not do (rows that ask for it run on the padded engine under `engine: auto`, and fail with a message
-saying so under `engine: fast`): top_p, top_k and repetition_penalty; models with sliding-window layers; attention
-kernels other than sdpa/sdpa_gqa/eager (the job asked for a specific kernel, which this engine would replace).
+saying so under `engine: fast`): top_p, top_k and repetition_penalty; models with sliding-window layers, split over
+several GPUs (device_map auto) or post-processing their logits; attention kernels other than sdpa/sdpa_gqa/eager
+(the job asked for a specific kernel, which this engine would replace).
 Stop strings are cut after the fact, as in the continuous engine. `seed` reseeds torch before each group of rows
 with the same seed; sampled outputs depend on how rows share steps, as in every batched engine.
 
@@ -131,6 +132,10 @@ def model_problem(model) -> str | None:
         return "engine fast supports full-attention models only (this one has sliding-window layers)"
     if getattr(model, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
         return "engine fast runs decoder-only models"
+    placed = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(placed) > 1:
+        return ("engine fast runs a model on one device (device_map auto split this one over "
+                f"{len(placed)}): use engine padded")
     if any(getattr(text, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale")):
         return "engine fast applies the output layer alone (this model post-processes its logits): use engine padded"
     return None
