@@ -242,16 +242,21 @@ def test_ddp_finetune_on_two_gloo_processes_through_a_real_worker(jobs_env, spaw
         assert session.get(Adapter, job["id"]) is not None
 
 
-def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, base_model):
+def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, base_model, monkeypatch):
     """Through the launcher the worker calls: a stop request after step 5 ends both ranks at the same step with no
-    adapter (checkpoint-4 complete); the next run resumes there (first logged step 5) and finishes at step 8."""
+    adapter (checkpoint-4 complete); the next run resumes there (first logged step 5) and finishes at step 8.
+
+    Rank 0 sleeps 1 s before each step's stop check (five of the parent's polls), so the request made on seeing step
+    5 is read at step 6 or 7 however fast the machine trains; unslowed, a fast machine finished all 8 steps first."""
     from core.spec import FinetuneSpec, LoadOptions
     from worker import distributed
 
     spec = FinetuneSpec.model_validate(ft_spec(base_model))
     seen: list[dict] = []
+    monkeypatch.setenv("JOBS_TEST_FAULTS", "sleep_1@rank0_step")
     stopped = distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path, on_log=seen.append,
                                    should_stop=lambda: any(r["step"] >= 5 for r in seen))
+    monkeypatch.delenv("JOBS_TEST_FAULTS")
     assert stopped.stopped and not (tmp_path / "adapter").exists()
     assert (tmp_path / "checkpoints" / "checkpoint-4" / "COMPLETE").is_file()
     resumed: list[dict] = []

@@ -5,7 +5,8 @@
     kill@batch           SIGKILL this worker just before it commits a micro-batch
     oom_over_N@generate  raise torch.cuda.OutOfMemoryError when `model.generate` gets more than N rows at once
     truncate@adapter_saved  cut the file at `path` to half its size (a fine-tune's adapter, before its check)
-    sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests)
+    sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests;
+                         also at rankR_step)
     raise@rank1_step     raise RuntimeError at that point (rankR_step: each step's end in rank R of a distributed
                          fine-tune, worker/finetune_dist.py)
 
