@@ -154,7 +154,7 @@ def test_up_in_the_foreground_stops_everything_on_ctrl_c(tmp_path):
         time.sleep(1)
         assert proc.poll() is None, "up returned instead of staying in the foreground"
         proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        proc.wait(120)  # `down` gives each group (workers, API, Redis) 30 s before SIGKILL: 90 s at worst
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -17,6 +17,7 @@ import torch
 from core.errors import InvalidInput
 from core.spec import GenerateSpec, LoadOptions
 from tests.conftest import qa_pairs
+from worker import generate as engine
 from worker.generate import generate
 from worker.loader import Loaded, load, resolve_dtype
 
@@ -282,8 +283,6 @@ def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_mode
     a retry inside the `except` block kept them alive through the traceback, and every smaller retry failed too)."""
     import weakref
 
-    from worker import generate as engine
-
     loaded = load(LoadOptions(model=str(tiny_model)), gpus=0)
     real = engine._run_group
     held: list = []
@@ -318,6 +317,21 @@ def test_a_row_the_chat_template_refuses_fails_alone(tiny_model):
     bad, good = next(generate(loaded, spec, rows, batch_rows=2))
     assert bad.error.startswith("cannot build the prompt:") and "no system" in bad.error
     assert good.output == a and good.error is None
+
+
+def test_prompts_tokenized_as_a_batch_equal_one_by_one(loaded):
+    """render_many (one tokenizer call per kind of row) gives each row the ids of tokenizing it alone: plain
+    prompts with the tokenizer's special tokens, chat rows through the template without adding them again; a
+    prompt the tokenizer rejects (not text) is that row's exception, the others keep their ids."""
+    tok = loaded.tokenizer
+    rows = [{"prompt": q} for q, _ in qa_pairs()] + [{"messages": [{"role": "user", "content": "hello there"}]},
+                                                     {"prompt": "x " * 300}]
+    alone = [tok(r["prompt"])["input_ids"] if "prompt" in r else tok(
+        tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False)["input_ids"] for r in rows]
+    assert engine.render_many(loaded, rows) == alone
+    mixed = engine.render_many(loaded, [{"prompt": 7}, rows[0]])
+    assert isinstance(mixed[0], Exception) and mixed[1] == alone[0]
 
 
 # --- sdpa_gqa (worker/attention.py) --------------------------------------------------------------------------

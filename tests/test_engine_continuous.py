@@ -137,13 +137,14 @@ def test_num_return_sequences_without_sampling_is_refused(loaded, tiny_model):
 def test_a_request_that_fails_inside_the_engine_is_a_failed_row(loaded, tiny_model, monkeypatch):
     """A token id the model's embedding does not have makes transformers' continuous batching fail the request(s)
     with an error: those rows are failed rows carrying the engine's error, never successes with empty text."""
-    real_render = engine.render
+    real_render = engine.render_many
     vocab = loaded.model.config.vocab_size
 
-    def render(loaded_, row_input):
-        return [vocab + 5] if row_input.get("prompt") == "BROKEN" else real_render(loaded_, row_input)
+    def render_many(loaded_, row_inputs):
+        return [[vocab + 5] if r.get("prompt") == "BROKEN" else ids
+                for r, ids in zip(row_inputs, real_render(loaded_, row_inputs))]
 
-    monkeypatch.setattr(engine, "render", render)
+    monkeypatch.setattr(engine, "render_many", render_many)
     rows = [(0, row(prompt="BROKEN"))] + [(i + 1, r) for i, r in memorized()]
     r, _ = run(loaded, make_spec(tiny_model, engine="continuous"), rows, batch_rows=3)
     assert sorted(r) == list(range(len(rows)))

@@ -93,14 +93,18 @@ def test_greedy_results_equal_the_padded_engine_with_any_number_of_slots(loaded,
 
 
 def test_rows_are_yielded_in_micro_batches_as_they_finish(loaded, tiny_model, slots):
-    """Micro-batches hold batch_rows finished rows (the last one the rest), each sorted by idx; a one-token row
-    finishes before the long ones."""
+    """A micro-batch is yielded once at least batch_rows rows are ready (the last one the rest), sorted by idx;
+    rows that finish in the same decode step share one, however many: 8 equal rows with batch_rows 2 are one
+    commit, not 4. A one-token row finishes (at prefill) before the long ones."""
     slots(16)
     rows = ragged_rows()
     batches = list(generate(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=24), rows, batch_rows=4))
-    assert [len(b) for b in batches] == [4, 4, 4]
+    assert all(len(b) >= 4 for b in batches[:-1]) and sum(map(len, batches)) == len(rows) and len(batches) > 1
     assert all([r.idx for r in b] == sorted(r.idx for r in b) for b in batches)
     assert 200 in [r.idx for r in batches[0]]
+    equal = [(i, row("hello", max_new_tokens=5, ignore_eos=True)) for i in range(8)]
+    batches = list(generate(loaded, make_spec(tiny_model, engine="fast"), equal, batch_rows=2))
+    assert [[r.idx for r in b] for b in batches] == [list(range(8))]
 
 
 def test_moving_rows_down_keeps_their_cache(loaded, tiny_model, slots):
@@ -125,6 +129,30 @@ def test_moving_rows_down_keeps_their_cache(loaded, tiny_model, slots):
     padded = run(loaded, make_spec(tiny_model, engine="padded"), rows)
     assert fields(fast) == fields(padded)
     assert moved == [(3, 0), (2, 1), (1, 0)]  # at 2 running rows (bucket 2), then at 1
+
+
+def test_the_host_books_one_step_behind_without_wasting_the_last_step(loaded, tiny_model, slots):
+    """The host books step k after launching step k+1. Rows whose prompt + max_new_tokens fill the cache exactly
+    (max_len = need = 64) and rows that stop at EOS (which run one extra step, dropped) still equal the padded
+    engine; rows that all end by max_new_tokens take exactly max_new_tokens - 1 decode steps (the prefill gives
+    the first token): no step is launched past the last one any row needs."""
+    slots(4)
+    tok = loaded.tokenizer
+    prompt = "the sky " * 6
+    fill = 64 - len(tok(prompt)["input_ids"])
+    rows = [(0, row(prompt, max_new_tokens=fill, ignore_eos=True)), (1, row("hello", max_new_tokens=fill,
+                                                                            ignore_eos=True))]
+    rows += [(2 + i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])]  # 6 rows, 4 slots: waits and refills
+    info: dict = {}
+    fast = run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=fill), rows, info=info)
+    assert info["fast"]["max_len"] == 64
+    assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded", max_new_tokens=fill), rows))
+    assert fast[0].completion_tokens == fill and [fast[2 + i].output for i in range(4)] == [a for _, a in
+                                                                                            qa_pairs()[:4]]
+    info = {}
+    run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=9, ignore_eos=True),
+        [(0, row("hello")), (1, row("the sky"))], info=info)
+    assert info["fast"]["steps"] == 8
 
 
 def test_sampling_is_reproducible_per_seed_and_n_samples_are_lists(loaded, tiny_model, slots):
@@ -310,7 +338,7 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     try:
         with torch.inference_mode():
             done = {s.row.idx: loaded.tokenizer.decode(s.tokens, skip_special_tokens=True)
-                    for s in eng.run(seqs, lambda: False)}
+                    for finished in eng.run(seqs, lambda: False) for s in finished}
     finally:
         fastgen.release(loaded.model)
         torch._dynamo.reset()

@@ -17,7 +17,7 @@ so every weight, norm, RoPE and LoRA layer is transformers' own:
 - **Scheduling.** Rows are queued longest first (prompt + max_new_tokens) so the last rows to finish are short.
   Free slots are refilled from the queue as rows finish (in groups of at least `slots // ADMIT_DIVISOR`, so prefill
   runs on useful batch sizes); once the queue is empty, running rows are moved down into free low slots so the
-  decode step shrinks to a smaller bucket.
+  decode step shrinks to a smaller bucket. The host books each step's tokens one step behind the GPU (see `run`).
 
 What it does not do (rows that ask for it run on the padded engine under `engine: auto`, and fail with a message
 saying so under `engine: fast`): top_p, top_k and repetition_penalty; models with sliding-window layers, split over
@@ -56,10 +56,10 @@ ADMIT_DIVISOR = 8  # refill free slots once at least slots // ADMIT_DIVISOR are 
 LEN_ALIGN = 64  # max_len is rounded up to a multiple of this
 RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
 PROGRAMS = 1024  # decode kernel programs to aim for when splitting short batches over the context
-CONTINUOUS_OK_ATTENTION = ("sdpa", "sdpa_gqa", "eager")
+REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
 # which fuses the norms, RoPE and activations that eager mode launches as dozens of small kernels per layer. Once
-# per model and process (prefill and decode compile apart); the time is recorded as `compile_s`.
+# per model and process (prefill and decode compile apart); the time shows in `first_prefill_s` and `capture_s`.
 COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
 
@@ -124,7 +124,7 @@ def model_problem(model) -> str | None:
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     attn = config._attn_implementation
-    if attn not in CONTINUOUS_OK_ATTENTION:
+    if attn not in REPLACEABLE_ATTENTION:
         return (f"engine fast replaces the attention and cannot honour attn_implementation {attn!r}: use sdpa, or "
                 "engine padded/continuous for that kernel")
     layer_types = getattr(text, "layer_types", None) or []
@@ -261,6 +261,7 @@ class Seq:
     k: int
     slot: int = -1
     tokens: list[int] = field(default_factory=list)
+    done: bool = False
 
     @property
     def need(self) -> int:
@@ -271,7 +272,7 @@ class Seq:
 
 
 class Engine:
-    """Runs sequences to completion on one model; `run` yields each sequence as it finishes."""
+    """Runs sequences to completion on one model; `run` yields the sequences that finish together."""
 
     def __init__(self, loaded, state: SlotState, eos: set[int], *, slots: int, graphs: bool,
                  compiled: bool = False):
@@ -297,6 +298,7 @@ class Engine:
             state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
             state.graphs.clear()
         self.eos_index = state.eos_index
+        self._host: torch.Tensor | None = None  # pinned buffers the decode steps' tokens are copied into
         self.steps = 0
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -447,40 +449,92 @@ class Engine:
 
     # -- the loop --
 
-    def run(self, seqs: list[Seq], should_stop: Callable[[], bool]) -> Iterator[Seq]:
-        """Run every sequence to the end; yield each finished one (not yielded: those cut off by `should_stop`)."""
+    def run(self, seqs: list[Seq], should_stop: Callable[[], bool]) -> Iterator[list[Seq]]:
+        """Run every sequence to the end; yield the ones that finish, as a list per decode step (or prefill chunk)
+        that finished any (not yielded: those cut off by `should_stop`).
+
+        The host works one step behind the GPU: step k+1 is launched before the tokens of step k are read and
+        booked, so that bookkeeping (and the caller's work on each finished sequence) overlaps the GPU's step. A
+        sequence that finished at step k so runs one more step, whose token is dropped: its slot's cache holds
+        `need` positions, and that extra step writes at most position need - 1."""
         st = self.state
         st.active.zero_()
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
         free = list(range(self.slots))
         running: dict[int, Seq] = {}
         admit_min = max(1, self.slots // ADMIT_DIVISOR)
+        pending: tuple[Callable[[], list[int]], list[tuple[int, Seq]]] | None = None  # launched, not yet booked
         while queue or running:
             if should_stop():
                 return
             if queue and (not running or len(free) >= admit_min):
+                if pending:  # the slots of sequences that finished in the launched step are free too
+                    yield from self._book(*pending, running, free)
+                    pending = None
                 yield from self._admit(queue, free, running)
                 if not running:
                     continue
+            if pending and not any(len(s.tokens) + 1 < s.row.params["max_new_tokens"] for s in running.values()):
+                yield from self._book(*pending, running, free)  # the launched step is the last one any needs
+                pending = None
+                continue
             batch = bucket(self.sizes, max(running) + 1)
             sample = any(s.row.params["do_sample"] for s in running.values())
-            t = time.perf_counter()
-            self.step(batch, sample)
-            tokens = st.tok[:batch].tolist()
-            self.decode_s += time.perf_counter() - t
-            self.steps += 1
-            for slot in list(running):
-                seq = running[slot]
-                seq.tokens.append(tokens[slot])
-                if self._finished(seq):
-                    del running[slot]
-                    st.active[slot] = 0
-                    heapq.heappush(free, slot)
-                    yield seq
+            launched = (self._launch(batch, sample), list(running.items()))
+            if pending:
+                yield from self._book(*pending, running, free)
+            pending = launched
             if not queue and running:
                 self._compact(running, free, batch)
+        # a step still pending here ran only sequences that had finished before it (EOS): its tokens are dropped
 
-    def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[Seq]:
+    def _launch(self, batch: int, sample: bool) -> Callable[[], list[int]]:
+        """Launch one decode step; returns a function that waits for the step and gives its tokens by slot (CUDA:
+        copied into one of two pinned host buffers, so the host does not wait at launch)."""
+        st = self.state
+        t = time.perf_counter()
+        self.step(batch, sample)
+        self.steps += 1
+        if st.tok.device.type != "cuda":
+            tokens = st.tok[:batch].tolist()
+            self.decode_s += time.perf_counter() - t
+            return lambda: tokens
+        if self._host is None:
+            self._host = torch.empty((2, self.slots), dtype=st.tok.dtype, pin_memory=True)
+        host = self._host[self.steps % 2, :batch]
+        host.copy_(st.tok[:batch], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.decode_s += time.perf_counter() - t
+
+        def tokens() -> list[int]:
+            t = time.perf_counter()
+            done.synchronize()
+            self.decode_s += time.perf_counter() - t
+            return host.tolist()
+
+        return tokens
+
+    def _book(self, tokens: Callable[[], list[int]], stepped: list[tuple[int, Seq]], running: dict[int, Seq],
+              free: list[int]) -> Iterator[list[Seq]]:
+        """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
+        compaction since may have moved it); free and yield the ones that finish."""
+        by_slot = tokens()
+        finished = []
+        for slot, seq in stepped:
+            if seq.done:  # finished in the step before: this step was its extra one
+                continue
+            seq.tokens.append(by_slot[slot])
+            if self._finished(seq):
+                seq.done = True
+                del running[seq.slot]
+                heapq.heappush(free, seq.slot)
+                finished.append(seq)
+        if finished:
+            self._deactivate(finished)
+            yield finished
+
+    def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[list[Seq]]:
         """Prefill queued sequences into free slots, in chunks of about PREFILL_TOKENS padded tokens."""
         take = []
         while queue and free:
@@ -499,17 +553,27 @@ class Engine:
             yield from self._start(chunk, running, free)
         self.prefill_s += time.perf_counter() - t
 
-    def _start(self, chunk: list[Seq], running: dict[int, Seq], free: list[int]) -> Iterator[Seq]:
+    def _start(self, chunk: list[Seq], running: dict[int, Seq], free: list[int]) -> Iterator[list[Seq]]:
         faults.hit("generate", rows=len(chunk))
         first = self.prefill(chunk).tolist()
+        finished = []
         for seq, token in zip(chunk, first):
             seq.tokens.append(token)
             if self._finished(seq):
-                self.state.active[seq.slot] = 0
+                seq.done = True
                 heapq.heappush(free, seq.slot)
-                yield seq
+                finished.append(seq)
             else:
                 running[seq.slot] = seq
+        if finished:
+            self._deactivate(finished)
+            yield finished
+
+    def _deactivate(self, seqs: list[Seq]) -> None:
+        """Mark the slots of `seqs` inactive, without waiting for the GPU: a list index would be copied to the
+        device synchronously, so the index goes through pinned memory."""
+        slots = torch.tensor([s.slot for s in seqs], pin_memory=self.state.active.is_cuda)
+        self.state.active.index_fill_(0, slots.to(self.state.active.device, non_blocking=True), 0)
 
     def _finished(self, seq: Seq) -> bool:
         params = seq.row.params

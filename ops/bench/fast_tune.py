@@ -83,7 +83,7 @@ def engine_runs(torch, args, out: dict) -> None:
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.inference_mode():
-            n = sum(len(s.tokens) for s in eng.run(seqs, lambda: False))
+            n = sum(len(s.tokens) for finished in eng.run(seqs, lambda: False) for s in finished)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
         stats: dict = {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0}
