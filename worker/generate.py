@@ -74,9 +74,9 @@ class StopFlag(StoppingCriteria):
 
 def render_many(loaded: Loaded, row_inputs: list[dict[str, Any]]) -> list[list[int] | Exception]:
     """The prompt token ids of each row (`messages` through the chat template, with the generation prompt), or the
-    exception that row's prompt raised. Prompts are tokenized as one batch (the
-    Rust tokenizer encodes a batch on every core: G1's 1024 prompts take a fraction of the time one by one takes);
-    a batch that raises is tokenized row by row, so a bad row fails alone."""
+    exception that row's prompt raised. Prompts are tokenized as one batch (one call, which the Rust tokenizer
+    spreads over the cores, instead of one Python call per row); a batch that raises is tokenized row by row, so a
+    bad row fails alone."""
     tok = loaded.tokenizer
     out: list[list[int] | Exception | None] = [None] * len(row_inputs)
     texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}  # by add_special_tokens
