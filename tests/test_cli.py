@@ -141,8 +141,11 @@ def test_up_in_the_foreground_stops_everything_on_ctrl_c(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
     env["JOBS_HOME"] = str(tmp_path / "home")
     stack_file = tmp_path / "home" / "run" / "stack.json"
-    proc = subprocess.Popen([sys.executable, "-m", "api", "up", "--port", str(free_port())], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # its output goes to a file, never to a pipe nobody reads (a full pipe would block `up` and what inherits it)
+    out = tmp_path / "up.log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "api", "up", "--port", str(free_port())], env=env, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         def healthy():
             return stack_file.exists() and json.loads(stack_file.read_text()).get("workers") and \
@@ -150,11 +153,15 @@ def test_up_in_the_foreground_stops_everything_on_ctrl_c(tmp_path):
                 any(w["state"] == "online" for w in json.loads(jobs(env, "workers", "--json").stdout))
 
         wait_for(healthy, 120, "the foreground stack")
+        wait_for(lambda: "Ctrl-C stops it" in out.read_text(), 60, "up to say it runs in the foreground")
         stack = json.loads(stack_file.read_text())
         time.sleep(1)
         assert proc.poll() is None, "up returned instead of staying in the foreground"
         proc.send_signal(signal.SIGINT)
-        proc.wait(120)  # `down` gives each group (workers, API, Redis) 30 s before SIGKILL: 90 s at worst
+        try:
+            proc.wait(120)  # `down` gives each group (workers, API, Redis) 30 s before SIGKILL: 90 s at worst
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"up did not stop within 120 s of SIGINT; its output:\n{out.read_text()}")
     finally:
         if proc.poll() is None:
             proc.kill()
