@@ -346,3 +346,79 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     assert done == {i: r.output for i, r in want.items()}
     assert state.first_prefill_s is not None
     assert all(layer._compiled_call_impl is None for layer in eng.decoder.layers)
+
+
+def test_a_free_slot_left_in_the_batch_never_writes_past_the_cache(loaded, tiny_model, slots):
+    """A row whose prompt + max_new_tokens fills the cache exactly (need = max_len) ends with its slot's position at
+    max_len after its extra step. When three other rows keep the decode batch at the same bucket, that free slot
+    stays in the batch: its K/V write must not go past the cache (before the fix: IndexError on CPU, an
+    out-of-bounds write on the GPU). Every row equals the padded engine."""
+    slots(4)
+    prompt = "the sky " * 20
+    fill = 128 - len(loaded.tokenizer(prompt)["input_ids"])
+    rows = [(0, row(prompt, max_new_tokens=fill, ignore_eos=True))]
+    rows += [(i, row("the", max_new_tokens=fill + 30, ignore_eos=True)) for i in (1, 2, 3)]
+    info: dict = {}
+    fast = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert info["fast"]["max_len"] == 128 and fast[0].completion_tokens == fill
+    assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded"), rows))
+
+
+def mixed_rows(n: int, seed: int, longest: int) -> list[tuple[int, dict]]:
+    """`n` rows of mixed prompt and output lengths (a small G2): some memorized questions, the rest runs of words to
+    their own max_new_tokens, one of them filling `longest` tokens exactly."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["the", "sky", "water", "city", "hello", "What is"]
+    rows = []
+    for i in range(n):
+        if i % 7 == 0:
+            rows.append((i, row(qa_pairs()[i % len(qa_pairs())][0], max_new_tokens=24)))
+        else:
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
+            rows.append((i, row(prompt, max_new_tokens=rng.randint(1, 40), ignore_eos=True)))
+    rows.append((n, row("the " * 10, max_new_tokens=longest - 11, ignore_eos=True)))
+    return rows
+
+
+def test_consecutive_runs_of_different_shapes_on_one_resident_state_equal_a_fresh_engine(loaded, tiny_model, slots):
+    """Large runs of different shapes (G2-like, G2-like again, G1-like uniform, G2-like) one after another on the
+    resident slot state give exactly the outputs of a fresh engine for each (the state released before each)."""
+    slots(6)
+    uniform = [(i, row("the sky " * 4, max_new_tokens=20, ignore_eos=True)) for i in range(20)]
+    shapes = [mixed_rows(40, 1, 64), mixed_rows(40, 2, 64), uniform, mixed_rows(30, 3, 128)]
+    fastgen.release(loaded.model)
+    resident = [fields(run(loaded, make_spec(tiny_model, engine="fast"), rows)) for rows in shapes]
+    fresh = []
+    for rows in shapes:
+        fastgen.release(loaded.model)
+        fresh.append(fields(run(loaded, make_spec(tiny_model, engine="fast"), rows)))
+    fastgen.release(loaded.model)
+    for got, want in zip(resident, fresh):
+        assert got == want
+
+
+def test_a_second_large_run_on_the_resident_state_gets_as_many_slots_as_the_first(loaded, tiny_model, slots,
+                                                                                   monkeypatch):
+    """The slot count comes from the device memory free after the model: simulated here by a 'GPU' whose driver
+    reports a budget minus what is allocated, the resident slot cache included. That cache counts as free for the
+    next run, which reuses or replaces it: before the fix a second run on the same resident state saw only the
+    slack beside its own cache and got a handful of slots or none (an out-of-memory retry at half the cap)."""
+    layers, kv_heads, head_dim = fastgen._shape(loaded.model)
+    per_slot = 2 * layers * kv_heads * 128 * head_dim * loaded.model.dtype.itemsize + 640 * 16
+    budget = fastgen.RESERVE_BYTES + 12 * per_slot + per_slot // 2  # room for 12 slots of 128 tokens
+
+    def driver_free(device):  # what mem_get_info would report: the resident cache is allocated
+        return budget - fastgen.resident_bytes(loaded.model)
+
+    monkeypatch.setattr(fastgen, "device_free", driver_free)
+    rows = mixed_rows(60, 4, 128)
+    fastgen.release(loaded.model)
+    runs = []
+    for _ in range(2):
+        info: dict = {}
+        results = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+        runs.append((info["fast"]["slots"], fields(results)))
+    fastgen.release(loaded.model)
+    assert runs[0][0] == runs[1][0] == 12 and runs[0][1] == runs[1][1]

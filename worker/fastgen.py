@@ -199,17 +199,36 @@ def _shape(model) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
+def device_free(device: torch.device) -> int | None:
+    """Bytes the engine could allocate on `device` now: free in the driver plus what torch's allocator holds
+    unused. None on CPU (the slot count is CPU_SLOTS there)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def resident_bytes(model) -> int:
+    """Bytes of the slot cache kept on the model from an earlier run (0 if none)."""
+    state = model.__dict__.get("_gpujobs_fast")
+    return 0 if state is None else state.cache.numel() * state.cache.itemsize
+
+
 def plan(model, device: torch.device, sequences: int, max_len: int, vocab: int,
          cap: int = MAX_SLOTS) -> tuple[int, int]:
     """(slots, max_len) for `sequences` sequences of at most `max_len` tokens: as many slots as fit in the memory
-    free now (after the model and RESERVE_BYTES, and the step's logits), at most `cap` (CPU_SLOTS on CPU)."""
+    free now (after the model and RESERVE_BYTES, and the step's logits), at most `cap` (CPU_SLOTS on CPU).
+
+    The resident slot cache of an earlier run counts as free: `state_for` either reuses it or frees it before
+    allocating. Counting it as taken left a second large run on a resident engine only the slack beside that
+    cache: a handful of slots, or none (an out-of-memory retry at half the cap)."""
     max_len = math.ceil(max_len / LEN_ALIGN) * LEN_ALIGN
     layers, kv_heads, head_dim = _shape(model)
     per_slot = 2 * layers * kv_heads * max_len * head_dim * model.dtype.itemsize
-    if device.type != "cuda":
+    free = device_free(device)
+    if free is None:
         return max(1, min(sequences, CPU_SLOTS, cap)), max_len
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    free += resident_bytes(model)
     per_slot += vocab * 16  # fp32 logits, the sampling noise and their temporaries per row of a step
     fit = (free - RESERVE_BYTES) // per_slot
     if fit < 1:
@@ -433,6 +452,7 @@ class Engine:
         for buf in (st.tok, st.pos, st.active, st.temp, st.no_eos):
             buf[dst] = buf[src]
         st.active[src] = 0
+        st.pos[src] = 0  # a free slot writes at position 0 (see _deactivate)
 
     def record(self, stats: dict[str, Any]) -> None:
         """Add this run's figures to the job's `info["fast"]`."""
@@ -459,6 +479,7 @@ class Engine:
         `need` positions, and that extra step writes at most position need - 1."""
         st = self.state
         st.active.zero_()
+        st.pos.zero_()  # slots kept from an earlier run: every free slot writes at position 0
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
         free = list(range(self.slots))
         running: dict[int, Seq] = {}
@@ -570,10 +591,18 @@ class Engine:
             yield finished
 
     def _deactivate(self, seqs: list[Seq]) -> None:
-        """Mark the slots of `seqs` inactive, without waiting for the GPU: a list index would be copied to the
-        device synchronously, so the index goes through pinned memory."""
-        slots = torch.tensor([s.slot for s in seqs], pin_memory=self.state.active.is_cuda)
-        self.state.active.index_fill_(0, slots.to(self.state.active.device, non_blocking=True), 0)
+        """Mark the slots of `seqs` inactive and point them at position 0, without waiting for the GPU (a list
+        index would be copied to the device synchronously, so the index goes through pinned memory).
+
+        Position 0 matters: a free slot stays in the decode batch until it is refilled or compacted away, and the
+        step writes its K/V at its `pos`. A row whose prompt + max_new_tokens fills the cache ends with pos =
+        max_len after its extra step: left there, the next step would write one past the cache (an IndexError on
+        CPU, an out-of-bounds write on the GPU)."""
+        st = self.state
+        slots = torch.tensor([s.slot for s in seqs], pin_memory=st.active.is_cuda).to(st.active.device,
+                                                                                       non_blocking=True)
+        st.active.index_fill_(0, slots, 0)
+        st.pos.index_fill_(0, slots, 0)
 
     def _finished(self, seq: Seq) -> bool:
         params = seq.row.params
