@@ -132,6 +132,13 @@ class Worker(Base):
     started_at: Mapped[float] = mapped_column(Float)
     heartbeat_at: Mapped[float] = mapped_column(Float)
     current_shard_id: Mapped[int | None] = mapped_column(Integer)
+    # why a worker stopped or was stopped (0005): written by the worker on its way out (a stall, a slice it cannot
+    # see) and by the supervisor that saw it exit (`gpujobs up`); `restarts` counts the supervisor's restarts of
+    # this worker's slot before this process
+    stopped_at: Mapped[float | None] = mapped_column(Float)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str | None] = mapped_column(Text)
+    restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class File(Base):

@@ -12,12 +12,13 @@ from core.store import now
 
 
 def register(session: Session, *, name: str, host: str, pid: int, slice: str, queues: list[str],
-             gpus: list[dict[str, Any]], capabilities: dict[str, Any]) -> None:
+             gpus: list[dict[str, Any]], capabilities: dict[str, Any], restarts: int = 0) -> None:
     t = now()
     worker = session.get(Worker, name) or Worker(name=name, started_at=t)
     worker.host, worker.pid, worker.slice, worker.queues = host, pid, slice, queues
     worker.gpus, worker.capabilities = gpus, capabilities
     worker.state, worker.started_at, worker.heartbeat_at, worker.current_shard_id = "online", t, t, None
+    worker.stopped_at, worker.exit_code, worker.reason, worker.restarts = None, None, None, restarts
     session.merge(worker)
 
 
@@ -30,8 +31,26 @@ def heartbeat(session: Session, name: str, *, current_shard_id: int | None, extr
             worker.capabilities = {**worker.capabilities, **extra}
 
 
-def stopped(session: Session, name: str) -> None:
-    session.execute(update(Worker).where(Worker.name == name).values(state="offline", current_shard_id=None))
+def stopped(session: Session, name: str, *, exit_code: int | None = None, reason: str | None = None) -> None:
+    """The worker `name` ended (cleanly when exit_code is None or 0); `reason` says why when it was not asked to."""
+    values: dict[str, Any] = {"state": "offline", "current_shard_id": None, "stopped_at": now()}
+    if exit_code is not None:
+        values["exit_code"] = exit_code
+    if reason is not None:
+        values["reason"] = reason
+    session.execute(update(Worker).where(Worker.name == name).values(**values))
+
+
+def exited(session: Session, *, host: str, pid: int, exit_code: int, reason: str | None) -> None:
+    """What a supervisor saw: the worker process `pid` on `host` exited with `exit_code`. Keeps a reason the worker
+    wrote itself on its way out (a stall, a missing slice), and the moment it stopped."""
+    worker = session.scalars(select(Worker).where(Worker.host == host, Worker.pid == pid)
+                             .order_by(Worker.started_at.desc())).first()
+    if worker is None:
+        return
+    worker.state, worker.current_shard_id, worker.exit_code = "offline", None, exit_code
+    worker.stopped_at = worker.stopped_at or now()
+    worker.reason = worker.reason or reason
 
 
 def live(session: Session, timeout: float) -> list[Worker]:
