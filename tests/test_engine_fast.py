@@ -64,11 +64,14 @@ def loaded(tiny_model) -> Loaded:
 
 
 @pytest.fixture
-def slots(monkeypatch):
-    """Set the CPU slot count of the fast engine for one test."""
+def slots(monkeypatch, loaded):
+    """Set the CPU slot count of the fast engine for one test (the resident state, sized when it is made, is
+    dropped before and after)."""
     def set_slots(n: int) -> None:
         monkeypatch.setattr(fastgen, "CPU_SLOTS", n)
-    return set_slots
+        fastgen.release(loaded.model)
+    yield set_slots
+    fastgen.release(loaded.model)
 
 
 @pytest.mark.parametrize("n_slots", [16, 3, 1])
@@ -132,8 +135,8 @@ def test_moving_rows_down_keeps_their_cache(loaded, tiny_model, slots):
 
 
 def test_the_host_books_one_step_behind_without_wasting_the_last_step(loaded, tiny_model, slots):
-    """The host books step k after launching step k+1. Rows whose prompt + max_new_tokens fill the cache exactly
-    (max_len = need = 64) and rows that stop at EOS (which run one extra step, dropped) still equal the padded
+    """The host books step k after launching step k+1. Rows whose prompt + max_new_tokens fill their pages exactly
+    (need = 64 = one page) and rows that stop at EOS (which run one extra step, dropped) still equal the padded
     engine; rows that all end by max_new_tokens take exactly max_new_tokens - 1 decode steps (the prefill gives
     the first token): no step is launched past the last one any row needs."""
     slots(4)
@@ -145,7 +148,7 @@ def test_the_host_books_one_step_behind_without_wasting_the_last_step(loaded, ti
     rows += [(2 + i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])]  # 6 rows, 4 slots: waits and refills
     info: dict = {}
     fast = run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=fill), rows, info=info)
-    assert info["fast"]["max_len"] == 64
+    assert len(tok(prompt)["input_ids"]) + fill == fastgen.PAGE  # row 0 fills its one page exactly
     assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded", max_new_tokens=fill), rows))
     assert fast[0].completion_tokens == fill and [fast[2 + i].output for i in range(4)] == [a for _, a in
                                                                                             qa_pairs()[:4]]
@@ -237,23 +240,39 @@ def test_auto_is_padded_on_cpu_and_fast_refuses_what_it_cannot_run(loaded, tiny_
         engine.choose_engine(make_spec(tiny_model, engine="fast"), split)
 
 
-def test_plan_sizes_slots_from_the_cap_and_aligns_lengths(loaded):
-    """CPU: slots = min(sequences, CPU_SLOTS, cap); max_len rounded up to LEN_ALIGN; buckets cover every size."""
-    assert fastgen.plan(loaded.model, loaded.device, 100, 70, 640) == (fastgen.CPU_SLOTS, 128)
-    assert fastgen.plan(loaded.model, loaded.device, 3, 64, 640, cap=2) == (2, 64)
+def test_size_gives_slots_and_pages_and_buckets_cover_every_batch(loaded, monkeypatch):
+    """CPU: CPU_SLOTS slots and enough pages for each to hold the longest sequence (the model's context, whole
+    pages), or CPU_PAGES; buckets cover every batch size up to the slots."""
+    assert fastgen.max_len(loaded.model) == 512 and fastgen.PAGE == 64
+    assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.CPU_SLOTS, fastgen.CPU_SLOTS * 8 + 1)
+    monkeypatch.setattr(fastgen, "CPU_PAGES", 5)
+    assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.CPU_SLOTS, 5)
     sizes = fastgen.buckets(1024)
     assert sizes[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and sizes[-1] == 1024 and 896 in sizes
     assert [fastgen.bucket(sizes, n) for n in (1, 3, 129, 1000)] == [1, 4, 256, 1024]
     assert fastgen.buckets(5) == [1, 2, 4, 5]
 
 
+def paged(cache: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous cache (B, KVH, L, D), L a multiple of PAGE, as shuffled pages (with a trash page 0 of noise)
+    and its page table."""
+    b, kvh, length, dim = cache.shape
+    w = length // decode_attention.PAGE
+    order = torch.randperm(b * w, generator=torch.Generator().manual_seed(seed)) + 1
+    pages = torch.randn(b * w + 1, kvh, decode_attention.PAGE, dim, dtype=cache.dtype)
+    blocks = cache.view(b, kvh, w, decode_attention.PAGE, dim).permute(0, 2, 1, 3, 4).reshape(b * w, kvh, -1, dim)
+    pages[order] = blocks
+    return pages, order.view(b, w)
+
+
 def test_reference_decode_matches_full_attention_per_row():
-    """The SDPA reference of the decode attention equals attention over each row's own prefix, with grouped
-    heads, and gives zeros for a free slot (length 0)."""
+    """The SDPA reference of the decode attention, reading shuffled pages through the page table, equals attention
+    over each row's own prefix, with grouped heads, and gives zeros for a free slot (length 0)."""
     torch.manual_seed(0)
-    q, cache = torch.randn(4, 4, 8), torch.randn(2, 4, 2, 20, 8)
-    lengths = torch.tensor([0, 1, 7, 20])
-    out = decode_attention.reference_decode(q, cache[0], cache[1], lengths, 0.5)
+    q, cache = torch.randn(4, 4, 8), torch.randn(2, 4, 2, 128, 8)
+    lengths = torch.tensor([0, 1, 70, 128])
+    (k_pages, table), (v_pages, _) = paged(cache[0]), paged(cache[1])
+    out = decode_attention.reference_decode(q, k_pages, v_pages, table, lengths, 0.5)
     assert torch.all(out[0] == 0)
     for b in range(1, 4):
         n = int(lengths[b])
@@ -266,15 +285,16 @@ TRITON_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from worker import decode_attention as da
+from tests.test_engine_fast import paged
 assert da.available(torch.device("cpu"))
 torch.manual_seed(0)
-worst = 0.0
 for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16; bf16 is checked on the H200
-    q, cache = torch.randn(5, 4, 32, dtype=dtype), torch.randn(2, 5, 2, 150, 32, dtype=dtype)
-    lengths = torch.tensor([0, 1, 64, 65, 150], dtype=torch.int32)
-    ref = da.reference_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
-    for splits in (1, 2, 3):
-        got = da._triton_decode(q, cache[0], cache[1], lengths, 0.3, splits).float()
+    q, cache = torch.randn(5, 4, 32, dtype=dtype), torch.randn(2, 5, 2, 192, 32, dtype=dtype)
+    (k, table), (v, _) = paged(cache[0], 1), paged(cache[1], 1)
+    lengths = torch.tensor([0, 1, 64, 65, 192], dtype=torch.int32)
+    ref = da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
+    for splits, split_len in ((1, 192), (2, 128), (3, 64)):
+        got = da._triton_decode(q, k, v, table, lengths, 0.3, splits, split_len).float()
         tol = 1e-5 if dtype == torch.float32 else 5e-3
         diff = (got - ref).abs().max().item()
         assert diff < tol, (dtype, splits, diff)
@@ -284,8 +304,8 @@ print("kernel ok")
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
-    """The Triton decode kernel (Triton's CPU interpreter) equals the SDPA reference for fp32 and fp16, one and
-    several context splits, lengths 0, 1, a block edge and the full cache. (bf16 is misread by the interpreter;
+    """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
+    for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache. (bf16 is misread by the interpreter;
     on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
     pytest.importorskip("triton")
     out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(ROOT)], capture_output=True, text=True,
@@ -333,7 +353,7 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     prepared = list(engine.prepare(loaded, make_spec(tiny_model, engine="fast"), rows, 0.0))
     seqs = [fastgen.Seq(p, 0) for p in prepared]
     fastgen.release(loaded.model)
-    state = fastgen.state_for(loaded.model, loaded.device, 4, 64)
+    state = fastgen.state_for(loaded.model, loaded.device, 640)
     eng = fastgen.Engine(loaded, state, engine._eos_ids(loaded), slots=4, graphs=False, compiled=True)
     try:
         with torch.inference_mode():
@@ -348,19 +368,20 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     assert all(layer._compiled_call_impl is None for layer in eng.decoder.layers)
 
 
-def test_a_free_slot_left_in_the_batch_never_writes_past_the_cache(loaded, tiny_model, slots):
-    """A row whose prompt + max_new_tokens fills the cache exactly (need = max_len) ends with its slot's position at
-    max_len after its extra step. When three other rows keep the decode batch at the same bucket, that free slot
-    stays in the batch: its K/V write must not go past the cache (before the fix: IndexError on CPU, an
-    out-of-bounds write on the GPU). Every row equals the padded engine."""
+def test_a_free_slot_left_in_the_batch_never_writes_past_the_cache(loaded, tiny_model, slots, monkeypatch):
+    """A row whose prompt + max_new_tokens fills the longest sequence the engine holds (need = max_len, here 128) ends
+    with its slot's position at max_len after its extra step. When three other rows keep the decode batch at the
+    same bucket, that free slot stays in the batch: its K/V write must go to position 0 of the trash page, not past
+    the page table (IndexError on CPU, an out-of-bounds write on the GPU). Every row equals the padded engine."""
+    monkeypatch.setattr(fastgen, "MAX_LEN", 128)  # sequences of up to two pages: a short test
     slots(4)
     prompt = "the sky " * 20
-    fill = 128 - len(loaded.tokenizer(prompt)["input_ids"])
+    fill = fastgen.max_len(loaded.model) - len(loaded.tokenizer(prompt)["input_ids"])
     rows = [(0, row(prompt, max_new_tokens=fill, ignore_eos=True))]
     rows += [(i, row("the", max_new_tokens=fill + 30, ignore_eos=True)) for i in (1, 2, 3)]
     info: dict = {}
     fast = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
-    assert info["fast"]["max_len"] == 128 and fast[0].completion_tokens == fill
+    assert fast[0].completion_tokens == fill
     assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded"), rows))
 
 
@@ -399,26 +420,46 @@ def test_consecutive_runs_of_different_shapes_on_one_resident_state_equal_a_fres
         assert got == want
 
 
-def test_a_second_large_run_on_the_resident_state_gets_as_many_slots_as_the_first(loaded, tiny_model, slots,
-                                                                                   monkeypatch):
-    """The slot count comes from the device memory free after the model: simulated here by a 'GPU' whose driver
-    reports a budget minus what is allocated, the resident slot cache included. That cache counts as free for the
-    next run, which reuses or replaces it: before the fix a second run on the same resident state saw only the
-    slack beside its own cache and got a handful of slots or none (an out-of-memory retry at half the cap)."""
-    layers, kv_heads, head_dim = fastgen._shape(loaded.model)
-    per_slot = 2 * layers * kv_heads * 128 * head_dim * loaded.model.dtype.itemsize + 640 * 16
-    budget = fastgen.RESERVE_BYTES + 12 * per_slot + per_slot // 2  # room for 12 slots of 128 tokens
+def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny_model, monkeypatch):
+    """The pages of a new state come from the device memory free after the model (simulated: a 'GPU' whose driver
+    reports a budget minus what is allocated, the resident cache included). The resident cache counts as free, since
+    a new state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it
+    (a handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
+    per_page = fastgen.page_bytes(loaded.model)
+    budget = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 16 + 40 * per_page + per_page // 2
 
     def driver_free(device):  # what mem_get_info would report: the resident cache is allocated
         return budget - fastgen.resident_bytes(loaded.model)
 
     monkeypatch.setattr(fastgen, "device_free", driver_free)
-    rows = mixed_rows(60, 4, 128)
     fastgen.release(loaded.model)
-    runs = []
-    for _ in range(2):
-        info: dict = {}
-        results = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
-        runs.append((info["fast"]["slots"], fields(results)))
+    try:
+        assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
+        state = fastgen.state_for(loaded.model, loaded.device, 640)
+        assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
+        assert fastgen.state_for(loaded.model, loaded.device, 640) is state
+    finally:
+        fastgen.release(loaded.model)
+
+
+def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fails(loaded, tiny_model, slots,
+                                                                                   monkeypatch):
+    """With fewer pages than the rows need at once, rows are admitted as pages come back (longest first, never
+    passed over), and every row equals the padded engine. A row needing more pages than the cache has fails with
+    a message under engine fast and runs padded under auto."""
+    slots(8)
+    monkeypatch.setattr(fastgen, "CPU_PAGES", 7)  # 6 usable pages of 64 positions: 384 at once
     fastgen.release(loaded.model)
-    assert runs[0][0] == runs[1][0] == 12 and runs[0][1] == runs[1][1]
+    rows = mixed_rows(24, 5, 128)  # 2 pages each at most
+    info: dict = {}
+    fast = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert info["fast"]["pages"] == 7
+    assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded"), rows))
+    long = [(0, row("the", max_new_tokens=420, ignore_eos=True)), (1, row(qa_pairs()[0][0]))]
+    r = run(loaded, make_spec(tiny_model, engine="fast"), long)
+    assert r[0].output is None and "more than the 384 the fast engine holds here" in r[0].error
+    assert r[1].output == qa_pairs()[0][1]
+    out = {x.idx: x for b in engine._generate_fast(loaded, make_spec(tiny_model), long, batch_rows=4,
+                                                     should_stop=lambda: False, on_event=print, info={}) for x in b}
+    assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
+    fastgen.release(loaded.model)

@@ -1,20 +1,24 @@
-"""Decode attention over a slot KV cache with a length per row: the fast engine's attention kernel.
+"""Decode attention over a paged KV cache with a length per row: the fast engine's attention kernel.
 
-The fast engine (worker/fastgen.py) keeps one KV cache row ("slot") per running sequence, shaped
-(slots, kv_heads, max_len, head_dim) per layer, and a length per slot. A decode step has one query token per slot;
-this attention reads each slot's K/V only up to that slot's length, so a short row never pays for a long one and
-nothing is padded. Grouped-query heads share one read of K/V: a program handles one (slot, kv head) and all the
-query heads of its group together, so each K/V byte is read once per step (the memory-bandwidth bound of G1 in
+The fast engine (worker/fastgen.py) keeps K and V of every running sequence in pages of `PAGE` positions, one pool
+of pages per layer shaped (pages, kv_heads, PAGE, head_dim), and a page table per slot: position p of the sequence
+in slot s lives in page `table[s, p // PAGE]` at offset `p % PAGE`. A sequence holds only the pages its own prompt
+and max_new_tokens need, so short rows leave room for more rows. A decode step has one query token per slot; this
+attention reads each slot's K/V only up to that slot's length, page by page, so a short row never pays for a long
+one and nothing is padded. Grouped-query heads share one read of K/V: a program handles one (slot, kv head) and all
+the query heads of its group together, so each K/V byte is read once per step (the memory-bandwidth bound of G1 in
 DESIGN.md assumes exactly that).
 
-Two implementations with one contract, `decode(q, k, v, lengths, scale, splits)`:
+Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, split_len)`:
 
-- `_triton_decode`: a Triton flash-decoding kernel (online softmax over blocks of positions; optionally split
-  over the context in `splits` parts, merged by `_merge`, so a small batch still fills the GPU). Lengths are read
-  from a device tensor, so the launch has fixed shapes and is captured in a CUDA graph once per batch size. It also
-  runs under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU tests check it against the reference.
-- `reference_decode`: the same result with `scaled_dot_product_attention` and a length mask; what runs on CPU
-  (there is no Triton CPU backend outside the interpreter), and the yardstick of the tests.
+- `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, one page per inner
+  step; optionally split over the context in parts of `split_len` positions, merged by `_merge`, so a small batch
+  still fills the GPU). Lengths and the page table are read from device tensors, so the launch has fixed shapes
+  and is captured in a CUDA graph once per batch size. It also runs under `TRITON_INTERPRET=1` on CPU tensors,
+  which is how the CPU tests check it against the reference.
+- `reference_decode`: the same result by gathering the pages and running `scaled_dot_product_attention` with a
+  length mask; what runs on CPU (there is no Triton CPU backend outside the interpreter), and the yardstick of the
+  tests.
 
 A slot of length 0 (a free slot in a padded batch) returns zeros and reads nothing.
 """
@@ -26,9 +30,13 @@ import os
 
 import torch
 
-# launch configuration of the kernel: (positions per inner step, warps, pipeline stages); ops/bench/fast_tune.py
-# measures the alternatives on a GPU
-CONFIG = {"block": 64, "warps": 4, "stages": 3}  # best at G1 decode on the H200: 3.94 TB/s (ops/bench/results)
+PAGE = 64  # positions per page of the KV cache; also the kernel's inner step (one page per iteration)
+# launch configuration of the kernel: (warps, pipeline stages); ops/bench/fast_tune.py measures the alternatives on
+# a GPU (the block of positions per inner step is the page)
+CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
+TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
+TYPICAL_CONTEXT = 1024  # the context a split is sized for (lengths are known only on the device)
+MAX_SPLITS = 64  # the most parts a slot's context is cut into (the merge reads every part, even empty ones)
 
 try:  # triton ships with CUDA builds of torch; CPU builds may lack it (the reference runs there)
     import triton
@@ -44,19 +52,35 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
-           splits: int = 1) -> torch.Tensor:
-    """Attention of one query token per slot. q: (B, H, D); k, v: (B, KVH, L, D) (any strides, last dim
-    contiguous); lengths: (B,) int, the positions of each slot to attend to (0..length-1). Returns (B, H, D) in
-    q's dtype. The Triton kernel where it runs (see `available`), else the reference."""
+def decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+           lengths: torch.Tensor, scale: float, splits: int = 1, split_len: int = 0) -> torch.Tensor:
+    """Attention of one query token per slot. q: (B, H, D); k_pages, v_pages: (pages, KVH, PAGE, D) (last dim
+    contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
+    positions of each slot to attend to (0..length-1). `splits` parts of `split_len` positions each (see
+    `splits_for`). Returns (B, H, D) in q's dtype. The Triton kernel where it runs (see `available`), else the
+    reference."""
     if available(q.device):
-        return _triton_decode(q, k, v, lengths, scale, splits)
-    return reference_decode(q, k, v, lengths, scale)
+        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, split_len)
+    return reference_decode(q, k_pages, v_pages, table, lengths, scale)
 
 
-def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """`decode` with SDPA and a length mask (reads every position up to the longest slot; zeros where length 0)."""
+def gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The contiguous cache (B, KVH, W * PAGE, D) of the slots whose pages `table` (B, W) lists."""
+    b, w = table.shape
+    blocks = pages[table.reshape(-1)]  # (B * W, KVH, PAGE, D)
+    kvh, page, dim = blocks.shape[1:]
+    return blocks.view(b, w, kvh, page, dim).permute(0, 2, 1, 3, 4).reshape(b, kvh, w * page, dim)
+
+
+def reference_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode` with the pages gathered and SDPA with a length mask (zeros where length 0)."""
+    return masked_decode(q, gather(k_pages, table), gather(v_pages, table), lengths, scale)
+
+
+def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Attention of q (B, H, D) over a contiguous cache k, v (B, KVH, L, D), each row up to its length."""
     longest = k.shape[2]
     mask = torch.arange(longest, device=q.device)[None, :] < lengths[:, None].to(q.device)  # (B, L)
     empty = ~mask.any(dim=1)
@@ -66,34 +90,38 @@ def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     return out[:, :, 0].masked_fill(empty[:, None, None], 0)
 
 
-def splits_for(batch: int, kv_heads: int, max_len: int, programs: int) -> int:
-    """How many parts to split each slot's context into so about `programs` kernel programs run (at least one
-    block of positions per part)."""
-    if batch * kv_heads >= programs:
-        return 1
-    return max(1, min(math.ceil(programs / (batch * kv_heads)), math.ceil(max_len / CONFIG["block"])))
+def splits_for(batch: int, kv_heads: int, max_len: int) -> tuple[int, int]:
+    """(parts, positions per part) to cut each slot's context into, so that about TARGET_PROGRAMS kernel programs
+    have work at a TYPICAL_CONTEXT: one part for large batches; for small ones, parts of a whole number of pages
+    covering `max_len` (parts past a slot's length exit at once), at most MAX_SPLITS of them."""
+    want = math.ceil(TARGET_PROGRAMS / (batch * kv_heads))
+    if want <= 1:
+        return 1, max_len
+    split_len = max(PAGE, math.ceil(TYPICAL_CONTEXT / want / PAGE) * PAGE,
+                    math.ceil(max_len / MAX_SPLITS / PAGE) * PAGE)
+    return math.ceil(max_len / split_len), split_len
 
 
-def _triton_decode(q, k, v, lengths, scale: float, splits: int) -> torch.Tensor:
+def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: int, split_len: int) -> torch.Tensor:
     """One split: the kernel writes the normalized output in q's dtype. Several: fp32 partial results per split,
     merged by `_merge`."""
     batch, heads, dim = q.shape
-    kv_heads, max_len = k.shape[1], k.shape[2]
+    kv_heads = k_pages.shape[1]
     group = heads // kv_heads
-    block = CONFIG["block"]
-    split_len = math.ceil(math.ceil(max_len / splits) / block) * block
     direct = splits == 1
     if direct:
+        split_len = table.shape[1] * PAGE
         acc = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)
         stats = acc  # unused
     else:
         acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)  # running max, sum
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k, v, lengths, acc, stats,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        q, k_pages, v_pages, table, lengths, acc, stats,
+        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0),
+        v_pages.stride(1), v_pages.stride(2), table.stride(0),
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
-        split_len, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=block,
+        split_len, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=PAGE,
         DIRECT=direct, num_warps=CONFIG["warps"], num_stages=CONFIG["stages"])
     if direct:
         return acc[:, :, 0]
@@ -114,9 +142,9 @@ def _merge(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, K, V, Lengths, Acc, Stats,
-                       stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                       scale_log2, split_len,
+    def _decode_kernel(Q, K, V, Table, Lengths, Acc, Stats,
+                       stride_qb, stride_qh, stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn,
+                       stride_tb, scale_log2, split_len,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                        DIRECT: tl.constexpr):
         b = tl.program_id(0)
@@ -129,24 +157,25 @@ if triton is not None:
 
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
+        offs = tl.arange(0, BLOCK)
         heads = kvh * GROUP + g
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP, other=0.0)
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        k_base = K + b * stride_kb + kvh * stride_kh
-        v_base = V + b * stride_vb + kvh * stride_vh
-        for n0 in range(start, end, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            valid = n < end
-            k = tl.load(k_base + n[:, None] * stride_kn + d[None, :], mask=valid[:, None], other=0.0)
+        for n0 in range(start, end, BLOCK):  # one page per step: start and split_len are whole pages
+            page = tl.load(Table + b * stride_tb + n0 // BLOCK).to(tl.int64)
+            valid = n0 + offs < end
+            k = tl.load(K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
+                        mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * stride_vn + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :],
+                        mask=valid[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 

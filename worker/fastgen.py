@@ -1,33 +1,39 @@
-"""The fast engine (`engine: fast`): continuous batching over a slot KV cache, decode steps as CUDA graphs.
+"""The fast engine (`engine: fast`): continuous batching over a paged KV cache, decode steps as CUDA graphs.
 
 Why: on an H200 the engines that go through `model.generate` leave the GPU idle (Python launches each kernel, a
 static cache reads every padded position, a batch waits for its longest row). This engine keeps the model a
 transformers model and replaces only the attention (registered through `AttentionInterface` as `gpujobs_fast`),
 so every weight, norm, RoPE and LoRA layer is transformers' own:
 
-- **Slot cache.** One preallocated tensor holds K and V of every layer for `slots` sequences of up to `max_len`
-  tokens: (2, layers, slots, kv_heads, max_len, head_dim). Its size comes from the memory free after loading (see
-  `plan`): more queued rows than slots wait in the engine's queue (admission control), never an out-of-memory.
+- **Paged cache.** One preallocated tensor holds K and V of every layer in pages of `PAGE` positions:
+  (2, layers, pages, kv_heads, PAGE, head_dim), sized once from the memory free after loading (`size`). A sequence
+  takes the pages its prompt + max_new_tokens need when it is admitted and gives them back when it finishes, so
+  short rows leave room for more rows (G2's mixed lengths), and the cache never depends on a job's shape. Each
+  slot (a place in the decode batch) has a row of the page table. Page 0 is a trash page: free slots point at it.
+- **Prepared once per model** (`prepare`, called when the worker loads the model): the cache, the compiled layers
+  and a CUDA graph of the decode step for every batch bucket, greedy and sampling. A job then pays for none of it;
+  the seconds are reported apart (`compile_s`, `capture_s`).
 - **Prefill** runs newly admitted rows through the model in chunks of about `PREFILL_TOKENS` padded tokens (right
-  padding, causal SDPA with grouped K/V), writes their K/V into their slots and samples their first token.
+  padding, causal SDPA with grouped K/V), writes their K/V into their pages and samples their first token.
 - **Decode** runs one token for every running slot: K/V written at each slot's position, attention over each
-  slot's real length only (worker/decode_attention.py: a Triton kernel on CUDA), the next token picked on the GPU
-  (greedy argmax, or temperature sampling by the exponential race `argmax(p / E)`, E ~ Exp(1)). On CUDA the whole
-  step is captured once per batch bucket as a CUDA graph and replayed: one launch per step.
+  slot's real length only (worker/decode_attention.py: a Triton kernel over the pages on CUDA), the next token
+  picked on the GPU (greedy argmax, or temperature sampling by the exponential race `argmax(p / E)`, E ~ Exp(1)).
+  On CUDA the whole step is a CUDA graph per batch bucket, replayed: one launch per step.
 - **Scheduling.** Rows are queued longest first (prompt + max_new_tokens) so the last rows to finish are short.
-  Free slots are refilled from the queue as rows finish (in groups of at least `slots // ADMIT_DIVISOR`, so prefill
-  runs on useful batch sizes); once the queue is empty, running rows are moved down into free low slots so the
-  decode step shrinks to a smaller bucket. The host books each step's tokens one step behind the GPU (see `run`).
+  Free slots are refilled from the queue as rows finish and pages come back (in groups of at least
+  `slots // ADMIT_DIVISOR` rows, so prefill runs on useful batch sizes); once the queue is empty, running rows are
+  moved down into free low slots (their page-table rows move, not their K/V) so the decode step shrinks to a
+  smaller bucket. The host books each step's tokens one step behind the GPU (see `Engine.run`).
 
 What it does not do (rows that ask for it run on the padded engine under `engine: auto`, and fail with a message
-saying so under `engine: fast`): top_p, top_k and repetition_penalty; models with sliding-window layers, split over
-several GPUs (device_map auto) or post-processing their logits; attention kernels other than sdpa/sdpa_gqa/eager
-(the job asked for a specific kernel, which this engine would replace).
-Stop strings are cut after the fact, as in the continuous engine. `seed` reseeds torch before each group of rows
-with the same seed; sampled outputs depend on how rows share steps, as in every batched engine.
+saying so under `engine: fast`): top_p, top_k and repetition_penalty; rows longer than the page table
+(`max_len`); models with sliding-window layers, split over several GPUs (device_map auto) or post-processing their
+logits; attention kernels other than sdpa/sdpa_gqa/eager (the job asked for a specific kernel, which this engine
+would replace). Stop strings are cut after the fact, as in the continuous engine. `seed` reseeds torch before each
+group of rows with the same seed; sampled outputs depend on how rows share steps, as in every batched engine.
 
-The state (cache, graphs) stays on the resident model (`model._gpujobs_fast`), so a second job on the same model
-and options starts decoding at once; other engines call `release()` first to give its memory back.
+The state (cache, graphs) stays on the resident model (`model._gpujobs_fast`), so the next job starts decoding at
+once; other engines call `release()` first to give its memory back.
 """
 
 from __future__ import annotations
@@ -49,17 +55,18 @@ from worker import decode_attention, faults
 log = logging.getLogger(__name__)
 
 NAME = "gpujobs_fast"
-MAX_SLOTS = 1024  # sequences in flight at most (G1's batch); fewer when memory is short
-CPU_SLOTS = 16  # on CPU (tests): a small cache
+PAGE = decode_attention.PAGE  # positions per page
+MAX_SLOTS = 1024  # sequences in flight at most (G1's batch)
+MAX_LEN = 16384  # the longest sequence (prompt + max_new_tokens) the page table holds, at most the model's context
+CPU_SLOTS = 16  # on CPU (tests): a small batch
+CPU_PAGES: int | None = None  # on CPU: pages in the cache (None: enough for every slot to hold the longest sequence)
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
-ADMIT_DIVISOR = 8  # refill free slots once at least slots // ADMIT_DIVISOR are free (or nothing runs)
-LEN_ALIGN = 64  # max_len is rounded up to a multiple of this
+ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
-PROGRAMS = 1024  # decode kernel programs to aim for when splitting short batches over the context
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
 # which fuses the norms, RoPE and activations that eager mode launches as dozens of small kernels per layer. Once
-# per model and process (prefill and decode compile apart); the time shows in `first_prefill_s` and `capture_s`.
+# per model and process (prefill and decode compile apart), in `prepare`; the time shows in `compile_s`.
 COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
 
@@ -71,34 +78,36 @@ _registered = None  # fast_attention as registered (wrapped by torch.compiler.di
 class _Step:
     mode: str  # "prefill" or "decode"
     state: SlotState
-    slots: torch.Tensor | None = None  # prefill: the slot of each row
+    pages: torch.Tensor | None = None  # prefill: (rows, width) the page of each position of each row
     splits: int = 1
+    split_len: int = 0
 
 
 def fast_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                    **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention contract (q/k/v as (batch, heads, seq, dim), output (batch, seq, heads, dim)),
-    reading and writing the slot cache of the running step."""
+    reading and writing the paged cache of the running step."""
     step = _step
     if step is None:
         raise RuntimeError(f"attention {NAME!r} runs only inside the fast engine: load the model with sdpa")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    k_cache, v_cache = step.state.cache[0, module.layer_idx], step.state.cache[1, module.layer_idx]
+    state = step.state
+    k_cache, v_cache = state.cache[0, module.layer_idx], state.cache[1, module.layer_idx]
     if step.mode == "prefill":
         length = key.shape[2]
-        k_cache[step.slots, :, :length] = key
-        v_cache[step.slots, :, :length] = value
+        pages, offsets = step.pages[:, :length], state.offsets[:length]
+        k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
+        v_cache[pages, :, offsets] = value.transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2), None
     batch = query.shape[0]
-    state = step.state
-    rows, pos = state.arange[:batch], state.pos[:batch]
-    k_cache[rows, :, pos] = key[:, :, 0]
-    v_cache[rows, :, pos] = value[:, :, 0]
-    out = decode_attention.decode(query[:, :, 0], k_cache[:batch], v_cache[:batch], state.lengths[:batch], scale,
-                                  step.splits)
+    page, offset = state.write_page[:batch], state.write_offset[:batch]
+    k_cache[page, :, offset] = key[:, :, 0]
+    v_cache[page, :, offset] = value[:, :, 0]
+    out = decode_attention.decode(query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch],
+                                  scale, step.splits, step.split_len)
     return out[:, None], None
 
 
@@ -152,56 +161,85 @@ def row_problem(params: dict[str, Any]) -> str | None:
     return None
 
 
+def max_len(model) -> int:
+    """The longest sequence (prompt + max_new_tokens) the engine holds for this model: its context, at most
+    MAX_LEN, in whole pages."""
+    text = _text_config(model)
+    context = getattr(text, "max_position_embeddings", None) or MAX_LEN
+    return max(PAGE, min(context, MAX_LEN) // PAGE * PAGE)
+
+
 # --- the resident state ---------------------------------------------------------------------------------------
 
 
 @dataclass
 class SlotState:
-    """The slot cache and the per-slot decode inputs, kept on the model between jobs."""
+    """The paged cache, the page table and the per-slot decode inputs, kept on the model between jobs."""
 
-    cache: torch.Tensor  # (2, layers, slots, kv_heads, max_len, head_dim)
+    cache: torch.Tensor  # (2, layers, pages, kv_heads, PAGE, head_dim); page 0 is the trash page
+    table: torch.Tensor  # (slots, width) long: the page of each block of PAGE positions of each slot
     tok: torch.Tensor  # (slots,) the token each slot feeds into the next decode step
-    pos: torch.Tensor  # (slots,) where that token's K/V goes = its position
+    pos: torch.Tensor  # (slots,) where that token's K/V goes = its position (0 for a free slot)
     active: torch.Tensor  # (slots,) long 1/0
     temp: torch.Tensor  # (slots,) sampling temperature, 0 = greedy
     no_eos: torch.Tensor  # (slots,) bool: ignore_eos rows, whose EOS logits are masked (as min_new_tokens does)
     lengths: torch.Tensor  # (slots,) int32, attention length of the step being run
-    arange: torch.Tensor  # (slots,) 0..slots-1
+    write_page: torch.Tensor  # (slots,) long: the page the step writes each slot's K/V into
+    write_offset: torch.Tensor  # (slots,) long: and the offset in it
     positions: torch.Tensor  # (max_len,) 0..max_len-1, the prefill's position ids (views of one normal tensor,
     # like the decode step's `pos`, so compiled code sees one kind of tensor: no recompile between the two)
+    offsets: torch.Tensor  # (max_len,) positions % PAGE
     graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)
     pool: Any = None
     capture_s: float = 0.0
+    compile_s: float = 0.0  # the first prefill and decode with compiled layers, mostly compiling
+    prepare_s: float | None = None  # everything `prepare` did, once per state
     compiled: list | None = None  # one torch.compile wrapper per decoder layer (see COMPILE)
     eos: tuple[int, ...] | None = None  # the EOS ids the captured graphs mask (`eos_index`, on the device)
     eos_index: torch.Tensor | None = None
-    first_prefill_s: float | None = None  # the first prefill of this state: with COMPILE, mostly compiling
+    first_prefill_s: float | None = None  # the first prefill of this state
 
     @property
     def slots(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def pages(self) -> int:
         return self.cache.shape[2]
 
     @property
     def max_len(self) -> int:
-        return self.cache.shape[4]
+        return self.table.shape[1] * PAGE
+
+    def bytes(self) -> int:
+        return self.cache.numel() * self.cache.itemsize
 
 
 def release(model) -> None:
-    """Drop the model's slot cache and graphs (other engines need the memory)."""
+    """Drop the model's paged cache and graphs (other engines need the memory)."""
     if model.__dict__.pop("_gpujobs_fast", None) is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def _shape(model) -> tuple[int, int, int]:
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model)
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return text.num_hidden_layers, kv_heads, head_dim
 
 
+def page_bytes(model) -> int:
+    layers, kv_heads, head_dim = _shape(model)
+    return 2 * layers * kv_heads * PAGE * head_dim * model.dtype.itemsize
+
+
 def device_free(device: torch.device) -> int | None:
     """Bytes the engine could allocate on `device` now: free in the driver plus what torch's allocator holds
-    unused. None on CPU (the slot count is CPU_SLOTS there)."""
+    unused. None on CPU (the cache size is CPU_SLOTS / CPU_PAGES there)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
@@ -209,52 +247,64 @@ def device_free(device: torch.device) -> int | None:
 
 
 def resident_bytes(model) -> int:
-    """Bytes of the slot cache kept on the model from an earlier run (0 if none)."""
+    """Bytes of the paged cache kept on the model from an earlier run (0 if none)."""
     state = model.__dict__.get("_gpujobs_fast")
-    return 0 if state is None else state.cache.numel() * state.cache.itemsize
+    return 0 if state is None else state.bytes()
 
 
-def plan(model, device: torch.device, sequences: int, max_len: int, vocab: int,
-         cap: int = MAX_SLOTS) -> tuple[int, int]:
-    """(slots, max_len) for `sequences` sequences of at most `max_len` tokens: as many slots as fit in the memory
-    free now (after the model and RESERVE_BYTES, and the step's logits), at most `cap` (CPU_SLOTS on CPU).
+def size(model, device: torch.device, vocab: int, fraction: float = 1.0) -> tuple[int, int]:
+    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as fit in `fraction` of
+    the memory free after the model, RESERVE_BYTES and each slot's share of a step's logits.
 
-    The resident slot cache of an earlier run counts as free: `state_for` either reuses it or frees it before
-    allocating. Counting it as taken left a second large run on a resident engine only the slack beside that
-    cache: a handful of slots, or none (an out-of-memory retry at half the cap)."""
-    max_len = math.ceil(max_len / LEN_ALIGN) * LEN_ALIGN
-    layers, kv_heads, head_dim = _shape(model)
-    per_slot = 2 * layers * kv_heads * max_len * head_dim * model.dtype.itemsize
+    The resident cache of an earlier run counts as free: `state_for` frees it before allocating. (Counted as taken,
+    a second large run on a resident engine saw only the slack beside it: a handful of slots, or none.)"""
+    width = max_len(model) // PAGE
     free = device_free(device)
     if free is None:
-        return max(1, min(sequences, CPU_SLOTS, cap)), max_len
+        slots = CPU_SLOTS
+        return slots, CPU_PAGES or slots * width + 1
+    slots = MAX_SLOTS
     free += resident_bytes(model)
-    per_slot += vocab * 16  # fp32 logits, the sampling noise and their temporaries per row of a step
-    fit = (free - RESERVE_BYTES) // per_slot
-    if fit < 1:
+    budget = int((free - reserve(model) - slots * vocab * 16) * fraction)  # fp32 logits, noise, temporaries
+    pages = budget // page_bytes(model)
+    if pages < 2:
         raise torch.OutOfMemoryError(
-            f"the fast engine has no room for one sequence of {max_len} tokens ({per_slot / 2**20:.0f} MiB of KV "
-            f"cache) in the {free / 2**30:.1f} GiB free: lower max_new_tokens or use a GPU with more memory")
-    return int(min(sequences, cap, fit)), max_len
+            f"the fast engine has no room for its KV cache: {free / 2**30:.1f} GiB free after the model, "
+            f"{reserve(model) / 2**30:.1f} GiB kept for activations: use a GPU with more memory or engine padded")
+    return slots, int(pages)
 
 
-def state_for(model, device: torch.device, slots: int, max_len: int) -> SlotState:
-    """The resident state if it is big enough, else a new one (the old one freed first)."""
+def reserve(model) -> int:
+    """Bytes kept free beside the cache: RESERVE_BYTES plus a prefill chunk's largest activations (the MLP's
+    three intermediate tensors and a few hidden-size ones per token)."""
+    text = _text_config(model)
+    per_token = 4 * text.hidden_size + 3 * (getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+    return RESERVE_BYTES + PREFILL_TOKENS * per_token * model.dtype.itemsize
+
+
+def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) -> SlotState:
+    """The resident state, or a new one sized by `size` (an old one freed first)."""
     state = model.__dict__.get("_gpujobs_fast")
-    if state is not None and state.slots >= slots and state.max_len >= max_len:
+    if state is not None:
         return state
+    slots, pages = size(model, device, vocab, fraction)
     release(model)
     layers, kv_heads, head_dim = _shape(model)
-    cache = torch.zeros((2, layers, slots, kv_heads, max_len, head_dim), dtype=model.dtype, device=device)
+    width = max_len(model) // PAGE
+    cache = torch.zeros((2, layers, pages, kv_heads, PAGE, head_dim), dtype=model.dtype, device=device)
+    positions = torch.arange(width * PAGE, device=device)
+
+    def zeros(dtype):
+        return torch.zeros(slots, dtype=dtype, device=device)
+
     state = SlotState(
-        cache=cache, tok=torch.zeros(slots, dtype=torch.long, device=device),
-        pos=torch.zeros(slots, dtype=torch.long, device=device),
-        active=torch.zeros(slots, dtype=torch.long, device=device),
-        temp=torch.zeros(slots, dtype=torch.float32, device=device),
-        no_eos=torch.zeros(slots, dtype=torch.bool, device=device),
-        lengths=torch.zeros(slots, dtype=torch.int32, device=device),
-        arange=torch.arange(slots, device=device), positions=torch.arange(max_len, device=device))
+        cache=cache, table=torch.zeros((slots, width), dtype=torch.long, device=device), tok=zeros(torch.long),
+        pos=zeros(torch.long), active=zeros(torch.long), temp=zeros(torch.float32), no_eos=zeros(torch.bool),
+        lengths=zeros(torch.int32), write_page=zeros(torch.long), write_offset=zeros(torch.long),
+        positions=positions, offsets=positions % PAGE)
     model.__dict__["_gpujobs_fast"] = state
+    log.info("fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
+             slots, pages, PAGE, state.bytes() / 2**30, state.max_len)
     return state
 
 
@@ -269,6 +319,35 @@ def bucket(sizes: list[int], n: int) -> int:
     return next(b for b in sizes if b >= n)
 
 
+def prepare(loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0) -> SlotState:
+    """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
+    decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
+    The work is done once per state (`state.prepare_s`); `summary` says what it cost."""
+    model = loaded.model
+    state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction)
+    if state.prepare_s is None:
+        t = time.perf_counter()
+        engine = Engine(loaded, state, eos, slots=state.slots, graphs=graphs, compiled=compiled)
+        with torch.inference_mode():
+            engine.warm_up()
+        _sync(state)
+        state.prepare_s = time.perf_counter() - t
+    return state
+
+
+def summary(state: SlotState) -> dict[str, Any]:
+    """The state's size and what preparing it cost (for the load event and the job's engine record)."""
+    return {"slots": state.slots, "pages": state.pages, "page": PAGE, "max_len": state.max_len,
+            "cache_gib": round(state.bytes() / 2**30, 3), "graphs": len(state.graphs),
+            "compile_s": round(state.compile_s, 3), "capture_s": round(state.capture_s, 3),
+            "prepare_s": state.prepare_s and round(state.prepare_s, 3)}
+
+
+def _sync(state: SlotState) -> None:
+    if state.cache.is_cuda:
+        torch.cuda.synchronize(state.cache.device)
+
+
 # --- one sequence ---------------------------------------------------------------------------------------------
 
 
@@ -279,12 +358,17 @@ class Seq:
     row: Any
     k: int
     slot: int = -1
+    pages: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     done: bool = False
 
     @property
     def need(self) -> int:
         return len(self.row.ids) + self.row.params["max_new_tokens"]
+
+    @property
+    def pages_needed(self) -> int:
+        return math.ceil(self.need / PAGE)
 
 
 # --- the engine -----------------------------------------------------------------------------------------------
@@ -297,7 +381,7 @@ class Engine:
                  compiled: bool = False):
         register()
         self.loaded = loaded
-        self.slots = slots  # the state may be bigger (kept from an earlier job): this run uses slots 0..slots-1
+        self.slots = slots  # this run uses slots 0..slots-1 of the state's
         model = loaded.model
         causal = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder = causal.get_decoder()
@@ -310,13 +394,14 @@ class Engine:
             state.compiled = [torch.compile(layer._call_impl, dynamic=True, backend=COMPILE_BACKEND)
                               for layer in self.decoder.layers]
         self.compiled = state.compiled if compiled else None
-        self.sizes = buckets(slots)
+        self.sizes = buckets(state.slots)
         self.pad = loaded.tokenizer.pad_token_id or 0
         if state.eos != tuple(sorted(eos)):  # graphs read the state's tensors only: new EOS ids, new graphs
             state.eos = tuple(sorted(eos))
             state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
             state.graphs.clear()
         self.eos_index = state.eos_index
+        self.free_pages: list[int] = []
         self._host: torch.Tensor | None = None  # pinned buffers the decode steps' tokens are copied into
         self.steps = 0
         self.prefill_s = 0.0
@@ -325,12 +410,12 @@ class Engine:
     # -- model calls --
 
     @contextlib.contextmanager
-    def _mode(self, mode: str, slots: torch.Tensor | None = None, splits: int = 1):
+    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: tuple[int, int] = (1, 0)):
         global _step
         model = self.loaded.model
         before = model.config._attn_implementation
         model.config._attn_implementation = NAME  # every layer reads the config at call time
-        _step = _Step(mode, self.state, slots, splits)
+        _step = _Step(mode, self.state, pages, *splits)
         layers = self.decoder.layers
         if self.compiled:
             for layer, fn in zip(layers, self.compiled):
@@ -361,30 +446,33 @@ class Engine:
         return torch.where(temp > 0, race.argmax(dim=-1), logits.argmax(dim=-1))
 
     def prefill(self, seqs: list[Seq]) -> torch.Tensor:
-        """Run the prompts of `seqs` (slots already assigned), fill their cache and slot inputs; returns their
-        first tokens (on the device)."""
+        """Run the prompts of `seqs` (slots and pages already assigned), fill their pages, page-table rows and
+        slot inputs; returns their first tokens (on the device)."""
         st = self.state
         device = st.cache.device
         lengths = [len(s.row.ids) for s in seqs]
         width = max(lengths)
         ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
+        table = torch.zeros((len(seqs), st.table.shape[1]), dtype=torch.long)  # unused blocks: the trash page
         for i, s in enumerate(seqs):
             ids[i, : lengths[i]] = torch.tensor(s.row.ids)
-        ids = ids.to(device)
+            table[i, : len(s.pages)] = torch.tensor(s.pages)
+        ids, table = ids.to(device), table.to(device)
         slots = torch.tensor([s.slot for s in seqs], device=device)
         last = torch.tensor(lengths, device=device) - 1
         temps = torch.tensor([_temperature(s.row.params, self.loaded) for s in seqs], device=device)
         no_eos = torch.tensor([bool(s.row.params["ignore_eos"]) for s in seqs], device=device)
         positions = st.positions[None, :width].expand(len(seqs), width)
+        pages = table[:, st.positions[:width] // PAGE]  # (rows, width): padding past a row's pages goes to trash
         t = time.perf_counter()
-        with self._mode("prefill", slots):
+        with self._mode("prefill", pages):
             hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         if st.first_prefill_s is None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _sync(st)
             st.first_prefill_s = time.perf_counter() - t
         logits = self.head(hidden[torch.arange(len(seqs), device=device), last])
         first = self._pick(self._mask_eos(logits, no_eos), temps, bool((temps > 0).any()))
+        st.table[slots] = table
         st.tok[slots] = first
         st.pos[slots] = last + 1
         st.active[slots] = 1
@@ -394,12 +482,16 @@ class Engine:
 
     def logits(self, batch: int) -> torch.Tensor:
         """The next-token logits (the model's dtype) of slots 0..batch-1 after writing their current token's K/V
-        (inactive slots compute garbage that nothing reads). Leaves `tok` and `pos` as they were."""
+        (free slots write into the trash page and compute garbage that nothing reads). Leaves `tok` and `pos` as
+        they were."""
         st = self.state
-        st.lengths[:batch] = ((st.pos[:batch] + 1) * st.active[:batch]).to(torch.int32)
-        splits = decode_attention.splits_for(batch, st.cache.shape[3], st.max_len, PROGRAMS)
+        pos = st.pos[:batch]
+        st.lengths[:batch] = ((pos + 1) * st.active[:batch]).to(torch.int32)
+        st.write_page[:batch] = st.table[:batch].gather(1, (pos // PAGE)[:, None])[:, 0]
+        st.write_offset[:batch] = pos % PAGE
+        splits = decode_attention.splits_for(batch, st.cache.shape[3], st.max_len)
         with self._mode("decode", splits=splits):
-            hidden = self.decoder(input_ids=st.tok[:batch, None], position_ids=st.pos[:batch, None],
+            hidden = self.decoder(input_ids=st.tok[:batch, None], position_ids=pos[:, None],
                                   use_cache=False).last_hidden_state[:, 0]
         return self.head(hidden)
 
@@ -445,23 +537,48 @@ class Engine:
                  " (sampling)" if sample else "", seconds)
         return graph
 
-    def move(self, src: int, dst: int) -> None:
-        """Move the sequence in slot `src` to the free slot `dst` (cache, inputs)."""
+    def warm_up(self) -> None:
+        """Compile the layers (a prefill of two rows and of one, a decode step) and capture every decode graph,
+        with every slot free (their writes go to the trash page)."""
         st = self.state
-        st.cache[:, :, dst] = st.cache[:, :, src]
-        for buf in (st.tok, st.pos, st.active, st.temp, st.no_eos):
+        st.active.zero_()
+        st.pos.zero_()
+        st.table.zero_()
+        t = time.perf_counter()
+        params = {"max_new_tokens": 1, "do_sample": False, "temperature": None, "ignore_eos": True}
+        for rows in sorted({min(2, st.slots), 1}, reverse=True):
+            dummy = [Seq(_Dummy(params, [self.pad] * min(PAGE + 1, st.max_len - 1)), 0, slot=i) for i in range(rows)]
+            self.prefill(dummy)
+        self._deactivate(dummy)
+        if self.compiled:  # the decode variants (batch 1 is specialized apart)
+            for batch in (1, 2):
+                self._decode(min(batch, st.slots), False)
+        _sync(st)
+        st.compile_s += time.perf_counter() - t
+        if self.use_graphs:
+            for sample in (False, True):
+                for batch in self.sizes:
+                    if (batch, sample) not in st.graphs:
+                        self._capture(batch, sample)
+        st.active.zero_()
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the sequence in slot `src` to the free slot `dst`: its page-table row and inputs (its K/V stay)."""
+        st = self.state
+        for buf in (st.table, st.tok, st.pos, st.active, st.temp, st.no_eos):
             buf[dst] = buf[src]
         st.active[src] = 0
-        st.pos[src] = 0  # a free slot writes at position 0 (see _deactivate)
+        st.pos[src] = 0  # a free slot writes at position 0 of the trash page (see _deactivate)
+        st.table[src] = 0
 
     def record(self, stats: dict[str, Any]) -> None:
         """Add this run's figures to the job's `info["fast"]`."""
         st = self.state
-        stats.update(slots=self.slots, max_len=st.max_len, cuda_graphs=self.use_graphs,
-                     compiled=self.compiled is not None,
-                     graphs=[list(k) for k in sorted(st.graphs)], capture_s=round(st.capture_s, 3),
+        stats.update(slots=self.slots, pages=st.pages, page=PAGE, max_len=st.max_len, cuda_graphs=self.use_graphs,
+                     compiled=self.compiled is not None, graphs=len(st.graphs), capture_s=round(st.capture_s, 3),
+                     compile_s=round(st.compile_s, 3),
                      first_prefill_s=st.first_prefill_s and round(st.first_prefill_s, 3),
-                     cache_gib=round(st.cache.numel() * st.cache.itemsize / 2**30, 3))
+                     cache_gib=round(st.bytes() / 2**30, 3))
         stats["runs"] += 1
         stats["steps"] += self.steps
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
@@ -471,24 +588,27 @@ class Engine:
 
     def run(self, seqs: list[Seq], should_stop: Callable[[], bool]) -> Iterator[list[Seq]]:
         """Run every sequence to the end; yield the ones that finish, as a list per decode step (or prefill chunk)
-        that finished any (not yielded: those cut off by `should_stop`).
+        that finished any (not yielded: those cut off by `should_stop`). Every sequence must fit in the cache
+        (`pages_needed` < the state's pages, `need` <= its max_len).
 
         The host works one step behind the GPU: step k+1 is launched before the tokens of step k are read and
         booked, so that bookkeeping (and the caller's work on each finished sequence) overlaps the GPU's step. A
-        sequence that finished at step k so runs one more step, whose token is dropped: its slot's cache holds
-        `need` positions, and that extra step writes at most position need - 1."""
+        sequence that finished at step k so runs one more step, whose token is dropped: its pages hold `need`
+        positions, and that extra step writes at most position need - 1."""
         st = self.state
         st.active.zero_()
-        st.pos.zero_()  # slots kept from an earlier run: every free slot writes at position 0
+        st.pos.zero_()  # every free slot writes at position 0 of the trash page
+        st.table.zero_()
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
         free = list(range(self.slots))
+        self.free_pages = list(range(st.pages - 1, 0, -1))  # page 0 is the trash page
         running: dict[int, Seq] = {}
         admit_min = max(1, self.slots // ADMIT_DIVISOR)
         pending: tuple[Callable[[], list[int]], list[tuple[int, Seq]]] | None = None  # launched, not yet booked
         while queue or running:
             if should_stop():
                 return
-            if queue and (not running or len(free) >= admit_min):
+            if queue and (not running or self._admissible(queue, free) >= min(admit_min, len(queue))):
                 if pending:  # the slots of sequences that finished in the launched step are free too
                     yield from self._book(*pending, running, free)
                     pending = None
@@ -508,6 +628,17 @@ class Engine:
             if not queue and running:
                 self._compact(running, free, batch)
         # a step still pending here ran only sequences that had finished before it (EOS): its tokens are dropped
+
+    def _admissible(self, queue, free: list[int]) -> int:
+        """How many sequences at the head of the queue fit in the free slots and pages now (counted up to the
+        admission group size)."""
+        pages, n = len(self.free_pages), 0
+        for seq in queue:
+            if n == len(free) or seq.pages_needed > pages or n >= self.slots // ADMIT_DIVISOR:
+                break
+            pages -= seq.pages_needed
+            n += 1
+        return n
 
     def _launch(self, batch: int, sample: bool) -> Callable[[], list[int]]:
         """Launch one decode step; returns a function that waits for the step and gives its tokens by slot (CUDA:
@@ -547,20 +678,24 @@ class Engine:
                 continue
             seq.tokens.append(by_slot[slot])
             if self._finished(seq):
-                seq.done = True
                 del running[seq.slot]
-                heapq.heappush(free, seq.slot)
+                self._free(seq, free)
                 finished.append(seq)
         if finished:
             self._deactivate(finished)
             yield finished
 
     def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[list[Seq]]:
-        """Prefill queued sequences into free slots, in chunks of about PREFILL_TOKENS padded tokens."""
+        """Prefill queued sequences into free slots and pages, in chunks of about PREFILL_TOKENS padded tokens.
+        Takes the queue's head while it fits: a long row is never passed over by shorter ones."""
+        if not running and queue[0].pages_needed > len(self.free_pages):
+            raise RuntimeError(f"a sequence of {queue[0].need} positions needs {queue[0].pages_needed} pages of "
+                               f"the fast engine's cache, which has {len(self.free_pages)}")
         take = []
-        while queue and free:
+        while queue and free and queue[0].pages_needed <= len(self.free_pages):
             seq = queue.popleft()
             seq.slot = heapq.heappop(free)
+            seq.pages = [self.free_pages.pop() for _ in range(seq.pages_needed)]
             take.append(seq)
         take.sort(key=lambda s: len(s.row.ids))  # similar lengths share a chunk: little padding
         t = time.perf_counter()
@@ -581,8 +716,7 @@ class Engine:
         for seq, token in zip(chunk, first):
             seq.tokens.append(token)
             if self._finished(seq):
-                seq.done = True
-                heapq.heappush(free, seq.slot)
+                self._free(seq, free)
                 finished.append(seq)
             else:
                 running[seq.slot] = seq
@@ -590,19 +724,27 @@ class Engine:
             self._deactivate(finished)
             yield finished
 
+    def _free(self, seq: Seq, free: list[int]) -> None:
+        """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the
+        trash page on the device before any later step or prefill)."""
+        seq.done = True
+        heapq.heappush(free, seq.slot)
+        self.free_pages.extend(seq.pages)
+        seq.pages = []
+
     def _deactivate(self, seqs: list[Seq]) -> None:
-        """Mark the slots of `seqs` inactive and point them at position 0, without waiting for the GPU (a list
+        """Mark the slots of `seqs` inactive, at position 0 of the trash page, without waiting for the GPU (a list
         index would be copied to the device synchronously, so the index goes through pinned memory).
 
-        Position 0 matters: a free slot stays in the decode batch until it is refilled or compacted away, and the
-        step writes its K/V at its `pos`. A row whose prompt + max_new_tokens fills the cache ends with pos =
-        max_len after its extra step: left there, the next step would write one past the cache (an IndexError on
-        CPU, an out-of-bounds write on the GPU)."""
+        A free slot stays in the decode batch until it is refilled or compacted away, and the step writes its K/V
+        at its position: pointed at the trash page it never writes into pages handed to another row, nor past its
+        own (a row filling its pages exactly ends at pos = need after its extra step)."""
         st = self.state
         slots = torch.tensor([s.slot for s in seqs], pin_memory=st.active.is_cuda).to(st.active.device,
                                                                                        non_blocking=True)
         st.active.index_fill_(0, slots, 0)
         st.pos.index_fill_(0, slots, 0)
+        st.table.index_fill_(0, slots, 0)
 
     def _finished(self, seq: Seq) -> bool:
         params = seq.row.params
@@ -623,6 +765,14 @@ class Engine:
             seq.slot = dst
             running[dst] = seq
             heapq.heappush(free, src)
+
+
+@dataclass
+class _Dummy:
+    """A row of the warm-up prefill."""
+
+    params: dict[str, Any]
+    ids: list[int]
 
 
 def _raise_recompile_limit(limit: int = 64) -> None:

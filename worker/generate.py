@@ -3,10 +3,12 @@
 `generate()` yields one micro-batch of `RowResult`s at a time; the caller commits each before asking for the
 next, so a crash loses at most one micro-batch. Four engines run the rows (spec field `engine`):
 
-- `fast` (worker/fastgen.py): continuous batching over a preallocated slot KV cache sized from free memory,
-  a Triton decode attention that reads each row's real context only, decode steps captured as CUDA graphs and the
-  decoder layers compiled. Greedy and temperature sampling; rows asking for top_p, top_k or repetition_penalty
-  run padded under `auto` and fail under `fast`. Finished rows are yielded `batch_rows` at a time as they finish.
+- `fast` (worker/fastgen.py): continuous batching over a paged KV cache sized once from free memory (a row takes
+  the pages its prompt + max_new_tokens need), a Triton decode attention that reads each row's real context only,
+  decode steps captured as CUDA graphs and the decoder layers compiled, all prepared when the worker loads the
+  model (`prepare_engine`). Greedy and temperature sampling; rows asking for top_p, top_k or repetition_penalty, or
+  longer than the cache holds, run padded under `auto` and fail under `fast`. Finished rows are yielded
+  `batch_rows` at a time as they finish.
 - `padded`: micro-batches of `batch_rows` rows, left-padded, through `model.generate`. Rows with different
   sampling parameters never share a call. Sampling with a `seed` reseeds torch per call, so a job is reproducible
   for the same batching.
@@ -247,7 +249,7 @@ def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
             return "padded", "auto: padded for a quantized model (the fast engine captures CUDA graphs)"
         if problem:
             return "padded", f"auto: padded, because {problem}"
-        return "fast", "auto: fast on CUDA (slot KV cache, Triton decode attention, CUDA graphs)"
+        return "fast", "auto: fast on CUDA (paged KV cache, Triton decode attention, CUDA graphs)"
     if spec.engine == "fast":
         if problem:
             raise InvalidInput(problem)
@@ -376,17 +378,20 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
     """Rows through `fastgen.Engine`, one run per distinct seed; finished rows are yielded once at least
     `batch_rows` are ready, in finishing order (sorted within a micro-batch): rows that finish in the same decode
     step share a micro-batch, however many (G1's 1024 rows all end at its last step: one commit, not 64). Rows
-    whose sampling the fast engine cannot do run on the padded engine afterwards under `auto` and fail under
-    `fast`. Out of memory: the unfinished sequences run again with half the slots (reported through `on_event`)."""
+    whose sampling the fast engine cannot do, or longer than its cache holds, run on the padded engine afterwards
+    under `auto` and fail under `fast`. Out of memory: the unfinished sequences run again with half the slots and
+    half the cache (reported through `on_event`)."""
     started = time.time()
     ready: list[RowResult] = []
     inputs = dict(rows)
     others: list[tuple[int, dict[str, Any]]] = []
     groups: dict[Any, list[fastgen.Seq]] = {}
+    eos = _eos_ids(loaded)
+    state = prepare_fast(loaded, eos)
     for item in prepare(loaded, spec, rows, started):
         if isinstance(item, RowResult):
             ready.append(item)
-        elif (unsupported := fastgen.row_problem(item.params)) and spec.engine == "auto":
+        elif (unsupported := fastgen.row_problem(item.params) or _too_long(state, item)) and spec.engine == "auto":
             others.append((item.idx, inputs[item.idx]))
         elif unsupported:
             ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started, error=(
@@ -397,8 +402,6 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
     stats = info.setdefault("fast", {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
     info["attn_implementation"] = f"{fastgen.NAME} (decode: " + (
         "triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference") + ")"
-    fastgen.register()
-    eos = _eos_ids(loaded)
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
         for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats):
@@ -424,26 +427,59 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
                                         on_event=on_event)
 
 
+def prepare_engine(loaded: Loaded, spec: GenerateSpec) -> dict[str, Any] | None:
+    """Prepare what the engine for `spec` keeps on the model, right after loading, so that no job pays for it:
+    the fast engine's cache, compiled layers and CUDA graphs. Returns what it did (for the load event), or None."""
+    try:
+        name, _ = choose_engine(spec, loaded)
+    except InvalidInput:
+        return None  # the job fails with that reason when it runs
+    if name != "fast":
+        return None
+    return fastgen.summary(prepare_fast(loaded))
+
+
+def prepare_fast(loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0) -> fastgen.SlotState:
+    """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs: see
+    `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run, so that cost
+    is load time, not a job's."""
+    graphs = _fast_graphs(loaded)
+    return fastgen.prepare(loaded, _eos_ids(loaded) if eos is None else eos, graphs=graphs,
+                           compiled=graphs and fastgen.COMPILE, fraction=fraction)
+
+
+def _fast_graphs(loaded: Loaded) -> bool:
+    return loaded.device.type == "cuda" and getattr(loaded.model, "hf_quantizer", None) is None
+
+
+def _too_long(state: fastgen.SlotState, item: Prepared) -> str | None:
+    need = len(item.ids) + item.params["max_new_tokens"]
+    if need <= state.max_len and math.ceil(need / fastgen.PAGE) < state.pages:
+        return None
+    room = min(state.max_len, (state.pages - 1) * fastgen.PAGE)
+    return (f"a sequence of {need} tokens (prompt {len(item.ids)} + max_new_tokens "
+            f"{item.params['max_new_tokens']}, more than the {room} the fast engine holds here)")
+
+
 def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], should_stop, on_event,
               stats: dict[str, Any]) -> Iterator[list[fastgen.Seq]]:
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
-    slots and reruns the unfinished sequences."""
+    slots and the cache and reruns the unfinished sequences."""
     model = loaded.model
-    vocab = model.get_output_embeddings().weight.shape[0]
-    graphs = loaded.device.type == "cuda" and getattr(model, "hf_quantizer", None) is None
-    cap = fastgen.MAX_SLOTS
+    cap, fraction = fastgen.MAX_SLOTS, 1.0
     todo = list(group)
     while todo and not should_stop():
         if seed is not None:
             torch.manual_seed(seed)
         for seq in todo:
-            seq.tokens, seq.slot, seq.done = [], -1, False
+            seq.tokens, seq.slot, seq.pages, seq.done = [], -1, [], False
         finished: set[int] = set()
         engine = None
         try:
-            slots, max_len = fastgen.plan(model, loaded.device, len(todo), max(s.need for s in todo), vocab, cap)
-            engine = fastgen.Engine(loaded, fastgen.state_for(model, loaded.device, slots, max_len), eos,
-                                    slots=slots, graphs=graphs, compiled=graphs and fastgen.COMPILE)
+            state = prepare_fast(loaded, eos, fraction)
+            graphs = _fast_graphs(loaded)
+            engine = fastgen.Engine(loaded, state, eos, slots=min(state.slots, len(todo), cap), graphs=graphs,
+                                    compiled=graphs and fastgen.COMPILE)
             with torch.inference_mode():
                 for seqs in engine.run(todo, should_stop):
                     finished.update(id(seq) for seq in seqs)
@@ -454,7 +490,7 @@ def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], sho
                 raise
             fastgen.release(model)
             _free_cuda_cache()
-            cap = was // 2
+            cap, fraction = was // 2, fraction / 2
             on_event(f"out of memory in the fast engine with {was} slots: retrying the "
                      f"{len(todo) - len(finished)} unfinished sequences with at most {cap}")
         finally:

@@ -257,6 +257,10 @@ class Runtime:
         t0 = time.perf_counter()
         loaded = loader.load(opts, gpus=self.gpus)
         loaded.resolved["load_seconds"] = round(time.perf_counter() - t0, 3)
+        t0 = time.perf_counter()
+        prepared = generate.prepare_engine(loaded, spec)  # load time, not a job's: cache, compile, CUDA graphs
+        if prepared:
+            loaded.resolved["prepared"] = {**prepared, "seconds": round(time.perf_counter() - t0, 3)}
         with session_scope() as session:
             add_event(session, job_id, f"{self.name} loaded {opts.model} in {loaded.resolved['load_seconds']} s",
                       data=loaded.resolved)

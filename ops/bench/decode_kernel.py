@@ -1,11 +1,13 @@
-"""The fast engine's decode attention (worker/decode_attention.py) at G1's decode shapes, against SDPA with
-`enable_gqa` (the issue's reference: 0.61 ms per layer at batch 1024, context 512 on an H200; bound 0.50 ms).
+"""The fast engine's decode attention (worker/decode_attention.py, paged) at G1's and G2's decode shapes, against
+SDPA with `enable_gqa` over a contiguous cache (0.61 ms per layer at batch 1024, context 512 on an H200; bound
+0.50 ms at 4.3 TB/s).
 
     python ops/bench/decode_kernel.py --out ops/bench/results/decode-kernel.json    # on a GPU
 
-For each (batch, context): max |diff| against `reference_decode`, the kernel's time per layer (CUDA events, median
-of 50 after warm-up), SDPA's time on the same cache sliced to the context (no mask: every row has that length),
-and the bandwidth each reaches (K and V bytes read / time).
+1. configs: every (warps, stages) of CONFIGS at batch 1024 × context 384 (the page is the kernel's block);
+2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
+   contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
+   bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
+SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
+HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
 
 
 def timed(torch, fn, reps: int = 50) -> float:
@@ -34,6 +40,26 @@ def timed(torch, fn, reps: int = 50) -> float:
     return statistics.median(times)
 
 
+def paged(torch, da, batch: int, ctx: int):
+    """q, contiguous k/v (B, KVH, ctx, D), the same K/V as shuffled pages, the page table and lengths."""
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, KV_HEADS, ctx, DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    per = -(-ctx // da.PAGE)
+    table = torch.zeros((batch, WIDTH // da.PAGE), dtype=torch.long, device="cuda")
+    table[:, :per] = (torch.randperm(batch * per, device="cuda") + 1).view(batch, per)
+    pad = per * da.PAGE - ctx
+
+    def pages(x):
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)).view(batch, KV_HEADS, per, da.PAGE, DIM)
+        out = torch.zeros((batch * per + 1, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=x.dtype)
+        out[table[:, :per].reshape(-1)] = x.permute(0, 2, 1, 3, 4).reshape(batch * per, KV_HEADS, da.PAGE, DIM)
+        return out
+
+    lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    return q, k, v, pages(k), pages(v), table, lengths
+
+
 def main() -> int:
     import torch
 
@@ -42,31 +68,40 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "decode-kernel.json")
     args = p.parse_args()
-    heads, kv_heads, dim, max_len = 16, 8, 128, 1536
+    scale = DIM ** -0.5
+    torch.manual_seed(0)
+    q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
+    configs = []
+    for warps, stages in CONFIGS:
+        da.CONFIG.update(warps=warps, stages=stages)
+        ms = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, 1, 0))
+        configs.append({"warps": warps, "stages": stages, "ms": round(ms, 4)})
+        print(configs[-1], flush=True)
+    best = min(configs, key=lambda c: c["ms"])
+    da.CONFIG.update(warps=best["warps"], stages=best["stages"])
     results = []
-    for batch, ctx in ((1024, 512), (1024, 384), (1024, 256), (256, 1024), (64, 1024), (8, 1024), (1, 1024)):
-        torch.manual_seed(0)
-        q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-        cache = torch.randn(2, batch, kv_heads, max_len, dim, device="cuda", dtype=torch.bfloat16)
-        k, v = cache[0], cache[1]
-        lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-        splits = da.splits_for(batch, kv_heads, max_len, 1024)
-        ours = da._triton_decode(q, k, v, lengths, dim ** -0.5, splits)
-        ref = da.reference_decode(q, k[:, :, :ctx], v[:, :, :ctx], lengths, dim ** -0.5)
-        diff = (ours.float() - ref.float()).abs().max().item()
-        t_ours = timed(torch, lambda: da._triton_decode(q, k, v, lengths, dim ** -0.5, splits))
-        ks, vs = k[:, :, :ctx], v[:, :, :ctx]
+    for batch, ctx in SHAPES:
+        q, k, v, kp, vp, table, lengths = paged(torch, da, batch, ctx)
+        splits, split_len = da.splits_for(batch, KV_HEADS, WIDTH)
+        ours = da._triton_decode(q, kp, vp, table, lengths, scale, splits, split_len)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
+        diff = (ours.float() - ref[:, :, 0].float()).abs().max().item()
+        t_ours = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, splits, split_len))
         t_sdpa = timed(torch, lambda: torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, None], ks, vs, scale=dim ** -0.5, enable_gqa=True))
-        read = 2 * batch * kv_heads * ctx * dim * 2
-        row = {"batch": batch, "context": ctx, "splits": splits, "max_abs_diff": diff, "ours_ms": round(t_ours, 4),
-               "sdpa_gqa_ms": round(t_sdpa, 4), "ours_tb_s": round(read / t_ours / 1e9, 2),
-               "sdpa_tb_s": round(read / t_sdpa / 1e9, 2), "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4)}
+            q[:, :, None], k, v, scale=scale, enable_gqa=True))
+        read = 2 * batch * KV_HEADS * ctx * DIM * 2
+        row = {"batch": batch, "context": ctx, "splits": splits, "split_len": split_len, "max_abs_diff": diff,
+               "ours_ms": round(t_ours, 4), "sdpa_gqa_ms": round(t_sdpa, 4),
+               "ours_tb_s": round(read / t_ours / 1e9, 2), "sdpa_tb_s": round(read / t_sdpa / 1e9, 2),
+               "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4)}
         results.append(row)
         print(row, flush=True)
+        del q, k, v, kp, vp
+        torch.cuda.empty_cache()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                    "results": results}, indent=2))
+                                    "configs": configs, "best": best, "results": results}, indent=2))
+    print(f"best config: {best}")
     print(f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
           f"{'max diff':>10}")
     for r in results:

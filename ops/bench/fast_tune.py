@@ -3,10 +3,11 @@ the decoder layers buys, measured as milliseconds per decode step and prefill se
 
     python ops/bench/fast_tune.py --out ops/bench/results/fast-tune.json     # on the H200
 
-1. kernel: every (block, warps, stages) of CONFIGS at batch 1024 × context 384 and 512 (CUDA events, median);
-2. engine: 1024 G1 prompts (256 tokens) × `--new` tokens through `fastgen.Engine`, compiled and not; per-step
+(The kernel's launch configurations are measured by ops/bench/decode_kernel.py.)
+
+1. engine: 1024 G1 prompts (256 tokens) × `--new` tokens through `fastgen.Engine`, compiled and not; per-step
    decode time = decode seconds / steps, prefill seconds, first-prefill and capture seconds (compile);
-3. profile: the top CUDA kernels of one eager decode step (no graph, not compiled), by total time.
+2. profile: the top CUDA kernels of one eager decode step (no graph, not compiled), by total time.
 """
 
 from __future__ import annotations
@@ -19,40 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 2, 4)]
-
-
-def kernels(torch, da, out: dict) -> None:
-    sys.path.insert(0, str(ROOT / "ops" / "bench"))
-    from decode_kernel import timed
-
-    results = []
-    for ctx in (384, 512):
-        q = torch.randn(1024, 16, 128, device="cuda", dtype=torch.bfloat16)
-        cache = torch.randn(2, 1024, 8, 512, 128, device="cuda", dtype=torch.bfloat16)
-        lengths = torch.full((1024,), ctx, device="cuda", dtype=torch.int32)
-        read = 2 * 1024 * 8 * ctx * 128 * 2
-        for block, warps, stages in CONFIGS:
-            da.CONFIG.update(block=block, warps=warps, stages=stages)
-            for splits in (1, 2):
-                try:
-                    ms = timed(torch, lambda s=splits: da._triton_decode(q, cache[0], cache[1], lengths, 0.088, s))
-                except Exception as exc:  # a config the compiler refuses (shared memory): reported
-                    results.append({"ctx": ctx, "config": [block, warps, stages], "splits": splits,
-                                    "error": str(exc)[:200]})
-                    continue
-                results.append({"ctx": ctx, "config": [block, warps, stages], "splits": splits, "ms": round(ms, 4),
-                                "tb_s": round(read / ms / 1e9, 2)})
-                print(results[-1], flush=True)
-    out["kernel"] = results
-    ok = [r for r in results if "ms" in r and r["ctx"] == 384]
-    best = min(ok, key=lambda r: r["ms"])
-    out["kernel_best_384"] = best
-    block, warps, stages = best["config"]
-    da.CONFIG.update(block=block, warps=warps, stages=stages)
-    print("best at 384:", best, flush=True)
-
 
 def engine_runs(torch, args, out: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -76,7 +43,7 @@ def engine_runs(torch, args, out: dict) -> None:
     for compiled in (False, True, True):
         fastgen.release(model)
         seqs = [fastgen.Seq(g.Prepared(i, params, ids[i]), 0) for i in range(1024)]
-        state = fastgen.state_for(model, loaded.device, 1024, 256 + args.new)
+        state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
         if not compiled:
             state.compiled = None
         eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=True, compiled=compiled)
@@ -97,9 +64,12 @@ def engine_runs(torch, args, out: dict) -> None:
     fastgen.release(model)
 
     # 3. profile one eager decode step
-    state = fastgen.state_for(model, loaded.device, 1024, 512)
+    state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
     eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=False, compiled=False)
     seqs = [fastgen.Seq(g.Prepared(i, params, ids[i]), 0, slot=i) for i in range(1024)]
+    free = list(range(state.pages - 1, 0, -1))
+    for seq in seqs:
+        seq.pages = [free.pop() for _ in range(seq.pages_needed)]
     with torch.inference_mode():
         for start in range(0, 1024, 128):
             eng.prefill(seqs[start : start + 128])
@@ -119,8 +89,6 @@ def engine_runs(torch, args, out: dict) -> None:
 def main() -> int:
     import torch
 
-    from worker import decode_attention as da
-
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "fast-tune.json")
     p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"))
@@ -133,7 +101,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "worker.tinymodel", str(args.model), "--arch", "qwen3-0.6b"],
                        check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    for name, fn in (("kernel", lambda: kernels(torch, da, out)), ("engine", lambda: engine_runs(torch, args, out))):
+    for name, fn in (("engine", lambda: engine_runs(torch, args, out)),):
         if name in args.skip:
             continue
         try:

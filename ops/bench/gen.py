@@ -14,7 +14,9 @@ Steps (each in its own time box; a step that would not fit is listed under `skip
 1. In a child process (it releases the GPU before the service starts):
    a. correctness, greedy: the fast engine vs plain `generate` on the tiny memorized model (96 rows);
    b. engine: `worker.generate.generate(engine=fast)` over the workload's rows, twice: the first run pays the
-      Triton compile and CUDA-graph captures (reported as `cold`), the second is `engine.output_tok_s`;
+      preparation (compile, CUDA-graph captures; reported as `cold`), the second is `engine.output_tok_s`; then
+      the other workload and this one again on the same resident state, and both on a fresh state: the outputs
+      must be equal (`correctness.resident_equals_fresh`; issue 12's stall came from a second large run);
    c. correctness, logits: 64 of the workload's rows inside a batch of the engine's slot count, teacher-forced
       along plain `generate`'s greedy tokens for 8 steps: per-step logits within a bf16 tolerance;
    d. baselines: plain `generate` padded (batches of 256), and for G1 `generate(cache_implementation="static")`
@@ -103,6 +105,9 @@ def _param_count(config) -> int:
 
 
 def run_inproc(args: argparse.Namespace) -> int:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.budget_s + 5)  # every thread's stack before the parent's time box kills us
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -173,7 +178,6 @@ def run_inproc(args: argparse.Namespace) -> int:
     model.generation_config.eos_token_id = None  # EOS off for the baselines (ours passes ignore_eos)
     loaded = Loaded(model, tok, model.device, {})
     data = workload(args.workload, tok, args.smoke)
-    out["bound"] = bound(model.config, [(len(tok(p)["input_ids"]), o) for p, o in data])
     rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(data)]
     spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, engine="fast")
 
@@ -196,6 +200,42 @@ def run_inproc(args: argparse.Namespace) -> int:
         out["engine"]["output_tok_s"] = out["engine"]["warm"]["output_tok_s"]
 
     step("engine", 40, engine_runs)
+
+    # b2. a resident engine across jobs of other shapes (issue 12: the second large run once stalled): G1, then
+    # this workload again, on the same state; then each on a fresh state (released and prepared again). Outputs
+    # of the resident runs must equal the fresh ones, row for row.
+    def sequence() -> None:
+        other = "g1" if args.workload == "g2" else "g2"
+        other_data = workload(other, tok, args.smoke)
+        other_rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(other_data)]
+        runs, outputs = [], {}
+        for name, these, fresh in ((other, other_rows, False), (args.workload, rows, False),
+                                   (other, other_rows, True), (args.workload, rows, True)):
+            if fresh:
+                fastgen.release(model)
+            info: dict = {}
+            g1bench._sync(torch)
+            t = time.perf_counter()
+            got = {r.idx: r.output for b in engine.generate(loaded, spec, these, batch_rows=256, info=info)
+                   for r in b}
+            g1bench._sync(torch)
+            seconds = time.perf_counter() - t
+            tokens = sum(o for _, o in (other_data if name == other else data))
+            runs.append({"workload": name, "state": "fresh" if fresh else "resident", "seconds": round(seconds, 3),
+                         "output_tok_s": round(tokens / seconds, 1), "slots": info.get("fast", {}).get("slots"),
+                         "pages": info.get("fast", {}).get("pages"), "steps": info.get("fast", {}).get("steps")})
+            log(f"sequence: {name} on a {runs[-1]['state']} state: {seconds:.2f} s, {tokens / seconds:,.0f} tok/s")
+            if fresh:
+                same = sum(outputs[name][i] == got[i] for i in got)
+                runs[-1]["equal_to_resident"] = f"{same}/{len(got)}"
+            else:
+                outputs[name] = got
+        equal = all(r["equal_to_resident"].split("/")[0] == r["equal_to_resident"].split("/")[1]
+                    for r in runs if "equal_to_resident" in r)
+        out["engine"]["sequence"] = runs
+        out["correctness"]["resident_equals_fresh"] = {"passed": equal, "runs": runs}
+
+    step("sequence", 120, sequence)
 
     # c. per-step logits of 64 rows inside a full batch, teacher-forced along plain generate's tokens
     def logits() -> None:
@@ -284,8 +324,9 @@ def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, step
     generate's greedy tokens so both see the same inputs at every step."""
     model, tok = loaded.model, loaded.tokenizer
     ids = [tok(r["prompt"])["input_ids"] for _, r in rows]
-    slots, max_len = fastgen.plan(model, loaded.device, len(rows), max(len(i) for i in ids) + steps + 2,
-                                  model.get_output_embeddings().weight.shape[0])
+    fastgen.release(model)
+    state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
+    slots = state.slots
     n = min(n, slots)
     enc = tok.pad({"input_ids": ids[:n]}, padding=True, return_tensors="pt").to(device)
     with torch.inference_mode():
@@ -295,11 +336,18 @@ def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, step
     forced = want.sequences[:, enc["input_ids"].shape[1]:]  # (n, steps + 1)
     from worker.generate import Prepared
 
-    state = fastgen.state_for(model, loaded.device, slots, max_len)
     eng = fastgen.Engine(loaded, state, set(), slots=slots, graphs=False)
     params = {"max_new_tokens": steps + 2, "do_sample": False, "temperature": None, "ignore_eos": True}
-    seqs = [fastgen.Seq(Prepared(i, params, ids[i]), 0, slot=i) for i in range(min(slots, len(rows)))]
+    free, seqs = list(range(state.pages - 1, 0, -1)), []
+    for i in range(min(slots, len(rows))):  # as many rows as slots and pages allow, each with its own pages
+        seq = fastgen.Seq(Prepared(i, params, ids[i]), 0, slot=i)
+        if seq.pages_needed > len(free):
+            break
+        seq.pages = [free.pop() for _ in range(seq.pages_needed)]
+        seqs.append(seq)
     state.active.zero_()
+    state.pos.zero_()
+    state.table.zero_()
     diffs, scale, agree = [], 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(seqs), 128):
@@ -367,8 +415,27 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
         report["job"] = {k: job.get(k) for k in ("id", "state", "error", "tokens", "metrics", "load_options")}
         report.update(g1bench._sql_numbers(job["id"]))
         log(f"service: {report.get('output_tok_s')} output tok/s over {report.get('window_s')} s")
+    except Exception:
+        dump_worker_stacks()
+        raise
     finally:
         subprocess.run([sys.executable, "-m", "api", "down"], capture_output=True, text=True)
+
+
+def dump_worker_stacks() -> None:
+    """SIGABRT to the stack's workers: with PYTHONFAULTHANDLER=1 (ops/gpu scripts set it) each writes every
+    thread's stack to its log before dying, so a time box that expired says whether the work was slow or stuck."""
+    import os
+    import signal
+
+    from api.stack import read_stack
+
+    for pid in read_stack().get("workers", []):
+        try:
+            os.kill(pid, signal.SIGABRT)
+            log(f"sent SIGABRT to worker {pid} (stacks in its log)")
+        except OSError:
+            pass
 
 
 # --- main ------------------------------------------------------------------------------------------------------
@@ -461,6 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         args.out.write_text(json.dumps({args.workload: r}, indent=2, default=str))
 
+    # the bound first, from the dataset alone, in this process: no failed phase can hide it
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    r["bound"] = bound(AutoConfig.from_pretrained(args.model), [(len(tok(p)["input_ids"]), o) for p, o in
+                                                                workload(args.workload, tok, args.smoke)])
+    r["bound_tok_s"] = r["bound"]["bound_tok_s"]
+    log(f"bound of {args.workload}: {r['bound_tok_s']:,.0f} output tok/s ({r['bound']['output_tokens']:,} tokens)")
+    save()
     if "inproc" not in skip:
         child_out = args.work / "child.json"
         child_out.unlink(missing_ok=True)
@@ -480,9 +556,6 @@ def main(argv: list[str] | None = None) -> int:
             r[key] = child.get(key, r.get(key))
         r["errors"].update(child.get("errors", {}))
         r["skipped"] += child.get("skipped", [])
-        if "bound" in child:
-            r["bound"] = child["bound"]
-            r["bound_tok_s"] = child["bound"]["bound_tok_s"]
         save()
     if "service" not in skip:
         try:
