@@ -9,11 +9,11 @@ one and nothing is padded. Grouped-query heads share one read of K/V: a program 
 the query heads of its group together, so each K/V byte is read once per step (the memory-bandwidth bound of G1 in
 DESIGN.md assumes exactly that).
 
-Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, split_len)`:
+Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits)`:
 
 - `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, one page per inner
-  step; optionally split over the context in parts of `split_len` positions, merged by `_merge`, so a small batch
-  still fills the GPU). Lengths and the page table are read from device tensors, so the launch has fixed shapes
+  step; optionally split over the context in `splits` parts that take every splits-th page, merged by `_merge`,
+  so a small batch still fills the GPU whatever the lengths). Lengths and the page table are read from device tensors, so the launch has fixed shapes
   and is captured in a CUDA graph once per batch size. It also runs under `TRITON_INTERPRET=1` on CPU tensors,
   which is how the CPU tests check it against the reference.
 - `reference_decode`: the same result by gathering the pages and running `scaled_dot_product_attention` with a
@@ -35,8 +35,7 @@ PAGE = 64  # positions per page of the KV cache; also the kernel's inner step (o
 # a GPU (the block of positions per inner step is the page)
 CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
-TYPICAL_CONTEXT = 1024  # the context a split is sized for (lengths are known only on the device)
-MAX_SPLITS = 64  # the most parts a slot's context is cut into (the merge reads every part, even empty ones)
+MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 
 try:  # triton ships with CUDA builds of torch; CPU builds may lack it (the reference runs there)
     import triton
@@ -53,14 +52,13 @@ def available(device: torch.device) -> bool:
 
 
 def decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
-           lengths: torch.Tensor, scale: float, splits: int = 1, split_len: int = 0) -> torch.Tensor:
+           lengths: torch.Tensor, scale: float, splits: int = 1) -> torch.Tensor:
     """Attention of one query token per slot. q: (B, H, D); k_pages, v_pages: (pages, KVH, PAGE, D) (last dim
     contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
-    positions of each slot to attend to (0..length-1). `splits` parts of `split_len` positions each (see
-    `splits_for`). Returns (B, H, D) in q's dtype. The Triton kernel where it runs (see `available`), else the
-    reference."""
+    positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`). Returns
+    (B, H, D) in q's dtype. The Triton kernel where it runs (see `available`), else the reference."""
     if available(q.device):
-        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, split_len)
+        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits)
     return reference_decode(q, k_pages, v_pages, table, lengths, scale)
 
 
@@ -90,19 +88,14 @@ def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: to
     return out[:, :, 0].masked_fill(empty[:, None, None], 0)
 
 
-def splits_for(batch: int, kv_heads: int, max_len: int) -> tuple[int, int]:
-    """(parts, positions per part) to cut each slot's context into, so that about TARGET_PROGRAMS kernel programs
-    have work at a TYPICAL_CONTEXT: one part for large batches; for small ones, parts of a whole number of pages
-    covering `max_len` (parts past a slot's length exit at once), at most MAX_SPLITS of them."""
-    want = math.ceil(TARGET_PROGRAMS / (batch * kv_heads))
-    if want <= 1:
-        return 1, max_len
-    split_len = max(PAGE, math.ceil(TYPICAL_CONTEXT / want / PAGE) * PAGE,
-                    math.ceil(max_len / MAX_SPLITS / PAGE) * PAGE)
-    return math.ceil(max_len / split_len), split_len
+def splits_for(batch: int, kv_heads: int) -> int:
+    """How many parts to split each slot's context into so that about TARGET_PROGRAMS kernel programs run: one for
+    large batches, up to MAX_SPLITS for small ones. Part j of `splits` reads pages j, j + splits, j + 2 splits, ...
+    of its slot, so the parts share any length evenly (and parts past a short slot's last page exit at once)."""
+    return max(1, min(MAX_SPLITS, math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
 
 
-def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: int, split_len: int) -> torch.Tensor:
+def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: int) -> torch.Tensor:
     """One split: the kernel writes the normalized output in q's dtype. Several: fp32 partial results per split,
     merged by `_merge`."""
     batch, heads, dim = q.shape
@@ -110,7 +103,6 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
     group = heads // kv_heads
     direct = splits == 1
     if direct:
-        split_len = table.shape[1] * PAGE
         acc = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)
         stats = acc  # unused
     else:
@@ -121,7 +113,7 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0),
         v_pages.stride(1), v_pages.stride(2), table.stride(0),
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
-        split_len, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=PAGE,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=PAGE,
         DIRECT=direct, num_warps=CONFIG["warps"], num_stages=CONFIG["stages"])
     if direct:
         return acc[:, :, 0]
@@ -144,7 +136,7 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(Q, K, V, Table, Lengths, Acc, Stats,
                        stride_qb, stride_qh, stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn,
-                       stride_tb, scale_log2, split_len,
+                       stride_tb, scale_log2,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                        DIRECT: tl.constexpr):
         b = tl.program_id(0)
@@ -152,8 +144,6 @@ if triton is not None:
         split = tl.program_id(2)
         splits = tl.num_programs(2)
         length = tl.load(Lengths + b).to(tl.int32)
-        start = split * split_len
-        end = tl.minimum(start + split_len, length)
 
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
@@ -163,9 +153,9 @@ if triton is not None:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for n0 in range(start, end, BLOCK):  # one page per step: start and split_len are whole pages
-            page = tl.load(Table + b * stride_tb + n0 // BLOCK).to(tl.int64)
-            valid = n0 + offs < end
+        for block in range(split, tl.cdiv(length, BLOCK), splits):  # this part's pages: split, split + splits, ...
+            page = tl.load(Table + b * stride_tb + block).to(tl.int64)
+            valid = block * BLOCK + offs < length
             k = tl.load(K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
                         mask=valid[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits

@@ -63,6 +63,7 @@ CPU_PAGES: int | None = None  # on CPU: pages in the cache (None: enough for eve
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
+CACHE_FRACTION = 0.92  # of what is left after the reserve: an H200 still holds ~1M tokens of a 0.6B model's KV
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
 # which fuses the norms, RoPE and activations that eager mode launches as dozens of small kernels per layer. Once
@@ -80,7 +81,6 @@ class _Step:
     state: SlotState
     pages: torch.Tensor | None = None  # prefill: (rows, width) the page of each position of each row
     splits: int = 1
-    split_len: int = 0
 
 
 def fast_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -107,7 +107,7 @@ def fast_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     k_cache[page, :, offset] = key[:, :, 0]
     v_cache[page, :, offset] = value[:, :, 0]
     out = decode_attention.decode(query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch],
-                                  scale, step.splits, step.split_len)
+                                  scale, step.splits)
     return out[:, None], None
 
 
@@ -238,12 +238,16 @@ def page_bytes(model) -> int:
 
 
 def device_free(device: torch.device) -> int | None:
-    """Bytes the engine could allocate on `device` now: free in the driver plus what torch's allocator holds
-    unused. None on CPU (the cache size is CPU_SLOTS / CPU_PAGES there)."""
+    """Bytes the engine could allocate on `device` now: what the driver has free once torch's allocator gave back
+    the blocks it holds unused (blocks of CUDA-graph pools stay taken: no other allocation can use them). None on
+    CPU (the cache size is CPU_SLOTS / CPU_PAGES there)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import gc
+
+    gc.collect()  # tensors of an earlier failed call held in reference cycles
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def resident_bytes(model) -> int:
@@ -253,8 +257,9 @@ def resident_bytes(model) -> int:
 
 
 def size(model, device: torch.device, vocab: int, fraction: float = 1.0) -> tuple[int, int]:
-    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as fit in `fraction` of
-    the memory free after the model, RESERVE_BYTES and each slot's share of a step's logits.
+    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as fit in CACHE_FRACTION
+    (times `fraction`) of the memory free after the model, `reserve` and each slot's share of the CUDA graphs'
+    memory (logits, fp32 sampling temporaries: measured 4.3 GiB for 1024 slots at a 152k vocabulary).
 
     The resident cache of an earlier run counts as free: `state_for` frees it before allocating. (Counted as taken,
     a second large run on a resident engine saw only the slack beside it: a handful of slots, or none.)"""
@@ -265,7 +270,7 @@ def size(model, device: torch.device, vocab: int, fraction: float = 1.0) -> tupl
         return slots, CPU_PAGES or slots * width + 1
     slots = MAX_SLOTS
     free += resident_bytes(model)
-    budget = int((free - reserve(model) - slots * vocab * 16) * fraction)  # fp32 logits, noise, temporaries
+    budget = int((free - reserve(model) - slots * vocab * 32) * CACHE_FRACTION * fraction)
     pages = budget // page_bytes(model)
     if pages < 2:
         raise torch.OutOfMemoryError(
@@ -288,7 +293,6 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) ->
     if state is not None:
         return state
     slots, pages = size(model, device, vocab, fraction)
-    release(model)
     layers, kv_heads, head_dim = _shape(model)
     width = max_len(model) // PAGE
     cache = torch.zeros((2, layers, pages, kv_heads, PAGE, head_dim), dtype=model.dtype, device=device)
@@ -410,12 +414,12 @@ class Engine:
     # -- model calls --
 
     @contextlib.contextmanager
-    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: tuple[int, int] = (1, 0)):
+    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1):
         global _step
         model = self.loaded.model
         before = model.config._attn_implementation
         model.config._attn_implementation = NAME  # every layer reads the config at call time
-        _step = _Step(mode, self.state, pages, *splits)
+        _step = _Step(mode, self.state, pages, splits)
         layers = self.decoder.layers
         if self.compiled:
             for layer, fn in zip(layers, self.compiled):
@@ -489,7 +493,7 @@ class Engine:
         st.lengths[:batch] = ((pos + 1) * st.active[:batch]).to(torch.int32)
         st.write_page[:batch] = st.table[:batch].gather(1, (pos // PAGE)[:, None])[:, 0]
         st.write_offset[:batch] = pos % PAGE
-        splits = decode_attention.splits_for(batch, st.cache.shape[3], st.max_len)
+        splits = decode_attention.splits_for(batch, st.cache.shape[3])
         with self._mode("decode", splits=splits):
             hidden = self.decoder(input_ids=st.tok[:batch, None], position_ids=pos[:, None],
                                   use_cache=False).last_hidden_state[:, 0]
@@ -651,8 +655,8 @@ class Engine:
             tokens = st.tok[:batch].tolist()
             self.decode_s += time.perf_counter() - t
             return lambda: tokens
-        if self._host is None:
-            self._host = torch.empty((2, self.slots), dtype=st.tok.dtype, pin_memory=True)
+        if self._host is None:  # a step's bucket may pass this run's slots (up to the state's)
+            self._host = torch.empty((2, st.slots), dtype=st.tok.dtype, pin_memory=True)
         host = self._host[self.steps % 2, :batch]
         host.copy_(st.tok[:batch], non_blocking=True)
         done = torch.cuda.Event()

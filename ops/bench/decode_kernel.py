@@ -74,7 +74,7 @@ def main() -> int:
     configs = []
     for warps, stages in CONFIGS:
         da.CONFIG.update(warps=warps, stages=stages)
-        ms = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, 1, 0))
+        ms = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, 1))
         configs.append({"warps": warps, "stages": stages, "ms": round(ms, 4)})
         print(configs[-1], flush=True)
     best = min(configs, key=lambda c: c["ms"])
@@ -82,15 +82,15 @@ def main() -> int:
     results = []
     for batch, ctx in SHAPES:
         q, k, v, kp, vp, table, lengths = paged(torch, da, batch, ctx)
-        splits, split_len = da.splits_for(batch, KV_HEADS, WIDTH)
-        ours = da._triton_decode(q, kp, vp, table, lengths, scale, splits, split_len)
+        splits = da.splits_for(batch, KV_HEADS)
+        ours = da._triton_decode(q, kp, vp, table, lengths, scale, splits)
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
         diff = (ours.float() - ref[:, :, 0].float()).abs().max().item()
-        t_ours = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, splits, split_len))
+        t_ours = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, splits))
         t_sdpa = timed(torch, lambda: torch.nn.functional.scaled_dot_product_attention(
             q[:, :, None], k, v, scale=scale, enable_gqa=True))
         read = 2 * batch * KV_HEADS * ctx * DIM * 2
-        row = {"batch": batch, "context": ctx, "splits": splits, "split_len": split_len, "max_abs_diff": diff,
+        row = {"batch": batch, "context": ctx, "splits": splits, "max_abs_diff": diff,
                "ours_ms": round(t_ours, 4), "sdpa_gqa_ms": round(t_sdpa, 4),
                "ours_tb_s": round(read / t_ours / 1e9, 2), "sdpa_tb_s": round(read / t_sdpa / 1e9, 2),
                "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4)}

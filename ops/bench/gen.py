@@ -170,6 +170,7 @@ def run_inproc(args: argparse.Namespace) -> int:
         out["correctness"]["greedy_fast_vs_generate"] = {
             "rows": len(rows), "equal": equal, "share": round(equal / len(rows), 4),
             "passed": equal >= 0.99 * len(rows), "engine": info}
+        fastgen.release(model)  # its cache would take the memory the next model's needs
         log(f"greedy fast engine vs generate: {equal}/{len(rows)} equal")
 
     step("greedy", 30, greedy)
