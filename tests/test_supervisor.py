@@ -254,3 +254,42 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
         if hand.poll() is None:
             hand.kill()
         jobs(env, "down")
+
+
+# --- one state vocabulary ---------------------------------------------------------------------------------------
+
+
+def test_a_stopped_worker_is_offline_everywhere_long_after_its_last_heartbeat(jobs_env):
+    """A worker that stopped (or whose exit its supervisor recorded) is `offline` in the API/CLI view and in /metrics
+    however old its heartbeat, never `lost`; a worker that just went silent is `lost`. The default list drops a
+    stopped worker once a newer one runs on its host and slice, or after JOBS_STOPPED_WORKERS_SHOWN seconds."""
+    from sqlalchemy import update
+
+    from api.metrics import worker_metrics
+    from core import registry
+    from core.db import session_scope
+    from core.models import Worker
+    from core.store import now
+
+    def register(name: str, pid: int, slice_: str, age: float) -> None:
+        with session_scope() as session:
+            registry.register(session, name=name, host="h", pid=pid, slice=slice_, queues=["gpu1"], gpus=[],
+                              capabilities={})
+        with session_scope() as session:
+            session.execute(update(Worker).where(Worker.name == name).values(started_at=now() - age,
+                                                                            heartbeat_at=now() - age))
+
+    register("stopped", 1, "0", 7200)
+    register("killed", 2, "1", 600)
+    register("silent", 3, "2", 600)
+    register("replacement", 4, "1", 60)
+    with session_scope() as session:
+        registry.stopped(session, "stopped")
+        session.execute(update(Worker).where(Worker.name == "stopped").values(stopped_at=now() - 7000))
+        registry.exited(session, host="h", pid=2, exit_code=-9, reason="killed by SIGKILL")
+    states = {w["name"]: w["state"] for w in service.workers(all=True)}
+    assert states == {"stopped": "offline", "killed": "offline", "silent": "lost", "replacement": "lost"}
+    assert {w["name"] for w in service.workers()} == {"silent", "replacement"}
+    with session_scope() as session:
+        [by_state] = [m for m in worker_metrics(session) if m.name == "gpujobs_workers"]
+    assert {s.labels["state"]: s.value for s in by_state.samples} == {"online": 0, "lost": 2, "offline": 2}
