@@ -125,7 +125,17 @@ def alive(pid: int | None) -> bool:
 
 
 def stack_pids(stack: dict) -> list[int]:
+    """The pids stack.json lists; none when it was written before this machine last booted (its pids are others')."""
+    if stack.get("boot_id") not in (None, boot_id()):
+        return []
     return [p for p in [stack.get("supervisor"), *stack.get("workers", []), stack.get("api"), stack.get("redis")] if p]
+
+
+def boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
 
 
 def ensure_token(owner: str | None = None) -> str:
@@ -166,7 +176,7 @@ def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
     for d in (settings.home, settings.run_dir, settings.logs_dir, settings.artifacts):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(settings.home, 0o700)
-    stack = {"home": str(settings.home), "started_at": time.time(), "workers": [], "slots": []}
+    stack = {"home": str(settings.home), "started_at": time.time(), "boot_id": boot_id(), "workers": [], "slots": []}
     if os.environ.get("JOBS_REDIS_URL"):
         stack["redis_url"] = os.environ["JOBS_REDIS_URL"]
     else:
@@ -349,8 +359,15 @@ def down(*, timeout: float = 30.0, log=print) -> bool:
     stack = read_stack()
     if not stack:
         return False
+    me = os.getpid()
+    running = [p for p in stack_pids(stack) if alive(p) and p != me]  # [] for a stack.json from before a reboot
+    if not running:
+        _remove_stack()
+        if stack.get("supervisor") != me:
+            log(f"the stack in {stack.get('home')} was not running (its processes had exited, or the machine "
+                "restarted since): removed its stack.json")
+        return True
     labels = _labels(stack)
-    running = [p for p in stack_pids(stack) if alive(p) and p != os.getpid()]
     supervisor = stack.get("supervisor")
     if supervisor in running:
         log(f"stopping the supervisor (pid {supervisor}): its workers hand their shards back first")
@@ -359,15 +376,17 @@ def down(*, timeout: float = 30.0, log=print) -> bool:
     labels.update(_labels(latest))
     workers = sorted(set(stack.get("workers", [])) | set(latest.get("workers", [])))
     for group in (workers, [stack.get("api")], [stack.get("redis")]):
-        _stop([p for p in group if p and p != os.getpid() and alive(p)], timeout, log)
+        _stop([p for p in group if p and p != me and alive(p)], timeout, log)
+    _remove_stack()
+    for pid in running:
+        log(f"stopped {labels.get(pid, 'process')} (pid {pid})")
+    return True
+
+
+def _remove_stack() -> None:
     with _stack_lock():
         get_settings().stack_file.unlink(missing_ok=True)
     reset()
-    for pid in running:
-        log(f"stopped {labels.get(pid, 'process')} (pid {pid})")
-    if not running and stack.get("supervisor") != os.getpid():
-        log(f"the stack in {stack.get('home')} was not running (its processes had exited): removed its stack.json")
-    return True
 
 
 def _labels(stack: dict) -> dict[int, str]:

@@ -112,7 +112,8 @@ def test_a_worker_exiting_with_the_missing_slice_code_is_not_restarted(tmp_path,
     assert sup.slots[0].restarts == 0 and sup.slots[0].proc is None
     [worker] = service.workers(all=True)
     assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 71, 0)
-    assert worker["reason"] == f"its GPU slice is not present; a configuration error, not restarted: fix it, then {HINT}"
+    assert worker["reason"] == ("its GPU slice is not present; a configuration error, not restarted: fix it, then "
+                                f"{HINT}")
 
 
 def test_a_worker_that_keeps_stalling_stays_down_after_the_cap_and_says_why(tmp_path, supervise):
@@ -293,3 +294,27 @@ def test_a_stopped_worker_is_offline_everywhere_long_after_its_last_heartbeat(jo
     with session_scope() as session:
         [by_state] = [m for m in worker_metrics(session) if m.name == "gpujobs_workers"]
     assert {s.labels["state"]: s.value for s in by_state.samples} == {"online": 0, "lost": 2, "offline": 2}
+
+
+def test_a_stack_file_from_before_a_reboot_is_not_running_and_down_kills_none_of_its_pids(tmp_path, monkeypatch):
+    """stack.json written under another boot id lists pids that belong to other processes now: `up` does not call
+    that stack running, and `down` removes the file, says so, and signals none of them."""
+    from api import stack
+    from core.settings import reset
+
+    monkeypatch.setenv("JOBS_HOME", str(tmp_path / "home"))
+    reset()
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stack.write_stack({"home": str(tmp_path / "home"), "boot_id": "an-earlier-boot", "redis": bystander.pid,
+                           "api": bystander.pid, "workers": [bystander.pid], "supervisor": bystander.pid})
+        assert stack.prepare([[]]) == [[]]
+        said = []
+        assert stack.down(log=said.append) is True
+        assert said == [f"the stack in {tmp_path / 'home'} was not running (its processes had exited, or the machine "
+                        "restarted since): removed its stack.json"]
+        assert bystander.poll() is None and not (tmp_path / "home" / "run" / "stack.json").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
+        reset()
