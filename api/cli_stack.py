@@ -100,7 +100,7 @@ def worker(gpus: str, loglevel: str) -> None:
 
     Sets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES on the worker's own environment; refuses to
     start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus. A worker that joined the local
-    stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Worker exit codes".
+    stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Supervised workers".
     """
     devices = stack.parse_slice(gpus)
     stack.check_inherited(devices)
