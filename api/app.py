@@ -203,6 +203,8 @@ def get_adapter(caller: Caller, job_id: str) -> dict[str, Any]:
     return service_finetune.get_adapter(job_id, owner=caller.visible_owner)
 
 
-@app.get("/workers", summary="Registered workers, their slices, GPUs and heartbeats")
-def workers(caller: Caller) -> list[dict[str, Any]]:
-    return service.workers()
+@app.get("/workers", summary="Registered workers, their slices, GPUs, heartbeats, restarts and why they stopped")
+def workers(caller: Caller, all: Annotated[bool, Query(description="also workers that stopped long ago or were "
+                                                       "replaced on their host and slice")] = False
+            ) -> list[dict[str, Any]]:
+    return service.workers(all=all)

@@ -3,7 +3,8 @@
 Exit codes (a contract for scripts; see README):
     0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input
     3 server, Redis or database unreachable    4 succeeded with some failed rows
-    5 CUDA_VISIBLE_DEVICES contradicts --gpus
+    5 CUDA_VISIBLE_DEVICES contradicts --gpus    130 `gpujobs up` interrupted while starting (it stopped what it
+    started)
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import click
 
 from core import errors
 
-EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT = 1, 2, 3, 4, 5
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 def exit_code_for(exc: errors.JobsError) -> int:
-    from api.stack import GpuConflict
+    from api.stack import GpuConflict, Interrupted
 
     if isinstance(exc, GpuConflict):
         return EXIT_GPU_CONFLICT
+    if isinstance(exc, Interrupted):
+        return EXIT_INTERRUPTED
     if isinstance(exc, errors.ServiceUnavailable):
         return EXIT_UNREACHABLE
     if isinstance(exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden)):

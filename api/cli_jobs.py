@@ -417,15 +417,24 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
 
 
 @cli.command()
+@click.option("--all", "all_", is_flag=True, help="also workers that stopped over JOBS_STOPPED_WORKERS_SHOWN "
+              "seconds (1 h) ago or were replaced by a newer worker on their host and slice")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-def workers(as_json: bool) -> None:
-    """Registered workers: slice, GPUs, state and heartbeat age."""
-    def table(ws):
-        for w in ws:
-            gpus = ", ".join(f"{g['name']} ({g['uuid']})" for g in w["gpus"]) or "CPU"
-            age = time.time() - w["heartbeat_at"]
-            click.echo(f"{w['name']}  {w['state']:<7} queues={','.join(w['queues'])}  heartbeat {age:.0f}s ago  {gpus}")
-    emit(client().workers(), as_json, table)
+def workers(all_: bool, as_json: bool) -> None:
+    """Registered workers: state (online, lost: no heartbeat, offline: stopped), restarts of their slot, slice,
+    GPUs and heartbeat age; for a stopped worker its exit code and why it stopped."""
+    emit(client().workers(all=all_), as_json, lambda ws: [click.echo(worker_line(w)) for w in ws])
+
+
+def worker_line(w: dict) -> str:
+    gpus = ", ".join(f"{g['name']} ({g['uuid']})" for g in w["gpus"]) or "CPU"
+    restarts = f"  restarts={w['restarts']}" if w.get("restarts") else ""
+    line = f"{w['name']}  {w['state']:<7}{restarts} queues={','.join(w['queues'])}"
+    if w["state"] != "offline":
+        return f"{line}  heartbeat {time.time() - w['heartbeat_at']:.0f}s ago  {gpus}"
+    stopped = time.time() - (w.get("stopped_at") or w["heartbeat_at"])
+    code = f"exit {w['exit_code']}" if w.get("exit_code") is not None else "stopped"
+    return f"{line}  {code} {stopped:.0f}s ago" + (f": {w['reason']}" if w.get("reason") else "")
 
 
 @cli.command()

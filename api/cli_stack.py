@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -27,38 +25,69 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 @click.option("--host", default="127.0.0.1", show_default=True, help="API listen address (beyond loopback needs "
               "JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)")
 @click.option("--port", default=8765, show_default=True, help="API port")
-@click.option("--detach", "-d", is_flag=True, help="return once the stack is healthy; stop it with `gpujobs down`")
+@click.option("--detach", "-d", is_flag=True, help="return once the stack is healthy (a supervisor process keeps "
+              "restarting workers); stop it with `gpujobs down`")
 def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
-    """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME."""
+    """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME.
+
+    A worker that exits is restarted with backoff; a slot whose worker exited JOBS_RESTART_LIMIT times within
+    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 71), stays down and `gpujobs workers`
+    says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
+    Exit codes: 0 stopped on request (or detached and healthy), 1 the stack failed to start or a part of it
+    exited, 5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted while starting.
+    """
+    from api.supervisor import StopSignals
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    signals = StopSignals(say=say).install()  # before anything starts: whatever dispositions `up` inherited
     slices = stack.parse_slices(gpus) if gpus is not None else None
     if host not in ("127.0.0.1", "localhost", "::1") and not (get_settings().model_roots and get_settings().data_roots):
         raise InvalidInput(f"--host {host} listens beyond loopback: set JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS first")
-    started = stack.up(slices, host=host, port=port, log=lambda m: click.echo(m, err=True))
+    slices = stack.prepare(slices)
+    if not detach:
+        _log_supervisor_to_stderr()
+    sup = None
     try:
-        stack.wait_healthy(started)
+        started = stack.up(host=host, port=port, log=say, interrupted=signals.requested)
+        sup = stack.start_workers(started, slices, detach=detach, log=say)
+        started = stack.wait_healthy(started, sup=sup, interrupted=signals.requested)
     except BaseException:
-        stack.down(log=lambda m: click.echo(m, err=True))
+        say("stopping what was started")
+        stack.shutdown(sup, log=say)
+        signals.restore()
         raise
-    click.echo(f"stack up: API {started['api_url']}, {len(started['workers'])} worker(s); home {get_settings().home}",
-               err=True)
+    logs = get_settings().logs_dir
+    for i, s in enumerate(started["slots"]):
+        say(f"worker   slice {s['slice'] or 'none (CPU)'} (pid {s['pid']}, log {logs / f'worker-{i}.log'})")
+    say(f"stack up: API {started['api_url']}, {len(started['slots'])} worker(s); home {get_settings().home}")
     if detach:
+        signals.restore()
         return
-    click.echo("running in the foreground; Ctrl-C stops it", err=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        while all(stack.alive(p) for p in stack.stack_pids(started)):
-            time.sleep(1)
-        click.echo("a process of the stack exited: stopping the rest", err=True)
-    except KeyboardInterrupt:
-        pass
-    stack.down(log=lambda m: click.echo(m, err=True))
+    say("running in the foreground; Ctrl-C stops it")
+    why = stack.supervise_stack(sup, started, signals.requested)
+    say(f"{why}: stopping the rest" if why else f"{signals.received}: stopping the stack")
+    stack.shutdown(sup, log=say)
+    if why:
+        raise JobsError(f"{why}: the stack was stopped; see the logs in {logs}")
+
+
+def _log_supervisor_to_stderr() -> None:
+    """The foreground supervisor's lines (a worker exited, restarted, stays down) on this terminal."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("supervisor")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 @cli.command()
 def down() -> None:
-    """Stop the local stack started by `gpujobs up` (workers hand back their shards first)."""
+    """Stop the local stack started by `gpujobs up`: its supervisor first (workers hand back their shards and are
+    not restarted), then the API and Redis. Says what it stopped, or that nothing was running (exit 0 both)."""
     if not stack.down(log=lambda m: click.echo(m, err=True)):
-        click.echo(f"no stack is running from {get_settings().home}", err=True)
+        click.echo(f"nothing to stop: no stack is running from {get_settings().home}", err=True)
 
 
 @cli.command()
@@ -66,10 +95,12 @@ def down() -> None:
               "or 'none' for a CPU worker")
 @click.option("--loglevel", default="INFO", show_default=True, help="worker log level")
 def worker(gpus: str, loglevel: str) -> None:
-    """Run one worker in the foreground, pinned to a GPU slice (replaces this process: same pid).
+    """Run one worker in the foreground, pinned to a GPU slice (replaces this process: same pid). Not restarted
+    when it exits: `gpujobs supervise`, systemd or compose do that.
 
     Sets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES on the worker's own environment; refuses to
-    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus.
+    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus. A worker that joined the local
+    stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Supervised workers".
     """
     devices = stack.parse_slice(gpus)
     stack.check_inherited(devices)
@@ -77,6 +108,24 @@ def worker(gpus: str, loglevel: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(command[0], command, stack.worker_env(devices))
+
+
+@cli.command()
+@click.option("--gpus", required=True, help="slices, ';' between workers: '0,1;2'; 'none' = one CPU worker")
+@click.option("--stop-timeout", default=120.0, show_default=True,
+              help="seconds a worker gets to hand its shard back on SIGTERM before SIGKILL")
+def supervise(gpus: str, stop_timeout: float) -> None:
+    """Run one worker per slice in the foreground and restart a worker that exits, with the policy of `gpujobs up`
+    (JOBS_RESTART_*); SIGTERM or Ctrl-C stops them. Workers write to this process's output (ops/launch-workers.sh
+    starts one per slice). Exit codes: 0 stopped, 1 every slot stays down (the log says why), 5 as `worker`."""
+    from api.supervisor import supervise as run
+    from core.logs import setup_logging
+
+    slices = stack.parse_slices(gpus)
+    for devices in slices:
+        stack.check_inherited_for_up(devices)
+    setup_logging("INFO")
+    raise SystemExit(run(slices, stop_timeout=stop_timeout))
 
 
 @cli.group()

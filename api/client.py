@@ -158,8 +158,9 @@ class Client:
     def retry(self, job_id: str, *, failed_only: bool = False) -> Job:
         return self._json("POST", f"/jobs/{job_id}/retry", params={"failed_only": failed_only})
 
-    def workers(self) -> list[dict[str, Any]]:
-        return self._json("GET", "/workers")
+    def workers(self, *, all: bool = False) -> list[dict[str, Any]]:
+        """Registered workers; `all`: also those stopped long ago or replaced on their host and slice."""
+        return self._json("GET", "/workers", params={"all": all} if all else None)
 
     def adapters(self) -> list[dict[str, Any]]:
         """Registered LoRA adapters (id = the fine-tune job that made it), newest first."""

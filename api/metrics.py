@@ -13,7 +13,9 @@ tests/test_metrics.py checks that every name they use is exported):
     gpujobs_rows_processed_total{state}                 rows finished, succeeded or failed
     gpujobs_tokens_processed_total{kind}                prompt and completion tokens of finished rows
     gpujobs_rows_per_second, gpujobs_tokens_per_second  completion rate over the last minute, all jobs
-    gpujobs_workers{state}                              registered workers: online, lost, offline
+    gpujobs_workers{state}                              registered workers: online, lost, offline (core/registry.py)
+    gpujobs_worker_restarts_total{host,slice}           restarts of the worker of that host and slice by its
+                                                        supervisor (`gpujobs up`): the newest worker's count
     gpujobs_worker_up{worker,host,slice}                1 while the worker's heartbeat is fresh
     gpujobs_worker_heartbeat_age_seconds{worker,...}    seconds since its last heartbeat
     gpujobs_gpu_memory_total_bytes{worker,gpu,name}     each GPU a worker holds, from its registration
@@ -24,7 +26,8 @@ The row and token counters sum finished jobs' totals (written at finalize) and l
 two grouped queries over the jobs table plus one over live jobs' rows, never a scan of every row ever run. A
 `gpujobs retry` puts rows back to pending, so a counter may step down; Prometheus reads that as a counter reset.
 Workers shown are those not stopped cleanly (online or lost) that beat within the last day: a worker that died
-long ago stops firing the worker-lost alert after that.
+long ago stops firing the worker-lost alert after that. A worker whose supervisor saw it exit is offline (with its
+exit code), not lost: its restart shows in gpujobs_worker_restarts_total instead.
 """
 
 from __future__ import annotations
@@ -152,11 +155,16 @@ def worker_metrics(session: Session) -> Iterator[Metric]:
                                   labels=gpu)
     reserved = GaugeMetricFamily("gpujobs_gpu_memory_reserved_bytes", "GPU memory the worker's allocator reserved",
                                  labels=gpu)
+    newest: dict[tuple[str, str], Worker] = {}
     for w in workers:
-        fresh = w.state == "online" and t - w.heartbeat_at < timeout
-        state = "online" if fresh else ("offline" if w.state == "offline" else "lost")
+        state = registry.state_of(w, t, timeout)
+        fresh = state == "online"
         states[state] = states.get(state, 0) + 1
-        if state == "offline" or t - w.heartbeat_at > WORKER_HORIZON:
+        if t - w.heartbeat_at > WORKER_HORIZON:
+            continue
+        if (w.host, w.slice) not in newest or newest[(w.host, w.slice)].started_at < w.started_at:
+            newest[(w.host, w.slice)] = w
+        if state == "offline":
             continue
         up.add_metric([w.name, w.host, w.slice], 1 if fresh else 0)
         age.add_metric([w.name, w.host, w.slice], max(0.0, t - w.heartbeat_at))
@@ -169,7 +177,11 @@ def worker_metrics(session: Session) -> Iterator[Metric]:
     by_state = GaugeMetricFamily("gpujobs_workers", "Registered workers by state", labels=["state"])
     for state, count in states.items():
         by_state.add_metric([state], count)
-    yield from (by_state, up, age, total, allocated, reserved)
+    restarts = CounterMetricFamily("gpujobs_worker_restarts", "Restarts of the worker of a host and slice by its "
+                                   "supervisor", labels=["host", "slice"])
+    for (host, slice_), w in sorted(newest.items()):
+        restarts.add_metric([host, slice_], w.restarts or 0)
+    yield from (by_state, restarts, up, age, total, allocated, reserved)
 
 
 def known_queues(session: Session) -> list[str]:

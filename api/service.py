@@ -512,16 +512,23 @@ def _reopen_shards(session: Session, job: Job, idxs: set[int]) -> list[int]:
     return shard_ids
 
 
-def workers() -> list[dict[str, Any]]:
-    timeout = get_settings().worker_timeout
+def workers(*, all: bool = False) -> list[dict[str, Any]]:
+    """Registered workers with one state (online, lost, offline: core/registry.py); by default without those that
+    stopped over JOBS_STOPPED_WORKERS_SHOWN seconds ago or were replaced by a newer worker on their host and slice."""
+    settings, t = get_settings(), now()
     with session_scope() as session:
+        found = registry.all_workers(session)
+        if not all:
+            found = registry.shown(found, t, timeout=settings.worker_timeout,
+                                   stopped_for=settings.stopped_workers_shown)
         return [
             {
                 "name": w.name, "host": w.host, "pid": w.pid, "slice": w.slice, "queues": w.queues, "gpus": w.gpus,
-                "capabilities": w.capabilities, "state": w.state if now() - w.heartbeat_at < timeout else "lost",
+                "capabilities": w.capabilities, "state": registry.state_of(w, t, settings.worker_timeout),
                 "started_at": w.started_at, "heartbeat_at": w.heartbeat_at, "current_shard_id": w.current_shard_id,
+                "restarts": w.restarts, "stopped_at": w.stopped_at, "exit_code": w.exit_code, "reason": w.reason,
             }
-            for w in registry.all_workers(session)
+            for w in found
         ]
 
 

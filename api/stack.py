@@ -9,6 +9,7 @@ NVLink multicast off (core/slices.py); the worker passes the same variables on t
 
 from __future__ import annotations
 
+import fcntl
 import getpass
 import json
 import os
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from core import auth
@@ -88,6 +90,18 @@ def detect_gpus() -> list[str]:
 
 
 # --- up / down ----------------------------------------------------------------------------------------------
+#
+# stack.json (run/stack.json, written under run/stack.lock) lists what `up` started: redis, redis_url, api,
+# api_url, supervisor (the pid that supervises the workers: the foreground `up` itself, or the detached
+# supervisor process), workers (the live workers' pids) and slots (each slice's worker: pid, restarts, state
+# running | restarting | down, reason). The supervisor keeps workers and slots current as it restarts workers.
+
+STACK_HINT = "restart the stack (`gpujobs down`, then `gpujobs up`)"
+NAMES = {"supervisor": "supervisor", "api": "API", "redis": "Redis"}
+
+
+class Interrupted(JobsError):
+    """SIGINT, SIGTERM or SIGHUP arrived while the stack was starting (what was started is stopped)."""
 
 
 def read_stack() -> dict:
@@ -111,7 +125,17 @@ def alive(pid: int | None) -> bool:
 
 
 def stack_pids(stack: dict) -> list[int]:
-    return [p for p in [*stack.get("workers", []), stack.get("api"), stack.get("redis")] if p]
+    """The pids stack.json lists; none when it was written before this machine last booted (its pids are others')."""
+    if stack.get("boot_id") not in (None, boot_id()):
+        return []
+    return [p for p in [stack.get("supervisor"), *stack.get("workers", []), stack.get("api"), stack.get("redis")] if p]
+
+
+def boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
 
 
 def ensure_token(owner: str | None = None) -> str:
@@ -128,23 +152,31 @@ def ensure_token(owner: str | None = None) -> str:
     return secret
 
 
-def up(slices: list[list[str]] | None, *, host: str, port: int, log=print) -> dict:
-    """Start Redis (unless JOBS_REDIS_URL is set), migrate, start the API and the workers; write stack.json."""
+def prepare(slices: list[list[str]] | None) -> list[list[str]]:
+    """Refuse to start a second stack or contradict CUDA_VISIBLE_DEVICES; the slices to run (default: one worker per
+    GPU that nvidia-smi lists, else one CPU worker). Nothing is started yet."""
     settings = get_settings()
     stack = read_stack()
     if stack and any(alive(p) for p in stack_pids(stack)):
         raise JobsError(f"a stack is already running from {settings.home} (API {stack.get('api_url')}): "
                         "use it, or stop it with `gpujobs down`")
-    for d in (settings.home, settings.run_dir, settings.logs_dir, settings.artifacts):
-        d.mkdir(parents=True, exist_ok=True)
-    os.chmod(settings.home, 0o700)
     if slices is None:
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
         found = parse_slice(inherited) if inherited is not None else detect_gpus()
         slices = [[d] for d in found] or [[]]
     for s in slices:
         check_inherited_for_up(s)
-    stack = {"home": str(settings.home), "started_at": time.time(), "workers": []}
+    return slices
+
+
+def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
+    """Start Redis (unless JOBS_REDIS_URL is set), migrate, start the API; write stack.json step by step (a failure
+    half-way leaves stack.json listing what `down` must stop). Workers: `start_workers`."""
+    settings = get_settings()
+    for d in (settings.home, settings.run_dir, settings.logs_dir, settings.artifacts):
+        d.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.home, 0o700)
+    stack = {"home": str(settings.home), "started_at": time.time(), "boot_id": boot_id(), "workers": [], "slots": []}
     if os.environ.get("JOBS_REDIS_URL"):
         stack["redis_url"] = os.environ["JOBS_REDIS_URL"]
     else:
@@ -152,23 +184,82 @@ def up(slices: list[list[str]] | None, *, host: str, port: int, log=print) -> di
         stack.update(redis=redis.proc.pid, redis_url=redis.url)
         log(f"redis    {redis.url} (pid {redis.proc.pid})")
     stack["api_url"] = f"http://{host}:{port}"
-    _write_stack(stack)
+    write_stack(stack)
+    _check(interrupted)
     reset()
     upgrade()
     ensure_token()
-    env = dict(os.environ, JOBS_HOME=str(settings.home), JOBS_REDIS_URL=stack["redis_url"],
-               JOBS_API_HOST=host, JOBS_API_PORT=str(port))
+    _check(interrupted)
     api_cmd = [sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port), "--log-level",
                "warning"]
-    stack["api"] = _spawn(api_cmd, env, settings.logs_dir / "api.log")
+    stack["api"] = _spawn(api_cmd, stack_env(stack), settings.logs_dir / "api.log")
+    update_stack(api=stack["api"])
     log(f"api      {stack['api_url']} (pid {stack['api']}, log {settings.logs_dir / 'api.log'})")
-    for i, devices in enumerate(slices):
-        logfile = settings.logs_dir / f"worker-{i}.log"
-        pid = _spawn(worker_command(devices), worker_env(devices, env), logfile)
-        stack["workers"].append(pid)
-        log(f"worker   slice {','.join(devices) or 'none (CPU)'} (pid {pid}, log {logfile})")
-    _write_stack(stack)
     return stack
+
+
+def stack_env(stack: dict) -> dict[str, str]:
+    """The environment of the stack's processes: this one's, pointed at the stack's home, Redis and API."""
+    host, port = stack["api_url"].removeprefix("http://").rsplit(":", 1)
+    return dict(os.environ, JOBS_HOME=stack["home"], JOBS_REDIS_URL=stack["redis_url"], JOBS_API_HOST=host.strip("[]"),
+                JOBS_API_PORT=port)
+
+
+def start_workers(stack: dict, slices: list[list[str]], *, detach: bool, log=print):
+    """One supervised worker per slice. Foreground: a Supervisor in this process (returned; the caller steps it).
+    Detached: a supervisor process of its own (`python -m api.supervisor --stack`) that outlives `up`."""
+    from api.supervisor import Supervisor
+
+    settings = get_settings()
+    if detach:
+        cmd = [sys.executable, "-m", "api.supervisor", "--stack", "--gpus", format_slices(slices)]
+        pid = _spawn(cmd, stack_env(stack), settings.logs_dir / "supervisor.log")
+        update_stack(supervisor=pid)
+        log(f"workers  {len(slices)} supervised by pid {pid} (log {settings.logs_dir / 'supervisor.log'})")
+        return None
+    update_stack(supervisor=os.getpid())
+    sup = Supervisor(slices, env=stack_env(stack), logs_dir=settings.logs_dir, hint=STACK_HINT, on_change=record_slots)
+    sup.start()
+    return sup
+
+
+def run_detached(slices: list[list[str]], *, stop_timeout: float) -> int:
+    """The detached supervisor process of `up --detach`: start the workers, supervise them until asked to stop (or
+    until Redis or the API exits), then stop the whole stack."""
+    from api.supervisor import StopSignals, Supervisor, log
+
+    signals = StopSignals().install()
+    stack = read_stack()
+    if not stack:
+        log.error("no stack.json in %s: start the stack with `gpujobs up`", get_settings().run_dir)
+        return 1
+    update_stack(supervisor=os.getpid())
+    sup = Supervisor(slices, env=dict(os.environ), logs_dir=get_settings().logs_dir, hint=STACK_HINT,
+                     on_change=record_slots)
+    sup.start()
+    why = supervise_stack(sup, stack, signals.requested)
+    log.info("%s: stopping the stack", why if not signals.requested() else signals.received)
+    shutdown(sup, timeout=stop_timeout, log=log.info)
+    return 0
+
+
+def supervise_stack(sup, stack: dict, interrupted) -> str | None:
+    """Step the supervisor until a stop is asked (returns None) or Redis or the API exits (returns which)."""
+    while not interrupted():
+        for key in ("redis", "api"):
+            if stack.get(key) and not alive(stack[key]):
+                return f"{NAMES[key]} (pid {stack[key]}) exited"
+        sup.step()
+        time.sleep(0.5)
+    return None
+
+
+def record_slots(sup) -> None:
+    update_stack(workers=sup.pids(), slots=sup.view())
+
+
+def format_slices(slices: list[list[str]]) -> str:
+    return ";".join(",".join(s) or "none" for s in slices)
 
 
 def check_inherited_for_up(devices: list[str]) -> None:
@@ -178,6 +269,11 @@ def check_inherited_for_up(devices: list[str]) -> None:
                           f"{','.join(devices)}: unset it or pass slices within it")
 
 
+def _check(interrupted) -> None:
+    if interrupted():
+        raise Interrupted("interrupted while starting: stopped what was started")
+
+
 def _spawn(cmd: list[str], env: dict[str, str], logfile: Path) -> int:
     with open(logfile, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -185,53 +281,137 @@ def _spawn(cmd: list[str], env: dict[str, str], logfile: Path) -> int:
     return proc.pid
 
 
-def _write_stack(stack: dict) -> None:
+@contextmanager
+def _stack_lock():
+    """One writer of stack.json at a time (`up`, the supervisor and `down` may all write it)."""
+    run_dir = get_settings().run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "stack.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _write(stack: dict) -> None:
     path = get_settings().stack_file
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stack, indent=2))
     os.replace(tmp, path)
 
 
-def wait_healthy(stack: dict, *, timeout: float = 180.0) -> None:
-    """Until the API answers and every worker has registered (workers import torch: this takes seconds)."""
+def write_stack(stack: dict) -> None:
+    with _stack_lock():
+        _write(stack)
+
+
+def update_stack(**changes) -> None:
+    """Change fields of stack.json; nothing when it is gone (the stack was stopped)."""
+    with _stack_lock():
+        stack = read_stack()
+        if stack:
+            _write({**stack, **changes})
+
+
+def wait_healthy(stack: dict, *, sup=None, interrupted=lambda: False, timeout: float = 180.0) -> dict:
+    """Until the API answers and every slot's worker has registered (workers import torch: this takes seconds).
+    Steps `sup` (a foreground supervisor) meanwhile. Returns stack.json as it is then."""
     from api.client import Client
 
     reset()
     client = Client(url=stack["api_url"])
+    logs = get_settings().logs_dir
     deadline = time.monotonic() + timeout
-    expected = set(stack["workers"])
     while time.monotonic() < deadline:
-        dead = [p for p in stack_pids(stack) if not alive(p)]
+        _check(interrupted)
+        if sup is not None:
+            sup.step()
+        current = read_stack() or stack
+        dead = [f"{NAMES[k]} (pid {current[k]})" for k in NAMES if current.get(k) and not alive(current[k])]
         if dead:
-            raise JobsError(f"process(es) {dead} exited during start: see the logs in {get_settings().logs_dir}")
+            raise JobsError(f"{', '.join(dead)} exited during start: see the logs in {logs}")
+        down = [s for s in current.get("slots", []) if s["state"] == "down"]
+        if down:
+            raise JobsError("; ".join(f"the worker of slice {s['slice'] or 'none (CPU)'} stays down: {s['reason']}"
+                                      for s in down) + f" (see the logs in {logs})")
+        slots = current.get("slots", [])
         try:
             client.health()
             online = {w["pid"] for w in client.workers() if w["state"] == "online"}
-            if expected <= online:
-                return
+            if slots and all(s["state"] == "running" and s["pid"] in online for s in slots):
+                return current
         except JobsError:
             pass
         time.sleep(0.5)
-    raise JobsError(f"the stack did not become healthy in {timeout:.0f} s: see the logs in {get_settings().logs_dir}")
+    raise JobsError(f"the stack did not become healthy in {timeout:.0f} s: see the logs in {logs}")
+
+
+def shutdown(sup, *, timeout: float = 30.0, log=print) -> None:
+    """Stop a stack whose supervisor is this process: its workers first, then what stack.json lists."""
+    if sup is not None:
+        for slot, pid, code in sup.stop(timeout):
+            log(f"stopped worker {slot.label} (pid {pid}, exit {code})")
+    down(timeout=timeout, log=log)
 
 
 def down(*, timeout: float = 30.0, log=print) -> bool:
-    """Stop what stack.json lists: workers first (they hand back their shards), then the API, then Redis."""
-    settings = get_settings()
+    """Stop what stack.json lists: the supervisor first (it stops its workers, which hand back their shards, and
+    never restarts one meanwhile; a detached one then stops the API and Redis too), then whatever still runs:
+    workers, the API, Redis. Says what it stopped. False when no stack.json exists."""
     stack = read_stack()
     if not stack:
         return False
-    for group in (stack.get("workers", []), [stack.get("api")], [stack.get("redis")]):
-        pids = [p for p in group if alive(p)]
-        for pid in pids:
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in pids:
-            if alive(pid):
-                log(f"pid {pid} did not stop in {timeout:.0f} s: killing it")
-                os.kill(pid, signal.SIGKILL)
-    settings.stack_file.unlink(missing_ok=True)
-    reset()
+    me = os.getpid()
+    running = [p for p in stack_pids(stack) if alive(p) and p != me]  # [] for a stack.json from before a reboot
+    if not running:
+        _remove_stack()
+        if stack.get("supervisor") != me:
+            log(f"the stack in {stack.get('home')} was not running (its processes had exited, or the machine "
+                "restarted since): removed its stack.json")
+        return True
+    labels = _labels(stack)
+    supervisor = stack.get("supervisor")
+    if supervisor in running:
+        log(f"stopping the supervisor (pid {supervisor}): its workers hand their shards back first")
+        _stop([supervisor], 3 * timeout + 15, log)
+    latest = read_stack()
+    labels.update(_labels(latest))
+    workers = sorted(set(stack.get("workers", [])) | set(latest.get("workers", [])))
+    for group in (workers, [stack.get("api")], [stack.get("redis")]):
+        _stop([p for p in group if p and p != me and alive(p)], timeout, log)
+    _remove_stack()
+    for pid in running:
+        log(f"stopped {labels.get(pid, 'process')} (pid {pid})")
     return True
+
+
+def _remove_stack() -> None:
+    with _stack_lock():
+        get_settings().stack_file.unlink(missing_ok=True)
+    reset()
+
+
+def _labels(stack: dict) -> dict[int, str]:
+    labels = {stack[k]: f"{NAMES[k]}" + (f" {stack['api_url']}" if k == "api" else "") for k in NAMES if stack.get(k)}
+    for s in stack.get("slots", []):
+        if s.get("pid"):
+            labels[s["pid"]] = f"worker of slice {s['slice'] or 'none (CPU)'}"
+    for pid in stack.get("workers", []):
+        labels.setdefault(pid, "worker")
+    return labels
+
+
+def _stop(pids: list[int], timeout: float, log) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        if alive(pid):
+            log(f"pid {pid} did not stop in {timeout:.0f} s: killing it")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,4 +1,13 @@
-"""The worker registry: what each live worker is, holds and can run, renewed by its heartbeat."""
+"""The worker registry: what each live worker is, holds and can run, renewed by its heartbeat.
+
+One state vocabulary everywhere (CLI, dashboard, API, /metrics), from `state_of`:
+
+    online   registered and beating
+    lost     registered, no heartbeat for JOBS_WORKER_TIMEOUT seconds and no record of stopping (killed, host down)
+    offline  stopped: by itself (with a reason when it was not asked to) or seen exiting by its supervisor
+
+A stopped worker keeps its exit code, reason and stop time; `restarts` counts its slot's restarts before it.
+"""
 
 from __future__ import annotations
 
@@ -41,16 +50,63 @@ def stopped(session: Session, name: str, *, exit_code: int | None = None, reason
     session.execute(update(Worker).where(Worker.name == name).values(**values))
 
 
-def exited(session: Session, *, host: str, pid: int, exit_code: int, reason: str | None) -> None:
+def exited(session: Session, *, host: str, pid: int, exit_code: int, reason: str | None,
+           outcome: str | None = None) -> None:
     """What a supervisor saw: the worker process `pid` on `host` exited with `exit_code`. Keeps a reason the worker
-    wrote itself on its way out (a stall, a missing slice), and the moment it stopped."""
-    worker = session.scalars(select(Worker).where(Worker.host == host, Worker.pid == pid)
-                             .order_by(Worker.started_at.desc())).first()
+    wrote itself on its way out (a stall, a missing slice), and the moment it stopped; `outcome` (what the
+    supervisor does about it, e.g. "stays down: ...") is added after the reason."""
+    worker = find(session, host=host, pid=pid)
     if worker is None:
         return
     worker.state, worker.current_shard_id, worker.exit_code = "offline", None, exit_code
     worker.stopped_at = worker.stopped_at or now()
-    worker.reason = worker.reason or reason
+    worker.reason = "; ".join(r for r in (worker.reason or reason, outcome) if r) or None
+
+
+def find(session: Session, *, host: str, pid: int) -> Worker | None:
+    """The latest registration of process `pid` on `host`, if it registered."""
+    return session.scalars(select(Worker).where(Worker.host == host, Worker.pid == pid)
+                           .order_by(Worker.started_at.desc())).first()
+
+
+def default_name(pid: int, devices: list[str], host: str) -> str:
+    """A worker's name unless it is given one: w<pid>-<gpu0-1|cpu>@<host> (worker/main.py spells it the same)."""
+    return f"w{pid}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
+
+
+def never_registered(session: Session, *, host: str, pid: int, slice: str, exit_code: int, reason: str,
+                     restarts: int) -> None:
+    """A supervised worker that exited before it registered (bad arguments, a GPU conflict, an import error): an
+    offline row under its default name, so `gpujobs workers` still says why its slot is down."""
+    t = now()
+    devices = [d for d in slice.split(",") if d]
+    session.merge(Worker(name=default_name(pid, devices, host), host=host, pid=pid, slice=slice, queues=[], gpus=[],
+                         capabilities={}, state="offline", started_at=t, heartbeat_at=t, current_shard_id=None,
+                         stopped_at=t, exit_code=exit_code, reason=reason, restarts=restarts))
+
+
+def state_of(worker: Worker, t: float, timeout: float) -> str:
+    """online, lost or offline (see the module docstring): the one state every view shows."""
+    if worker.state == "offline":
+        return "offline"
+    return "online" if worker.state == "online" and t - worker.heartbeat_at < timeout else "lost"
+
+
+def shown(workers: list[Worker], t: float, *, timeout: float, stopped_for: float) -> list[Worker]:
+    """The default list: every worker but one that stopped (or was lost) and has been replaced by a newer worker on
+    its host and slice, or that stopped more than `stopped_for` seconds ago (lost: a day without a heartbeat)."""
+    newest: dict[tuple[str, str], float] = {}
+    for w in workers:
+        newest[(w.host, w.slice)] = max(newest.get((w.host, w.slice), 0.0), w.started_at)
+    keep = []
+    for w in workers:
+        state = state_of(w, t, timeout)
+        replaced = newest[(w.host, w.slice)] > w.started_at
+        old = (state == "offline" and t - (w.stopped_at or w.heartbeat_at) > stopped_for) or \
+            (state == "lost" and t - w.heartbeat_at > 86400)
+        if state == "online" or not (replaced or old):
+            keep.append(w)
+    return keep
 
 
 def live(session: Session, timeout: float) -> list[Worker]:

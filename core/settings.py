@@ -7,7 +7,7 @@ Embedded default (no configuration): everything lives under `JOBS_HOME` (default
     jobs.db          SQLite store (WAL)
     artifacts/       uploaded files, results, adapters (JOBS_ARTIFACTS points elsewhere in a cluster)
     logs/            one log file per process started by `gpujobs up`
-    run/stack.json   what `gpujobs up` started: Redis URL, API URL, pids
+    run/stack.json   what `gpujobs up` started: Redis URL, API URL, pids (the supervisor's and its workers')
     token            the local admin token written by `gpujobs up` (mode 0600)
 
 Cluster: set `JOBS_REDIS_URL`, `JOBS_DATABASE_URL`, `JOBS_API_URL`, `JOBS_ARTIFACTS` (a path every host mounts).
@@ -56,6 +56,15 @@ class Settings:
     max_upload_bytes: int = 1 << 30
     max_rows: int = 10_000_000
     max_row_bytes: int = 1 << 20
+    # supervised workers (`gpujobs up`, `gpujobs supervise`; api/supervisor.py): a slot whose worker exited
+    # `restart_limit` times within `restart_window` seconds stays down; restarts wait `restart_backoff` seconds,
+    # doubling up to `restart_backoff_max`
+    restart_limit: int = 5
+    restart_window: float = 600.0
+    restart_backoff: float = 1.0
+    restart_backoff_max: float = 60.0
+    worker_restarts: int = 0  # set by the supervisor on the worker it restarts: shown in its registration
+    stopped_workers_shown: float = 3600.0  # `gpujobs workers` lists a stopped worker this long (`--all`: always)
 
     @property
     def files_dir(self) -> Path:
@@ -129,6 +138,12 @@ def get_settings() -> Settings:
         max_upload_bytes=int(_env("JOBS_MAX_UPLOAD_BYTES", str(1 << 30))),
         max_rows=int(_env("JOBS_MAX_ROWS", "10000000")),
         max_row_bytes=int(_env("JOBS_MAX_ROW_BYTES", str(1 << 20))),
+        restart_limit=int(_env("JOBS_RESTART_LIMIT", "5")),
+        restart_window=float(_env("JOBS_RESTART_WINDOW", "600")),
+        restart_backoff=float(_env("JOBS_RESTART_BACKOFF", "1")),
+        restart_backoff_max=float(_env("JOBS_RESTART_BACKOFF_MAX", "60")),
+        worker_restarts=int(_env("JOBS_WORKER_RESTARTS", "0")),
+        stopped_workers_shown=float(_env("JOBS_STOPPED_WORKERS_SHOWN", "3600")),
     )
 
 

@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# Start gpujobs workers on a bare host: one `jobs worker --gpus SLICE` per slice, in the background.
+# Start gpujobs workers on a bare host: one supervised worker per slice (`jobs supervise --gpus SLICE`), in the
+# background.
 #
 #   ops/launch-workers.sh "0,1" "2" "3"     three workers: GPUs 0+1, GPU 2, GPU 3 (nvidia-smi's indices)
 #   ops/launch-workers.sh none              one CPU worker
 #   ops/launch-workers.sh status            what this host runs (pid, slice, alive or not)
 #   ops/launch-workers.sh stop [SLICE...]   stop all workers started here, or the named slices
 #
-# Each worker gets $JOBS_HOME/run/worker-<slice>.pid and $JOBS_HOME/logs/worker-<slice>.log, commas written as
-# dashes (worker-0-1.pid); JOBS_HOME defaults to ~/.gpujobs, as for `jobs up`. Cluster settings (JOBS_REDIS_URL, JOBS_DATABASE_URL, JOBS_ARTIFACTS, ...)
-# come from this script's environment: see docs/cluster.md. `jobs worker` sets CUDA_DEVICE_ORDER=PCI_BUS_ID
-# and CUDA_VISIBLE_DEVICES=<slice> on each worker's own environment.
+# Each slice gets $JOBS_HOME/run/worker-<slice>.pid (its supervisor's pid) and $JOBS_HOME/logs/worker-<slice>.log
+# (supervisor and worker), commas written as dashes (worker-0-1.pid); JOBS_HOME defaults to ~/.gpujobs, as for
+# `jobs up`. Cluster settings (JOBS_REDIS_URL, JOBS_DATABASE_URL, JOBS_ARTIFACTS, ...) come from this script's
+# environment: see docs/cluster.md. The worker gets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES=<slice>
+# on its own environment.
+#
+# The supervisor restarts a worker that exits, as `jobs up` does: after 1 s, doubling up to 60 s; a slice whose
+# worker exited 5 times in 10 minutes, or with a configuration error (exit 2, 5, 71), stays down: its supervisor
+# exits 1, `status` shows it dead, and `jobs workers` says why (JOBS_RESTART_* settings change the limits).
 #
 # Refuses (nothing is started) when two slices share a GPU, when a slice overlaps a worker already running
 # from this JOBS_HOME, or when an inherited CUDA_VISIBLE_DEVICES does not contain every slice.
 # Starting returns once every worker consumes its queue (or died: then its log's last lines are shown).
-# Exit status: 0 ok, 1 a worker died at start, was not ready in time or did not stop, 2 usage, 5 GPU
+# Exit status: 0 ok, 1 a worker stays down at start, was not ready in time or did not stop, 2 usage, 5 GPU
 # conflict (as `jobs`).
 # JOBS_BIN: the `jobs` program (default: the one on PATH; the shell's `jobs` builtin hides it from plain calls).
 # START_TIMEOUT: seconds to wait for the workers to consume (default 180; they import torch first).
-# STOP_TIMEOUT: seconds a worker gets to hand back its shard on stop before SIGKILL (default 120).
+# STOP_TIMEOUT: seconds a worker gets to hand back its shard on stop before SIGKILL (default 120; the supervisor
+# itself gets 30 s more).
 set -euo pipefail
 
 HOME_DIR=${JOBS_HOME:-$HOME/.gpujobs}
@@ -61,14 +68,14 @@ alive() {
     [[ ${stat##*) } != Z* ]]
 }
 
-# The pid in a pid file, if that process is still our worker (not a recycled pid). From the launch to the
-# worker itself the command line reads `env ... setsid .../jobs worker --gpus S`, then `... -m worker.main`.
+# The pid in a pid file, if that process is still our supervisor (not a recycled pid). From the launch on, its
+# command line reads `env ... setsid .../jobs supervise --gpus S`, then `... jobs supervise --gpus S`.
 live_pid() {
     local file=$1 pid
     [[ -f $file ]] || return 1
     pid=$(sed -n 1p "$file")
     [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -Eq 'worker\.main|jobs worker' || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -Eq 'jobs supervise' || return 1
     echo "$pid"
 }
 
@@ -134,9 +141,10 @@ start() {
     for slice in "${slices[@]}"; do
         log=$LOG_DIR/worker-$(tag_of "$slice").log
         offset[$slice]=$(stat -c %s "$log" 2>/dev/null || echo 0)
-        # setsid: a session of its own, so that a Ctrl-C in this terminal does not reach the worker.
-        # `jobs worker` execs the worker in place, so $! is the worker's pid. 9>&-: not holding our lock.
-        env -u CUDA_VISIBLE_DEVICES setsid "$jobs_bin" worker --gpus "$slice" </dev/null >>"$log" 2>&1 9>&- &
+        # setsid: a session of its own, so that a Ctrl-C in this terminal does not reach the supervisor or its
+        # worker. $! is the supervisor's pid (its worker is its child). 9>&-: not holding our lock.
+        env -u CUDA_VISIBLE_DEVICES setsid "$jobs_bin" supervise --gpus "$slice" --stop-timeout "$STOP_TIMEOUT" \
+            </dev/null >>"$log" 2>&1 9>&- &
         pid=$!
         printf '%s\n%s\n' "$pid" "$slice" >"$(pid_file "$slice")"
         started+=("$slice")
@@ -145,9 +153,10 @@ start() {
     wait_ready "${started[@]}"
 }
 
-# Until each worker consumes (Celery logs "ready.") or has died. A worker that refuses to start (bad slice,
-# GPU conflict, database unreachable) exits within seconds; one still starting after START_TIMEOUT seconds
-# (e.g. Redis unreachable: it keeps retrying) is left running and reported. Uses `offset` from start().
+# Until each worker consumes (Celery logs "ready.") or its slice stays down. A worker with a configuration error
+# (bad slice, GPU conflict) stays down at once, one that keeps crashing (database unreachable) after 5 tries:
+# either way its supervisor exits. One still starting after START_TIMEOUT seconds (e.g. Redis unreachable: it
+# keeps retrying) is left running and reported. Uses `offset` from start().
 wait_ready() {
     local pending=("$@") next slice log failed=0
     local deadline=$((SECONDS + ${START_TIMEOUT:-180}))
@@ -159,7 +168,8 @@ wait_ready() {
                 echo "ready    slice $slice"
             elif ! live_pid "$(pid_file "$slice")" >/dev/null; then
                 failed=1
-                echo "launch-workers: the worker for slice $slice exited during start; last lines of $log:" >&2
+                echo "launch-workers: the worker for slice $slice stays down (its supervisor exited during start);" \
+                    "last lines of $log:" >&2
                 tail -n 20 "$log" >&2 || true
                 rm -f "$(pid_file "$slice")"
             else
@@ -193,7 +203,7 @@ stop() {
     fi
     [[ ${#files[@]} -gt 0 ]] || { echo "no workers were started from $HOME_DIR"; return 0; }
 
-    # SIGTERM: a worker stops taking tasks and hands its current shard back.
+    # SIGTERM to the supervisor: it stops restarting; its worker stops taking tasks and hands its shard back.
     local pids=() pid
     for file in "${files[@]}"; do
         if pid=$(live_pid "$file"); then
@@ -202,7 +212,7 @@ stop() {
             echo "stopping slice $(sed -n 2p "$file") (pid $pid)"
         fi
     done
-    local deadline=$((SECONDS + STOP_TIMEOUT)) still=()
+    local deadline=$((SECONDS + STOP_TIMEOUT + 30)) still=()
     while [[ ${#pids[@]} -gt 0 ]]; do
         still=()
         for pid in "${pids[@]}"; do
@@ -213,7 +223,7 @@ stop() {
     done
     local rc=0
     for pid in "${still[@]}"; do
-        echo "launch-workers: pid $pid did not stop in ${STOP_TIMEOUT}s: killing it" >&2
+        echo "launch-workers: pid $pid did not stop in $((STOP_TIMEOUT + 30))s: killing it" >&2
         kill -KILL "$pid" 2>/dev/null || true
         rc=1
     done

@@ -129,6 +129,13 @@ def celery_ready(log: Path) -> bool:
     return " ready." in log.read_text(errors="replace")
 
 
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def worker_row(database_url: str, pid: int):
     from sqlalchemy import select
 
@@ -194,6 +201,14 @@ def test_each_worker_service_reserves_its_own_gpus_and_names_them_as_the_contain
         env = environment(name)
         assert env["CUDA_VISIBLE_DEVICES"] == inside and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID", name
         assert {k: env[k] for k in MULTICAST_OFF} == MULTICAST_OFF, name
+
+
+def test_compose_restarts_workers_and_every_long_running_service():
+    """Every worker service, the API, Redis and Postgres restart when they exit (unless stopped on purpose); the
+    one-shot migration does not."""
+    for name in [*worker_services(), "api", "redis", "postgres"]:
+        assert service(name)["restart"] == "unless-stopped", name
+    assert service("migrate")["restart"] == "no"
 
 
 # --- every command of compose.yaml runs here ----------------------------------------------------------------
@@ -360,10 +375,11 @@ def test_launcher_refuses_slices_outside_an_inherited_cuda_visible_devices(tmp_p
 
 
 @pytest.mark.slow
-def test_launcher_starts_one_pinned_worker_per_slice_and_stops_them(tmp_path, jobs_env):
-    """`launch-workers.sh 0,1 2` starts two workers, each with its pid file, log and own CUDA_VISIBLE_DEVICES;
-    a slice overlapping a running worker is refused; `stop` ends both (they register offline) and removes the
-    pid files."""
+def test_launcher_starts_one_pinned_worker_per_slice_restarts_a_killed_one_and_stops_them(tmp_path, jobs_env):
+    """`launch-workers.sh 0,1 2` starts two supervised workers, each with its pid file (the supervisor's), log and
+    own CUDA_VISIBLE_DEVICES; a worker killed with SIGKILL is started again by its supervisor (registered with
+    restarts=1); a slice overlapping a running worker is refused; `stop` ends supervisors and workers (they
+    register offline) and removes the pid files."""
     home = tmp_path / "home"
     bin_dir = str(Path(sys.executable).parent)  # this environment's `jobs`
     env = dict(jobs_env.env, JOBS_HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -371,11 +387,12 @@ def test_launcher_starts_one_pinned_worker_per_slice_and_stops_them(tmp_path, jo
     try:
         result = launcher(env, "0,1", "2")
         assert result.returncode == 0, result.stdout + result.stderr
-        pids = {}
+        supervisors, pids = {}, {}
         for slice_, tag in (("0,1", "0-1"), ("2", "2")):
             pid_text, recorded = (run_dir / f"worker-{tag}.pid").read_text().split()
             assert recorded == slice_ and (home / "logs" / f"worker-{tag}.log").exists()
-            pids[slice_] = int(pid_text)
+            supervisors[slice_] = int(pid_text)
+            [pids[slice_]] = wait_for(lambda s=int(pid_text): children(s), 30, f"the worker of slice {slice_}")
         for slice_, pid in pids.items():
             wait_for(lambda pid=pid: registered(jobs_env.database_url, pid), 90, f"worker {slice_} registration")
             real = environ_of(pid)
@@ -383,6 +400,13 @@ def test_launcher_starts_one_pinned_worker_per_slice_and_stops_them(tmp_path, jo
             assert worker_row(jobs_env.database_url, pid).slice == slice_
             log = home / "logs" / f"worker-{slice_.replace(',', '-')}.log"
             wait_for(lambda log=log: celery_ready(log), 60, f"worker {slice_} consuming")
+
+        os.kill(pids["2"], signal.SIGKILL)
+        [again] = wait_for(lambda: [c for c in children(supervisors["2"]) if c != pids["2"]], 60, "the restart")
+        wait_for(lambda: registered(jobs_env.database_url, again), 90, "the restarted worker's registration")
+        assert worker_row(jobs_env.database_url, again).restarts == 1
+        assert worker_row(jobs_env.database_url, pids["2"]).exit_code == -9
+        pids["2 (restarted)"] = again
 
         overlap = launcher(env, "1,3")
         assert overlap.returncode == 5 and "two workers never share a GPU" in overlap.stderr
@@ -394,13 +418,16 @@ def test_launcher_starts_one_pinned_worker_per_slice_and_stops_them(tmp_path, jo
         stopped = launcher(env, "stop", timeout=180)
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         assert not list(run_dir.glob("worker-*.pid"))
+        assert not [p for p in supervisors.values() if alive(p)]
         for pid in pids.values():
             assert not alive(pid)
             assert worker_row(jobs_env.database_url, pid).state == "offline"
     finally:
         for pid_file in run_dir.glob("worker-*.pid"):  # a failed assertion above must not leave workers behind
             pid = int(pid_file.read_text().split()[0])
-            if alive(pid) and "worker" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+            if alive(pid) and "supervise" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                for child in children(pid):
+                    os.kill(child, signal.SIGKILL)
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -424,6 +451,17 @@ def test_worker_unit_takes_its_slice_from_the_instance_name():
     assert escaped == "2\\x2c3"
     assert subprocess.run(["systemd-escape", "-u", escaped], capture_output=True, text=True,
                           check=True).stdout.strip() == "2,3"
+
+
+def test_worker_unit_restarts_a_failed_worker_except_configuration_errors_within_a_cap():
+    """The worker unit restarts a worker that failed (a crash, a kill, a stall), never one that exited with a
+    configuration error (2, 5, 71: api/supervisor.py's CONFIG_ERRORS), and gives up after 5 starts in 10 minutes."""
+    from api.supervisor import CONFIG_ERRORS
+
+    unit = "gpujobs-worker@.service"
+    assert unit_lines(unit, "Restart") == ["on-failure"]
+    assert {int(c) for c in unit_lines(unit, "RestartPreventExitStatus")[0].split()} == set(CONFIG_ERRORS)
+    assert (unit_lines(unit, "StartLimitIntervalSec"), unit_lines(unit, "StartLimitBurst")) == (["600"], ["5"])
 
 
 def test_systemd_units_verify(tmp_path):

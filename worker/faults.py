@@ -9,6 +9,9 @@
                          also at rankR_step)
     raise@rank1_step     raise RuntimeError at that point (rankR_step: each step's end in rank R of a distributed
                          fine-tune, worker/finetune_dist.py)
+    exit_N@start         end this worker at once with exit status N just after it registered (os._exit: no
+                         cleanup, as a crash or the stall watchdog would), e.g. exit_70@start, exit_71@start; for
+                         the supervisor's restart policy (tests/test_supervisor.py)
 
 Unset (always, outside tests) it costs one dict lookup per call.
 """
@@ -37,6 +40,8 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
             raise RuntimeError(f"injected failure (JOBS_TEST_FAULTS {fault})")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action.startswith("exit_"):
+            os._exit(int(action.removeprefix("exit_")))
         if action == "truncate" and path is not None:
             os.truncate(path, os.path.getsize(path) // 2)
         if action.startswith("sleep_"):

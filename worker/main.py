@@ -70,15 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"w{os.getpid()}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
     queue = queue_for(len(devices))
 
+    from worker import faults, stackwatch, tasks
     from worker import runtime as rt
-    from worker import tasks
 
     runtime = rt.Runtime(name=name, host=host, slice=args.slice, queues=[queue], gpus=len(devices))
     tasks.runtime = runtime
     runtime.register(os.getpid())
+    faults.hit("start")  # test-only (worker/faults.py)
     runtime.start_heartbeat()
+    stackwatch.watch(name)  # a worker of the local stack leaves (69) when that stack is stopped
     signals.worker_shutting_down.connect(lambda **_: runtime.shutting_down.set(), weak=False)
     survive_broker_loss_with_unacked_messages()
+    controllers = []  # Celery's WorkController: worker_main() drops its exit status (stackwatch's 69), we keep it
+    signals.worker_init.connect(lambda sender, **_: controllers.append(sender), weak=False)
     try:
         tasks.app.worker_main([
             "worker", "--pool=solo", f"--queues={queue}", f"--hostname={name}", f"--loglevel={args.loglevel}",
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         ])
     finally:
         runtime.stop()
-    return 0
+    return (controllers[0].exitcode if controllers else None) or 0
 
 
 if __name__ == "__main__":

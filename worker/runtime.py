@@ -49,7 +49,8 @@ class Runtime:
         caps = capabilities.probe()
         with session_scope() as session:
             registry.register(session, name=self.name, host=self.host, pid=pid, slice=self.slice,
-                              queues=self.queues, gpus=capabilities.gpus(), capabilities=caps)
+                              queues=self.queues, gpus=capabilities.gpus(), capabilities=caps,
+                              restarts=get_settings().worker_restarts)
         log.info("worker %s registered: slice %r, queues %s, %d CUDA device(s)", self.name, self.slice,
                  self.queues, caps["device_count"])
         if self.gpus and caps["device_count"] < self.gpus:

@@ -139,14 +139,17 @@ async function jobView(v, id) {
 async function workersView(v) {
   const workers = await api("/workers");
   if (v !== view) return;
-  main.innerHTML = `<h2>Workers</h2><table id="workers"><thead><tr><th>worker</th><th>state</th><th>host</th><th>slice</th>
-    <th>GPUs</th><th>heartbeat</th><th>shard</th></tr></thead><tbody>` +
+  // state is the API's (online, lost, offline), the same word `gpujobs workers` and /metrics use
+  main.innerHTML = `<h2>Workers</h2><table id="workers"><thead><tr><th>worker</th><th>state</th><th>restarts</th><th>host</th><th>slice</th>
+    <th>GPUs</th><th>heartbeat</th><th>shard</th><th>stopped</th></tr></thead><tbody>` +
     workers.map(w => {
       const used = Object.fromEntries(((w.capabilities || {}).gpu_memory || []).map(g => [g.index, g]));
       const gpus = (w.gpus || []).map(g => `${esc(g.index)}: ${esc(g.name)} (${gib(used[g.index] && used[g.index].reserved_bytes)} / ${gib(g.memory_bytes)}, cc ${esc(g.compute_capability)})`);
-      return `<tr><td>${esc(w.name)}</td><td class="state ${esc(w.state)}">${esc(w.state)}</td><td>${esc(w.host)}</td>
+      const stopped = w.state === "offline"
+        ? `${w.exit_code == null ? "stopped" : "exit " + w.exit_code} ${ago(w.stopped_at || w.heartbeat_at)}${w.reason ? ": " + w.reason : ""}` : "";
+      return `<tr><td>${esc(w.name)}</td><td class="state ${esc(w.state)}">${esc(w.state)}</td><td>${esc(w.restarts || 0)}</td><td>${esc(w.host)}</td>
         <td>${esc(w.slice || "cpu")}</td><td>${gpus.join("<br>") || "CPU"}</td><td>${esc(ago(w.heartbeat_at))}</td>
-        <td>${esc(w.current_shard_id ?? "")}</td></tr>`;
+        <td>${esc(w.current_shard_id ?? "")}</td><td>${esc(stopped)}</td></tr>`;
     }).join("") + `</tbody></table>`;
 }
 

@@ -1,0 +1,320 @@
+"""Supervised workers (api/supervisor.py): the restart policy, real worker processes that exit with chosen codes
+(JOBS_TEST_FAULTS exit_N@start), and the local stack under `gpujobs up --detach`: a killed worker comes back, `down`
+stops everything it ever started, a worker started by hand leaves with its stack, and stopped workers are offline,
+never lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from api import service
+from api.metrics import parse
+from api.supervisor import Policy, Supervisor, decide, describe
+from core.embedded import free_port
+from tests.conftest import ROOT, wait_for
+from tests.test_e2e import jobs
+
+HINT = "restart it"
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- the policy -----------------------------------------------------------------------------------------------
+
+
+def test_restarts_back_off_doubling_up_to_the_maximum():
+    """Each exit within the window doubles the wait before the restart, up to backoff_max."""
+    policy = Policy(limit=10, window=600, backoff=1, backoff_max=4)
+    delays = [decide(1, [100.0] * n, 100.0, policy, HINT)[0] for n in range(1, 6)]
+    assert delays == [1, 2, 4, 4, 4]
+
+
+def test_the_limit_th_exit_within_the_window_keeps_the_slot_down_with_the_reason():
+    """The 5th exit within 10 minutes stays down and says how often, the last exit code and what to do; exits older
+    than the window do not count."""
+    policy = Policy(limit=5, window=600, backoff=1, backoff_max=60)
+    delay, outcome = decide(70, [0.0, 700.0, 800.0, 900.0, 1000.0], 1000.0, policy, HINT)
+    assert delay is not None and outcome == "restarting in 8 s"
+    delay, outcome = decide(70, [700.0, 750.0, 800.0, 900.0, 1000.0], 1000.0, policy, HINT)
+    assert delay is None
+    assert outcome == ("exited 5 times in 10 min, last exit 70 (engine stalled): stays down; fix the cause, then "
+                       "restart it")
+
+
+@pytest.mark.parametrize("code", [2, 5, 71])
+def test_a_configuration_error_is_not_restarted(code):
+    """Exit 2 (bad arguments), 5 (CUDA_VISIBLE_DEVICES conflict) and 71 (slice not present) stay down at once."""
+    delay, outcome = decide(code, [0.0], 0.0, Policy(), HINT)
+    assert delay is None and outcome.startswith("a configuration error, not restarted")
+
+
+def test_exit_codes_are_described_in_words():
+    """A signal reads as its name, the watchdog's codes as what they mean."""
+    assert describe(-9) == "killed by SIGKILL"
+    assert describe(70) == "engine stalled"
+    assert describe(71) == "its GPU slice is not present"
+    assert describe(69) == "its stack's Redis is gone"
+
+
+# --- real worker processes under a Supervisor in this process --------------------------------------------------
+
+
+@pytest.fixture
+def supervise(tmp_path, jobs_env):
+    """A Supervisor of real worker processes (stopped afterwards); its workers' logs in tmp_path."""
+    made: list[Supervisor] = []
+
+    def make(policy: Policy, **extra: str) -> Supervisor:
+        sup = Supervisor([[]], env={**os.environ, **extra}, logs_dir=tmp_path, hint=HINT, policy=policy)
+        made.append(sup)
+        sup.start()
+        return sup
+
+    yield make
+    for sup in made:
+        sup.stop(20)
+
+
+def until_down(sup: Supervisor, timeout: float, tmp_path) -> str:
+    def down():
+        sup.step()
+        return sup.slots[0].down
+
+    try:
+        return wait_for(down, timeout, "the slot to stay down", interval=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{(tmp_path / 'worker-0.log').read_text(errors='replace')[-3000:]}") from None
+
+
+def test_a_worker_exiting_with_the_missing_slice_code_is_not_restarted(tmp_path, supervise):
+    """A worker that exits 71 (its GPU slice is not present) right after registering is not started again; its
+    registration is offline with exit 71 and says why, and no second worker was started."""
+    sup = supervise(Policy(limit=5, window=600, backoff=0.1, backoff_max=1), JOBS_TEST_FAULTS="exit_71@start")
+    reason = until_down(sup, 240, tmp_path)
+    assert reason.startswith("exit 71 (its GPU slice is not present): a configuration error, not restarted")
+    time.sleep(1)  # a restart would have been due after 0.1 s
+    sup.step()
+    assert sup.slots[0].restarts == 0 and sup.slots[0].proc is None
+    [worker] = service.workers(all=True)
+    assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 71, 0)
+    assert worker["reason"] == ("its GPU slice is not present; a configuration error, not restarted: fix it, then "
+                                f"{HINT}")
+
+
+def test_a_worker_that_keeps_stalling_stays_down_after_the_cap_and_says_why(tmp_path, supervise):
+    """A worker that exits 70 (engine stalled) each time it starts is restarted with a growing backoff until its
+    third exit within the window; then its slot stays down. Each registration counts its slot's restarts (0, 1, 2),
+    the default list shows only the last worker (the others were replaced), with the reason."""
+    sup = supervise(Policy(limit=3, window=600, backoff=0.2, backoff_max=1), JOBS_TEST_FAULTS="exit_70@start")
+    reason = until_down(sup, 360, tmp_path)
+    assert reason.startswith("exit 70 (engine stalled): exited 3 times in 10 min, last exit 70 (engine stalled): "
+                             "stays down")
+    every = sorted(service.workers(all=True), key=lambda w: w["restarts"])
+    assert [(w["state"], w["exit_code"], w["restarts"]) for w in every] == [("offline", 70, n) for n in range(3)]
+    assert [w["reason"] for w in every[:2]] == ["engine stalled"] * 2
+    [shown] = service.workers()
+    assert shown["name"] == every[-1]["name"]
+    assert shown["reason"] == f"engine stalled; {reason.split(': ', 1)[1]}"
+
+
+def test_a_worker_that_dies_before_registering_still_leaves_a_row_that_says_why(tmp_path, supervise):
+    """A worker that crashes before it registers (here: a setting that is not a number) gets an offline row under
+    its default name with its exit code, restart count and the supervisor's verdict."""
+    sup = supervise(Policy(limit=2, window=600, backoff=0.1, backoff_max=1), JOBS_LEASE_SECONDS="soon")
+    reason = until_down(sup, 120, tmp_path)
+    assert reason.startswith("exit 1 (crashed: see its log): exited 2 times in 10 min")
+    rows = sorted(service.workers(all=True), key=lambda w: w["restarts"])
+    assert [(w["state"], w["exit_code"], w["restarts"], w["queues"]) for w in rows] == \
+        [("offline", 1, 0, []), ("offline", 1, 1, [])]
+    assert rows[-1]["name"].startswith("w") and rows[-1]["name"].endswith("-cpu@" + rows[-1]["host"])
+    assert "stays down" in rows[-1]["reason"]
+
+
+# --- the local stack -------------------------------------------------------------------------------------------
+
+
+def stack_env(tmp_path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(JOBS_HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    return env
+
+
+def read_stack(tmp_path) -> dict:
+    try:
+        return json.loads((tmp_path / "home" / "run" / "stack.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def workers_json(env, *flags: str) -> list[dict]:
+    return json.loads(jobs(env, "workers", "--json", *flags, check=True).stdout)
+
+
+def test_up_detach_restarts_a_killed_worker_and_down_stops_every_process(tmp_path, redis_server):
+    """Under `up --detach`, a worker killed with SIGKILL is started again by the detached supervisor: a new pid in
+    stack.json, registered with restarts=1 (`gpujobs workers --json`, /metrics); the killed one is offline with exit
+    -9 (listed with --all). `down` says what it stopped and leaves no process it ever started."""
+    env = stack_env(tmp_path)
+    port = str(free_port())
+    up = jobs(env, "up", "--detach", "--port", port)
+    assert up.returncode == 0, up.stderr
+    seen = set()
+    try:
+        first = read_stack(tmp_path)
+        seen |= {first["supervisor"], first["api"], first["redis"], *first["workers"]}
+        [old] = first["workers"]
+        assert first["supervisor"] != old and running(first["supervisor"])
+        os.kill(old, signal.SIGKILL)
+
+        def restarted():
+            stack = read_stack(tmp_path)
+            pids = stack.get("workers") or []
+            online = {w["pid"]: w for w in workers_json(env) if w["state"] == "online"}
+            return pids and pids[0] != old and pids[0] in online and online[pids[0]]
+
+        new = wait_for(restarted, 180, "the killed worker's restart")
+        seen.add(new["pid"])
+        assert new["restarts"] == 1
+        assert [w["pid"] for w in workers_json(env)] == [new["pid"]]
+        killed = {w["pid"]: w for w in workers_json(env, "--all")}[old]
+        assert (killed["state"], killed["exit_code"], killed["reason"]) == ("offline", -9, "killed by SIGKILL")
+        assert read_stack(tmp_path)["slots"] == [{"slice": "", "pid": new["pid"], "restarts": 1, "state": "running",
+                                                  "reason": None}]
+        token = (tmp_path / "home" / "token").read_text().strip()
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"},
+                         timeout=30).text
+        assert [(labels["slice"], value) for labels, value in parse(text)["gpujobs_worker_restarts_total"]] == \
+            [("", 1.0)]
+        assert dict((labels["state"], value) for labels, value in parse(text)["gpujobs_workers"]) == \
+            {"online": 1.0, "lost": 0.0, "offline": 1.0}
+        table = jobs(env, "workers", "--all", check=True).stdout
+        assert "restarts=1" in table and "exit -9" in table and "killed by SIGKILL" in table
+    finally:
+        down = jobs(env, "down")
+    assert down.returncode == 0, down.stderr
+    for what in ("supervisor", "worker of slice none (CPU)", "API", "Redis"):
+        assert f"stopped {what}" in down.stderr, down.stderr
+    assert not [p for p in seen if running(p)]
+    assert not (tmp_path / "home" / "run" / "stack.json").exists()
+    again = jobs(env, "down")
+    assert again.returncode == 0 and "nothing to stop: no stack is running" in again.stderr
+
+
+def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_workers_offline(tmp_path,
+                                                                                                redis_server):
+    """A `gpujobs worker` started beside `up` exits 69 within seconds of `gpujobs down` (not after Celery's 100
+    reconnects), and its registration says why. After `up` again, the workers of the first stack are `offline`
+    (never `lost`) with --all, and the default list shows only the new stack's worker."""
+    env = stack_env(tmp_path)
+    port = str(free_port())
+    assert jobs(env, "up", "--detach", "--port", port).returncode == 0
+    log = tmp_path / "hand.log"
+    with open(log, "wb") as out:
+        hand = subprocess.Popen([sys.executable, "-m", "api", "worker", "--gpus", "none"], env=env, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: hand.pid in {w["pid"] for w in workers_json(env) if w["state"] == "online"}, 180,
+                 "the hand-started worker")
+        first = read_stack(tmp_path)
+        down = jobs(env, "down")
+        assert down.returncode == 0, down.stderr
+        stopped = time.monotonic()
+        try:
+            code = hand.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the hand-started worker outlived its stack by 60 s:\n{log.read_text()[-3000:]}")
+        assert code == 69, log.read_text()[-3000:]
+        assert "the local stack in" in log.read_text() and time.monotonic() - stopped < 60
+
+        assert jobs(env, "up", "--detach", "--port", port).returncode == 0
+        every = {w["pid"]: w for w in workers_json(env, "--all")}
+        assert every[hand.pid]["state"] == "offline" and every[hand.pid]["exit_code"] == 69
+        assert every[hand.pid]["reason"].startswith("the local stack in ")
+        assert "this worker exits (69)" in every[hand.pid]["reason"]
+        [old] = first["workers"]
+        assert (every[old]["state"], every[old]["exit_code"], every[old]["reason"]) == \
+            ("offline", 0, "stopped on request")
+        assert "lost" not in {w["state"] for w in every.values()}
+        assert [w["pid"] for w in workers_json(env)] == read_stack(tmp_path)["workers"]
+    finally:
+        if hand.poll() is None:
+            hand.kill()
+        jobs(env, "down")
+
+
+# --- one state vocabulary ---------------------------------------------------------------------------------------
+
+
+def test_a_stopped_worker_is_offline_everywhere_long_after_its_last_heartbeat(jobs_env):
+    """A worker that stopped (or whose exit its supervisor recorded) is `offline` in the API/CLI view and in /metrics
+    however old its heartbeat, never `lost`; a worker that just went silent is `lost`. The default list drops a
+    stopped worker once a newer one runs on its host and slice, or after JOBS_STOPPED_WORKERS_SHOWN seconds."""
+    from sqlalchemy import update
+
+    from api.metrics import worker_metrics
+    from core import registry
+    from core.db import session_scope
+    from core.models import Worker
+    from core.store import now
+
+    def register(name: str, pid: int, slice_: str, age: float) -> None:
+        with session_scope() as session:
+            registry.register(session, name=name, host="h", pid=pid, slice=slice_, queues=["gpu1"], gpus=[],
+                              capabilities={})
+        with session_scope() as session:
+            session.execute(update(Worker).where(Worker.name == name).values(started_at=now() - age,
+                                                                            heartbeat_at=now() - age))
+
+    register("stopped", 1, "0", 7200)
+    register("killed", 2, "1", 600)
+    register("silent", 3, "2", 600)
+    register("replacement", 4, "1", 60)
+    with session_scope() as session:
+        registry.stopped(session, "stopped")
+        session.execute(update(Worker).where(Worker.name == "stopped").values(stopped_at=now() - 7000))
+        registry.exited(session, host="h", pid=2, exit_code=-9, reason="killed by SIGKILL")
+    states = {w["name"]: w["state"] for w in service.workers(all=True)}
+    assert states == {"stopped": "offline", "killed": "offline", "silent": "lost", "replacement": "lost"}
+    assert {w["name"] for w in service.workers()} == {"silent", "replacement"}
+    with session_scope() as session:
+        [by_state] = [m for m in worker_metrics(session) if m.name == "gpujobs_workers"]
+    assert {s.labels["state"]: s.value for s in by_state.samples} == {"online": 0, "lost": 2, "offline": 2}
+
+
+def test_a_stack_file_from_before_a_reboot_is_not_running_and_down_kills_none_of_its_pids(tmp_path, monkeypatch):
+    """stack.json written under another boot id lists pids that belong to other processes now: `up` does not call
+    that stack running, and `down` removes the file, says so, and signals none of them."""
+    from api import stack
+    from core.settings import reset
+
+    monkeypatch.setenv("JOBS_HOME", str(tmp_path / "home"))
+    reset()
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stack.write_stack({"home": str(tmp_path / "home"), "boot_id": "an-earlier-boot", "redis": bystander.pid,
+                           "api": bystander.pid, "workers": [bystander.pid], "supervisor": bystander.pid})
+        assert stack.prepare([[]]) == [[]]
+        said = []
+        assert stack.down(log=said.append) is True
+        assert said == [f"the stack in {tmp_path / 'home'} was not running (its processes had exited, or the machine "
+                        "restarted since): removed its stack.json"]
+        assert bystander.poll() is None and not (tmp_path / "home" / "run" / "stack.json").exists()
+    finally:
+        bystander.kill()
+        bystander.wait()
+        reset()
