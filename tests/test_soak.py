@@ -1,15 +1,22 @@
-"""Pieces of the soak run (ops/gpu/soak.py) that CPU tests can hold: the worker's stack dump on SIGUSR2, and the
-soak's G1/G2 rows being those of ops/bench/gen.py. The whole soak runs on CPU with `python ops/gpu/soak.py --smoke`
-(about 3 minutes here, most of it building the tiny models: too long for this suite)."""
+"""The soak run (ops/gpu/soak.py) on CPU: its --smoke mode end to end (tiny models, the same steps and checks as on
+the H200), the worker's stack dump on SIGUSR2 that a stuck step relies on, and the soak's G1/G2 rows being those of
+ops/bench/gen.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
+import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, wait_for
+
+STEPS = ["setup", "engines", "g2_first", "g2_second", "g1", "mixed", "cancel_retry", "oom", "finetune_chain",
+         "adapter"]
 
 
 def _module(name: str, path: str):
@@ -52,3 +59,27 @@ def test_soak_rows_are_the_rows_of_gen_py(tiny_model):
         assert [(p, o) for p, _, o in ours] == gen.workload(name, tok, smoke=True)
     fast = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     assert all(len(fast.encode(p).ids) == n for p, n, _ in ours)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
+    """`ops/gpu/soak.py --smoke` runs every step of the GPU soak through a real stack on CPU and passes: each job in
+    its expected state, every row once, greedy outputs equal across engines, the injected OOM split, no restart."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny-qa").symlink_to(tiny_model)  # built as the soak builds them: only the random tiny one is built
+    (models / "tiny-base").symlink_to(base_model)
+    out = tmp_path / "soak.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "OUT"}
+    proc = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu" / "soak.py"), "--smoke", "--work", str(tmp_path),
+                           "--out", str(out), "--budget-s", "800"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=880)
+    report = json.loads(out.read_text())["soak"]
+    failed = {s["name"]: s.get("error") or [k for k, c in s["checks"].items() if not c["ok"]]
+              for s in report["steps"] if not s.get("passed")}
+    assert proc.returncode == 0 and report["passed"], f"{failed}\n{proc.stdout[-4000:]}"
+    assert [s["name"] for s in report["steps"]] == STEPS
+    assert all(s["restarts"] == 0 and s["checks"] for s in report["steps"])
+    oom = next(s for s in report["steps"] if s["name"] == "oom")
+    assert oom["checks"]["out_of_memory_split"]["events"]

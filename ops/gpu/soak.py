@@ -44,7 +44,8 @@ same engine path; every other --smoke job keeps its padded calls at 64 rows or f
 A step that passes its bound is recorded failed with "slow or stuck" evidence: the stack of every thread of the
 worker (`kill -USR2`, faulthandler, worker/main.py) copied from its log into the step's record and stacks.txt; its
 live jobs are cancelled; a worker that does not stop them within 30 s is killed with SIGABRT (PYTHONFAULTHANDLER=1
-dumps its stacks as it dies) and started again, so the next step can run (such a restart fails the soak). The whole
+dumps its stacks as it dies) and, unless a supervisor brings one back within 15 s, started again as `up` starts it,
+so the next step can run (such a restart fails the soak). The whole
 run stays within --budget-s: a step that cannot get 20 s is skipped, which fails the soak too.
 """
 
@@ -122,7 +123,7 @@ MODES = {
                        oom=60, finetune_chain=120, adapter=45)),
     # CPU: every model tiny, every padded call at most 64 rows except the OOM step's, whose fault fires above 64
     "smoke": Mode("smoke", 1500, "tiny", "none", 0, 32, 2, Rows(64, (4, 40), (2, 24)), Rows(32, (16, 16), (16, 16)),
-                  Rows(96, (4, 24), (4, 12)), Rows(256, (4, 24), (8, 32)), 8, 60, Rows(256, (8, 8), (4, 4)),
+                  Rows(96, (4, 24), (4, 12)), Rows(128, (4, 24), (24, 24)), 8, 60, Rows(256, (8, 8), (4, 4)),
                   dict(setup=400, engines=300, g2_first=180, g2_second=180, g1=180, mixed=240, cancel_retry=300,
                        oom=240, finetune_chain=400, adapter=180),
                   worker_env={"JOBS_TEST_FAULTS": "oom_over_64@generate", "OMP_NUM_THREADS": "1"}, poll_s=0.2),
@@ -167,6 +168,10 @@ class Stack:
             return {}
 
     def worker_pid(self) -> int | None:
+        """The pid the live worker registered itself (stack.json's list may, with a supervisor, hold another)."""
+        live = [w for w in registry() if w["state"] == "online" and time.time() - w["heartbeat_at"] < 30]
+        if live:
+            return max(live, key=lambda w: w["started_at"])["pid"]
         workers = self.read().get("workers") or []
         return workers[0] if workers else None
 
@@ -199,6 +204,14 @@ class Stack:
         if pid and _alive(pid):
             os.kill(pid, signal.SIGABRT)
             _wait_until(lambda: not _alive(pid), 30)
+        self.deliberate_restarts += 1
+
+        def another() -> int | None:
+            return next((w["pid"] for w in registry() if w["state"] == "online" and w["pid"] != pid
+                         and time.time() - w["heartbeat_at"] < 30 and _alive(w["pid"])), None)
+
+        if _wait_until(lambda: another() is not None, 15):  # a supervisor started one
+            return another()
         devices = st.parse_slice(self.mode.up_gpus)
         stack = self.read()
         env = dict(self.env, JOBS_REDIS_URL=stack.get("redis_url", ""))
@@ -206,9 +219,8 @@ class Stack:
             proc = subprocess.Popen(st.worker_command(devices), env=st.worker_env(devices, env), cwd=ROOT,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        stack["workers"] = [proc.pid]
+        stack["workers"] = [p for p in stack.get("workers", []) if p != pid] + [proc.pid]
         (self.home / "run" / "stack.json").write_text(json.dumps(stack, indent=2))
-        self.deliberate_restarts += 1
         _wait_until(lambda: any(w["pid"] == proc.pid and w["state"] == "online" for w in registry()), 180)
         return proc.pid
 
@@ -474,11 +486,8 @@ class Soak:
 
     def ensure_worker(self, before_step: str) -> None:
         pid = self.stack.worker_pid()
-        if pid and _alive(pid):
-            return
-        if _wait_until(lambda: any(w["state"] == "online" for w in registry()), 20):
-            return  # a supervisor brought one back (counted as a restart by the registry)
-        self.stack.restart_worker(f"no live worker before step {before_step}")
+        if not (pid and _alive(pid)):  # a supervisor's restart is waited for there, and counted by the registry
+            self.stack.restart_worker(f"no live worker before step {before_step}")
 
     def stuck(self, step: Step, exc: Stuck) -> dict[str, Any]:
         """Evidence for a step past its bound: the worker's stacks, then its live jobs cancelled; a worker that
