@@ -135,11 +135,10 @@ def log(message: str) -> None:
 
 
 class Stuck(Exception):
-    """A step's job did not end within the step's bound."""
+    """A step's job (or process) did not end within the step's bound."""
 
-    def __init__(self, job_id: str, state: str, bound: float):
-        super().__init__(f"slow or stuck: job {job_id} still {state} at the step's bound of {bound:.0f} s")
-        self.job_id = job_id
+    def __init__(self, what: str, state: str, bound: float):
+        super().__init__(f"slow or stuck: {what} still {state} at the step's bound of {bound:.0f} s")
 
 
 # --- the stack -------------------------------------------------------------------------------------------------
@@ -156,9 +155,9 @@ class Stack:
         self.started_pid: int | None = None
         self.deliberate_restarts = 0
 
-    def up(self, port: int) -> subprocess.Popen:
+    def up(self, port: int, output: Path) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "api", "up", "--detach", "--gpus", self.mode.up_gpus, "--port", str(port)]
-        out = open(self.home.parent / "up.log", "wb")
+        out = open(output, "wb")  # noqa: SIM115  the child writes it
         return subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
     def read(self) -> dict:
@@ -250,14 +249,20 @@ def free_port() -> int:
 
 
 def registry() -> list[dict[str, Any]]:
-    """Every worker row (migration 0005 fields included)."""
+    """Every worker row (migration 0005 fields included); none before `up` has migrated the store."""
     from core.db import session_scope
+    from core.errors import JobsError
     from core.registry import all_workers
 
-    with session_scope() as s:
-        return [{"name": w.name, "pid": w.pid, "state": w.state, "restarts": w.restarts, "exit_code": w.exit_code,
-                 "reason": w.reason, "started_at": w.started_at, "stopped_at": w.stopped_at,
-                 "heartbeat_at": w.heartbeat_at, "slice": w.slice} for w in all_workers(s)]
+    try:
+        with session_scope() as s:
+            return [{"name": w.name, "pid": w.pid, "state": w.state, "restarts": w.restarts,
+                     "exit_code": w.exit_code, "reason": w.reason, "started_at": w.started_at,
+                     "stopped_at": w.stopped_at, "heartbeat_at": w.heartbeat_at, "slice": w.slice}
+                    for w in all_workers(s)]
+    except JobsError as exc:  # no database yet, or no tables
+        log(f"worker registry not readable: {exc}")
+        return []
 
 
 def restart_count(workers: list[dict[str, Any]]) -> int:
@@ -421,7 +426,7 @@ class Step:
             if until(job) or job["state"] in TERMINAL:
                 return job
             if time.monotonic() > self.deadline:
-                raise Stuck(job_id, job["state"], self.bound)
+                raise Stuck(f"job {job_id}", job["state"], self.bound)
             time.sleep(self.soak.mode.poll_s)
 
     def finish(self, job: dict, expected_state: str = "succeeded") -> bool:
@@ -472,7 +477,10 @@ class Soak:
             fn(step)
         except Stuck as exc:
             step.record["error"] = str(exc)
-            step.record["evidence"] = self.stuck(step, exc)
+            try:
+                step.record["evidence"] = self.stuck(step, exc)
+            except Exception:  # noqa: BLE001  the evidence is best effort; the run goes on
+                step.record["evidence"] = {"error": traceback.format_exc()[-3000:]}
         except Exception as exc:  # a failed step is recorded; the next one still runs
             step.record["error"] = f"{type(exc).__name__}: {exc}"
             step.record["traceback"] = traceback.format_exc()[-4000:]
@@ -703,17 +711,19 @@ def setup(soak: Soak, step: Step) -> None:
     stack.down()  # a stack left by an earlier run from this home
     shutil.rmtree(stack.home, ignore_errors=True)
     stack.home.mkdir(parents=True)
-    up = stack.up(free_port())
+    up = stack.up(free_port(), soak.work / "up.log")
     for name, proc in {"up": up, **builds}.items():
         try:
             proc.wait(timeout=max(1.0, step.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             raise Stuck(f"{name} (pid {proc.pid})", "running", step.bound) from None
+        output = soak.work / ("up.log" if name == "up" else f"{name.replace('build_', 'build-')}.log")
         step.check(f"{name}_exit_0", proc.returncode == 0, command=" ".join(map(str, proc.args[1:])),
-                   returncode=proc.returncode)
+                   returncode=proc.returncode,
+                   output=None if proc.returncode == 0 else output.read_text(errors="replace")[-3000:])
     if up.returncode != 0:
-        raise RuntimeError(f"gpujobs up failed: {(stack.home.parent / 'up.log').read_text()[-3000:]}")
+        raise RuntimeError(f"gpujobs up failed: {(soak.work / 'up.log').read_text(errors='replace')[-3000:]}")
     from api.client import Client
     from core.settings import reset
 
@@ -897,13 +907,15 @@ def parse_bounds(items: list[str]) -> dict[str, float]:
 
 
 def copy_out(out: Path, home: Path) -> None:
-    """The JSON, the worker's and the API's logs and any stack dumps into $OUT (the device tool brings it back)."""
+    """The JSON, the worker's, API's and `up`'s logs and any stack dumps into $OUT (the device tool brings it
+    back: at most 8 files)."""
     target = os.environ.get("OUT")
     if not target:
         return
     Path(target).mkdir(parents=True, exist_ok=True)
     for src, name in ((out, out.name), (home / "logs" / "worker-0.log", "worker-0.log"),
-                      (home / "logs" / "api.log", "api.log"), (home / "stacks.txt", "stacks.txt")):
+                      (home / "logs" / "api.log", "api.log"), (home / "stacks.txt", "stacks.txt"),
+                      (home.parent / "up.log", "up.log")):
         if src.exists() and src.resolve() != (Path(target) / name).resolve():
             shutil.copyfile(src, Path(target) / name)
 
