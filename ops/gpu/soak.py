@@ -33,10 +33,11 @@ watchdog being written next to this records an error event on a stall; matching 
 
 The forced OOM: 2,048 rows of 768 one-token words, max_new_tokens 4, EOS off, `engine: padded`, `batch_rows` 2,048,
 one shard. The first `model.generate` call asks for a KV cache of 2,048 × 768 tokens × 112 KiB = 168 GiB at prefill,
-more than an H200 holds (~140 GiB), so it fails within a few seconds, after about 20 of the 28 layers; each half
-needs 84 GiB of cache plus ~15 GiB of activations and fits. Few seconds of GPU work in all, and building the input
-is one string join: the old check (2,048 × 4,000 tokens) spent minutes building and uploading 8M tokens and
-splitting three or four times, with every failed attempt's prefill paid again. The prompts are short in bytes
+more than an H200 holds (~140 GiB), so it should fail within a few seconds, part way through the 28 layers; each
+half needs 84 GiB of cache plus, by estimate, 20-25 GiB of activations, and should fit (if not, it splits again).
+Seconds of GPU work in all (estimated: not yet run on the H200), and building the input is one string join: the old
+check (2,048 × 4,000 tokens) spent minutes building and uploading 8M tokens and splitting three or four times, with
+every failed attempt's prefill paid again. The prompts are short in bytes
 (~6 per token), so the API's token check (against a context of 40,960) does not tokenize them either. --smoke has
 no CUDA: its worker raises the out-of-memory with the test fault `oom_over_64@generate` (worker/faults.py), on the
 same engine path; every other --smoke job keeps its padded calls at 64 rows or fewer.
@@ -45,8 +46,8 @@ A step that passes its bound is recorded failed with "slow or stuck" evidence: t
 worker (`kill -USR2`, faulthandler, worker/main.py) copied from its log into the step's record and stacks.txt; its
 live jobs are cancelled; a worker that does not stop them within 30 s is killed with SIGABRT (PYTHONFAULTHANDLER=1
 dumps its stacks as it dies) and, unless a supervisor brings one back within 15 s, started again as `up` starts it,
-so the next step can run (such a restart fails the soak). The whole
-run stays within --budget-s: a step that cannot get 20 s is skipped, which fails the soak too.
+so the next step can run (such a restart fails the soak). The whole run stays within --budget-s: a step that cannot
+get 20 s is skipped, which fails the soak too.
 """
 
 from __future__ import annotations
@@ -846,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     os.environ.update(JOBS_HOME=str(home), HF_HUB_OFFLINE="1")
     env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1", **mode.worker_env)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # env.sh's: /tmp/site, then the repo
+    env["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [*paths, str(ROOT)])
 
     def stop(signum, _frame):  # `timeout` sends SIGTERM: write what we have and stop the stack
         raise KeyboardInterrupt(f"signal {signum}")
