@@ -168,11 +168,12 @@ class Stack:
             return {}
 
     def worker_pid(self) -> int | None:
-        """The pid the live worker registered itself (stack.json's list may, with a supervisor, hold another)."""
-        live = [w for w in registry() if w["state"] == "online" and time.time() - w["heartbeat_at"] < 30]
-        if live:
-            return max(live, key=lambda w: w["started_at"])["pid"]
-        workers = self.read().get("workers") or []
+        """The live worker's pid as it registered itself (with a supervisor, stack.json may list another process):
+        the newest registered process still alive, whatever its heartbeat says (a busy worker's may lag)."""
+        alive = [w for w in registry() if _alive(w["pid"])]
+        if alive:
+            return max(alive, key=lambda w: w["started_at"])["pid"]
+        workers = [p for p in self.read().get("workers") or [] if isinstance(p, int) and _alive(p)]
         return workers[0] if workers else None
 
     def down(self) -> None:
@@ -208,7 +209,7 @@ class Stack:
 
         def another() -> int | None:
             return next((w["pid"] for w in registry() if w["state"] == "online" and w["pid"] != pid
-                         and time.time() - w["heartbeat_at"] < 30 and _alive(w["pid"])), None)
+                         and _alive(w["pid"])), None)
 
         if _wait_until(lambda: another() is not None, 15):  # a supervisor started one
             return another()
