@@ -3,13 +3,20 @@
 Started by `gpujobs worker` / `gpujobs up` / ops launchers with CUDA_DEVICE_ORDER and CUDA_VISIBLE_DEVICES already set
 on this process's own environment; this module checks they agree with `--slice` and never changes them. CUDA is
 initialised here, in a process that never forks (Celery's solo pool).
+
+`kill -USR2 <pid>` writes the stack of every thread of a worker to its stderr (its log under `gpujobs up`) and
+lets it run on: what a stuck or slow worker is doing, even inside a C call (ops/gpu/soak.py sends it when a step
+passes its time limit). SIGUSR2, because Celery takes SIGUSR1 for a Python-level dump that waits for the main
+thread to come back to Python.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import socket
 import sys
 
@@ -53,6 +60,7 @@ def survive_broker_loss_with_unacked_messages() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.loglevel)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     from core.settings import get_settings
 
     # A session of this worker left inside a transaction (its host cut off between UPDATE and COMMIT) is ended by

@@ -9,14 +9,13 @@
 #
 # No part named: all three (needs about 20 minutes). Each part runs under its own limit (SLICES_S, DP_S, TP_S
 # seconds) so that one slow part cannot eat the next; a part cut short still leaves its log. Wheels the host lacks
-# are taken from .whl/ into /tmp/site, as ops/gpu/run.sh does (NO_WHEELS=1: use the environment as it is; PYTHON:
-# the interpreter, default python3). Results: $OUT/multi_gpu-<part>.json (see ops/gpu/multi_gpu_check.py),
+# are taken from .whl/ into /tmp/site by ops/gpu/env.sh (NO_WHEELS=1: use the environment as it is; PYTHON: the
+# interpreter, default python3). Results: $OUT/multi_gpu-<part>.json (see ops/gpu/multi_gpu_check.py),
 # $OUT/<part>.log, the workers' logs, nvidia-smi before and after. NVLink multicast is off for every process
 # started here (and `jobs up` sets it on each worker, which passes it on to its children).
 # Exit status: the first part that failed (2: usage, or fewer than 2 GPUs without --smoke).
 set -uo pipefail
-OUT=${OUT:-$PWD/multi-gpu-out}
-PYTHON=${PYTHON:-python3}
+cd "$(dirname "$0")/../.."
 SLICES_S=${SLICES_S:-540} DP_S=${DP_S:-540} TP_S=${TP_S:-420}
 SMOKE=() PARTS=()
 for arg in "$@"; do
@@ -28,16 +27,9 @@ for arg in "$@"; do
     esac
 done
 [[ ${#PARTS[@]} -gt 0 ]] || PARTS=(slices dp tp)
-mkdir -p "$OUT"
-
-if [[ ${NO_WHEELS:-0} != 1 ]] && compgen -G ".whl/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export JOBS_HOME=${JOBS_HOME:-/tmp/gpujobs-multi-home} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset CUDA_VISIBLE_DEVICES  # each worker gets its own slice from `jobs up`; an inherited one would be refused
+export OUT=${OUT:-$PWD/multi-gpu-out} JOBS_HOME=${JOBS_HOME:-/tmp/gpujobs-multi-home}
+# wheels, PYTHONPATH, NVLink multicast off, no inherited CUDA_VISIBLE_DEVICES (each worker gets its slice from `up`)
+source ops/gpu/env.sh || exit 1
 
 "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "transformers", transformers.__version__, "gpus", torch.cuda.device_count())' | tee "$OUT/versions.txt"

@@ -4,17 +4,14 @@
 # quantizations, engines, fine-tune → generate, forced OOM), a short fine-tune check through `finetune()` (ours
 # with every speed lever on auto, then QLoRA: ops/bench/f1.py, whose full run is its own call), and the
 # static-cache engine phase of G1 in whatever time is left of TOTAL_S. Results in $OUT; exit status: the first
-# part that failed. Wheels carried in .whl/ (liger-kernel among them) are installed first, for every part.
+# part that failed. Wheels carried in .whl/ (liger-kernel among them) are installed once, by ops/gpu/env.sh, for
+# every part (run.sh sources it again and skips the install).
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+source ops/gpu/env.sh || exit 1
 TOTAL_S=${TOTAL_S:-540} SERVICE_S=${SERVICE_S:-260} FINETUNE_S=${FINETUNE_S:-120}
 rc=0
-if compgen -G ".whl/*.whl" >/dev/null; then  # run.sh installs them too; here so the later parts have them anyway
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-fi
 timeout "$SERVICE_S" bash ops/gpu/run.sh > "$OUT/service.log" 2>&1; r=$?; echo "service check: exit $r"; ((rc)) || rc=$r
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 JOBS_HOME=${JOBS_HOME:-/tmp/gpujobs-home}
 python3 -m api down > /dev/null 2>&1  # a service check cut short by its time limit leaves the stack up
 cp "$JOBS_HOME"/logs/worker-0.log "$OUT/worker-0.log" 2>/dev/null
 timeout "$FINETUNE_S" python3 ops/bench/f1.py --phases engine,variants --variants qlora --steps 30 \
