@@ -422,6 +422,7 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
     if ready:
         yield _sorted(ready)
     if others:
+        fastgen.release(loaded.model)  # the padded engine needs the memory of the fast engine's cache
         with padded_attention(loaded, on_cuda=loaded.device.type == "cuda"):
             yield from _generate_padded(loaded, spec, others, batch_rows=batch_rows, should_stop=should_stop,
                                         on_event=on_event)
