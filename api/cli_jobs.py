@@ -419,12 +419,14 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def workers(as_json: bool) -> None:
-    """Registered workers: slice, GPUs, state and heartbeat age."""
+    """Registered workers: slice, GPUs, state, heartbeat age, and why a worker stopped (its exit code and reason)."""
     def table(ws):
         for w in ws:
             gpus = ", ".join(f"{g['name']} ({g['uuid']})" for g in w["gpus"]) or "CPU"
             age = time.time() - w["heartbeat_at"]
-            click.echo(f"{w['name']}  {w['state']:<7} queues={','.join(w['queues'])}  heartbeat {age:.0f}s ago  {gpus}")
+            why = f"  exit {w['exit_code']}: {w['reason']}" if w.get("reason") else ""
+            click.echo(f"{w['name']}  {w['state']:<7} queues={','.join(w['queues'])}  heartbeat {age:.0f}s ago  {gpus}"
+                       f"{why}")
     emit(client().workers(), as_json, table)
 
 

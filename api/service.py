@@ -518,8 +518,10 @@ def workers() -> list[dict[str, Any]]:
         return [
             {
                 "name": w.name, "host": w.host, "pid": w.pid, "slice": w.slice, "queues": w.queues, "gpus": w.gpus,
-                "capabilities": w.capabilities, "state": w.state if now() - w.heartbeat_at < timeout else "lost",
+                "capabilities": w.capabilities,
+                "state": "lost" if w.state == "online" and now() - w.heartbeat_at >= timeout else w.state,
                 "started_at": w.started_at, "heartbeat_at": w.heartbeat_at, "current_shard_id": w.current_shard_id,
+                "stopped_at": w.stopped_at, "exit_code": w.exit_code, "reason": w.reason, "restarts": w.restarts,
             }
             for w in registry.all_workers(session)
         ]

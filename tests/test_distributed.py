@@ -35,13 +35,13 @@ import pytest
 from sqlalchemy import select
 
 from api import service
-from core import registry
+from api.stack import detect_gpus
+from core import exits, registry
 from core.db import session_scope
 from core.errors import InvalidInput, Unschedulable
 from core.models import Adapter, JobEvent, Worker
 from core.slices import NVLINK_MULTICAST_OFF, plan
 from tests.conftest import ROOT, wait_for
-from tests.test_worker_env import environ_of
 
 FT_DATA = ROOT / "examples" / "finetune_qa.jsonl"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -123,20 +123,25 @@ def test_overlapping_slices_are_refused_by_jobs_up_before_anything_starts(tmp_pa
     assert not (tmp_path / "home" / "stack.json").exists()
 
 
-def test_a_worker_of_a_two_gpu_slice_registers_queue_gpu2_its_empty_gpu_list_and_nccl_env(jobs_env, spawn_worker,
-                                                                                          base_model):
-    """A real worker pinned to "0,1" on this CPU host: its process environment has the slice, PCI order and NVLink
-    multicast off; it consumes gpu2, registers the GPUs CUDA gave it (none here: an empty list, no UUID) and the
-    deepspeed version key; a 2-GPU job is refused because it sees no CUDA device."""
-    worker = spawn_worker(["0", "1"])
-    env = environ_of(worker.pid)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert {k: env[k] for k in NVLINK_MULTICAST_OFF} == NVLINK_MULTICAST_OFF
+def test_a_worker_of_a_two_gpu_slice_without_those_gpus_refuses_and_a_two_gpu_job_is_refused(jobs_env, spawn_worker,
+                                                                                              base_model):
+    """A real worker pinned to "0,1" on this CPU host: it records what it got (the slice, queue gpu2, no GPU, PCI
+    order, NVLink multicast off, the deepspeed version key) and refuses to start (exit 6: its GPUs are not there);
+    with a live CPU worker, a 2-GPU job is then refused: no live worker serves gpu2."""
+    if {"0", "1"} <= set(detect_gpus()):
+        pytest.skip("this host has GPUs 0 and 1")
+    worker = spawn_worker(["0", "1"], wait=False)
+    assert worker.popen.wait(120) == exits.SLICE_MISSING, worker.tail()
     with session_scope() as session:
         row = session.scalars(select(Worker).where(Worker.pid == worker.pid)).one()
-        assert (row.slice, row.queues, row.gpus) == ("0,1", ["gpu2"], [])
+        assert (row.slice, row.queues, row.gpus, row.state) == ("0,1", ["gpu2"], [], "offline")
+        assert row.capabilities["cuda_visible_devices"] == "0,1"
+        assert row.capabilities["cuda_device_order"] == "PCI_BUS_ID"
+        assert row.capabilities["multicast_off"] == NVLINK_MULTICAST_OFF
         assert row.capabilities["device_count"] == 0 and "deepspeed" in row.capabilities["versions"]
-    with pytest.raises(Unschedulable, match=r"no live worker serves jobs of 2 GPU\(s\) \(queue gpu2\)"):
+    spawn_worker([])
+    with pytest.raises(Unschedulable, match=r"no live worker serves jobs of 2 GPU\(s\) \(queue gpu2\); live workers: "
+                       r"w\d+-cpu@\S+ \(cpu\)\. "):
         service.submit(owner="t", spec_data={"model": str(base_model), "input": str(FT_DATA), "gpus": 2})
 
 

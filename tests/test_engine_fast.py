@@ -25,6 +25,7 @@ from worker import decode_attention, fastgen, faults
 from worker import generate as engine
 from worker.generate import generate
 from worker.loader import Loaded, load
+from worker.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +182,8 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     assert "top_p is not supported by the fast engine" in r[2].error
     assert r[1].output == a
     out = {x.idx: x for b in engine._generate_fast(loaded, make_spec(tiny_model), rows, batch_rows=4,
-                                                     should_stop=lambda: False, on_event=print, info={}) for x in b}
+                                                     should_stop=lambda: False, on_event=print, info={},
+                                                     progress=Progress()) for x in b}
     assert out[0].error is None and out[0].output and out[2].error is None and out[1].output == a
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from worker import decode_attention, faults
+from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,7 @@ class Engine:
             state.graphs.clear()
         self.eos_index = state.eos_index
         self._host: torch.Tensor | None = None  # pinned buffers the decode steps' tokens are copied into
+        self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run`
         self.steps = 0
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -377,8 +379,10 @@ class Engine:
         no_eos = torch.tensor([bool(s.row.params["ignore_eos"]) for s in seqs], device=device)
         positions = st.positions[None, :width].expand(len(seqs), width)
         t = time.perf_counter()
-        with self._mode("prefill", slots):
-            hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        compiling = self.compiled is not None and st.first_prefill_s is None
+        with self.progress.phase("compiling") if compiling else contextlib.nullcontext():
+            with self._mode("prefill", slots):
+                hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         if st.first_prefill_s is None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -422,6 +426,10 @@ class Engine:
     def _capture(self, batch: int, sample: bool):
         """Capture the decode step for `batch` slots as a CUDA graph (after warm-up runs on a side stream, which
         compile the Triton kernel); the slot inputs are restored afterwards, so capturing changes nothing."""
+        with self.progress.phase("capturing CUDA graphs"):
+            return self._capture_graph(batch, sample)
+
+    def _capture_graph(self, batch: int, sample: bool):
         st = self.state
         t = time.perf_counter()
         saved = (st.tok.clone(), st.pos.clone())
@@ -469,15 +477,19 @@ class Engine:
 
     # -- the loop --
 
-    def run(self, seqs: list[Seq], should_stop: Callable[[], bool]) -> Iterator[list[Seq]]:
+    def run(self, seqs: list[Seq], should_stop: Callable[[], bool],
+            progress: Progress | None = None) -> Iterator[list[Seq]]:
         """Run every sequence to the end; yield the ones that finish, as a list per decode step (or prefill chunk)
-        that finished any (not yielded: those cut off by `should_stop`).
+        that finished any (not yielded: those cut off by `should_stop`). Each decode step and prefill chunk is
+        reported to `progress` (compiling and graph capture as phases).
 
         The host works one step behind the GPU: step k+1 is launched before the tokens of step k are read and
         booked, so that bookkeeping (and the caller's work on each finished sequence) overlaps the GPU's step. A
         sequence that finished at step k so runs one more step, whose token is dropped: its slot's cache holds
         `need` positions, and that extra step writes at most position need - 1."""
         st = self.state
+        if progress is not None:
+            self.progress = progress
         st.active.zero_()
         st.pos.zero_()  # slots kept from an earlier run: every free slot writes at position 0
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
@@ -516,6 +528,8 @@ class Engine:
         t = time.perf_counter()
         self.step(batch, sample)
         self.steps += 1
+        self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
+        faults.hit("decode_step")
         if st.tok.device.type != "cuda":
             tokens = st.tok[:batch].tolist()
             self.decode_s += time.perf_counter() - t
@@ -577,6 +591,8 @@ class Engine:
     def _start(self, chunk: list[Seq], running: dict[int, Seq], free: list[int]) -> Iterator[list[Seq]]:
         faults.hit("generate", rows=len(chunk))
         first = self.prefill(chunk).tolist()
+        self.progress.beat("prefill chunk")
+        faults.hit("prefill")
         finished = []
         for seq, token in zip(chunk, first):
             seq.tokens.append(token)
