@@ -192,6 +192,7 @@ def worker_row(pid: int) -> Worker:
 def assert_stalled_and_exited(victim, job_id: str, stuck_in: str) -> JobEvent:
     """The victim wrote one stall event (with the stack of its engine thread, stuck in `stuck_in`), recorded the
     stall on its registration and exited with exits.STALLED."""
+    assert STALL_S > 20 / 3, "a heartbeat (every lease / 3 s) must fall within the stall bound"
     wait_for(lambda: stall_events(job_id), 120, "the stall event")
     assert victim.popen.wait(60) == exits.STALLED, victim.tail()
     [event] = stall_events(job_id)
@@ -203,6 +204,8 @@ def assert_stalled_and_exited(victim, job_id: str, stuck_in: str) -> JobEvent:
     row = worker_row(victim.pid)
     assert (row.state, row.exit_code) == ("offline", exits.STALLED)
     assert row.reason.startswith("stalled: no progress for") and event.job_id in row.reason
+    # the last heartbeat while it ran (one falls within any 8 s) showed its engine's progress and the bound
+    assert row.capabilities["progress"]["stall_bound_s"] == STALL_S
     return event
 
 

@@ -58,6 +58,7 @@ class Runtime:
     resident: tuple[str, loader.Loaded] | None = None
     progress: Progress = field(default_factory=Progress)  # the engine's progress on the current shard
     _engine_thread: int | None = None  # the thread that runs shards (Celery's solo pool: the main thread)
+    _reported_progress: bool = False  # the registration shows a shard's progress (cleared once it ended)
     _beat: threading.Thread | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -116,15 +117,18 @@ class Runtime:
             except Exception:  # the beat must survive database or broker outages; the lease covers the gap
                 log.exception("heartbeat of %s failed; retrying", self.name)
 
-    def _activity(self, settings) -> dict[str, Any]:
-        """What the registration shows while the worker runs: its engine's progress (null between shards), and
-        on GPUs the memory its torch holds."""
-        busy = self.current is not None
-        extra: dict[str, Any] = {"progress": self.progress.report(settings.stall_seconds,
-                                                                  settings.stall_phase_seconds) if busy else None}
+    def _activity(self, settings) -> dict[str, Any] | None:
+        """What the registration shows while the worker runs: its engine's progress (set to null once a shard
+        ended), and on GPUs the memory its torch holds."""
+        extra: dict[str, Any] = {}
+        if self.current is not None:
+            extra["progress"] = self.progress.report(settings.stall_seconds, settings.stall_phase_seconds)
+        elif self._reported_progress:
+            extra["progress"] = None
+        self._reported_progress = self.current is not None
         if self.gpus:
             extra["gpu_memory"] = _gpu_memory()
-        return extra
+        return extra or None
 
     def _check_current(self, settings, *, renew: bool) -> None:
         """Stop renewing a stalled shard's lease (and end the process), renew a progressing one, and notice a cancel
