@@ -272,6 +272,37 @@ def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, b
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_rank_zero_reports_its_phases_and_steps_to_the_parents_stall_watchdog(tmp_path, base_model):
+    """The parent's progress (what the worker's stall watchdog reads) sees the launch as a phase, then rank 0's own
+    phases (loading, preparing) and each of its 8 training steps: a long load in a child is no stall, and a hung
+    rank (no more lines) is one."""
+    from core.spec import FinetuneSpec, LoadOptions
+    from worker import distributed
+    from worker.progress import Progress
+
+    class Recorder(Progress):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def beat(self, kind: str) -> None:
+            super().beat(kind)
+            self.seen.append(kind)
+
+        def phase_changed(self) -> None:
+            self.seen.append(f"phase {self.phase_name}")
+
+    spec = FinetuneSpec.model_validate(ft_spec(base_model))
+    recorder = Recorder()
+    done = distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path, progress=recorder)
+    assert done.metrics["steps"] == 8
+    phases = [s for s in recorder.seen if s.startswith("phase ") and s != "phase None"]
+    assert phases[:3] == ["phase starting 2 training processes", "phase loading model (rank 0 of 2)",
+                          "phase preparing training (rank 0 of 2)"]
+    assert recorder.seen.count("training step (rank 0)") == 9  # each step's log line, and the summary at the end
+    assert recorder.phase_name is None
+
+
 @pytest.mark.parametrize("fault, expected", [
     ("raise@rank1_step", "rank 1 failed first: RuntimeError: injected failure (JOBS_TEST_FAULTS raise@rank1_step)"),
     ("kill@rank1_step", "rank 1 was killed by SIGKILL"),

@@ -65,7 +65,7 @@ def test_a_stall_is_reported_past_the_bound_with_what_the_engine_was_doing():
     assert stall is not None and stall.seconds == pytest.approx(3.5) and stall.bound == 3.0
     assert stall.phase is None and stall.beats == 1
     assert stall.describe() == ("no progress for 3.5 s (bound 3 s) since the last decode step "
-                                "(1 units of progress so far)")
+                                "(1 progress report so far)")
 
 
 def test_phases_count_as_progress_under_their_own_bound_and_are_not_steps():
@@ -203,7 +203,8 @@ def assert_stalled_and_exited(victim, job_id: str, stuck_in: str) -> JobEvent:
     assert "worker/faults.py" in event.message and f"exits with code {exits.STALLED}" in event.message
     row = worker_row(victim.pid)
     assert (row.state, row.exit_code) == ("offline", exits.STALLED)
-    assert row.reason.startswith("stalled: no progress for") and event.job_id in row.reason
+    assert row.reason.startswith("stalled: no progress for")
+    assert row.reason.endswith(f"(job {job_id}, shard 0); exit code {exits.STALLED}")
     # the last heartbeat while it ran (one falls within any 8 s) showed its engine's progress and the bound
     assert row.capabilities["progress"]["stall_bound_s"] == STALL_S
     return event
@@ -248,6 +249,25 @@ def test_a_shard_that_stalls_on_its_last_attempt_fails_with_the_stall_as_its_rea
     final = service.get(job["id"], owner=None)
     assert final["state"] == "failed" and "stalled on attempt 1 of 1" in final["error"], final["error"]
     assert row_counts(job["id"]) == {"failed": 4}
+
+
+def test_a_job_cancelled_while_its_engine_hangs_ends_cancelled_at_the_stall(tmp_path, jobs_env, spawn_worker,
+                                                                            tiny_model):
+    """A cancel cannot reach an engine that never returns between steps; at the stall the worker cancels the shard
+    (instead of queueing it again), the job ends cancelled, and the worker exits 70."""
+    victim = spawn_worker([], JOBS_TEST_FAULTS="hang@decode_step", JOBS_STALL_SECONDS=str(STALL_S))
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 4)))
+
+    def hung() -> bool:
+        return "blocking this thread" in victim.log.read_text(errors="replace")
+
+    wait_for(hung, 120, "the engine to hang", procs=[victim])
+    service.cancel(job["id"], owner=None, by="t")
+    event = assert_stalled_and_exited(victim, job["id"], "in __call__")
+    assert "the job is stopping: the shard is cancelled" in event.message
+    wait_for(lambda: job_state(job["id"]) == "cancelled", 30, "the job to end cancelled")
+    with session_scope() as session:
+        assert session.scalars(select(Shard.state).where(Shard.job_id == job["id"])).one() == "cancelled"
 
 
 def test_a_training_step_that_never_returns_is_resumed_by_another_worker_from_its_checkpoint(

@@ -9,8 +9,9 @@ setup, and waits for it while it reports progress. Decisions, and why:
   the shard's lease and heartbeat as for one process, and writes the events. Parent and children talk through files
   in a run folder (`workdir/run`, fresh per attempt), simpler than pipes and still there after a crash:
   `request.json` (what to train, written by the parent), `progress.jsonl` (rank 0 appends one JSON line per logged
-  step, and `{"phase": NAME}` / `{"phase": null}` lines when it starts and ends a phase such as loading or compiling;
-  the parent tails it, writes each step as an event and feeds both to the stall watchdog: rank 0's progress is the
+  step; `{"phase": NAME}` / `{"phase": null}` lines when it starts and ends a phase such as loading or compiling, and
+  `{"progress": KIND}` lines, at most one a second, for its steps, evaluation steps and checkpoints; the parent tails
+  it, writes each logged step as an event and feeds all of them to the stall watchdog: rank 0's progress is the
   run's progress), `stop` (created by the parent to cancel or hand back:
   every rank checks it after each step and the ranks agree through an all-reduce, so they stop at the same step),
   `result.json` (rank 0, at the end), `error-rank<R>.json` (a rank that raised), `children.log` (their output).
@@ -266,6 +267,9 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
             progress.end()
             if record["phase"]:
                 progress.begin(f"{record['phase']} (rank 0 of {world})")
+            return
+        if "progress" in record:  # a step, evaluation step or checkpoint of rank 0 (at most one line a second)
+            progress.beat(f"{record['progress']} (rank 0 of {world})")
             return
         progress.beat("training step (rank 0)")
         last.update(step=record.get("step"))

@@ -58,12 +58,20 @@ def progress_writer(path: Path, world: int) -> Callable[[dict[str, Any]], None]:
 
 
 class RankProgress(Progress):
-    """Rank 0's progress: phases go to the parent as `{"phase": NAME}` / `{"phase": null}` lines (its steps already
-    go there, one line per logged step), so the parent's stall watchdog knows a long load or compile from a hang."""
+    """Rank 0's progress, for the parent's stall watchdog: phases as `{"phase": NAME}` / `{"phase": null}` lines (a
+    long load or compile is not a hang), and its beats (training and evaluation steps, checkpoints) as `{"progress":
+    KIND}` lines, at most one a second."""
 
     def __init__(self, write: Callable[[dict[str, Any]], None]) -> None:
         self.write = write
+        self.sent = 0.0
         super().__init__()
+
+    def beat(self, kind: str) -> None:
+        super().beat(kind)
+        if self.last - self.sent >= 1.0:
+            self.sent = self.last
+            self.write({"progress": kind})
 
     def phase_changed(self) -> None:
         self.write({"phase": self.phase_name})

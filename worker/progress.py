@@ -128,7 +128,7 @@ class Progress:
             return f"in phase {self.phase_name!r} (for {self._clock() - self.phase_since:.0f} s)"
         if self.beats == 0:
             return f"since {self.kind}"
-        return f"since the last {self.kind} ({self.beats} units of progress so far)"
+        return f"since the last {self.kind} ({self.beats} progress report{'s' if self.beats != 1 else ''} so far)"
 
     def stalled(self, stall_seconds: float | None, phase_seconds: float) -> Stall | None:
         """A Stall if the engine made no progress within the bound, else None."""

@@ -161,8 +161,11 @@ class Runtime:
         stack = thread_stack(self._engine_thread)
         reason = f"stalled: {stall.describe()}"
         log.error("%s shard %s %s on %s; engine thread stack:\n%s", job_id, shard_id, reason, self.name, stack)
+        where = f"job {job_id}, shard id {shard_id}"
         try:
-            if self._give_back_stalled(shard_id, job_id, stall, stack):
+            idx, resend = self._give_back_stalled(shard_id, job_id, stall, stack)
+            where = f"job {job_id}, shard {idx}"
+            if resend:
                 self._resend(shard_id, shard_queue(job_id))
         except Exception:
             log.exception("%s could not give back shard %s after the stall: its lease expires unrenewed and the "
@@ -170,20 +173,24 @@ class Runtime:
         try:
             with session_scope() as session:
                 registry.stopped(session, self.name, exit_code=exits.STALLED,
-                                 reason=f"{reason} (shard {shard_id} of {job_id}); exit code {exits.STALLED}")
+                                 reason=f"{reason} ({where}); exit code {exits.STALLED}")
         except Exception:
             log.exception("could not record the stall on the registration of %s", self.name)
         _flush_output()
         os._exit(exits.STALLED)
 
-    def _give_back_stalled(self, shard_id: int, job_id: str, stall: Stall, stack: str) -> bool:
+    def _give_back_stalled(self, shard_id: int, job_id: str, stall: Stall, stack: str) -> tuple[int, bool]:
         """The stall event (its own transaction, so it stays even if the lease is no longer ours), then the shard:
-        back to the queue (True: send it again), failed past its attempts, or cancelled with its job."""
+        back to the queue (send it again: True), failed past its attempts, or cancelled with its job. Returns the
+        shard's index in its job and whether to send it again."""
         with session_scope() as session:
             shard = session.get(Shard, shard_id)
-            last_try = shard.attempts >= shard.max_attempts
-            outcome = ("the shard fails: it used its last attempt" if last_try else
-                       f"the shard goes back to the queue (attempt {shard.attempts} of {shard.max_attempts} used)")
+            if leases.job_stopping(session, job_id):
+                outcome = "the job is stopping: the shard is cancelled"
+            elif shard.attempts >= shard.max_attempts:
+                outcome = "the shard fails: it used its last attempt"
+            else:
+                outcome = f"the shard goes back to the queue (attempt {shard.attempts} of {shard.max_attempts} used)"
             add_event(session, job_id, f"shard {shard.idx} stalled on {self.name}: {stall.describe()}, stuck in "
                       f"{stuck_at(stack)}; {outcome}; the worker exits with code {exits.STALLED} (the engine "
                       "thread's stack: gpujobs events --json)", kind="stall", level="error", shard_id=shard_id,
@@ -193,15 +200,16 @@ class Runtime:
                             "max_attempts": shard.max_attempts, "exit_code": exits.STALLED, "stack": stack})
         with session_scope() as session:
             shard = session.get(Shard, shard_id)
+            idx = shard.idx
             if leases.job_stopping(session, job_id):
                 leases.stop_cancelled(session, shard, self.name)
-                return False
+                return idx, False
             if shard.attempts >= shard.max_attempts:
                 leases.give_up(session, shard, f"stalled on attempt {shard.attempts} of {shard.max_attempts} "
                                f"({self.name}): {stall.describe()}")
-                return False
+                return idx, False
             leases.hand_back(session, shard, self.name, f"stalled on {self.name}: {stall.describe()}")
-        return True
+        return idx, True
 
     # --- the shard runner --------------------------------------------------------------------------------
 
