@@ -147,7 +147,7 @@ def loaded(tiny_model):
 def test_every_generation_engine_reports_each_decode_step(loaded, tiny_model, engine):
     """Each engine reports its decode steps to the progress it is given (the fast engine its prefill chunks too):
     two rows of 8 tokens (EOS off) are at least 7 decode steps in every engine; the continuous engine, which
-    decodes in its own thread, at least one step seen moving."""
+    decodes in its own thread, at least one step seen moving, after its warm-up phase."""
     from worker.generate import generate
 
     spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 8,
@@ -160,6 +160,9 @@ def test_every_generation_engine_reports_each_decode_step(loaded, tiny_model, en
     assert steps >= (1 if engine == "continuous" else 7), recorder.kinds
     if engine == "fast":
         assert "prefill chunk" in recorder.kinds
+    if engine == "continuous":  # its manager's warm-up is a phase, ended by its first step
+        assert recorder.phases[:2] == ["starting continuous batching", None]
+    assert recorder.phase_name is None
 
 
 def test_training_reports_each_step_and_its_loading_and_preparing_phases(tmp_path, base_model):

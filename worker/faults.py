@@ -4,7 +4,7 @@
 
     kill@batch           SIGKILL this worker just before it commits a micro-batch
     oom_over_N@generate  raise torch.cuda.OutOfMemoryError when `model.generate` gets more than N rows at once
-    oom@load             raise torch.cuda.OutOfMemoryError at that point (load: a model load, worker/runtime.py)
+    oom@load             raise torch.cuda.OutOfMemoryError at that point (load: every model load, worker/loader.py)
     truncate@adapter_saved  cut the file at `path` to half its size (a fine-tune's adapter, before its check)
     sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests;
                          also at rankR_step)

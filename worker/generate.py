@@ -531,7 +531,8 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
     done. Raises torch.OutOfMemoryError (after stopping the manager) when the engine ran out of memory.
 
     The manager decodes in its own thread: progress is its step counter (`current_batch`) moving, read each time
-    this loop polls (and each output it hands over)."""
+    this loop polls (and each output it hands over). Until its first step the manager is warming up (cache, CUDA
+    graphs): a phase for the stall watchdog."""
     tok, model = loaded.tokenizer, loaded.model
     requests = sum(g.n for g in group)
     faults.hit("generate", rows=concurrency or requests)
@@ -546,7 +547,8 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
     window = 4 * concurrency if concurrency else GPU_WINDOW
     in_flight = 0
     started: dict[int, float] = {}
-    steps_seen = None
+    steps_seen = 0
+    progress.begin("starting continuous batching")  # ends at the manager's first step
     try:
         with torch.inference_mode():
             manager.start()
@@ -564,9 +566,11 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
                 if should_stop():
                     return
                 out = manager.get_result(timeout=0.2)
-                steps = getattr(manager, "current_batch", None)
-                if out is not None or (steps is not None and steps != steps_seen):
+                steps = getattr(manager, "current_batch", None) or 0
+                if out is not None or steps > steps_seen:
                     steps_seen = steps
+                    if progress.phase_name is not None:
+                        progress.end()
                     progress.beat("decode step")
                     faults.hit("decode_step")
                 if out is None:
@@ -585,6 +589,8 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
                     _record_runtime(manager, config, info)
                     yield _continuous_result(tok, by_idx[idx], done.pop(idx), eos, started[idx])
     finally:
+        if progress.phase_name is not None:
+            progress.end()
         _record_runtime(manager, config, info)
         manager.stop(block=True, timeout=60, hard_stop=True)
 
