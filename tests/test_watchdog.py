@@ -119,6 +119,13 @@ def test_stuck_at_names_the_innermost_frame_and_the_innermost_of_ours():
     assert stuck_at(stack.split("  File \"/usr")[0]) == "worker/faults.py:71 in _hang"
 
 
+def test_exit_codes_say_whether_a_supervisor_restarts_the_worker():
+    """Start refusals (5, 6) and a clean stop (0) are not restarted; a stall (70), a crash (1) and a kill are."""
+    assert [exits.restartable(c) for c in (0, 5, 6)] == [False, False, False]
+    assert [exits.restartable(c) for c in (70, 1, -9)] == [True, True, True]
+    assert exits.describe(-9) == "killed by signal 9" and "stall bound" in exits.describe(exits.STALLED)
+
+
 # --- every engine reports its steps ---------------------------------------------------------------------------------
 
 
@@ -213,12 +220,12 @@ def assert_stalled_and_exited(victim, job_id: str, stuck_in: str) -> JobEvent:
     return event
 
 
-def test_a_generation_step_that_never_returns_is_given_back_and_finished_by_another_worker(tmp_path, jobs_env,
+def test_a_generation_step_that_never_returns_is_given_back_and_finished_by_another_worker(tmp_path, any_jobs_env,
                                                                                           spawn_worker, tiny_model):
     """Worker A's decode step hangs after 3 committed micro-batches (12 rows) while its heartbeat thread goes on.
     Within the bound A writes a stall event naming the step and its stack, stops renewing, hands the shard back
     (an attempt counted), records why on its registration and exits 70; worker B finishes the shard. A's 12 rows are
-    kept, B runs only the others, and every row was executed exactly once."""
+    kept, B runs only the others, and every row was executed exactly once. On SQLite and on Postgres."""
     victim = spawn_worker([], JOBS_TEST_FAULTS="hang_after_144@decode_step", JOBS_STALL_SECONDS=str(STALL_S))
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 48),
                                                         shard_rows=48))

@@ -583,6 +583,7 @@ def _callback(*, should_stop: Callable[[], bool], on_log: Callable[[dict[str, An
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.t_last, self.step_last = time.perf_counter(), state.global_step
+            progress.end()  # "preparing training" lasts through the Trainer's own setup (wrapping, resume)
             progress.beat("training start")
 
         def on_prediction_step(self, args, state, control, **kwargs):
@@ -663,7 +664,7 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     progress = Progress() if progress is None else progress
     with progress.phase("loading model"):
         loaded = load_base(base, gpus)
-    progress.begin("preparing training")  # tokenizing, LoRA, the Trainer, compiling: ends when training starts
+    progress.begin("preparing training")  # tokenizing, LoRA, the Trainer, compiling: until on_train_begin
     tok, device = loaded.tokenizer, loaded.device
     train_rows, valid_rows = split_validation(rows, spec.validation_split, spec.seed)
     if not train_rows:
@@ -714,7 +715,6 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
                         progress)
     log.info("%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s", spec.model,
              len(examples), len(valid), trainable, total, mixed, resume_from, speed_record(speed, compile_s))
-    progress.end()
     t0 = time.perf_counter()
     output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - t0
