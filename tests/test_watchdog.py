@@ -208,7 +208,8 @@ def assert_stalled_and_exited(victim, job_id: str, stuck_in: str) -> JobEvent:
     [event] = stall_events(job_id)
     data = event.data
     assert event.level == "error" and data["exit_code"] == exits.STALLED and data["bound_s"] == STALL_S
-    assert STALL_S <= data["seconds"] < STALL_S + 15, "detected within the bound (the heartbeat checks every second)"
+    # detected once the bound passed, at the heartbeat's next check (every second, after its database work)
+    assert STALL_S <= data["seconds"] < STALL_S + 30
     assert "worker/faults.py" in data["stack"] and stuck_in in data["stack"]
     assert "worker/faults.py" in event.message and f"exits with code {exits.STALLED}" in event.message
     row = worker_row(victim.pid)
