@@ -31,7 +31,7 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME.
 
     A worker that exits is restarted with backoff; a slot whose worker exited JOBS_RESTART_LIMIT times within
-    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 71), stays down and `gpujobs workers`
+    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 6), stays down and `gpujobs workers`
     says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
     Exit codes: 0 stopped on request (or detached and healthy), 1 the stack failed to start or a part of it
     exited, 5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted while starting.

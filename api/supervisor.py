@@ -14,20 +14,12 @@ their shards back), then the API, then Redis, and removes stack.json. It never r
 Restart policy (settings `JOBS_RESTART_*`): a worker that exits is started again after a backoff of
 JOBS_RESTART_BACKOFF seconds (1), doubling with each exit in the window up to JOBS_RESTART_BACKOFF_MAX (60); a slot
 whose worker exited JOBS_RESTART_LIMIT times (5) within JOBS_RESTART_WINDOW seconds (600) stays down. A
-configuration error (exit 2, 5 or 71) will not heal by itself: its slot stays down at once. The reason is written
+configuration error (exit 2, 5 or 6) will not heal by itself: its slot stays down at once. The reason is written
 on the worker's registration (`gpujobs workers` shows it), the new worker's registration counts its slot's
 restarts (JOBS_WORKER_RESTARTS), and /metrics exports them (gpujobs_worker_restarts_total).
 
-Worker exit codes (a contract: README, the systemd unit's RestartPreventExitStatus and this module agree):
-
-    0    stopped (SIGTERM: it handed its shard back)          restarted only if its supervisor did not ask
-    1    crashed (an unexpected error: see its log)           restarted
-    2    bad command line                                     stays down (configuration)
-    5    CUDA_VISIBLE_DEVICES contradicts its slice           stays down (configuration)
-    69   its stack's Redis is gone (`gpujobs down` ran)       restarted (under `up`, the stack stops as well)
-    70   engine stalled (the worker's watchdog)               restarted: a fresh process, a fresh CUDA context
-    71   its GPU slice is not present                         stays down (configuration)
-    -N   killed by signal N (SIGKILL: out of memory, kill -9)  restarted
+Worker exit codes: core/exits.py (a contract with README and the systemd unit's RestartPreventExitStatus); a
+negative code is the signal that killed the worker (SIGKILL: out of memory, kill -9), restarted.
 """
 
 from __future__ import annotations
@@ -46,27 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from core import registry
+from core.exits import CONFIGURATION
+from core.exits import describe
 from core.db import session_scope
 from core.settings import get_settings
 
 log = logging.getLogger("supervisor")
-
-EXIT_MEANINGS = {
-    0: "stopped", 1: "crashed: see its log", 2: "bad command line", 5: "CUDA_VISIBLE_DEVICES contradicts its slice",
-    69: "its stack's Redis is gone", 70: "engine stalled", 71: "its GPU slice is not present",
-}
-CONFIG_ERRORS = frozenset({2, 5, 71})  # restarting cannot fix these
-
-
-def describe(code: int) -> str:
-    """'killed by SIGKILL', 'engine stalled', ... for a worker's exit status (negative: the signal that ended it)."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return EXIT_MEANINGS.get(code, "see its log")
-
 
 def _span(seconds: float) -> str:
     return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
@@ -89,7 +66,7 @@ class Policy:
 def decide(code: int, exits: list[float], t: float, policy: Policy, hint: str) -> tuple[float | None, str]:
     """What to do about a worker that exited `code` at `t` (`exits`: its slot's exit times, this one included):
     (seconds to wait before starting it again, or None when its slot stays down; the outcome in words)."""
-    if code in CONFIG_ERRORS:
+    if code in CONFIGURATION:
         return None, f"a configuration error, not restarted: fix it, then {hint}"
     recent = [e for e in exits if t - e <= policy.window]
     if len(recent) >= policy.limit:

@@ -34,8 +34,8 @@ def register(session: Session, *, name: str, host: str, pid: int, slice: str, qu
 def heartbeat(session: Session, name: str, *, current_shard_id: int | None, extra: dict[str, Any] | None = None) -> None:
     values: dict[str, Any] = {"heartbeat_at": now(), "state": "online", "current_shard_id": current_shard_id}
     session.execute(update(Worker).where(Worker.name == name).values(**values))
-    if extra:
-        worker = session.get(Worker, name)
+    if extra:  # merged under a row lock (Postgres): the heartbeat and the QLoRA probe both merge into capabilities
+        worker = session.get(Worker, name, with_for_update=True, populate_existing=True)
         if worker is not None:
             worker.capabilities = {**worker.capabilities, **extra}
 

@@ -32,6 +32,20 @@ def _paths(name: str) -> list[Path]:
     return [Path(p).expanduser().resolve() for p in value.split(os.pathsep) if p] if value else []
 
 
+def _seconds_or_auto(name: str) -> float | None:
+    """A positive number of seconds, or None for `auto` (the default)."""
+    value = _env(name, "auto")
+    if value.lower() == "auto":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"{name}={value!r}: give a positive number of seconds, or auto")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -53,6 +67,8 @@ class Settings:
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
     batch_window_seconds: float = 24 * 3600.0  # OpenAI batches' completion_window "24h" (shorter only in tests)
+    stall_seconds: float | None = None  # None = auto: max(120 s, 50 x the median engine step) (worker/progress.py)
+    stall_phase_seconds: float = 1800.0  # bound of one-off phases: loading, compiling, capturing CUDA graphs
     max_upload_bytes: int = 1 << 30
     max_rows: int = 10_000_000
     max_row_bytes: int = 1 << 20
@@ -135,6 +151,8 @@ def get_settings() -> Settings:
         worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
         visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
         batch_window_seconds=float(_env("JOBS_BATCH_WINDOW_SECONDS", str(24 * 3600))),
+        stall_seconds=_seconds_or_auto("JOBS_STALL_SECONDS"),
+        stall_phase_seconds=float(_env("JOBS_STALL_PHASE_SECONDS", "1800")),
         max_upload_bytes=int(_env("JOBS_MAX_UPLOAD_BYTES", str(1 << 30))),
         max_rows=int(_env("JOBS_MAX_ROWS", "10000000")),
         max_row_bytes=int(_env("JOBS_MAX_ROW_BYTES", str(1 << 20))),

@@ -35,13 +35,13 @@ import pytest
 from sqlalchemy import select
 
 from api import service
-from core import registry
+from api.stack import detect_gpus
+from core import exits, registry
 from core.db import session_scope
 from core.errors import InvalidInput, Unschedulable
 from core.models import Adapter, JobEvent, Worker
 from core.slices import NVLINK_MULTICAST_OFF, plan
 from tests.conftest import ROOT, wait_for
-from tests.test_worker_env import environ_of
 
 FT_DATA = ROOT / "examples" / "finetune_qa.jsonl"
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -123,20 +123,25 @@ def test_overlapping_slices_are_refused_by_jobs_up_before_anything_starts(tmp_pa
     assert not (tmp_path / "home" / "stack.json").exists()
 
 
-def test_a_worker_of_a_two_gpu_slice_registers_queue_gpu2_its_empty_gpu_list_and_nccl_env(jobs_env, spawn_worker,
-                                                                                          base_model):
-    """A real worker pinned to "0,1" on this CPU host: its process environment has the slice, PCI order and NVLink
-    multicast off; it consumes gpu2, registers the GPUs CUDA gave it (none here: an empty list, no UUID) and the
-    deepspeed version key; a 2-GPU job is refused because it sees no CUDA device."""
-    worker = spawn_worker(["0", "1"])
-    env = environ_of(worker.pid)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert {k: env[k] for k in NVLINK_MULTICAST_OFF} == NVLINK_MULTICAST_OFF
+def test_a_worker_of_a_two_gpu_slice_without_those_gpus_refuses_and_a_two_gpu_job_is_refused(jobs_env, spawn_worker,
+                                                                                              base_model):
+    """A real worker pinned to "0,1" on this CPU host: it records what it got (the slice, queue gpu2, no GPU, PCI
+    order, NVLink multicast off, the deepspeed version key) and refuses to start (exit 6: its GPUs are not there);
+    with a live CPU worker, a 2-GPU job is then refused: no live worker serves gpu2."""
+    if {"0", "1"} <= set(detect_gpus()):
+        pytest.skip("this host has GPUs 0 and 1")
+    worker = spawn_worker(["0", "1"], wait=False)
+    assert worker.popen.wait(120) == exits.SLICE_MISSING, worker.tail()
     with session_scope() as session:
         row = session.scalars(select(Worker).where(Worker.pid == worker.pid)).one()
-        assert (row.slice, row.queues, row.gpus) == ("0,1", ["gpu2"], [])
+        assert (row.slice, row.queues, row.gpus, row.state) == ("0,1", ["gpu2"], [], "offline")
+        assert row.capabilities["cuda_visible_devices"] == "0,1"
+        assert row.capabilities["cuda_device_order"] == "PCI_BUS_ID"
+        assert row.capabilities["multicast_off"] == NVLINK_MULTICAST_OFF
         assert row.capabilities["device_count"] == 0 and "deepspeed" in row.capabilities["versions"]
-    with pytest.raises(Unschedulable, match=r"no live worker serves jobs of 2 GPU\(s\) \(queue gpu2\)"):
+    spawn_worker([])
+    with pytest.raises(Unschedulable, match=r"no live worker serves jobs of 2 GPU\(s\) \(queue gpu2\); live workers: "
+                       r"w\d+-cpu@\S+ \(cpu\)\. "):
         service.submit(owner="t", spec_data={"model": str(base_model), "input": str(FT_DATA), "gpus": 2})
 
 
@@ -265,6 +270,37 @@ def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, b
     steps = [r["step"] for r in resumed if "loss" in r]
     assert steps[0] == 5 and steps[-1] == 8
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_rank_zero_reports_its_phases_and_steps_to_the_parents_stall_watchdog(tmp_path, base_model):
+    """The parent's progress (what the worker's stall watchdog reads) sees the launch as a phase, then rank 0's own
+    phases (loading, preparing) and each of its 8 training steps: a long load in a child is no stall, and a hung
+    rank (no more lines) is one."""
+    from core.spec import FinetuneSpec, LoadOptions
+    from worker import distributed
+    from worker.progress import Progress
+
+    class Recorder(Progress):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def beat(self, kind: str) -> None:
+            super().beat(kind)
+            self.seen.append(kind)
+
+        def phase_changed(self) -> None:
+            self.seen.append(f"phase {self.phase_name}")
+
+    spec = FinetuneSpec.model_validate(ft_spec(base_model))
+    recorder = Recorder()
+    done = distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path, progress=recorder)
+    assert done.metrics["steps"] == 8
+    phases = [s for s in recorder.seen if s.startswith("phase ") and s != "phase None"]
+    assert phases[:3] == ["phase starting 2 training processes", "phase loading model (rank 0 of 2)",
+                          "phase preparing training (rank 0 of 2)"]
+    assert recorder.seen.count("training step (rank 0)") == 9  # each step's log line, and the summary at the end
+    assert recorder.phase_name is None
 
 
 @pytest.mark.parametrize("fault, expected", [

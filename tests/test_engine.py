@@ -287,14 +287,14 @@ def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_mode
     real = engine._run_group
     held: list = []
 
-    def run_group(loaded, group, started, should_stop):
+    def run_group(loaded, group, started, should_stop, progress):
         if held:
             assert held[-1]() is None, "the failed call's tensor is still alive during the retry"
         if len(group) > 1:
             activations = torch.zeros(1024)  # stands for the failed generate's activations
             held.append(weakref.ref(activations))
             raise torch.OutOfMemoryError("injected")
-        return real(loaded, group, started, should_stop)
+        return real(loaded, group, started, should_stop, progress)
 
     monkeypatch.setattr(engine, "_run_group", run_group)
     rows = [(i, {"prompt": q, "params": {}, "extra": {}}) for i, (q, _) in enumerate(qa_pairs()[:2])]

@@ -25,6 +25,7 @@ from worker import decode_attention, fastgen, faults
 from worker import generate as engine
 from worker.generate import generate
 from worker.loader import Loaded, load
+from worker.progress import Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,7 +185,8 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     assert "top_p is not supported by the fast engine" in r[2].error
     assert r[1].output == a
     out = {x.idx: x for b in engine._generate_fast(loaded, make_spec(tiny_model), rows, batch_rows=4,
-                                                     should_stop=lambda: False, on_event=print, info={}) for x in b}
+                                                     should_stop=lambda: False, on_event=print, info={},
+                                                     progress=Progress()) for x in b}
     assert out[0].error is None and out[0].output and out[2].error is None and out[1].output == a
 
 
@@ -426,7 +428,7 @@ def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny
     a new state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it
     (a handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
     per_page = fastgen.page_bytes(loaded.model)
-    budget = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 16 + 40 * per_page + per_page // 2
+    budget = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 32 + int(40.5 * per_page / fastgen.CACHE_FRACTION)
 
     def driver_free(device):  # what mem_get_info would report: the resident cache is allocated
         return budget - fastgen.resident_bytes(loaded.model)

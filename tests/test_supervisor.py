@@ -56,9 +56,9 @@ def test_the_limit_th_exit_within_the_window_keeps_the_slot_down_with_the_reason
                        "restart it")
 
 
-@pytest.mark.parametrize("code", [2, 5, 71])
+@pytest.mark.parametrize("code", [2, 5, 6])
 def test_a_configuration_error_is_not_restarted(code):
-    """Exit 2 (bad arguments), 5 (CUDA_VISIBLE_DEVICES conflict) and 71 (slice not present) stay down at once."""
+    """Exit 2 (bad arguments), 5 (CUDA_VISIBLE_DEVICES conflict) and 6 (slice not present) stay down at once."""
     delay, outcome = decide(code, [0.0], 0.0, Policy(), HINT)
     assert delay is None and outcome.startswith("a configuration error, not restarted")
 
@@ -67,7 +67,7 @@ def test_exit_codes_are_described_in_words():
     """A signal reads as its name, the watchdog's codes as what they mean."""
     assert describe(-9) == "killed by SIGKILL"
     assert describe(70) == "engine stalled"
-    assert describe(71) == "its GPU slice is not present"
+    assert describe(6) == "its GPU slice is not present"
     assert describe(69) == "its stack's Redis is gone"
 
 
@@ -102,16 +102,16 @@ def until_down(sup: Supervisor, timeout: float, tmp_path) -> str:
 
 
 def test_a_worker_exiting_with_the_missing_slice_code_is_not_restarted(tmp_path, supervise):
-    """A worker that exits 71 (its GPU slice is not present) right after registering is not started again; its
-    registration is offline with exit 71 and says why, and no second worker was started."""
-    sup = supervise(Policy(limit=5, window=600, backoff=0.1, backoff_max=1), JOBS_TEST_FAULTS="exit_71@start")
+    """A worker that exits 6 (its GPU slice is not present) right after registering is not started again; its
+    registration is offline with exit 6 and says why, and no second worker was started."""
+    sup = supervise(Policy(limit=5, window=600, backoff=0.1, backoff_max=1), JOBS_TEST_FAULTS="exit_6@start")
     reason = until_down(sup, 240, tmp_path)
-    assert reason.startswith("exit 71 (its GPU slice is not present): a configuration error, not restarted")
+    assert reason.startswith("exit 6 (its GPU slice is not present): a configuration error, not restarted")
     time.sleep(1)  # a restart would have been due after 0.1 s
     sup.step()
     assert sup.slots[0].restarts == 0 and sup.slots[0].proc is None
     [worker] = service.workers(all=True)
-    assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 71, 0)
+    assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 6, 0)
     assert worker["reason"] == ("its GPU slice is not present; a configuration error, not restarted: fix it, then "
                                 f"{HINT}")
 

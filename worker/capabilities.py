@@ -9,6 +9,8 @@ import os
 from functools import cache
 from typing import Any
 
+from core.slices import NVLINK_MULTICAST_OFF
+
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "flash-attn", "kernels",
             "liger-kernel", "triton", "deepspeed")
 
@@ -52,6 +54,7 @@ def probe() -> dict[str, Any]:
         "device_count": len(devices),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
+        "multicast_off": {k: os.environ.get(k) for k in NVLINK_MULTICAST_OFF},
         "torch_cuda": torch.version.cuda,
         "min_compute_capability": min((float(d["compute_capability"]) for d in devices), default=None),
         "versions": versions(),
@@ -59,6 +62,29 @@ def probe() -> dict[str, Any]:
         "varlen_attention": varlen_attention(devices),
         "hub_reachable": False if os.environ.get("HF_HUB_OFFLINE") == "1" else None,
     }
+
+
+def slice_problem(devices: list[str]) -> str | None:
+    """Why this process cannot run the slice `devices` (CUDA_VISIBLE_DEVICES as the launcher set it), or None.
+
+    CUDA shows only the devices of CUDA_VISIBLE_DEVICES that exist, up to the first that does not: `--gpus 2,0` on
+    a host whose only GPU is 0 sees none. A worker that started anyway would register on the queue of its slice
+    size and take (then fail) that queue's jobs, or make submit list a worker that serves nothing."""
+    if not devices:
+        return None
+    import torch
+
+    wanted = ",".join(devices)
+    fix = ("start it with --gpus naming GPUs that `nvidia-smi` lists on this host (indices or UUIDs), or --gpus "
+           "none for a CPU worker")
+    if not torch.cuda.is_available():
+        return (f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA is not available in this process (no "
+                f"NVIDIA driver or GPU here, or none of those GPUs exists): {fix}")
+    seen = torch.cuda.device_count()
+    if seen < len(devices):
+        return (f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA sees {seen} of them (a GPU of the "
+                f"slice does not exist on this host, and CUDA hides it and every one after it): {fix}")
+    return None
 
 
 def attention_backends(devices: list[dict[str, Any]]) -> list[str]:

@@ -9,7 +9,10 @@ setup, and waits for it while it reports progress. Decisions, and why:
   the shard's lease and heartbeat as for one process, and writes the events. Parent and children talk through files
   in a run folder (`workdir/run`, fresh per attempt), simpler than pipes and still there after a crash:
   `request.json` (what to train, written by the parent), `progress.jsonl` (rank 0 appends one JSON line per logged
-  step; the parent tails it and writes each as an event), `stop` (created by the parent to cancel or hand back:
+  step; `{"phase": NAME}` / `{"phase": null}` lines when it starts and ends a phase such as loading or compiling, and
+  `{"progress": KIND}` lines, at most one a second, for its steps, evaluation steps and checkpoints; the parent tails
+  it, writes each logged step as an event and feeds all of them to the stall watchdog: rank 0's progress is the
+  run's progress), `stop` (created by the parent to cancel or hand back:
   every rank checks it after each step and the ranks agree through an all-reduce, so they stop at the same step),
   `result.json` (rank 0, at the end), `error-rank<R>.json` (a rank that raised), `children.log` (their output).
 - **Rank 0 alone writes** the progress lines, the checkpoints' COMPLETE markers (after a barrier, so every rank's
@@ -45,6 +48,7 @@ from typing import Any
 from core.errors import InvalidInput
 from core.slices import pinned_env, plan
 from core.spec import FinetuneSpec, LoadOptions
+from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,13 +242,16 @@ def _failure(run_dir: Path, returncode: int | None) -> Exception:
 
 def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[str, Any]]], workdir: Path, *,
              gpus: int = 0, should_stop: Callable[[], bool] = lambda: False,
-             on_log: Callable[[dict[str, Any]], None] = lambda record: None):
-    """`worker.finetune.finetune`, in this process or over the slice as the spec's strategy says."""
+             on_log: Callable[[dict[str, Any]], None] = lambda record: None, progress: Progress | None = None):
+    """`worker.finetune.finetune`, in this process or over the slice as the spec's strategy says. `progress` gets
+    each step (in this process, or rank 0's as it reports them) for the stall watchdog."""
     from worker import finetune as single
 
+    progress = Progress() if progress is None else progress
     strategy, world = strategy_for(spec, gpus)
     if strategy == "single":
-        result = single.finetune(base, spec, rows, workdir, gpus=gpus, should_stop=should_stop, on_log=on_log)
+        result = single.finetune(base, spec, rows, workdir, gpus=gpus, should_stop=should_stop, on_log=on_log,
+                                 progress=progress)
         result.metrics.update(strategy="single", processes=1)
         return result
     run_dir = Path(workdir) / "run"
@@ -256,10 +263,21 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     t0, last = time.perf_counter(), {}
 
     def forward(record: dict[str, Any]) -> None:
+        if "phase" in record:  # rank 0 started or ended a phase (loading, compiling): progress, not a step
+            progress.end()
+            if record["phase"]:
+                progress.begin(f"{record['phase']} (rank 0 of {world})")
+            return
+        if "progress" in record:  # a step, evaluation step or checkpoint of rank 0 (at most one line a second)
+            progress.beat(f"{record['progress']} (rank 0 of {world})")
+            return
+        progress.beat("training step (rank 0)")
         last.update(step=record.get("step"))
         on_log(record)
 
+    progress.begin(f"starting {world} training processes")  # until rank 0 reports its first phase or step
     done = launch(world, "worker.finetune_dist", run_dir, should_stop=should_stop, on_record=forward)
+    progress.end()
     if done is None:  # stopped before rank 0 wrote a result: the last complete checkpoint is where to resume
         return single.FinetuneResult(Path(workdir) / "adapter", {"steps": last.get("step"), "strategy": strategy,
                                                                  "processes": world, "load": None}, stopped=True)

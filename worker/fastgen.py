@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from worker import decode_attention, faults
+from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -323,15 +324,18 @@ def bucket(sizes: list[int], n: int) -> int:
     return next(b for b in sizes if b >= n)
 
 
-def prepare(loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0) -> SlotState:
+def prepare(loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0,
+            progress: Progress | None = None) -> SlotState:
     """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
     decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
-    The work is done once per state (`state.prepare_s`); `summary` says what it cost."""
+    The work is done once per state (`state.prepare_s`); `summary` says what it cost. Compiling and capturing are
+    phases of `progress` (the stall watchdog's clock)."""
     model = loaded.model
     state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction)
     if state.prepare_s is None:
         t = time.perf_counter()
         engine = Engine(loaded, state, eos, slots=state.slots, graphs=graphs, compiled=compiled)
+        engine.progress = progress or engine.progress
         with torch.inference_mode():
             engine.warm_up()
         _sync(state)
@@ -407,6 +411,7 @@ class Engine:
         self.eos_index = state.eos_index
         self.free_pages: list[int] = []
         self._host: torch.Tensor | None = None  # pinned buffers the decode steps' tokens are copied into
+        self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
         self.prefill_s = 0.0
         self.decode_s = 0.0
@@ -512,7 +517,8 @@ class Engine:
             return
         graph = self.state.graphs.get((batch, sample))
         if graph is None:
-            graph = self._capture(batch, sample)
+            with self.progress.phase("capturing CUDA graphs"):
+                graph = self._capture(batch, sample)
         graph.replay()
 
     def _capture(self, batch: int, sample: bool):
@@ -550,20 +556,23 @@ class Engine:
         st.table.zero_()
         t = time.perf_counter()
         params = {"max_new_tokens": 1, "do_sample": False, "temperature": None, "ignore_eos": True}
-        for rows in sorted({min(2, st.slots), 1}, reverse=True):
-            dummy = [Seq(_Dummy(params, [self.pad] * min(PAGE + 1, st.max_len - 1)), 0, slot=i) for i in range(rows)]
-            self.prefill(dummy)
-        self._deactivate(dummy)
-        if self.compiled:  # the decode variants (batch 1 is specialized apart)
-            for batch in (1, 2):
-                self._decode(min(batch, st.slots), False)
-        _sync(st)
+        with self.progress.phase("compiling") if self.compiled else contextlib.nullcontext():
+            for rows in sorted({min(2, st.slots), 1}, reverse=True):
+                dummy = [Seq(_Dummy(params, [self.pad] * min(PAGE + 1, st.max_len - 1)), 0, slot=i)
+                         for i in range(rows)]
+                self.prefill(dummy)
+            self._deactivate(dummy)
+            if self.compiled:  # the decode variants (batch 1 is specialized apart)
+                for batch in (1, 2):
+                    self._decode(min(batch, st.slots), False)
+            _sync(st)
         st.compile_s += time.perf_counter() - t
         if self.use_graphs:
-            for sample in (False, True):
-                for batch in self.sizes:
-                    if (batch, sample) not in st.graphs:
-                        self._capture(batch, sample)
+            with self.progress.phase("capturing CUDA graphs"):
+                for sample in (False, True):
+                    for batch in self.sizes:
+                        if (batch, sample) not in st.graphs:
+                            self._capture(batch, sample)
         st.active.zero_()
 
     def move(self, src: int, dst: int) -> None:
@@ -590,16 +599,19 @@ class Engine:
 
     # -- the loop --
 
-    def run(self, seqs: list[Seq], should_stop: Callable[[], bool]) -> Iterator[list[Seq]]:
+    def run(self, seqs: list[Seq], should_stop: Callable[[], bool],
+            progress: Progress | None = None) -> Iterator[list[Seq]]:
         """Run every sequence to the end; yield the ones that finish, as a list per decode step (or prefill chunk)
         that finished any (not yielded: those cut off by `should_stop`). Every sequence must fit in the cache
-        (`pages_needed` < the state's pages, `need` <= its max_len).
+        (`pages_needed` < the state's pages, `need` <= its max_len). Each decode step and prefill chunk is reported
+        to `progress` (a graph captured during a run, for new EOS ids, as a phase).
 
         The host works one step behind the GPU: step k+1 is launched before the tokens of step k are read and
         booked, so that bookkeeping (and the caller's work on each finished sequence) overlaps the GPU's step. A
         sequence that finished at step k so runs one more step, whose token is dropped: its pages hold `need`
         positions, and that extra step writes at most position need - 1."""
         st = self.state
+        self.progress = progress or self.progress
         st.active.zero_()
         st.pos.zero_()  # every free slot writes at position 0 of the trash page
         st.table.zero_()
@@ -651,6 +663,8 @@ class Engine:
         t = time.perf_counter()
         self.step(batch, sample)
         self.steps += 1
+        self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
+        faults.hit("decode_step")
         if st.tok.device.type != "cuda":
             tokens = st.tok[:batch].tolist()
             self.decode_s += time.perf_counter() - t
@@ -716,6 +730,8 @@ class Engine:
     def _start(self, chunk: list[Seq], running: dict[int, Seq], free: list[int]) -> Iterator[list[Seq]]:
         faults.hit("generate", rows=len(chunk))
         first = self.prefill(chunk).tolist()
+        self.progress.beat("prefill chunk")
+        faults.hit("prefill")
         finished = []
         for seq, token in zip(chunk, first):
             seq.tokens.append(token)

@@ -4,23 +4,34 @@
 
     kill@batch           SIGKILL this worker just before it commits a micro-batch
     oom_over_N@generate  raise torch.cuda.OutOfMemoryError when `model.generate` gets more than N rows at once
+    oom@load             raise torch.cuda.OutOfMemoryError at that point (load: every model load, worker/loader.py)
     truncate@adapter_saved  cut the file at `path` to half its size (a fine-tune's adapter, before its check)
     sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests;
                          also at rankR_step)
     raise@rank1_step     raise RuntimeError at that point (rankR_step: each step's end in rank R of a distributed
                          fine-tune, worker/finetune_dist.py)
     exit_N@start         end this worker at once with exit status N just after it registered (os._exit: no
-                         cleanup, as a crash or the stall watchdog would), e.g. exit_70@start, exit_71@start; for
+                         cleanup, as a crash or the stall watchdog would), e.g. exit_70@start, exit_6@start; for
                          the supervisor's restart policy (tests/test_supervisor.py)
+    hang@decode_step     block the calling thread forever at that point, while the heartbeat thread goes on: the
+    hang_after_N@POINT   stall the watchdog must catch (worker/progress.py). hang_after_N lets N hits pass first.
+                         Points: decode_step (every decode step of every engine), prefill (a prefill chunk of the
+                         fast engine), train_step (each logged training step), rankR_step.
 
 Unset (always, outside tests) it costs one dict lookup per call.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
 import signal
+import threading
 from functools import cache
+
+log = logging.getLogger(__name__)
+_hits: collections.Counter[str] = collections.Counter()
 
 
 @cache
@@ -48,7 +59,18 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
             import time
 
             time.sleep(float(action.removeprefix("sleep_")))
-        if action.startswith("oom_over_") and rows > int(action.removeprefix("oom_over_")):
+        if action == "hang" or action.startswith("hang_after_"):
+            _hang(fault, int(action.removeprefix("hang_after_")) if action != "hang" else 0)
+        if action == "oom" or (action.startswith("oom_over_") and rows > int(action.removeprefix("oom_over_"))):
             import torch
 
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by JOBS_TEST_FAULTS at {point}, {rows} rows)")
+
+
+def _hang(fault: str, after: int) -> None:
+    _hits[fault] += 1
+    if _hits[fault] <= after:
+        return
+    log.warning("JOBS_TEST_FAULTS %s: hit %d, blocking this thread (%s) forever", fault, _hits[fault],
+                threading.current_thread().name)
+    threading.Event().wait()

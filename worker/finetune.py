@@ -10,7 +10,9 @@ How a run goes, top to bottom:
    template's generation prompt. A sequence longer than `max_seq_length` is truncated or refused, as the spec says.
 3. Train with transformers' `Trainer`: bf16 mixed precision on compute capability >= 8.0, fp16 below, fp32 on CPU.
    A callback reports every logged step (loss, learning rate, grad norm, tokens/s, eval loss, GPU memory) through
-   `on_log`, stops training when `should_stop()` says so, and marks each checkpoint complete.
+   `on_log`, stops training when `should_stop()` says so, and marks each checkpoint complete. Each training step,
+   evaluation step and saved checkpoint is progress for the stall watchdog (`progress`, worker/progress.py);
+   loading, preparing (tokenizing, wrapping, compiling) are phases.
 4. Save the adapter (safetensors) and return the metrics.
 
 Checkpoints are `checkpoint-N` folders written by the Trainer every `checkpoint_steps`; a `COMPLETE` marker is
@@ -58,6 +60,7 @@ import torch
 
 from core.errors import InvalidInput
 from core.spec import FinetuneSpec, LoadOptions
+from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"  # marker file: the checkpoint folder was fully written
@@ -399,14 +402,15 @@ def _fast_args(strategy: str, device: torch.device) -> dict[str, Any]:
 
 
 def _compile(speed: Speed, spec: FinetuneSpec, trainer, model, batch: dict[str, Any],
-             device: torch.device) -> float | None:
+             device: torch.device, progress: Progress) -> float | None:
     """Compile the decoder layers and run the warm-up step (compile time, returned); None when not compiling. With
     compile auto a failure falls back to eager (noted); with compile on it fails the job."""
     if not speed.compile:
         return None
     try:
         _compile_layers(model)
-        return _warm_up(trainer, batch, device)
+        with progress.phase("compiling"):
+            return _warm_up(trainer, batch, device)
     except InvalidInput:
         raise
     except Exception as exc:  # torch.compile raises many kinds; the message says which
@@ -567,19 +571,26 @@ def _memory(device: torch.device) -> dict[str, int]:
 
 
 def _callback(*, should_stop: Callable[[], bool], on_log: Callable[[dict[str, Any]], None], device: torch.device,
-              tokens_per_step: float):
+              tokens_per_step: float, progress: Progress):
     from transformers import TrainerCallback
 
     class Reporter(TrainerCallback):
-        """Reports each logged step, stops on request, and marks checkpoints complete once saved."""
+        """Reports each logged step, stops on request, marks checkpoints complete once saved, and reports progress
+        (steps, evaluation steps, checkpoints) to the stall watchdog."""
 
         def __init__(self):
             self.t_last, self.step_last, self.first_step = time.perf_counter(), None, None
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.t_last, self.step_last = time.perf_counter(), state.global_step
+            progress.end()  # "preparing training" lasts through the Trainer's own setup (wrapping, resume)
+            progress.beat("training start")
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            progress.beat("evaluation step")
 
         def on_step_end(self, args, state, control, **kwargs):
+            progress.beat("training step")
             if should_stop():
                 control.should_training_stop = True
                 control.should_save = False
@@ -604,6 +615,7 @@ def _callback(*, should_stop: Callable[[], bool], on_log: Callable[[dict[str, An
             _barrier()  # every process has written its part of the checkpoint
             if state.is_world_process_zero and folder.is_dir():
                 (folder / COMPLETE).write_text(f"{state.global_step}\n")
+            progress.beat("checkpoint saved")
 
     return Reporter()
 
@@ -634,13 +646,14 @@ def save_adapter(trainer, model, tok, adapter_dir: Path) -> None:
 def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[str, Any]]], workdir: Path, *,
              gpus: int = 0, should_stop: Callable[[], bool] = lambda: False,
              on_log: Callable[[dict[str, Any]], None] = lambda record: None,
-             resume: bool = True, strategy: str = "single") -> FinetuneResult:
+             resume: bool = True, strategy: str = "single", progress: Progress | None = None) -> FinetuneResult:
     """Train a LoRA adapter on `rows` ((line, row) pairs) and save it under `workdir/adapter`.
 
     Checkpoints go to `workdir/checkpoints`; with `resume`, the newest complete one is picked up. Raises
     InvalidInput for data or settings that cannot train (before any step runs). `result.stopped` is True when
     `should_stop()` ended training early (cancel, shutdown, lost lease): no adapter is saved then. `strategy` is
     `single`, or the distributed strategy of the process group this process is a rank of (worker/distributed.py).
+    `progress` receives each step (and the loading and preparing phases) for the stall watchdog.
     """
     from transformers import Trainer, TrainingArguments
 
@@ -648,7 +661,10 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
 
     workdir = Path(workdir)
     checkpoints = workdir / "checkpoints"
-    loaded = load_base(base, gpus)
+    progress = Progress() if progress is None else progress
+    with progress.phase("loading model"):
+        loaded = load_base(base, gpus)
+    progress.begin("preparing training")  # tokenizing, LoRA, the Trainer, compiling: until on_train_begin
     tok, device = loaded.tokenizer, loaded.device
     train_rows, valid_rows = split_validation(rows, spec.validation_split, spec.seed)
     if not train_rows:
@@ -684,7 +700,8 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
         **training_args(strategy, device.type),
     )
     tokens_per_step *= args.world_size  # every process trains on its own batches
-    reporter = _callback(should_stop=should_stop, on_log=on_log, device=device, tokens_per_step=tokens_per_step)
+    reporter = _callback(should_stop=should_stop, on_log=on_log, device=device, tokens_per_step=tokens_per_step,
+                         progress=progress)
     collate = _collate_packed(speed.packed_attention == "varlen") if spec.packing else _collate(tok.pad_token_id)
     trainer = (_lean_trainer(speed) if speed.loss != "model" else Trainer)(
         model=model, args=args, train_dataset=_Dataset(examples), eval_dataset=_Dataset(valid) if valid else None,
@@ -694,7 +711,8 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     compile_s = _compile(speed, spec, trainer, model, collate([_Dataset(examples)[i] for i in
-                                                                 range(min(spec.batch_size, len(examples)))]), device)
+                                                                 range(min(spec.batch_size, len(examples)))]), device,
+                        progress)
     log.info("%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s", spec.model,
              len(examples), len(valid), trainable, total, mixed, resume_from, speed_record(speed, compile_s))
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from core.errors import InvalidInput
 from core.spec import FinetuneSpec, LoadOptions
 from worker import faults
 from worker.distributed import die_with_parent
+from worker.progress import Progress
 
 log = logging.getLogger("worker.finetune_dist")
 
@@ -56,6 +57,26 @@ def progress_writer(path: Path, world: int) -> Callable[[dict[str, Any]], None]:
     return write
 
 
+class RankProgress(Progress):
+    """Rank 0's progress, for the parent's stall watchdog: phases as `{"phase": NAME}` / `{"phase": null}` lines (a
+    long load or compile is not a hang), and its beats (training and evaluation steps, checkpoints) as `{"progress":
+    KIND}` lines, at most one a second."""
+
+    def __init__(self, write: Callable[[dict[str, Any]], None]) -> None:
+        self.write = write
+        self.sent = 0.0
+        super().__init__()
+
+    def beat(self, kind: str) -> None:
+        super().beat(kind)
+        if self.last - self.sent >= 1.0:
+            self.sent = self.last
+            self.write({"progress": kind})
+
+    def phase_changed(self) -> None:
+        self.write({"phase": self.phase_name})
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
@@ -72,12 +93,13 @@ def train(run_dir: Path, rank: int, local_rank: int, world: int) -> dict[str, An
     if on_gpu:
         torch.cuda.set_device(local_rank)  # rank r trains on cuda:r of the slice
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    write = progress_writer(run_dir / "progress.jsonl", world)
     result = finetune.finetune(
         LoadOptions.model_validate(request["base"]), FinetuneSpec.model_validate(request["spec"]),
         [(line, row) for line, row in request["rows"]], Path(request["workdir"]), gpus=1 if on_gpu else 0,
         should_stop=synced_stop(run_dir / "stop", device, rank),
-        on_log=progress_writer(run_dir / "progress.jsonl", world) if rank == 0 else lambda record: None,
-        strategy=request["strategy"])
+        on_log=write if rank == 0 else lambda record: None, strategy=request["strategy"],
+        progress=RankProgress(write) if rank == 0 else Progress())
     return {"adapter_dir": str(result.adapter_dir), "metrics": result.metrics, "resumed_from": result.resumed_from,
             "stopped": result.stopped, "lora_config": result.lora_config}
 

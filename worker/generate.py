@@ -58,6 +58,7 @@ from core.leases import RowResult
 from core.spec import GenerateSpec, sampling_of
 from worker import attention, fastgen, faults
 from worker.loader import Loaded
+from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,15 @@ RENDER_BATCH = 1024  # prompts tokenized in one call (see render_many)
 
 
 class StopFlag(StoppingCriteria):
-    """Ends a running `generate` between decode steps when the job is cancelled or the worker shuts down."""
+    """Called by `generate` after each decode step: reports the step to `progress` (the stall watchdog) and ends
+    the call when the job is cancelled or the worker shuts down."""
 
-    def __init__(self, should_stop: Callable[[], bool]):
-        self.should_stop = should_stop
+    def __init__(self, should_stop: Callable[[], bool], progress: Progress):
+        self.should_stop, self.progress = should_stop, progress
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        self.progress.beat("decode step")
+        faults.hit("decode_step")
         return torch.full((input_ids.shape[0],), self.should_stop(), dtype=torch.bool, device=input_ids.device)
 
 
@@ -122,37 +126,38 @@ def generate(
     should_stop: Callable[[], bool] = lambda: False,
     on_event: Callable[[str], None] = lambda message: None,
     info: dict[str, Any] | None = None,
+    progress: Progress | None = None,
 ) -> Iterator[list[RowResult]]:
     """Yield results micro-batch by micro-batch for `rows` = [(idx, stored row input)].
 
     A CUDA out-of-memory is retried smaller (padded: the failing group split in halves, down to one row;
     continuous: the unfinished rows again with half the concurrent requests), each retry reported through
     `on_event`; past the smallest size the error propagates and the shard's attempt fails. `info` receives what
-    ran (engine, attention, CUDA graphs, async batching, cache).
+    ran (engine, attention, CUDA graphs, async batching, cache). Every engine reports each decode step (and the
+    fast engine each prefill chunk; compiling and graph capture as phases) to `progress`, the stall watchdog's
+    clock (worker/progress.py).
     """
     info = {} if info is None else info
+    progress = Progress() if progress is None else progress
     engine, reason = choose_engine(spec, loaded)
     info.update(engine=engine, engine_reason=reason)
+    kwargs = dict(batch_rows=batch_rows, should_stop=should_stop, on_event=on_event, progress=progress)
     if engine == "fast":
-        yield from _generate_fast(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                  on_event=on_event, info=info)
+        yield from _generate_fast(loaded, spec, rows, info=info, **kwargs)
         return
     fastgen.release(loaded.model)  # the fast engine's resident cache would take the memory this engine needs
     if engine == "continuous":
-        yield from _generate_continuous(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                        on_event=on_event, info=info)
+        yield from _generate_continuous(loaded, spec, rows, info=info, **kwargs)
         return
     if engine == "static":
         # sdpa_gqa on every device here (not only CUDA): the CPU tests then run the attention the GPU runs
         with padded_attention(loaded, on_cuda=True) as attn:
             info["attn_implementation"] = attn
-            yield from _generate_static(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                        on_event=on_event, info=info)
+            yield from _generate_static(loaded, spec, rows, info=info, **kwargs)
         return
     with padded_attention(loaded, on_cuda=loaded.device.type == "cuda") as attn:
         info["attn_implementation"] = attn
-        yield from _generate_padded(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                    on_event=on_event)
+        yield from _generate_padded(loaded, spec, rows, **kwargs)
 
 
 @contextlib.contextmanager
@@ -171,8 +176,8 @@ def padded_attention(loaded: Loaded, *, on_cuda: bool) -> Iterator[str]:
         model.set_attn_implementation(before)
 
 
-def _generate_padded(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop,
-                     on_event) -> Iterator[list[RowResult]]:
+def _generate_padded(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
+                     progress: Progress) -> Iterator[list[RowResult]]:
     for start in range(0, len(rows), batch_rows):
         if should_stop():
             return
@@ -185,7 +190,7 @@ def _generate_padded(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: in
             else:
                 groups.setdefault(repr(sorted(item.params.items())), []).append(item)
         for group in groups.values():
-            results.extend(_run_splitting(loaded, group, started, should_stop, on_event))
+            results.extend(_run_splitting(loaded, group, started, should_stop, on_event, progress))
         if should_stop():
             return  # a cancelled or interrupted batch is not committed; its rows stay pending
         results.sort(key=lambda r: r.idx)
@@ -267,9 +272,10 @@ def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
     return "continuous", "asked for"
 
 
-def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event) -> list[RowResult]:
+def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event,
+                   progress: Progress) -> list[RowResult]:
     try:
-        return _run_group(loaded, group, started, should_stop)
+        return _run_group(loaded, group, started, should_stop, progress)
     except torch.OutOfMemoryError:
         if len(group) == 1:
             raise
@@ -278,8 +284,8 @@ def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event)
     _free_cuda_cache()
     half = len(group) // 2
     on_event(f"out of memory generating {len(group)} rows together: retrying as {half} + {len(group) - half}")
-    return (_run_splitting(loaded, group[:half], started, should_stop, on_event)
-            + _run_splitting(loaded, group[half:], started, should_stop, on_event))
+    return (_run_splitting(loaded, group[:half], started, should_stop, on_event, progress)
+            + _run_splitting(loaded, group[half:], started, should_stop, on_event, progress))
 
 
 def _free_cuda_cache() -> None:
@@ -290,13 +296,14 @@ def _free_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def _run_group(loaded: Loaded, group: list[Prepared], started: float, should_stop) -> list[RowResult]:
+def _run_group(loaded: Loaded, group: list[Prepared], started: float, should_stop,
+               progress: Progress) -> list[RowResult]:
     faults.hit("generate", rows=len(group))
     tok, model = loaded.tokenizer, loaded.model
     params = group[0].params
     n = group[0].n
     enc = tok.pad({"input_ids": [g.ids for g in group]}, padding=True, return_tensors="pt").to(loaded.device)
-    kwargs = _generate_kwargs(tok, params, [StopFlag(should_stop)])
+    kwargs = _generate_kwargs(tok, params, [StopFlag(should_stop, progress)])
     if n > 1:
         kwargs["num_return_sequences"] = n  # outputs come back row by row: row 0's n samples, then row 1's
     if params["seed"] is not None:
@@ -374,7 +381,7 @@ def _tokens_through(tok, tokens: list[int], stop: str) -> int:
 
 
 def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
-                   info: dict[str, Any]) -> Iterator[list[RowResult]]:
+                   info: dict[str, Any], progress: Progress) -> Iterator[list[RowResult]]:
     """Rows through `fastgen.Engine`, one run per distinct seed; finished rows are yielded once at least
     `batch_rows` are ready, in finishing order (sorted within a micro-batch): rows that finish in the same decode
     step share a micro-batch, however many (G1's 1024 rows all end at its last step: one commit, not 64). Rows
@@ -387,7 +394,7 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
     others: list[tuple[int, dict[str, Any]]] = []
     groups: dict[Any, list[fastgen.Seq]] = {}
     eos = _eos_ids(loaded)
-    state = prepare_fast(loaded, eos)
+    state = prepare_fast(loaded, eos, progress=progress)
     for item in prepare(loaded, spec, rows, started):
         if isinstance(item, RowResult):
             ready.append(item)
@@ -404,7 +411,7 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
         "triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference") + ")"
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
-        for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats):
+        for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats, progress):
             for seq in finished:
                 got = done.setdefault(seq.row.idx, {})
                 got[seq.k] = seq
@@ -425,28 +432,30 @@ def _generate_fast(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int,
         fastgen.release(loaded.model)  # the padded engine needs the memory of the fast engine's cache
         with padded_attention(loaded, on_cuda=loaded.device.type == "cuda"):
             yield from _generate_padded(loaded, spec, others, batch_rows=batch_rows, should_stop=should_stop,
-                                        on_event=on_event)
+                                        on_event=on_event, progress=progress)
 
 
-def prepare_engine(loaded: Loaded, spec: GenerateSpec) -> dict[str, Any] | None:
+def prepare_engine(loaded: Loaded, spec: GenerateSpec, progress: Progress | None = None) -> dict[str, Any] | None:
     """Prepare what the engine for `spec` keeps on the model, right after loading, so that no job pays for it:
-    the fast engine's cache, compiled layers and CUDA graphs. Returns what it did (for the load event), or None."""
+    the fast engine's cache, compiled layers and CUDA graphs (phases of `progress`). Returns what it did (for the
+    load event), or None."""
     try:
         name, _ = choose_engine(spec, loaded)
     except InvalidInput:
         return None  # the job fails with that reason when it runs
     if name != "fast":
         return None
-    return fastgen.summary(prepare_fast(loaded))
+    return fastgen.summary(prepare_fast(loaded, progress=progress))
 
 
-def prepare_fast(loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0) -> fastgen.SlotState:
+def prepare_fast(loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0,
+                 progress: Progress | None = None) -> fastgen.SlotState:
     """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs: see
     `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run, so that cost
     is load time, not a job's."""
     graphs = _fast_graphs(loaded)
     return fastgen.prepare(loaded, _eos_ids(loaded) if eos is None else eos, graphs=graphs,
-                           compiled=graphs and fastgen.COMPILE, fraction=fraction)
+                           compiled=graphs and fastgen.COMPILE, fraction=fraction, progress=progress)
 
 
 def _fast_graphs(loaded: Loaded) -> bool:
@@ -463,7 +472,7 @@ def _too_long(state: fastgen.SlotState, item: Prepared) -> str | None:
 
 
 def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], should_stop, on_event,
-              stats: dict[str, Any]) -> Iterator[list[fastgen.Seq]]:
+              stats: dict[str, Any], progress: Progress) -> Iterator[list[fastgen.Seq]]:
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
     slots and the cache and reruns the unfinished sequences."""
     model = loaded.model
@@ -477,12 +486,12 @@ def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], sho
         finished: set[int] = set()
         engine = None
         try:
-            state = prepare_fast(loaded, eos, fraction)
+            state = prepare_fast(loaded, eos, fraction, progress)
             graphs = _fast_graphs(loaded)
             engine = fastgen.Engine(loaded, state, eos, slots=min(state.slots, len(todo), cap), graphs=graphs,
                                     compiled=graphs and fastgen.COMPILE)
             with torch.inference_mode():
-                for seqs in engine.run(todo, should_stop):
+                for seqs in engine.run(todo, should_stop, progress):
                     finished.update(id(seq) for seq in seqs)
                     yield seqs
         except torch.OutOfMemoryError:
@@ -511,7 +520,7 @@ GPU_WINDOW = 8192  # requests queued in the manager at once on a GPU (transforme
 
 
 def _generate_continuous(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
-                         info: dict[str, Any]) -> Iterator[list[RowResult]]:
+                         info: dict[str, Any], progress: Progress) -> Iterator[list[RowResult]]:
     started = time.time()
     ready: list[RowResult] = []  # finished rows not yet yielded
     groups: dict[str, list[Prepared]] = {}
@@ -530,7 +539,7 @@ def _generate_continuous(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows
         while pending:
             try:
                 with contextlib.closing(_drive(loaded, spec, list(pending.values()), concurrency, should_stop,
-                                                info)) as it:
+                                                info, progress)) as it:
                     for result in it:
                         pending.pop(result.idx, None)
                         ready.append(result)
@@ -556,9 +565,13 @@ def _sorted(results: list[RowResult]) -> list[RowResult]:
 
 
 def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrency: int | None, should_stop,
-           info: dict[str, Any]) -> Iterator[RowResult]:
+           info: dict[str, Any], progress: Progress) -> Iterator[RowResult]:
     """Run `group` through one continuous-batching manager; yield each row's result once all its n sequences are
-    done. Raises torch.OutOfMemoryError (after stopping the manager) when the engine ran out of memory."""
+    done. Raises torch.OutOfMemoryError (after stopping the manager) when the engine ran out of memory.
+
+    The manager decodes in its own thread: progress is its step counter (`current_batch`) moving, read each time
+    this loop polls (and each output it hands over). Until its first step the manager is warming up (cache, CUDA
+    graphs): a phase for the stall watchdog."""
     tok, model = loaded.tokenizer, loaded.model
     requests = sum(g.n for g in group)
     faults.hit("generate", rows=concurrency or requests)
@@ -573,6 +586,8 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
     window = 4 * concurrency if concurrency else GPU_WINDOW
     in_flight = 0
     started: dict[int, float] = {}
+    steps_seen = 0
+    progress.begin("starting continuous batching")  # ends at the manager's first step
     try:
         with torch.inference_mode():
             manager.start()
@@ -590,6 +605,13 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
                 if should_stop():
                     return
                 out = manager.get_result(timeout=0.2)
+                steps = getattr(manager, "current_batch", None) or 0
+                if out is not None or steps > steps_seen:
+                    steps_seen = steps
+                    if progress.phase_name is not None:
+                        progress.end()
+                    progress.beat("decode step")
+                    faults.hit("decode_step")
                 if out is None:
                     if not manager.is_running():
                         fatal = getattr(manager.background_thread_status, "fatal_error", None)
@@ -606,6 +628,8 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
                     _record_runtime(manager, config, info)
                     yield _continuous_result(tok, by_idx[idx], done.pop(idx), eos, started[idx])
     finally:
+        if progress.phase_name is not None:
+            progress.end()
         _record_runtime(manager, config, info)
         manager.stop(block=True, timeout=60, hard_stop=True)
 
@@ -713,7 +737,7 @@ class DummyRows(StoppingCriteria):
 
 
 def _generate_static(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
-                     info: dict[str, Any]) -> Iterator[list[RowResult]]:
+                     info: dict[str, Any], progress: Progress) -> Iterator[list[RowResult]]:
     """Static KV cache + torch.compile through `model.generate`, shapes fixed so compiling happens once per shape.
 
     Rows are grouped over the whole shard by their sampling parameters (as the padded engine groups a micro-batch),
@@ -747,7 +771,7 @@ def _generate_static(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: in
             while todo and sum(g.n for g in call) + todo[0].n <= width:
                 call.append(todo.popleft())
             try:
-                results = _static_call(loaded, call, width, started, should_stop, compile_config, stats)
+                results = _static_call(loaded, call, width, started, should_stop, compile_config, stats, progress)
             except torch.OutOfMemoryError:
                 if width <= 1 or width // 2 < call[0].n:
                     raise
@@ -794,7 +818,7 @@ def _raise_recompile_limit() -> None:
 
 
 def _static_call(loaded: Loaded, call: list[Prepared], slots: int, started: float, should_stop, compile_config,
-                 stats: dict[str, Any]) -> list[RowResult]:
+                 stats: dict[str, Any], progress: Progress) -> list[RowResult]:
     """One `model.generate` over `slots` sequences (the call's rows, each n times, then dummy rows)."""
     faults.hit("generate", rows=slots)
     tok, model = loaded.tokenizer, loaded.model
@@ -812,12 +836,13 @@ def _static_call(loaded: Loaded, call: list[Prepared], slots: int, started: floa
         fixed["disable_compile"] = True
     compiled_shapes = model.__dict__.setdefault("_gpujobs_static_shapes", set())
     if compile_config is not None and tuple(shape) not in compiled_shapes:
-        seconds = _warm_up(loaded, slots, call[0].ids[-1], fixed)
+        with progress.phase("compiling"):
+            seconds = _warm_up(loaded, slots, call[0].ids[-1], fixed)
         compiled_shapes.add(tuple(shape))
         stats["compiles"].append({"slots": slots, "cache_len": cache_len, "seconds": round(seconds, 3)})
         stats["compile_s"] = round(stats["compile_s"] + seconds, 3)
     enc = tok.pad({"input_ids": sequences}, padding=True, return_tensors="pt").to(loaded.device)
-    kwargs = _generate_kwargs(tok, params, [StopFlag(should_stop), DummyRows(real)])
+    kwargs = _generate_kwargs(tok, params, [StopFlag(should_stop, progress), DummyRows(real)])
     if params["seed"] is not None:
         torch.manual_seed(params["seed"])
     model._previous_max_cache_length = cache_len  # transformers would otherwise keep the longest cache seen

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.errors import InvalidInput
 from core.spec import LoadOptions
+from worker import faults
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -84,6 +85,30 @@ def _quant_record(opts: LoadOptions) -> dict[str, Any] | None:
 
 
 def load(opts: LoadOptions, *, gpus: int) -> Loaded:
+    """The model and tokenizer as `opts` asks, on this worker's slice. Out of memory while loading raises
+    torch.OutOfMemoryError with a message naming the model and the memory free (a failed attempt: the shard is
+    retried, and fails after JOBS_MAX_ATTEMPTS with that message)."""
+    try:
+        faults.hit("load")
+        return _load(opts, gpus=gpus)
+    except torch.OutOfMemoryError as exc:
+        adapter = f" with adapter {opts.adapter}" if opts.adapter else ""
+        raise torch.OutOfMemoryError(
+            f"out of memory loading {opts.model}{adapter} ({_free_memory()}): a smaller model, quantization, or a "
+            f"slice with more GPU memory (device_map auto) would fit. {exc}") from exc
+
+
+def _free_memory() -> str:
+    if not torch.cuda.is_available():
+        return "on the CPU"
+    parts = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        parts.append(f"cuda:{i} {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+    return ", ".join(parts)
+
+
+def _load(opts: LoadOptions, *, gpus: int) -> Loaded:
     if opts.use_kernels or opts.kernel_config:
         raise InvalidInput("use_kernels needs the `kernels` package and Hub access, which this worker lacks")
     device_map = resolve_device_map(opts, gpus)
@@ -172,6 +197,8 @@ def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
         config = PeftConfig.from_pretrained(str(path))
         config.init_lora_weights = False  # every tensor comes from the file (checked below): no init runs on the base
         peft_model = PeftModel.from_pretrained(model, str(path), is_trainable=False, config=config)
+    except torch.OutOfMemoryError:
+        raise  # a RuntimeError too, but no fault of the adapter's: a failed attempt, retried
     except (OSError, ValueError, RuntimeError) as exc:
         raise InvalidInput(f"adapter {opts.adapter} does not load onto {opts.model}: {exc}") from exc
     _check_complete(peft_model, path, opts)

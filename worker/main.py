@@ -8,6 +8,14 @@ initialised here, in a process that never forks (Celery's solo pool).
 lets it run on: what a stuck or slow worker is doing, even inside a C call (ops/gpu/soak.py sends it when a step
 passes its time limit). SIGUSR2, because Celery takes SIGUSR1 for a Python-level dump that waits for the main
 thread to come back to Python.
+
+The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state
+offline: it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
+(exits.ENV_MISMATCH, 5) or the slice's GPUs are not visible (exits.SLICE_MISSING, 6). A stalled engine ends the
+process with exits.STALLED (70; worker/runtime.py).
+
+Tests only: JOBS_TEST_MISSING_GPUS_OK=1 starts a worker whose slice's GPUs are missing anyway (it registers its
+queue and fails GPU jobs at load), so CI on a CPU host can run the launchers' GPU-slice workers (tests/test_deploy.py).
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ import sys
 
 from celery import signals
 
+from core import exits
 from core.logs import setup_logging
 from core.queue import queue_for
 
 log = logging.getLogger("worker")
+MISSING_GPUS_OK = "JOBS_TEST_MISSING_GPUS_OK"  # tests only: see the module docstring
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,20 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     lease_ms = int(get_settings().lease_seconds * 1000)
     os.environ.setdefault("PGOPTIONS", f"-c idle_in_transaction_session_timeout={lease_ms} -c lock_timeout=5000")
 
-    if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-        log.error("refusing to start: CUDA_VISIBLE_DEVICES=%r / CUDA_DEVICE_ORDER=%r do not match --slice %r; "
-                  "start workers with `gpujobs worker --gpus ...`", os.environ.get("CUDA_VISIBLE_DEVICES"),
-                  os.environ.get("CUDA_DEVICE_ORDER"), args.slice)
-        return 5
     devices = [d for d in args.slice.split(",") if d]
     host = get_settings().hostname or socket.gethostname()
     name = args.name or f"w{os.getpid()}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
     queue = queue_for(len(devices))
 
-    from worker import faults, stackwatch, tasks
+    from worker import capabilities, faults, stackwatch
     from worker import runtime as rt
 
     runtime = rt.Runtime(name=name, host=host, slice=args.slice, queues=[queue], gpus=len(devices))
+    if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        return refuse(runtime, exits.ENV_MISMATCH, (
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} / CUDA_DEVICE_ORDER="
+            f"{os.environ.get('CUDA_DEVICE_ORDER')!r} do not match --slice {args.slice!r}: start workers with "
+            "`gpujobs worker --gpus ...`"))
+    problem = capabilities.slice_problem(devices)
+    if problem and os.environ.get(MISSING_GPUS_OK) == "1":
+        log.error("%s=1 (tests only): starting although %s", MISSING_GPUS_OK, problem)
+    elif problem:
+        return refuse(runtime, exits.SLICE_MISSING, problem)
+
+    from worker import tasks
+
     tasks.runtime = runtime
     runtime.register(os.getpid())
     faults.hit("start")  # test-only (worker/faults.py)
@@ -99,6 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runtime.stop()
     return (controllers[0].exitcode if controllers else None) or 0
+
+
+def refuse(runtime, code: int, reason: str) -> int:
+    """Do not start: say why on stderr and in the registration (offline, with the reason and exit code, so
+    `gpujobs workers` shows it), and return the exit code."""
+    log.error("refusing to start (exit %d): %s", code, reason)
+    try:
+        runtime.refuse(os.getpid(), code, reason)
+    except Exception:  # noqa: BLE001  no database: the message and the exit code still say it
+        log.exception("could not record the refusal of %s in the database", runtime.name)
+    return code
 
 
 if __name__ == "__main__":

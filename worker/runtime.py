@@ -4,18 +4,30 @@ One worker process owns one GPU slice and runs one shard at a time (Celery solo 
 A daemon thread beats every second: it renews the current shard's lease, notices a cancel or a lost lease
 (the engine checks `should_stop()` between decode steps), refreshes the worker's registration, and runs the
 reaper, which any number of workers may run at once.
+
+The stall watchdog: progress, not liveness, renews a lease. The engines report every decode step, prefill chunk
+and training step, and the runner every committed micro-batch, to `Runtime.progress` (worker/progress.py). The
+heartbeat renews the lease only while the last progress is within the stall bound. Past it (`_on_stall`) the
+worker writes a `stall` event on the job (what it was doing, for how long, the engine thread's stack), gives the
+shard back (the attempt counts: a shard that stalls on every attempt fails after JOBS_MAX_ATTEMPTS with that
+reason; a cancelled job's shard is cancelled), sends it again for another worker, records the reason on its
+registration and exits with `core.exits.STALLED`: a CUDA context that hung is not trusted again. Committed rows
+stay; the next claim takes only pending rows.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from core import adapters, leases, registry
+from core import adapters, exits, leases, registry
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, LeaseLost
 from core.models import Job, Shard
@@ -24,8 +36,11 @@ from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
 from core.store import add_event, expire_batches, maybe_finalize, now
 from worker import capabilities, faults, generate, loader
+from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[1]
+STALL_EXIT_GRACE_S = 30.0  # a stalled worker exits this long after the stall at the latest, recorded or not
 
 
 @dataclass
@@ -41,6 +56,9 @@ class Runtime:
     shutting_down: threading.Event = field(default_factory=threading.Event)
     closed: threading.Event = field(default_factory=threading.Event)
     resident: tuple[str, loader.Loaded] | None = None
+    progress: Progress = field(default_factory=Progress)  # the engine's progress on the current shard
+    _engine_thread: int | None = None  # the thread that runs shards (Celery's solo pool: the main thread)
+    _reported_progress: bool = False  # the registration shows a shard's progress (cleared once it ended)
     _beat: threading.Thread | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------------
@@ -53,9 +71,14 @@ class Runtime:
                               restarts=get_settings().worker_restarts)
         log.info("worker %s registered: slice %r, queues %s, %d CUDA device(s)", self.name, self.slice,
                  self.queues, caps["device_count"])
-        if self.gpus and caps["device_count"] < self.gpus:
-            log.error("worker %s was started for GPUs %s but CUDA sees %d device(s): it will refuse GPU shards",
-                      self.name, self.slice, caps["device_count"])
+
+    def refuse(self, pid: int, exit_code: int, reason: str) -> None:
+        """Register as a worker that did not start: offline, with why and its exit code (never on a queue)."""
+        caps = capabilities.probe()
+        with session_scope() as session:
+            registry.register(session, name=self.name, host=self.host, pid=pid, slice=self.slice,
+                              queues=self.queues, gpus=capabilities.gpus(), capabilities=caps)
+            registry.stopped(session, self.name, exit_code=exit_code, reason=f"refused to start: {reason}")
 
     def start_heartbeat(self) -> None:
         self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -85,26 +108,109 @@ class Runtime:
         last_beat = 0.0
         while not self.closed.wait(1.0):
             try:
-                self._check_current(settings.lease_seconds, renew=time.time() - last_beat >= settings.heartbeat_seconds)
+                self._check_current(settings, renew=time.time() - last_beat >= settings.heartbeat_seconds)
                 if time.time() - last_beat >= settings.heartbeat_seconds:
                     last_beat = time.time()
                     with session_scope() as session:
                         registry.heartbeat(session, self.name, current_shard_id=self.current,
-                                           extra={"gpu_memory": _gpu_memory()} if self.gpus else None)
+                                           extra=self._activity(settings))
                     reap()
             except Exception:  # the beat must survive database or broker outages; the lease covers the gap
                 log.exception("heartbeat of %s failed; retrying", self.name)
 
-    def _check_current(self, lease_seconds: float, *, renew: bool) -> None:
+    def _activity(self, settings) -> dict[str, Any] | None:
+        """What the registration shows while the worker runs: its engine's progress (set to null once a shard
+        ended), and on GPUs the memory its torch holds."""
+        extra: dict[str, Any] = {}
+        if self.current is not None:
+            extra["progress"] = self.progress.report(settings.stall_seconds, settings.stall_phase_seconds)
+        elif self._reported_progress:
+            extra["progress"] = None
+        self._reported_progress = self.current is not None
+        if self.gpus:
+            extra["gpu_memory"] = _gpu_memory()
+        return extra or None
+
+    def _check_current(self, settings, *, renew: bool) -> None:
+        """Stop renewing a stalled shard's lease (and end the process), renew a progressing one, and notice a cancel
+        or a lost lease."""
         shard_id, job_id = self.current, self.current_job
         if shard_id is None:
             return
+        stall = self.progress.stalled(settings.stall_seconds, settings.stall_phase_seconds)
+        if stall is not None:
+            self._on_stall(shard_id, job_id, stall)  # never returns
+        lease_seconds = settings.lease_seconds
         with session_scope() as session:
             if renew and not leases.renew(session, shard_id, self.name, lease_seconds):
                 log.warning("%s lost the lease of shard %s: stopping it", job_id, shard_id)
                 self.stop_current.set()
             if leases.job_stopping(session, job_id):
                 self.stop_current.set()
+
+    def _on_stall(self, shard_id: int, job_id: str, stall: Stall) -> None:
+        """The engine made no progress within the bound: write a `stall` event with the engine thread's stack, give
+        the shard back and send it again, record why on the registration, and end the process with
+        exits.STALLED. Never returns: the engine thread is stuck (in the GPU, a collective, a lock), and nothing
+        it holds is trusted again. Whatever of this cannot be written (database down, a log handler stuck with the
+        engine thread), the process still exits within STALL_EXIT_GRACE_S; the lease, no longer renewed, then
+        expires and any worker's reaper re-queues the shard."""
+        exit_timer = threading.Timer(STALL_EXIT_GRACE_S, os._exit, [exits.STALLED])
+        exit_timer.daemon = True
+        exit_timer.start()
+        self.stop_current.set()
+        stack = thread_stack(self._engine_thread)
+        reason = f"stalled: {stall.describe()}"
+        log.error("%s shard %s %s on %s; engine thread stack:\n%s", job_id, shard_id, reason, self.name, stack)
+        where = f"job {job_id}, shard id {shard_id}"
+        try:
+            idx, resend = self._give_back_stalled(shard_id, job_id, stall, stack)
+            where = f"job {job_id}, shard {idx}"
+            if resend:
+                self._resend(shard_id, shard_queue(job_id))
+        except Exception:
+            log.exception("%s could not give back shard %s after the stall: its lease expires unrenewed and the "
+                          "reaper re-queues it", job_id, shard_id)
+        try:
+            with session_scope() as session:
+                registry.stopped(session, self.name, exit_code=exits.STALLED,
+                                 reason=f"{reason} ({where}); exit code {exits.STALLED}")
+        except Exception:
+            log.exception("could not record the stall on the registration of %s", self.name)
+        _flush_output()
+        os._exit(exits.STALLED)
+
+    def _give_back_stalled(self, shard_id: int, job_id: str, stall: Stall, stack: str) -> tuple[int, bool]:
+        """The stall event (its own transaction, so it stays even if the lease is no longer ours), then the shard:
+        back to the queue (send it again: True), failed past its attempts, or cancelled with its job. Returns the
+        shard's index in its job and whether to send it again."""
+        with session_scope() as session:
+            shard = session.get(Shard, shard_id)
+            if leases.job_stopping(session, job_id):
+                outcome = "the job is stopping: the shard is cancelled"
+            elif shard.attempts >= shard.max_attempts:
+                outcome = "the shard fails: it used its last attempt"
+            else:
+                outcome = f"the shard goes back to the queue (attempt {shard.attempts} of {shard.max_attempts} used)"
+            add_event(session, job_id, f"shard {shard.idx} stalled on {self.name}: {stall.describe()}, stuck in "
+                      f"{stuck_at(stack)}; {outcome}; the worker exits with code {exits.STALLED} (the engine "
+                      "thread's stack: gpujobs events --json)", kind="stall", level="error", shard_id=shard_id,
+                      data={"worker": self.name, "doing": stall.doing, "seconds": round(stall.seconds, 3),
+                            "bound_s": round(stall.bound, 3), "phase": stall.phase, "progress_count": stall.beats,
+                            "median_step_s": stall.median_step_s, "attempt": shard.attempts,
+                            "max_attempts": shard.max_attempts, "exit_code": exits.STALLED, "stack": stack})
+        with session_scope() as session:
+            shard = session.get(Shard, shard_id)
+            idx = shard.idx
+            if leases.job_stopping(session, job_id):
+                leases.stop_cancelled(session, shard, self.name)
+                return idx, False
+            if shard.attempts >= shard.max_attempts:
+                leases.give_up(session, shard, f"stalled on attempt {shard.attempts} of {shard.max_attempts} "
+                               f"({self.name}): {stall.describe()}")
+                return idx, False
+            leases.hand_back(session, shard, self.name, f"stalled on {self.name}: {stall.describe()}")
+        return idx, True
 
     # --- the shard runner --------------------------------------------------------------------------------
 
@@ -117,6 +223,8 @@ class Runtime:
             shard, job = claim.shard, claim.job
             rows = [(r.idx, r.input) for r in claim.rows]
             lines = {r.idx: r.line for r in claim.rows}
+        self.progress.start("the shard was claimed")  # before `current`: the watchdog never sees an old clock
+        self._engine_thread = threading.get_ident()
         self.current, self.current_job = shard.id, job.id
         self.stop_current.clear()
         log.info("%s shard %s: %d pending rows", job.id, shard.idx, len(rows))
@@ -159,13 +267,14 @@ class Runtime:
         engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
         first_result: float | None = None
         for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                         on_event=on_event, info=engine_info):
+                                         on_event=on_event, info=engine_info, progress=self.progress):
             engine_s += time.perf_counter() - t_engine
             faults.hit("batch")
             with session_scope() as session:
                 if leases.job_stopping(session, job.id):
                     break
                 leases.commit_rows(session, shard, self.name, results, settings.lease_seconds)
+            self.progress.beat("committed micro-batch")
             first_result = first_result or time.time()  # time to first result: first commit after the claim
             t_engine = time.perf_counter()
         with session_scope() as session:
@@ -214,7 +323,7 @@ class Runtime:
         t0 = time.perf_counter()
         # one process, or one per GPU of the slice under torchrun (worker/distributed.py); this process writes SQL
         result = distributed.finetune(opts, spec, [(lines[i], row) for i, row in rows], workdir, gpus=self.gpus,
-                                      should_stop=should_stop, on_log=on_log)
+                                      should_stop=should_stop, on_log=on_log, progress=self.progress)
         _record_load(job.id, result.metrics["load"])
         with session_scope() as session:
             if leases.job_stopping(session, job.id):
@@ -227,13 +336,14 @@ class Runtime:
             self._resend(shard.id, job.queue)
             return
         folder = adapters.adapter_dir(job.id)
-        _publish(result.adapter_dir, folder)
-        faults.hit("adapter_saved", path=folder / adapters.WEIGHTS)
-        try:
-            finetune.verify_adapter(opts, folder, gpus=self.gpus)
-        except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
-            raise adapters.RegistryError(f"registry error: the adapter saved at {folder} does not load onto "
-                                         f"{spec.model} and generate ({type(exc).__name__}: {exc})") from exc
+        with self.progress.phase("publishing and verifying the adapter"):
+            _publish(result.adapter_dir, folder)
+            faults.hit("adapter_saved", path=folder / adapters.WEIGHTS)
+            try:
+                finetune.verify_adapter(opts, folder, gpus=self.gpus)
+            except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
+                raise adapters.RegistryError(f"registry error: the adapter saved at {folder} does not load onto "
+                                             f"{spec.model} and generate ({type(exc).__name__}: {exc})") from exc
         wall = time.perf_counter() - t0
         metrics = {**{k: v for k, v in result.metrics.items() if k != "load"}, "wall_seconds": round(wall, 3),
                    "gpu_seconds": round(wall * max(self.gpus, 0), 3), "worker": self.name,
@@ -256,10 +366,12 @@ class Runtime:
         self.resident = None
         _free_memory()
         t0 = time.perf_counter()
-        loaded = loader.load(opts, gpus=self.gpus)
+        with self.progress.phase("loading model"):
+            loaded = loader.load(opts, gpus=self.gpus)
         loaded.resolved["load_seconds"] = round(time.perf_counter() - t0, 3)
         t0 = time.perf_counter()
-        prepared = generate.prepare_engine(loaded, spec)  # load time, not a job's: cache, compile, CUDA graphs
+        prepared = generate.prepare_engine(loaded, spec, self.progress)  # load time, not a job's: cache,
+        # compiled layers, CUDA graphs
         if prepared:
             loaded.resolved["prepared"] = {**prepared, "seconds": round(time.perf_counter() - t0, 3)}
         with session_scope() as session:
@@ -270,13 +382,15 @@ class Runtime:
 
     def _failed_attempt(self, shard, error: str) -> None:
         log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)
+        last_line = error.strip().splitlines()[-1]
         with session_scope() as session:
-            add_event(session, shard.job_id, f"shard {shard.idx} failed on {self.name}", level="error",
-                      data={"traceback": error}, shard_id=shard.id)
             shard = session.get(Shard, shard.id)
+            add_event(session, shard.job_id, f"shard {shard.idx} failed on {self.name} (attempt {shard.attempts} of "
+                      f"{shard.max_attempts}): {last_line}", level="error", data={"traceback": error},
+                      shard_id=shard.id)
             try:
                 if shard.attempts >= shard.max_attempts:
-                    leases.give_up(session, shard, f"failed {shard.attempts} times; last error: {error.strip().splitlines()[-1]}")
+                    leases.give_up(session, shard, f"failed {shard.attempts} times; last error: {last_line}")
                     return
                 leases.hand_back(session, shard, self.name, "engine error; retrying")
             except IllegalTransition:
@@ -439,3 +553,48 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def thread_stack(ident: int | None) -> str:
+    """The current stack of thread `ident` (the engine thread, read from the heartbeat thread), innermost last."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return "(the engine thread is gone)\n"
+    return "".join(traceback.format_stack(frame))
+
+
+def stuck_at(stack: str) -> str:
+    """Where the engine thread is, in one line: its innermost frame, and the innermost in this project's code when
+    that is another (`threading.py:359 in wait, from worker/faults.py:71 in _hang`)."""
+    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith('File "')]
+    if not frames:
+        return "an unknown place"
+    described = [_frame_text(f) for f in frames]
+    ours = [d for f, d in zip(frames, described) if f'"{ROOT}/' in f and "-packages/" not in f]
+    innermost = described[-1]
+    return innermost if not ours or ours[-1] == innermost else f"{innermost}, from {ours[-1]}"
+
+
+def _frame_text(line: str) -> str:
+    """`File "/x/worker/faults.py", line 71, in _hang` -> `worker/faults.py:71 in _hang`."""
+    try:
+        path, rest = line.removeprefix('File "').split('", line ', 1)
+        number, func = rest.split(", in ", 1)
+    except ValueError:
+        return line
+    path = path.removeprefix(f"{ROOT}/") if path.startswith(f"{ROOT}/") else Path(path).name
+    return f"{path}:{number} in {func}"
+
+
+def _flush_output() -> None:
+    """Flush the log handlers and std streams before os._exit (which skips every cleanup)."""
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001  a handler that cannot flush now: exit anyway
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass

@@ -19,12 +19,12 @@ import os
 import threading
 from pathlib import Path
 
-from core import registry
+from core import exits, registry
 from core.db import session_scope
 from core.settings import get_settings
 
 log = logging.getLogger(__name__)
-EXIT_STACK_GONE = 69
+EXIT_STACK_GONE = exits.STACK_GONE
 INTERVAL = 2.0
 
 

@@ -1,0 +1,66 @@
+"""Exit codes of a worker process (`python -m worker.main`, `gpujobs worker`): the one place they are defined.
+
+A supervisor (`gpujobs up`, systemd, Kubernetes) reads them to decide what to do; the worker also writes the code
+and its reason into its registration (`workers.exit_code`, `workers.reason`) before it exits, so `gpujobs workers`
+says why a worker is gone. These numbers are a contract with supervisors and users' scripts: never reuse one for
+another meaning.
+
+| code | name          | meaning                                                              | restart? |
+| ---- | ------------- | -------------------------------------------------------------------- | -------- |
+| 0    | OK            | stopped when asked (SIGTERM, `gpujobs down`); shard handed back       | no (a)   |
+| 1    | (Python)      | an unexpected crash (the traceback is in the worker's log)           | yes      |
+| 2    | USAGE         | a bad command line (argparse)                                        | no       |
+| 5    | ENV_MISMATCH  | CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER contradict the slice         | no       |
+| 6    | SLICE_MISSING | the slice's GPUs are not visible (no CUDA, or fewer devices)          | no       |
+| 69   | STACK_GONE    | its local stack was stopped (`gpujobs down`: its Redis is gone)       | yes (b)  |
+| 70   | STALLED       | no engine progress within the stall bound; the shard was handed back | yes      |
+
+(a) `gpujobs up`'s supervisor restarts a worker that exited 0 without being asked to stop.
+(b) under `gpujobs up` the whole stack stops with it (api/supervisor.py).
+
+Why 70 for a stall: it is sysexits' EX_SOFTWARE (an internal error), far from the small codes of the CLI. A stalled
+worker exits instead of going on: a CUDA context that hung once is not trusted again, and only a fresh process
+gets a fresh one. Restart a stalled worker at once (with backoff if it stalls again). 69 is sysexits'
+EX_UNAVAILABLE. Codes 2, 5 and 6 are start refusals: the same command on the same host fails the same way, so restarting it only loops; fix the host or the
+launcher. A process killed by a signal has no code of its own (the shell shows 128 + the signal: 137 for SIGKILL,
+e.g. the kernel's out-of-memory killer); restart it.
+"""
+
+from __future__ import annotations
+
+OK = 0
+CRASHED = 1
+USAGE = 2
+ENV_MISMATCH = 5
+SLICE_MISSING = 6
+STACK_GONE = 69
+STALLED = 70
+
+MEANINGS = {
+    OK: "stopped",
+    CRASHED: "crashed: see its log",
+    USAGE: "bad command line",
+    ENV_MISMATCH: "CUDA_VISIBLE_DEVICES contradicts its slice",
+    SLICE_MISSING: "its GPU slice is not present",
+    STACK_GONE: "its stack's Redis is gone",
+    STALLED: "engine stalled",
+}
+CONFIGURATION = frozenset({USAGE, ENV_MISMATCH, SLICE_MISSING})  # restarting cannot fix these
+
+
+def describe(code: int) -> str:
+    """'killed by SIGKILL', 'engine stalled', ... for a worker's exit status (negative: the signal that ended it)."""
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return MEANINGS.get(code, "see its log")
+
+
+def restartable(code: int) -> bool:
+    """Whether a supervisor should start the worker again after it exited with `code` (the table above; a
+    supervisor that did not ask for a stop restarts a worker that exited 0 too)."""
+    return code != OK and code not in CONFIGURATION
