@@ -23,7 +23,7 @@ from core.queue import TASK_RUN_SHARD, send, waiting_messages
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
 from core.store import add_event, expire_batches, maybe_finalize, now
-from worker import capabilities, faults, generate, loader
+from worker import capabilities, faults, generate, hubfetch, loader
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,7 @@ class Runtime:
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
         opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
+        opts = hubfetch.prepare(opts, job.id, worker=self.name, should_stop=self._stopping)  # Hub ids, once per host
         self.resident = None
         _free_memory()
         workdir = adapters.workdir(job.id)
@@ -249,6 +250,7 @@ class Runtime:
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
         """The resident model if the load options match, else load (and free the previous one first)."""
         opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
+        opts = hubfetch.prepare(opts, job_id, worker=self.name, should_stop=self._stopping)  # Hub ids, once per host
         key = opts.load_key()
         if self.resident and self.resident[0] == key:
             return self.resident[1]
@@ -262,6 +264,9 @@ class Runtime:
                       data=loaded.resolved)
         self.resident = (key, loaded)
         return loaded
+
+    def _stopping(self) -> bool:
+        return self.stop_current.is_set() or self.shutting_down.is_set()
 
     def _failed_attempt(self, shard, error: str) -> None:
         log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)

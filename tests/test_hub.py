@@ -1,0 +1,244 @@
+"""Models by Hub id over real HTTP: a Hub-compatible server on loopback (tests/hubserver.py) serves tiny models built
+here, the API and real workers point at it through HF_ENDPOINT (nothing here reaches huggingface.co), and each
+host's Hugging Face cache is a folder of the test's own.
+
+The repos: acme/tiny-qa has two commits, v1 (the tiny *base* model: it knows no answer) and main (the tiny model
+that memorized examples/qa.jsonl), each with files a load never reads (README.md, pytorch_model.bin,
+onnx/model.onnx); acme/pickled has pickled weights only; acme/gated needs a token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, text
+
+from api import service, service_models
+from core import hub, settings
+from core.db import session_scope
+from core.errors import ChecksumMismatch, HubUnreachable, InvalidInput, NoAccess, Unschedulable
+from core.models import Base, Job, JobEvent, Shard
+from tests.conftest import ROOT, qa_pairs, wait_for
+from tests.hubserver import HubServer
+
+REPO, PICKLED, GATED = "acme/tiny-qa", "acme/pickled", "acme/gated"
+SECRET = "hf_test_secret_5b1f0c9e"
+NEVER_READ = ("README.md", "pytorch_model.bin", "onnx/model.onnx")
+LOADED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+          "model.safetensors")
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def model_files(folder: Path) -> dict[str, bytes]:
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != "gpujobs_tiny.json"}
+    return {**files, "README.md": b"# a tiny model\n", "pytorch_model.bin": b"\x80\x04pickled" * 64,
+            "onnx/model.onnx": b"onnx" * 256}
+
+
+class Hub:
+    """The fake Hub and the commits of its repos."""
+
+    def __init__(self, server: HubServer, base_model: Path, tiny_model: Path):
+        self.server = server
+        self.base, self.tiny = model_files(base_model), model_files(tiny_model)
+        self.v1 = server.add(REPO, self.base, tags=("v1",))
+        self.main = server.add(REPO, self.tiny)
+        server.add(PICKLED, {k: v for k, v in self.tiny.items() if k != "model.safetensors"})
+        self.gated = server.add(GATED, self.tiny, gated=True, token=SECRET)
+
+    @property
+    def weights(self) -> int:
+        return len(self.tiny["model.safetensors"])
+
+
+@pytest.fixture
+def fake_hub(base_model, tiny_model):
+    server = HubServer().start()
+    yield Hub(server, base_model, tiny_model)
+    server.stop()
+
+
+@pytest.fixture
+def hub_env(jobs_env, fake_hub, tmp_path, monkeypatch) -> Hub:
+    """This process (the API, in-process) reaches the fake Hub, with its own cache and no token."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", fake_hub.server.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home-api"))  # no token file either
+    monkeypatch.setenv("JOBS_HUB_MIN_FREE_BYTES", "0")
+    monkeypatch.setenv("JOBS_HUB_TIMEOUT", "5")
+    settings.reset()
+    return fake_hub
+
+
+def worker_env(tmp_path: Path, host: str, **extra: str) -> dict[str, str]:
+    return {"JOBS_HOSTNAME": host, "HF_HUB_CACHE": str(tmp_path / f"cache-{host}"),
+            "HF_HOME": str(tmp_path / f"hf-home-{host}"), **extra}
+
+
+def qa_input(tmp_path: Path) -> str:
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": q}) + "\n"
+                            for i, (q, _) in enumerate(qa_pairs())))
+    return str(path)
+
+
+def spec(tmp_path: Path, **extra) -> dict:
+    return {"model": REPO, "input": qa_input(tmp_path), "gpus": 0, "max_new_tokens": 16, **extra}
+
+
+def finished(job_id: str, timeout: float, procs) -> dict:
+    return wait_for(lambda: (j := service.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
+                    f"job {job_id} to finish", procs=procs)
+
+
+def right_answers(job_id: str) -> int:
+    outputs = [r["output"] for r in service.results(job_id, owner=None)]
+    return sum(o == a for o, (_, a) in zip(outputs, qa_pairs()))
+
+
+def messages(job_id: str) -> list[str]:
+    return [e["message"] for e in service.events(job_id, owner=None)]
+
+
+def job_count() -> int:
+    with session_scope() as session:
+        return session.scalar(select(func.count()).select_from(Job))
+
+
+# --- core/hub.py against the fake Hub (no worker) -------------------------------------------------------------
+
+
+def test_a_fetch_reads_only_what_a_load_needs_verifies_it_and_needs_no_request_once_cached(hub_env, tmp_path):
+    """Only config, generation config, tokenizer, chat template and safetensors weights are fetched (never the
+    README, the pickle or a sub-folder), once; a second fetch of the commit sends no request at all; a revision
+    (tag) resolves to its commit and a ref is written; a blob corrupted on disk is found and fetched again."""
+    fetched = hub.ensure(REPO, None)
+    assert fetched.commit == hub_env.main and fetched.downloaded > 0
+    assert sorted(p.name for p in fetched.path.iterdir()) == sorted(LOADED)
+    assert {name: hub_env.server.gets(REPO, name) for name in LOADED + NEVER_READ} == {
+        **dict.fromkeys(LOADED, 1), **dict.fromkeys(NEVER_READ, 0)}
+    cache = settings.get_settings().hub_cache
+    assert (cache / hub.folder(REPO) / "refs" / "main").read_text() == hub_env.main
+
+    before = len(hub_env.server.requests)
+    again = hub.ensure(REPO, hub_env.main)
+    assert again.downloaded == 0 and len(hub_env.server.requests) == before  # the marker vouches: no request
+
+    tagged = hub.ensure(REPO, "v1")
+    assert tagged.commit == hub_env.v1 and (tagged.path / "config.json").is_file()
+
+    blob = (fetched.path / "model.safetensors").resolve()
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes: only the hash can tell
+    blob.write_bytes(bytes(data))
+    gets = hub_env.server.gets(REPO, "model.safetensors")
+    repaired = hub.ensure(REPO, hub_env.main)
+    assert repaired.downloaded == hub_env.weights and hub_env.server.gets(REPO, "model.safetensors") == gets + 1
+    assert hub.content_ok(blob, blob.name)
+
+
+def test_bad_bytes_from_the_server_are_fetched_again_and_twice_bad_leaves_nothing_loadable(hub_env):
+    """A download whose bytes do not match the sha256 the Hub lists is fetched again; bad twice, it fails with a
+    clear error and leaves no blob, no snapshot link and no marker behind (nothing half-written is loadable)."""
+    hub_env.server.corrupt[(REPO, "model.safetensors")] = 1
+    fetched = hub.ensure(REPO, None)
+    assert hub_env.server.gets(REPO, "model.safetensors") == 2 and hub.content_ok(
+        (fetched.path / "model.safetensors").resolve(), hub.marker(REPO, fetched.commit)["files"]
+        ["model.safetensors"]["etag"])
+
+    hub_env.server.corrupt[(REPO, "model.safetensors")] = 2
+    with pytest.raises(ChecksumMismatch, match="does not match its hash"):
+        hub.ensure(REPO, "v1")
+    root = settings.get_settings().hub_cache / hub.folder(REPO)
+    assert not (root / "snapshots" / hub_env.v1 / "model.safetensors").exists()
+    assert hub.marker(REPO, hub_env.v1) is None
+    assert not list((root / "blobs").glob("*.incomplete"))
+
+
+def test_bad_input_is_one_clear_error_each(hub_env, monkeypatch):
+    """Unknown repo, unknown revision, a repo with pickled weights only, a gated repo without a token (naming the
+    token that is missing), no disk space, no network: one clear error each, and no cache entry for any."""
+    with pytest.raises(NoAccess, match=f"'acme/nope' was not found on {hub_env.server.url}"):
+        hub.ensure("acme/nope", None)
+    with pytest.raises(InvalidInput, match="revision 'no-such-branch' of acme/tiny-qa does not exist"):
+        hub.ensure(REPO, "no-such-branch")
+    with pytest.raises(InvalidInput, match="has no safetensors weights.*pytorch_model.bin: pickled"):
+        hub.ensure(PICKLED, None)
+    with pytest.raises(NoAccess, match="gated repo and no Hugging Face token is set here.*set HF_TOKEN.*hf auth login"):
+        hub.ensure(GATED, None)
+    monkeypatch.setenv("HF_TOKEN", "hf_someone_else")
+    with pytest.raises(InvalidInput, match="token from HF_TOKEN has no access to the gated repo acme/gated"):
+        hub.ensure(GATED, None)
+    monkeypatch.setenv("JOBS_HUB_MIN_FREE_BYTES", str(1 << 60))
+    settings.reset()
+    with pytest.raises(InvalidInput, match="not enough disk space for acme/tiny-qa.*JOBS_HUB_MIN_FREE_BYTES"):
+        hub.ensure(REPO, None)
+    monkeypatch.setenv("JOBS_HUB_MIN_FREE_BYTES", "0")
+    hub_env.server.stop()
+    settings.reset()
+    with pytest.raises(HubUnreachable, match=f"cannot reach the Hub at {hub_env.server.url}"):
+        hub.ensure(REPO, None)
+    cache = settings.get_settings().hub_cache
+    assert not list(cache.glob("models--*/snapshots/*/model.safetensors"))
+
+
+# --- submit checks (the API, in this process) -----------------------------------------------------------------
+
+
+def test_submit_pins_the_commit_reads_config_and_tokenizer_and_refuses_what_it_can_know(hub_env, tmp_path,
+                                                                                         monkeypatch):
+    """A Hub id is resolved at submit: the spec's revision becomes the commit (the words asked stay in metrics),
+    config.json and tokenizer.json are read here (token checks run before any GPU time: a row too long for the
+    context fails during validating); unknown repos and revisions, pickled weights and a gated repo without a token
+    are refused with nothing stored; JOBS_MODEL_ROOTS keeps Hub ids out unless JOBS_HUB_MODELS lists them."""
+    long_row = tmp_path / "long.jsonl"
+    long_row.write_text(json.dumps({"prompt": "why " * 5000}) + "\n" + json.dumps({"prompt": "hello"}) + "\n")
+    job = service.submit(owner="alice", spec_data=spec(tmp_path, input=str(long_row)))
+    assert job["spec"]["revision"] == hub_env.main
+    assert job["metrics"]["model"] == {"repo": REPO, "revision": "main", "commit": hub_env.main, "files": 6,
+                                       "bytes": sum(len(hub_env.tiny[n]) for n in LOADED), "resolved_by": "api"}
+    assert job["metrics"]["input"]["token_check"] is True and job["rows"]["failed"] == 1
+    assert hub_env.server.gets(REPO, "model.safetensors") == 0  # the API never fetches weights
+    tagged = service.submit(owner="alice", spec_data=spec(tmp_path, revision="v1"))
+    assert tagged["spec"]["revision"] == hub_env.v1 and tagged["metrics"]["model"]["revision"] == "v1"
+
+    count = job_count()
+    for bad, match in ((spec(tmp_path, model="acme/nope"), "'acme/nope' was not found"),
+                       (spec(tmp_path, revision="nope"), "revision 'nope' of acme/tiny-qa does not exist"),
+                       (spec(tmp_path, model=PICKLED), "no safetensors weights.*pickled"),
+                       (spec(tmp_path, model=GATED), "gated repo and no Hugging Face token is set here")):
+        with pytest.raises(InvalidInput, match=match):
+            service.submit(owner="alice", spec_data=bad)
+    assert job_count() == count
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    settings.reset()
+    gated = service.submit(owner="alice", spec_data=spec(tmp_path, model=GATED))
+    assert gated["spec"]["revision"] == hub_env.gated
+    assert not secret_in_database()
+
+    monkeypatch.setenv("JOBS_MODEL_ROOTS", str(tmp_path))
+    settings.reset()
+    with pytest.raises(InvalidInput, match="JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists"):
+        service.submit(owner="alice", spec_data=spec(tmp_path))
+    monkeypatch.setenv("JOBS_HUB_MODELS", "acme/*")
+    settings.reset()
+    assert service.submit(owner="alice", spec_data=spec(tmp_path))["spec"]["revision"] == hub_env.main
+
+
+def secret_in_database() -> list[str]:
+    """Every text of every table, searched for the token."""
+    found = []
+    with session_scope() as session:
+        for table in Base.metadata.sorted_tables:
+            for row in session.execute(select(table)).all():
+                if SECRET in json.dumps([str(v) for v in row]):
+                    found.append(table.name)
+    return found
