@@ -497,7 +497,7 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
                 with open(part, "ab" if resumed else "wb") as out:
                     if offset and not resumed:
                         on_bytes(-offset)  # the server ignored the Range: those bytes come again
-                    for chunk in response.iter_bytes(CHUNK):
+                    for chunk in response.iter_bytes():  # as the bytes arrive: progress and resume see them
                         if should_stop():
                             raise Interrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is "
                                               "stopping); the part already downloaded is kept for the next attempt")
@@ -615,6 +615,13 @@ def _link(root: Path, commit: str, f: RepoFile) -> None:
     tmp = pointer.with_name(f".{pointer.name}.{uuid.uuid4().hex[:8]}.tmp")
     os.symlink(target, tmp)
     os.replace(tmp, pointer)
+
+
+def write_ref(repo: str, revision: str, commit: str) -> None:
+    """refs/<revision> = commit, where a branch or tag was resolved elsewhere (the API) to a snapshot fetched here."""
+    root = repo_dir(repo)
+    if (root / "snapshots" / commit).is_dir():
+        _write_ref(root, revision, commit)
 
 
 def _write_ref(root: Path, revision: str, commit: str) -> None:

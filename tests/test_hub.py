@@ -242,3 +242,62 @@ def secret_in_database() -> list[str]:
                 if SECRET in json.dumps([str(v) for v in row]):
                     found.append(table.name)
     return found
+
+
+# --- real workers ------------------------------------------------------------------------------------------------
+
+
+def leased_by(job_id: str) -> set[str]:
+    with session_scope() as session:
+        return set(session.scalars(select(Shard.lease_owner).where(Shard.job_id == job_id,
+                                                                   Shard.lease_owner.is_not(None))).all())
+
+
+def test_two_workers_of_a_host_download_once_and_both_load_another_host_downloads_again(hub_env, tmp_path,
+                                                                                         spawn_worker):
+    """Two workers on host A take the two shards of a job: one downloads (the other waits on the snapshot's lock,
+    and says so), `status` shows the download's bytes, rate and ETA while it runs, each file is fetched once and
+    both workers load it; the job records the commit. Host B (another cache) downloads again for the next job;
+    `models list` shows both hosts."""
+    release = __import__("threading").Event()
+    hub_env.server.hold[(REPO, "model.safetensors")] = (hub_env.weights // 2, release)
+    host_a = worker_env(tmp_path, "host-a")
+    workers = [spawn_worker([], **host_a) for _ in range(2)]
+    job_id = service.submit(owner="alice", spec_data=spec(tmp_path, shard_rows=3))["id"]
+    by_api = {name: hub_env.server.gets(REPO, name) for name in LOADED}  # the API read config and tokenizer
+
+    def downloading():
+        view = service.get(job_id, owner=None)
+        moving = [d for d in view.get("downloads", []) if d["bytes_done"] >= hub_env.weights // 2]
+        return moving and len(leased_by(job_id)) == 2 and moving[0]
+
+    download = wait_for(downloading, 120, "both shards claimed while the weights download", procs=workers)
+    assert download["host"] == "host-a" and download["commit"] == hub_env.main
+    assert download["bytes_total"] >= hub_env.weights and download["rate_bytes_per_s"] is not None
+    wait_for(lambda: any(" waits for acme/tiny-qa@" in m for m in messages(job_id)), 60,
+             "the second worker to say it waits", procs=workers)
+    release.set()
+    job = finished(job_id, 180, workers)
+    assert job["state"] == "succeeded", job["error"]
+    assert right_answers(job_id) >= 5
+    assert by_api["model.safetensors"] == 0 and by_api["config.json"] == 1
+    assert {name: hub_env.server.gets(REPO, name) - by_api.get(name, 0) for name in LOADED + NEVER_READ} == {
+        **dict.fromkeys(LOADED, 1), **dict.fromkeys(NEVER_READ, 0)}  # once for the two workers of host A
+    loads = [e for e in service.events(job_id, owner=None) if " loaded acme/tiny-qa " in e["message"]]
+    assert len({e["message"].split()[0] for e in loads}) == 2  # both workers loaded it
+    assert job["load_options"]["revision"] == hub_env.main and job["load_options"]["hub"]["host"] == "host-a"
+    events = messages(job_id)
+    assert sum("download of acme/tiny-qa@" in m and "started on host host-a" in m for m in events) == 1
+    assert sum("finished on host host-a" in m and "every file verified" in m for m in events) == 1
+
+    for w in workers:
+        w.stop()
+    host_b = spawn_worker([], **worker_env(tmp_path, "host-b"))
+    again = finished(service.submit(owner="alice", spec_data=spec(tmp_path))["id"], 180, [host_b])
+    assert again["state"] == "succeeded", again["error"]
+    assert hub_env.server.gets(REPO, "model.safetensors") == 2
+    listed = {(m["host"], m["commit"]): m for m in service_models.list_models(repo=REPO)}
+    for host in ("host-a", "host-b"):
+        row = listed[(host, hub_env.main)]
+        assert row["state"] == "ready" and row["bytes"] > hub_env.weights and row["last_used_at"]
+        assert row["refs"] == ["main"] and row["cache_dir"] == str(tmp_path / f"cache-{host}")

@@ -40,14 +40,18 @@ def place() -> tuple[str, str]:
 
 
 class Progress(hub.Listener):
-    """Turns a fetch's news into the place's `cached_models` row and, for a job, its events."""
+    """Turns a fetch's news into the place's `cached_models` row and, for a job, its events.
+
+    While a download runs, a thread writes its bytes and rate to the row every second, also when no byte arrives
+    (a stalled download shows its rate falling and stays fresh, so nobody takes it for a dead one)."""
 
     def __init__(self, *, worker: str, job_id: str | None = None):
         self.worker, self.job_id = worker, job_id
         self.host, self.cache = place()
         self.samples: deque[tuple[float, int]] = deque()
-        self.last_write = 0.0
         self.row_id: int | None = None
+        self.done = self.total = 0
+        self.stopped = threading.Event()
 
     def _event(self, message: str, **kwargs: Any) -> None:
         if self.job_id:
@@ -64,6 +68,7 @@ class Progress(hub.Listener):
                     f"{files} files, {hub._size(total)}{resumed}",
                     data={"download": {"repo": snap.repo, "commit": snap.commit, "host": self.host, "files": files,
                                        "bytes_total": total, "bytes_done": done}})
+        self.done, self.total = done, total
         self.samples.append((time.monotonic(), done))
         with session_scope() as session:
             row = model_cache.upsert(session, host=self.host, cache_dir=self.cache, repo=snap.repo,
@@ -71,28 +76,38 @@ class Progress(hub.Listener):
                                      bytes_total=total, bytes_done=done, rate=None, started_at=now(), error=None,
                                      finished_at=None)
             self.row_id = row.id
+        threading.Thread(target=self._flush_loop, name="download-progress", daemon=True).start()
 
     def progress(self, done: int, total: int) -> None:
-        t = time.monotonic()
-        if t - self.last_write < PROGRESS_SECONDS or self.row_id is None:
-            return
-        self.last_write = t
+        self.done, self.total = done, total
+
+    def _flush_loop(self) -> None:
+        while not self.stopped.wait(PROGRESS_SECONDS):
+            try:
+                self._flush()
+            except Exception:  # a missed progress write is not worth a failed download
+                log.warning("%s: could not record download progress", self.worker, exc_info=True)
+
+    def _flush(self) -> None:
+        t, done = time.monotonic(), self.done
         self.samples.append((t, done))
         while len(self.samples) > 2 and t - self.samples[0][0] > RATE_WINDOW_SECONDS:
             self.samples.popleft()
         t0, done0 = self.samples[0]
-        rate = (done - done0) / (t - t0) if t > t0 else None
+        rate = max(done - done0, 0) / (t - t0) if t > t0 else None
         with session_scope() as session:
-            model_cache.update_row(session, self.row_id, bytes_done=done, bytes_total=total, rate=rate)
+            model_cache.update_row(session, self.row_id, bytes_done=done, bytes_total=self.total, rate=rate)
 
     def finished(self, snap: hub.Snapshot, *, downloaded: int, seconds: float) -> None:
+        self.stopped.set()
         rate = downloaded / seconds if seconds > 0 else 0.0
         self._event(f"download of {snap.repo}@{hub.short(snap.commit)} finished on host {self.host}: "
                     f"{hub._size(downloaded)} in {seconds:.1f} s ({hub._size(int(rate))}/s), every file verified",
                     data={"download": {"repo": snap.repo, "commit": snap.commit, "host": self.host,
                                        "bytes": downloaded, "seconds": round(seconds, 3)}})
 
-    def failed(self, repo: str, error: str) -> None:
+    def failed(self, error: str) -> None:
+        self.stopped.set()
         if self.row_id is None:
             return
         with session_scope() as session:
@@ -105,30 +120,38 @@ class Progress(hub.Listener):
 def prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callable[[], bool]) -> LoadOptions:
     """The job's Hub model and Hub adapter fetched into this host's cache; the options pinned to their commits."""
     updates: dict[str, Any] = {}
+    pinned = _job_pins(job_id)
     if hub.is_hub_id(opts.model):
-        fetched = ensure(opts.model, _job_commit(job_id) or opts.revision, kind="model", worker=worker,
-                         job_id=job_id, should_stop=should_stop)
+        asked = pinned.get("model") or {}
+        fetched = ensure(opts.model, asked.get("commit") or opts.revision, kind="model", worker=worker,
+                         job_id=job_id, should_stop=should_stop, ref=asked.get("revision"))
         updates["revision"] = fetched.commit
         _pin(job_id, opts, fetched)
     if opts.adapter and hub.is_hub_id(opts.adapter):
-        fetched = ensure(opts.adapter, opts.adapter_revision, kind="adapter", worker=worker, job_id=job_id,
-                         should_stop=should_stop)
+        asked = pinned.get("adapter") or {}
+        fetched = ensure(opts.adapter, asked.get("commit") or opts.adapter_revision, kind="adapter", worker=worker,
+                         job_id=job_id, should_stop=should_stop, ref=asked.get("revision"))
         updates["adapter_revision"] = fetched.commit
     return opts.model_copy(update=updates) if updates else opts
 
 
 def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: str | None = None,
-           should_stop: Callable[[], bool] = lambda: False) -> hub.Fetched:
-    """core.hub.ensure with this worker's progress row and job events; the row records a failure too."""
+           should_stop: Callable[[], bool] = lambda: False, ref: str | None = None) -> hub.Fetched:
+    """core.hub.ensure with this worker's progress row and job events; the row records a failure too. `ref`: the
+    branch or tag the API resolved `revision` from, written to the cache's refs (an offline submit matches it)."""
     progress = Progress(worker=worker, job_id=job_id)
     try:
         fetched = hub.ensure(repo, revision, kind=kind, listener=progress, should_stop=should_stop)
     except hub.Interrupted:
-        progress.failed(repo, "interrupted: the job was cancelled or the worker stopped; the next fetch resumes")
+        progress.failed("interrupted: the job was cancelled or the worker stopped; the next fetch resumes")
         raise
     except (JobsError, OSError) as exc:
-        progress.failed(repo, str(exc))
+        progress.failed(str(exc))
         raise
+    finally:
+        progress.stopped.set()
+    if ref:
+        hub.write_ref(repo, ref, fetched.commit)
     host, cache = place()
     with session_scope() as session:
         snapshot = hub.record(repo, fetched.commit)
@@ -142,12 +165,12 @@ def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: s
     return fetched
 
 
-def _job_commit(job_id: str) -> str | None:
-    """The commit the job's model is pinned to: by the API at submit (then also the spec's revision) or by the first
-    worker that resolved it."""
+def _job_pins(job_id: str) -> dict[str, Any]:
+    """What the job's metrics say of its Hub model and adapter: the revision asked and the commit it was pinned to,
+    by the API at submit (then the spec holds the commit too) or by the first worker that resolved it."""
     with session_scope() as session:
         job = session.get(Job, job_id)
-        return ((job.metrics or {}).get("model") or {}).get("commit") if job is not None else None
+        return {k: v for k, v in (job.metrics or {}).items() if k in ("model", "adapter")} if job is not None else {}
 
 
 def _pin(job_id: str, opts: LoadOptions, fetched: hub.Fetched) -> None:
