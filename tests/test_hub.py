@@ -301,3 +301,55 @@ def test_two_workers_of_a_host_download_once_and_both_load_another_host_download
         row = listed[(host, hub_env.main)]
         assert row["state"] == "ready" and row["bytes"] > hub_env.weights and row["last_used_at"]
         assert row["refs"] == ["main"] and row["cache_dir"] == str(tmp_path / f"cache-{host}")
+
+
+def failed_attempts(job_id: str) -> list[dict]:
+    with session_scope() as session:
+        rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.level == "error")).all()
+        return [{"message": e.message, "traceback": (e.data or {}).get("traceback", "")} for e in rows]
+
+
+def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_server_download_resumes(
+        hub_env, tmp_path, spawn_worker, monkeypatch):
+    """A tag loads its commit (the base model: it knows no answer), main loads the memorized model; a cached blob
+    changed on disk (same size) and one truncated are found at the next job and fetched again; the server dying
+    half-way through the weights fails the attempt cleanly (nothing half-written is loaded) and the retry resumes
+    with a Range request from where the bytes stopped, downloading no byte twice."""
+    monkeypatch.setenv("JOBS_MAX_ATTEMPTS", "1000")  # the attempts while the server is down must not run out
+    settings.reset()
+    worker = spawn_worker([], **worker_env(tmp_path, "host-a"))
+    v1 = finished(service.submit(owner="alice", spec_data=spec(tmp_path, revision="v1"))["id"], 180, [worker])
+    assert v1["state"] == "succeeded" and v1["load_options"]["revision"] == hub_env.v1
+    assert v1["metrics"]["model"]["revision"] == "v1" and right_answers(v1["id"]) <= 1
+    main = finished(service.submit(owner="alice", spec_data=spec(tmp_path))["id"], 180, [worker])
+    assert main["load_options"]["revision"] == hub_env.main and right_answers(main["id"]) >= 5
+
+    snapshot = tmp_path / "cache-host-a" / hub.folder(REPO) / "snapshots" / hub_env.main
+    weights, tokenizer = ((snapshot / n).resolve() for n in ("model.safetensors", "tokenizer.json"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    tokenizer.write_bytes(tokenizer.read_bytes()[:100])
+    gets = {n: hub_env.server.gets(REPO, n) for n in ("model.safetensors", "tokenizer.json")}
+    repaired = finished(service.submit(owner="alice", spec_data=spec(tmp_path))["id"], 180, [worker])
+    assert repaired["state"] == "succeeded" and right_answers(repaired["id"]) >= 5
+    assert {n: hub_env.server.gets(REPO, n) - gets[n] for n in gets} == {"model.safetensors": 1, "tokenizer.json": 1}
+    assert hub.content_ok(weights, weights.name) and hub.content_ok(tokenizer, tokenizer.name)
+
+    copy = hub_env.server.add("acme/copy", hub_env.tiny)
+    half = hub_env.weights // 2
+    hub_env.server.die_after[("acme/copy", "model.safetensors")] = half
+    job_id = service.submit(owner="alice", spec_data=spec(tmp_path, model="acme/copy"))["id"]
+    wait_for(lambda: failed_attempts(job_id), 120, "the attempt to fail while the Hub is down", procs=[worker])
+    assert hub_env.server.died.is_set()
+    assert "HubUnreachable: cannot reach the Hub at" in failed_attempts(job_id)[0]["traceback"]
+    root = tmp_path / "cache-host-a" / hub.folder("acme/copy")
+    part = next((root / "blobs").glob("*.incomplete"))
+    assert part.stat().st_size == half  # kept for the retry; never linked, never loaded
+    assert not (root / "snapshots" / copy / "model.safetensors").exists()
+    assert not (root / ".gpujobs" / f"{copy}.json").exists()
+    hub_env.server.start()
+    job = finished(job_id, 180, [worker])
+    assert job["state"] == "succeeded" and right_answers(job_id) >= 5, job["error"]
+    assert hub_env.server.ranges[("acme/copy", "model.safetensors")] == [0, half]
+    assert hub_env.server.served[("acme/copy", "model.safetensors")] == hub_env.weights  # no byte twice
