@@ -67,7 +67,7 @@ class HubServer:
         self.get_counts: Counter = Counter()  # (repo, file) -> GETs of its bytes
         self.served: Counter = Counter()  # (repo, file) -> bytes sent
         self.ranges: defaultdict[tuple[str, str], list[int]] = defaultdict(list)  # range starts asked for
-        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, authorization header)
+        self.requests: list[tuple[str, str, str | None]] = []  # (method, path?query, authorization header)
         self.hold: dict[tuple[str, str], tuple[int, threading.Event]] = {}  # send N bytes, wait for the event
         self.die_after: dict[tuple[str, str], int] = {}  # send N bytes, then the whole server goes away (once)
         self.corrupt: Counter = Counter()  # (repo, file) -> how many more times to send flipped bytes
@@ -153,7 +153,7 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlparse(self.path)
         path = unquote(url.path)
         with self.hub.lock:
-            self.hub.requests.append((self.command, path, self.headers.get("authorization")))
+            self.hub.requests.append((self.command, unquote(self.path), self.headers.get("authorization")))
         if path.startswith("/api/models/"):
             return self._api(url, head)
         if path.startswith("/cdn/"):

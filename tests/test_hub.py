@@ -353,3 +353,83 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
     assert job["state"] == "succeeded" and right_answers(job_id) >= 5, job["error"]
     assert hub_env.server.ranges[("acme/copy", "model.safetensors")] == [0, half]
     assert hub_env.server.served[("acme/copy", "model.safetensors")] == hub_env.weights  # no byte twice
+
+
+HF_DOWNLOAD = "from huggingface_hub import snapshot_download; print(snapshot_download({repo!r}))"
+
+
+def test_offline_workers_load_from_a_cache_filled_by_huggingface_hub_and_submit_refuses_what_none_has(
+        hub_env, tmp_path, spawn_worker, monkeypatch):
+    """A cache filled by huggingface_hub's own snapshot_download (as `hf download` does) serves offline workers
+    (HF_HUB_OFFLINE=1): the job runs with no request to the Hub, pinned to the commit the workers' caches hold;
+    a model (or revision) that no live worker's cache holds is refused at submit, saying why and what to do."""
+    cache = tmp_path / "cache-host-off"
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    done = subprocess.run([sys.executable, "-c", HF_DOWNLOAD.format(repo=REPO)], capture_output=True, text=True,
+                          env={**env, "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": hub_env.server.url},
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip().splitlines()[-1]) == cache / hub.folder(REPO) / "snapshots" / hub_env.main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    settings.reset()
+    worker = spawn_worker([], **worker_env(tmp_path, "host-off", HF_HUB_OFFLINE="1"))
+    before = len(hub_env.server.requests)
+    job = service.submit(owner="alice", spec_data=spec(tmp_path))
+    assert job["spec"]["revision"] == hub_env.main and job["metrics"]["model"]["resolved_by"] == "worker cache"
+    job = finished(job["id"], 180, [worker])
+    assert job["state"] == "succeeded" and right_answers(job["id"]) >= 5, job["error"]
+    assert len(hub_env.server.requests) == before  # nobody reached the Hub
+
+    count = job_count()
+    for model, revision in ((GATED, None), (REPO, "v1")):
+        with pytest.raises(Unschedulable, match="not in the Hugging Face cache of any live worker, and every live "
+                                                "worker is offline \\(HF_HUB_OFFLINE=1.*gpujobs models pull"):
+            service.submit(owner="alice", spec_data=spec(tmp_path, model=model, revision=revision))
+    assert job_count() == count
+
+
+def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_pull_list_and_remove(
+        hub_env, tmp_path, spawn_worker, api_server, jobs_env, monkeypatch):
+    """With HF_TOKEN on the API and the worker a gated repo runs; the token is sent to the Hub only (never to the
+    CDN a download is redirected to) and appears in no table and no log. `gpujobs models pull --workers all --wait`
+    has the worker's host fetch a model (the API here is offline: the worker resolves the revision), `models list`
+    shows it, `models rm --workers all --wait` deletes it; without --workers both act on this host's cache."""
+    from tests.test_e2e import jobs
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    settings.reset()
+    worker = spawn_worker([], **worker_env(tmp_path, "host-t", HF_TOKEN=SECRET))
+    job = finished(service.submit(owner="alice", spec_data=spec(tmp_path, model=GATED))["id"], 180, [worker])
+    assert job["state"] == "succeeded" and right_answers(job["id"]) >= 5, job["error"]
+    sent = [(path, auth) for _, path, auth in hub_env.server.requests if GATED in path]
+    cdn = [auth for path, auth in sent if path.startswith("/cdn/")]
+    assert cdn and all(auth is None for auth in cdn)  # the redirect to another host drops it
+    assert all(auth == f"Bearer {SECRET}" for path, auth in sent if not path.startswith("/cdn/"))
+    assert secret_in_database() == []
+    logs = [worker.log, *tmp_path.glob("*.log")]
+    assert [str(p) for p in logs if SECRET in p.read_text(errors="replace")] == []
+
+    url, token, api = api_server
+    env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
+    pulled = jobs(env, "models", "pull", REPO, "--workers", "all", "--wait", "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    rows = json.loads(pulled.stdout)
+    assert [(r["host"], r["commit"], r["state"]) for r in rows] == [("host-t", hub_env.main, "ready")]
+    listed = json.loads(jobs(env, "models", "list", "--json", check=True).stdout)
+    assert {(m["repo"], m["host"], m["state"]) for m in listed} >= {(REPO, "host-t", "ready"), (GATED, "host-t", "ready")}
+    removed = jobs(env, "models", "rm", REPO, "--workers", "all", "--wait", "--json")
+    assert removed.returncode == 0, removed.stderr
+    assert not (tmp_path / "cache-host-t" / hub.folder(REPO)).exists()
+    assert (tmp_path / "cache-host-t" / hub.folder(GATED)).exists()
+    assert REPO not in {m["repo"] for m in json.loads(jobs(env, "models", "list", "--json", check=True).stdout)}
+    assert SECRET not in api.log.read_text(errors="replace")
+
+    here = {**env, "HF_HUB_CACHE": str(tmp_path / "cache-here"), "HF_ENDPOINT": hub_env.server.url}
+    here.pop("HF_HUB_OFFLINE", None)
+    local = jobs(here, "models", "pull", REPO, "--revision", "v1", "--json")
+    assert local.returncode == 0, local.stderr
+    assert json.loads(local.stdout)["commit"] == hub_env.v1
+    assert (tmp_path / "cache-here" / hub.folder(REPO) / "snapshots" / hub_env.v1 / "model.safetensors").is_file()
+    assert jobs(here, "models", "rm", REPO, check=True).returncode == 0
+    assert not (tmp_path / "cache-here" / hub.folder(REPO)).exists()
