@@ -433,3 +433,64 @@ def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_
     assert (tmp_path / "cache-here" / hub.folder(REPO) / "snapshots" / hub_env.v1 / "model.safetensors").is_file()
     assert jobs(here, "models", "rm", REPO, check=True).returncode == 0
     assert not (tmp_path / "cache-here" / hub.folder(REPO)).exists()
+
+
+MAKE_LORA = """
+import sys
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+get_peft_model(model, config).save_pretrained(sys.argv[2])
+"""
+
+
+def test_a_hub_lora_adapter_is_checked_at_submit_fetched_and_applied_at_its_commit(hub_env, tmp_path, tiny_model,
+                                                                                   spawn_worker):
+    """`adapter: org/name` names a Hub LoRA repo: its config is checked at submit (LoRA, its base by name, weights
+    in safetensors), its revision pinned to a commit; the worker fetches its two files and applies it, and the job
+    records the adapter's source and commit."""
+    folder = tmp_path / "lora"
+    subprocess.run([sys.executable, "-c", MAKE_LORA, str(tiny_model), str(folder)], check=True, cwd=ROOT,
+                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    files = {"adapter_model.safetensors": (folder / "adapter_model.safetensors").read_bytes(), "README.md": b"lora"}
+    lora = hub_env.server.add("acme/tiny-lora", {**files, "adapter_config.json": json.dumps(
+        {**config, "base_model_name_or_path": REPO}).encode()})
+    hub_env.server.add("acme/other-lora", {**files, "adapter_config.json": json.dumps(
+        {**config, "base_model_name_or_path": "acme/another-model"}).encode()})
+    hub_env.server.add("acme/pickled-lora", {"adapter_model.bin": b"\x80\x04pickle", "adapter_config.json": json.dumps(
+        {**config, "base_model_name_or_path": REPO}).encode()})
+    for adapter, match in (("acme/other-lora", "was trained on 'acme/another-model', not on 'acme/tiny-qa'"),
+                           ("acme/pickled-lora", "has no adapter_model.safetensors \\(only adapter_model.bin, a "
+                                                 "pickled checkpoint")):
+        with pytest.raises(InvalidInput, match=match):
+            service.submit(owner="alice", spec_data=spec(tmp_path, adapter=adapter))
+
+    worker = spawn_worker([], **worker_env(tmp_path, "host-l"))
+    job = service.submit(owner="alice", spec_data=spec(tmp_path, adapter="acme/tiny-lora"))
+    assert job["spec"]["adapter_revision"] == lora and job["metrics"]["adapter"]["commit"] == lora
+    assert any("adapter acme/tiny-lora: LoRA r=4 on base 'acme/tiny-qa'" in m for m in messages(job["id"]))
+    job = finished(job["id"], 180, [worker])
+    assert job["state"] == "succeeded", job["error"]
+    ran = job["load_options"]["adapter"]
+    assert (ran["id"], ran["source"], ran["revision"], ran["merged"]) == ("acme/tiny-lora", "hub", lora, True)
+    assert hub_env.server.gets("acme/tiny-lora", "adapter_model.safetensors") == 1
+    assert hub_env.server.gets("acme/tiny-lora", "README.md") == 0
+
+
+def test_the_api_reads_a_hub_models_config_and_tokenizer_without_importing_torch(hub_env, jobs_env, tmp_path):
+    """A submit of a Hub model through the real FastAPI app resolves it and reads config.json and tokenizer.json
+    (json and `tokenizers`) with torch, transformers and worker/ left out of the API process."""
+    from tests.test_layering import SCRIPT
+
+    env = {k: v for k, v in jobs_env.env.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=hub_env.server.url, HF_HUB_CACHE=str(tmp_path / "cache-api"), JOBS_HUB_MIN_FREE_BYTES="0")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, REPO], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["heavy"] == []
+    with session_scope() as session:
+        job = session.get(Job, report["job"])
+        assert job.spec["revision"] == hub_env.main and job.metrics["input"]["token_check"] is True
