@@ -123,7 +123,7 @@ def _resolve(repo: str, revision: str, kind: str, fleet: Fleet, notes: list[str]
     if get_settings().hub_offline:
         return None
     try:
-        return hub.plan(repo, revision, kind=kind)
+        return hub.plan(repo, revision, kind=kind, retries=0)  # fail fast: the workers ask again
     except HubUnreachable as exc:
         if fleet.all_offline:
             return None
@@ -219,7 +219,7 @@ def request(action: str, *, repo: str, revision: str | None, workers: str, by: s
         commit = ""
         if not get_settings().hub_offline:
             try:
-                commit = hub.listing(repo, revision)[0]
+                commit = hub.listing(repo, revision, retries=0)[0]
             except HubUnreachable:
                 commit = ""
         with session_scope() as session:

@@ -240,19 +240,21 @@ def refusal(status: int, headers: Any, repo: str, revision: str | None, what: st
                           f"{': ' + message if message else ''}: try again later")
 
 
-def _get(client, url: str, *, repo: str, revision: str | None, what: str, params: dict | None = None):
-    """One GET with a few retries on transport errors (a blip must not fail a job's attempt)."""
+def _get(client, url: str, *, repo: str, revision: str | None, what: str, params: dict | None = None,
+         retries: int = RETRIES):
+    """One GET, retried on transport errors and server errors (a blip must not fail a job's attempt; the API asks
+    with retries=0 so that a submit never waits on an unreachable Hub)."""
     import httpx
 
-    for attempt in range(RETRIES + 1):
+    for attempt in range(retries + 1):
         try:
             response = client.get(url, params=params)
         except httpx.TransportError as exc:
-            if attempt == RETRIES:
+            if attempt == retries:
                 raise _unreachable(exc, what) from None
             time.sleep(2 ** attempt)
             continue
-        if response.status_code >= 500 and attempt < RETRIES:
+        if response.status_code >= 500 and attempt < retries:
             time.sleep(2 ** attempt)
             continue
         if response.status_code >= 400:
@@ -261,14 +263,14 @@ def _get(client, url: str, *, repo: str, revision: str | None, what: str, params
     raise AssertionError("unreachable")
 
 
-def listing(repo: str, revision: str | None) -> tuple[str, list[RepoFile], bool]:
+def listing(repo: str, revision: str | None, *, retries: int = RETRIES) -> tuple[str, list[RepoFile], bool]:
     """(commit, every file of that commit with its size and etag, gated) from `/api/models/{repo}/revision/{rev}`."""
     _online()
     rev = revision or "main"
     url = f"{get_settings().hub_endpoint}/api/models/{repo}/revision/{quote(rev, safe='')}"
     with _client() as client:
         response = _get(client, url, repo=repo, revision=rev, what=f"the file list of {describe(repo, rev)}",
-                        params={"blobs": "true"})
+                        params={"blobs": "true"}, retries=retries)
     try:
         data = response.json()
         commit = data["sha"]
@@ -345,9 +347,9 @@ def _shards(index: Any, names: dict[str, RepoFile], where: str) -> list[RepoFile
     return [names[s] for s in shards]
 
 
-def plan(repo: str, revision: str | None, *, kind: str = "model", client=None) -> Snapshot:
+def plan(repo: str, revision: str | None, *, kind: str = "model", client=None, retries: int = RETRIES) -> Snapshot:
     """The snapshot a load of `repo` at `revision` reads, resolved on the Hub (the index, if any, is fetched)."""
-    commit, files, gated = listing(repo, revision)
+    commit, files, gated = listing(repo, revision, retries=retries)
     rev = revision or "main"
 
     def read_index(f: RepoFile) -> Any:
@@ -406,7 +408,8 @@ def fetch(snap: Snapshot, *, listener: Listener | None = None, should_stop: Call
     `complete` (a whole load's files) writes the marker; the API fetches a few small files with complete=False."""
     listener, stop = listener or Listener(), should_stop or (lambda: False)
     root = repo_dir(snap.repo)
-    with _snapshot_lock(snap, listener, stop):
+    # a few small files (the API's submit checks) need only the blob locks: never wait behind a worker's download
+    with _snapshot_lock(snap, listener, stop) if complete else contextlib.nullcontext():
         if complete and _marker_ok(snap.repo, snap.commit, snap.kind, snap.files):
             _write_ref(root, snap.revision, snap.commit)
             return _fetched(snap.repo, snap.revision, snap.commit, snap.kind)
@@ -490,6 +493,8 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
         received = 0
         try:
             with client.stream("GET", url, headers={"range": f"bytes={offset}-"} if offset else {}) as response:
+                if response.status_code >= 500:
+                    raise httpx.RemoteProtocolError(f"the server answered {response.status_code}")
                 if response.status_code >= 400:
                     response.read()
                     raise refusal(response.status_code, response.headers, snap.repo, snap.commit, f.name)
