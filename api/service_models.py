@@ -141,7 +141,8 @@ def _cached(repo: str, revision: str, fleet: Fleet, commit: str | None) -> list:
     """Live workers' cache rows of `repo` that hold the commit (when known) or the revision."""
     with session_scope() as session:
         rows = model_cache.ready_in(session, repo, fleet.places)
-        return [(r.host, r.commit) for r in rows if (r.commit == commit if commit else model_cache.matches(r, revision))]
+        return [(r.host, r.commit) for r in rows
+                if (r.commit == commit if commit else model_cache.matches(r, revision))]
 
 
 def _agreed(cached: list) -> str | None:

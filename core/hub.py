@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^(?!\.)[\w.-]+/(?!\.)[\w.-]+$")  # org/name; `./x` and `../x` are paths, not Hub ids
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+PLAIN_FILE = re.compile(r"^(?!\.)[\w.-]+$")  # a file name at a repo's top level, never `..` or a path
+REF = re.compile(r"^(?!\.)[\w.-]+(/(?!\.)[\w.-]+)*$")  # a branch or tag name safe as a path under refs/
 CHUNK = 1 << 20
 RETRIES = 3  # transport errors within one fetch, each resuming where the last stopped (1, 2, 4 s apart)
 CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -298,7 +300,7 @@ def select(files: list[RepoFile], *, kind: str, repo: str, revision: str | None,
            read_index: Callable[[RepoFile], Any]) -> list[RepoFile]:
     """The files a load of `kind` reads, from a commit's files (top level only). Refused, with what to do: no
     config, no safetensors weights (pickled ones are never loaded), an index naming a shard that is not there."""
-    names = {f.name: f for f in files if "/" not in f.name}
+    names = {f.name: f for f in files if PLAIN_FILE.match(f.name)}
     where = describe(repo, revision)
     if kind_of(files, kind) == "adapter":
         if ADAPTER_WEIGHTS not in names:
@@ -341,6 +343,10 @@ def _shards(index: Any, names: dict[str, RepoFile], where: str) -> list[RepoFile
     if not isinstance(weight_map, dict) or not weight_map:
         raise InvalidInput(f"{where}: {INDEX} has no weight_map: the repo's weights are incomplete")
     shards = sorted({str(v) for v in weight_map.values()})
+    odd = [s for s in shards if not PLAIN_FILE.match(s) or not s.endswith(".safetensors")]
+    if odd:
+        raise InvalidInput(f"{where}: {INDEX} names weights that are not safetensors files of the repo's top level "
+                           f"({', '.join(odd[:3])})")
     missing = [s for s in shards if s not in names]
     if missing:
         raise InvalidInput(f"{where}: {INDEX} names shards that are not in the repo ({', '.join(missing[:3])})")
@@ -630,7 +636,7 @@ def write_ref(repo: str, revision: str, commit: str) -> None:
 
 
 def _write_ref(root: Path, revision: str, commit: str) -> None:
-    if COMMIT.match(revision) or revision == commit or ".." in revision.split("/"):
+    if COMMIT.match(revision) or revision == commit or not REF.match(revision):
         return
     ref = root / "refs" / revision
     ref.parent.mkdir(parents=True, exist_ok=True)

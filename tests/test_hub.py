@@ -13,11 +13,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 
 from api import service, service_models
 from core import hub, settings
@@ -417,7 +416,8 @@ def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_
     rows = json.loads(pulled.stdout)
     assert [(r["host"], r["commit"], r["state"]) for r in rows] == [("host-t", hub_env.main, "ready")]
     listed = json.loads(jobs(env, "models", "list", "--json", check=True).stdout)
-    assert {(m["repo"], m["host"], m["state"]) for m in listed} >= {(REPO, "host-t", "ready"), (GATED, "host-t", "ready")}
+    assert {(m["repo"], m["host"], m["state"]) for m in listed} >= {(REPO, "host-t", "ready"),
+                                                                    (GATED, "host-t", "ready")}
     removed = jobs(env, "models", "rm", REPO, "--workers", "all", "--wait", "--json")
     assert removed.returncode == 0, removed.stderr
     assert not (tmp_path / "cache-host-t" / hub.folder(REPO)).exists()
@@ -449,7 +449,8 @@ def test_a_hub_lora_adapter_is_checked_at_submit_fetched_and_applied_at_its_comm
                                                                                    spawn_worker):
     """`adapter: org/name` names a Hub LoRA repo: its config is checked at submit (LoRA, its base by name, weights
     in safetensors), its revision pinned to a commit; the worker fetches its two files and applies it, and the job
-    records the adapter's source and commit."""
+    records the adapter's source and commit. A model whose architecture the live workers' transformers cannot load
+    as a causal LM is refused at submit."""
     folder = tmp_path / "lora"
     subprocess.run([sys.executable, "-c", MAKE_LORA, str(tiny_model), str(folder)], check=True, cwd=ROOT,
                    capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
@@ -468,6 +469,11 @@ def test_a_hub_lora_adapter_is_checked_at_submit_fetched_and_applied_at_its_comm
             service.submit(owner="alice", spec_data=spec(tmp_path, adapter=adapter))
 
     worker = spawn_worker([], **worker_env(tmp_path, "host-l"))
+    encoder = json.loads(hub_env.tiny["config.json"]) | {"model_type": "vit", "architectures": ["ViTModel"]}
+    hub_env.server.add("acme/encoder", {**hub_env.tiny, "config.json": json.dumps(encoder).encode()})
+    with pytest.raises(InvalidInput, match="model_type 'vit' \\(ViTModel\\) is not a causal language model that "
+                                           "transformers .* on the live workers loads"):
+        service.submit(owner="alice", spec_data=spec(tmp_path, model="acme/encoder"))  # the workers' registrations
     job = service.submit(owner="alice", spec_data=spec(tmp_path, adapter="acme/tiny-lora"))
     assert job["spec"]["adapter_revision"] == lora and job["metrics"]["adapter"]["commit"] == lora
     assert any("adapter acme/tiny-lora: LoRA r=4 on base 'acme/tiny-qa'" in m for m in messages(job["id"]))
