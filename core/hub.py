@@ -206,8 +206,8 @@ def _online() -> None:
 def _unreachable(exc: Exception, what: str) -> HubUnreachable:
     detail = re.sub(r"//[^/@\s]*@", "//", str(exc))  # a URL in the error never shows a password of HF_ENDPOINT
     return HubUnreachable(f"cannot reach the Hub at {endpoint()} for {what} ({type(exc).__name__}: {detail}): check "
-                          "this host's network and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 and pull the model on a host with "
-                          "network access (`gpujobs models pull`)")
+                          "this host's network and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 and pull the model on a host "
+                          "with network access (`gpujobs models pull`)")
 
 
 def refusal(status: int, headers: Any, repo: str, revision: str | None, what: str) -> Exception:
