@@ -194,8 +194,9 @@ def _client():
     value, _ = token()
     if value:
         headers["authorization"] = f"Bearer {value}"  # httpx drops it on a redirect to another host (a CDN)
-    timeout = httpx.Timeout(settings.hub_timeout, read=max(60.0, settings.hub_timeout))
-    return httpx.Client(follow_redirects=True, timeout=timeout, headers=headers)
+    # connect, and wait for the next byte: a stalled download is retried from where it stopped (a Range request), and
+    # a cancel or shutdown is seen at least this often
+    return httpx.Client(follow_redirects=True, timeout=settings.hub_timeout, headers=headers)
 
 
 def _online() -> None:
@@ -520,6 +521,8 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
                 return
             raise httpx.RemoteProtocolError(f"the body ended after {part.stat().st_size} of {f.size} bytes")
         except httpx.TransportError as exc:
+            if should_stop():
+                raise Interrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is stopping)")
             failures = 0 if received else failures + 1  # bytes flowed: the endpoint is there, keep going
             if failures > RETRIES:
                 raise _unreachable(exc, f"{f.name} of {describe(snap.repo, snap.commit)}") from None

@@ -68,7 +68,7 @@ class HubServer:
         self.served: Counter = Counter()  # (repo, file) -> bytes sent
         self.ranges: defaultdict[tuple[str, str], list[int]] = defaultdict(list)  # range starts asked for
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path?query, authorization header)
-        self.hold: dict[tuple[str, str], tuple[int, threading.Event]] = {}  # send N bytes, wait for the event
+        self.hold: dict[tuple[str, str], tuple[int, threading.Event]] = {}  # bytes past N wait for the event
         self.die_after: dict[tuple[str, str], int] = {}  # send N bytes, then the whole server goes away (once)
         self.corrupt: Counter = Counter()  # (repo, file) -> how many more times to send flipped bytes
         self.lock = threading.Lock()
@@ -320,10 +320,11 @@ class _Handler(BaseHTTPRequestHandler):
             hold = self.hub.hold.get(key)
         if die_at is not None:
             return self._send_then_die(key, body[:max(die_at - start, 0)])
-        if hold is not None and start < hold[0]:
-            self._send(key, body[:hold[0] - start])
+        if hold is not None and not hold[1].is_set():  # the bytes up to the hold point, then wait for the event
+            cut = max(hold[0] - start, 0)
+            self._send(key, body[:cut])
             hold[1].wait()
-            body = body[hold[0] - start:]
+            body = body[cut:]
         self._send(key, body)
 
     def _send(self, key: tuple[str, str], chunk: bytes) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -258,9 +259,9 @@ def test_two_workers_of_a_host_download_once_and_both_load_another_host_download
     and says so), `status` shows the download's bytes, rate and ETA while it runs, each file is fetched once and
     both workers load it; the job records the commit. Host B (another cache) downloads again for the next job;
     `models list` shows both hosts."""
-    release = __import__("threading").Event()
+    release = threading.Event()
     hub_env.server.hold[(REPO, "model.safetensors")] = (hub_env.weights // 2, release)
-    host_a = worker_env(tmp_path, "host-a")
+    host_a = worker_env(tmp_path, "host-a", JOBS_HUB_TIMEOUT="300")  # no reconnect while the test holds the bytes
     workers = [spawn_worker([], **host_a) for _ in range(2)]
     job_id = service.submit(owner="alice", spec_data=spec(tmp_path, shard_rows=3))["id"]
     by_api = {name: hub_env.server.gets(REPO, name) for name in LOADED}  # the API read config and tokenizer
@@ -313,7 +314,8 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
     """A tag loads its commit (the base model: it knows no answer), main loads the memorized model; a cached blob
     changed on disk (same size) and one truncated are found at the next job and fetched again; the server dying
     half-way through the weights fails the attempt cleanly (nothing half-written is loaded) and the retry resumes
-    with a Range request from where the bytes stopped, downloading no byte twice."""
+    with a Range request from where the bytes stopped, downloading no byte twice; a cancel stops a stalled
+    download and the job at once (its shard cancelled, not left for the reaper), keeping the part."""
     monkeypatch.setenv("JOBS_MAX_ATTEMPTS", "1000")  # the attempts while the server is down must not run out
     settings.reset()
     worker = spawn_worker([], **worker_env(tmp_path, "host-a"))
@@ -352,6 +354,20 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
     assert job["state"] == "succeeded" and right_answers(job_id) >= 5, job["error"]
     assert hub_env.server.ranges[("acme/copy", "model.safetensors")] == [0, half]
     assert hub_env.server.served[("acme/copy", "model.safetensors")] == hub_env.weights  # no byte twice
+
+    held = threading.Event()
+    hub_env.server.add("acme/slow", hub_env.tiny)
+    hub_env.server.hold[("acme/slow", "model.safetensors")] = (half, held)
+    job_id = service.submit(owner="alice", spec_data=spec(tmp_path, model="acme/slow"))["id"]
+    wait_for(lambda: [d for d in service.get(job_id, owner=None).get("downloads", []) if d["bytes_done"] >= half],
+             120, "the download to stall half-way", procs=[worker])
+    service.cancel(job_id, owner=None, by="alice")
+    job = finished(job_id, 120, [worker])
+    held.set()
+    assert job["state"] == "cancelled"
+    assert not [m for m in messages(job_id) if "re-enqueued by the reaper" in m]  # stopped, not left to expire
+    assert next((tmp_path / "cache-host-a" / hub.folder("acme/slow") / "blobs").glob("*.incomplete")).stat().st_size \
+        == half  # kept for the next fetch
 
 
 HF_DOWNLOAD = "from huggingface_hub import snapshot_download; print(snapshot_download({repo!r}))"

@@ -20,12 +20,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from core import hub, model_cache
+from sqlalchemy import select
+
+from core import hub, leases, model_cache
 from core.db import session_scope
 from core.errors import InvalidInput, JobsError
-from core.models import Job
+from core.models import Job, Shard
+from core.queue import TASK_RUN_SHARD, send
 from core.settings import get_settings
 from core.spec import LoadOptions
+from core.states import ShardState
 from core.store import add_event, now
 
 log = logging.getLogger(__name__)
@@ -118,7 +122,17 @@ class Progress(hub.Listener):
 
 
 def prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callable[[], bool]) -> LoadOptions:
-    """The job's Hub model and Hub adapter fetched into this host's cache; the options pinned to their commits."""
+    """The job's Hub model and Hub adapter fetched into this host's cache; the options pinned to their commits.
+
+    A fetch stopped by a cancel or a shutdown ends the shard as the engine's stop does (`_hand_over`)."""
+    try:
+        return _prepare(opts, job_id, worker=worker, should_stop=should_stop)
+    except hub.Interrupted:
+        _hand_over(job_id, worker)
+        raise
+
+
+def _prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callable[[], bool]) -> LoadOptions:
     updates: dict[str, Any] = {}
     pinned = _job_pins(job_id)
     if hub.is_hub_id(opts.model):
@@ -133,6 +147,25 @@ def prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callabl
                          job_id=job_id, should_stop=should_stop, ref=asked.get("revision"))
         updates["adapter_revision"] = fetched.commit
     return opts.model_copy(update=updates) if updates else opts
+
+
+def _hand_over(job_id: str, worker: str) -> None:
+    """The shard this worker holds for `job_id`: cancelled if the job is stopping, else (a shutdown) handed back
+    without counting an attempt and sent again; the part downloaded so far stays for whoever takes it."""
+    with session_scope() as session:
+        shard = session.scalar(select(Shard).where(Shard.job_id == job_id, Shard.lease_owner == worker,
+                                                   Shard.state == ShardState.running.value))
+        if shard is None:
+            return
+        if leases.job_stopping(session, job_id):
+            leases.stop_cancelled(session, shard, worker)
+            return
+        leases.hand_back(session, shard, worker, "worker stopping: the model's download is handed back",
+                         count_attempt=False)
+        shard_id, queue = shard.id, session.get(Job, job_id).queue
+    send(TASK_RUN_SHARD, [shard_id], queue)
+    with session_scope() as session:
+        leases.mark_enqueued(session, [shard_id])
 
 
 def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: str | None = None,
