@@ -516,3 +516,31 @@ def test_the_api_reads_a_hub_models_config_and_tokenizer_without_importing_torch
     with session_scope() as session:
         job = session.get(Job, report["job"])
         assert job.spec["revision"] == hub_env.main and job.metrics["input"]["token_check"] is True
+
+
+def test_the_cache_record_claims_each_request_once_and_follows_scans_on_sqlite_and_postgres(any_jobs_env):
+    """A pull request per place is claimed by one worker only (a conditional UPDATE), a second claim finds none; an
+    upsert of an existing (place, repo, commit) reuses its row; a scan's sync adds what it found and drops what
+    vanished, leaving requests in flight alone."""
+    from core import model_cache
+
+    places = {("h1", "/c1"), ("h2", "/c2")}
+    record = {"repo": REPO, "commit": "a" * 40, "kind": "model", "refs": ["main"], "files": 6, "bytes": 10,
+              "state": "ready"}
+    with session_scope() as session:
+        rows = model_cache.request(session, places=places, repo=REPO, action="pull", by="ops", revision="main")
+        assert sorted(r.state for r in rows) == ["pull_requested"] * 2
+    with session_scope() as session:
+        first = model_cache.claim(session, host="h1", cache_dir="/c1", worker="w1")
+        assert first is not None and first.state == "downloading" and first.worker == "w1"
+    with session_scope() as session:
+        assert model_cache.claim(session, host="h1", cache_dir="/c1", worker="w2") is None
+        model_cache.sync(session, host="h1", cache_dir="/c1", records=[record])
+        model_cache.sync(session, host="h2", cache_dir="/c2", records=[record])
+    with session_scope() as session:
+        again = model_cache.upsert(session, host="h2", cache_dir="/c2", repo=REPO, commit="a" * 40, last_used_at=1.0)
+        assert again.state == "ready" and again.bytes == 10
+        model_cache.sync(session, host="h2", cache_dir="/c2", records=[])
+    with session_scope() as session:
+        left = {(r.host, r.commit, r.state) for r in model_cache.listing(session, REPO)}
+    assert left == {("h1", "", "downloading"), ("h1", "a" * 40, "ready"), ("h2", "", "pull_requested")}
