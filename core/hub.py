@@ -421,8 +421,10 @@ def fetch(snap: Snapshot, *, listener: Listener | None = None, should_stop: Call
         if complete and _marker_ok(snap.repo, snap.commit, snap.kind, snap.files):
             _write_ref(root, snap.revision, snap.commit)
             return _fetched(snap.repo, snap.revision, snap.commit, snap.kind)
+        vouched = _vouched(snap.repo, snap.commit)
         for f in snap.files:  # what is there must be whole and right; a bad blob goes, and is fetched below
-            _drop_if_corrupt(root, f)
+            if f.name not in vouched:
+                _drop_if_corrupt(root, f)
         missing = [f for f in snap.files if not (root / "blobs" / f.etag).is_file()]
         t0, downloaded = time.monotonic(), 0
         if missing:
@@ -608,6 +610,20 @@ def content_ok(path: Path, etag: str) -> bool:
         while chunk := stream.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest() == etag
+
+
+def _vouched(repo: str, commit: str) -> set[str]:
+    """Files of the marker whose blob has not changed since it was verified (no need to hash them again)."""
+    data, root = marker(repo, commit), repo_dir(repo)
+    found = set()
+    for name, entry in (data or {}).get("files", {}).items():
+        try:
+            st = (root / "blobs" / str(entry.get("etag"))).stat()
+        except OSError:
+            continue
+        if st.st_size == entry.get("size") and st.st_mtime_ns == entry.get("mtime_ns"):
+            found.add(name)
+    return found
 
 
 def _drop_if_corrupt(root: Path, f: RepoFile) -> None:

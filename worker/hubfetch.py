@@ -263,9 +263,9 @@ def serve(worker: str, closed: threading.Event) -> None:
             with session_scope() as session:
                 model_cache.reclaim_stale(session)
                 row = model_cache.claim(session, host=host, cache_dir=cache, worker=worker)
-                job = (row.id, row.repo, row.commit, row.revision, row.state) if row else None
-            if job:
-                carry_out(worker, *job, should_stop=closed.is_set)
+                claimed = (row.id, row.repo, row.commit, row.revision, row.state) if row else None
+            if claimed:
+                carry_out(worker, *claimed, should_stop=closed.is_set)
         except Exception:  # the thread must outlive a database outage; the request stays claimed and goes stale
             log.exception("%s: the models thread failed; retrying", worker)
 
