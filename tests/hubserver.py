@@ -112,8 +112,7 @@ class HubServer:
         self._servers = []
         ports = []
         for port in self._ports:
-            server = ThreadingHTTPServer(("127.0.0.1", port), handler)
-            server.daemon_threads = True
+            server = _Server(("127.0.0.1", port), handler)
             threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
             self._servers.append(server)
             ports.append(server.server_address[1])
@@ -132,6 +131,17 @@ class HubServer:
         self.stop()
         self.died.set()
 
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hangs up (a cancel, a timeout, the server dying) is no error worth a traceback."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
