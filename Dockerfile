@@ -19,14 +19,13 @@ ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1 \
     JOBS_HOME=/var/lib/gpujobs \
     JOBS_ARTIFACTS=/var/lib/gpujobs/artifacts
 
 # An unprivileged user. Named volumes mounted on these folders start with this ownership.
 RUN groupadd --system --gid 1000 jobs \
  && useradd --system --uid 1000 --gid jobs --home-dir /var/lib/gpujobs --shell /usr/sbin/nologin jobs \
- && mkdir -p /var/lib/gpujobs/artifacts /models /data \
+ && mkdir -p /var/lib/gpujobs/artifacts /var/lib/gpujobs/huggingface /models /data \
  && chown -R jobs:jobs /var/lib/gpujobs
 
 # torch first, in a layer of its own: by far the largest download, and it changes less often than the code.

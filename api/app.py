@@ -19,10 +19,11 @@ from fastapi import Body, FastAPI, File, Query, Request, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
-from api import dashboard, metrics, openai_api, service, service_finetune
+from api import dashboard, metrics, openai_api, service, service_finetune, service_models
 from api.access import Caller
 from core import files, formats
 from core.db import check_reachable, session_scope
@@ -208,3 +209,38 @@ def workers(caller: Caller, all: Annotated[bool, Query(description="also workers
                                                        "replaced on their host and slice")] = False
             ) -> list[dict[str, Any]]:
     return service.workers(all=all)
+
+
+class ModelRequest(BaseModel):
+    """`gpujobs models pull/rm --workers`: which repo, which revision, whose caches."""
+
+    model_config = ConfigDict(extra="forbid")
+    repo: str = Field(description="a Hub id, org/name")
+    revision: str | None = Field(None, description="branch, tag or commit (pull: default main; rm: default every "
+                                 "snapshot of the repo)")
+    workers: str = Field("all", description="`all`, or worker names separated by commas: their hosts' caches act")
+
+
+@app.get("/models", summary="Hub models in each host's Hugging Face cache: commits, sizes, last use, downloads")
+def list_models(caller: Caller, repo: Annotated[str | None, Query(description="only this Hub id")] = None,
+                ) -> list[dict[str, Any]]:
+    return service_models.list_models(repo=repo)
+
+
+@app.post("/models/pull", summary="Ask the hosts of live workers to fetch a Hub model into their cache (admins)")
+def pull_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
+    _admin_only(caller, "pull models onto the workers' hosts")
+    return service_models.request("pull", repo=body.repo, revision=body.revision, workers=body.workers,
+                                  by=caller.owner)
+
+
+@app.post("/models/remove", summary="Ask the hosts of live workers to delete a Hub model from their cache (admins)")
+def remove_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
+    _admin_only(caller, "remove models from the workers' hosts")
+    return service_models.request("remove", repo=body.repo, revision=body.revision, workers=body.workers,
+                                  by=caller.owner)
+
+
+def _admin_only(caller, what: str) -> None:
+    if not caller.is_admin:
+        raise Forbidden(f"only an admin token may {what}: ask an operator, or use a token with the admin scope")

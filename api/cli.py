@@ -77,7 +77,7 @@ def cli() -> None:
 
 
 def main() -> None:
-    from api import cli_adapters, cli_jobs, cli_stack  # noqa: F401  (registers the commands)
+    from api import cli_adapters, cli_jobs, cli_models, cli_stack  # noqa: F401  (registers the commands)
 
     name = os.path.basename(sys.argv[0])
     cli(prog_name=name if name in ("jobs", "gpujobs") else "gpujobs")

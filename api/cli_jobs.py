@@ -16,6 +16,13 @@ import yaml
 
 from api.cli import cli, client, emit, job_exit_code
 from core.errors import InvalidInput
+from core.hub import HUB_ID
+
+
+def _size(n: Any) -> str:
+    from core.hub import _size as size
+
+    return size(int(n or 0))
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -69,8 +76,9 @@ def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     if model and Path(model).expanduser().exists():
         spec["model"] = str(Path(model).expanduser().resolve())
     adapter = spec.get("adapter")
-    if adapter and spec.get("kind") == "generate" and not str(adapter).startswith(("file_", "job_")):
-        spec["adapter"] = _upload_adapter(Path(adapter).expanduser(), api)
+    if (adapter and spec.get("kind") == "generate" and not str(adapter).startswith(("file_", "job_"))
+            and (Path(adapter).expanduser().exists() or not HUB_ID.match(str(adapter)))):
+        spec["adapter"] = _upload_adapter(Path(adapter).expanduser(), api)  # a Hub repo id stays as it is
     return spec
 
 
@@ -79,8 +87,9 @@ def _upload_adapter(source: Path, api) -> str:
     if source.is_file() and source.suffix == ".zip":
         return api.upload(source)["id"]
     if not source.is_dir():
-        raise InvalidInput(f"--adapter {source}: not a fine-tune job id (job_…), a file id (file_…), nor a local "
-                           "adapter directory (adapter_config.json + adapter_model.safetensors) or its .zip")
+        raise InvalidInput(f"--adapter {source}: not a fine-tune job id (job_…), a file id (file_…), a Hub repo "
+                           "(org/name), nor a local adapter directory (adapter_config.json + "
+                           "adapter_model.safetensors) or its .zip")
     with pack_adapter(source) as packed:
         return api.upload(packed)["id"]
 
@@ -128,18 +137,20 @@ def pack_saved_dataset(folder: Path):
 def common_submit_options(fn):
     options = [
         click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="YAML or JSON spec; flags override it"),
-        click.option("--model", help="model directory, or a Hub id cached on the workers"),
+        click.option("--model", help="model directory, or a Hub id (org/name): fetched once per worker host, or read "
+                     "from its cache offline"),
         click.option("--input", "input_", help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path"),
         click.option("--name", help="a label for the job"),
         click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),
-        click.option("--revision", help="Hub revision of the model"),
+        click.option("--revision", help="Hub revision of the model: branch, tag or commit (the job records the "
+                     "commit)"),
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="weights dtype (auto)"),
         click.option("--attn-implementation", "--attn", "attn_implementation",
                      help="sdpa (default), sdpa_gqa, eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo"),
         click.option("--quantization", help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"),
         click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
-        click.option("--adapter", help="LoRA adapter: a fine-tune job id, a file id, or a local PEFT adapter "
-                     "directory (uploaded as a zip)"),
+        click.option("--adapter", help="LoRA adapter: a fine-tune job id, a file id, a Hub LoRA repo (org/name), "
+                     "or a local PEFT adapter directory (uploaded as a zip)"),
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
                      help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4"),
         click.option("--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"),
@@ -200,6 +211,7 @@ def submit() -> None:
 @click.option("--seed", type=int, help="sampling seed")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
+@click.option("--adapter-revision", help="revision of a Hub --adapter: branch, tag or commit")
 @click.option("--shard-rows", type=int, help="rows per shard (one task each)")
 @click.option("--batch-rows", type=int, help="rows per micro-batch commit")
 @click.option("--input-format", type=click.Choice(["auto", "jsonl", "openai", "csv", "parquet", "hf"]),
@@ -292,6 +304,14 @@ def describe(job: dict[str, Any]) -> None:
     if live:
         eta = f"{live['eta_s']:.0f} s" if live.get("eta_s") is not None else "unknown"
         click.echo(f"  rate     {live['tokens_per_s']} tok/s, {live['rows_per_s']} rows/s (last minute); ETA {eta}")
+    for d in job.get("downloads") or []:
+        rate = f", {_size(d['rate_bytes_per_s'])}/s" if d.get("rate_bytes_per_s") else ""
+        eta = f", ETA {d['eta_s']:.0f} s" if d.get("eta_s") is not None else ""
+        click.echo(f"  download {d['repo']}@{(d['commit'] or '?')[:12]} on {d['host']}: {_size(d['bytes_done'])} of "
+                   f"{_size(d['bytes_total'])}{rate}{eta}")
+    model = (job.get("metrics") or {}).get("model")
+    if model and model.get("commit"):
+        click.echo(f"  commit   {model['repo']}@{model['revision']} = {model['commit']}")
     metrics = job.get("metrics") or {}
     if metrics.get("time_to_first_result_s") is not None:
         per_shard = metrics.get("shard_time_to_first_result_s")

@@ -169,6 +169,18 @@ class Client:
     def adapter(self, adapter_id: str) -> dict[str, Any]:
         return self._json("GET", f"/adapters/{adapter_id}")
 
+    def models(self, *, repo: str | None = None) -> list[dict[str, Any]]:
+        """Hub models in each host's cache (and downloads or requests in flight)."""
+        return self._json("GET", "/models", params={"repo": repo} if repo else {})
+
+    def pull_models(self, repo: str, *, revision: str | None = None, workers: str = "all") -> list[dict[str, Any]]:
+        """Ask the hosts of live workers to fetch `repo` (admins); returns one request row per host cache."""
+        return self._json("POST", "/models/pull", json={"repo": repo, "revision": revision, "workers": workers})
+
+    def remove_models(self, repo: str, *, revision: str | None = None, workers: str = "all") -> list[dict[str, Any]]:
+        """Ask the hosts of live workers to delete `repo` (one revision, or all) from their cache (admins)."""
+        return self._json("POST", "/models/remove", json={"repo": repo, "revision": revision, "workers": workers})
+
     def usage(self, *, owner: str | None = None, since: str | None = None) -> dict[str, Any]:
         """Per-owner sums (jobs, rows, tokens, GPU- and engine seconds); `since` is 7d, 12h… or an ISO date."""
         params = {k: v for k, v in {"owner": owner, "since": since}.items() if v is not None}

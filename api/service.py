@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from core import adapters, capability, files, leases, registry
-from core import formats
+from api import service_models
+from core import adapters, capability, files, formats, hub, leases, model_cache, registry
 from core.dataset import PARAMS, SAMPLE_AT_ZERO, InputCheck, count_rows, openai_models, parse_dataset, too_many_rows
 from core.db import session_scope
 from core.errors import Forbidden, IllegalTransition, InvalidInput, JobsError, Unschedulable
@@ -32,7 +32,7 @@ from core.store import (add_event, cancel_job, create_shards, get_job, insert_ro
                         transition)
 
 log = logging.getLogger(__name__)
-HUB_ID = re.compile(r"^(?!\.)[\w.-]+/(?!\.)[\w.-]+$")  # org/name; `./x` and `../x` are paths, not Hub ids
+HUB_ID = hub.HUB_ID  # org/name; `./x` and `../x` are paths, not Hub ids
 MAX_CONFIG_BYTES = 10 << 20  # a model's config.json, read as JSON at submit
 RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 
@@ -53,6 +53,8 @@ def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False) -> dic
         return submit_finetune(owner=owner, spec=spec, admin=admin)
     _check_sampling(spec)
     spec = _resolve_model(spec)
+    hub_check = service_models.check(spec)  # a Hub model or adapter: resolved to a commit, config and tokenizer read
+    spec = hub_check.spec
     ping_redis()
     with session_scope() as session:
         gpus = _resolve_gpus(session, spec)
@@ -67,14 +69,14 @@ def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False) -> dic
                   completion_tokens=0, retries=0)
         session.add(job)
         session.flush()
-        checked = InputCheck(spec)
+        checked = InputCheck(spec, model_dir=hub_check.local_dir)
         rows = checked.rows(parse_dataset(files.absolute(input_file), spec.input_format, spec=spec,
                                           columns=spec.input_columns))
         total, failed, first_error = insert_rows(session, job.id, rows)
         job.rows_total = total
-        job.metrics = {"input": checked.summary()}
+        job.metrics = {"input": checked.summary(), **hub_check.metrics}
         add_event(session, job.id, f"submitted by {owner}: {total} rows, {failed} invalid, queue {job.queue}")
-        for note in notes:
+        for note in hub_check.notes + notes:
             add_event(session, job.id, note)
         if waiting and failed < total:  # queued, no shards: released when the fine-tune ends
             add_event(session, job.id, f"waiting for fine-tune {spec.adapter} to register its adapter")
@@ -113,25 +115,30 @@ def _resolve_model(spec: Spec) -> Spec:
     """Check the model a spec names before anything is stored; a local path becomes its resolved directory.
 
     With JOBS_MODEL_ROOTS set, a path is checked against the roots before it is looked at, so a refusal never
-    tells whether a path outside them exists, and Hub ids are refused (models come only from the roots).
+    tells whether a path outside them exists, and Hub ids are refused unless JOBS_HUB_MODELS allows them (models come
+    only from the roots and that list). A Hub id is checked further by `service_models.check`.
     """
     settings = get_settings()
     if spec.trust_remote_code and not settings.allow_remote_code:
         raise Forbidden("trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that "
                         "transformers supports natively")
     if not spec.model.strip():
-        raise InvalidInput("model is empty: give a local model directory or a Hub id (org/name) cached on the workers")
+        raise InvalidInput("model is empty: give a local model directory or a Hub id (org/name)")
     path = files.resolve(spec.model, what="model") if spec.model.startswith("~") else Path(spec.model)
     roots = settings.model_roots
+    adapter = getattr(spec, "adapter", None)
+    if adapter and hub.is_hub_id(adapter) and roots and not hub.allowed(adapter):
+        raise InvalidInput(f"adapter {adapter!r}: this server takes Hub repos only where JOBS_HUB_MODELS lists them "
+                           "(its models come from JOBS_MODEL_ROOTS): upload the adapter instead (--adapter DIR)")
     if not path.is_absolute() and HUB_ID.match(spec.model) and not path.exists():
-        if not roots:
-            return spec  # a Hub id: the worker loads it from its cache, offline
+        if not roots or hub.allowed(spec.model):
+            return spec  # a Hub id: fetched once per host by the workers (service_models.check reads it first)
         raise InvalidInput(f"model {spec.model!r} is not a directory under the model roots "
                            f"({os.pathsep.join(map(str, roots))}): this server loads models only from "
-                           "JOBS_MODEL_ROOTS, not by Hub id")
+                           "JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists")
     if not roots and not path.exists():
         raise InvalidInput(f"model {spec.model!r} does not exist: give a local model directory or a Hub id "
-                           "(org/name) cached on the workers")
+                           "(org/name)")
     real = files.check_server_path(str(path), roots, what="model")
     _check_model_dir(real, spec.model)
     return spec.model_copy(update={"model": str(real)})
@@ -277,8 +284,8 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
 
 def _allowed_model(name: str) -> str:
     roots = get_settings().model_roots
-    if not roots:
-        return name  # checked like any spec's model by _resolve_model
+    if not roots or (HUB_ID.match(name) and hub.allowed(name)):
+        return name  # checked like any spec's model by _resolve_model (a Hub id by service_models.check too)
     if not Path(name).is_absolute() and ".." not in Path(name).parts:
         for root in roots:
             if (root / name).is_dir():
@@ -317,11 +324,27 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
     }
     if not JobState(job.state).terminal:
         view["live"] = _live_rates(session, job, p)
+        downloads = _downloads(session, job)
+        if downloads:
+            view["downloads"] = downloads
     if job.kind == "finetune":
         from api.service_finetune import training_progress
 
         view["training"] = training_progress(session, job)
     return view
+
+
+def _downloads(session: Session, job: Job) -> list[dict[str, Any]]:
+    """Downloads of the job's Hub model (its pinned commit, once known) and adapter in progress on any host: bytes
+    done and total, rate, ETA."""
+    found = []
+    for key, repo in (("model", job.spec.get("model")), ("adapter", job.spec.get("adapter"))):
+        if not repo or not HUB_ID.match(repo):
+            continue
+        commit = ((job.metrics or {}).get(key) or {}).get("commit")
+        found += [model_cache.download_view(r) for r in model_cache.downloads(session, repo, [commit] if commit
+                                                                               else None)]
+    return found
 
 
 def _metrics(session: Session, job: Job) -> dict[str, Any]:

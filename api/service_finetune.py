@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from api import service_models
 from core import adapters, files, formats
 from core.db import session_scope
 from core.errors import JobsError
@@ -39,6 +40,8 @@ def submit_finetune(*, owner: str, spec: FinetuneSpec, admin: bool = False) -> d
     from api import service
 
     spec = service._resolve_model(spec)
+    hub_check = service_models.check(spec)  # a Hub base: resolved to a commit, its config read
+    spec = hub_check.spec
     then = _then_generate_spec(spec)
     ping_redis()
     with session_scope() as session:
@@ -47,7 +50,7 @@ def submit_finetune(*, owner: str, spec: FinetuneSpec, admin: bool = False) -> d
         job = Job(id=new_id("job"), kind="finetune", state=JobState.queued.value, owner=owner,
                   spec=spec.model_dump(mode="json"), input_file_id=input_file_id, queue=queue_for(gpus), gpus=gpus,
                   created_at=now(), rows_total=len(rows), rows_succeeded=0, rows_failed=0, prompt_tokens=0,
-                  completion_tokens=0, retries=0, metrics={"input": read_as})
+                  completion_tokens=0, retries=0, metrics={"input": read_as, **hub_check.metrics})
         session.add(job)
         session.flush()
         session.execute(JobRow.__table__.insert(), [
@@ -59,6 +62,8 @@ def submit_finetune(*, owner: str, spec: FinetuneSpec, admin: bool = False) -> d
                   f" ({read_as['format']})"
                   + (f" and {n_valid} validation rows ({read_as['validation_format']})" if n_valid else "")
                   + f", queue {job.queue}")
+        for note in hub_check.notes:
+            add_event(session, job.id, note)
         transition(session, job, JobState.validating, reason="structural checks done")
         # One shard over every row: the fine-tune is leased, renewed and reaped like any shard.
         shards = create_shards(session, job, shard_rows=max(len(rows), 1), max_attempts=get_settings().max_attempts)

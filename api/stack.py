@@ -69,8 +69,7 @@ def check_inherited(devices: list[str]) -> None:
 
 
 def worker_env(devices: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
-    env = pinned_env(devices, os.environ if base is None else base)
-    env.setdefault("HF_HUB_OFFLINE", "1")
+    env = pinned_env(devices, os.environ if base is None else base)  # HF_HUB_OFFLINE only if the operator set it
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return env

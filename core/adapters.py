@@ -32,6 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import files
+from core.hub import HUB_ID
 from core.errors import Conflict, InvalidInput, JobsError, NotFound
 from core.models import Adapter, File, Job, Shard
 from core.settings import get_settings
@@ -111,9 +112,11 @@ def check_for_generation(session: Session, *, ref: str, owner: str, admin: bool,
         if notes is not None:
             notes.append(note)
         return False
+    if HUB_ID.match(ref):
+        return False  # a Hub LoRA repo: checked against the Hub or the workers' caches (api/service_models.py)
     if not ref.startswith("job_"):
-        raise InvalidInput(f"adapter {ref!r}: name the fine-tune job that made it (job_…) or an uploaded adapter "
-                           "file (file_…); list adapters with `gpujobs adapters list`")
+        raise InvalidInput(f"adapter {ref!r}: name the fine-tune job that made it (job_…), an uploaded adapter "
+                           "file (file_…) or a Hub LoRA repo (org/name); list adapters with `gpujobs adapters list`")
     job = session.get(Job, ref)
     if job is None or (not admin and job.owner != owner):
         raise NotFound(f"no adapter {ref!r}: list yours with `gpujobs adapters list`")

@@ -510,10 +510,12 @@ class InputCheck:
     """Wraps the parsed rows of a submit: runs the token check on good rows, 1,000 at a time, and notes what
     the job's results need to know about its input (its format and its pass-through keys, for table outputs)."""
 
-    def __init__(self, spec: Any, chunk: int = 1000):
+    def __init__(self, spec: Any, chunk: int = 1000, *, model_dir: Path | None = None):
+        """`model_dir`: where the model's config.json and tokenizer are (a Hub model's snapshot in this host's
+        cache); default: the spec's model, when it is a local directory."""
         self.spec, self.chunk = spec, chunk
         self.where = formats.location(spec.input_format)
-        model_dir = Path(spec.model)
+        model_dir = model_dir or Path(spec.model)
         self.tokens = TokenCheck.for_model(model_dir) if model_dir.is_absolute() and model_dir.is_dir() else None
         self.extra_keys: dict[str, None] = {}
         self.too_long = 0

@@ -48,6 +48,18 @@ class ServiceUnavailable(JobsError):
     http_status = 503
 
 
+class NoAccess(InvalidInput):
+    """The Hub refused a repo to a process without a token (gated, private, or missing: it does not say which)."""
+
+
+class HubUnreachable(ServiceUnavailable):
+    """The Hugging Face Hub (or the mirror HF_ENDPOINT names) cannot be reached, or answered with a server error."""
+
+
+class ChecksumMismatch(JobsError):
+    """A downloaded file's content does not match the hash the Hub lists for it (fetched again once, then this)."""
+
+
 class IllegalTransition(Conflict):
     """A state change that the state machine does not allow, or that lost a race."""
 

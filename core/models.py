@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.states import JobState, RowState, ShardState
@@ -196,3 +196,44 @@ class Adapter(Base):
     created_at: Mapped[float] = mapped_column(Float)
 
     __table_args__ = (Index("ix_adapters_owner", "owner"),)
+
+
+class CachedModel(Base):
+    """A snapshot of a Hub repo in one host's Hugging Face cache (0006): what `gpujobs models list` shows, the
+    progress of a download that `gpujobs status` shows, and the requests `models pull/rm --workers` leave for the
+    workers of a host (`state` pull_requested / remove_requested; one of them claims each).
+
+    Written by the workers (core/model_cache.py); a host is the worker's host name (JOBS_HOSTNAME) and its cache
+    directory (HF_HUB_CACHE), so two caches on one host are two places. `commit` is '' only for a pull request whose
+    revision the API could not resolve (the worker resolves it).
+    """
+
+    __tablename__ = "cached_models"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    host: Mapped[str] = mapped_column(String(255))
+    cache_dir: Mapped[str] = mapped_column(String(1024))
+    repo: Mapped[str] = mapped_column(String(255))
+    commit: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16), default="model")
+    revision: Mapped[str | None] = mapped_column(String(255))
+    refs: Mapped[list[Any] | None] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(24))
+    files: Mapped[int] = mapped_column(Integer, default=0)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    rate: Mapped[float | None] = mapped_column(Float)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    requested_by: Mapped[str | None] = mapped_column(String(128))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    last_used_at: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (
+        UniqueConstraint("host", "cache_dir", "repo", "commit", name="uq_cached_models_place"),
+        Index("ix_cached_models_repo", "repo"),
+    )

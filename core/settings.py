@@ -11,6 +11,12 @@ Embedded default (no configuration): everything lives under `JOBS_HOME` (default
     token            the local admin token written by `gpujobs up` (mode 0600)
 
 Cluster: set `JOBS_REDIS_URL`, `JOBS_DATABASE_URL`, `JOBS_API_URL`, `JOBS_ARTIFACTS` (a path every host mounts).
+
+Models by Hub id (core/hub.py) follow the Hugging Face variables, so existing caches, `hf download` and mirrors keep
+working: `HF_ENDPOINT` (the Hub or a mirror), `HF_HUB_OFFLINE` (never reach it), `HF_HUB_CACHE` / `HF_HOME` (the
+cache), `HF_TOKEN` / `HF_TOKEN_PATH` (read when needed by `core.hub.token()`, never kept here: a settings object
+may be printed). Ours: `JOBS_HUB_MODELS` (Hub ids allowed when JOBS_MODEL_ROOTS is set), `JOBS_HUB_MIN_FREE_BYTES`
+(free space a download must leave), `JOBS_HUB_TIMEOUT` (seconds to connect or wait for a byte).
 """
 
 from __future__ import annotations
@@ -81,6 +87,13 @@ class Settings:
     restart_backoff_max: float = 60.0
     worker_restarts: int = 0  # set by the supervisor on the worker it restarts: shown in its registration
     stopped_workers_shown: float = 3600.0  # `gpujobs workers` lists a stopped worker this long (`--all`: always)
+    hub_endpoint: str = "https://huggingface.co"
+    hub_offline: bool = False
+    hub_cache: Path = Path("~/.cache/huggingface/hub")
+    hub_token_path: Path = Path("~/.cache/huggingface/token")
+    hub_models: list[str] = field(default_factory=list)  # fnmatch patterns of Hub ids allowed beside the model roots
+    hub_min_free_bytes: int = 1 << 30
+    hub_timeout: float = 10.0
 
     @property
     def files_dir(self) -> Path:
@@ -109,6 +122,16 @@ class Settings:
     @property
     def is_loopback(self) -> bool:
         return self.api_host in ("127.0.0.1", "localhost", "::1")
+
+
+def _true(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hf_home() -> Path:
+    """HF_HOME as huggingface_hub reads it: $HF_HOME, else $XDG_CACHE_HOME/huggingface, else ~/.cache/huggingface."""
+    default = Path(_env("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface"
+    return Path(_env("HF_HOME", str(default))).expanduser()
 
 
 def _stack(home: Path) -> dict:
@@ -162,6 +185,14 @@ def get_settings() -> Settings:
         restart_backoff_max=float(_env("JOBS_RESTART_BACKOFF_MAX", "60")),
         worker_restarts=int(_env("JOBS_WORKER_RESTARTS", "0")),
         stopped_workers_shown=float(_env("JOBS_STOPPED_WORKERS_SHOWN", "3600")),
+        hub_endpoint=_env("HF_ENDPOINT", "https://huggingface.co").rstrip("/"),
+        hub_offline=_true(_env("HF_HUB_OFFLINE")) or _true(_env("TRANSFORMERS_OFFLINE")),
+        hub_cache=Path(_env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE") or str(_hf_home() / "hub"))
+        .expanduser().resolve(),
+        hub_token_path=Path(_env("HF_TOKEN_PATH", str(_hf_home() / "token"))).expanduser(),
+        hub_models=[p.strip() for p in (_env("JOBS_HUB_MODELS") or "").split(",") if p.strip()],
+        hub_min_free_bytes=int(_env("JOBS_HUB_MIN_FREE_BYTES", str(1 << 30))),
+        hub_timeout=float(_env("JOBS_HUB_TIMEOUT", "10")),
     )
 
 

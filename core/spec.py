@@ -55,8 +55,10 @@ def _attn_ok(value: str) -> str:
 class LoadOptions(Strict):
     """How a worker loads the model. Equal load options share one resident model."""
 
-    model: str = Field(description="local directory, or a Hub id already in the worker's cache (offline-safe)")
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit)")
+    model: str = Field(description="a local model directory, or a Hub id (org/name): fetched once per host into the "
+                       "Hugging Face cache, or read from it offline (core/hub.py)")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit); the job stores the commit "
+                                 "it resolved to")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bf16 on compute capability >= 8.0, fp16 below, fp32 on CPU"
     )
@@ -67,7 +69,10 @@ class LoadOptions(Strict):
     device_map: Literal["cuda", "auto", "cpu"] | None = Field(
         None, description="cuda: one GPU; auto: split over the worker's slice; cpu. Default: cuda on a GPU slice"
     )
-    adapter: str | None = Field(None, description="LoRA adapter: a fine-tune job id or a stored file id")
+    adapter: str | None = Field(None, description="LoRA adapter: a fine-tune job id, a stored file id, or a Hub LoRA "
+                                "repo (org/name)")
+    adapter_revision: str | None = Field(None, description="a Hub adapter's revision (branch, tag or commit); the job "
+                                         "stores the commit it resolved to")
     trust_remote_code: bool = Field(False, description="only where the server allows it")
 
     @field_validator("attn_implementation")
@@ -151,6 +156,13 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         if self.tp_plan and self.device_map == "auto":
             raise ValueError("tp_plan auto shards every layer over the slice, device_map auto places whole layers "
                              "on its GPUs: use one or the other")
+        return self
+
+    @model_validator(mode="after")
+    def _adapter_revision(self) -> GenerateSpec:
+        if self.adapter_revision and not (self.adapter and "/" in self.adapter):
+            raise ValueError("adapter_revision is the revision of a Hub adapter: name the adapter's repo (adapter: "
+                             "org/name) too")
         return self
 
     @model_validator(mode="after")
@@ -273,7 +285,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
         if self.quantization is not None and self.quantization.method != "bnb-4bit":
             raise ValueError(f"quantization {self.quantization.method!r} cannot be trained: fine-tunes take "
                              "bnb-4bit (QLoRA) or no quantization")
-        if self.adapter:
+        if self.adapter or self.adapter_revision:
             raise ValueError("adapter: a fine-tune trains a new adapter on the base model; continuing an adapter "
                              "is not supported")
         if self.validation_input and self.validation_split:

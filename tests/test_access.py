@@ -30,9 +30,12 @@ from tests.conftest import ROOT
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")  # an OpenAPI path item's operations
 PUBLIC = {("GET", "/healthz")}  # the only operations that answer without a token
-GLOBAL = {("GET", "/workers")}  # operations that show no owner's data (the workers are shared by everyone)
+GLOBAL = {("GET", "/workers"), ("GET", "/models")}  # operations that show no owner's data (shared by everyone)
+ADMIN_ONLY = {("POST", "/models/pull"), ("POST", "/models/remove")}  # operators' routes: a user gets 403
 # A job reads only its submitter's files: an admin submitting over another owner's file id gets 404 like anyone.
-ADMIN_REFUSED = {("POST", "/jobs"): 404}
+ADMIN_REFUSED = {("POST", "/jobs"): 404,
+                 # no live worker in this world: the request has no host to go to
+                 ("POST", "/models/pull"): 422, ("POST", "/models/remove"): 422}
 MISSING = {"job_id": "job_000000000000", "file_id": "file_000000000000"}  # ids that exist for nobody
 ALICE, BOB, ROOT_ADMIN = "alice", "bob", "root"
 SECRETS = ("alice-secret-prompt-7f3a", "alice-secret-extra-55d0", "alice-secret-output-91c2", "alice-secret.jsonl")
@@ -134,6 +137,8 @@ def bodies(world: World, ids: dict[str, str]) -> dict[tuple[str, str], tuple[dic
         ("POST", "/files"): ({"files": {"file": ("probe.jsonl", rows_file({"prompt": "probe"}))}}, set()),
         ("POST", "/jobs"): ({"json": {"model": world.model, "input": ids["file_id"], "gpus": 0, "max_new_tokens": 4}},
                             {"file_id"}),
+        ("POST", "/models/pull"): ({"json": {"repo": "acme/probe", "workers": "all"}}, set()),
+        ("POST", "/models/remove"): ({"json": {"repo": "acme/probe", "workers": "all"}}, set()),
     }
 
 
@@ -236,6 +241,9 @@ def probe_other_user(world: World, application: FastAPI = app) -> list[str]:
                 if response.status_code != 404 or (twin.status_code, twin.text) != (404, expected):
                     problems.append(f"{method} {request.url} as B: {response.status_code} {response.text[:200]} "
                                     f"(for ids that do not exist: {twin.status_code} {twin.text[:200]})")
+            elif (method, path) in ADMIN_ONLY:
+                if response.status_code != 403 or "only an admin token" not in response.text:
+                    problems.append(f"{method} {path} as B (a user): {response.status_code} {response.text[:200]}")
             elif not response.is_success:
                 problems.append(f"{method} {path} as B: {response.status_code} {response.text[:200]}")
             else:

@@ -186,11 +186,11 @@ SPEC_CASES = [
      "trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that transformers "
      "supports natively"),
     ("model path missing", {"model": "{tmp}/nope"}, 422,
-     "model '{tmp}/nope' does not exist: give a local model directory or a Hub id (org/name) cached on the workers"),
+     "model '{tmp}/nope' does not exist: give a local model directory or a Hub id (org/name)"),
     ("a relative path that is not a Hub id", {"model": "../nope"}, 422,
-     "model '../nope' does not exist: give a local model directory or a Hub id (org/name) cached on the workers"),
+     "model '../nope' does not exist: give a local model directory or a Hub id (org/name)"),
     ("model path empty", {"model": " "}, 422,
-     "model is empty: give a local model directory or a Hub id (org/name) cached on the workers"),
+     "model is empty: give a local model directory or a Hub id (org/name)"),
     ("model path is a file", {"model": "{model}/config.json"}, 422,
      "model path '{model}/config.json' is not a directory: point at a directory saved with save_pretrained "
      "(config.json and *.safetensors)"),
@@ -291,14 +291,14 @@ def roots(api, tmp_path, model) -> dict[str, Path]:
 
 def test_a_model_outside_the_model_roots_is_refused(api, roots, tmp_path):
     """A model directory outside JOBS_MODEL_ROOTS is refused with 403 naming the roots; a Hub id is refused
-    too (models come only from the roots); the model inside the roots is accepted."""
+    too (models come only from the roots and JOBS_HUB_MODELS); the model inside the roots is accepted."""
     outside = fake_model(tmp_path / "elsewhere")
     data = str(roots["data"] / "ok.jsonl")
     refused(api, {"model": str(outside), "input": data, "gpus": 0}, 403,
             f"model path '{outside}' is outside the allowed roots ({roots['models']}): move it under one of them")
     refused(api, {"model": "Qwen/Qwen3-0.6B", "input": data, "gpus": 0}, 422,
             f"model 'Qwen/Qwen3-0.6B' is not a directory under the model roots ({roots['models']}): this server "
-            "loads models only from JOBS_MODEL_ROOTS, not by Hub id")
+            "loads models only from JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists")
     refused(api, {"model": f"{roots['models']}/../elsewhere", "input": data, "gpus": 0}, 403,
             f"model path '{roots['models']}/../elsewhere' is outside the allowed roots ({roots['models']}): move it "
             "under one of them")

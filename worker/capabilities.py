@@ -60,7 +60,8 @@ def probe() -> dict[str, Any]:
         "versions": versions(),
         "attention": attention_backends(devices),
         "varlen_attention": varlen_attention(devices),
-        "hub_reachable": False if os.environ.get("HF_HUB_OFFLINE") == "1" else None,
+        "hub": hub_settings(),
+        "model_types": causal_lm_types(),
     }
 
 
@@ -85,6 +86,26 @@ def slice_problem(devices: list[str]) -> str | None:
         return (f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA sees {seen} of them (a GPU of the "
                 f"slice does not exist on this host, and CUDA hides it and every one after it): {fix}")
     return None
+
+
+def hub_settings() -> dict[str, Any]:
+    """How this worker reaches the Hub (core/hub.py): never the token itself, only whether one is set."""
+    from core import hub
+    from core.settings import get_settings
+
+    settings = get_settings()
+    value, source = hub.token()
+    return {"offline": settings.hub_offline, "endpoint": hub.endpoint(), "cache": str(settings.hub_cache),
+            "token": source if value else None}
+
+
+def causal_lm_types() -> list[str]:
+    """The config `model_type`s this transformers loads with AutoModelForCausalLM (submit checks a model's)."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return []
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 def attention_backends(devices: list[dict[str, Any]]) -> list[str]:

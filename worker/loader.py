@@ -1,7 +1,9 @@
 """Load a model the way a job's spec asks: dtype, attention backend, quantization, device map, adapter.
 
-Every resolved choice is returned and recorded on the job; nothing falls back silently. Loads are offline
-(`local_files_only`): a Hub id must already be in the worker's cache. Safetensors only.
+Every resolved choice is returned and recorded on the job; nothing falls back silently. transformers itself never
+reaches the Hub (`local_files_only`): a Hub id is read from its snapshot folder in this host's Hugging Face cache,
+fetched and verified before the load by worker/hubfetch.py (core/hub.py), and recorded with its commit. Safetensors
+only.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.errors import InvalidInput
 from core.spec import LoadOptions
-from worker import faults
+from worker import faults, hubfetch
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -114,8 +116,10 @@ def _load(opts: LoadOptions, *, gpus: int) -> Loaded:
     device_map = resolve_device_map(opts, gpus)
     on_gpu = device_map != "cpu"
     dtype = resolve_dtype(opts.dtype, on_gpu)
+    source = hubfetch.model_path(opts)  # a Hub id's verified snapshot folder, or the local directory
     kwargs: dict[str, Any] = dict(
-        revision=opts.revision, dtype=dtype, attn_implementation=opts.attn_implementation,
+        revision=None if source != opts.model else opts.revision, dtype=dtype,
+        attn_implementation=opts.attn_implementation,
         device_map=device_map, trust_remote_code=opts.trust_remote_code, use_safetensors=True,
         local_files_only=True,
     )
@@ -127,8 +131,8 @@ def _load(opts: LoadOptions, *, gpus: int) -> Loaded:
 
         attention.register()  # our AttentionInterface entry (worker/attention.py) must exist before loading
     try:
-        model = AutoModelForCausalLM.from_pretrained(opts.model, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(opts.model, revision=opts.revision, local_files_only=True,
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=kwargs["revision"], local_files_only=True,
                                                   trust_remote_code=opts.trust_remote_code)
     except OSError as exc:
         raise InvalidInput(f"cannot load model {opts.model!r}: {exc}") from exc
@@ -153,6 +157,8 @@ def _load(opts: LoadOptions, *, gpus: int) -> Loaded:
         "use_kernels": opts.use_kernels,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if hubfetch.hub_record(opts):
+        resolved["hub"] = hubfetch.hub_record(opts)  # repo, commit, endpoint, host and cache it was read from
     log.info("loaded %s: %s", opts.model, resolved)
     return Loaded(model, tokenizer, device, resolved)
 
@@ -165,13 +171,16 @@ def _devices(model: Any) -> list[str]:
     return sorted(names)
 
 
-def adapter_path(ref: str) -> Path:
-    """The adapter's folder for `ref`: a fine-tune job id (its registered folder), or a stored file id (extracted
-    once per file into the artifacts store, `core.adapters.extract_file`); the submit checked owner and base."""
-    from core import adapters
+def adapter_path(ref: str, revision: str | None = None) -> Path:
+    """The adapter's folder for `ref`: a fine-tune job id (its registered folder), a stored file id (extracted
+    once per file into the artifacts store, `core.adapters.extract_file`), or a Hub LoRA repo (its verified snapshot
+    in this host's cache, fetched by hubfetch.prepare); the submit checked owner and base."""
+    from core import adapters, hub
     from core.db import session_scope
     from core.models import Adapter, File
 
+    if hub.is_hub_id(ref):
+        return hub.ensure(ref, revision, kind="adapter").path
     with session_scope() as session:
         if adapters.is_file_ref(ref):
             file = session.get(File, ref)
@@ -192,7 +201,7 @@ def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
 
     from core import adapters
 
-    path = adapter_path(opts.adapter)
+    path = adapter_path(opts.adapter, opts.adapter_revision)
     try:
         config = PeftConfig.from_pretrained(str(path))
         config.init_lora_weights = False  # every tensor comes from the file (checked below): no init runs on the base
@@ -203,9 +212,9 @@ def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
         raise InvalidInput(f"adapter {opts.adapter} does not load onto {opts.model}: {exc}") from exc
     _check_complete(peft_model, path, opts)
     merged = opts.quantization is None
-    source = "file" if adapters.is_file_ref(opts.adapter) else "finetune"
+    source = "file" if adapters.is_file_ref(opts.adapter) else "finetune" if opts.adapter.startswith("job_") else "hub"
     return {"id": opts.adapter, "source": source, "path": str(path), "sha256": adapters.digest(path)[1],
-            "merged": merged,
+            "merged": merged, **({"revision": opts.adapter_revision} if source == "hub" else {}),
             "model": peft_model.merge_and_unload() if merged else peft_model}
 
 

@@ -67,6 +67,20 @@ def survive_broker_loss_with_unacked_messages() -> None:
     Connection.maybe_close_channel = maybe_close_channel
 
 
+def start_models(name: str, closed) -> None:
+    """Record what this host's Hugging Face cache holds (before the worker counts as live, so a submit sees it),
+    then serve `gpujobs models pull/rm --workers` requests in a thread (worker/hubfetch.py)."""
+    import threading
+
+    from worker import hubfetch
+
+    try:
+        hubfetch.inventory(name)
+    except Exception:  # an unreadable cache must not keep the worker from serving local models
+        log.exception("could not scan the Hugging Face cache")
+    threading.Thread(target=hubfetch.serve, args=(name, closed), name="models", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.loglevel)
@@ -101,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker import tasks
 
     tasks.runtime = runtime
+    start_models(name, runtime.closed)
     runtime.register(os.getpid())
     faults.hit("start")  # test-only (worker/faults.py)
     runtime.start_heartbeat()

@@ -35,7 +35,7 @@ from core.queue import TASK_RUN_SHARD, send, waiting_messages
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
 from core.store import add_event, expire_batches, maybe_finalize, now
-from worker import capabilities, faults, generate, loader
+from worker import capabilities, faults, generate, hubfetch, loader
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,8 @@ class Runtime:
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
         opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
+        with self.progress.phase("downloading model"):  # Hub ids, once per host (a stalled download times out)
+            opts = hubfetch.prepare(opts, job.id, worker=self.name, should_stop=self._stopping)
         self.resident = None
         _free_memory()
         workdir = adapters.workdir(job.id)
@@ -360,6 +362,8 @@ class Runtime:
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
         """The resident model if the load options match, else load (and free the previous one first)."""
         opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
+        with self.progress.phase("downloading model"):  # Hub ids, once per host (a stalled download times out)
+            opts = hubfetch.prepare(opts, job_id, worker=self.name, should_stop=self._stopping)
         key = opts.load_key()
         if self.resident and self.resident[0] == key:
             return self.resident[1]
@@ -379,6 +383,9 @@ class Runtime:
                       data=loaded.resolved)
         self.resident = (key, loaded)
         return loaded
+
+    def _stopping(self) -> bool:
+        return self.stop_current.is_set() or self.shutting_down.is_set()
 
     def _failed_attempt(self, shard, error: str) -> None:
         log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)
