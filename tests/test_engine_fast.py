@@ -462,6 +462,7 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     assert r[0].output is None and "more than the 384 the fast engine holds here" in r[0].error
     assert r[1].output == qa_pairs()[0][1]
     out = {x.idx: x for b in engine._generate_fast(loaded, make_spec(tiny_model), long, batch_rows=4,
-                                                     should_stop=lambda: False, on_event=print, info={}) for x in b}
+                                                     should_stop=lambda: False, on_event=print, info={},
+                                                     progress=Progress()) for x in b}
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
     fastgen.release(loaded.model)
