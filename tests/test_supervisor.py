@@ -318,3 +318,38 @@ def test_a_stack_file_from_before_a_reboot_is_not_running_and_down_kills_none_of
         bystander.kill()
         bystander.wait()
         reset()
+
+
+def test_a_stalled_worker_under_up_exits_70_and_a_fresh_one_finishes_the_job(tmp_path, redis_server, tiny_model):
+    """Under `up --detach`, the worker's decode step stops returning after some committed rows (a fault in the first
+    worker only) while its heartbeat goes on: the watchdog writes a stall event, gives the shard back, the worker
+    exits 70 and its registration says why; the supervisor starts a fresh worker (restarts=1), which finishes the
+    job; every row ran once and the rows committed before the stall were kept."""
+    import sqlite3
+
+    env = dict(stack_env(tmp_path), JOBS_TEST_FAULTS="once_hang_after_40@decode_step", JOBS_STALL_SECONDS="6",
+               JOBS_BATCH_ROWS="2")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"hello {i}", "max_new_tokens": 8, "ignore_eos": True}) + "\n"
+                            for i in range(24)))
+    assert jobs(env, "up", "--detach", "--port", str(free_port())).returncode == 0
+    try:
+        [first] = read_stack(tmp_path)["workers"]
+        job_id = jobs(env, "submit", "generate", "--model", str(tiny_model), "--input", str(rows),
+                      check=True).stdout.strip()
+        wait = jobs(env, "wait", job_id, "--timeout", "170")
+        assert wait.returncode == 0, wait.stderr
+        every = {w["pid"]: w for w in workers_json(env, "--all")}
+        assert (every[first]["state"], every[first]["exit_code"]) == ("offline", 70)
+        assert "no progress" in every[first]["reason"]
+        [now] = [w for w in every.values() if w["state"] == "online"]
+        assert now["pid"] != first and now["restarts"] == 1
+        events = [json.loads(line) for line in jobs(env, "events", job_id, "--json", check=True).stdout.splitlines()]
+        stall = [e for e in events if e["kind"] == "stall"]
+        assert len(stall) == 1 and "decode step" in stall[0]["message"] and stall[0]["data"]["stack"]
+        with sqlite3.connect(tmp_path / "home" / "jobs.db") as db:
+            done = db.execute("SELECT worker, executions FROM job_rows WHERE job_id = ?", (job_id,)).fetchall()
+        assert len(done) == 24 and {e for _, e in done} == {1}
+        assert {w for w, _ in done} == {every[first]["name"], now["name"]}  # the stalled worker's rows were kept
+    finally:
+        jobs(env, "down")

@@ -17,6 +17,8 @@
     hang_after_N@POINT   stall the watchdog must catch (worker/progress.py). hang_after_N lets N hits pass first.
                          Points: decode_step (every decode step of every engine), prefill (a prefill chunk of the
                          fast engine), train_step (each logged training step), rankR_step.
+    once_ACTION@POINT    ACTION in the first process of the stack (same JOBS_HOME) to reach it, and in no other:
+                         e.g. once_hang_after_30@decode_step stalls one worker and not the one restarted after it
 
 Unset (always, outside tests) it costs one dict lookup per call.
 """
@@ -47,6 +49,10 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
         action, _, where = fault.partition("@")
         if where != point:
             continue
+        once = action.startswith("once_")
+        action = action.removeprefix("once_")
+        if once and not _first(fault, action):
+            continue
         if action == "raise":
             raise RuntimeError(f"injected failure (JOBS_TEST_FAULTS {fault})")
         if action == "kill":
@@ -65,6 +71,21 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
             import torch
 
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by JOBS_TEST_FAULTS at {point}, {rows} rows)")
+
+
+def _first(fault: str, action: str) -> bool:
+    """Whether this process is the first of its stack to fire `fault` (a marker file under JOBS_HOME, created
+    once). A hang_after_N counts its own hits first: only the hit that would block claims the marker."""
+    if action.startswith("hang_after_") and _hits[fault] + 1 <= int(action.removeprefix("hang_after_")):
+        return True  # not firing yet: _hang counts the hit
+    from core.settings import get_settings
+
+    marker = get_settings().home / f"fault-fired-{fault.replace('@', '-at-')}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _hang(fault: str, after: int) -> None:
