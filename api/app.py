@@ -12,7 +12,6 @@ here), `/v1/files` and `/v1/batches` (OpenAI's specification describes them: tes
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import Body, FastAPI, File, Query, Request, UploadFile
@@ -23,13 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
-from api import dashboard, metrics, openai_api, service, service_finetune, service_models
+from api import checks, dashboard, metrics, openai_api, service, service_models, views
 from api.access import Caller
+from api.results import export
 from core import files, formats
 from core.db import check_reachable, session_scope
-from core.errors import Forbidden, InvalidInput, JobsError
+from core.errors import Forbidden, JobsError
 from core.queue import ping_redis
-from core.settings import get_settings
 from core.states import JobState
 
 log = logging.getLogger(__name__)
@@ -87,60 +86,24 @@ def upload(caller: Caller, file: Annotated[UploadFile, File()]) -> dict[str, Any
 @app.get("/files/{file_id}", summary="A stored file's metadata")
 def file_info(caller: Caller, file_id: str) -> dict[str, Any]:
     with session_scope() as session:
-        return service.file_view(files.get(session, file_id, owner=caller.visible_owner))
+        return views.file_view(files.get(session, file_id, owner=caller.visible_owner))
 
 
 @app.post("/jobs", status_code=201, summary="Submit a job (the spec; `input` is a file id or a server path)")
 async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
-    _refuse_nul(spec, "spec")
-    if not caller.is_admin:
-        _check_user_server_path(spec.get("input"))
-        _check_user_server_path(spec.get("validation_input"))  # a fine-tune's other datasets, checked the same way
-        then = spec.get("then_generate")
-        _check_user_server_path(then.get("input") if isinstance(then, dict) else then)
+    checks.request(spec, admin=caller.is_admin)
     return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin)
-
-
-def _refuse_nul(spec: Any, where: str) -> None:
-    """No spec field may hold a NUL character: paths cannot, and Postgres text columns refuse them."""
-    stack = [(where, spec)]
-    while stack:  # iterative: a body nested a thousand levels deep is no reason for a RecursionError
-        where, value = stack.pop()
-        if isinstance(value, str) and "\x00" in value:
-            raise InvalidInput(f"{where} holds a NUL character: remove it")
-        if isinstance(value, dict):
-            stack += [(f"a key of {where}", k) for k in value] + [(f"{where}.{k}", v) for k, v in value.items()]
-        elif isinstance(value, list):
-            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-
-
-def _check_user_server_path(source: Any) -> None:
-    """A user reads server files only under JOBS_DATA_ROOTS, and never the store itself (other owners' files,
-    the database, the local admin token): without this a user could import another owner's stored file by path."""
-    if not isinstance(source, str) or source.startswith("file_"):
-        return  # a file id (checked against the owner) or not a path at all (the spec check says what is wrong)
-    settings = get_settings()
-    if not settings.data_roots:
-        raise Forbidden("server-side dataset paths are for admins unless the server sets JOBS_DATA_ROOTS: upload "
-                        "the file instead (`gpujobs submit --input FILE` uploads a local file)")
-    try:
-        real = Path(source).expanduser().resolve()
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise InvalidInput(f"dataset path {source!r} cannot be resolved ({exc}): give an absolute path under "
-                           "JOBS_DATA_ROOTS, or a file id") from None
-    if any(real.is_relative_to(p) for p in (settings.home, settings.artifacts)):
-        raise Forbidden(f"dataset path {source!r} is inside the jobs store: refer to a stored file by its id")
 
 
 @app.get("/jobs", summary="List jobs, newest first")
 def list_jobs(caller: Caller, state: JobState | None = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict]:
-    return service.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit)
+    return views.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit)
 
 
 @app.get("/jobs/{job_id}", summary="A job: state, progress, rates, metrics")
 def get_job(caller: Caller, job_id: str) -> dict[str, Any]:
-    return service.get(job_id, owner=caller.visible_owner)
+    return views.get(job_id, owner=caller.visible_owner)
 
 
 @app.get("/jobs/{job_id}/results", summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while "
@@ -152,10 +115,9 @@ def results(caller: Caller, job_id: str, errors: bool = False,
             order: Annotated[Literal["input", "finished"],
                              Query(description="input order, or the order rows finished")] = "input",
             ) -> StreamingResponse:
-    service.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
+    views.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
     name = f"{job_id}{'-errors' if errors else ''}.{'jsonl' if format == 'openai' else format}"
-    return StreamingResponse(service.export(job_id, owner=caller.visible_owner, fmt=format, errors=errors,
-                                            order=order),
+    return StreamingResponse(export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order),
                              media_type=formats.MEDIA_TYPES[format],
                              headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
@@ -168,7 +130,7 @@ def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
 @app.get("/jobs/{job_id}/events", summary="A job's events after an event id")
 def job_events(caller: Caller, job_id: str, after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
                limit: Annotated[int, Query(ge=1, le=5000)] = 500) -> list:
-    return service.events(job_id, owner=caller.visible_owner, after=after, limit=limit)
+    return views.events(job_id, owner=caller.visible_owner, after=after, limit=limit)
 
 
 @app.post("/jobs/{job_id}/cancel", summary="Cancel a job; finished rows are kept")
@@ -190,25 +152,25 @@ def usage(caller: Caller,
     owner = owner or None
     if not caller.is_admin and owner not in (None, caller.owner):
         raise Forbidden(f"only an admin can read the usage of {owner!r}: leave out --owner to see your own")
-    return service.usage(owner=caller.visible_owner or owner, since=since)
+    return views.usage(owner=caller.visible_owner or owner, since=since)
 
 
 @app.get("/adapters", summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first")
 def list_adapters(caller: Caller, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
-    return service_finetune.list_adapters(owner=caller.visible_owner, limit=limit)
+    return views.list_adapters(owner=caller.visible_owner, limit=limit)
 
 
 @app.get("/adapters/{job_id}", summary="An adapter (its id is the fine-tune job's): base model, tokenizer, LoRA "
          "config, metrics")
 def get_adapter(caller: Caller, job_id: str) -> dict[str, Any]:
-    return service_finetune.get_adapter(job_id, owner=caller.visible_owner)
+    return views.get_adapter(job_id, owner=caller.visible_owner)
 
 
 @app.get("/workers", summary="Registered workers, their slices, GPUs, heartbeats, restarts and why they stopped")
 def workers(caller: Caller, all: Annotated[bool, Query(description="also workers that stopped long ago or were "
                                                        "replaced on their host and slice")] = False
             ) -> list[dict[str, Any]]:
-    return service.workers(all=all)
+    return views.workers(all=all)
 
 
 class ModelRequest(BaseModel):

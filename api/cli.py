@@ -1,84 +1,17 @@
-"""The `jobs` command line. Commands are thin: parse, call the HTTP client or a stack function, format.
-
-Exit codes (a contract for scripts; see README):
-    0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input
-    3 server, Redis or database unreachable    4 succeeded with some failed rows
-    5 CUDA_VISIBLE_DEVICES contradicts --gpus    130 `gpujobs up` interrupted while starting (it stopped what it
-    started)
+"""The `jobs` / `gpujobs` command line: the entry point. The group, its exit codes (a contract for scripts; see
+README) and the shared helpers are in `api/cli_base.py`; the commands in `api/cli_jobs.py`, `api/cli_adapters.py`,
+`api/cli_models.py` and `api/cli_stack.py`, each registered on the group when imported here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from typing import Any
 
-import click
-
-from core import errors
-
-EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
-
-
-def exit_code_for(exc: errors.JobsError) -> int:
-    from api.stack import GpuConflict, Interrupted
-
-    if isinstance(exc, GpuConflict):
-        return EXIT_GPU_CONFLICT
-    if isinstance(exc, Interrupted):
-        return EXIT_INTERRUPTED
-    if isinstance(exc, errors.ServiceUnavailable):
-        return EXIT_UNREACHABLE
-    if isinstance(exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden)):
-        return EXIT_USAGE
-    return EXIT_FAILED
-
-
-def job_exit_code(job: dict[str, Any]) -> int:
-    if job["state"] != "succeeded":
-        return EXIT_FAILED
-    return EXIT_PARTIAL if job["rows"]["failed"] else 0
-
-
-class Group(click.Group):
-    """Turns our errors into one clear line and the documented exit code."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except errors.JobsError as exc:
-            click.echo(f"Error: {exc}", err=True)
-            ctx.exit(exit_code_for(exc))
-
-
-def emit(data: Any, as_json: bool, human) -> None:
-    if as_json:
-        click.echo(json.dumps(data, indent=2, default=str))
-    else:
-        human(data)
-
-
-def client():
-    from api.client import Client
-
-    return Client()
-
-
-@click.group(cls=Group, context_settings=CONTEXT)
-@click.version_option(package_name="gpujobs")
-def cli() -> None:
-    """gpujobs: queued generation and LoRA fine-tune jobs on GPU workers.
-
-    Start a local stack with `gpujobs up`, submit with `gpujobs submit generate`, read with `gpujobs status` and
-    `gpujobs results`. Settings come from JOBS_* environment variables (see README).
-    """
+from api import cli_adapters, cli_jobs, cli_models, cli_stack  # noqa: F401  (registers the commands)
+from api.cli_base import cli
 
 
 def main() -> None:
-    from api import cli_adapters, cli_jobs, cli_models, cli_stack  # noqa: F401  (registers the commands)
-
     name = os.path.basename(sys.argv[0])
     cli(prog_name=name if name in ("jobs", "gpujobs") else "gpujobs")
-

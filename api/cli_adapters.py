@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from api.cli import cli, client, emit
+from api.cli_base import cli, client, emit
 from core.errors import InvalidInput, JobsError
 
 

@@ -14,15 +14,13 @@ from typing import Any
 import click
 import yaml
 
-from api.cli import cli, client, emit, job_exit_code
+from api.cli_base import cli, client, emit, job_exit_code
 from core.errors import InvalidInput
-from core.hub import HUB_ID
+from core.hub import HUB_ID, human_bytes
 
 
 def _size(n: Any) -> str:
-    from core.hub import _size as size
-
-    return size(int(n or 0))
+    return human_bytes(int(n or 0))
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from api.cli import EXIT_FAILED, cli, client, emit
+from api.cli_base import EXIT_FAILED, cli, client, emit
 from core import hub
 from core.errors import InvalidInput
 
@@ -26,7 +26,7 @@ def models() -> None:
 
 
 def _size(n: int | None) -> str:
-    return hub._size(int(n or 0))
+    return hub.human_bytes(int(n or 0))
 
 
 def _when(ts: float | None) -> str:

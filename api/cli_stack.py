@@ -11,10 +11,11 @@ from pathlib import Path
 import click
 
 from api import stack
-from api.cli import cli, client, emit, job_exit_code
+from api.cli_base import cli, client, emit, job_exit_code
 from api.cli_jobs import wait_with_progress
 from core.errors import InvalidInput, JobsError
 from core.settings import get_settings
+from core.slices import parse_slice, parse_slices, worker_command, worker_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -40,7 +41,7 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
     signals = StopSignals(say=say).install()  # before anything starts: whatever dispositions `up` inherited
-    slices = stack.parse_slices(gpus) if gpus is not None else None
+    slices = parse_slices(gpus) if gpus is not None else None
     if host not in ("127.0.0.1", "localhost", "::1") and not (get_settings().model_roots and get_settings().data_roots):
         raise InvalidInput(f"--host {host} listens beyond loopback: set JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS first")
     slices = stack.prepare(slices)
@@ -102,12 +103,12 @@ def worker(gpus: str, loglevel: str) -> None:
     start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus. A worker that joined the local
     stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Supervised workers".
     """
-    devices = stack.parse_slice(gpus)
+    devices = parse_slice(gpus)
     stack.check_inherited(devices)
-    command = stack.worker_command(devices) + ["--loglevel", loglevel]
+    command = worker_command(devices) + ["--loglevel", loglevel]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(command[0], command, stack.worker_env(devices))
+    os.execvpe(command[0], command, worker_env(devices))
 
 
 @cli.command()
@@ -121,7 +122,7 @@ def supervise(gpus: str, stop_timeout: float) -> None:
     from api.supervisor import supervise as run
     from core.logs import setup_logging
 
-    slices = stack.parse_slices(gpus)
+    slices = parse_slices(gpus)
     for devices in slices:
         stack.check_inherited_for_up(devices)
     setup_logging("INFO")

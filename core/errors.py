@@ -66,3 +66,24 @@ class IllegalTransition(Conflict):
 
 class LeaseLost(JobsError):
     """This worker no longer holds the shard's lease: someone else owns the work now."""
+
+
+class FetchInterrupted(LeaseLost):
+    """A Hub fetch was stopped: the job was cancelled, or the worker is shutting down (core/hub.py)."""
+
+
+class RegistryError(JobsError):
+    """A trained adapter failed the registry's check (it does not load onto its base, or cannot generate)."""
+
+
+class GpuConflict(JobsError):
+    """The inherited CUDA_VISIBLE_DEVICES contradicts the requested slice (api/stack.py)."""
+
+
+class StartInterrupted(JobsError):
+    """SIGINT, SIGTERM or SIGHUP arrived while the stack was starting (what was started is stopped)."""
+
+
+class PortInUse(RuntimeError):
+    """redis-server could not bind its TCP port: another process listens there (core/embedded.py tries another).
+    Not a JobsError: it never reaches a user."""

@@ -129,11 +129,36 @@ def check_server_path(path: str, roots: list[Path], *, what: str) -> Path:
 
 
 def import_server_file(session: Session, *, owner: str, path: str) -> File:
+    real = server_dataset(path)
+    with open(real, "rb") as stream:
+        return save(session, owner=owner, filename=real.name, stream=stream)
+
+
+def server_dataset(path: str) -> Path:
+    """A server-side dataset path a job may read: under JOBS_DATA_ROOTS (see `check_server_path`), a regular file."""
     real = check_server_path(path, get_settings().data_roots, what="dataset")
     if not real.is_file():
         raise InvalidInput(f"dataset path {path!r} is not a regular file")
-    with open(real, "rb") as stream:
-        return save(session, owner=owner, filename=real.name, stream=stream)
+    return real
+
+
+def source(session: Session, ref: str, *, owner: str) -> tuple[Path, str, File | None]:
+    """Where a job's dataset `ref` is read from, storing nothing: the owner's stored file (its path, its name and
+    the file), or an allowed server path (checked as `import_server_file` checks it, with the name it would be
+    stored under, and None)."""
+    if ref.startswith("file_"):
+        file = get(session, ref, owner=owner)
+        return absolute(file), file.filename, file
+    real = server_dataset(ref)
+    return real, _label(real.name), None
+
+
+def stored(session: Session, ref: str, *, owner: str) -> File:
+    """The stored file a job reads: the owner's file id, or a server path copied into the store in `session`'s
+    transaction (deleted again if it does not commit)."""
+    if ref.startswith("file_"):
+        return get(session, ref, owner=owner)
+    return import_server_file(session, owner=owner, path=ref)
 
 
 def copy_to(file: File, dest: Path) -> None:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from core.errors import ChecksumMismatch, HubUnreachable, InvalidInput, LeaseLost, NoAccess
+from core.errors import ChecksumMismatch, FetchInterrupted, HubUnreachable, InvalidInput, NoAccess
 from core.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -69,10 +69,6 @@ MODEL_EXTRAS = ("generation_config.json", *TOKENIZER_FILES)
 SUBMIT_FILES = (CONFIG, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what the API reads
 NOT_SAFETENSORS = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".h5", ".msgpack")
 MAX_SMALL_FILE = 64 << 20  # a config, tokenizer or index read by the API: anything bigger is not one
-
-
-class Interrupted(LeaseLost):
-    """The fetch was stopped: the job was cancelled, or the worker is shutting down."""
 
 
 @dataclass(frozen=True)
@@ -514,8 +510,9 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
                         on_bytes(-offset)  # the server ignored the Range: those bytes come again
                     for chunk in response.iter_bytes():  # as the bytes arrive: progress and resume see them
                         if should_stop():
-                            raise Interrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is "
-                                              "stopping); the part already downloaded is kept for the next attempt")
+                            raise FetchInterrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the "
+                                                   "worker is stopping); the part already downloaded is kept for the "
+                                                   "next attempt")
                         out.write(chunk)
                         received += len(chunk)
                         on_bytes(len(chunk))
@@ -524,7 +521,8 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
             raise httpx.RemoteProtocolError(f"the body ended after {part.stat().st_size} of {f.size} bytes")
         except httpx.TransportError as exc:
             if should_stop():
-                raise Interrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is stopping)")
+                raise FetchInterrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is "
+                                       "stopping)")
             failures = 0 if received else failures + 1  # bytes flowed: the endpoint is there, keep going
             if failures > RETRIES:
                 raise _unreachable(exc, f"{f.name} of {describe(snap.repo, snap.commit)}") from None
@@ -545,13 +543,14 @@ def _check_disk(snap: Snapshot, needed: int) -> None:
     free = shutil.disk_usage(settings.hub_cache).free
     if free - needed < settings.hub_min_free_bytes:
         raise InvalidInput(
-            f"not enough disk space for {snap.repo}@{short(snap.commit)} on host {host()}: {_size(needed)} to "
-            f"download into {settings.hub_cache}, {_size(free)} free, and {_size(settings.hub_min_free_bytes)} must "
-            "stay free (JOBS_HUB_MIN_FREE_BYTES): remove models no job needs (`gpujobs models list`, `gpujobs models "
-            "rm`), or point HF_HUB_CACHE at a larger disk")
+            f"not enough disk space for {snap.repo}@{short(snap.commit)} on host {host()}: {human_bytes(needed)} to "
+            f"download into {settings.hub_cache}, {human_bytes(free)} free, and "
+            f"{human_bytes(settings.hub_min_free_bytes)} must stay free (JOBS_HUB_MIN_FREE_BYTES): remove models no "
+            "job needs (`gpujobs models list`, `gpujobs models rm`), or point HF_HUB_CACHE at a larger disk")
 
 
-def _size(n: int) -> str:
+def human_bytes(n: float) -> str:
+    """`1536` -> `1.5 KiB` (what the CLI and messages show)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -577,7 +576,7 @@ def _lock(path: Path, should_stop: Callable[[], bool], on_busy: Callable[[], Non
             break
         except Timeout:
             if should_stop():
-                raise Interrupted(f"stopped while waiting for {path.name}") from None
+                raise FetchInterrupted(f"stopped while waiting for {path.name}") from None
             if on_busy and not told:
                 on_busy()
                 told = True
@@ -784,8 +783,8 @@ def submit_files(snap: Snapshot) -> Path:
     small = [f for f in snap.files if f.name in SUBMIT_FILES or f.name == ADAPTER_CONFIG]
     too_big = [f.name for f in small if (f.size or 0) > MAX_SMALL_FILE]
     if too_big:
-        raise InvalidInput(f"{', '.join(too_big)} of {snap.repo} is over {_size(MAX_SMALL_FILE)}: not a config or "
-                           "tokenizer file this server reads")
+        raise InvalidInput(f"{', '.join(too_big)} of {snap.repo} is over {human_bytes(MAX_SMALL_FILE)}: not a config "
+                           "or tokenizer file this server reads")
     return fetch(Snapshot(snap.repo, snap.commit, snap.revision, snap.kind, small), complete=False).path
 
 

@@ -1,4 +1,5 @@
-"""Shard leases: claim, renew, commit rows, finish, hand back, and the reaper.
+"""A shard's run under a lease: claim, renew, commit rows, finish, hand back, give up; and the steps of a worker's
+run, each in a transaction of its own (the second half of this module, called by worker/runtime.py).
 
 The rules that make "nothing lost, nothing run twice" hold:
 
@@ -10,24 +11,28 @@ The rules that make "nothing lost, nothing run twice" hold:
   row is pending (idempotent on (job, row)); `executions` counts every attempt to write it, so a duplicate
   execution is visible, never hidden by a unique key.
 - A late or redelivered message finds its shard done or leased by a live worker and does nothing.
-- The reaper (run by every worker's heartbeat thread, safe to run many at once) re-queues shards whose lease
-  expired and re-sends shards whose first enqueue never happened; only the process whose conditional update
-  won sends the message.
+- A shard that goes back to the queue is sent again through `core.dispatch`, after its transaction committed; a
+  shard that ends finalizes its job when it was the last one (`core.jobs.maybe_finalize`). The reaper
+  (`core.dispatch.reap`) re-queues shards whose lease expired.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
+from core import adapters, dispatch
+from core.db import session_scope
 from core.errors import IllegalTransition, LeaseLost
+from core.jobs import maybe_finalize
 from core.models import Job, JobRow, Shard
 from core.states import JobState, RowState, ShardState
-from core.store import add_event, fail_pending_rows, maybe_finalize, now, transition
+from core.store import add_event, fail_pending_rows, now, transition
 
 log = logging.getLogger(__name__)
 
@@ -209,83 +214,146 @@ def job_stopping(session: Session, job_id: str) -> bool:
     return session.scalar(select(Job.state).where(Job.id == job_id)) in STOPPED_JOB_STATES
 
 
-def mark_enqueued(session: Session, shard_ids: list[int]) -> None:
-    session.execute(update(Shard).where(Shard.id.in_(shard_ids)).values(enqueued_at=now()))
+# --- a worker's run, step by step (worker/runtime.py, worker/hubfetch.py) ------------------------------------------
+#
+# Each step is one transaction; a shard that goes back to the queue is sent again after it committed.
+
+LEASE_LOST, JOB_STOPPING = "lease lost", "job stopping"  # why `watch` says a run must stop
 
 
-def expired_shards(session: Session) -> list[Shard]:
-    return list(
-        session.scalars(
-            select(Shard)
-            .where(Shard.state == ShardState.running.value, Shard.lease_expires_at < now())
-            .limit(100)
-            .with_for_update(skip_locked=True)  # a row locked by a session of a partitioned host: next beat
-        ).all()
-    )
+def take(shard_id: int, worker: str, lease_seconds: float) -> Claim | None:
+    """`claim` in a transaction of its own: the shard, its job and its pending rows (detached), or None."""
+    with session_scope() as session:
+        return claim(session, shard_id, worker, lease_seconds)
 
 
-def requeue_expired(session: Session, shard: Shard) -> bool:
-    """Reaper step for one shard whose lease expired. True if this process won and must send the message."""
-    try:
-        transition(
-            session,
-            shard,
-            ShardState.queued,
-            reason=f"lease of {shard.lease_owner} expired (worker lost?)",
-            where=[Shard.lease_expires_at == shard.lease_expires_at],
-            lease_owner=None,
-            enqueued_at=None,
-        )
-    except IllegalTransition:
-        return False
-    add_event(session, shard.job_id, f"shard {shard.idx} re-enqueued by the reaper", shard_id=shard.id)
+def watch(shard_id: int, job_id: str, worker: str, *, renew_for: float | None) -> str | None:
+    """The heartbeat's look at the shard a worker runs: renew its lease (for `renew_for` seconds, when given), and
+    say why the run must stop: LEASE_LOST (someone else owns the shard now), JOB_STOPPING, or None."""
+    with session_scope() as session:
+        lost = renew_for is not None and not renew(session, shard_id, worker, renew_for)
+        stopping = job_stopping(session, job_id)
+    return LEASE_LOST if lost else JOB_STOPPING if stopping else None
+
+
+def record(shard: Shard, worker: str, results: list[RowResult], lease_seconds: float) -> bool:
+    """Commit one micro-batch of the claimed `shard` (its id and job are read from it: no query per batch); False,
+    and nothing written, once its job is stopping. Raises LeaseLost when the lease is no longer this worker's."""
+    with session_scope() as session:
+        if job_stopping(session, shard.job_id):
+            return False
+        commit_rows(session, shard, worker, results, lease_seconds)
     return True
 
 
-def queued_shards(session: Session, *, older_than: float, unsent_only: bool = True) -> list[Shard]:
-    """Queued shards of jobs created before `older_than`: only those never sent (Redis down at submit, crash
-    between commit and send), or all of them (after a Redis restart lost the messages)."""
-    stmt = (
-        select(Shard)
-        .join(Job, Job.id == Shard.job_id)
-        .where(Shard.state == ShardState.queued.value, Job.created_at < older_than)
-        .order_by(Shard.id)
-        .limit(10000)
-    )
-    if unsent_only:
-        stmt = stmt.where(Shard.enqueued_at.is_(None))
-    return list(session.scalars(stmt).all())
+def end_early(shard_id: int, worker: str, *, hand_back: str | None = None) -> bool:
+    """Where a run may end before its shard is done. True when it ended here: the shard is cancelled (its job is
+    stopping), or, given `hand_back` (why: the worker is stopping, or lost its lease), handed back without counting
+    the attempt and sent again. False: the run goes on to finish the shard."""
+    with session_scope() as session:
+        ended, resend = _end_early(session, session.get(Shard, shard_id), worker, hand_back)
+    if resend:
+        dispatch.resend(shard_id)
+    return ended
 
 
-def sent_long_ago(session: Session, *, sent_before: float) -> list[tuple[Shard, str]]:
-    """Queued shards (with their queue) whose message was sent before `sent_before` and never claimed."""
-    stmt = (
-        select(Shard, Job.queue)
-        .join(Job, Job.id == Shard.job_id)
-        .where(Shard.state == ShardState.queued.value, Shard.enqueued_at < sent_before)
-        .order_by(Shard.id)
-        .limit(1000)
-    )
-    return [(shard, queue) for shard, queue in session.execute(stmt).all()]
+def hand_over(job_id: str, worker: str, reason: str) -> None:
+    """`end_early` of the shard this worker holds for `job_id`, if any (a shutdown during a model's download)."""
+    with session_scope() as session:
+        shard = session.scalar(select(Shard).where(Shard.job_id == job_id, Shard.lease_owner == worker,
+                                                   Shard.state == ShardState.running.value))
+        _, resend = _end_early(session, shard, worker, reason) if shard is not None else (False, False)
+    if resend:
+        dispatch.resend(shard.id)
 
 
-def mark_resent(session: Session, shard: Shard) -> bool:
-    """Reaper step for a shard whose message is gone. True if this process won and must send it again."""
-    stmt = (
-        update(Shard)
-        .where(Shard.id == shard.id, Shard.state == ShardState.queued.value, Shard.enqueued_at == shard.enqueued_at)
-        .values(enqueued_at=now())
-    )
-    if session.execute(stmt).rowcount != 1:
-        return False
-    add_event(session, shard.job_id, f"shard {shard.idx} sent again: queued since its send, and its queue is empty "
-              "(the message was lost in flight)", shard_id=shard.id)
-    return True
+def _end_early(session: Session, shard: Shard, worker: str, hand_back_reason: str | None) -> tuple[bool, bool]:
+    """(ended, send it again)."""
+    if job_stopping(session, shard.job_id):
+        stop_cancelled(session, shard, worker)
+        return True, False
+    if hand_back_reason is None:
+        return False, False
+    hand_back(session, shard, worker, hand_back_reason, count_attempt=False)
+    return True, True
 
 
-def stuck_jobs(session: Session) -> list[str]:
-    """Running or cancelling jobs with no open shard: finalize them (a finalizer died in between)."""
-    live = (ShardState.queued.value, ShardState.running.value)
-    open_exists = select(Shard.id).where(Shard.job_id == Job.id, Shard.state.in_(live)).exists()
-    stmt = select(Job.id).where(Job.state.in_((JobState.running.value, JobState.cancelling.value)), ~open_exists)
-    return list(session.scalars(stmt.limit(100)).all())
+def complete(shard_id: int, worker: str, metrics: dict[str, Any]) -> None:
+    """The shard succeeded on this worker (`finish`), with its metrics."""
+    with session_scope() as session:
+        finish(session, session.get(Shard, shard_id), worker, metrics)
+
+
+def complete_training(shard_id: int, worker: str, *, rows: list[int], folder: Path, lora_config: dict[str, Any],
+                      load_options: dict[str, Any], metrics: dict[str, Any], lease_seconds: float) -> None:
+    """A fine-tune's shard succeeded, in one transaction: its `rows` done (under the lease), the adapter at `folder`
+    registered (its id is the job's), the training metrics on the job, the shard finished."""
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        commit_rows(session, shard, worker, [RowResult(idx=i) for i in rows], lease_seconds)
+        job = session.get(Job, shard.job_id)
+        adapters.register(session, job, folder, lora_config=lora_config, load_options=load_options, metrics=metrics)
+        job.metrics = {**(job.metrics or {}), "training": metrics}
+        finish(session, shard, worker, metrics)
+
+
+def fail_attempt(shard_id: int, worker: str, error: str) -> None:
+    """This worker's attempt failed with `error` (a traceback): an error event with it, then the shard goes back to
+    the queue and is sent again, or fails once its attempts are used up. Nothing when another process owns it."""
+    last_line = error.strip().splitlines()[-1]
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        add_event(session, shard.job_id, f"shard {shard.idx} failed on {worker} (attempt {shard.attempts} of "
+                  f"{shard.max_attempts}): {last_line}", level="error", data={"traceback": error}, shard_id=shard.id)
+        try:
+            if shard.attempts >= shard.max_attempts:
+                give_up(session, shard, f"failed {shard.attempts} times; last error: {last_line}")
+                return
+            hand_back(session, shard, worker, "engine error; retrying")
+        except IllegalTransition:
+            return
+    dispatch.resend(shard_id)
+
+
+def fail(shard_id: int, reason: str) -> None:
+    """The shard cannot run at all (a spec the workers refuse, an adapter the registry refused): it fails with its
+    unfinished rows and `reason`, on any attempt. Nothing when another process owns it now."""
+    with session_scope() as session:
+        try:
+            give_up(session, session.get(Shard, shard_id), reason)
+        except IllegalTransition:
+            pass
+
+
+def give_back_stalled(shard_id: int, worker: str, *, stall: str, stuck_in: str, exit_code: int,
+                      data: dict[str, Any]) -> int:
+    """The stall watchdog's hand-back (worker/runtime.py). First the `stall` event (level error, its own transaction,
+    so it stays even when the lease is no longer ours): `stall` (what stalled, for how long, the bound), where the
+    engine thread is stuck, what becomes of the shard and the worker's `exit_code`, with `data` (the engine
+    thread's stack, ...). Then the shard: cancelled with its stopping job, failed once it used its last attempt
+    (the stall counts as one), else back to the queue and sent again. Returns the shard's index in its job."""
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        if job_stopping(session, shard.job_id):
+            outcome = "the job is stopping: the shard is cancelled"
+        elif shard.attempts >= shard.max_attempts:
+            outcome = "the shard fails: it used its last attempt"
+        else:
+            outcome = f"the shard goes back to the queue (attempt {shard.attempts} of {shard.max_attempts} used)"
+        add_event(session, shard.job_id, f"shard {shard.idx} stalled on {worker}: {stall}, stuck in {stuck_in}; "
+                  f"{outcome}; the worker exits with code {exit_code} (the engine thread's stack: gpujobs events "
+                  "--json)", kind="stall", level="error", shard_id=shard_id,
+                  data={"worker": worker, **data, "attempt": shard.attempts, "max_attempts": shard.max_attempts,
+                        "exit_code": exit_code})
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        idx = shard.idx
+        if job_stopping(session, shard.job_id):
+            stop_cancelled(session, shard, worker)
+            return idx
+        if shard.attempts >= shard.max_attempts:
+            give_up(session, shard, f"stalled on attempt {shard.attempts} of {shard.max_attempts} ({worker}): {stall}")
+            return idx
+        hand_back(session, shard, worker, f"stalled on {worker}: {stall}")
+    dispatch.resend(shard_id)
+    return idx

@@ -1,7 +1,7 @@
 """Slices of several GPUs: the environment every GPU process gets, and how a job uses its slice.
 
-Light on purpose (no torch): the launcher (api/stack.py), the submit-time checks (core/capability.py) and the
-worker (worker/distributed.py) all use these, so they can never disagree.
+Light on purpose (no torch): the launchers (api/stack.py, api/supervisor.py), the submit-time checks
+(core/capability.py) and the worker (worker/distributed.py) all use these, so they can never disagree.
 
 - NVLink multicast stays off in every process we start (`NVLINK_MULTICAST_OFF`): on shared hosts NCCL's NVLS and
   torch's symmetric-memory multicast can take GPUs out of service. The launcher sets it on every worker, the worker
@@ -10,10 +10,14 @@ worker (worker/distributed.py) all use these, so they can never disagree.
   `auto` is one process on one GPU or the CPU, and one process per GPU (DDP) on a slice of 2 or more, unless the
   spec asks `device_map: auto` (one process that splits one copy of the model over the slice). On the CPU several
   processes (gloo) run only when `nproc` asks for them, and only as ddp: that is for tests and debugging.
+- A worker serves one slice (`parse_slice`: `2,0`, GPU UUIDs, or none for the CPU), started as `worker_command`
+  with `worker_env` (the slice pinned, as `pinned_env` says).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 
 from core.errors import InvalidInput
@@ -66,3 +70,43 @@ def plan(strategy: str, nproc: int | None, *, gpus: int, device_map: str | None 
         raise InvalidInput(f"strategy {strategy} needs a slice of GPUs (accelerate shards only on GPUs): on the CPU "
                            "use strategy ddp with nproc")
     return strategy, world
+
+
+# --- a worker's slice, and the process that serves it -------------------------------------------------------
+
+
+def parse_slice(text: str) -> list[str]:
+    """'2,0' -> ['2', '0']; 'none' or '' -> [] (CPU). Indices or GPU-/MIG- UUIDs, no duplicates."""
+    text = text.strip()
+    if text.lower() in ("", "none", "cpu"):
+        return []
+    devices = [d.strip() for d in text.split(",")]
+    for d in devices:
+        if not (d.isdigit() or d.startswith(("GPU-", "MIG-"))):
+            raise InvalidInput(f"bad GPU {d!r} in {text!r}: use indices as nvidia-smi shows them (e.g. 0,1), "
+                               "GPU UUIDs, or 'none' for a CPU worker")
+    if len(set(devices)) != len(devices):
+        raise InvalidInput(f"GPU slice {text!r} names a device twice")
+    return devices
+
+
+def parse_slices(text: str) -> list[list[str]]:
+    """'0,1;2;3' -> [['0','1'], ['2'], ['3']]; two slices may not share a GPU."""
+    slices = [parse_slice(part) for part in text.split(";")]
+    seen: set[str] = set()
+    for s in slices:
+        if seen & set(s):
+            raise InvalidInput(f"slices {text!r} share GPU(s) {sorted(seen & set(s))}: two workers never share a GPU")
+        seen |= set(s)
+    return slices
+
+
+def worker_env(devices: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
+    env = pinned_env(devices, os.environ if base is None else base)  # HF_HUB_OFFLINE only if the operator set it
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return env
+
+
+def worker_command(devices: list[str]) -> list[str]:
+    return [sys.executable, "-m", "worker.main", "--slice", ",".join(devices)]

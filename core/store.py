@@ -1,5 +1,6 @@
-"""Data access: state transitions, events, jobs, rows and finalization. Plain keyword-only functions over a
-session; callers own the transaction (`core.db.session_scope`).
+"""Data access: state transitions, events, jobs, rows and shards. Plain keyword-only functions over a session;
+callers own the transaction (`core.db.session_scope`). The sequences of changes that make a job's life are in
+`core.jobs`.
 """
 
 from __future__ import annotations
@@ -163,98 +164,6 @@ def progress(session: Session, job: Job) -> dict[str, int]:
 def open_shards(session: Session, job_id: str) -> int:
     live = (ShardState.queued.value, ShardState.running.value)
     return session.scalar(select(func.count()).where(Shard.job_id == job_id, Shard.state.in_(live))) or 0
-
-
-BATCH_EXPIRED_BY = "the batch's completion window (24h)"  # the cancel reason that makes an OpenAI batch `expired`
-
-
-def cancel_job(session: Session, job: Job, *, by: str) -> None:
-    """Move a live job to cancelling, cancel its shards no worker has claimed, and finalize it if nothing runs.
-
-    A running shard's worker sees the job stopping within a heartbeat and stops between decode steps."""
-    if JobState(job.state).terminal:
-        raise IllegalTransition(f"job {job.id} is already {job.state}: nothing to cancel")
-    if job.state != JobState.cancelling.value:
-        transition(session, job, JobState.cancelling, reason=f"cancel requested by {by}")
-    queued = session.scalars(select(Shard).where(Shard.job_id == job.id, Shard.state == ShardState.queued.value))
-    for shard in queued.all():
-        try:
-            transition(session, shard, ShardState.cancelled, reason="job cancelled before it ran")
-        except IllegalTransition:
-            pass  # a worker claimed it just now; it will see the job is cancelling and stop
-    maybe_finalize(session, job.id)
-
-
-def expire_batches(session: Session, window_seconds: float) -> list[str]:
-    """Cancel OpenAI batches (jobs whose input is batch lines) still live past their completion window; their
-    finished rows are kept. Run by every worker's reaper, so a batch nobody reads expires too."""
-    terminal = [s.value for s in JobState if s.terminal] + [JobState.cancelling.value]
-    live = session.scalars(select(Job).where(Job.kind == "generate", Job.state.not_in(terminal),
-                                             Job.created_at < now() - window_seconds)).all()
-    expired = []
-    for job in live:
-        if job.spec.get("input_format") == "openai":
-            try:
-                cancel_job(session, job, by=BATCH_EXPIRED_BY)
-                expired.append(job.id)
-            except IllegalTransition:
-                pass  # it ended meanwhile
-    return expired
-
-
-def maybe_finalize(session: Session, job_id: str) -> bool:
-    """Finish the job if no shard is open. Safe to call from many processes: one conditional update wins."""
-    job = session.get(Job, job_id)
-    if job is None or open_shards(session, job_id):
-        return False
-    if job.state == JobState.cancelling.value:
-        transition(session, job, JobState.cancelled, reason="every shard stopped", finished_at=now(), **_totals(session, job))
-        return True
-    if job.state != JobState.running.value:
-        return False
-    try:
-        transition(session, job, JobState.finalizing, reason="every shard is done")
-    except IllegalTransition:
-        return False  # another process is finalizing it
-    totals = _totals(session, job)
-    failed_shards = session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.failed.value)).all()
-    if failed_shards:
-        error = "; ".join(f"shard {s.idx} (rows {s.row_start}-{s.row_end - 1}): {s.error}" for s in failed_shards)
-        transition(session, job, JobState.failed, reason=error, error=error, finished_at=now(), **totals)
-    else:
-        transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
-    return True
-
-
-def _totals(session: Session, job: Job) -> dict[str, Any]:
-    p = progress(session, job)
-    shards = session.scalars(select(Shard).where(Shard.job_id == job.id)).all()
-    shard_metrics = [s.metrics or {} for s in shards]
-    started = job.started_at or job.created_at
-    duration = max(now() - started, 1e-9)
-    metrics = dict(job.metrics or {})
-    metrics.update(
-        duration_s=round(duration, 3),
-        output_tok_s=round(p["completion_tokens"] / duration, 2),
-        gpu_seconds=round(sum(m.get("gpu_seconds", 0.0) for m in shard_metrics), 3),
-        engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
-        peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
-    )
-    return dict(
-        rows_succeeded=p["succeeded"],
-        rows_failed=p["failed"],
-        prompt_tokens=p["prompt_tokens"],
-        completion_tokens=p["completion_tokens"],
-        metrics=metrics,
-    )
-
-
-def _summary(totals: dict[str, Any]) -> str:
-    m = totals["metrics"]
-    return (
-        f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
-        f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"
-    )
 
 
 def fail_pending_rows(session: Session, job_id: str, start: int, end: int, reason: str) -> None:

@@ -181,7 +181,7 @@ def spawn_worker(tmp_path) -> Iterator:
 
     Workers inherit this process's environment as set by `jobs_env` / `pg_jobs_env` (request one of them first),
     plus any JOBS_* overrides given as keywords."""
-    from api.stack import worker_command, worker_env
+    from core.slices import worker_command, worker_env
 
     procs: list[Proc] = []
 

@@ -302,9 +302,9 @@ class Cluster:
             raise RuntimeError(f"{' '.join(cmd[:2])}… failed ({out.returncode}):\n{out.stdout}{out.stderr}")
 
     def spawn_worker(self, host: str, *, wait: bool = True, **extra: str) -> Proc:
-        """A CPU worker on `host`, started like `jobs worker --gpus none` (api.stack.worker_env/worker_command);
+        """A CPU worker on `host`, started like `jobs worker --gpus none` (core.slices.worker_env/worker_command);
         `extra`: more environment (JOBS_* overrides)."""
-        from api.stack import worker_command, worker_env
+        from core.slices import worker_command, worker_env
 
         # One intra-op thread: two CPU workers on a small (often shared) machine with torch's default of one thread
         # per core oversubscribe it, and a tiny model then runs 10-40x slower (measured on 2 cores under load).

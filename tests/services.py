@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from core import embedded
+from core.errors import PortInUse
 
 POSTGRES_ENV = "JOBS_TEST_POSTGRES_URL"
 
@@ -81,7 +82,7 @@ class RedisHandle:
             try:
                 self.server = embedded.start_redis(self.workdir, port=self.port)
                 return
-            except embedded.PortInUse:
+            except PortInUse:
                 if attempt == 19:
                     raise
                 time.sleep(0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from api import service
+from api import results, service, views
 from core import adapters
 from core.db import session_scope
 from core.errors import InvalidInput, NotFound
@@ -35,12 +35,12 @@ def zipped(members: dict[str, bytes]) -> bytes:
 
 
 def right_answers(job_id: str) -> int:
-    outputs = [r["output"] for r in service.results(job_id, owner=None)]
+    outputs = [r["output"] for r in results.results(job_id, owner=None)]
     return sum(o == a for o, (_, a) in zip(outputs, qa_pairs()))
 
 
 def load_events(job_ids: list[str]) -> list[dict]:
-    return [e for j in job_ids for e in service.events(j, owner=None) if " loaded " in e["message"]]
+    return [e for j in job_ids for e in views.events(j, owner=None) if " loaded " in e["message"]]
 
 
 def test_an_uploaded_adapter_zip_reproduces_its_answers_reuses_the_resident_model_and_the_cli_packs_a_directory(
@@ -63,12 +63,12 @@ def test_an_uploaded_adapter_zip_reproduces_its_answers_reuses_the_resident_mode
     for job_id in gens:
         job = finished(job_id, 60, [worker])
         assert job["state"] == "succeeded", job["error"]
-        assert right_answers(job_id) >= 5, service.results(job_id, owner=None)
+        assert right_answers(job_id) >= 5, results.results(job_id, owner=None)
         ran = job["load_options"]["adapter"]
         assert ran["id"] == file_id and ran["source"] == "file" and ran["merged"] is True
         assert ran["sha256"] == adapters.digest(folder)[1]  # the very weights the fine-tune saved
     assert len(load_events(gens)) == 1  # the second job reused the resident model
-    notes = [e["message"] for e in service.events(gens[0], owner=None) if e["message"].startswith("adapter ")]
+    notes = [e["message"] for e in views.events(gens[0], owner=None) if e["message"].startswith("adapter ")]
     assert notes and "matched by name" in notes[0], notes
     extracted = adapters.file_dir(file_id)
     assert sorted(p.name for p in extracted.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -145,7 +145,7 @@ def test_adapter_files_are_refused_at_submit_with_what_is_wrong_and_nothing_is_s
     unnamed = submit(upload("alice", "a.zip", zipped(fake_adapter(base=None))))
     admin = submit(upload("alice", "a.zip", zipped(fake_adapter(base=str(base_model)))), owner="root", admin=True)
     assert {by_name["state"], unnamed["state"], admin["state"]} == {"running"}
-    assert any("names no base model" in e["message"] for e in service.events(unnamed["id"], owner=None))
+    assert any("names no base model" in e["message"] for e in views.events(unnamed["id"], owner=None))
 
 
 def test_the_worker_extracts_an_adapter_file_once_and_rechecks_it(jobs_env):

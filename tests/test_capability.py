@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from api import service
+from api import service, views
 from core import registry
 from core.capability import missing
 from core.db import session_scope
@@ -66,7 +66,7 @@ def test_submit_refuses_then_accepts_when_a_capable_worker_registers(tmp_path, j
     register("cpu-worker", "", CPU)
     with pytest.raises(Unschedulable, match=r"cpu-worker \(cpu\): flash_attention_2 needs the flash-attn package"):
         service.submit(owner="t", spec_data=spec)
-    assert service.list_jobs(owner=None) == []
+    assert views.list_jobs(owner=None) == []
     register("h200-worker", "0", H200)
     job = service.submit(owner="t", spec_data=spec)
     assert (job["queue"], job["gpus"], job["state"]) == ("gpu1", 1, "running")

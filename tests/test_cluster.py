@@ -7,7 +7,7 @@ import json
 
 from sqlalchemy import select
 
-from api import service
+from api import service, views
 from core.db import session_scope
 from core.models import JobRow, Worker
 from tests.conftest import wait_for
@@ -25,11 +25,11 @@ def test_two_hosts_drain_one_job_on_postgres(tmp_path, pg_jobs_env, spawn_worker
     job = service.submit(owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0,
                                                "max_new_tokens": 32, "ignore_eos": True, "shard_rows": 4,
                                                "batch_rows": 2})
-    wait_for(lambda: service.get(job["id"], owner=None)["state"] == "succeeded", 180, "the job", procs=hosts)
+    wait_for(lambda: views.get(job["id"], owner=None)["state"] == "succeeded", 180, "the job", procs=hosts)
     with session_scope() as session:
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job["id"])).all()
         names = {w.name: w.host for w in session.scalars(select(Worker)).all()}
     assert {r.executions for r in rows} == {1} and len(rows) == 64
     assert {names[r.worker] for r in rows} == {"host-a", "host-b"}
-    events = service.events(job["id"], owner=None)
+    events = views.events(job["id"], owner=None)
     assert sum(1 for e in events if e["message"].startswith("job → succeeded")) == 1

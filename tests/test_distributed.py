@@ -34,7 +34,7 @@ if __name__ == "__main__":
 import pytest
 from sqlalchemy import select
 
-from api import service
+from api import service, views
 from api.stack import detect_gpus
 from core import exits, registry
 from core.db import session_scope
@@ -229,7 +229,7 @@ def test_ddp_finetune_on_two_gloo_processes_through_a_real_worker(jobs_env, spaw
 
     worker = spawn_worker([])
     job = service.submit(owner="alice", spec_data=ft_spec(base_model))
-    job = wait_for(lambda: (j := service.get(job["id"], owner=None))["state"] in TERMINAL and j, 120,
+    job = wait_for(lambda: (j := views.get(job["id"], owner=None))["state"] in TERMINAL and j, 120,
                    "the ddp fine-tune", procs=[worker])
     assert job["state"] == "succeeded", job["error"]
     training = job["metrics"]["training"]

@@ -236,7 +236,7 @@ def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outpu
     from sqlalchemy import select
     from transformers import AutoTokenizer
 
-    from api import service
+    from api import service, views
     from core.db import session_scope
     from core.models import JobRow, Shard
     from tests.conftest import wait_for
@@ -248,9 +248,9 @@ def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outpu
         "model": str(tiny_model), "input": str(data), "gpus": 0, "engine": "continuous", "max_new_tokens": 16,
         "temperature": 0.01, "num_return_sequences": 2, "batch_rows": 2})
     worker = spawn_worker([])
-    wait_for(lambda: service.get(job["id"], owner=None)["state"] in ("succeeded", "failed"), 120, "the job",
+    wait_for(lambda: views.get(job["id"], owner=None)["state"] in ("succeeded", "failed"), 120, "the job",
              procs=[worker])
-    final = service.get(job["id"], owner=None)
+    final = views.get(job["id"], owner=None)
     assert final["state"] == "succeeded", final
     engine_ran = final["load_options"]["engine"]
     assert engine_ran["engine"] == "continuous" and engine_ran["attn_implementation"] in ("sdpa", "paged|sdpa")

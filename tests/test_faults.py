@@ -9,7 +9,7 @@ import time
 import pytest
 from sqlalchemy import select
 
-from api import service
+from api import service, views
 from core.db import session_scope
 from core.models import JobRow
 from tests.conftest import wait_for
@@ -34,7 +34,7 @@ def test_a_shard_that_kills_its_worker_every_time_fails_after_the_attempt_cap(tm
             time.sleep(0.2)
         worker.stop()
         restarts += 1
-    final = service.get(job["id"], owner=None)
+    final = views.get(job["id"], owner=None)
     assert final["state"] == "failed"
     assert "gave up after 3 attempts" in final["error"]
     assert final["rows"]["failed"] == 8 and restarts >= 3
@@ -50,7 +50,7 @@ def test_sigterm_hands_back_the_shard_and_another_worker_finishes_it(tmp_path, j
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=[first])
     first.popen.send_signal(signal.SIGTERM)
     first.popen.wait(30)
-    events = [e["message"] for e in service.events(job["id"], owner=None)]
+    events = [e["message"] for e in views.events(job["id"], owner=None)]
     assert any("handed back" in m for m in events), events
     second = spawn_worker([])
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[second])
@@ -107,7 +107,7 @@ def test_postgres_down_for_seconds_mid_job_the_job_completes(tmp_path, private_p
     time.sleep(6)
     private_postgres.start()
     wait_for(lambda: job_state(job["id"]) in ("succeeded", "failed"), 180, "the job", procs=workers)
-    final = service.get(job["id"], owner=None)
+    final = views.get(job["id"], owner=None)
     assert final["state"] == "succeeded", final["error"]
     with session_scope() as session:
         rows = {r.idx: r for r in session.scalars(select(JobRow).where(JobRow.job_id == job["id"]))}
@@ -121,5 +121,5 @@ def test_out_of_memory_in_a_worker_is_retried_smaller_and_reported(tmp_path, job
     worker = spawn_worker([], JOBS_TEST_FAULTS="oom_over_2@generate")
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 8)))
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[worker])
-    messages = [e["message"] for e in service.events(job["id"], owner=None)]
+    messages = [e["message"] for e in views.events(job["id"], owner=None)]
     assert "shard 0: out of memory generating 4 rows together: retrying as 2 + 2" in messages

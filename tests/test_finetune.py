@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from api import service
+from api import results, service, views
 from core.db import session_scope
 from core.errors import Conflict, InvalidInput
 from core.models import Adapter, JobEvent
@@ -54,7 +54,7 @@ def qa_prompts(tmp_path: Path) -> Path:
 
 
 def finished(job_id: str, timeout: float, procs) -> dict:
-    return wait_for(lambda: (j := service.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
+    return wait_for(lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
                     f"job {job_id} to finish", procs=procs)
 
 
@@ -96,17 +96,15 @@ def test_lora_finetune_memorizes_answers_and_generation_with_its_adapter_reprodu
     gen = finished(gen["id"], 120, [worker])
     assert gen["state"] == "succeeded", gen["error"]
     assert gen["load_options"]["adapter"]["id"] == ft["id"]
-    outputs = [r["output"] for r in service.results(gen["id"], owner=None)]
+    outputs = [r["output"] for r in results.results(gen["id"], owner=None)]
     right = sum(o == a for o, (_, a) in zip(outputs, qa_pairs()))
     assert right >= 5, outputs
 
     # The registry is owner-isolated (the merged export is tested through the CLI, tests/test_finetune_cli.py).
-    from api import service_finetune
-
-    assert [a["id"] for a in service_finetune.list_adapters(owner="alice")] == [ft["id"]]
-    assert service_finetune.list_adapters(owner="bob") == []
+    assert [a["id"] for a in views.list_adapters(owner="alice")] == [ft["id"]]
+    assert views.list_adapters(owner="bob") == []
     with pytest.raises(Exception, match="no adapter"):
-        service_finetune.get_adapter(ft["id"], owner="bob")
+        views.get_adapter(ft["id"], owner="bob")
 
 
 def test_then_generate_waits_for_the_finetune_and_runs_with_its_adapter(tmp_path, jobs_env, spawn_worker, base_model):
@@ -115,14 +113,14 @@ def test_then_generate_waits_for_the_finetune_and_runs_with_its_adapter(tmp_path
     worker = spawn_worker([])
     ft = service.submit(owner="alice", spec_data=ft_spec(base_model, then_generate=str(qa_prompts(tmp_path))))
     gen_id = ft["metrics"]["then_generate_job"]
-    assert service.get(gen_id, owner=None)["state"] == "queued"
+    assert views.get(gen_id, owner=None)["state"] == "queued"
     with pytest.raises(Exception, match="no adapter"):
         service.submit(owner="bob", spec_data={"model": str(base_model), "input": str(PROMPTS), "adapter": ft["id"],
                                                "gpus": 0})
     gen = finished(gen_id, 180, [worker])
     assert gen["state"] == "succeeded", gen["error"]
-    assert service.get(ft["id"], owner=None)["state"] == "succeeded"
-    outputs = [r["output"] for r in service.results(gen_id, owner=None)]
+    assert views.get(ft["id"], owner=None)["state"] == "succeeded"
+    outputs = [r["output"] for r in results.results(gen_id, owner=None)]
     assert sum(o == a for o, (_, a) in zip(outputs, qa_pairs())) >= 5, outputs
 
 

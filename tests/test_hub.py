@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from api import service, service_models
+from api import results, service, service_models, views
 from core import hub, settings
 from core.db import session_scope
 from core.errors import ChecksumMismatch, HubUnreachable, InvalidInput, NoAccess, Unschedulable
@@ -94,17 +94,17 @@ def spec(tmp_path: Path, **extra) -> dict:
 
 
 def finished(job_id: str, timeout: float, procs) -> dict:
-    return wait_for(lambda: (j := service.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
+    return wait_for(lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
                     f"job {job_id} to finish", procs=procs)
 
 
 def right_answers(job_id: str) -> int:
-    outputs = [r["output"] for r in service.results(job_id, owner=None)]
+    outputs = [r["output"] for r in results.results(job_id, owner=None)]
     return sum(o == a for o, (_, a) in zip(outputs, qa_pairs()))
 
 
 def messages(job_id: str) -> list[str]:
-    return [e["message"] for e in service.events(job_id, owner=None)]
+    return [e["message"] for e in views.events(job_id, owner=None)]
 
 
 def job_count() -> int:
@@ -267,7 +267,7 @@ def test_two_workers_of_a_host_download_once_and_both_load_another_host_download
     by_api = {name: hub_env.server.gets(REPO, name) for name in LOADED}  # the API read config and tokenizer
 
     def downloading():
-        view = service.get(job_id, owner=None)
+        view = views.get(job_id, owner=None)
         moving = [d for d in view.get("downloads", []) if d["bytes_done"] >= hub_env.weights // 2]
         return moving and len(leased_by(job_id)) == 2 and moving[0]
 
@@ -283,7 +283,7 @@ def test_two_workers_of_a_host_download_once_and_both_load_another_host_download
     assert by_api["model.safetensors"] == 0 and by_api["config.json"] == 1
     assert {name: hub_env.server.gets(REPO, name) - by_api.get(name, 0) for name in LOADED + NEVER_READ} == {
         **dict.fromkeys(LOADED, 1), **dict.fromkeys(NEVER_READ, 0)}  # once for the two workers of host A
-    loads = [e for e in service.events(job_id, owner=None) if " loaded acme/tiny-qa " in e["message"]]
+    loads = [e for e in views.events(job_id, owner=None) if " loaded acme/tiny-qa " in e["message"]]
     assert len({e["message"].split()[0] for e in loads}) == 2  # both workers loaded it
     assert job["load_options"]["revision"] == hub_env.main and job["load_options"]["hub"]["host"] == "host-a"
     events = messages(job_id)
@@ -359,7 +359,7 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
     hub_env.server.add("acme/slow", hub_env.tiny)
     hub_env.server.hold[("acme/slow", "model.safetensors")] = (half, held)
     job_id = service.submit(owner="alice", spec_data=spec(tmp_path, model="acme/slow"))["id"]
-    wait_for(lambda: [d for d in service.get(job_id, owner=None).get("downloads", []) if d["bytes_done"] >= half],
+    wait_for(lambda: [d for d in views.get(job_id, owner=None).get("downloads", []) if d["bytes_done"] >= half],
              120, "the download to stall half-way", procs=[worker])
     service.cancel(job_id, owner=None, by="alice")
     job = finished(job_id, 120, [worker])

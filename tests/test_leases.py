@@ -1,4 +1,5 @@
-"""Shard leases, row commits, the reaper's queries and job finalization (core.leases, core.store), on SQLite and Postgres."""
+"""Shard leases, row commits, the reaper's queries and job finalization (core.leases, core.dispatch, core.jobs), on
+SQLite and Postgres."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import threading
 import pytest
 from sqlalchemy import select, update
 
-from core import leases
+from core import dispatch, jobs, leases
 from core.dataset import ParsedRow
 from core.db import session_scope
 from core.errors import IllegalTransition, LeaseLost
 from core.leases import RowResult
 from core.models import Job, JobEvent, JobRow, Shard
 from core.states import JobState, ShardState
-from core.store import create_shards, insert_rows, maybe_finalize, new_id, now, transition
+from core.jobs import maybe_finalize
+from core.store import create_shards, insert_rows, new_id, now, transition
 
 pytestmark = pytest.mark.usefixtures("any_jobs_env")
 
@@ -198,7 +200,7 @@ def test_a_claim_racing_the_reaper_on_an_expired_lease_never_raises():
 
     def attempt(session, i):
         if i == 0:
-            return leases.requeue_expired(session, seen)
+            return dispatch.requeue_expired(session, seen)
         return leases.claim(session, s0, "w2", LEASE)
 
     reaped, claimed = race(2, attempt)
@@ -293,7 +295,7 @@ def test_commit_rows_under_a_lost_lease_raises_and_writes_nothing(how):
     else:
         expire(s0)
         with session_scope() as session:
-            assert leases.requeue_expired(session, session.get(Shard, s0))
+            assert dispatch.requeue_expired(session, session.get(Shard, s0))
     before = shard_of(s0)
     with session_scope() as session:  # catch inside so the session commits: LeaseLost itself must write nothing
         with pytest.raises(LeaseLost, match=f"^shard {s0} is no longer leased by {writer}$"):
@@ -344,10 +346,10 @@ def test_requeue_expired_from_two_sessions_only_one_wins():
     assert claim(s0, "w1") is not None
     expire(s0)
     with session_scope() as session:
-        assert [s.id for s in leases.expired_shards(session)] == [s0]
+        assert [s.id for s in dispatch.expired_shards(session)] == [s0]
     seen = shard_of(s0)  # both reapers saw the same expired lease
 
-    results = race(2, lambda session, i: leases.requeue_expired(session, seen))
+    results = race(2, lambda session, i: dispatch.requeue_expired(session, seen))
     assert sorted(results, key=repr) == [False, True], results
     shard = shard_of(s0)
     assert (shard.state, shard.lease_owner, shard.enqueued_at) == ("queued", None, None)
@@ -364,7 +366,7 @@ def test_requeue_expired_loses_to_a_renewed_lease():
     with session_scope() as session:
         assert leases.renew(session, s0, "w1", LEASE)
     with session_scope() as session:
-        assert leases.requeue_expired(session, stale) is False
+        assert dispatch.requeue_expired(session, stale) is False
     assert (shard_of(s0).state, shard_of(s0).lease_owner) == ("running", "w1")
 
 
@@ -373,16 +375,16 @@ def test_queued_shards_finds_queued_never_sent_shards_older_than_the_cutoff():
     old_job, (old_a, old_b, old_c) = make_job(rows=6, created_at=now() - 120)
     young_job, (young,) = make_job(rows=2, created_at=now())
     with session_scope() as session:
-        leases.mark_enqueued(session, [old_b])
+        dispatch.mark_enqueued(session, [old_b])
     assert claim(old_c, "w1") is not None
     with session_scope() as session:
-        found = [s.id for s in leases.queued_shards(session, older_than=now() - 60)]
+        found = [s.id for s in dispatch.queued_shards(session, older_than=now() - 60)]
     assert found == [old_a]
     with session_scope() as session:  # a later cutoff takes the young job's shard too
-        found = sorted(s.id for s in leases.queued_shards(session, older_than=now() + 1))
+        found = sorted(s.id for s in dispatch.queued_shards(session, older_than=now() + 1))
     assert found == sorted([old_a, young])
     with session_scope() as session:  # after a Redis restart: every queued shard, sent or not
-        found = sorted(s.id for s in leases.queued_shards(session, older_than=now() + 1, unsent_only=False))
+        found = sorted(s.id for s in dispatch.queued_shards(session, older_than=now() + 1, unsent_only=False))
     assert found == sorted([old_a, old_b, young])
 
 
@@ -396,10 +398,10 @@ def test_stuck_jobs_finds_running_or_cancelling_jobs_without_an_open_shard():
         session.execute(update(Shard).where(Shard.id.in_([s_stuck, s_done])).values(state="succeeded"))
         session.execute(update(Shard).where(Shard.id == s_cancel).values(state="cancelled"))
     with session_scope() as session:
-        assert sorted(leases.stuck_jobs(session)) == sorted([stuck, cancelling])
+        assert sorted(jobs.stuck_jobs(session)) == sorted([stuck, cancelling])
     assert finalize(stuck) and finalize(cancelling)
     with session_scope() as session:
-        assert leases.stuck_jobs(session) == []
+        assert jobs.stuck_jobs(session) == []
     assert (job_of(stuck).state, job_of(cancelling).state, job_of(busy).state) == ("succeeded", "cancelled", "running")
 
 

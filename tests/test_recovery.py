@@ -11,7 +11,7 @@ import time
 
 from sqlalchemy import func, select
 
-from api import service
+from api import results, service
 from core.db import session_scope
 from core.models import Job, JobRow, Shard, Worker
 from tests.conftest import wait_for
@@ -97,8 +97,8 @@ def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, s
     with session_scope() as session:
         last_commit = session.scalar(select(func.max(JobRow.finished_at)).where(JobRow.job_id == job["id"]))
     assert last_commit <= cancelled_at + 5, f"a row was committed {last_commit - cancelled_at:.1f} s after cancel"
-    results = list(service.results(job["id"], owner=None))
-    assert len(results) == done
+    finished = list(results.results(job["id"], owner=None))
+    assert len(finished) == done
 
     small = service.submit(owner="t", spec_data={"model": str(tiny_model), "gpus": 0, "max_new_tokens": 4,
                                                  "input": write_dataset(tmp_path / "s.jsonl", 3)})
@@ -144,7 +144,7 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
     retried = service.retry(job["id"], owner=None, failed_only=True, by="t")
     assert retried["retries"] == 1
     wait_for(lambda: job_state(job["id"]) == "succeeded", 60, "the retried job", procs=[worker])
-    errors = {r["line"]: r["error"] for r in service.results(job["id"], owner=None, errors=True)}
+    errors = {r["line"]: r["error"] for r in results.results(job["id"], owner=None, errors=True)}
     assert "cannot start with a tool message" in errors[2] and "invalid JSON" in errors[3]
     with session_scope() as session:
         executions = dict(session.execute(select(JobRow.idx, JobRow.executions).where(JobRow.job_id == job["id"])).all())

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from api import service
+from api import views
 from api.metrics import parse
 from api.supervisor import Policy, Supervisor, decide, describe
 from core.embedded import free_port
@@ -110,7 +110,7 @@ def test_a_worker_exiting_with_the_missing_slice_code_is_not_restarted(tmp_path,
     time.sleep(1)  # a restart would have been due after 0.1 s
     sup.step()
     assert sup.slots[0].restarts == 0 and sup.slots[0].proc is None
-    [worker] = service.workers(all=True)
+    [worker] = views.workers(all=True)
     assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 6, 0)
     assert worker["reason"] == ("its GPU slice is not present; a configuration error, not restarted: fix it, then "
                                 f"{HINT}")
@@ -124,10 +124,10 @@ def test_a_worker_that_keeps_stalling_stays_down_after_the_cap_and_says_why(tmp_
     reason = until_down(sup, 360, tmp_path)
     assert reason.startswith("exit 70 (engine stalled): exited 3 times in 10 min, last exit 70 (engine stalled): "
                              "stays down")
-    every = sorted(service.workers(all=True), key=lambda w: w["restarts"])
+    every = sorted(views.workers(all=True), key=lambda w: w["restarts"])
     assert [(w["state"], w["exit_code"], w["restarts"]) for w in every] == [("offline", 70, n) for n in range(3)]
     assert [w["reason"] for w in every[:2]] == ["engine stalled"] * 2
-    [shown] = service.workers()
+    [shown] = views.workers()
     assert shown["name"] == every[-1]["name"]
     assert shown["reason"] == f"engine stalled; {reason.split(': ', 1)[1]}"
 
@@ -138,7 +138,7 @@ def test_a_worker_that_dies_before_registering_still_leaves_a_row_that_says_why(
     sup = supervise(Policy(limit=2, window=600, backoff=0.1, backoff_max=1), JOBS_LEASE_SECONDS="soon")
     reason = until_down(sup, 120, tmp_path)
     assert reason.startswith("exit 1 (crashed: see its log): exited 2 times in 10 min")
-    rows = sorted(service.workers(all=True), key=lambda w: w["restarts"])
+    rows = sorted(views.workers(all=True), key=lambda w: w["restarts"])
     assert [(w["state"], w["exit_code"], w["restarts"], w["queues"]) for w in rows] == \
         [("offline", 1, 0, []), ("offline", 1, 1, [])]
     assert rows[-1]["name"].startswith("w") and rows[-1]["name"].endswith("-cpu@" + rows[-1]["host"])
@@ -288,9 +288,9 @@ def test_a_stopped_worker_is_offline_everywhere_long_after_its_last_heartbeat(jo
         registry.stopped(session, "stopped")
         session.execute(update(Worker).where(Worker.name == "stopped").values(stopped_at=now() - 7000))
         registry.exited(session, host="h", pid=2, exit_code=-9, reason="killed by SIGKILL")
-    states = {w["name"]: w["state"] for w in service.workers(all=True)}
+    states = {w["name"]: w["state"] for w in views.workers(all=True)}
     assert states == {"stopped": "offline", "killed": "offline", "silent": "lost", "replacement": "lost"}
-    assert {w["name"] for w in service.workers()} == {"silent", "replacement"}
+    assert {w["name"] for w in views.workers()} == {"silent", "replacement"}
     with session_scope() as session:
         [by_state] = [m for m in worker_metrics(session) if m.name == "gpujobs_workers"]
     assert {s.labels["state"]: s.value for s in by_state.samples} == {"online": 0, "lost": 2, "offline": 2}

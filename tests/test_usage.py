@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api import service
+from api import service, views
 from api.app import app
 from core import auth
 from core.db import session_scope
@@ -78,34 +78,34 @@ CAROL = {"owner": "carol", "jobs": 1, "rows_succeeded": 1, "rows_failed": 0, "pr
 def test_usage_sums_finished_totals_and_live_rows_and_shards_per_owner(ledger):
     """Finished jobs count their finalized totals, a running job its rows so far and its finished shards'
     GPU- and engine seconds; `since` drops older jobs; the total adds the owners up (SQLite and Postgres)."""
-    week = service.usage(owner=None, since="7d")
+    week = views.usage(owner=None, since="7d")
     assert week["owners"] == [ALICE_WEEK, BOB, CAROL]
     assert week["total"] == {"jobs": 4, "rows_succeeded": 6, "rows_failed": 4, "prompt_tokens": 45,
                              "completion_tokens": 29, "gpu_seconds": 13.25, "engine_seconds": 4.25}
     assert week["since"] == pytest.approx(time.time() - 7 * DAY, abs=60)
 
-    alice = service.usage(owner="alice")["owners"]
+    alice = views.usage(owner="alice")["owners"]
     assert alice == [{**ALICE_WEEK, "jobs": 3, "rows_succeeded": 105, "prompt_tokens": 1041,
                       "completion_tokens": 527, "gpu_seconds": 72.5, "engine_seconds": 43.75}]
-    assert service.usage(owner="nobody")["owners"] == [{**BOB, "owner": "nobody", "jobs": 0, "rows_failed": 0}]
+    assert views.usage(owner="nobody")["owners"] == [{**BOB, "owner": "nobody", "jobs": 0, "rows_failed": 0}]
 
 
 @pytest.mark.parametrize("since, days_ago", [("7d", 7), ("36h", 1.5), ("2w", 14), ("90m", 90 / 1440),
                                              ("1.5d", 1.5)])
 def test_since_takes_durations(since, days_ago):
     """`--since 7d` (s, m, h, d, w) means that long before now."""
-    assert service.usage_since(since) == pytest.approx(time.time() - days_ago * DAY, abs=5)
+    assert views.usage_since(since) == pytest.approx(time.time() - days_ago * DAY, abs=5)
 
 
 def test_since_takes_iso_dates_in_utc_unless_zoned():
     """An ISO date or time is UTC unless it names its zone; anything else is refused with the accepted forms."""
-    assert service.usage_since("2026-01-31") == 1769817600.0
-    assert service.usage_since("2026-01-31T12:00:00Z") == 1769817600.0 + 12 * 3600
-    assert service.usage_since("2026-01-31T12:00:00+02:00") == 1769817600.0 + 10 * 3600
-    assert service.usage_since(None) is None and service.usage_since(" ") is None
+    assert views.usage_since("2026-01-31") == 1769817600.0
+    assert views.usage_since("2026-01-31T12:00:00Z") == 1769817600.0 + 12 * 3600
+    assert views.usage_since("2026-01-31T12:00:00+02:00") == 1769817600.0 + 10 * 3600
+    assert views.usage_since(None) is None and views.usage_since(" ") is None
     for bad in ("yesterday", "7", "-7d", "7y", "2026-13-01"):
         with pytest.raises(InvalidInput, match="7d.*ISO date"):
-            service.usage_since(bad)
+            views.usage_since(bad)
 
 
 def test_a_user_sees_only_their_own_usage_and_an_admin_sees_every_owner(ledger):
@@ -140,7 +140,7 @@ def test_a_real_job_run_by_a_worker_shows_tokens_and_engine_seconds_in_gpujobs_u
                                                   "max_new_tokens": 6})
 
     def finished() -> dict[str, Any] | None:
-        view = service.get(job["id"], owner=None)
+        view = views.get(job["id"], owner=None)
         return view if view["state"] in ("succeeded", "failed", "cancelled") else None
 
     done = wait_for(finished, 120, "the job to finish")

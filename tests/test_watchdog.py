@@ -10,7 +10,7 @@ import sys
 import pytest
 from sqlalchemy import select
 
-from api import service
+from api import service, views
 from core import exits, registry
 from core.db import session_scope
 from core.models import JobEvent, JobRow, Shard, Worker
@@ -257,7 +257,7 @@ def test_a_shard_that_stalls_on_its_last_attempt_fails_with_the_stall_as_its_rea
     victim = spawn_worker([], JOBS_TEST_FAULTS="hang@decode_step", JOBS_STALL_SECONDS=str(STALL_S))
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 4)))
     assert_stalled_and_exited(victim, job["id"], "in __call__")
-    final = service.get(job["id"], owner=None)
+    final = views.get(job["id"], owner=None)
     assert final["state"] == "failed" and "stalled on attempt 1 of 1" in final["error"], final["error"]
     assert row_counts(job["id"]) == {"failed": 4}
 
@@ -312,10 +312,10 @@ def test_out_of_memory_while_loading_is_a_failed_attempt_with_a_clear_event(tmp_
     worker = spawn_worker([], JOBS_TEST_FAULTS="oom@load")
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 4)))
     wait_for(lambda: job_state(job["id"]) == "failed", 120, "the job to fail", procs=[worker])
-    messages = [e["message"] for e in service.events(job["id"], owner=None) if e["level"] == "error"]
+    messages = [e["message"] for e in views.events(job["id"], owner=None) if e["level"] == "error"]
     assert any(f"out of memory loading {tiny_model} (on the CPU)" in m and "(attempt 1 of 3)" in m
                for m in messages), messages
-    assert "out of memory loading" in service.get(job["id"], owner=None)["error"]
+    assert "out of memory loading" in views.get(job["id"], owner=None)["error"]
     assert worker.alive()
 
 
@@ -342,5 +342,5 @@ def test_a_worker_whose_gpus_are_not_there_refuses_to_start_with_exit_6(tmp_path
         assert row.capabilities["cuda_device_order"] == "PCI_BUS_ID"
     with session_scope() as session:
         assert registry.live(session, 30) == []  # submit never counts it as serving gpu2
-    [shown] = [w for w in service.workers() if w["slice"] == "2,0"]  # what `gpujobs workers` prints
+    [shown] = [w for w in views.workers() if w["slice"] == "2,0"]  # what `gpujobs workers` prints
     assert (shown["state"], shown["exit_code"], shown["reason"]) == ("offline", exits.SLICE_MISSING, row.reason)

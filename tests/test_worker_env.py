@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from api.stack import GpuConflict, detect_gpus, parse_slice, parse_slices
+from api.stack import detect_gpus
 from core import exits
-from core.errors import InvalidInput
-from core.slices import NVLINK_MULTICAST_OFF
+from core.errors import GpuConflict, InvalidInput
+from core.slices import NVLINK_MULTICAST_OFF, parse_slice, parse_slices
 from tests.conftest import ROOT, Proc, registered, wait_for
 
 

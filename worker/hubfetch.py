@@ -20,16 +20,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
-
 from core import hub, leases, model_cache
 from core.db import session_scope
-from core.errors import InvalidInput, JobsError
-from core.models import Job, Shard
-from core.queue import TASK_RUN_SHARD, send
+from core.errors import FetchInterrupted, InvalidInput, JobsError
+from core.models import Job
 from core.settings import get_settings
 from core.spec import LoadOptions
-from core.states import ShardState
 from core.store import add_event, now
 
 log = logging.getLogger(__name__)
@@ -127,7 +123,7 @@ def prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callabl
     A fetch stopped by a cancel or a shutdown ends the shard as the engine's stop does (`_hand_over`)."""
     try:
         return _prepare(opts, job_id, worker=worker, should_stop=should_stop)
-    except hub.Interrupted:
+    except FetchInterrupted:
         _hand_over(job_id, worker)
         raise
 
@@ -152,20 +148,7 @@ def _prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callab
 def _hand_over(job_id: str, worker: str) -> None:
     """The shard this worker holds for `job_id`: cancelled if the job is stopping, else (a shutdown) handed back
     without counting an attempt and sent again; the part downloaded so far stays for whoever takes it."""
-    with session_scope() as session:
-        shard = session.scalar(select(Shard).where(Shard.job_id == job_id, Shard.lease_owner == worker,
-                                                   Shard.state == ShardState.running.value))
-        if shard is None:
-            return
-        if leases.job_stopping(session, job_id):
-            leases.stop_cancelled(session, shard, worker)
-            return
-        leases.hand_back(session, shard, worker, "worker stopping: the model's download is handed back",
-                         count_attempt=False)
-        shard_id, queue = shard.id, session.get(Job, job_id).queue
-    send(TASK_RUN_SHARD, [shard_id], queue)
-    with session_scope() as session:
-        leases.mark_enqueued(session, [shard_id])
+    leases.hand_over(job_id, worker, "worker stopping: the model's download is handed back")
 
 
 def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: str | None = None,
@@ -175,7 +158,7 @@ def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: s
     progress = Progress(worker=worker, job_id=job_id)
     try:
         fetched = hub.ensure(repo, revision, kind=kind, listener=progress, should_stop=should_stop)
-    except hub.Interrupted:
+    except FetchInterrupted:
         progress.failed("interrupted: the job was cancelled or the worker stopped; the next fetch resumes")
         raise
     except (JobsError, OSError) as exc:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from worker import tasks
 
-    tasks.runtime = runtime
+    tasks.use(runtime)
     start_models(name, runtime.closed)
     runtime.register(os.getpid())
     faults.hit("start")  # test-only (worker/faults.py)

@@ -27,14 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import adapters, exits, leases, registry
+from core import adapters, exits, jobs, leases, registry
 from core.db import session_scope
-from core.errors import IllegalTransition, InvalidInput, LeaseLost
-from core.models import Job, Shard
-from core.queue import TASK_RUN_SHARD, send, waiting_messages
+from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryError
+from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from core.store import add_event, expire_batches, maybe_finalize, now
 from worker import capabilities, faults, generate, hubfetch, loader
 from worker.progress import Progress, Stall
 
@@ -114,7 +112,7 @@ class Runtime:
                     with session_scope() as session:
                         registry.heartbeat(session, self.name, current_shard_id=self.current,
                                            extra=self._activity(settings))
-                    reap()
+                    jobs.reap()
             except Exception:  # the beat must survive database or broker outages; the lease covers the gap
                 log.exception("heartbeat of %s failed; retrying", self.name)
 
@@ -140,13 +138,11 @@ class Runtime:
         stall = self.progress.stalled(settings.stall_seconds, settings.stall_phase_seconds)
         if stall is not None:
             self._on_stall(shard_id, job_id, stall)  # never returns
-        lease_seconds = settings.lease_seconds
-        with session_scope() as session:
-            if renew and not leases.renew(session, shard_id, self.name, lease_seconds):
-                log.warning("%s lost the lease of shard %s: stopping it", job_id, shard_id)
-                self.stop_current.set()
-            if leases.job_stopping(session, job_id):
-                self.stop_current.set()
+        why = leases.watch(shard_id, job_id, self.name, renew_for=settings.lease_seconds if renew else None)
+        if why == leases.LEASE_LOST:
+            log.warning("%s lost the lease of shard %s: stopping it", job_id, shard_id)
+        if why is not None:
+            self.stop_current.set()
 
     def _on_stall(self, shard_id: int, job_id: str, stall: Stall) -> None:
         """The engine made no progress within the bound: write a `stall` event with the engine thread's stack, give
@@ -164,10 +160,12 @@ class Runtime:
         log.error("%s shard %s %s on %s; engine thread stack:\n%s", job_id, shard_id, reason, self.name, stack)
         where = f"job {job_id}, shard id {shard_id}"
         try:
-            idx, resend = self._give_back_stalled(shard_id, job_id, stall, stack)
+            idx = leases.give_back_stalled(
+                shard_id, self.name, stall=stall.describe(), stuck_in=stuck_at(stack), exit_code=exits.STALLED,
+                data={"doing": stall.doing, "seconds": round(stall.seconds, 3), "bound_s": round(stall.bound, 3),
+                      "phase": stall.phase, "progress_count": stall.beats, "median_step_s": stall.median_step_s,
+                      "stack": stack})
             where = f"job {job_id}, shard {idx}"
-            if resend:
-                self._resend(shard_id, shard_queue(job_id))
         except Exception:
             log.exception("%s could not give back shard %s after the stall: its lease expires unrenewed and the "
                           "reaper re-queues it", job_id, shard_id)
@@ -180,49 +178,15 @@ class Runtime:
         _flush_output()
         os._exit(exits.STALLED)
 
-    def _give_back_stalled(self, shard_id: int, job_id: str, stall: Stall, stack: str) -> tuple[int, bool]:
-        """The stall event (its own transaction, so it stays even if the lease is no longer ours), then the shard:
-        back to the queue (send it again: True), failed past its attempts, or cancelled with its job. Returns the
-        shard's index in its job and whether to send it again."""
-        with session_scope() as session:
-            shard = session.get(Shard, shard_id)
-            if leases.job_stopping(session, job_id):
-                outcome = "the job is stopping: the shard is cancelled"
-            elif shard.attempts >= shard.max_attempts:
-                outcome = "the shard fails: it used its last attempt"
-            else:
-                outcome = f"the shard goes back to the queue (attempt {shard.attempts} of {shard.max_attempts} used)"
-            add_event(session, job_id, f"shard {shard.idx} stalled on {self.name}: {stall.describe()}, stuck in "
-                      f"{stuck_at(stack)}; {outcome}; the worker exits with code {exits.STALLED} (the engine "
-                      "thread's stack: gpujobs events --json)", kind="stall", level="error", shard_id=shard_id,
-                      data={"worker": self.name, "doing": stall.doing, "seconds": round(stall.seconds, 3),
-                            "bound_s": round(stall.bound, 3), "phase": stall.phase, "progress_count": stall.beats,
-                            "median_step_s": stall.median_step_s, "attempt": shard.attempts,
-                            "max_attempts": shard.max_attempts, "exit_code": exits.STALLED, "stack": stack})
-        with session_scope() as session:
-            shard = session.get(Shard, shard_id)
-            idx = shard.idx
-            if leases.job_stopping(session, job_id):
-                leases.stop_cancelled(session, shard, self.name)
-                return idx, False
-            if shard.attempts >= shard.max_attempts:
-                leases.give_up(session, shard, f"stalled on attempt {shard.attempts} of {shard.max_attempts} "
-                               f"({self.name}): {stall.describe()}")
-                return idx, False
-            leases.hand_back(session, shard, self.name, f"stalled on {self.name}: {stall.describe()}")
-        return idx, True
-
     # --- the shard runner --------------------------------------------------------------------------------
 
     def run_shard(self, shard_id: int) -> None:
-        settings = get_settings()
-        with session_scope() as session:
-            claim = leases.claim(session, shard_id, self.name, settings.lease_seconds)
-            if claim is None:
-                return
-            shard, job = claim.shard, claim.job
-            rows = [(r.idx, r.input) for r in claim.rows]
-            lines = {r.idx: r.line for r in claim.rows}
+        claim = leases.take(shard_id, self.name, get_settings().lease_seconds)
+        if claim is None:
+            return
+        shard, job = claim.shard, claim.job
+        rows = [(r.idx, r.input) for r in claim.rows]
+        lines = {r.idx: r.line for r in claim.rows}
         self.progress.start("the shard was claimed")  # before `current`: the watchdog never sees an old clock
         self._engine_thread = threading.get_ident()
         self.current, self.current_job = shard.id, job.id
@@ -235,16 +199,17 @@ class Runtime:
                 self._run(shard, job, rows)
         except (LeaseLost, IllegalTransition) as exc:  # someone else owns the shard now: leave it to them
             log.warning("%s %s", job.id, exc)
-        except (InvalidInput, adapters.RegistryError) as exc:
-            self._give_up(shard, str(exc))
+        except (InvalidInput, RegistryError) as exc:
+            leases.fail(shard.id, str(exc))
         except Exception:
-            self._failed_attempt(shard, traceback.format_exc())
+            error = traceback.format_exc()
+            log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)
+            leases.fail_attempt(shard.id, self.name, error)
         finally:
             self.current = self.current_job = None
-        with session_scope() as session:
-            maybe_finalize(session, job.id)
+        jobs.finalize(job.id)
         if job.kind == "finetune":
-            release_waiting(job.id)
+            jobs.release_waiting(job.id)
 
     def _run(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]]) -> None:
         settings = get_settings()
@@ -254,15 +219,14 @@ class Runtime:
                                "use device_map auto to split the model over the slice")
         started, t0 = time.time(), time.perf_counter()
         loaded = self.model_for(spec, job.id)
-        _record_load(job.id, loaded.resolved)
+        jobs.record_load(job.id, loaded.resolved, capabilities.versions)
         batch_rows = spec.batch_rows or settings.batch_rows
         engine_s = 0.0
         _reset_peak_memory()
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
         t_engine = time.perf_counter()
         def on_event(message: str) -> None:
-            with session_scope() as session:
-                add_event(session, job.id, f"shard {shard.idx}: {message}", level="warning", shard_id=shard.id)
+            jobs.event(job.id, f"shard {shard.idx}: {message}", level="warning", shard_id=shard.id)
 
         engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
         first_result: float | None = None
@@ -270,33 +234,23 @@ class Runtime:
                                          on_event=on_event, info=engine_info, progress=self.progress):
             engine_s += time.perf_counter() - t_engine
             faults.hit("batch")
-            with session_scope() as session:
-                if leases.job_stopping(session, job.id):
-                    break
-                leases.commit_rows(session, shard, self.name, results, settings.lease_seconds)
+            if not leases.record(shard, self.name, results, settings.lease_seconds):
+                break  # the job is stopping
             self.progress.beat("committed micro-batch")
             first_result = first_result or time.time()  # time to first result: first commit after the claim
             t_engine = time.perf_counter()
-        with session_scope() as session:
-            if leases.job_stopping(session, job.id):
-                leases.stop_cancelled(session, shard, self.name)
-                return
-            handing_back = should_stop()  # shutdown or lost lease: hand the unfinished rows back
-            if handing_back:
-                leases.hand_back(session, shard, self.name, "worker stopping: unfinished rows handed back",
-                                 count_attempt=False)
-        if handing_back:
-            self._resend(shard.id, job.queue)
+        # a cancelled job's shard is cancelled; on shutdown or a lost lease the unfinished rows are handed back
+        if leases.end_early(shard.id, self.name, hand_back="worker stopping: unfinished rows handed back"
+                            if should_stop() else None):
             return
-        with session_scope() as session:
-            wall = time.perf_counter() - t0
-            metrics = {"wall_seconds": round(wall, 3), "engine_seconds": round(engine_s, 3),
-                       "gpu_seconds": round(wall * max(self.gpus, 0), 3), "rows": len(rows),
-                       "peak_memory_bytes": _peak_memory(), "worker": self.name, "started_at": started,
-                       "engine": engine_info, "time_to_first_result_s":
-                           round(first_result - (shard.started_at or started), 3) if first_result else None}
-            leases.finish(session, shard, self.name, metrics)
-        _record_engine(job.id, engine_info)
+        wall = time.perf_counter() - t0
+        metrics = {"wall_seconds": round(wall, 3), "engine_seconds": round(engine_s, 3),
+                   "gpu_seconds": round(wall * max(self.gpus, 0), 3), "rows": len(rows),
+                   "peak_memory_bytes": _peak_memory(), "worker": self.name, "started_at": started,
+                   "engine": engine_info, "time_to_first_result_s":
+                       round(first_result - (shard.started_at or started), 3) if first_result else None}
+        leases.complete(shard.id, self.name, metrics)
+        jobs.record_engine(job.id, engine_info)
 
     def _run_finetune(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]], lines: dict[int, int]) -> None:
         """Train (resuming from the last complete checkpoint), register the adapter, then finish the shard.
@@ -314,28 +268,23 @@ class Runtime:
         _free_memory()
         workdir = adapters.workdir(job.id)
         checkpoint = finetune.latest_checkpoint(workdir / "checkpoints")
-        _event(job.id, shard, f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint
-                                                                 else ""))
+        jobs.event(job.id, f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint
+                                                             else ""), shard_id=shard.id)
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
 
         def on_log(record: dict[str, Any]) -> None:
-            _event(job.id, shard, finetune_line(record), kind="metric", data=record)
+            jobs.event(job.id, finetune_line(record), kind="metric", data=record, shard_id=shard.id)
             faults.hit("train_step")
 
         t0 = time.perf_counter()
         # one process, or one per GPU of the slice under torchrun (worker/distributed.py); this process writes SQL
         result = distributed.finetune(opts, spec, [(lines[i], row) for i, row in rows], workdir, gpus=self.gpus,
                                       should_stop=should_stop, on_log=on_log, progress=self.progress)
-        _record_load(job.id, result.metrics["load"])
-        with session_scope() as session:
-            if leases.job_stopping(session, job.id):
-                leases.stop_cancelled(session, shard, self.name)
-                return
-            if result.stopped:  # shutdown or lost lease: the next worker resumes from the last checkpoint
-                leases.hand_back(session, shard, self.name, "worker stopping: training handed back at step "
-                                 f"{result.metrics['steps']}", count_attempt=False)
-        if result.stopped:
-            self._resend(shard.id, job.queue)
+        jobs.record_load(job.id, result.metrics["load"], capabilities.versions)
+        # a cancelled job's shard is cancelled; on shutdown or a lost lease the next worker resumes from the last
+        # checkpoint
+        if leases.end_early(shard.id, self.name, hand_back="worker stopping: training handed back at step "
+                            f"{result.metrics['steps']}" if result.stopped else None):
             return
         folder = adapters.adapter_dir(job.id)
         with self.progress.phase("publishing and verifying the adapter"):
@@ -344,20 +293,15 @@ class Runtime:
             try:
                 finetune.verify_adapter(opts, folder, gpus=self.gpus)
             except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
-                raise adapters.RegistryError(f"registry error: the adapter saved at {folder} does not load onto "
-                                             f"{spec.model} and generate ({type(exc).__name__}: {exc})") from exc
+                raise RegistryError(f"registry error: the adapter saved at {folder} does not load onto "
+                                    f"{spec.model} and generate ({type(exc).__name__}: {exc})") from exc
         wall = time.perf_counter() - t0
         metrics = {**{k: v for k, v in result.metrics.items() if k != "load"}, "wall_seconds": round(wall, 3),
                    "gpu_seconds": round(wall * max(self.gpus, 0), 3), "worker": self.name,
                    "resumed_from_step": result.resumed_from}
-        with session_scope() as session:
-            leases.commit_rows(session, shard, self.name, [leases.RowResult(idx=i) for i, _ in rows],
-                               settings.lease_seconds)
-            registered = session.get(Job, job.id)
-            adapters.register(session, registered, folder, lora_config=result.lora_config,
-                              load_options=result.metrics["load"], metrics=metrics)
-            registered.metrics = {**(registered.metrics or {}), "training": metrics}
-            leases.finish(session, shard, self.name, metrics)
+        leases.complete_training(shard.id, self.name, rows=[i for i, _ in rows], folder=folder,
+                                 lora_config=result.lora_config, load_options=result.metrics["load"],
+                                 metrics=metrics, lease_seconds=settings.lease_seconds)
 
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
         """The resident model if the load options match, else load (and free the previous one first)."""
@@ -378,43 +322,13 @@ class Runtime:
         # compiled layers, CUDA graphs
         if prepared:
             loaded.resolved["prepared"] = {**prepared, "seconds": round(time.perf_counter() - t0, 3)}
-        with session_scope() as session:
-            add_event(session, job_id, f"{self.name} loaded {opts.model} in {loaded.resolved['load_seconds']} s",
-                      data=loaded.resolved)
+        jobs.event(job_id, f"{self.name} loaded {opts.model} in {loaded.resolved['load_seconds']} s",
+                   data=loaded.resolved)
         self.resident = (key, loaded)
         return loaded
 
     def _stopping(self) -> bool:
         return self.stop_current.is_set() or self.shutting_down.is_set()
-
-    def _failed_attempt(self, shard, error: str) -> None:
-        log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)
-        last_line = error.strip().splitlines()[-1]
-        with session_scope() as session:
-            shard = session.get(Shard, shard.id)
-            add_event(session, shard.job_id, f"shard {shard.idx} failed on {self.name} (attempt {shard.attempts} of "
-                      f"{shard.max_attempts}): {last_line}", level="error", data={"traceback": error},
-                      shard_id=shard.id)
-            try:
-                if shard.attempts >= shard.max_attempts:
-                    leases.give_up(session, shard, f"failed {shard.attempts} times; last error: {last_line}")
-                    return
-                leases.hand_back(session, shard, self.name, "engine error; retrying")
-            except IllegalTransition:
-                return
-        self._resend(shard.id, shard_queue(shard.job_id))
-
-    def _give_up(self, shard, reason: str) -> None:
-        with session_scope() as session:
-            try:
-                leases.give_up(session, shard, reason)
-            except IllegalTransition:
-                pass
-
-    def _resend(self, shard_id: int, queue: str) -> None:
-        send(TASK_RUN_SHARD, [shard_id], queue)
-        with session_scope() as session:
-            leases.mark_enqueued(session, [shard_id])
 
 
 def finetune_line(record: dict[str, Any]) -> str:
@@ -429,11 +343,6 @@ def finetune_line(record: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _event(job_id: str, shard, message: str, **kwargs: Any) -> None:
-    with session_scope() as session:
-        add_event(session, job_id, message, shard_id=shard.id, **kwargs)
-
-
 def _publish(src, dest) -> None:
     """Move the saved adapter to its registry folder: copy beside it, then rename, so a reader never sees half."""
     import shutil
@@ -443,86 +352,6 @@ def _publish(src, dest) -> None:
     shutil.copytree(src, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-
-
-def release_waiting(finetune_id: str | None = None) -> None:
-    """Shard (or fail) generation jobs that waited for a fine-tune that has now ended, and send their shards."""
-    with session_scope() as session:
-        to_send = adapters.release_waiting(session, finetune_id)
-    for shard_ids, queue in to_send:
-        for shard_id in shard_ids:
-            send(TASK_RUN_SHARD, [shard_id], queue)
-            with session_scope() as session:
-                leases.mark_enqueued(session, [shard_id])
-
-
-def shard_queue(job_id: str) -> str:
-    with session_scope() as session:
-        return session.get(Job, job_id).queue
-
-
-def reap() -> None:
-    """Send never-sent shards, re-queue shards whose lease expired, finalize jobs whose shards all ended.
-
-    After a Redis restart (its data, our messages included, are gone) every queued shard is sent again. Two
-    reapers may both send a shard: the second message finds the shard leased or done and does nothing.
-    """
-    settings = get_settings()
-    broker_restarted = _claim_broker_epoch()
-    with session_scope() as session:
-        registry.mark_lost(session, settings.worker_timeout)
-        cutoff = now() if broker_restarted else now() - settings.lease_seconds
-        shards = leases.queued_shards(session, older_than=cutoff, unsent_only=not broker_restarted)
-        to_send = [(s.id, s.job_id) for s in shards]
-        for shard in leases.expired_shards(session):
-            if leases.requeue_expired(session, shard):
-                to_send.append((shard.id, shard.job_id))
-        # A message Redis handed to a host as it dropped off the network is gone (kombu records it as unacked only
-        # once read): a shard still queued a lease after its send, while its queue is empty, is sent again.
-        stale = leases.sent_long_ago(session, sent_before=now() - settings.lease_seconds)
-        empty = {q for q in {q for _, q in stale} if waiting_messages(q) == 0}
-        for shard, queue in stale:
-            if queue in empty and leases.mark_resent(session, shard):
-                to_send.append((shard.id, shard.job_id))
-    for shard_id, job_id in to_send:
-        log.info("%s reaper: enqueuing shard %s", job_id, shard_id)
-        send(TASK_RUN_SHARD, [shard_id], shard_queue(job_id))
-        with session_scope() as session:
-            leases.mark_enqueued(session, [shard_id])
-    with session_scope() as session:
-        for job_id in leases.stuck_jobs(session):
-            maybe_finalize(session, job_id)
-        for job_id in expire_batches(session, settings.batch_window_seconds):
-            log.info("%s reaper: OpenAI batch past its completion window: cancelled as expired", job_id)
-    release_waiting()  # chained jobs whose fine-tune ended while no worker was there to release them
-
-
-def _claim_broker_epoch() -> bool:
-    """True for the one process that first sees an empty Redis (a fresh or restarted server lost its messages).
-
-    That process re-sends every queued shard; duplicate messages are harmless (a claim is idempotent).
-    """
-    import redis
-
-    client = redis.Redis.from_url(get_settings().redis_url, socket_timeout=5)
-    return bool(client.set("gpujobs:broker-epoch", str(now()), nx=True))
-
-
-def _record_load(job_id: str, resolved: dict[str, Any]) -> None:
-    with session_scope() as session:
-        job = session.get(Job, job_id)
-        if job.load_options is None:
-            job.load_options = resolved
-            job.versions = capabilities.versions()
-
-
-def _record_engine(job_id: str, engine_info: dict[str, Any]) -> None:
-    """The job's load options also say which engine ran, as the first finished shard saw it (each shard's
-    metrics keep their own)."""
-    with session_scope() as session:
-        job = session.get(Job, job_id)
-        if job.load_options is not None and "engine" not in job.load_options:
-            job.load_options = {**job.load_options, "engine": engine_info}
 
 
 def _reset_peak_memory() -> None:

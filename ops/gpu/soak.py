@@ -198,7 +198,7 @@ class Stack:
     def restart_worker(self, reason: str) -> int:
         """Kill the worker with SIGABRT (PYTHONFAULTHANDLER=1: it dumps its stacks as it dies) and start one again,
         as `gpujobs up` does (same command, pinned environment, same log), recording it in stack.json."""
-        from api import stack as st
+        from core.slices import parse_slice, worker_command, worker_env
 
         pid = self.worker_pid()
         log(f"killing worker {pid} with SIGABRT: {reason}")
@@ -213,11 +213,11 @@ class Stack:
 
         if _wait_until(lambda: another() is not None, 15):  # a supervisor started one
             return another()
-        devices = st.parse_slice(self.mode.up_gpus)
+        devices = parse_slice(self.mode.up_gpus)
         stack = self.read()
         env = dict(self.env, JOBS_REDIS_URL=stack.get("redis_url", ""))
         with open(self.worker_log, "ab") as out:
-            proc = subprocess.Popen(st.worker_command(devices), env=st.worker_env(devices, env), cwd=ROOT,
+            proc = subprocess.Popen(worker_command(devices), env=worker_env(devices, env), cwd=ROOT,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         stack["workers"] = [p for p in stack.get("workers", []) if p != pid] + [proc.pid]

@@ -1,0 +1,74 @@
+"""The `gpujobs` click group and what every command module shares: exit codes, error translation, output.
+Commands are thin: parse, call the HTTP client or a stack function, format. They live in `api/cli_jobs.py`,
+`api/cli_adapters.py`, `api/cli_models.py` and `api/cli_stack.py`; `api/cli.py` is the entry point.
+
+Exit codes (a contract for scripts; see README):
+    0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input
+    3 server, Redis or database unreachable    4 succeeded with some failed rows
+    5 CUDA_VISIBLE_DEVICES contradicts --gpus    130 `gpujobs up` interrupted while starting (it stopped what it
+    started)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from core import errors
+
+EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def exit_code_for(exc: errors.JobsError) -> int:
+    if isinstance(exc, errors.GpuConflict):
+        return EXIT_GPU_CONFLICT
+    if isinstance(exc, errors.StartInterrupted):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, errors.ServiceUnavailable):
+        return EXIT_UNREACHABLE
+    if isinstance(exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden)):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def job_exit_code(job: dict[str, Any]) -> int:
+    if job["state"] != "succeeded":
+        return EXIT_FAILED
+    return EXIT_PARTIAL if job["rows"]["failed"] else 0
+
+
+class Group(click.Group):
+    """Turns our errors into one clear line and the documented exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.JobsError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(exit_code_for(exc))
+
+
+def emit(data: Any, as_json: bool, human) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        human(data)
+
+
+def client():
+    from api.client import Client  # httpx costs ~0.15 s of start-up: imported once a command talks to the API
+
+    return Client()
+
+
+@click.group(cls=Group, context_settings=CONTEXT)
+@click.version_option(package_name="gpujobs")
+def cli() -> None:
+    """gpujobs: queued generation and LoRA fine-tune jobs on GPU workers.
+
+    Start a local stack with `gpujobs up`, submit with `gpujobs submit generate`, read with `gpujobs status` and
+    `gpujobs results`. Settings come from JOBS_* environment variables (see README).
+    """

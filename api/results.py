@@ -1,0 +1,99 @@
+"""Results files: a job's finished rows as our JSONL records or as the bytes of a results file (JSONL, OpenAI
+batch output or error lines, CSV, Parquet), streamed chunk by chunk, also while the job still runs. Reads only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from core import formats
+from core.db import session_scope
+from core.errors import InvalidInput
+from core.models import JobRow
+from core.states import RowState
+from core.store import get_job
+
+RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+
+
+def results(job_id: str, *, owner: str | None, errors: bool = False,
+            order: str = "input") -> Iterator[dict[str, Any]]:
+    """Finished rows (succeeded, or failed with `errors`) in input order or as they finished (`order`), as our
+    JSONL records; works while the job still runs."""
+    with session_scope() as session:
+        job = get_job(session, job_id, owner=owner)
+        where = formats.location(job.spec.get("input_format") or "jsonl")
+        for row in _finished_rows(session, job_id, errors=errors, order=order):
+            yield result_record(row, errors=errors, where=where)
+
+
+def export(job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool = False,
+           order: str = "input") -> Iterator[bytes]:
+    """Finished rows as the bytes of a results file: `jsonl` (ours), `openai` (the OpenAI Batch output file, or
+    its error file with `errors`), `csv` or `parquet`. Streams chunk by chunk; works while the job still runs.
+
+    CSV and Parquet have the columns custom_id, line (or row), output, finish_reason, prompt_tokens,
+    completion_tokens (error, with `errors`), then the rows' pass-through keys as text columns (lists and objects
+    JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet)."""
+    if fmt not in formats.OUTPUT_FORMATS or order not in ("input", "finished"):
+        raise InvalidInput(f"format {fmt!r} / order {order!r}: use a format of {', '.join(formats.OUTPUT_FORMATS)} "
+                           "and order input or finished")
+    with session_scope() as session:
+        job = get_job(session, job_id, owner=owner)
+        spec, info = job.spec, (job.metrics or {}).get("input") or {}
+        where = formats.location(spec.get("input_format") or "jsonl")
+        rows = _finished_rows(session, job_id, errors=errors, order=order)
+        if fmt == "openai":
+            model = spec.get("model") or ""
+            yield from formats.jsonl_chunks(formats.openai_error_record(r, job_id=job_id) if errors else
+                                            formats.openai_output_record(r, job_id=job_id, model=model) for r in rows)
+            return
+        records = (result_record(r, errors=errors, where=where) for r in rows)
+        if fmt == "jsonl":
+            yield from formats.jsonl_chunks(records)
+            return
+        fixed = ["custom_id", where] + (["error"] if errors else ["output", "finish_reason", "prompt_tokens",
+                                                                  "completion_tokens"])
+        keys = info.get("extra_keys") or []
+        columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
+        columns += ["extra"] if any(k in RESULT_FIELDS or k == "row" for k in keys) else []
+        if fmt == "csv":
+            yield from formats.csv_chunks(records, columns)
+            return
+        several = info.get("several_outputs") or (spec.get("num_return_sequences") or 1) > 1
+        types = {where: "int", "prompt_tokens": "int", "completion_tokens": "int",
+                 **({"output": "list", "finish_reason": "list"} if several else {})}
+        yield from formats.parquet_chunks(records, columns, types)
+
+
+def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -> Iterator[JobRow]:
+    state = RowState.failed if errors else RowState.succeeded
+    by = (JobRow.idx,) if order == "input" else (func.coalesce(JobRow.finished_at, 0.0), JobRow.idx)
+    stmt = (
+        select(JobRow)
+        .where(JobRow.job_id == job_id, JobRow.state == state.value)
+        .order_by(*by)
+        .execution_options(yield_per=1000)
+    )
+    yield from session.scalars(stmt)
+
+
+def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str, Any]:
+    """A row as a line of our JSONL results: its pass-through keys, custom_id, `line` (or `row` for Parquet and
+    saved-dataset inputs), and output, finish_reason and token counts (or error). Several outputs are a list."""
+    extra = (row.input or {}).get("extra", {})
+    record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS and k != where}
+    shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS or k == where}
+    record.update({"custom_id": row.custom_id, where: row.line})
+    if errors:
+        record["error"] = row.error
+    else:
+        record.update(output=row.output, finish_reason=row.finish_reason,
+                      prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens)
+    if shadowed:
+        record["extra"] = shadowed
+    return record

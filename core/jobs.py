@@ -1,0 +1,433 @@
+"""A job's life, from submit to its end: create, validate, open shards, start, fail, retry, cancel, release a
+waiting chained job, finalize, and the reaper's pass.
+
+Every state change goes through `core.store.transition`; this module owns the *sequences* of changes, so each is
+written once. Work is sent through `core.dispatch`, always after the transaction that queued it has committed.
+The API checks a submission and hands it here in one call (`submit(NewJob)`); the worker runs shards under
+leases (`core.leases`), which end here (`maybe_finalize`, `release_waiting`).
+
+    queued ──validating──▶ shards opened ──▶ running ──▶ finalizing ──▶ succeeded | failed
+      │  (a chained job waits here,                          ▲
+      │   with rows and no shards)        retry: a finished job goes back to queued, keeping its id
+      └── cancelling ──▶ cancelled  (from any live state)
+
+Functions that take a session leave the transaction to their caller; the others (`submit`, `retry`, `cancel`,
+`release_waiting`, `finalize`, `reap`, and the worker's records) open their own and send after it committed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from core import adapters, dispatch, files
+from core.dataset import InputCheck, parse_dataset
+from core.db import session_scope
+from core.errors import IllegalTransition, InvalidInput, JobsError
+from core.models import Adapter, File, Job, JobRow, Shard
+from core.queue import queue_for
+from core.settings import get_settings
+from core.spec import Spec
+from core.states import JobState, RowState, ShardState
+from core.store import (add_event, create_shards, get_job, insert_rows, new_id, now, open_shards,
+                        progress, transition)
+from core.training_data import parse_training_file
+
+log = logging.getLogger(__name__)
+BATCH_EXPIRED_BY = "the batch's completion window (24h)"  # the cancel reason that makes an OpenAI batch `expired`
+
+
+@dataclass
+class NewJob:
+    """A submission that passed the API's checks (api/checks.py): what `submit` stores.
+
+    `spec` is resolved (a model's real directory or pinned commit, `input_format` detected). `inputs` are the
+    datasets to store, each a file id or an allowed server path with the format it is read as: a generation job's
+    input, or a fine-tune's training data and then its validation data."""
+
+    owner: str
+    spec: Spec
+    gpus: int
+    inputs: list[tuple[str, str]]
+    metrics: dict[str, Any] = field(default_factory=dict)  # what the checks found (a Hub model's commit, ...)
+    notes: list[str] = field(default_factory=list)  # events to write with the job
+    model_dir: Path | None = None  # generation: where a local tokenizer checks rows' lengths
+    waits: bool = False  # generation: its adapter's fine-tune is still live, so it waits (queued, no shards)
+    then_generate: dict[str, Any] | None = None  # a fine-tune's chained generation spec (its adapter filled in here)
+
+
+# --- submit -------------------------------------------------------------------------------------------------
+
+
+def submit(new: NewJob, *, chain: Callable[[dict[str, Any]], str] | None = None) -> str:
+    """Store the job, its inputs and rows (bad rows as failed rows), validate, open its shards and start it, in one
+    transaction; then send its shards. Returns the job id. A check that fails while rows are read (too many rows,
+    an unreadable dataset) leaves nothing behind.
+
+    A fine-tune's `then_generate` is submitted through `chain` (the API's submit of a spec: checks included) after
+    the fine-tune is stored and before its shard is sent; if that is refused, the fine-tune fails with the reason
+    and the error is raised."""
+    with session_scope() as session:
+        opened = _open_finetune(session, new) if new.spec.kind == "finetune" else _open_generation(session, new)
+        job_id, queue, shard_ids = opened.id, opened.queue, opened.shard_ids
+    if new.then_generate is not None:
+        if chain is None:
+            raise TypeError("a fine-tune with then_generate needs `chain` to submit the chained job")
+        _chain(job_id, {**new.then_generate, "adapter": job_id}, chain)
+    dispatch.send(shard_ids, queue)
+    return job_id
+
+
+@dataclass
+class _Opened:
+    id: str
+    queue: str
+    shard_ids: list[int]
+
+
+def _create(session: Session, new: NewJob, file: File, **values: Any) -> Job:
+    job = Job(id=new_id("job"), kind=new.spec.kind, state=JobState.queued.value, owner=new.owner,
+              spec=new.spec.model_dump(mode="json"), input_file_id=file.id, queue=queue_for(new.gpus), gpus=new.gpus,
+              created_at=now(), rows_succeeded=0, rows_failed=0, prompt_tokens=0, completion_tokens=0, retries=0,
+              **values)
+    session.add(job)
+    session.flush()
+    return job
+
+
+def _open_generation(session: Session, new: NewJob) -> _Opened:
+    """Create a generation job from its stored input: every row checked (token checks where the API can read the
+    tokenizer), then validating, then its shards and running. It stops at `queued` while it waits for a fine-tune,
+    and ends `failed` when every row is invalid."""
+    spec, (ref, _), = new.spec, *new.inputs
+    file = files.stored(session, ref, owner=new.owner)
+    job = _create(session, new, file, rows_total=0)
+    checked = InputCheck(spec, model_dir=new.model_dir)
+    rows = checked.rows(parse_dataset(files.absolute(file), spec.input_format, spec=spec, columns=spec.input_columns))
+    total, failed, first_error = insert_rows(session, job.id, rows)
+    job.rows_total = total
+    job.metrics = {"input": checked.summary(), **new.metrics}
+    add_event(session, job.id, f"submitted by {new.owner}: {total} rows, {failed} invalid, queue {job.queue}")
+    for note in new.notes:
+        add_event(session, job.id, note)
+    if new.waits and failed < total:  # queued, no shards: released when the fine-tune ends
+        add_event(session, job.id, f"waiting for fine-tune {spec.adapter} to register its adapter")
+        return _Opened(job.id, job.queue, [])
+    transition(session, job, JobState.validating, reason="structural checks done")
+    add_event(session, job.id, checked.token_note())
+    if failed == total:
+        fail(session, job, f"every row is invalid; the first: {first_error}", rows_failed=failed)
+        return _Opened(job.id, job.queue, [])
+    shard_ids = start(session, job, shard_rows=spec.shard_rows or get_settings().shard_rows)
+    return _Opened(job.id, job.queue, shard_ids)
+
+
+def _open_finetune(session: Session, new: NewJob) -> _Opened:
+    """Create a fine-tune: its training rows (then its validation rows, marked `split: validation`), each checked
+    (one bad row refuses the job), then validating, then its one shard over every row, and running."""
+    spec, settings = new.spec, get_settings()
+    limits = dict(max_rows=settings.max_rows, max_row_bytes=settings.max_row_bytes, input_format=spec.input_format,
+                  columns=spec.input_columns)
+    (train_ref, fmt), *validation = new.inputs
+    train = files.stored(session, train_ref, owner=new.owner)
+    rows = parse_training_file(files.absolute(train), fmt, **limits)
+    read_as = {"format": fmt}
+    for valid_ref, valid_fmt in validation:
+        valid = files.stored(session, valid_ref, owner=new.owner)
+        rows += parse_training_file(files.absolute(valid), valid_fmt, split="validation", start_idx=len(rows),
+                                    what="validation dataset", **limits)
+        read_as["validation_format"] = valid_fmt
+    job = _create(session, new, train, rows_total=len(rows), metrics={"input": read_as, **new.metrics})
+    session.execute(JobRow.__table__.insert(), [
+        {"job_id": job.id, "idx": r.idx, "line": r.line, "input": r.input, "state": RowState.pending.value,
+         "custom_id": ("validation-" if r.input.get("split") else "") + f"{r.where}-{r.line}", "executions": 0}
+        for r in rows])
+    n_valid = sum(1 for r in rows if r.input.get("split"))
+    add_event(session, job.id, f"submitted by {new.owner}: fine-tune on {len(rows) - n_valid} training rows"
+              f" ({read_as['format']})"
+              + (f" and {n_valid} validation rows ({read_as['validation_format']})" if n_valid else "")
+              + f", queue {job.queue}")
+    for note in new.notes:
+        add_event(session, job.id, note)
+    transition(session, job, JobState.validating, reason="structural checks done")
+    # One shard over every row: the fine-tune is leased, renewed and reaped like any shard.
+    shard_ids = start(session, job, shard_rows=max(len(rows), 1), reason="1 training shard queued")
+    return _Opened(job.id, job.queue, shard_ids)
+
+
+def start(session: Session, job: Job, *, shard_rows: int, reason: str | None = None) -> list[int]:
+    """Cut a validating job into shards of up to `shard_rows` rows and move it to running. Returns the shard ids to send
+    once the transaction has committed."""
+    shards = create_shards(session, job, shard_rows=shard_rows, max_attempts=get_settings().max_attempts)
+    transition(session, job, JobState.running, reason=reason or f"{len(shards)} shards of up to {shard_rows} rows "
+               "queued")
+    return [s.id for s in shards]
+
+
+def _chain(job_id: str, spec_data: dict[str, Any], chain: Callable[[dict[str, Any]], str]) -> None:
+    """Submit a fine-tune's chained generation job; if that is refused, the fine-tune fails with the reason (its
+    shard is cancelled before it was ever sent) and the refusal is raised."""
+    try:
+        chained = chain(spec_data)
+    except JobsError as exc:
+        with session_scope() as session:
+            job = get_job(session, job_id)
+            fail(session, job, f"then_generate was refused: {exc}")
+            for shard in session.scalars(select(Shard).where(Shard.job_id == job_id)).all():
+                transition(session, shard, ShardState.cancelled, reason="the chained job was refused")
+        raise
+    with session_scope() as session:
+        job = get_job(session, job_id)
+        job.metrics = {**(job.metrics or {}), "then_generate_job": chained}
+        add_event(session, job_id, f"generation job {chained} will run with this adapter once it is ready")
+
+
+def fail(session: Session, job: Job, error: str, **values: Any) -> None:
+    """The job ends failed with `error` (its reason and its error)."""
+    transition(session, job, JobState.failed, reason=error, error=error, finished_at=now(), **values)
+
+
+# --- retry and cancel -----------------------------------------------------------------------------------------
+
+
+def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None:
+    """Re-open a finished job under the same id and re-run its failed (and, unless failed_only, unfinished) rows.
+
+    Rows that failed structural checks at submit are kept failed: running them again cannot succeed.
+    """
+    with session_scope() as session:
+        job = get_job(session, job_id, owner=owner)
+        if not JobState(job.state).terminal:
+            raise IllegalTransition(f"job {job_id} is {job.state}: retry a job once it has finished (or cancel it)")
+        states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
+        rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
+        rerun = [r for r in rows if "raw" not in (r.input or {}) and not _structural_error(r)]
+        if not rerun:
+            raise InvalidInput(f"job {job_id} has no rows to retry" + (" (--failed-only)" if failed_only else ""))
+        for row in rerun:
+            row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
+        transition(session, job, JobState.queued, reason=f"retry of {len(rerun)} rows requested by {by}",
+                   retries=Job.retries + 1, error=None, finished_at=None)
+        transition(session, job, JobState.validating, reason="rows reset")
+        shard_ids = _reopen_shards(session, job, {r.idx for r in rerun})
+        transition(session, job, JobState.running, reason=f"{len(shard_ids)} shards re-queued")
+        queue = job.queue
+    dispatch.send(shard_ids, queue)
+
+
+def _structural_error(row: JobRow) -> bool:
+    return bool(row.error and row.error.startswith((f"line {row.line}:", f"row {row.line}:")))
+
+
+def _reopen_shards(session: Session, job: Job, idxs: set[int]) -> list[int]:
+    shard_ids = []
+    for shard in session.scalars(select(Shard).where(Shard.job_id == job.id)).all():
+        if any(shard.row_start <= i < shard.row_end for i in idxs):
+            transition(session, shard, ShardState.queued, reason="retry", attempts=0, error=None, enqueued_at=None,
+                       lease_owner=None, lease_expires_at=None)
+            shard_ids.append(shard.id)
+    return shard_ids
+
+
+def cancel(job_id: str, *, owner: str | None, by: str) -> None:
+    """Cancel a live job of `owner` (None: any owner's); see `cancel_job`."""
+    with session_scope() as session:
+        cancel_job(session, get_job(session, job_id, owner=owner), by=by)
+
+
+def cancel_job(session: Session, job: Job, *, by: str) -> None:
+    """Move a live job to cancelling, cancel its shards no worker has claimed, and finalize it if nothing runs.
+
+    A running shard's worker sees the job stopping within a heartbeat and stops between decode steps."""
+    if JobState(job.state).terminal:
+        raise IllegalTransition(f"job {job.id} is already {job.state}: nothing to cancel")
+    if job.state != JobState.cancelling.value:
+        transition(session, job, JobState.cancelling, reason=f"cancel requested by {by}")
+    queued = session.scalars(select(Shard).where(Shard.job_id == job.id, Shard.state == ShardState.queued.value))
+    for shard in queued.all():
+        try:
+            transition(session, shard, ShardState.cancelled, reason="job cancelled before it ran")
+        except IllegalTransition:
+            pass  # a worker claimed it just now; it will see the job is cancelling and stop
+    maybe_finalize(session, job.id)
+
+
+def expire_batches(session: Session, window_seconds: float) -> list[str]:
+    """Cancel OpenAI batches (jobs whose input is batch lines) still live past their completion window; their
+    finished rows are kept. Run by every worker's reaper, so a batch nobody reads expires too."""
+    terminal = [s.value for s in JobState if s.terminal] + [JobState.cancelling.value]
+    live = session.scalars(select(Job).where(Job.kind == "generate", Job.state.not_in(terminal),
+                                             Job.created_at < now() - window_seconds)).all()
+    expired = []
+    for job in live:
+        if job.spec.get("input_format") == "openai":
+            try:
+                cancel_job(session, job, by=BATCH_EXPIRED_BY)
+                expired.append(job.id)
+            except IllegalTransition:
+                pass  # it ended meanwhile
+    return expired
+
+
+# --- chained jobs waiting for a fine-tune -----------------------------------------------------------------------
+
+
+def release_waiting(finetune_id: str | None = None) -> None:
+    """Queued generation jobs waiting for a fine-tune that has ended (`finetune_id`, or any): shard and send them
+    (it succeeded and registered its adapter) or fail them with its outcome. Called by the worker that finished
+    the fine-tune, and by every reaper as a safety net. Each job moves by conditional transitions, so two
+    processes releasing at once never both shard one job."""
+    with session_scope() as session:
+        jobs = session.scalars(select(Job).where(Job.kind == "generate", Job.state == JobState.queued.value)).all()
+        to_send = []
+        for job in jobs:
+            ref = (job.spec or {}).get("adapter")
+            if not ref or adapters.is_file_ref(ref) or (finetune_id and ref != finetune_id) or _has_shards(session,
+                                                                                                         job.id):
+                continue
+            parent = session.get(Job, ref)
+            if parent is not None and not JobState(parent.state).terminal:
+                continue
+            to_send += _release(session, job, parent)
+    for shard_ids, queue in to_send:
+        dispatch.send(shard_ids, queue)
+
+
+def _has_shards(session: Session, job_id: str) -> bool:
+    return session.scalar(select(Shard.id).where(Shard.job_id == job_id).limit(1)) is not None
+
+
+def _release(session: Session, job: Job, parent: Job | None) -> list[tuple[list[int], str]]:
+    ok = parent is not None and parent.state == JobState.succeeded.value and session.get(Adapter, parent.id)
+    try:
+        if not ok:
+            outcome = f"{parent.state}" + (f": {parent.error}" if parent.error else "") if parent else "deleted"
+            fail(session, job, f"fine-tune {job.spec.get('adapter')} ended {outcome}; this job needed its adapter")
+            return []
+        transition(session, job, JobState.validating, reason=f"adapter {parent.id} is ready")
+    except IllegalTransition:
+        return []  # another process released it, or it was cancelled meanwhile
+    shard_ids = start(session, job, shard_rows=job.spec.get("shard_rows") or get_settings().shard_rows)
+    return [(shard_ids, job.queue)]
+
+
+# --- the end of a job -----------------------------------------------------------------------------------------
+
+
+def finalize(job_id: str) -> bool:
+    """`maybe_finalize` in a transaction of its own (a worker, after its shard ended)."""
+    with session_scope() as session:
+        return maybe_finalize(session, job_id)
+
+
+def maybe_finalize(session: Session, job_id: str) -> bool:
+    """Finish the job if no shard is open. Safe to call from many processes: one conditional update wins."""
+    job = session.get(Job, job_id)
+    if job is None or open_shards(session, job_id):
+        return False
+    if job.state == JobState.cancelling.value:
+        transition(session, job, JobState.cancelled, reason="every shard stopped", finished_at=now(),
+                   **_totals(session, job))
+        return True
+    if job.state != JobState.running.value:
+        return False
+    try:
+        transition(session, job, JobState.finalizing, reason="every shard is done")
+    except IllegalTransition:
+        return False  # another process is finalizing it
+    totals = _totals(session, job)
+    failed_shards = session.scalars(select(Shard).where(Shard.job_id == job_id,
+                                                        Shard.state == ShardState.failed.value)).all()
+    if failed_shards:
+        error = "; ".join(f"shard {s.idx} (rows {s.row_start}-{s.row_end - 1}): {s.error}" for s in failed_shards)
+        fail(session, job, error, **totals)
+    else:
+        transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
+    return True
+
+
+def _totals(session: Session, job: Job) -> dict[str, Any]:
+    p = progress(session, job)
+    shards = session.scalars(select(Shard).where(Shard.job_id == job.id)).all()
+    shard_metrics = [s.metrics or {} for s in shards]
+    started = job.started_at or job.created_at
+    duration = max(now() - started, 1e-9)
+    metrics = dict(job.metrics or {})
+    metrics.update(
+        duration_s=round(duration, 3),
+        output_tok_s=round(p["completion_tokens"] / duration, 2),
+        gpu_seconds=round(sum(m.get("gpu_seconds", 0.0) for m in shard_metrics), 3),
+        engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
+        peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
+    )
+    return dict(
+        rows_succeeded=p["succeeded"],
+        rows_failed=p["failed"],
+        prompt_tokens=p["prompt_tokens"],
+        completion_tokens=p["completion_tokens"],
+        metrics=metrics,
+    )
+
+
+def _summary(totals: dict[str, Any]) -> str:
+    m = totals["metrics"]
+    return (
+        f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
+        f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"
+    )
+
+
+def stuck_jobs(session: Session) -> list[str]:
+    """Running or cancelling jobs with no open shard: finalize them (a finalizer died in between)."""
+    live = (ShardState.queued.value, ShardState.running.value)
+    open_exists = select(Shard.id).where(Shard.job_id == Job.id, Shard.state.in_(live)).exists()
+    stmt = select(Job.id).where(Job.state.in_((JobState.running.value, JobState.cancelling.value)), ~open_exists)
+    return list(session.scalars(stmt.limit(100)).all())
+
+
+def reap() -> None:
+    """The reaper's pass, on every worker's heartbeat: shards first (`core.dispatch.reap`: never sent, lease
+    expired, lost in flight), then what no process finished: jobs whose shards all ended, OpenAI batches past
+    their window, chained jobs whose fine-tune ended while no worker was there to release them."""
+    dispatch.reap()
+    with session_scope() as session:
+        for job_id in stuck_jobs(session):
+            maybe_finalize(session, job_id)
+        for job_id in expire_batches(session, get_settings().batch_window_seconds):
+            log.info("%s reaper: OpenAI batch past its completion window: cancelled as expired", job_id)
+    release_waiting()
+
+
+# --- what a worker records on a job ---------------------------------------------------------------------------
+
+
+def event(job_id: str, message: str, **kwargs: Any) -> None:
+    """An event on the job, in a transaction of its own (`core.store.add_event`'s keywords)."""
+    with session_scope() as session:
+        add_event(session, job_id, message, **kwargs)
+
+
+def record_load(job_id: str, resolved: dict[str, Any], versions: Callable[[], dict[str, Any]]) -> None:
+    """The load options and library versions (`versions()`, read only then) of the job's first load; later shards
+    keep them."""
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        if job.load_options is None:
+            job.load_options = resolved
+            job.versions = versions()
+
+
+def record_engine(job_id: str, engine_info: dict[str, Any]) -> None:
+    """The job's load options also say which engine ran, as the first finished shard saw it (each shard's
+    metrics keep their own)."""
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        if job.load_options is not None and "engine" not in job.load_options:
+            job.load_options = {**job.load_options, "engine": engine_info}
+
