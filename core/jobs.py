@@ -6,10 +6,12 @@ written once. Work is sent through `core.dispatch`, always after the transaction
 The API checks a submission and hands it here in one call (`submit(NewJob)`); the worker runs shards under
 leases (`core.leases`), which end here (`maybe_finalize`, `release_waiting`).
 
-    queued ──validating──▶ shards opened ──▶ running ──▶ finalizing ──▶ succeeded | failed
-      │  (a chained job waits here,                          ▲
-      │   with rows and no shards)        retry: a finished job goes back to queued, keeping its id
-      └── cancelling ──▶ cancelled  (from any live state)
+    queued ──▶ validating ──▶ running ──▶ finalizing ──▶ succeeded | failed
+    (rows      (rows checked)   (shards cut     (every shard
+    stored)                      and sent)       ended)
+    any live state ──▶ cancelling ──▶ cancelled;   a finished job ──retry──▶ queued (same id)
+
+A chained generation job waits in `queued`, with its rows and no shards, until its fine-tune ends.
 
 Functions that take a session leave the transaction to their caller; the others (`submit`, `retry`, `cancel`,
 `release_waiting`, `finalize`, `reap`, and the worker's records) open their own and send after it committed.
