@@ -63,9 +63,9 @@ class Progress(hub.Listener):
                     f"{self.host} is downloading it into {self.cache}")
 
     def started(self, snap: hub.Snapshot, *, files: int, total: int, done: int) -> None:
-        resumed = f", resuming after {hub._size(done)} already there" if done else ""
+        resumed = f", resuming after {hub.human_bytes(done)} already there" if done else ""
         self._event(f"download of {snap.repo}@{hub.short(snap.commit)} started on host {self.host} by {self.worker}: "
-                    f"{files} files, {hub._size(total)}{resumed}",
+                    f"{files} files, {hub.human_bytes(total)}{resumed}",
                     data={"download": {"repo": snap.repo, "commit": snap.commit, "host": self.host, "files": files,
                                        "bytes_total": total, "bytes_done": done}})
         self.done, self.total = done, total
@@ -102,7 +102,8 @@ class Progress(hub.Listener):
         self.stopped.set()
         rate = downloaded / seconds if seconds > 0 else 0.0
         self._event(f"download of {snap.repo}@{hub.short(snap.commit)} finished on host {self.host}: "
-                    f"{hub._size(downloaded)} in {seconds:.1f} s ({hub._size(int(rate))}/s), every file verified",
+                    f"{hub.human_bytes(downloaded)} in {seconds:.1f} s ({hub.human_bytes(int(rate))}/s), every file "
+                    "verified",
                     data={"download": {"repo": snap.repo, "commit": snap.commit, "host": self.host,
                                        "bytes": downloaded, "seconds": round(seconds, 3)}})
 
