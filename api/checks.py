@@ -2,7 +2,7 @@
 
 `submission(owner, spec_data)` runs every check of a submit and returns a `core.jobs.NewJob` (the spec resolved:
 a model's real directory or pinned commit, the input's format detected) for `core.jobs.submit`, which stores it.
-Nothing is written here, so a refused submit leaves nothing behind. `request(spec, admin=...)` holds the checks
+Nothing is written to the store here, so a refused submit leaves nothing behind. `request(spec, admin=...)` holds the checks
 only an HTTP request needs (who may name server paths). No torch, no worker code.
 """
 
@@ -241,7 +241,7 @@ def _describe(workers: list) -> str:
 
 
 def dataset(session: Session, owner: str, ref: str, *, fmt: str = "auto") -> str:
-    """Check a dataset the job reads, storing nothing: the owner's file id, or a server path a job may read
+    """Check a dataset the job reads, storing nothing yet: the owner's file id, or a server path a job may read
     (copied into the store with the job, `core.files.stored`). Returns its format (`fmt`, or detected for `auto`).
 
     A dataset of more rows than JOBS_MAX_ROWS is refused here, before a single row is inserted (JSONL and CSV
