@@ -27,9 +27,10 @@ from tests.services import postgres_url, private_postgres, redis_server  # noqa:
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# pytest-xdist processes for a plain `python -m pytest` (the README's and CI's command). Most tests wait on real
-# processes (a worker importing torch, a job draining, a lease expiring), so more processes than CI's 2 cores
-# overlap those waits; each process with a CPU worker running holds about 1 GiB, which bounds it from above.
+# pytest-xdist processes for a plain `python -m pytest` (the README's and CI's command). One test at a time keeps
+# about one of CI's 2 cores busy on average: most tests wait on real processes (a worker importing torch, a job
+# draining, a lease expiring). The whole suite needs about 1,600 CPU-seconds; 4 processes keep both cores busy
+# (more would only slow each test down) and, with their workers, peaked at 3.8 GiB (PSS) together.
 PROCESSES = 4
 
 
