@@ -223,7 +223,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2, procs:
 
 @pytest.fixture
 def spawn_worker(tmp_path) -> Iterator:
-    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered.
+    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered
+    and started (`started`), so that a test's own waits time its job, not the worker importing torch.
 
     Workers inherit this process's environment as set by `jobs_env` / `pg_jobs_env` (request one of them first),
     plus any JOBS_* overrides given as keywords."""
@@ -241,7 +242,8 @@ def spawn_worker(tmp_path) -> Iterator:
         proc = Proc(popen, log)
         procs.append(proc)
         if wait:
-            wait_for(lambda: registered(env["JOBS_DATABASE_URL"], proc.pid), 90, "worker registration", procs=[proc])
+            wait_for(lambda: started(env["JOBS_DATABASE_URL"], proc.pid), 180,
+                     "worker registration and start-up (its QLoRA probe)", procs=[proc])
         return proc
 
     yield spawn
@@ -256,6 +258,20 @@ def stop_all(procs: list[Proc], timeout: float = 20) -> None:
             p.popen.terminate()
     for p in procs:
         p.stop(timeout)
+
+
+def started(database_url: str, pid: int) -> bool:
+    """Registered online and done with its start-up: the worker records its QLoRA probe (importing bitsandbytes,
+    seconds of CPU) in a thread after registering, which on a loaded machine competed with the first job for long
+    enough to outlast waits meant for the job."""
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import Worker
+
+    with session_scope(database_url) as session:
+        caps = session.scalar(select(Worker.capabilities).where(Worker.pid == pid, Worker.state == "online"))
+        return caps is not None and "qlora" in caps
 
 
 def registered(database_url: str, pid: int) -> bool:

@@ -145,10 +145,10 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
                                json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), "{broken"]) + "\n")
     job = service.submit(owner="t", spec_data={"model": str(model), "input": str(data), "gpus": 0,
                                                "max_new_tokens": 8})
-    wait_for(lambda: job_state(job["id"]) == "succeeded", 60, "the job", procs=[worker])
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[worker])
     retried = service.retry(job["id"], owner=None, failed_only=True, by="t")
     assert retried["retries"] == 1
-    wait_for(lambda: job_state(job["id"]) == "succeeded", 60, "the retried job", procs=[worker])
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the retried job", procs=[worker])
     errors = {r["line"]: r["error"] for r in service.results(job["id"], owner=None, errors=True)}
     assert "cannot start with a tool message" in errors[2] and "invalid JSON" in errors[3]
     with session_scope() as session:
