@@ -242,8 +242,10 @@ def spawn_worker(tmp_path) -> Iterator:
         proc = Proc(popen, log)
         procs.append(proc)
         if wait:
-            wait_for(lambda: started(env["JOBS_DATABASE_URL"], proc.pid), 180,
-                     "worker registration and start-up (its QLoRA probe)", procs=[proc])
+            url = env["JOBS_DATABASE_URL"]
+            wait_for(lambda: registered(url, proc.pid), 90, "worker registration", procs=[proc])
+            # a worker may die by design once registered (a test fault on its first job): the test sees that itself
+            wait_for(lambda: started(url, proc.pid) or not proc.alive(), 180, "worker start-up (its QLoRA probe)")
         return proc
 
     yield spawn
