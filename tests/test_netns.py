@@ -252,17 +252,27 @@ def test_message_popped_by_a_host_that_drops_off_is_sent_again(cluster, tiny_mod
     proc_a = c.spawn_worker("a", **fast)
     pusher = redis.Redis.from_url(c.redis_url, socket_timeout=10)  # its own connection, open before it counts
     pusher.ping()
-    deadline = time.monotonic() + 60
-    with redis.Redis.from_url(c.redis_url, socket_timeout=10).monitor() as monitor:
-        for command in monitor.listen():  # the instant A sends BRPOP (it then waits up to 1 s server-side)
-            if command["client_address"] == c.addr("a") and command["command"].upper().startswith("BRPOP"):
-                c.cut("a", "switch")
-                pusher.lmove("gpujobs-test:parked", "cpu", "LEFT", "RIGHT")
-                pushed = time.time() - float(command["time"])
-                break
-            assert time.monotonic() < deadline and proc_a.alive(), f"A never waited in BRPOP:\n{proc_a.tail()}"
-    wait_for(lambda: r.llen("cpu") == 0, 2, f"Redis to hand the message to A's pending BRPOP (pushed {pushed:.3f} s "
-             "after A sent it; it waits 1 s)")
+    # Up to 3 tries: on a loaded machine A's pending BRPOP was sometimes gone (it timed out or A's connection was
+    # reset) when the push landed, and the message stayed in the list; the scenario then did not happen, so it is
+    # put back, A's network restored, and the next BRPOP of A is used.
+    for attempt in range(3):
+        deadline = time.monotonic() + 60
+        with redis.Redis.from_url(c.redis_url, socket_timeout=10).monitor() as monitor:
+            for command in monitor.listen():  # the instant A sends BRPOP (it then waits up to 1 s server-side)
+                if command["client_address"] == c.addr("a") and command["command"].upper().startswith("BRPOP"):
+                    c.cut("a", "switch")
+                    pusher.lmove("gpujobs-test:parked", "cpu", "LEFT", "RIGHT")
+                    pushed = time.time() - float(command["time"])
+                    break
+                assert time.monotonic() < deadline and proc_a.alive(), f"A never waited in BRPOP:\n{proc_a.tail()}"
+        try:
+            wait_for(lambda: r.llen("cpu") == 0, 2, "Redis to hand the message to A's pending BRPOP")
+            break
+        except AssertionError:
+            assert attempt < 2, (f"Redis never handed the message to A's pending BRPOP in 3 tries (the last pushed "
+                                 f"{pushed:.3f} s after A sent it; it waits 1 s)")
+            pusher.lmove("cpu", "gpujobs-test:parked", "RIGHT", "LEFT")
+            c.restore("a", "switch")
     assert r.hlen("unacked") == 0  # kombu would only record it once A read the reply
 
     proc_b = c.spawn_worker("b", **fast)
