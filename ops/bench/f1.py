@@ -192,7 +192,7 @@ def child_baseline(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from core.spec import FinetuneSpec
-    from worker.finetune import build_examples, pack
+    from worker.finetune_data import build_examples, pack
 
     spec = FinetuneSpec.model_validate({**json.loads(args.spec_json), "input": "bench"})
     cuda = torch.cuda.is_available()
