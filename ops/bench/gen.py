@@ -120,8 +120,8 @@ def run_inproc(args: argparse.Namespace) -> int:
 
     # a. greedy outputs on the memorized model: fast engine vs plain generate
     def greedy() -> None:
-        check = out["correctness"]["greedy_fast_vs_generate"] = harness.greedy_check(args.qa_model, "fast", device,
-                                                                                      dtype)
+        check = harness.greedy_check(args.qa_model, "fast", device, dtype)
+        out["correctness"]["greedy_fast_vs_generate"] = check
         log(f"greedy fast engine vs generate: {check['equal']}/{check['rows']} equal")
 
     step("greedy", 30, greedy)
