@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from core.spec import GenerateSpec
-from worker import fastgen
-from worker import generate as gen
+from worker.engines import common, fastgen
 from worker.loader import load
 
 TEMPERATURE = 1.5
@@ -65,9 +64,9 @@ def draws(loaded, tiny_model, engine: str) -> list[list[int]]:
                 out += y[:, len(prompt):].tolist()
         return out
     rows = [(i, {"prompt": PROMPT, "params": {}, "extra": {}}) for i in range(SAMPLES)]
-    seqs = [fastgen.Seq(p, 0) for p in gen.prepare(loaded, spec, rows, 0.0)]
+    seqs = [fastgen.Seq(p, 0) for p in common.prepare(loaded, spec, rows, 0.0)]
     state = fastgen.state_for(loaded.model, loaded.device, loaded.model.config.vocab_size)
-    eng = fastgen.Engine(loaded, state, gen._eos_ids(loaded), slots=16, graphs=False)
+    eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=16, graphs=False)
     with torch.inference_mode():
         return [s.tokens for finished in eng.run(seqs, lambda: False) for s in finished]
 
@@ -77,7 +76,7 @@ def exact(loaded, prefix: list[int]) -> torch.Tensor:
     rows ignore EOS, as min_new_tokens does for plain generate)."""
     with torch.inference_mode():
         logits = loaded.model(torch.tensor([prefix])).logits[0, -1].double().clone()
-        logits[list(gen._eos_ids(loaded))] = float("-inf")
+        logits[list(common.eos_ids(loaded))] = float("-inf")
     return torch.softmax(logits / TEMPERATURE, dim=-1)
 
 
