@@ -48,7 +48,7 @@ def get_app() -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         task_default_queue="cpu",
-        broker_transport_options=transport_options(settings.visibility_timeout),
+        broker_transport_options=transport_options(settings.visibility_timeout, settings.broker_wait_seconds),
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=5,
         task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5},
@@ -59,16 +59,20 @@ def get_app() -> Celery:
     return app
 
 
-def transport_options(visibility_timeout: int) -> dict:
+def transport_options(visibility_timeout: int, broker_wait: float | None = None) -> dict:
     """Kombu scans for unacknowledged messages past their visibility timeout about every 100 s; a short
     timeout (tests, tuning) only means something with a scan every second.
 
     Socket timeouts and keepalives: without them a worker whose host is cut off from Redis can wait on a dead
     socket until the kernel gives up on it (the TCP retransmission timeout) before it reconnects; with them a read
-    fails after 15 s. The BRPOP the consumer blocks in lasts 1 s, well under that read timeout.
+    fails after 15 s. The BRPOP the consumer blocks in lasts 1 s (kombu's default), well under that read timeout;
+    JOBS_BROKER_WAIT_SECONDS (`broker_wait`) changes it through kombu's `polling_interval`, which also sets the
+    sleep between empty polls of consumers that run without an event loop.
     """
     options: dict = {"visibility_timeout": visibility_timeout, "socket_timeout": 15, "socket_connect_timeout": 5,
                      "socket_keepalive": True, "health_check_interval": 10}
+    if broker_wait is not None:
+        options["polling_interval"] = broker_wait
     if visibility_timeout < 600:
         options.update(unacked_restore_interval=1, unacked_restore_throttle=1)
     return options

@@ -38,6 +38,21 @@ def _paths(name: str) -> list[Path]:
     return [Path(p).expanduser().resolve() for p in value.split(os.pathsep) if p] if value else []
 
 
+def _broker_wait() -> float | None:
+    """JOBS_BROKER_WAIT_SECONDS: unset = kombu's 1 s; else above 0 and below the broker socket's 15 s read timeout."""
+    value = _env("JOBS_BROKER_WAIT_SECONDS")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 15:
+        raise ValueError(f"JOBS_BROKER_WAIT_SECONDS={value!r}: give seconds above 0 and below 15 (the broker socket's "
+                         "read timeout)")
+    return seconds
+
+
 def _seconds_or_auto(name: str) -> float | None:
     """A positive number of seconds, or None for `auto` (the default)."""
     value = _env(name, "auto")
@@ -72,6 +87,7 @@ class Settings:
     max_attempts: int = 3
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
+    broker_wait_seconds: float | None = None  # a worker's BRPOP wait in Redis; None = kombu's 1 s (core/queue.py)
     batch_window_seconds: float = 24 * 3600.0  # OpenAI batches' completion_window "24h" (shorter only in tests)
     stall_seconds: float | None = None  # None = auto: max(120 s, 50 x the median engine step) (worker/progress.py)
     stall_phase_seconds: float = 1800.0  # bound of one-off phases: loading, compiling, capturing CUDA graphs
@@ -173,6 +189,7 @@ def get_settings() -> Settings:
         max_attempts=int(_env("JOBS_MAX_ATTEMPTS", "3")),
         worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
         visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
+        broker_wait_seconds=_broker_wait(),
         batch_window_seconds=float(_env("JOBS_BATCH_WINDOW_SECONDS", str(24 * 3600))),
         stall_seconds=_seconds_or_auto("JOBS_STALL_SECONDS"),
         stall_phase_seconds=float(_env("JOBS_STALL_PHASE_SECONDS", "1800")),

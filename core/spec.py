@@ -132,7 +132,7 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}")
     engine: Literal["auto", "fast", "padded", "static", "continuous"] = Field(
         "auto", description="fast: continuous batching over a slot KV cache with a Triton decode attention and "
-        "CUDA graphs (worker/fastgen.py); padded: batched model.generate; static: model.generate with a static KV "
+        "CUDA graphs (worker/engines/fastgen.py); padded: batched model.generate; static: model.generate with a static KV "
         "cache, compiled on CUDA, fixed shapes (batch_rows slots, bucketed cache length); continuous: transformers "
         "continuous batching (generate_batch's engine); auto: fast on CUDA where it applies, else padded "
         "(docs/design.md 'Generation engines')"
@@ -222,7 +222,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
     seed: int = Field(0, ge=0, le=2**32 - 1)
     gradient_checkpointing: bool = False
     checkpoint_steps: int = Field(50, ge=1)
-    # speed levers (worker/finetune.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
+    # speed levers (worker/finetune_setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
     liger: Literal["auto", "on", "off"] = Field(
         "auto", description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "
         "on any device; auto: liger where the worker has it and a GPU. Neither materializes the logits")

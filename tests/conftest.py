@@ -3,11 +3,17 @@ a tiny Qwen3 model that has memorized six answers.
 
 `jobs_env` points every JOBS_* setting of this test process at fresh state; `spawn_worker` and `api_server`
 start real processes with the same environment.
+
+The suite runs in PROCESSES pytest-xdist processes (`pytest_cmdline_main` below); `-n 0` or `-p no:xdist` runs it in
+one process, for a debugger or a clean traceback. Every fixture is safe in parallel: each test has its own tmp_path
+(JOBS_HOME, SQLite, artifacts), Redis and the API listen on free ports, each Postgres test gets a database named
+by a fresh uuid, and the tiny models are built once per run and shared by all processes (`shared_build`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +26,23 @@ import pytest
 from tests.services import postgres_url, private_postgres, redis_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# pytest-xdist processes for a plain `python -m pytest` (the README's and CI's command). One test at a time keeps
+# about one of CI's 2 cores busy on average: most tests wait on real processes (a worker importing torch, a job
+# draining, a lease expiring). The whole suite needs about 1,600 CPU-seconds; 4 processes keep both cores busy
+# (more would only slow each test down) and, with their workers, peaked at 3.8 GiB (PSS) together.
+PROCESSES = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run in PROCESSES processes unless -n was given (-n 0 or -p no:xdist: this process only), or --pdb asked for
+    one process, or this is an xdist process itself (its numprocesses is None too)."""
+    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
+            and not hasattr(config, "workerinput") and not config.option.usepdb):
+        config.option.numprocesses = PROCESSES
+        if config.option.dist == "no":
+            config.option.dist = "worksteal"  # tests last 0.01-120 s: an idle process takes queued tests from another
 
 
 def _reset_caches() -> None:
@@ -105,23 +128,46 @@ def any_jobs_env(tmp_path, redis_server, database_url, monkeypatch) -> Iterator[
     yield from _jobs_env(tmp_path, redis_server, database_url, monkeypatch)
 
 
+def run_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory of this test run that every xdist process of the run shares (pytest's base temp of the run; under
+    xdist each process has its own below it). Gone with the run's temp dir, like tmp_path: nothing outlives a run."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
+    """`build(out)` once per test run, whichever xdist process asks first; the others wait on a file lock and reuse
+    its result (read-only by convention, as a session fixture's). Each build gets a directory of its own,
+    `<run>/built-<name>/<name>`, so a model's parent directory holds that model only (tests use it as a model root).
+    A build that fails leaves no marker: the next process to ask builds again, and fails alike."""
+    from filelock import FileLock
+
+    root = run_tmp(tmp_path_factory)
+    folder, done = root / f"built-{name}", root / f"built-{name}.done"
+    with FileLock(str(root / f"built-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a build that failed half way
+            build(folder / name)
+            done.touch()
+    return folder / name
+
+
+def build_tiny(out: Path, *args: str) -> None:
+    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl"),
+                    *args], check=True, cwd=ROOT, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny Qwen3 model + tokenizer that has memorized examples/qa.jsonl (answers are asserted exactly)."""
-    out = tmp_path_factory.mktemp("models") / "tiny-qa"
-    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl")],
-                   check=True, cwd=ROOT, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    return out
+    return shared_build(tmp_path_factory, "tiny-qa", build_tiny)
 
 
 @pytest.fixture(scope="session")
 def base_model(tmp_path_factory) -> Path:
     """A tiny Qwen3 *base* model: its tokenizer knows examples/qa.jsonl's words, its weights know no answer (a LoRA
     fine-tune teaches them)."""
-    out = tmp_path_factory.mktemp("models") / "tiny-base"
-    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl"),
-                    "--base"], check=True, cwd=ROOT, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    return out
+    return shared_build(tmp_path_factory, "tiny-base", lambda out: build_tiny(out, "--base"))
 
 
 def qa_pairs() -> list[tuple[str, str]]:
@@ -177,7 +223,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2, procs:
 
 @pytest.fixture
 def spawn_worker(tmp_path) -> Iterator:
-    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered.
+    """Start real worker processes (`python -m worker.main`) pinned like `jobs worker` does; wait until registered
+    and started (`started`), so that a test's own waits time its job, not the worker importing torch.
 
     Workers inherit this process's environment as set by `jobs_env` / `pg_jobs_env` (request one of them first),
     plus any JOBS_* overrides given as keywords."""
@@ -195,12 +242,38 @@ def spawn_worker(tmp_path) -> Iterator:
         proc = Proc(popen, log)
         procs.append(proc)
         if wait:
-            wait_for(lambda: registered(env["JOBS_DATABASE_URL"], proc.pid), 90, "worker registration", procs=[proc])
+            url = env["JOBS_DATABASE_URL"]
+            wait_for(lambda: registered(url, proc.pid), 90, "worker registration", procs=[proc])
+            # a worker may die by design once registered (a test fault on its first job): the test sees that itself
+            wait_for(lambda: started(url, proc.pid) or not proc.alive(), 180, "worker start-up (its QLoRA probe)")
         return proc
 
     yield spawn
+    stop_all(procs)
+
+
+def stop_all(procs: list[Proc], timeout: float = 20) -> None:
+    """Proc.stop for several at once: SIGTERM to all, then wait for each (a worker's warm shutdown takes seconds;
+    one after another, a test's teardown waited for the sum)."""
     for p in procs:
-        p.stop()
+        if p.alive():
+            p.popen.terminate()
+    for p in procs:
+        p.stop(timeout)
+
+
+def started(database_url: str, pid: int) -> bool:
+    """Registered online and done with its start-up: the worker records its QLoRA probe (importing bitsandbytes,
+    seconds of CPU) in a thread after registering, which on a loaded machine competed with the first job for long
+    enough to outlast waits meant for the job."""
+    from sqlalchemy import select
+
+    from core.db import session_scope
+    from core.models import Worker
+
+    with session_scope(database_url) as session:
+        caps = session.scalar(select(Worker.capabilities).where(Worker.pid == pid, Worker.state == "online"))
+        return caps is not None and "qlora" in caps
 
 
 def registered(database_url: str, pid: int) -> bool:

@@ -72,7 +72,7 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(tmp_path, jobs_e
 
     browser.get(f"{url}/dashboard#/jobs/{job['id']}")
     api_done = lambda: (lambda j: j["rows"]["succeeded"] + j["rows"]["failed"])(client.job(job["id"]))  # noqa: E731
-    wait_for(lambda: int(text(browser, "#job-done") or 0) > 0, 60, "the first finished rows on the job page")
+    wait_for(lambda: int(text(browser, "#job-done") or 0) > 0, 120, "the first finished rows on the job page")
 
     def bracketed_read() -> int:
         before = api_done()

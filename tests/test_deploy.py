@@ -461,12 +461,12 @@ def test_worker_unit_takes_its_slice_from_the_instance_name():
 
 def test_worker_unit_restarts_a_failed_worker_except_configuration_errors_within_a_cap():
     """The worker unit restarts a worker that failed (a crash, a kill, a stall), never one that exited with a
-    configuration error (2, 5, 71: api/supervisor.py's CONFIG_ERRORS), and gives up after 5 starts in 10 minutes."""
-    from api.supervisor import CONFIG_ERRORS
+    configuration error (2, 5, 6: core/exits.py's CONFIGURATION), and gives up after 5 starts in 10 minutes."""
+    from core.exits import CONFIGURATION
 
     unit = "gpujobs-worker@.service"
     assert unit_lines(unit, "Restart") == ["on-failure"]
-    assert {int(c) for c in unit_lines(unit, "RestartPreventExitStatus")[0].split()} == set(CONFIG_ERRORS)
+    assert {int(c) for c in unit_lines(unit, "RestartPreventExitStatus")[0].split()} == set(CONFIGURATION)
     assert (unit_lines(unit, "StartLimitIntervalSec"), unit_lines(unit, "StartLimitBurst")) == (["600"], ["5"])
 
 

@@ -17,7 +17,7 @@ import torch
 from core.errors import InvalidInput
 from core.spec import GenerateSpec, LoadOptions
 from tests.conftest import qa_pairs
-from worker import generate as engine
+from worker.engines import common, padded
 from worker.generate import generate
 from worker.loader import Loaded, load, resolve_dtype
 
@@ -284,7 +284,7 @@ def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_mode
     import weakref
 
     loaded = load(LoadOptions(model=str(tiny_model)), gpus=0)
-    real = engine._run_group
+    real = padded._run_group
     held: list = []
 
     def run_group(loaded, group, started, should_stop, progress):
@@ -296,7 +296,7 @@ def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_mode
             raise torch.OutOfMemoryError("injected")
         return real(loaded, group, started, should_stop, progress)
 
-    monkeypatch.setattr(engine, "_run_group", run_group)
+    monkeypatch.setattr(padded, "_run_group", run_group)
     rows = [(i, {"prompt": q, "params": {}, "extra": {}}) for i, (q, _) in enumerate(qa_pairs()[:2])]
     spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16,
                                         "engine": "padded"})
@@ -329,8 +329,8 @@ def test_prompts_tokenized_as_a_batch_equal_one_by_one(loaded):
     alone = [tok(r["prompt"])["input_ids"] if "prompt" in r else tok(
         tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
         add_special_tokens=False)["input_ids"] for r in rows]
-    assert engine.render_many(loaded, rows) == alone
-    mixed = engine.render_many(loaded, [{"prompt": 7}, rows[0]])
+    assert common.render_many(loaded, rows) == alone
+    mixed = common.render_many(loaded, [{"prompt": 7}, rows[0]])
     assert isinstance(mixed[0], Exception) and mixed[1] == alone[0]
 
 
@@ -358,7 +358,7 @@ def test_sdpa_gqa_matches_sdpa_logits_and_greedy_outputs(tiny_model, loaded, spe
 def test_padded_engine_switches_to_sdpa_gqa_on_cuda_and_back(tiny_model):
     """On CUDA (forced here on CPU) the padded engine runs a grouped-query sdpa model with sdpa_gqa, records it,
     answers the same, and leaves the resident model on sdpa afterwards; off CUDA it keeps sdpa."""
-    from worker.generate import padded_attention
+    from worker.engines.common import padded_attention
 
     loaded = load(make_spec(tiny_model), gpus=0)
     with padded_attention(loaded, on_cuda=True) as attn:

@@ -1,5 +1,5 @@
-"""The continuous engine (transformers' continuous batching driven by worker/generate.py) against the padded one,
-and num_return_sequences in both, on the tiny memorized model. No queue, no database.
+"""The continuous engine (transformers' continuous batching driven by worker/engines/continuous.py) against the
+padded one, and num_return_sequences in both, on the tiny memorized model. No queue, no database.
 
 Runs under transformers 5.24 and 5.17 (`/work/venv517/bin/python -m pytest tests/test_engine*.py`): the two
 versions name the page size differently and 5.17 switches sdpa to `paged|sdpa` inside continuous batching.
@@ -16,7 +16,7 @@ from core.capability import missing
 from core.errors import InvalidInput
 from core.spec import GenerateSpec
 from tests.conftest import qa_pairs
-from worker import generate as engine
+from worker.engines import common
 from worker.generate import generate
 from worker.loader import Loaded, load
 
@@ -137,14 +137,14 @@ def test_num_return_sequences_without_sampling_is_refused(loaded, tiny_model):
 def test_a_request_that_fails_inside_the_engine_is_a_failed_row(loaded, tiny_model, monkeypatch):
     """A token id the model's embedding does not have makes transformers' continuous batching fail the request(s)
     with an error: those rows are failed rows carrying the engine's error, never successes with empty text."""
-    real_render = engine.render_many
+    real_render = common.render_many
     vocab = loaded.model.config.vocab_size
 
     def render_many(loaded_, row_inputs):
         return [[vocab + 5] if r.get("prompt") == "BROKEN" else ids
                 for r, ids in zip(row_inputs, real_render(loaded_, row_inputs))]
 
-    monkeypatch.setattr(engine, "render_many", render_many)
+    monkeypatch.setattr(common, "render_many", render_many)
     rows = [(0, row(prompt="BROKEN"))] + [(i + 1, r) for i, r in memorized()]
     r, _ = run(loaded, make_spec(tiny_model, engine="continuous"), rows, batch_rows=3)
     assert sorted(r) == list(range(len(rows)))

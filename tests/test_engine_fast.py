@@ -1,4 +1,4 @@
-"""The fast engine (`engine: fast`, worker/fastgen.py) on the tiny memorized model, on CPU.
+"""The fast engine (`engine: fast`, worker/engines/fastgen.py) on the tiny memorized model, on CPU.
 
 On CPU the engine runs without CUDA graphs and with the SDPA reference of its decode attention; the Triton kernel
 itself runs under `TRITON_INTERPRET=1` in a subprocess (the interpreter is chosen when triton is imported), against
@@ -21,8 +21,9 @@ from core.capability import missing
 from core.errors import InvalidInput
 from core.spec import GenerateSpec
 from tests.conftest import qa_pairs
-from worker import decode_attention, fastgen, faults
+from worker import faults
 from worker import generate as engine
+from worker.engines import common, decode_attention, fastgen
 from worker.generate import generate
 from worker.loader import Loaded, load
 from worker.progress import Progress
@@ -184,9 +185,9 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     assert r[0].output is None and "repetition_penalty is not supported by the fast engine" in r[0].error
     assert "top_p is not supported by the fast engine" in r[2].error
     assert r[1].output == a
-    out = {x.idx: x for b in engine._generate_fast(loaded, make_spec(tiny_model), rows, batch_rows=4,
-                                                     should_stop=lambda: False, on_event=print, info={},
-                                                     progress=Progress()) for x in b}
+    out = {x.idx: x for b in engine.run_engine("fast", loaded, make_spec(tiny_model), rows, batch_rows=4,
+                                                 should_stop=lambda: False, on_event=print, info={},
+                                                 progress=Progress()) for x in b}
     assert out[0].error is None and out[0].output and out[2].error is None and out[1].output == a
 
 
@@ -286,7 +287,7 @@ def test_reference_decode_matches_full_attention_per_row():
 TRITON_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from worker import decode_attention as da
+from worker.engines import decode_attention as da
 from tests.test_engine_fast import paged
 assert da.available(torch.device("cpu"))
 torch.manual_seed(0)
@@ -319,7 +320,8 @@ ENGINE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 from core.spec import GenerateSpec
-from worker import fastgen, generate as engine
+from worker import generate as engine
+from worker.engines import fastgen
 from worker.loader import load
 spec = lambda **f: GenerateSpec.model_validate({"model": sys.argv[2], "input": "file_x", **f})
 loaded = load(spec(), gpus=0)
@@ -352,11 +354,11 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     slots(4)
     monkeypatch.setattr(fastgen, "COMPILE_BACKEND", "eager")
     rows = [(i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])] + [(9, row("hello", max_new_tokens=6))]
-    prepared = list(engine.prepare(loaded, make_spec(tiny_model, engine="fast"), rows, 0.0))
+    prepared = list(common.prepare(loaded, make_spec(tiny_model, engine="fast"), rows, 0.0))
     seqs = [fastgen.Seq(p, 0) for p in prepared]
     fastgen.release(loaded.model)
     state = fastgen.state_for(loaded.model, loaded.device, 640)
-    eng = fastgen.Engine(loaded, state, engine._eos_ids(loaded), slots=4, graphs=False, compiled=True)
+    eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
     try:
         with torch.inference_mode():
             done = {s.row.idx: loaded.tokenizer.decode(s.tokens, skip_special_tokens=True)
@@ -461,8 +463,8 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     r = run(loaded, make_spec(tiny_model, engine="fast"), long)
     assert r[0].output is None and "more than the 384 the fast engine holds here" in r[0].error
     assert r[1].output == qa_pairs()[0][1]
-    out = {x.idx: x for b in engine._generate_fast(loaded, make_spec(tiny_model), long, batch_rows=4,
-                                                     should_stop=lambda: False, on_event=print, info={},
-                                                     progress=Progress()) for x in b}
+    out = {x.idx: x for b in engine.run_engine("fast", loaded, make_spec(tiny_model), long, batch_rows=4,
+                                                 should_stop=lambda: False, on_event=print, info={},
+                                                 progress=Progress()) for x in b}
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
     fastgen.release(loaded.model)

@@ -1,8 +1,9 @@
-"""The static-cache engine (`engine: static`, worker/generate.py) on the tiny memorized model, on CPU.
+"""The static-cache engine (`engine: static`, worker/engines/static.py) on the tiny memorized model, on CPU.
 
-On CPU the engine runs uncompiled by default; the tests that check compilation set `worker.generate.CPU_COMPILE`
-to a CompileConfig whose backend counts the graphs dynamo hands it (tracing for real, running them eagerly), so
-"one compile per shape" is counted, not assumed. Runs under transformers 5.24 and 5.17 (.ci/run).
+On CPU the engine runs uncompiled by default; the tests that check compilation set
+`worker.engines.static.CPU_COMPILE` to a CompileConfig whose backend counts the graphs dynamo hands it (tracing for
+real, running them eagerly), so "one compile per shape" is counted, not assumed. Runs under transformers 5.24 and
+5.17 (.ci/run).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from transformers import CompileConfig
 from core.capability import missing
 from core.spec import GenerateSpec
 from tests.conftest import qa_pairs
-from worker import generate as engine
-from worker.generate import cache_bucket, generate
+from worker.engines import static
+from worker.engines.static import cache_bucket
+from worker.generate import generate
 from worker.loader import Loaded, load
 
 
@@ -75,7 +77,7 @@ def compiled(monkeypatch, loaded):
 
     config = CompileConfig(backend=backend, mode=None, dynamic=False)  # as on CUDA: one graph per shape
     config._compile_all_devices = True
-    monkeypatch.setattr(engine, "CPU_COMPILE", config)
+    monkeypatch.setattr(static, "CPU_COMPILE", config)
     loaded.model.__dict__.pop("_gpujobs_static_shapes", None)
     yield counter
     loaded.model.__dict__.pop("_gpujobs_static_shapes", None)

@@ -58,12 +58,15 @@ def test_sigterm_hands_back_the_shard_and_another_worker_finishes_it(tmp_path, j
 
 
 def test_visibility_timeout_shorter_than_a_shard_runs_every_row_once(tmp_path, jobs_env, spawn_worker, tiny_model):
-    """With Redis's visibility timeout at 5 s and a shard of 15-50 s, Redis redelivers the message to the
-    second worker, which finds the shard leased and does nothing: every row is executed once."""
-    env = {"JOBS_VISIBILITY_TIMEOUT": "5"}
+    """With Redis's visibility timeout at 5 s and a shard of 24 s or more, Redis redelivers the message to the
+    second worker, which finds the shard leased and does nothing: every row is executed once.
+
+    The shard lasts because its worker sleeps 1 s before each of its 24 micro-batch commits (a test fault), not
+    because it has many rows to compute: a fast machine cannot end it early, a loaded one spends no CPU on it."""
+    env = {"JOBS_VISIBILITY_TIMEOUT": "5", "JOBS_TEST_FAULTS": "sleep_1@batch"}
     workers = [spawn_worker([], **env), spawn_worker([], **env)]
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 960),
-                                                        shard_rows=960))
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 96),
+                                                        shard_rows=96))
     wait_for(lambda: job_state(job["id"]) == "succeeded", 240, "the job", procs=workers)
     assert set(executions(job["id"])) == {1}
     with session_scope() as session:

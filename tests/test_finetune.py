@@ -233,7 +233,7 @@ def test_cancel_stops_training_within_seconds_keeps_its_checkpoint_and_a_qlora_j
     ft = service.submit(owner="alice", spec_data=ft_spec(base_model, max_steps=100000, checkpoint_steps=5,
                                                          then_generate={"input": str(PROMPTS), "max_new_tokens": 4}))
     gen_id = ft["metrics"]["then_generate_job"]
-    wait_for(lambda: any(e.get("step", 0) >= 7 for e in metric_events(ft["id"])), 60, "step 7", procs=[worker])
+    wait_for(lambda: any(e.get("step", 0) >= 7 for e in metric_events(ft["id"])), 120, "step 7", procs=[worker])
     t0 = time.monotonic()
     service.cancel(ft["id"], owner=None, by="test")
     assert finished(ft["id"], 30, [worker])["state"] == "cancelled"

@@ -469,7 +469,7 @@ def test_a_running_job_shows_progress_and_its_csv_results_download_in_every_form
     url, token, _ = api_server
     env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
     spawn_worker([], JOBS_TEST_FAULTS="sleep_0.8@batch")
-    rows = 10
+    rows = 30  # 24 s or more: each `gpujobs status` below is a process of its own, seconds each on a loaded machine
     data = write(tmp_path / "q.csv", "question,id\n" + "".join(f"What is the capital of France? {i},q{i}\n"
                                                                for i in range(rows)))
     sub = jobs(env, "submit", "generate", "--model", str(tiny_model), "--input", str(data), "--column",

@@ -36,6 +36,17 @@ def write_lines(path, lines) -> str:
     return str(path)
 
 
+def warm_up(url: str, token: str, tiny_model, tmp_path, worker) -> None:
+    """Run a 1-row job (our API: no completion window) to the end, so that the worker has imported torch and loaded
+    the model before a batch's 6 s window starts: on a loaded machine that start alone can outlast the window, and
+    the batch then expires with no finished row, which is not what the tests below are about."""
+    data = tmp_path / "warm.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    ours = Client(url, token)
+    job = ours.submit({"model": str(tiny_model), "gpus": 0, "max_new_tokens": 1}, input=data)
+    wait_for(lambda: ours.job(job["id"])["state"] == "succeeded", 120, "the warm-up job", procs=[worker])
+
+
 def wait_status(client: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120):
     return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b, timeout,
                     f"batch {batch_id} to reach {statuses}", interval=0.5)
@@ -107,12 +118,13 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model
 
 
 def test_a_batch_nobody_reads_still_expires_by_the_workers_reaper(tmp_path, model_roots, jobs_env, spawn_worker,
-                                                                   request):
+                                                                   tiny_model, request):
     """No client reads the batch after creating it: the workers' reaper cancels it once its (6 s) window has
     passed, with the window as the reason, and keeps its finished rows; /v1 then reports it `expired`."""
     jobs_env.env["JOBS_BATCH_WINDOW_SECONDS"] = "6"
     url, token, _ = request.getfixturevalue("api_server")
     worker = spawn_worker([], JOBS_TEST_FAULTS=SLOW, JOBS_BATCH_WINDOW_SECONDS="6")
+    warm_up(url, token, tiny_model, tmp_path, worker)
     client = OpenAI(base_url=f"{url}/v1", api_key=token)
     lines = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(400)]
     with open(write_lines(tmp_path / "long.jsonl", lines), "rb") as f:
@@ -127,12 +139,13 @@ def test_a_batch_nobody_reads_still_expires_by_the_workers_reaper(tmp_path, mode
 
 
 def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(tmp_path, model_roots, jobs_env,
-                                                                            spawn_worker, request):
+                                                                            spawn_worker, tiny_model, request):
     """With the window shortened to 6 s, a long batch (slowed down) read after it is `expired`, its finished rows
     are in the output file and counted in request_counts, and the job underneath is cancelled."""
     jobs_env.env["JOBS_BATCH_WINDOW_SECONDS"] = "6"
     url, token, _ = request.getfixturevalue("api_server")
-    spawn_worker([], JOBS_TEST_FAULTS=SLOW)
+    worker = spawn_worker([], JOBS_TEST_FAULTS=SLOW)
+    warm_up(url, token, tiny_model, tmp_path, worker)
     client = OpenAI(base_url=f"{url}/v1", api_key=token)
     lines = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(400)]  # 25 commits of 16 rows: >= 10 s
     with open(write_lines(tmp_path / "long.jsonl", lines), "rb") as f:

@@ -53,7 +53,7 @@ def test_soak_rows_are_the_rows_of_gen_py(tiny_model):
     gen = _module("gen_under_test", "ops/bench/gen.py")
     tok = AutoTokenizer.from_pretrained(tiny_model)
     words = soak.one_token_words(tiny_model)
-    assert words == gen.g1bench.one_token_words(tok)
+    assert words == gen.harness.one_token_words(tok)
     for name, rows in (("g2", soak.Rows(32, (4, 40), (2, 24))), ("g1", soak.Rows(24, (16, 16), (16, 16)))):
         ours = soak.synthetic(words, rows)
         assert [(p, o) for p, _, o in ours] == gen.workload(name, tok, smoke=True)

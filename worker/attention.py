@@ -7,7 +7,7 @@ module registers that call under the name `sdpa_gqa` (and transformers' own `sdp
 `AttentionMaskInterface`, so masks are built exactly as for `sdpa`), so the model stays a transformers model and
 every other attention choice keeps working.
 
-Used by the padded engine (worker/generate.py) by default on CUDA, and by the static engine on every device, when
+Used by the padded engine (worker/engines/padded.py) by default on CUDA, and by the static engine on every device, when
 the model has grouped K/V heads and loaded with `sdpa`; selectable anywhere as `attn_implementation: sdpa_gqa`.
 Under the static engine's torch.compile it is traced like any function (the masks are built outside the graph). The job records the attention that ran.
 transformers' continuous batching does not take it (it accepts sdpa, eager and flash kernels only).

@@ -19,7 +19,7 @@ setup, and waits for it while it reports progress. Decisions, and why:
   part of the checkpoint is on disk), the adapter and the result. Checkpoints and resume are the Trainer's, as for
   one process: the newest complete checkpoint is resumed, whatever number of processes wrote it.
 - **Never a hang.** torchrun runs with `--max-restarts=0`: one failed rank ends the group (torchrun stops the others)
-  and the attempt fails with that rank's error text. Collectives time out after `COLLECTIVE_TIMEOUT_S`. torchrun
+  and the attempt fails with that rank's error text. Collectives time out (worker/finetune_setup.py). torchrun
   gets SIGTERM from the kernel when the worker dies and each child gets SIGKILL when torchrun dies
   (PR_SET_PDEATHSIG), so a killed worker leaves no training behind to race the worker that resumes its job. On every
   way out the parent stops torchrun itself (SIGTERM, then SIGKILL), and a stop request that the children do not
@@ -52,7 +52,6 @@ from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
-COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer than this on a peer fails the attempt
 STOP_GRACE_S = 60.0  # after `stop` is created, the children have this long to reach a step's end and exit
 KILL_GRACE_S = 15.0  # torchrun's own shutdown of its children, before SIGKILL
 POLL_S = 0.2
@@ -79,26 +78,6 @@ def strategy_for(spec: FinetuneSpec, gpus: int) -> tuple[str, int]:
             raise InvalidInput(f"strategy {strategy} needs the deepspeed package on the worker (pip install "
                                "deepspeed), and it is missing: use ddp or fsdp2")
     return strategy, world
-
-
-def training_args(strategy: str, device_type: str) -> dict[str, Any]:
-    """TrainingArguments for a strategy (none for `single`). FSDP2 through the Trainer's accelerate plugin; DeepSpeed
-    through a config dict whose batch sizes and precision the Trainer fills in ("auto")."""
-    if strategy == "single":
-        return {}
-    args: dict[str, Any] = {"ddp_backend": "nccl" if device_type == "cuda" else "gloo",
-                            "ddp_timeout": COLLECTIVE_TIMEOUT_S, "ddp_find_unused_parameters": False}
-    if strategy == "fsdp2":
-        from transformers import TrainingArguments
-
-        # transformers >= 5.20 takes fsdp=True and everything in fsdp_config; 5.17 takes the option string
-        modern = hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config")
-        args.update(fsdp=True if modern else "full_shard", fsdp_config={"version": 2})
-    elif strategy.startswith("deepspeed"):
-        args["deepspeed"] = {"zero_optimization": {"stage": int(strategy[-1])}, "bf16": {"enabled": "auto"},
-                             "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
-    return args
 
 
 # --- the environment and command of the children -----------------------------------------------------------------
@@ -245,7 +224,7 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
              on_log: Callable[[dict[str, Any]], None] = lambda record: None, progress: Progress | None = None):
     """`worker.finetune.finetune`, in this process or over the slice as the spec's strategy says. `progress` gets
     each step (in this process, or rank 0's as it reports them) for the stall watchdog."""
-    from worker import finetune as single
+    from worker import finetune as single  # not at the top: `python -m worker.distributed` needs no fine-tune code
 
     progress = Progress() if progress is None else progress
     strategy, world = strategy_for(spec, gpus)

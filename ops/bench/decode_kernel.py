@@ -1,6 +1,6 @@
-"""The fast engine's decode attention (worker/decode_attention.py, paged) at G1's and G2's decode shapes, against
-SDPA with `enable_gqa` over a contiguous cache (0.61 ms per layer at batch 1024, context 512 on an H200; bound
-0.50 ms at 4.3 TB/s).
+"""The fast engine's decode attention (worker/engines/decode_attention.py, paged) at G1's and G2's decode shapes,
+against SDPA with `enable_gqa` over a contiguous cache (0.61 ms per layer at batch 1024, context 512 on an H200;
+bound 0.50 ms at 4.3 TB/s).
 
     python ops/bench/decode_kernel.py --out ops/bench/results/decode-kernel.json    # on a GPU
 
@@ -12,14 +12,14 @@ SDPA with `enable_gqa` over a contiguous cache (0.61 ms per layer at batch 1024,
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from ops.bench import harness  # after the repository root is on sys.path
 
 CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
 SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
@@ -63,11 +63,9 @@ def paged(torch, da, batch: int, ctx: int):
 def main() -> int:
     import torch
 
-    from worker import decode_attention as da
+    from worker.engines import decode_attention as da
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "decode-kernel.json")
-    args = p.parse_args()
+    args = harness.parser(__doc__, out=harness.RESULTS / "decode-kernel.json").parse_args()
     scale = DIM ** -0.5
     torch.manual_seed(0)
     q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
@@ -98,9 +96,8 @@ def main() -> int:
         print(row, flush=True)
         del q, k, v, kp, vp
         torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                    "configs": configs, "best": best, "results": results}, indent=2))
+    harness.write_json(args.out, {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                  **harness.commit_info(), "configs": configs, "best": best, "results": results})
     print(f"best config: {best}")
     print(f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
           f"{'max diff':>10}")

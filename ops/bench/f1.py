@@ -40,7 +40,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -52,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from ops.bench import harness  # after the repository root is on sys.path
 
 TARGET_TOK_S, TARGET_GIB, AGREEMENT, FALL = 90_000, 40.0, 0.02, 0.5
 VARIANTS = {  # name: spec overrides of one short engine run each
@@ -68,8 +69,7 @@ OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
 RESERVE_S = {"service": 150, "engine": 120, "baseline": 150, "variants": 0}
 
 
-def log(message: str) -> None:
-    print(f"[f1 {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = harness.logger("f1", sys.stderr)
 
 
 # --- corpus and spec ----------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def child_engine(args: argparse.Namespace) -> dict:
     def on_log(record: dict) -> None:
         records.append(record)
         if len(records) % 10 == 0:
-            _write(args.child_out, {**out, "records": records, "partial": True})
+            harness.write_json(args.child_out, {**out, "records": records, "partial": True}, indent=None)
 
     with tempfile.TemporaryDirectory() as work:
         result = finetune(opts, spec, rows, Path(work), gpus=1 if torch.cuda.is_available() else 0, on_log=on_log,
@@ -192,7 +192,7 @@ def child_baseline(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from core.spec import FinetuneSpec
-    from worker.finetune import build_examples, pack
+    from worker.finetune_data import build_examples, pack
 
     spec = FinetuneSpec.model_validate({**json.loads(args.spec_json), "input": "bench"})
     cuda = torch.cuda.is_available()
@@ -237,7 +237,8 @@ def child_baseline(args: argparse.Namespace) -> dict:
         step += 1
         records.append({"step": step, "loss": loss, "tokens_per_s": tokens / seconds, "step_seconds": seconds})
         if step % 10 == 0:
-            _write(args.child_out, {**out, "records": records, "partial": True, "micro_batch": micro})
+            harness.write_json(args.child_out, {**out, "records": records, "partial": True, "micro_batch": micro},
+                               indent=None)
     out.update(records=records, micro_batch=micro, partial=step < spec.max_steps)
     if cuda:
         out.update(peak_memory_bytes=int(torch.cuda.max_memory_allocated()),
@@ -294,12 +295,6 @@ def trainer_order(spec, n_blocks: int, wanted: int) -> list[int]:
             order += [i for batch in loader for i in batch]
             epoch += 1
     return order[:wanted]
-
-
-def _write(path: str, data: dict) -> None:
-    tmp = Path(path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, default=str))
-    tmp.replace(path)
 
 
 # --- parent: phases -------------------------------------------------------------------------------------------------
@@ -428,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         result = child_engine(args) if args.child == "engine" else child_baseline(args)
-        _write(args.child_out, result)
+        harness.write_json(args.child_out, result, indent=None)
         return 0
     import torch
 
@@ -440,14 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     args.data = args.work / "f1-corpus.jsonl"
     os.environ.setdefault("JOBS_HOME", str(args.work / "jobs-home"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    start = time.monotonic()
-    report = {"f1": {}, "started": time.time(), "host": platform.node(), "device": capabilities.gpus() or "cpu",
-              "versions": capabilities.versions(), **commit_info(),
+    report = {"f1": {}, "started": time.time(), "machine": harness.machine(), "device": capabilities.gpus() or "cpu",
+              "versions": capabilities.versions(), **harness.commit_info(),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                            if k not in ("child", "spec_json", "child_out", "child_budget_s")}}
+    box = harness.TimeBox(args.budget_s, report, log=log)
     report["corpus"] = prepare(args)
     log(f"model and corpus ready ({report['corpus']})")
-    f1, left = report["f1"], lambda: args.budget_s - (time.monotonic() - start)
+    f1, left = report["f1"], box.left
     main_spec = bench_spec(args, args.steps)
     report["spec"] = main_spec
     for i, phase in enumerate(args.phases):
@@ -455,11 +450,10 @@ def main(argv: list[str] | None = None) -> int:
             f1["variants"] = run_variants(args, left)
             continue
         steps_s = args.steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s[phase]
-        reserve = sum(RESERVE_S[later] for later in args.phases[i + 1:]) * args.estimate_scale
-        budget = left() - reserve - 5
-        if budget < OVERHEAD_S[phase] * args.estimate_scale + 0.3 * steps_s:
-            report.setdefault("skipped", []).append(f"{phase}: {left():.0f} s left, {reserve:.0f} s kept for later")
+        keep = sum(RESERVE_S[later] for later in args.phases[i + 1:]) * args.estimate_scale + 5
+        if not box.fits(phase, OVERHEAD_S[phase] * args.estimate_scale + 0.3 * steps_s, keep_s=keep):
             continue
+        budget = left() - keep
         log(f"{phase}: {args.steps} steps, {budget:.0f} s of {left():.0f} s left")
         if phase == "service":
             f1["service"] = ours_summary(run_service(args, main_spec, budget), args.warm_steps)
@@ -512,7 +506,7 @@ def _finish(report: dict, args: argparse.Namespace) -> None:
                "steps": (ours.get("steps_logged") or 0) >= 200}
         f1["targets"] = {"train_tok_s": TARGET_TOK_S, "peak_gib": TARGET_GIB, "checks": met, "met": all(met.values())}
     report["finished"] = time.time()
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    harness.write_json(args.out, report, indent=1)
 
 
 def print_table(f1: dict) -> None:
@@ -541,22 +535,8 @@ def print_table(f1: dict) -> None:
             print(f"{key}: {json.dumps(f1[key])}")
 
 
-def commit_info() -> dict:
-    info = {"commit": os.environ.get("F1_COMMIT"), "tree_note": os.environ.get("F1_TREE_NOTE")}
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        info["commit"] = head.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                               check=False).stdout
-        info["modified"] = [ln[3:] for ln in dirty.splitlines() if ln[:2].strip() and not ln.startswith("??")]
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return info
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "f1.json")
+    p = harness.parser(__doc__, out=harness.RESULTS / "f1.json")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "f1-work",
                    help="model, corpus, the stack's JOBS_HOME (unless set) and the children's files")
     p.add_argument("--model", type=Path, help="the model folder (built there if missing; default WORK/model)")

@@ -12,8 +12,6 @@ the decoder layers buys, measured as milliseconds per decode step and prefill se
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,12 +19,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from ops.bench import harness  # after the repository root is on sys.path
+
+
 def engine_runs(torch, args, out: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.spec import GenerateSpec
-    from worker import fastgen
-    from worker import generate as g
+    from core.spec import GenerateSpec, sampling_of
+    from worker.engines import fastgen
+    from worker.engines.common import Prepared
     from worker.loader import Loaded
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map="cuda",
@@ -38,11 +39,11 @@ def engine_runs(torch, args, out: dict) -> None:
     rng = random.Random(0)
     ids = [[rng.randrange(1000, 100000) for _ in range(256)] for _ in range(1024)]
     spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, max_new_tokens=args.new, engine="fast")
-    params = g.sampling_of(spec, None)
+    params = sampling_of(spec, None)
     out["engine"] = []
     for compiled in (False, True, True):
         fastgen.release(model)
-        seqs = [fastgen.Seq(g.Prepared(i, params, ids[i]), 0) for i in range(1024)]
+        seqs = [fastgen.Seq(Prepared(i, params, ids[i]), 0) for i in range(1024)]
         state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
         if not compiled:
             state.compiled = None
@@ -66,7 +67,7 @@ def engine_runs(torch, args, out: dict) -> None:
     # 3. profile one eager decode step
     state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
     eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=False, compiled=False)
-    seqs = [fastgen.Seq(g.Prepared(i, params, ids[i]), 0, slot=i) for i in range(1024)]
+    seqs = [fastgen.Seq(Prepared(i, params, ids[i]), 0, slot=i) for i in range(1024)]
     free = list(range(state.pages - 1, 0, -1))
     for seq in seqs:
         seq.pages = [free.pop() for _ in range(seq.pages_needed)]
@@ -89,30 +90,16 @@ def engine_runs(torch, args, out: dict) -> None:
 def main() -> int:
     import torch
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", type=Path, default=ROOT / "ops" / "bench" / "results" / "fast-tune.json")
-    p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"))
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--skip", default="")
+    p = harness.parser(__doc__, out=harness.RESULTS / "fast-tune.json", model=Path("/tmp/g1-model"))
+    p.add_argument("--new", type=int, default=64, help="new tokens per row")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: engine")
     args = p.parse_args()
-    if not (args.model / "model.safetensors").exists():
-        import subprocess
-
-        subprocess.run([sys.executable, "-m", "worker.tinymodel", str(args.model), "--arch", "qwen3-0.6b"],
-                       check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
-    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    harness.ensure_model(args.model, "--arch", "qwen3-0.6b")
+    out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
+    box = harness.TimeBox(float("inf"), out, save=lambda: harness.write_json(args.out, out))
     for name, fn in (("engine", lambda: engine_runs(torch, args, out)),):
-        if name in args.skip:
-            continue
-        try:
-            fn()
-        except Exception:
-            import traceback
-
-            out[f"{name}_error"] = traceback.format_exc()
-            print(out[f"{name}_error"], flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2, default=str))
+        if name not in args.skip:
+            box.run(name, 0, fn)
     return 0
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import random
 import subprocess
@@ -47,17 +46,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-_spec = importlib.util.spec_from_file_location("g1bench", Path(__file__).with_name("g1.py"))
-g1bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(g1bench)
+from ops.bench import harness  # after the repository root is on sys.path
 
 BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6)
 FULL_BATCH = 1024
-SEED = 0
-
-
-def log(message: str) -> None:
-    print(f"[gen {time.strftime('%H:%M:%S')}] {message}", flush=True)
+SEED = harness.SEED
+log = harness.logger("gen")
 
 
 # --- workloads -----------------------------------------------------------------------------------------------
@@ -66,7 +60,7 @@ def log(message: str) -> None:
 def workload(name: str, tok, smoke: bool) -> list[tuple[str, int]]:
     """(prompt text, max_new_tokens) per row; prompts are one-token words, so a prompt of n words is n tokens."""
     rng = random.Random(SEED)
-    words = g1bench.one_token_words(tok)
+    words = harness.one_token_words(tok)
     if name == "g1":
         n, lengths = (24, [(16, 16)]) if smoke else (1024, [(256, 256)])
         return [("".join(rng.choice(words) for _ in range(i)), o) for i, o in lengths * n]
@@ -110,72 +104,29 @@ def run_inproc(args: argparse.Namespace) -> int:
     faulthandler.dump_traceback_later(args.budget_s + 5)  # every thread's stack before the parent's time box kills us
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.spec import GenerateSpec
-    from worker import fastgen
     from worker import generate as engine
+    from worker.engines import fastgen
     from worker.loader import Loaded
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    deadline = time.monotonic() + args.budget_s
     out: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
                  "transformers": transformers.__version__, "engine": {}, "baselines": {}, "correctness": {},
                  "errors": {}, "skipped": []}
-
-    def save() -> None:
-        Path(args.child_out).write_text(json.dumps(out, indent=2, default=str))
-
-    def load(path: Path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
-                                                     attn_implementation="sdpa").eval()
-        tok = AutoTokenizer.from_pretrained(path)
-        tok.padding_side = "left"
-        return model, tok
-
-    def step(name: str, estimate: float, fn) -> None:
-        left = deadline - time.monotonic()
-        if left < estimate:
-            out["skipped"].append(f"{name} (estimated {estimate:.0f} s, {left:.0f} s left)")
-            log(f"skipped {name}")
-            return
-        try:
-            fn()
-        except Exception as exc:  # a failed step is reported; the others still run
-            import traceback
-
-            out["errors"][name] = f"{type(exc).__name__}: {exc}"
-            log(f"{name} failed: {traceback.format_exc()}")
-        save()
+    box = harness.TimeBox(args.budget_s, out, save=lambda: harness.write_json(args.child_out, out), log=log)
+    step = box.run
 
     # a. greedy outputs on the memorized model: fast engine vs plain generate
     def greedy() -> None:
-        qa = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line]
-        model, tok = load(args.qa_model)
-        rows = [(i, {"prompt": d["question"], "params": {}}) for i, d in enumerate(qa * 16)]
-        enc = tok.pad({"input_ids": [tok(r["prompt"])["input_ids"] for _, r in rows]}, padding=True,
-                      return_tensors="pt").to(device)
-        with torch.inference_mode():
-            y = model.generate(**enc, max_new_tokens=16, do_sample=False, temperature=None, top_p=None,
-                               top_k=None, pad_token_id=tok.pad_token_id)
-        eos = tok.eos_token_id
-        want = [tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True)
-                for t in y[:, enc["input_ids"].shape[1]:].tolist()]
-        spec = GenerateSpec(model=str(args.qa_model), input="x", max_new_tokens=16, engine="fast")
-        info: dict = {}
-        got = {r.idx: r.output for b in engine.generate(Loaded(model, tok, model.device, {}), spec, rows,
-                                                         batch_rows=len(rows), info=info) for r in b}
-        equal = sum(got[i] == want[i] for i in range(len(rows)))
-        out["correctness"]["greedy_fast_vs_generate"] = {
-            "rows": len(rows), "equal": equal, "share": round(equal / len(rows), 4),
-            "passed": equal >= 0.99 * len(rows), "engine": info}
-        fastgen.release(model)  # its cache would take the memory the next model's needs
-        log(f"greedy fast engine vs generate: {equal}/{len(rows)} equal")
+        check = harness.greedy_check(args.qa_model, "fast", device, dtype)
+        out["correctness"]["greedy_fast_vs_generate"] = check
+        log(f"greedy fast engine vs generate: {check['equal']}/{check['rows']} equal")
 
     step("greedy", 30, greedy)
 
-    model, tok = load(args.model)
+    model, tok = harness.load_plain(args.model, device, dtype)
     model.generation_config.eos_token_id = None  # EOS off for the baselines (ours passes ignore_eos)
     loaded = Loaded(model, tok, model.device, {})
     data = workload(args.workload, tok, args.smoke)
@@ -186,16 +137,16 @@ def run_inproc(args: argparse.Namespace) -> int:
     def engine_runs() -> None:
         for name in ("cold", "warm"):
             info: dict = {}
-            g1bench._reset_peak(torch)
-            g1bench._sync(torch)
+            harness.reset_peak()
+            harness.sync()
             t = time.perf_counter()
             tokens = sum(r.completion_tokens or 0 for b in engine.generate(loaded, spec, rows, batch_rows=256,
                                                                            info=info) for r in b)
-            g1bench._sync(torch)
+            harness.sync()
             seconds = time.perf_counter() - t
             out["engine"][name] = {"rows": len(rows), "output_tokens": tokens, "seconds": round(seconds, 3),
                                    "output_tok_s": round(tokens / seconds, 1), "peak_memory_bytes":
-                                   g1bench._peak(torch), "info": info}
+                                   harness.peak(), "info": info}
             log(f"engine fast ({name}): {tokens / seconds:,.0f} output tok/s, {seconds:.2f} s, "
                 f"{info.get('fast', {}).get('steps')} steps, capture {info.get('fast', {}).get('capture_s')} s")
         out["engine"]["output_tok_s"] = out["engine"]["warm"]["output_tok_s"]
@@ -215,11 +166,11 @@ def run_inproc(args: argparse.Namespace) -> int:
             if fresh:
                 fastgen.release(model)
             info: dict = {}
-            g1bench._sync(torch)
+            harness.sync()
             t = time.perf_counter()
             got = {r.idx: r.output for b in engine.generate(loaded, spec, these, batch_rows=256, info=info)
                    for r in b}
-            g1bench._sync(torch)
+            harness.sync()
             seconds = time.perf_counter() - t
             tokens = sum(o for _, o in (other_data if name == other else data))
             runs.append({"workload": name, "state": "fresh" if fresh else "resident", "seconds": round(seconds, 3),
@@ -263,7 +214,7 @@ def run_inproc(args: argparse.Namespace) -> int:
                 model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, temperature=None,
                                top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
             useful += sum(data[i][1] for i in part)
-        g1bench._sync(torch)
+        harness.sync()
         seconds = time.perf_counter() - t
         out["baselines"][f"generate_padded_{args.padded_batch}"] = {
             "rows": n, "output_tokens": useful, "seconds": round(seconds, 3),
@@ -282,12 +233,12 @@ def run_inproc(args: argparse.Namespace) -> int:
         t = time.perf_counter()
         with torch.inference_mode():
             model.generate(**enc, max_new_tokens=4, **common, **same)
-        g1bench._sync(torch)
+        harness.sync()
         compile_s = time.perf_counter() - t
         t = time.perf_counter()
         with torch.inference_mode():
             model.generate(**enc, max_new_tokens=data[0][1], min_new_tokens=data[0][1], **common, **same)
-        g1bench._sync(torch)
+        harness.sync()
         seconds = time.perf_counter() - t
         tokens = n * data[0][1]
         out["baselines"]["static_generate_1024"] = {
@@ -302,11 +253,11 @@ def run_inproc(args: argparse.Namespace) -> int:
     def slow() -> None:
         n = min(len(ids), args.slow_rows)
         with torch.inference_mode():
-            g1bench._sync(torch)
+            harness.sync()
             t = time.perf_counter()
             model.generate_batch(inputs=ids[:n], generation_config=transformers.GenerationConfig(
                 max_new_tokens=data[0][1], min_new_tokens=data[0][1], do_sample=False, eos_token_id=-1))
-            g1bench._sync(torch)
+            harness.sync()
         seconds = time.perf_counter() - t
         tokens = sum(o for _, o in data[:n])
         out["baselines"]["generate_batch_defaults"] = {"rows": n, "output_tokens": tokens, "seconds":
@@ -315,7 +266,7 @@ def run_inproc(args: argparse.Namespace) -> int:
 
     if args.slow:
         step("baseline_generate_batch", 150, slow)
-    save()
+    harness.write_json(args.child_out, out)
     return 0
 
 
@@ -335,7 +286,7 @@ def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, step
                               temperature=None, top_p=None, top_k=None, output_logits=True,
                               return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
     forced = want.sequences[:, enc["input_ids"].shape[1]:]  # (n, steps + 1)
-    from worker.generate import Prepared
+    from worker.engines.common import Prepared
 
     eng = fastgen.Engine(loaded, state, set(), slots=slots, graphs=False)
     params = {"max_new_tokens": steps + 2, "do_sample": False, "temperature": None, "ignore_eos": True}
@@ -401,7 +352,7 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             t = time.monotonic()
             job = client.submit({**base, "input": small_id, "max_new_tokens": 16, "name": name})
             job = client.wait(job["id"], poll=0.2, timeout=300)
-            numbers = g1bench._sql_numbers(job["id"])
+            numbers = harness.sql_numbers(job["id"])
             first = min(numbers["commit_times_s"]) if numbers["commit_times_s"] else None
             report[name] = {"id": job["id"], "state": job["state"], "wall_s": round(time.monotonic() - t, 2),
                             "first_row_after_shard_start_s": first, "engine": (job.get("load_options") or {})
@@ -414,7 +365,7 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
         log(f"{args.workload} job {job['id']} submitted")
         job = client.wait(job["id"], poll=0.5, timeout=max(60, args.service_s - 60))
         report["job"] = {k: job.get(k) for k in ("id", "state", "error", "tokens", "metrics", "load_options")}
-        report.update(g1bench._sql_numbers(job["id"]))
+        report.update(harness.sql_numbers(job["id"]))
         log(f"service: {report.get('output_tok_s')} output tok/s over {report.get('window_s')} s")
     except Exception:
         dump_worker_stacks()
@@ -485,12 +436,10 @@ def print_table(name: str, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__, out=None, out_help="the JSON written (default: ops/bench/results/<workload>.json)",
+                       model=Path("/tmp/g1-model"), smoke=True, port=8765, work=Path("/tmp/gen-work"))
     p.add_argument("workload", choices=["g1", "g2"])
-    p.add_argument("--out", type=Path, default=None, help="default: ops/bench/results/<workload>.json")
-    p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"), help="built there if missing")
     p.add_argument("--qa-model", type=Path, default=Path("/tmp/g1-qa-model"), help="built there if missing")
-    p.add_argument("--smoke", action="store_true", help="CPU: tiny random model, a few rows")
     p.add_argument("--slow", action="store_true", help="also transformers' generate_batch with its defaults")
     p.add_argument("--slow-rows", type=int, default=256)
     p.add_argument("--padded-batch", type=int, default=256)
@@ -501,33 +450,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma list of inproc,service")
     p.add_argument("--up-gpus", default="0")
     p.add_argument("--spec-gpus", type=int, default=1)
-    p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--work", type=Path, default=Path("/tmp/gen-work"))
     p.add_argument("--phase", default="main", help=argparse.SUPPRESS)
     p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     p.add_argument("--budget-s", type=float, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.phase == "inproc":
         return run_inproc(args)
-    args.out = args.out or ROOT / "ops" / "bench" / "results" / f"{args.workload}.json"
+    args.out = args.out or harness.RESULTS / f"{args.workload}.json"
     if args.smoke and args.up_gpus == "0":
         args.up_gpus, args.spec_gpus = "none", 0
     skip = set(args.skip.split(",")) - {""}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    for path, extra in ((args.model, ["--arch", "tiny" if args.smoke else "qwen3-0.6b"]),
-                        (args.qa_model, ["--qa", str(ROOT / "examples" / "qa.jsonl")])):
-        if not (path / "model.safetensors").exists():
-            extra = ["--steps", "1"] if extra == ["--arch", "tiny"] else extra
-            subprocess.run([sys.executable, "-m", "worker.tinymodel", str(path), *extra], check=True,
-                           stdout=subprocess.DEVNULL, cwd=ROOT)
-    r: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **g1bench.commit_info(),
+    harness.ensure_model(args.model, *(["--steps", "1"] if args.smoke else ["--arch", "qwen3-0.6b"]))
+    harness.ensure_model(args.qa_model, "--qa", str(ROOT / "examples" / "qa.jsonl"))
+    r: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **harness.commit_info(),
                "workload": args.workload, "engine": {}, "baselines": {}, "correctness": {}, "service": {},
                "skipped": [], "errors": {}, "model_build_s": round(time.monotonic() - t0, 1)}
 
     def save() -> None:
-        args.out.write_text(json.dumps({args.workload: r}, indent=2, default=str))
+        harness.write_json(args.out, {args.workload: r})
 
     # the bound first, from the dataset alone, in this process: no failed phase can hide it
     from transformers import AutoConfig, AutoTokenizer

@@ -25,7 +25,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from ops.bench import harness  # after the repository root is on sys.path
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -434,48 +435,6 @@ def table(report: dict) -> str:
 # --- the stack (the bench's own; the tests use their fixtures) ------------------------------------------------
 
 
-def machine() -> dict:
-    mem = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "memory_bytes": mem, "cpu": cpu,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def git_commit() -> dict:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    modified = git("diff", "--name-only", "HEAD").split()
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(modified), "modified": modified}
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("torch", "transformers", "sqlalchemy", "celery", "fastapi", "uvicorn", "redis", "httpx"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
 class Stack:
     """Redis, a migrated store, the API and N CPU workers, all in `tmp`; stopped on exit."""
 
@@ -596,7 +555,8 @@ def job_spec(model: Path, **extra) -> dict:
 def run(args: argparse.Namespace) -> dict:
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     report: dict = {"bench": "load", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                    **git_commit(), "machine": machine(), "versions": versions(), "settings": settings}
+                    **harness.commit_info(), "machine": harness.machine(), "versions": harness.versions(),
+                    "settings": settings}
     database_url = args.database_url or os.environ.get("JOBS_BENCH_DATABASE_URL") or None
     with tempfile.TemporaryDirectory(prefix="gpujobs-load-") as tmp_name:
         tmp = Path(tmp_name)
@@ -635,7 +595,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python ops/bench/load.py", description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, out=None, out_help="JSON output (default ops/bench/results/load-<date>.json)")
+    parser.prog = "python ops/bench/load.py"
     parser.add_argument("--submissions", type=int, default=1000, help="jobs of 1-2 rows submitted at once (0: skip)")
     parser.add_argument("--connections", type=int, default=64, help="concurrent HTTP connections for the burst")
     parser.add_argument("--rows", type=int, default=200_000, help="rows of the big job (0: skip)")
@@ -647,12 +608,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model directory (default: a tiny random Qwen3 built on the spot)")
     parser.add_argument("--database-url", help="a Postgres URL (also JOBS_BENCH_DATABASE_URL); default SQLite")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait for each phase's jobs")
-    parser.add_argument("--out", type=Path, help="JSON output (default ops/bench/results/load-<date>.json)")
     args = parser.parse_args(argv)
     report = run(args)
-    out = args.out or ROOT / "ops" / "bench" / "results" / f"load-{dt.date.today().isoformat()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = args.out or harness.RESULTS / f"load-{dt.date.today().isoformat()}.json"
+    harness.write_json(out, report)
     print(table(report))
     print(f"wrote {out}")
     ok = all(report.get(k, {}).get("audit", {}).get("rows_not_executed_once", 0) == 0 for k in ("burst", "big"))

@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]
+sys.path[:0] = [str(ROOT)]
 QA = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line.strip()]
 
 
@@ -148,10 +148,11 @@ def text_rows(rows: int, words_per_row: int, seed: int = 0) -> list[dict]:
 
 
 def prompts(model: Path, n: int, length: int) -> list[str]:
-    import g1
     from transformers import AutoTokenizer
 
-    return g1.text_prompts(AutoTokenizer.from_pretrained(model), n, length)
+    from ops.bench import harness
+
+    return harness.text_prompts(AutoTokenizer.from_pretrained(model), n, length)
 
 
 def training_rate(stack: Stack, job_id: str) -> float | None:
@@ -205,10 +206,10 @@ def part_slices(args, models: dict[str, Path], work: Path) -> dict:
 
 
 def ran_on_slices(job_id: str, workers: list[dict]) -> list[str]:
-    """The slices of the workers that ran the job's shards (from SQL, as ops/bench/g1.py reads them)."""
-    import g1
+    """The slices of the workers that ran the job's shards (from SQL, as ops/bench/gen.py reads them)."""
+    from ops.bench import harness
 
-    names = {s["metrics"].get("worker") for s in g1._sql_numbers(job_id)["shards"] if s.get("metrics")}
+    names = {s["metrics"].get("worker") for s in harness.sql_numbers(job_id)["shards"] if s.get("metrics")}
     return sorted(w["slice"] for w in workers if w["name"] in names)
 
 
@@ -269,7 +270,7 @@ def part_finetune(args, stack: Stack, models: dict[str, Path], work: Path, *, on
 
 def part_dp(args, models: dict[str, Path], work: Path) -> dict:
     """G1 through the service with k one-GPU workers, k in (1, 2, all): one shard per worker."""
-    import g1
+    from ops.bench import harness
 
     n = len(smi_gpus())
     counts = [1, 2] if args.smoke else sorted({1, min(2, n), n})
@@ -287,7 +288,7 @@ def part_dp(args, models: dict[str, Path], work: Path) -> dict:
                                      f"g1-{k}.jsonl", work)
             job = stack.run({**base, "input": data, "max_new_tokens": args.dp_new_tokens, "shard_rows": per,
                              "batch_rows": min(per, 256)}, args.job_timeout)
-            numbers = g1._sql_numbers(job["id"]) if job["state"] == "succeeded" else {}
+            numbers = harness.sql_numbers(job["id"]) if job["state"] == "succeeded" else {}
             workers = sorted({s["metrics"].get("worker") for s in numbers.get("shards", []) if s.get("metrics")})
             report["runs"][k] = {"state": job["state"], "error": job.get("error"), "output_tok_s":
                                  numbers.get("output_tok_s"), "window_s": numbers.get("window_s"),

@@ -2,14 +2,14 @@
 # One GPU call that checks everything a GPU can tell us, each part under its own time limit so one slow part
 # cannot eat the others (a device call lasts at most 10 minutes): the service check (ops/gpu/run.sh: backends,
 # quantizations, engines, fine-tune → generate, forced OOM), a short fine-tune check through `finetune()` (ours
-# with every speed lever on auto, then QLoRA: ops/bench/f1.py, whose full run is its own call), and the
-# static-cache engine phase of G1 in whatever time is left of TOTAL_S. Results in $OUT; exit status: the first
-# part that failed. Wheels carried in .whl/ (liger-kernel among them) are installed once, by ops/gpu/env.sh, for
-# every part (run.sh sources it again and skips the install).
+# with every speed lever on auto, then QLoRA: ops/bench/f1.py, whose full run is its own call). Results in $OUT;
+# exit status: the first part that failed. (A third part, the static-cache engine phase of ops/bench/g1.py, went
+# with that script; ops/bench/README.md says where its results are.) Wheels carried in .whl/ (liger-kernel among
+# them) are installed once, by ops/gpu/env.sh, for every part (run.sh sources it again and skips the install).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
-TOTAL_S=${TOTAL_S:-540} SERVICE_S=${SERVICE_S:-260} FINETUNE_S=${FINETUNE_S:-120}
+SERVICE_S=${SERVICE_S:-260} FINETUNE_S=${FINETUNE_S:-120}
 rc=0
 timeout "$SERVICE_S" bash ops/gpu/run.sh > "$OUT/service.log" 2>&1; r=$?; echo "service check: exit $r"; ((rc)) || rc=$r
 python3 -m api down > /dev/null 2>&1  # a service check cut short by its time limit leaves the stack up
@@ -18,13 +18,5 @@ timeout "$FINETUNE_S" python3 ops/bench/f1.py --phases engine,variants --variant
     --variant-steps 20 --budget-s $((FINETUNE_S - 5)) --out "$OUT/finetune.json" > "$OUT/finetune.log" 2>&1; r=$?
 ((r == 3)) && r=0  # exit 3 = F1 targets not met: a 30-step check measures, the benchmark judges
 echo "fine-tune check: exit $r"; ((rc)) || rc=$r
-left=$((TOTAL_S - SECONDS))
-if ((left > 60)); then
-    timeout "$left" python3 ops/bench/g1.py --phase static --budget-s $((left - 10)) --out "$OUT/g1-static-h200.json" \
-        > "$OUT/g1-static.log" 2>&1; r=$?
-    echo "g1 static phase ($left s): exit $r"; ((rc)) || rc=$r
-else
-    echo "g1 static phase: skipped, $left s left"
-fi
-tail -n 25 "$OUT/service.log" "$OUT/finetune.log" "$OUT/g1-static.log" 2>/dev/null
+tail -n 25 "$OUT/service.log" "$OUT/finetune.log" 2>/dev/null
 exit $rc

@@ -349,7 +349,7 @@ def throughput(job_id: str) -> dict[str, Any]:
 
 def one_token_words(model: Path) -> list[str]:
     """' word' strings the model's tokenizer makes exactly one token of (N of them joined are N tokens); the same
-    list, in the same order, as ops/bench/g1.py's, so the same seed gives gen.py's G1/G2 rows."""
+    list, in the same order, as ops/bench/harness.py's, so the same seed gives gen.py's G1/G2 rows."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))

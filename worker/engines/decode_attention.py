@@ -1,6 +1,6 @@
 """Decode attention over a paged KV cache with a length per row: the fast engine's attention kernel.
 
-The fast engine (worker/fastgen.py) keeps K and V of every running sequence in pages of `PAGE` positions, one pool
+The fast engine (fastgen.py) keeps K and V of every running sequence in pages of `PAGE` positions, one pool
 of pages per layer shaped (pages, kv_heads, PAGE, head_dim), and a page table per slot: position p of the sequence
 in slot s lives in page `table[s, p // PAGE]` at offset `p % PAGE`. A sequence holds only the pages its own prompt
 and max_new_tokens need, so short rows leave room for more rows. A decode step has one query token per slot; this

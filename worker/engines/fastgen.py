@@ -16,7 +16,7 @@ so every weight, norm, RoPE and LoRA layer is transformers' own:
 - **Prefill** runs newly admitted rows through the model in chunks of about `PREFILL_TOKENS` padded tokens (right
   padding, causal SDPA with grouped K/V), writes their K/V into their pages and samples their first token.
 - **Decode** runs one token for every running slot: K/V written at each slot's position, attention over each
-  slot's real length only (worker/decode_attention.py: a Triton kernel over the pages on CUDA), the next token
+  slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), the next token
   picked on the GPU (greedy argmax, or temperature sampling by the exponential race `argmax(p / E)`, E ~ Exp(1)).
   On CUDA the whole step is a CUDA graph per batch bucket, replayed: one launch per step.
 - **Scheduling.** Rows are queued longest first (prompt + max_new_tokens) so the last rows to finish are short.
@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from worker import decode_attention, faults
+from worker import faults
+from worker.engines import decode_attention
 from worker.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -361,7 +362,7 @@ def _sync(state: SlotState) -> None:
 
 @dataclass
 class Seq:
-    """One sequence in the engine: row `row` (a generate.Prepared), sample `k` of its n."""
+    """One sequence in the engine: row `row` (a common.Prepared), sample `k` of its n."""
 
     row: Any
     k: int

@@ -1,0 +1,103 @@
+"""Temperature sampling draws from the model's distribution, on the fast engine and on plain `generate` (the padded
+engine): a goodness-of-fit test of the first and second sampled tokens against softmax(logits / T) computed
+exactly from the model, on the tiny model's small vocabulary, on CPU. Seeds are fixed, so the test is
+deterministic; the threshold is the chi-square critical value at p = 1e-4.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+from core.spec import GenerateSpec
+from worker.engines import common, fastgen
+from worker.loader import load
+
+TEMPERATURE = 1.5
+SAMPLES = 1200
+PROMPT = "What is"
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """The chi-square value exceeded with probability ~1e-4 (z of 1e-4), by the Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def fit(counts: collections.Counter, probs: torch.Tensor, min_expected: float = 8.0) -> tuple[float, float]:
+    """Pearson's chi-square of `counts` against `probs`, tokens with fewer than `min_expected` expected draws
+    pooled into one cell; returns (statistic, critical value)."""
+    n = sum(counts.values())
+    expected = probs * n
+    big = [t for t in range(len(probs)) if expected[t] >= min_expected]
+    stat = sum((counts.get(t, 0) - expected[t].item()) ** 2 / expected[t].item() for t in big)
+    rest_e = n - sum(expected[t].item() for t in big)
+    rest_o = n - sum(counts.get(t, 0) for t in big)
+    cells = len(big)
+    if rest_e >= 1:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        cells += 1
+    return stat, chi2_critical(cells - 1)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return load(GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x"}), gpus=0)
+
+
+def draws(loaded, tiny_model, engine: str) -> list[list[int]]:
+    """SAMPLES continuations of the same prompt, two tokens each: through the fast engine (`fastgen.Engine`, as the
+    worker runs it) or plain `model.generate` (top_k and top_p off: temperature alone)."""
+    spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "engine": "fast",
+                                        "temperature": TEMPERATURE, "max_new_tokens": 2, "ignore_eos": True})
+    prompt = loaded.tokenizer(PROMPT)["input_ids"]
+    torch.manual_seed(11)
+    if engine == "generate":
+        out = []
+        with torch.inference_mode():
+            for _ in range(SAMPLES // 200):
+                y = loaded.model.generate(torch.tensor([prompt] * 200), attention_mask=torch.ones(200, len(prompt)),
+                                          do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                                          max_new_tokens=2, min_new_tokens=2, pad_token_id=0)
+                out += y[:, len(prompt):].tolist()
+        return out
+    rows = [(i, {"prompt": PROMPT, "params": {}, "extra": {}}) for i in range(SAMPLES)]
+    seqs = [fastgen.Seq(p, 0) for p in common.prepare(loaded, spec, rows, 0.0)]
+    state = fastgen.state_for(loaded.model, loaded.device, loaded.model.config.vocab_size)
+    eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=16, graphs=False)
+    with torch.inference_mode():
+        return [s.tokens for finished in eng.run(seqs, lambda: False) for s in finished]
+
+
+def exact(loaded, prefix: list[int]) -> torch.Tensor:
+    """softmax(logits / T) of the next token after `prefix`, in float64, EOS excluded (both engines mask it: the
+    rows ignore EOS, as min_new_tokens does for plain generate)."""
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([prefix])).logits[0, -1].double().clone()
+        logits[list(common.eos_ids(loaded))] = float("-inf")
+    return torch.softmax(logits / TEMPERATURE, dim=-1)
+
+
+@pytest.mark.parametrize("engine", ["fast", "generate"])
+def test_temperature_samples_follow_the_models_distribution(loaded, tiny_model, engine, monkeypatch):
+    """First tokens fit softmax(logits / T) of the prompt, and second tokens after the most frequent first token
+    fit the distribution that follows it (the decode step's sampling), on the fast engine and on plain generate
+    (which checks the test itself)."""
+    monkeypatch.setattr(fastgen, "CPU_SLOTS", 16)
+    fastgen.release(loaded.model)
+    ids = draws(loaded, tiny_model, engine)
+    assert len(ids) == SAMPLES and all(len(t) == 2 for t in ids)
+    prompt = loaded.tokenizer(PROMPT)["input_ids"]
+    first = collections.Counter(t[0] for t in ids)
+    stat, critical = fit(first, exact(loaded, prompt))
+    assert stat < critical, (engine, "first token", stat, critical)
+    top, _ = first.most_common(1)[0]
+    second = collections.Counter(t[1] for t in ids if t[0] == top)
+    assert sum(second.values()) >= 200, "enough draws after the most frequent first token"
+    stat, critical = fit(second, exact(loaded, prompt + [top]))
+    assert stat < critical, (engine, "second token", stat, critical)
+    wrong = exact(loaded, prompt).roll(7)  # the test can fail: a distribution that is not the model's is refused
+    assert fit(first, wrong)[0] > fit(first, wrong)[1]
+    fastgen.release(loaded.model)

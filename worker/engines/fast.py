@@ -1,0 +1,140 @@
+"""The fast engine (`engine: fast`, and `auto` on CUDA) as the dispatcher runs it: rows in, results out.
+
+The engine itself is worker/engines/fastgen.py (continuous batching over a paged KV cache sized once from free
+memory, decode steps captured as CUDA graphs, the decoder layers compiled, all prepared when the worker loads the
+model: `prepared_state`), its attention kernel worker/engines/decode_attention.py. Greedy and temperature sampling;
+rows asking for top_p, top_k or repetition_penalty, or longer than the cache holds, are returned to the dispatcher
+to run padded under `auto` (worker/generate.py `run_engine`), and fail under `fast`. Finished rows are yielded
+`batch_rows` at a time as they finish.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import torch
+
+from core.leases import RowResult
+from core.spec import GenerateSpec
+from worker.engines import fastgen
+from worker.engines.common import Prepared, eos_ids, free_cuda_cache, idx_sorted, prepare, row_result, sequence
+from worker.loader import Loaded
+from worker.progress import Progress
+
+Rows = list[tuple[int, dict[str, Any]]]
+
+
+def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event, info: dict[str, Any],
+        progress: Progress) -> Generator[list[RowResult], None, Rows]:
+    """Rows through `fastgen.Engine`, one run per distinct seed; finished rows are yielded once at least
+    `batch_rows` are ready, in finishing order (sorted within a micro-batch): rows that finish in the same decode
+    step share a micro-batch, however many (G1's 1024 rows all end at its last step: one commit, not 64). Rows
+    whose sampling the fast engine cannot do, or longer than its cache holds, are returned under `auto` (the
+    dispatcher runs them on the padded engine afterwards) and fail under `fast`; nothing is returned once
+    `should_stop()` ended the run. Out of memory: the unfinished sequences run again with half the slots and half
+    the cache (reported through `on_event`)."""
+    started = time.time()
+    ready: list[RowResult] = []
+    inputs = dict(rows)
+    others: Rows = []
+    groups: dict[Any, list[fastgen.Seq]] = {}
+    eos = eos_ids(loaded)
+    state = prepared_state(loaded, eos, progress=progress)
+    for item in prepare(loaded, spec, rows, started):
+        if isinstance(item, RowResult):
+            ready.append(item)
+        elif (unsupported := fastgen.row_problem(item.params) or _too_long(state, item)) and spec.engine == "auto":
+            others.append((item.idx, inputs[item.idx]))
+        elif unsupported:
+            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started, error=(
+                f"{unsupported} is not supported by the fast engine: use engine auto (which runs such rows "
+                "padded) or padded")))
+        else:
+            groups.setdefault(item.params["seed"], []).extend(fastgen.Seq(item, k) for k in range(item.n))
+    stats = info.setdefault("fast", {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
+    info["attn_implementation"] = f"{fastgen.NAME} (decode: " + (
+        "triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference") + ")"
+    for seed, group in groups.items():
+        done: dict[int, dict[int, fastgen.Seq]] = {}
+        for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats, progress):
+            for seq in finished:
+                got = done.setdefault(seq.row.idx, {})
+                got[seq.k] = seq
+                if len(got) == seq.row.n:
+                    row_eos = set() if seq.row.params["ignore_eos"] else eos
+                    sequences = [sequence(loaded.tokenizer, got[k].tokens, row_eos, seq.row.params["stop"])
+                                 for k in range(seq.row.n)]
+                    ready.append(row_result(loaded.tokenizer, seq.row, sequences, started))
+                    del done[seq.row.idx]
+            if len(ready) >= batch_rows:  # rows that finished in one step are committed together
+                yield idx_sorted(ready)
+                ready = []
+        if should_stop():
+            return []  # finished rows not yet yielded stay pending
+    if ready:
+        yield idx_sorted(ready)
+    return others
+
+
+def prepared_state(loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0,
+                   progress: Progress | None = None) -> fastgen.SlotState:
+    """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs: see
+    `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run (through
+    `generate.prepare_engine`), so that cost is load time, not a job's."""
+    graphs = _fast_graphs(loaded)
+    return fastgen.prepare(loaded, eos_ids(loaded) if eos is None else eos, graphs=graphs,
+                           compiled=graphs and fastgen.COMPILE, fraction=fraction, progress=progress)
+
+
+def _fast_graphs(loaded: Loaded) -> bool:
+    return loaded.device.type == "cuda" and getattr(loaded.model, "hf_quantizer", None) is None
+
+
+def _too_long(state: fastgen.SlotState, item: Prepared) -> str | None:
+    need = len(item.ids) + item.params["max_new_tokens"]
+    if need <= state.max_len and math.ceil(need / fastgen.PAGE) < state.pages:
+        return None
+    room = min(state.max_len, (state.pages - 1) * fastgen.PAGE)
+    return (f"a sequence of {need} tokens (prompt {len(item.ids)} + max_new_tokens "
+            f"{item.params['max_new_tokens']}, more than the {room} the fast engine holds here)")
+
+
+def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], should_stop, on_event,
+              stats: dict[str, Any], progress: Progress) -> Iterator[list[fastgen.Seq]]:
+    """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
+    slots and the cache and reruns the unfinished sequences."""
+    model = loaded.model
+    cap, fraction = fastgen.MAX_SLOTS, 1.0
+    todo = list(group)
+    while todo and not should_stop():
+        if seed is not None:
+            torch.manual_seed(seed)
+        for seq in todo:
+            seq.tokens, seq.slot, seq.pages, seq.done = [], -1, [], False
+        finished: set[int] = set()
+        engine = None
+        try:
+            state = prepared_state(loaded, eos, fraction, progress)
+            graphs = _fast_graphs(loaded)
+            engine = fastgen.Engine(loaded, state, eos, slots=min(state.slots, len(todo), cap), graphs=graphs,
+                                    compiled=graphs and fastgen.COMPILE)
+            with torch.inference_mode():
+                for seqs in engine.run(todo, should_stop, progress):
+                    finished.update(id(seq) for seq in seqs)
+                    yield seqs
+        except torch.OutOfMemoryError:
+            was = engine.slots if engine else cap
+            if was <= 1:
+                raise
+            fastgen.release(model)
+            free_cuda_cache()
+            cap, fraction = was // 2, fraction / 2
+            on_event(f"out of memory in the fast engine with {was} slots: retrying the "
+                     f"{len(todo) - len(finished)} unfinished sequences with at most {cap}")
+        finally:
+            if engine is not None:
+                engine.record(stats)
+        todo = [s for s in todo if id(s) not in finished]

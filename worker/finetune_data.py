@@ -1,0 +1,195 @@
+"""Fine-tune data: training rows to token ids and labels, packing, batches, the validation split.
+
+The loss is on completion/assistant tokens only (labels -100 elsewhere); chat rows go through the tokenizer's chat
+template turn by turn, so the tokens trained are exactly those generation produces after the template's generation
+prompt. A sequence longer than `max_seq_length` is truncated or refused, as the spec says. Packing is best fit
+decreasing into blocks of exactly `max_seq_length`, rows whole (cut only when longer than a block), each row's
+positions restarting at 0 and its first label dropped, so no row sees another and a block's loss is the sum of its
+rows' losses (worker/finetune.py runs it; worker/finetune_setup.py picks how packed rows are kept apart).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from core.errors import InvalidInput
+from core.spec import FinetuneSpec
+
+IGNORE = -100
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+    # packed blocks only: each row's positions restart at 0; `segments` are the rows' lengths (the last may be padding)
+    position_ids: list[int] | None = None
+    segments: list[int] | None = None
+    real_tokens: int | None = None  # tokens that are not padding
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False) if text else []
+
+
+def _chat_text(tok, messages: list[dict[str, str]], *, generation_prompt: bool = False) -> str:
+    if not messages:
+        return ""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def tokenize_row(tok, row: dict[str, Any]) -> Example:
+    """Token ids and labels of one training row; labels are -100 except on what the model must learn to say."""
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if "text" in row:
+        ids = _encode(tok, row["text"]) + eos
+        return Example(ids, list(ids))
+    if "prompt" in row:
+        prompt, completion = _encode(tok, row["prompt"]), _encode(tok, row["completion"]) + eos
+        return Example(prompt + completion, [IGNORE] * len(prompt) + completion)
+    if not getattr(tok, "chat_template", None):
+        raise InvalidInput("the dataset has chat `messages` rows but the model's tokenizer has no chat template: "
+                           "use prompt/completion rows, or a model whose tokenizer_config.json has one")
+    # Turn by turn: an assistant turn's tokens are what follows the generation prompt of the turns before it.
+    messages, ids, labels, done = row["messages"], [], [], ""
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            head = _chat_text(tok, messages[:i], generation_prompt=True)
+            part = _encode(tok, head[len(done):])
+            ids, labels, done = ids + part, labels + [IGNORE] * len(part), head
+        text = _chat_text(tok, messages[: i + 1])
+        part = _encode(tok, text[len(done):])
+        ids += part
+        labels += part if message["role"] == "assistant" else [IGNORE] * len(part)
+        done = text
+    return Example(ids, labels)
+
+
+def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSpec) -> tuple[list[Example], int]:
+    """Tokenized rows; a too-long row is truncated or refused (InvalidInput naming the rows), as the spec says.
+
+    Returns (examples, truncated count). `rows` are (line, row) pairs, so a refusal names the input lines. With
+    packing, rows are concatenated and cut into blocks of max_seq_length, so a long row is split, never refused.
+    """
+    examples, too_long = [], []
+    for line, row in rows:
+        ex = tokenize_row(tok, row)
+        if len(ex.input_ids) > spec.max_seq_length and not spec.packing:
+            too_long.append((line, len(ex.input_ids)))
+            ex = Example(ex.input_ids[: spec.max_seq_length], ex.labels[: spec.max_seq_length])
+        if any(label != IGNORE for label in ex.labels):
+            examples.append(ex)
+    if too_long and spec.truncation == "refuse":
+        shown = ", ".join(f"line {line} ({n} tokens)" for line, n in too_long[:5])
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+        raise InvalidInput(f"{len(too_long)} row(s) are longer than max_seq_length={spec.max_seq_length} tokens: "
+                           f"{shown}{more}. Raise max_seq_length, shorten the rows, or set truncation: truncate")
+    if not examples:
+        raise InvalidInput("no training row has a token to learn (every completion/assistant turn was empty or cut "
+                           "off by max_seq_length)")
+    return examples, len(too_long)
+
+
+def pack(examples: list[Example], length: int, pad_id: int = 0) -> list[Example]:
+    """Pack rows into blocks of exactly `length` tokens, best fit decreasing, with no row attending to another.
+
+    A row longer than `length` is cut into pieces of `length` first (so it is split, never refused). Whole pieces
+    go, longest first, into the fullest block they fit (best fit), so rows are not cut at block edges. Each piece
+    keeps its own positions (position_ids restart at 0), and its first label is dropped: run alone, a row's first
+    token is never a target either, so a block's loss is exactly the sum of its rows' losses. A block is topped up
+    to `length` with one padding segment (its own positions, no labels).
+    """
+    pieces = []
+    for ex in examples:
+        for i in range(0, len(ex.input_ids), length):
+            labels = [IGNORE] + ex.labels[i + 1:i + length]
+            if any(label != IGNORE for label in labels):
+                pieces.append((ex.input_ids[i:i + length], labels))
+    blocks: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, block index), sorted: the first with room >= n is the best fit
+    for i in sorted(range(len(pieces)), key=lambda j: -len(pieces[j][0])):
+        n = len(pieces[i][0])
+        at = bisect.bisect_left(free, (n, -1))
+        if at == len(free):
+            blocks.append([])
+            room, b = length, len(blocks) - 1
+        else:
+            room, b = free.pop(at)
+        blocks[b].append(i)
+        if room - n > 0:
+            bisect.insort(free, (room - n, b))
+    return [_block([pieces[i] for i in members], length, pad_id) for members in blocks]
+
+
+def _block(pieces: list[tuple[list[int], list[int]]], length: int, pad_id: int) -> Example:
+    ids = [t for piece, _ in pieces for t in piece]
+    labels = [t for _, piece in pieces for t in piece]
+    positions = [p for piece, _ in pieces for p in range(len(piece))]
+    segments = [len(piece) for piece, _ in pieces]
+    real, pad = len(ids), length - len(ids)
+    if pad:
+        ids, labels, positions = ids + [pad_id] * pad, labels + [IGNORE] * pad, positions + list(range(pad))
+        segments.append(pad)
+    return Example(ids, labels, positions, segments, real)
+
+
+class ExampleDataset(torch.utils.data.Dataset):
+    def __init__(self, examples: list[Example]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ex = self.examples[i]
+        item: dict[str, Any] = {"input_ids": ex.input_ids, "labels": ex.labels}
+        if ex.position_ids is not None:
+            item.update(position_ids=ex.position_ids, segments=ex.segments)
+        return item
+
+
+def padded_collate(pad_id: int):
+    def collate(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        width = max(len(b["input_ids"]) for b in batch)
+        labels = torch.tensor([b["labels"] + [IGNORE] * (width - len(b["labels"])) for b in batch])
+        labels[:, 0] = IGNORE  # never a target (nothing precedes it); so every way of counting targets agrees
+        return {  # right padding: positions start at 0, as after left padding in generation
+            "input_ids": torch.tensor([b["input_ids"] + [pad_id] * (width - len(b["input_ids"])) for b in batch]),
+            "attention_mask": torch.tensor([[1] * len(b["input_ids"]) + [0] * (width - len(b["input_ids"]))
+                                            for b in batch]),
+            "labels": labels,
+        }
+    return collate
+
+
+def packed_collate(varlen: bool):
+    """Packed blocks (all the same length): no attention_mask, per-row position_ids; with `varlen`, the rows'
+    cumulative lengths over the flattened batch for the packed_varlen attention (worker/packed_attention.py)."""
+    def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {"input_ids": torch.tensor([b["input_ids"] for b in batch]),
+               "position_ids": torch.tensor([b["position_ids"] for b in batch]),
+               "labels": torch.tensor([b["labels"] for b in batch])}
+        if varlen:  # keys only need cu_seq_lens_q (no _k: one tensor less for a compiled layer to guard on)
+            cu = torch.tensor([0] + [n for b in batch for n in b["segments"]]).cumsum(0).to(torch.int32)
+            out.update(cu_seq_lens_q=cu, max_length_q=out["input_ids"].shape[1])
+        return out
+    return collate
+
+
+def split_validation(rows: list[tuple[int, dict[str, Any]]], fraction: float | None, seed: int):
+    """(train, validation): rows marked `split: validation`, or a seeded random fraction of the training rows."""
+    train = [(line, r) for line, r in rows if r.get("split") != "validation"]
+    valid = [(line, r) for line, r in rows if r.get("split") == "validation"]
+    if fraction and not valid:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
+        n = max(1, round(len(train) * fraction))
+        if n >= len(train):
+            raise InvalidInput(f"validation_split={fraction} leaves no training row of {len(train)}: lower it")
+        picked = set(order[:n])
+        valid = [train[i] for i in sorted(picked)]
+        train = [row for i, row in enumerate(train) if i not in picked]
+    return train, valid

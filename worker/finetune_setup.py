@@ -1,0 +1,345 @@
+"""Fine-tune setup: the base model and its LoRA, mixed precision, the speed levers, and the TrainingArguments a
+distributed strategy needs. worker/finetune.py calls these in its run, top to bottom.
+
+Speed (workload F1, ops/bench/f1.py; the spec's `liger`, `compile`, `packed_attention`; what ran is in
+`metrics.speed`), all inside the Trainer so events, checkpoints and resume are unchanged:
+
+- Packed rows (worker/finetune_data.py `pack`) are kept apart by `packed_varlen` (flash-attention over each row,
+  worker/packed_attention.py) on CUDA, else by transformers' block-diagonal mask built from the position_ids.
+- The loss is computed from the decoder's last hidden states by worker/linear_ce.py (chunked, or liger-kernel's
+  fused linear cross-entropy called as a function: never liger's process-wide monkey patches, nor Trainer's
+  `use_liger_kernel`, which applies them), so the 151,936-wide logits never exist at once. It is the sum over the
+  step's target tokens divided by their count (`num_items_in_batch`), as transformers' own loss.
+- Each decoder layer is compiled in place (`layer.compile()`: state_dict keys unchanged, one layer's code serves
+  all), and one warm-up forward/backward compiles it before `Trainer.train()`, timed apart (`compile_seconds`).
+  Not Trainer's `torch_compile`, which wraps the whole PEFT model (its keys gain `_orig_mod.`, and every shape or
+  mode change recompiles all 28 layers).
+- bf16 weights stay bf16 (no fp32 copy of frozen weights); PEFT's per-layer copy of each LoRA input to fp32 is off
+  under autocast; fused AdamW and TF32 on CUDA; no gradient checkpointing unless the spec asks.
+
+Under a distributed strategy (ddp, fsdp2, deepspeed_*: worker/distributed.py launches the processes) the Trainer
+gets the strategy's arguments (`training_args`); collectives time out after `COLLECTIVE_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from core.errors import InvalidInput
+from core.spec import FinetuneSpec, LoadOptions
+from worker.progress import Progress
+
+log = logging.getLogger(__name__)
+COLLECTIVE_TIMEOUT_S = 600  # a collective that waits longer than this on a peer fails the attempt
+
+
+# --- model ------------------------------------------------------------------------------------------------------
+
+
+def precision(device: torch.device) -> str:
+    """bf16 mixed precision on compute capability >= 8.0, fp16 below, fp32 on CPU."""
+    if device.type != "cuda":
+        return "fp32"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "bf16" if major >= 8 else "fp16"
+
+
+def linear_module_names(model) -> set[str]:
+    """Last name parts of the model's Linear-like layers (4-bit bitsandbytes layers included), lm_head excluded."""
+    names = set()
+    for name, module in model.named_modules():
+        if name and "lm_head" not in name and (isinstance(module, torch.nn.Linear)
+                                              or type(module).__name__ in ("Linear4bit", "Linear8bitLt")):
+            names.add(name.rsplit(".", 1)[-1])
+    return names
+
+
+def check_target_modules(model, spec: FinetuneSpec) -> None:
+    """Refuse target modules or modules_to_save that the model does not have, naming the ones it has."""
+    leaf_names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+    if spec.target_modules != "all-linear":
+        missing = [m for m in spec.target_modules if m not in leaf_names]
+        if missing:
+            raise InvalidInput(f"target_modules {missing} do not exist in {spec.model}: its linear layers are "
+                               f"{sorted(linear_module_names(model))} (or use 'all-linear')")
+    missing = [m for m in spec.modules_to_save or [] if m not in leaf_names]
+    if missing:
+        raise InvalidInput(f"modules_to_save {missing} do not exist in {spec.model}; e.g. embed_tokens or lm_head")
+
+
+def lora_config(spec: FinetuneSpec):
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                      target_modules=spec.target_modules, modules_to_save=spec.modules_to_save, task_type="CAUSAL_LM")
+
+
+def load_base(opts: LoadOptions, gpus: int):
+    from worker import loader
+
+    loaded = loader.load(opts, gpus=gpus)
+    loaded.tokenizer.padding_side = "right"
+    return loaded
+
+
+def wrap_lora(model, spec: FinetuneSpec):
+    """The base wrapped with the spec's LoRA. The LoRA weights are initialized from `spec.seed`, not from whatever
+    the process's random state happens to be, so a job (and a resumed one's reference run) is reproducible."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import set_seed
+
+    check_target_modules(model, spec)
+    set_seed(spec.seed)
+    if spec.quantization is not None:  # QLoRA: fp32 norms, input grads, gradient checkpointing as configured
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec.gradient_checkpointing)
+    elif spec.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora_config(spec))
+
+
+# --- speed levers -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Speed:
+    """The speed levers a fine-tune runs with, resolved from the spec's auto/on/off; recorded in its metrics."""
+    loss: str = "model"  # chunked | liger: from the hidden states, logits never held; model: the model's own loss
+    packed_attention: str | None = None  # varlen | mask (packed rows only)
+    compile: bool = False
+    notes: list[str] = field(default_factory=list)  # where an `auto` did not take its first choice, and why
+
+
+def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str = "single") -> Speed:
+    """Resolve liger / packed_attention / compile for this model on this device. An explicit `on`/`varlen` that
+    cannot run raises InvalidInput (before any step); an `auto` that cannot takes the next choice and notes why.
+
+    Under a distributed strategy the loss and compile stay the Trainer's own: the lean loss calls the decoder
+    directly, past the DDP/FSDP/DeepSpeed wrapper's forward that those strategies rely on.
+    """
+    speed = Speed()
+    if strategy != "single":
+        if spec.liger == "on" or spec.compile == "on":
+            raise InvalidInput(f"liger=on and compile=on run with strategy single only (this job runs {strategy}): "
+                               "use auto or off")
+        speed.notes.append(f"strategy {strategy}: the model's own loss, not compiled")
+    else:
+        speed.loss = _choose_loss(spec, device, model, speed.notes)
+    if spec.packing:
+        speed.packed_attention = _choose_attention(spec, device, model, speed.notes)
+    cuda = device.type == "cuda"
+    speed.compile = strategy == "single" and (spec.compile == "on" or (
+        spec.compile == "auto" and cuda and spec.packing and spec.quantization is None))
+    if spec.compile == "auto" and cuda and strategy == "single" and not speed.compile:
+        speed.notes.append("compile auto: off (it compiles packed training without quantization only: fixed shapes)")
+    return speed
+
+
+def speed_record(speed: Speed, compile_s: float | None) -> dict[str, Any]:
+    """What ran, for the job's metrics: loss kernel, packed attention, compile (and its seconds), auto's notes."""
+    record = {"loss": speed.loss, "packed_attention": speed.packed_attention, "compile": speed.compile,
+              "compile_seconds": None if compile_s is None else round(compile_s, 2)}
+    return {**record, "notes": speed.notes} if speed.notes else record
+
+
+def apply_speed(speed: Speed, model, mixed: str, spec: FinetuneSpec) -> None:
+    from worker import packed_attention
+
+    if speed.packed_attention == "varlen":
+        model.get_base_model().set_attn_implementation(packed_attention.register())
+    if mixed in ("bf16", "fp16") and spec.quantization is None:
+        _no_input_casting(model)
+
+
+def fast_args(strategy: str, device: torch.device) -> dict[str, Any]:
+    """TrainingArguments for speed on a GPU: fused AdamW (one kernel for every LoRA tensor), TF32 matmuls on
+    Ampere+ (only fp32 matmuls change: LoRA weights under autocast are cast to bf16 anyway). CPU: as before."""
+    if device.type != "cuda" or strategy != "single":
+        return {}
+    return {"optim": "adamw_torch_fused", "tf32": torch.cuda.get_device_capability(device)[0] >= 8}
+
+
+def compile_model(speed: Speed, spec: FinetuneSpec, trainer, model, batch: dict[str, Any],
+             device: torch.device, progress: Progress) -> float | None:
+    """Compile the decoder layers and run the warm-up step (compile time, returned); None when not compiling. With
+    compile auto a failure falls back to eager (noted); with compile on it fails the job."""
+    if not speed.compile:
+        return None
+    try:
+        _compile_layers(model)
+        with progress.phase("compiling"):
+            return _warm_up(trainer, batch, device)
+    except InvalidInput:
+        raise
+    except Exception as exc:  # torch.compile raises many kinds; the message says which
+        _uncompile_layers(model)
+        if spec.compile == "on":
+            raise RuntimeError(f"compile=on: torch.compile failed on this model ({type(exc).__name__}: {exc}); "
+                               "use compile auto or off") from exc
+        speed.compile = False
+        speed.notes.append(f"compile auto: off, torch.compile failed ({type(exc).__name__}: {str(exc)[:300]})")
+        log.warning("%s: torch.compile failed, training eagerly: %s", spec.model, exc)
+        return None
+
+
+def _lean_loss_problem(model) -> str | None:
+    """Why the loss cannot be computed from the decoder's hidden states and lm_head's weight, if it cannot."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) \
+            or getattr(config, "logits_scaling", None):
+        return f"{type(model).__name__} scales or caps its logits"
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return f"its lm_head is a {type(head).__name__}, not a plain Linear without bias (e.g. modules_to_save lm_head)"
+    return None
+
+
+def _choose_loss(spec: FinetuneSpec, device: torch.device, model, notes: list[str]) -> str:
+    from worker import linear_ce
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    problem = _lean_loss_problem(base)
+    if problem:
+        if spec.liger == "on":
+            raise InvalidInput(f"liger=on cannot run: {problem}. Use liger auto or off")
+        notes.append(f"loss: the model's own (all logits), since {problem}")
+        return "model"
+    if spec.liger == "off":
+        return "chunked"
+    if spec.liger == "auto" and spec.quantization is not None:
+        return "chunked"  # QLoRA upcasts lm_head to fp32; liger was checked on bf16 weights only
+    problem = linear_ce.liger_problem(device)
+    if problem and spec.liger == "on":
+        raise InvalidInput(f"liger=on cannot run: {problem}. Use liger auto or off (our chunked cross-entropy)")
+    if problem and device.type == "cuda":
+        notes.append(f"liger auto: chunked cross-entropy, since {problem}")
+    return "chunked" if problem else "liger"
+
+
+def _choose_attention(spec: FinetuneSpec, device: torch.device, model, notes: list[str]) -> str:
+    from worker import packed_attention
+
+    if spec.packed_attention == "mask":
+        return "mask"
+    config = model.config
+    problem = None
+    if spec.attn_implementation not in ("sdpa", "sdpa_gqa"):
+        problem = f"it replaces attn_implementation {spec.attn_implementation}"
+    elif getattr(config, "attention_dropout", 0.0) or set(getattr(config, "layer_types", None) or ["full_attention"]) \
+            != {"full_attention"}:
+        problem = "the model has attention dropout or sliding-window layers"
+    problem = problem or packed_attention.problem(device)
+    if problem and spec.packed_attention == "varlen":
+        raise InvalidInput(f"packed_attention=varlen cannot run: {problem}. Use packed_attention auto or mask")
+    if problem and device.type == "cuda":
+        notes.append(f"packed_attention auto: mask, since {problem}")
+    return "mask" if problem else "varlen"
+
+
+def _no_input_casting(model) -> None:
+    """Under autocast, keep PEFT from copying every LoRA layer's input to fp32 (the adapter weights' dtype) before
+    autocast casts it back to bf16: one full copy of each linear layer's input per layer, saved for backward too."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            module.cast_input_dtype_enabled = False
+
+
+def _compile_layers(model) -> int:
+    """torch.compile each decoder layer in place (state_dict keys unchanged, so checkpoints and the adapter save as
+    before). One layer's graph serves all of them (regional compilation), compiled in seconds, not minutes."""
+    import torch._dynamo
+
+    decoder = model.get_base_model().get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise InvalidInput(f"compile=on: {type(decoder).__name__} has no `layers` to compile: use compile auto or off")
+    # all layers share one code object: room for their guards plus the train and eval variants
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def _uncompile_layers(model) -> None:
+    for layer in model.get_base_model().get_decoder().layers:
+        layer._compiled_call_impl = None
+
+
+def lean_trainer(speed: Speed):
+    """A Trainer whose loss comes from the decoder's last hidden states through `linear_ce` (chunked or liger): the
+    logits are never materialized. The loss is the sum over target tokens divided by the step's count of them
+    (`num_items_in_batch`), so gradient accumulation weighs every token alike and Trainer adds no 1/steps."""
+    from transformers import Trainer
+
+    from worker import linear_ce
+
+    class LeanLossTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.model_accepts_loss_kwargs = True  # our loss is already divided by num_items_in_batch
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if speed.loss == "model":
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+            if speed.compile and "cu_seq_lens_q" in inputs:  # the row count varies per batch: one dynamic graph
+                torch._dynamo.maybe_mark_dynamic(inputs["cu_seq_lens_q"], 0)
+            causal = self.accelerator.unwrap_model(model).get_base_model()
+            with self.accelerator.autocast():
+                hidden = causal.get_decoder()(**inputs, use_cache=False).last_hidden_state
+                total, count = linear_ce.causal_lm_loss(hidden, causal.get_output_embeddings().weight, labels,
+                                                        kernel=speed.loss, compiled=speed.compile)
+            loss = total / (num_items_in_batch if num_items_in_batch is not None else count.clamp_min(1))
+            return (loss, {"loss": loss}) if return_outputs else loss
+
+    return LeanLossTrainer
+
+
+def _warm_up(trainer, batch: dict[str, Any], device: torch.device) -> float:
+    """One forward and backward on a training batch before `Trainer.train()`: every compiled region compiles now
+    (its time reported apart from the steps') and a compile failure surfaces before any step. Gradients and the RNG
+    state are left as they were."""
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    t0 = time.perf_counter()
+    trainer.model.train()
+    trainer.compute_loss(trainer.model, batch).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    trainer.model.zero_grad(set_to_none=True)
+    torch.random.set_rng_state(rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    return seconds
+
+
+# --- distributed strategies -------------------------------------------------------------------------------------
+
+
+def training_args(strategy: str, device_type: str) -> dict[str, Any]:
+    """TrainingArguments for a strategy (none for `single`). FSDP2 through the Trainer's accelerate plugin; DeepSpeed
+    through a config dict whose batch sizes and precision the Trainer fills in ("auto")."""
+    if strategy == "single":
+        return {}
+    args: dict[str, Any] = {"ddp_backend": "nccl" if device_type == "cuda" else "gloo",
+                            "ddp_timeout": COLLECTIVE_TIMEOUT_S, "ddp_find_unused_parameters": False}
+    if strategy == "fsdp2":
+        from transformers import TrainingArguments
+
+        # transformers >= 5.20 takes fsdp=True and everything in fsdp_config; 5.17 takes the option string
+        modern = hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config")
+        args.update(fsdp=True if modern else "full_shard", fsdp_config={"version": 2})
+    elif strategy.startswith("deepspeed"):
+        args["deepspeed"] = {"zero_optimization": {"stage": int(strategy[-1])}, "bf16": {"enabled": "auto"},
+                             "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+    return args
