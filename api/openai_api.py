@@ -44,16 +44,15 @@ from api import access, results, service, views
 from core import files
 from core.db import session_scope
 from core.errors import Conflict, IllegalTransition, InvalidInput, NotFound
+from core.jobs import BATCH_EXPIRED_BY
 from core.models import File as StoredFile
 from core.models import Job, JobEvent
 from core.settings import get_settings
 from core.states import JobState
-from core.jobs import BATCH_EXPIRED_BY
 from core.store import get_job, now
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 META = "openai_batch."  # spec.metadata keys of ours, hidden from the batch's metadata
-EXPIRED_BY = BATCH_EXPIRED_BY
 STATUS = {"queued": "validating", "validating": "validating", "running": "in_progress",
           "finalizing": "finalizing", "succeeded": "completed", "failed": "failed", "cancelling": "cancelling",
           "cancelled": "cancelled"}
@@ -252,7 +251,7 @@ def expire_if_due(who: access.Principal, batch_id: str) -> None:
                and now() > job.created_at + get_settings().batch_window_seconds)
     if due:
         try:
-            service.cancel(batch_id, owner=None, by=EXPIRED_BY)
+            service.cancel(batch_id, owner=None, by=BATCH_EXPIRED_BY)
         except IllegalTransition:
             pass  # it ended meanwhile
 
@@ -260,7 +259,7 @@ def expire_if_due(who: access.Principal, batch_id: str) -> None:
 def batch_object(session: Session, job: Job) -> dict[str, Any]:
     view = views.job_view(session, job)
     times = state_times(session, job.id)
-    expired = EXPIRED_BY in times.get("cancelling_reason", "")
+    expired = BATCH_EXPIRED_BY in times.get("cancelling_reason", "")
     status = STATUS[job.state]
     if expired:
         status = "expired" if job.state == "cancelled" else "finalizing"

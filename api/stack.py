@@ -30,8 +30,7 @@ from core.embedded import start_redis
 from core.errors import GpuConflict, JobsError, StartInterrupted
 from core.logs import setup_logging
 from core.settings import get_settings, reset
-from core.slices import parse_slice, parse_slices
-from core.slices import worker_command, worker_env  # noqa: F401  (ops/bench/load.py imports them from here)
+from core.slices import parse_slice, parse_slices, worker_command, worker_env  # noqa: F401  (ops/bench/load.py imports them from here)
 
 
 def check_inherited(devices: list[str]) -> None:

@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from core import registry
-from core.exits import CONFIGURATION
-from core.exits import describe
 from core.db import session_scope
+from core.exits import CONFIGURATION, describe
 from core.logs import setup_logging
 from core.settings import get_settings
 from core.slices import parse_slices, worker_command, worker_env

@@ -19,7 +19,6 @@ from core.db import session_scope
 from core.errors import InvalidInput
 from core.models import Job, JobEvent, JobRow, Shard
 from core.settings import get_settings
-from core.spec import GenerateSpec
 from core.states import JobState, RowState
 from core.store import get_job, now, progress
 
@@ -188,10 +187,6 @@ def get_adapter(adapter_id: str, *, owner: str | None) -> dict[str, Any]:
 def file_view(f) -> dict[str, Any]:
     return {"id": f.id, "filename": f.filename, "bytes": f.bytes, "sha256": f.sha256, "purpose": f.purpose,
             "created_at": f.created_at, "owner": f.owner}
-
-
-def spec_schema() -> dict[str, Any]:
-    return GenerateSpec.model_json_schema()
 
 
 # --- usage --------------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import files
-from core.hub import HUB_ID
 from core.errors import Conflict, InvalidInput, NotFound
+from core.hub import HUB_ID
 from core.models import Adapter, File, Job
 from core.settings import get_settings
 from core.states import JobState

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, get_args
 
 from pydantic import ValidationError

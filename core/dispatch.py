@@ -23,7 +23,8 @@ from core import registry
 from core.db import session_scope
 from core.errors import IllegalTransition
 from core.models import Job, Shard
-from core.queue import TASK_RUN_SHARD, send as send_task, waiting_messages
+from core.queue import TASK_RUN_SHARD, waiting_messages
+from core.queue import send as send_task
 from core.settings import get_settings
 from core.states import ShardState
 from core.store import add_event, now, transition

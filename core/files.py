@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import unicodedata
 from pathlib import Path
 from typing import BinaryIO
@@ -159,7 +158,3 @@ def stored(session: Session, ref: str, *, owner: str) -> File:
     if ref.startswith("file_"):
         return get(session, ref, owner=owner)
     return import_server_file(session, owner=owner, path=ref)
-
-
-def copy_to(file: File, dest: Path) -> None:
-    shutil.copyfile(absolute(file), dest)

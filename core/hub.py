@@ -522,7 +522,7 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
         except httpx.TransportError as exc:
             if should_stop():
                 raise FetchInterrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is "
-                                       "stopping)")
+                                       "stopping)") from None
             failures = 0 if received else failures + 1  # bytes flowed: the endpoint is there, keep going
             if failures > RETRIES:
                 raise _unreachable(exc, f"{f.name} of {describe(snap.repo, snap.commit)}") from None

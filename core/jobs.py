@@ -37,8 +37,7 @@ from core.queue import queue_for
 from core.settings import get_settings
 from core.spec import Spec
 from core.states import JobState, RowState, ShardState
-from core.store import (add_event, create_shards, get_job, insert_rows, new_id, now, open_shards,
-                        progress, transition)
+from core.store import add_event, create_shards, get_job, insert_rows, new_id, now, open_shards, progress, transition
 from core.training_data import parse_training_file
 
 log = logging.getLogger(__name__)

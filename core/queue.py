@@ -20,7 +20,6 @@ from core.errors import ServiceUnavailable
 from core.settings import get_settings
 
 TASK_RUN_SHARD = "gpujobs.run_shard"
-TASK_RUN_FINETUNE = "gpujobs.run_finetune"
 
 
 def queue_for(gpus: int) -> str:

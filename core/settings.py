@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 
@@ -73,10 +73,10 @@ class Settings:
     database_url: str
     redis_url: str | None
     api_url: str
-    api_host: str
-    api_port: int
     artifacts: Path
     token: str | None
+    api_host: str = "127.0.0.1"
+    api_port: int = 8765
     model_roots: list[Path] = field(default_factory=list)
     data_roots: list[Path] = field(default_factory=list)
     allow_remote_code: bool = False
@@ -105,7 +105,7 @@ class Settings:
     stopped_workers_shown: float = 3600.0  # `gpujobs workers` lists a stopped worker this long (`--all`: always)
     hub_endpoint: str = "https://huggingface.co"
     hub_offline: bool = False
-    hub_cache: Path = Path("~/.cache/huggingface/hub")
+    hub_cache: Path = Path("~/.cache/huggingface/hub")  # read from HF_HUB_CACHE / HF_HOME (_hf_home)
     hub_token_path: Path = Path("~/.cache/huggingface/token")
     hub_models: list[str] = field(default_factory=list)  # fnmatch patterns of Hub ids allowed beside the model roots
     hub_min_free_bytes: int = 1 << 30
@@ -164,52 +164,75 @@ def _token(home: Path) -> str | None:
         return None
 
 
+# Numbers read from the environment: field -> variable. The default is the field's own (one place); a value that is
+# not a number of the field's type is refused with the variable's name.
+_NUMBERS = {
+    "api_port": "JOBS_API_PORT",
+    "shard_rows": "JOBS_SHARD_ROWS",
+    "batch_rows": "JOBS_BATCH_ROWS",
+    "lease_seconds": "JOBS_LEASE_SECONDS",
+    "max_attempts": "JOBS_MAX_ATTEMPTS",
+    "worker_timeout": "JOBS_WORKER_TIMEOUT",
+    "visibility_timeout": "JOBS_VISIBILITY_TIMEOUT",
+    "batch_window_seconds": "JOBS_BATCH_WINDOW_SECONDS",
+    "stall_phase_seconds": "JOBS_STALL_PHASE_SECONDS",
+    "max_upload_bytes": "JOBS_MAX_UPLOAD_BYTES",
+    "max_rows": "JOBS_MAX_ROWS",
+    "max_row_bytes": "JOBS_MAX_ROW_BYTES",
+    "restart_limit": "JOBS_RESTART_LIMIT",
+    "restart_window": "JOBS_RESTART_WINDOW",
+    "restart_backoff": "JOBS_RESTART_BACKOFF",
+    "restart_backoff_max": "JOBS_RESTART_BACKOFF_MAX",
+    "worker_restarts": "JOBS_WORKER_RESTARTS",
+    "stopped_workers_shown": "JOBS_STOPPED_WORKERS_SHOWN",
+    "hub_min_free_bytes": "JOBS_HUB_MIN_FREE_BYTES",
+    "hub_timeout": "JOBS_HUB_TIMEOUT",
+}
+
+
+def _default(name: str):
+    return next(f.default for f in fields(Settings) if f.name == name)
+
+
+def _number(name: str) -> int | float:
+    default = _default(name)
+    value = _env(_NUMBERS[name])
+    if value is None:
+        return default
+    try:
+        return type(default)(value)
+    except ValueError:
+        kind = "a whole number" if isinstance(default, int) else "a number"
+        raise ValueError(f"{_NUMBERS[name]}={value!r}: give {kind} (the default is {default})") from None
+
+
 @cache
 def get_settings() -> Settings:
     home = Path(_env("JOBS_HOME", "~/.gpujobs")).expanduser().resolve()
     stack = _stack(home)
-    host = _env("JOBS_API_HOST", "127.0.0.1")
-    port = int(_env("JOBS_API_PORT", "8765"))
+    host = _env("JOBS_API_HOST", _default("api_host"))
+    numbers = {name: _number(name) for name in _NUMBERS}
     return Settings(
         home=home,
         database_url=_env("JOBS_DATABASE_URL", f"sqlite:///{home / 'jobs.db'}"),
         redis_url=_env("JOBS_REDIS_URL", stack.get("redis_url")),
-        api_url=_env("JOBS_API_URL", stack.get("api_url", f"http://{host}:{port}")).rstrip("/"),
+        api_url=_env("JOBS_API_URL", stack.get("api_url", f"http://{host}:{numbers['api_port']}")).rstrip("/"),
         api_host=host,
-        api_port=port,
         artifacts=Path(_env("JOBS_ARTIFACTS", str(home / "artifacts"))).expanduser().resolve(),
         token=_env("JOBS_TOKEN") or _token(home),
         model_roots=_paths("JOBS_MODEL_ROOTS"),
         data_roots=_paths("JOBS_DATA_ROOTS"),
-        allow_remote_code=_env("JOBS_ALLOW_REMOTE_CODE", "0").lower() in ("1", "true", "yes"),
+        allow_remote_code=_true(_env("JOBS_ALLOW_REMOTE_CODE")),
         hostname=_env("JOBS_HOSTNAME"),
-        shard_rows=int(_env("JOBS_SHARD_ROWS", "256")),
-        batch_rows=int(_env("JOBS_BATCH_ROWS", "16")),
-        lease_seconds=float(_env("JOBS_LEASE_SECONDS", "20")),
-        max_attempts=int(_env("JOBS_MAX_ATTEMPTS", "3")),
-        worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
-        visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
         broker_wait_seconds=_broker_wait(),
-        batch_window_seconds=float(_env("JOBS_BATCH_WINDOW_SECONDS", str(24 * 3600))),
         stall_seconds=_seconds_or_auto("JOBS_STALL_SECONDS"),
-        stall_phase_seconds=float(_env("JOBS_STALL_PHASE_SECONDS", "1800")),
-        max_upload_bytes=int(_env("JOBS_MAX_UPLOAD_BYTES", str(1 << 30))),
-        max_rows=int(_env("JOBS_MAX_ROWS", "10000000")),
-        max_row_bytes=int(_env("JOBS_MAX_ROW_BYTES", str(1 << 20))),
-        restart_limit=int(_env("JOBS_RESTART_LIMIT", "5")),
-        restart_window=float(_env("JOBS_RESTART_WINDOW", "600")),
-        restart_backoff=float(_env("JOBS_RESTART_BACKOFF", "1")),
-        restart_backoff_max=float(_env("JOBS_RESTART_BACKOFF_MAX", "60")),
-        worker_restarts=int(_env("JOBS_WORKER_RESTARTS", "0")),
-        stopped_workers_shown=float(_env("JOBS_STOPPED_WORKERS_SHOWN", "3600")),
-        hub_endpoint=_env("HF_ENDPOINT", "https://huggingface.co").rstrip("/"),
+        hub_endpoint=_env("HF_ENDPOINT", _default("hub_endpoint")).rstrip("/"),
         hub_offline=_true(_env("HF_HUB_OFFLINE")) or _true(_env("TRANSFORMERS_OFFLINE")),
         hub_cache=Path(_env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE") or str(_hf_home() / "hub"))
         .expanduser().resolve(),
         hub_token_path=Path(_env("HF_TOKEN_PATH", str(_hf_home() / "token"))).expanduser(),
         hub_models=[p.strip() for p in (_env("JOBS_HUB_MODELS") or "").split(",") if p.strip()],
-        hub_min_free_bytes=int(_env("JOBS_HUB_MIN_FREE_BYTES", str(1 << 30))),
-        hub_timeout=float(_env("JOBS_HUB_TIMEOUT", "10")),
+        **numbers,
     )
 
 

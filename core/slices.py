@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from core.errors import InvalidInput
 
 NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-STRATEGIES = ("auto", "single", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3")
 DISTRIBUTED = ("ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3")
 
 

@@ -27,7 +27,6 @@ ATTN_BACKENDS = (
     "flash_attention_3",
     "flash_attention_4",
 )
-QUANT_METHODS = ("bnb-4bit", "bnb-8bit", "torchao-int8", "torchao-int4", "torchao-float8", "fp8")
 _HUB_KERNEL = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?$")
 
 

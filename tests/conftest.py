@@ -45,7 +45,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
             config.option.dist = "worksteal"  # tests last 0.01-120 s: an idle process takes queued tests from another
 
 
-def _reset_caches() -> None:
+def reset_caches() -> None:
     from core import db, queue, settings
 
     settings.reset()
@@ -103,12 +103,12 @@ def _jobs_env(tmp_path, redis_server, database_url, monkeypatch) -> Iterator[Job
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     redis_server.client().flushall()
-    _reset_caches()
+    reset_caches()
     from core.db import upgrade
 
     upgrade()
     yield JobsEnv(Path(env["JOBS_HOME"]), database_url, redis_server.url, env)
-    _reset_caches()
+    reset_caches()
 
 
 @pytest.fixture

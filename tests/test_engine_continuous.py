@@ -44,7 +44,7 @@ def loaded(tiny_model) -> Loaded:
 def memorized(n_copies: int = 1) -> list[tuple[int, dict]]:
     rows = []
     for c in range(n_copies):
-        for i, (q, _) in enumerate(qa_pairs()):
+        for q, _ in qa_pairs():
             rows.append((len(rows), row(prompt=q) if c % 2 == 0 else row(messages=[{"role": "user", "content": q}])))
     return rows
 

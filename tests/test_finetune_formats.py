@@ -221,7 +221,7 @@ def test_csv_parquet_and_a_saved_dataset_submitted_with_the_cli_train_on_a_worke
     assert job["rows"]["total"] == len(QA) + 2
     submitted.append(job["id"])
     for job_id in submitted:
-        done = wait_for(lambda: (j := views.get(job_id, owner=None))["state"] in ("succeeded", "failed") and j,
+        done = wait_for(lambda job_id=job_id: (j := views.get(job_id, owner=None))["state"] in ("succeeded", "failed") and j,
                         180, f"fine-tune {job_id}", procs=[worker])
         assert done["state"] == "succeeded", done["error"]
         assert done["training"]["step"] == 2

@@ -12,10 +12,10 @@ from core import dispatch, jobs, leases
 from core.dataset import ParsedRow
 from core.db import session_scope
 from core.errors import IllegalTransition, LeaseLost
+from core.jobs import maybe_finalize
 from core.leases import RowResult
 from core.models import Job, JobEvent, JobRow, Shard
 from core.states import JobState, ShardState
-from core.jobs import maybe_finalize
 from core.store import create_shards, insert_rows, new_id, now, transition
 
 pytestmark = pytest.mark.usefixtures("any_jobs_env")

@@ -11,8 +11,22 @@ import json
 
 import pytest
 
-from ops.bench.load import (audit, big_report, burst, burst_report, cpu_delta, cpu_seconds, job_spec, memory,
-                            polling, submit_big, table, wait_terminal, warm_up, write_rows)
+from ops.bench.load import (
+    audit,
+    big_report,
+    burst,
+    burst_report,
+    cpu_delta,
+    cpu_seconds,
+    job_spec,
+    memory,
+    polling,
+    submit_big,
+    table,
+    wait_terminal,
+    warm_up,
+    write_rows,
+)
 from tests.conftest import registered, wait_for
 
 pytestmark = pytest.mark.slow
@@ -75,7 +89,7 @@ def test_20000_row_job_on_two_cpu_workers_writes_every_row_once(tmp_path, jobs_e
     url, token, api = api_server
     workers = [spawn_worker([], wait=False, **ONE_THREAD) for _ in range(2)]
     for w in workers:
-        wait_for(lambda: registered(jobs_env.database_url, w.pid), 90, "worker registration", procs=[w])
+        wait_for(lambda w=w: registered(jobs_env.database_url, w.pid), 90, "worker registration", procs=[w])
     procs = [api, *workers]
     alive = lambda: next((f"process {p.pid}" for p in procs if not p.alive()), None)  # noqa: E731
     warm = warm_up(url, token, job_spec(tiny_model), tmp_path, jobs_env.database_url, workers=2, alive=alive)

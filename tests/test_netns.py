@@ -19,7 +19,7 @@ from sqlalchemy import func, select
 
 from core.models import Job, JobEvent, JobRow, Shard, Worker
 from tests import netns
-from tests.conftest import _reset_caches, registered, wait_for
+from tests.conftest import registered, reset_caches, wait_for
 from tests.services import require_service
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def cluster(monkeypatch, tmp_path) -> Iterator[netns.Cluster]:
         for key, value in c.env("home-test").items():
             if key.startswith("JOBS_"):
                 monkeypatch.setenv(key, value)
-        _reset_caches()
+        reset_caches()
         from core import auth
         from core.db import session_scope, upgrade
 
@@ -74,7 +74,7 @@ def cluster(monkeypatch, tmp_path) -> Iterator[netns.Cluster]:
             c.token = auth.create_token(session, owner="alice", scopes=["admin", "user"], name="netns test")
         yield c
     finally:
-        _reset_caches()  # close this process's connections before PostgreSQL goes
+        reset_caches()  # close this process's connections before PostgreSQL goes
         logs = tmp_path / "cluster-logs"
         logs.mkdir(exist_ok=True)
         c.close(keep_logs=logs)

@@ -65,8 +65,8 @@ def quantization_config(opts: LoadOptions, dtype: torch.dtype):
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
                                   bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=compute)
     if q.method.startswith("torchao-"):
-        from transformers import TorchAoConfig
         from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
 
         config = {"torchao-int8": Int8WeightOnlyConfig, "torchao-int4": Int4WeightOnlyConfig,
                   "torchao-float8": Float8WeightOnlyConfig}[q.method]()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def main() -> int:
     configs = []
     for warps, stages in CONFIGS:
         da.CONFIG.update(warps=warps, stages=stages)
-        ms = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, 1))
+        ms = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, 1))
         configs.append({"warps": warps, "stages": stages, "ms": round(ms, 4)})
         print(configs[-1], flush=True)
     best = min(configs, key=lambda c: c["ms"])
@@ -84,9 +85,9 @@ def main() -> int:
         ours = da._triton_decode(q, kp, vp, table, lengths, scale, splits)
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
         diff = (ours.float() - ref[:, :, 0].float()).abs().max().item()
-        t_ours = timed(torch, lambda: da._triton_decode(q, kp, vp, table, lengths, scale, splits))
-        t_sdpa = timed(torch, lambda: torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, None], k, v, scale=scale, enable_gqa=True))
+        t_ours = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, splits))
+        t_sdpa = timed(torch, partial(torch.nn.functional.scaled_dot_product_attention, q[:, :, None], k, v,
+                                      scale=scale, enable_gqa=True))
         read = 2 * batch * KV_HEADS * ctx * DIM * 2
         row = {"batch": batch, "context": ctx, "splits": splits, "max_abs_diff": diff,
                "ours_ms": round(t_ours, 4), "sdpa_gqa_ms": round(t_sdpa, 4),

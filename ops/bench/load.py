@@ -398,7 +398,7 @@ def table(report: dict) -> str:
     lines = [f"{'measure':<44} value"]
     add = lambda k, v: lines.append(f"{k:<44} {v}")  # noqa: E731
     if b := report.get("burst"):
-        add(f"burst: jobs / rows / connections", f"{b['jobs']} / {b['rows']} / {b['connections']}")
+        add("burst: jobs / rows / connections", f"{b['jobs']} / {b['rows']} / {b['connections']}")
         add("burst: HTTP codes of POST /jobs", b["codes"])
         add("burst: upload latency p50 / p99", f"{ms(b['upload_s']['p50'])} / {ms(b['upload_s']['p99'])}")
         add("burst: submit latency p50 / p99 / max",
@@ -416,7 +416,7 @@ def table(report: dict) -> str:
         add("burst: rows with executions != 1", b["audit"]["rows_not_executed_once"])
         add("burst: jobs finalized exactly once", f"{b['audit']['jobs_finalized_once']} of {b['jobs']}")
     if g := report.get("big"):
-        add(f"big: rows / workers / shard / batch",
+        add("big: rows / workers / shard / batch",
             f"{g['rows']} / {g['workers']} / {g['shard_rows']} / {g['batch_rows']}")
         add("big: upload / POST /jobs", f"{g['upload_s']:.2f} s / {g['submit_s']:.2f} s")
         add("big: rows written per s (first claim → last row)", f"{g['rows_per_s']} ({g['run_s']} s)")

@@ -243,7 +243,7 @@ def part_finetune(args, stack: Stack, models: dict[str, Path], work: Path, *, on
                       "wall_s": job.get("wall_s")}
         log(f"fine-tune {label}: {out[label]}")
     single = (out.get("single, 1 GPU") or {}).get("median_tokens_per_s")
-    for label, row in out.items():
+    for row in out.values():
         row["speedup_vs_1_gpu"] = round(row["median_tokens_per_s"] / single, 2) if single and row.get(
             "median_tokens_per_s") else None
     qa = stack.upload_rows([{"prompt": r["question"], "custom_id": f"q{i}"} for i, r in enumerate(QA)], "qa2.jsonl",

@@ -121,12 +121,12 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
 
 
 def _merge(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """Combine the per-split partial results (unnormalized acc, max m and sum l in base 2) into (B, H, D)."""
-    m, l = stats[..., 0], stats[..., 1]
+    """Combine the per-split partial results (unnormalized acc, max m and sum s in base 2) into (B, H, D)."""
+    m, s = stats[..., 0], stats[..., 1]
     top = m.amax(dim=2, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     w = torch.exp2(m - top)  # exp2(-inf) = 0 for empty splits
-    total = (l * w).sum(dim=2)
+    total = (s * w).sum(dim=2)
     out = (acc * w[..., None]).sum(dim=2)
     return out / torch.where(total > 0, total, torch.ones_like(total))[..., None]
 
