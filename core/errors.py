@@ -87,3 +87,8 @@ class StartInterrupted(JobsError):
 class PortInUse(RuntimeError):
     """redis-server could not bind its TCP port: another process listens there (core/embedded.py tries another).
     Not a JobsError: it never reaches a user."""
+
+
+class ChildFailed(RuntimeError):
+    """A process of a distributed fine-tune failed; the message carries its error text (worker/distributed.py). Not a
+    JobsError: it fails the attempt like any engine error."""

@@ -17,6 +17,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from core.models import Worker
+from core.slices import parse_slice
 from core.store import now
 
 
@@ -79,7 +80,7 @@ def never_registered(session: Session, *, host: str, pid: int, slice: str, exit_
     """A supervised worker that exited before it registered (bad arguments, a GPU conflict, an import error): an
     offline row under its default name, so `gpujobs workers` still says why its slot is down."""
     t = now()
-    devices = [d for d in slice.split(",") if d]
+    devices = parse_slice(slice)
     session.merge(Worker(name=default_name(pid, devices, host), host=host, pid=pid, slice=slice, queues=[], gpus=[],
                          capabilities={}, state="offline", started_at=t, heartbeat_at=t, current_shard_id=None,
                          stopped_at=t, exit_code=exit_code, reason=reason, restarts=restarts))
@@ -124,7 +125,7 @@ def mark_lost(session: Session, timeout: float) -> None:
 
 
 def slice_size(worker: Worker) -> int:
-    return len([d for d in worker.slice.split(",") if d])
+    return len(parse_slice(worker.slice))
 
 
 def can_serve(worker: Worker, gpus: int) -> bool:

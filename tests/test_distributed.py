@@ -38,7 +38,7 @@ from api import service, views
 from api.stack import detect_gpus
 from core import exits, registry
 from core.db import session_scope
-from core.errors import InvalidInput, Unschedulable
+from core.errors import ChildFailed, InvalidInput, Unschedulable
 from core.models import Adapter, JobEvent, Worker
 from core.slices import NVLINK_MULTICAST_OFF, plan
 from tests.conftest import ROOT, wait_for
@@ -319,7 +319,7 @@ def test_a_failing_rank_fails_the_attempt_promptly_with_its_error_and_leaves_no_
     monkeypatch.setenv("JOBS_TEST_FAULTS", fault)
     spec = FinetuneSpec.model_validate(ft_spec(base_model))
     t0 = time.monotonic()
-    with pytest.raises(distributed.ChildFailed) as failed:
+    with pytest.raises(ChildFailed) as failed:
         distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path)
     assert time.monotonic() - t0 < 60
     assert expected in str(failed.value)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.errors import InvalidInput
+from core.errors import ChildFailed, InvalidInput
 from core.slices import pinned_env, plan
 from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
@@ -58,10 +58,6 @@ POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
 PARENT_VAR = "JOBS_DIST_PARENT"
 TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-class ChildFailed(RuntimeError):
-    """A process of a distributed run failed; the message carries its error text."""
 
 
 # --- strategy ---------------------------------------------------------------------------------------------------
