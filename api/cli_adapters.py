@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from api.cli_base import cli, client, emit
+from api.cli_base import cli, client, emit, json_option
 from core.errors import InvalidInput, JobsError
 
 
@@ -27,7 +27,7 @@ def _line(a: dict[str, Any]) -> str:
 
 
 @adapters.command("list")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def list_adapters(as_json: bool) -> None:
     """Registered adapters, newest first."""
     emit(client().adapters(), as_json, lambda rows: [click.echo(_line(a)) for a in rows])
@@ -35,7 +35,7 @@ def list_adapters(as_json: bool) -> None:
 
 @adapters.command("show")
 @click.argument("adapter_id")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def show(adapter_id: str, as_json: bool) -> None:
     """An adapter: base model, tokenizer, LoRA config, training metrics, the job that made it."""
     def human(a: dict[str, Any]) -> None:

@@ -58,17 +58,32 @@ def emit(data: Any, as_json: bool, human) -> None:
         human(data)
 
 
+def json_option(help: str = "print JSON"):  # noqa: A002  (click's own name for it)
+    """The `--json` flag of every command that prints something a script may read."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
 def client():
+    """The HTTP client, pointed where the group's --api-url/--token (or JOBS_API_URL/JOBS_TOKEN, or what `gpujobs up`
+    wrote) say."""
     from api.client import Client  # httpx costs ~0.15 s of start-up: imported once a command talks to the API
 
-    return Client()
+    ctx = click.get_current_context(silent=True)
+    where = (ctx.find_root().obj if ctx else None) or {}
+    return Client(url=where.get("api_url"), token=where.get("token"))
 
 
 @click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(package_name="gpujobs")
-def cli() -> None:
+@click.option("--api-url", envvar="JOBS_API_URL", show_envvar=True, metavar="URL",
+              help="the jobs API [default: the one `gpujobs up` started, else http://127.0.0.1:8765]")
+@click.option("--token", envvar="JOBS_TOKEN", show_envvar=True, metavar="TOKEN",
+              help="bearer token for the API [default: the local admin token `gpujobs up` wrote]")
+@click.pass_context
+def cli(ctx: click.Context, api_url: str | None, token: str | None) -> None:
     """gpujobs: queued generation and LoRA fine-tune jobs on GPU workers.
 
     Start a local stack with `gpujobs up`, submit with `gpujobs submit generate`, read with `gpujobs status` and
-    `gpujobs results`. Settings come from JOBS_* environment variables (see README).
+    `gpujobs results`. Other settings come from JOBS_* environment variables (see README).
     """
+    ctx.obj = {"api_url": api_url, "token": token}

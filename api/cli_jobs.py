@@ -14,7 +14,7 @@ from typing import Any
 import click
 import yaml
 
-from api.cli_base import cli, client, emit, job_exit_code
+from api.cli_base import cli, client, emit, job_exit_code, json_option
 from core.errors import InvalidInput
 from core.hub import HUB_ID, human_bytes
 
@@ -152,7 +152,7 @@ def common_submit_options(fn):
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
                      help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4"),
         click.option("--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"),
-        click.option("--json", "as_json", is_flag=True, help="print the job as JSON instead of its id"),
+        json_option("print the job as JSON instead of its id"),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -330,7 +330,7 @@ def describe(job: dict[str, Any]) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+@json_option("print the job as JSON")
 def status(job_id: str, as_json: bool) -> None:
     """Show a job's state, progress, rates, ETA and metrics."""
     emit(client().job(job_id), as_json, describe)
@@ -339,7 +339,7 @@ def status(job_id: str, as_json: bool) -> None:
 @cli.command("list")
 @click.option("--state", help="only jobs in this state")
 @click.option("--limit", default=50, show_default=True, help="how many, newest first")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
     def table(jobs):
@@ -352,7 +352,7 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
 @cli.command()
 @click.argument("job_id")
 @click.option("--timeout", type=float, help="give up after this many seconds (exit 1)")
-@click.option("--json", "as_json", is_flag=True, help="print the finished job as JSON")
+@json_option("print the finished job as JSON")
 def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows."""
     job = wait_with_progress(client(), job_id, timeout=timeout)
@@ -391,7 +391,7 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str)
 @cli.command()
 @click.argument("job_id")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
+@json_option("one JSON object per event")
 def events(job_id: str, follow: bool, as_json: bool) -> None:
     """A job's events: state changes, loads, errors, metrics."""
     api, after = client(), 0
@@ -412,7 +412,7 @@ def events(job_id: str, follow: bool, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+@json_option("print the job as JSON")
 def cancel(job_id: str, as_json: bool) -> None:
     """Cancel a job: running work stops within seconds, finished rows are kept."""
     emit(client().cancel(job_id), as_json, lambda j: click.echo(f"{j['id']} {j['state']}"))
@@ -422,7 +422,7 @@ def cancel(job_id: str, as_json: bool) -> None:
 @click.argument("job_id")
 @click.option("--failed-only", is_flag=True, help="re-run only failed rows, not rows a cancel left unfinished")
 @click.option("--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code")
-@click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
+@json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     """Re-open a finished job under the same id and re-run its failed rows."""
     api = client()
@@ -437,7 +437,7 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
 @cli.command()
 @click.option("--all", "all_", is_flag=True, help="also workers that stopped over JOBS_STOPPED_WORKERS_SHOWN "
               "seconds (1 h) ago or were replaced by a newer worker on their host and slice")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def workers(all_: bool, as_json: bool) -> None:
     """Registered workers: state (online, lost: no heartbeat, offline: stopped), restarts of their slot, slice,
     GPUs and heartbeat age; for a stopped worker its exit code and why it stopped."""
@@ -458,7 +458,7 @@ def worker_line(w: dict) -> str:
 @cli.command()
 @click.option("--owner", help="one owner's usage (admins; a user always sees their own)")
 @click.option("--since", help="jobs created since: a duration (7d, 12h, 30m) or an ISO date (2026-01-31)")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def usage(owner: str | None, since: str | None, as_json: bool) -> None:
     """Usage per owner: jobs, rows, tokens, GPU-seconds (wall time × slice size) and engine seconds."""
     def table(data):

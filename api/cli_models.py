@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from api.cli_base import EXIT_FAILED, cli, client, emit
+from api.cli_base import EXIT_FAILED, cli, client, emit, json_option
 from core import hub
 from core.errors import InvalidInput
 
@@ -49,7 +49,7 @@ def _line(m: dict[str, Any]) -> str:
 
 @models.command("list")
 @click.option("--repo", help="only this Hub id (org/name)")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def list_models(repo: str | None, as_json: bool) -> None:
     """What each host's Hugging Face cache holds: repo, commit, refs, state, size, files, last use (and any
     download in flight: bytes, rate, ETA). Hosts report what their workers found at start and fetched since."""
@@ -70,7 +70,7 @@ def list_models(repo: str | None, as_json: bool) -> None:
 @click.option("--workers", help="`all`, or worker names separated by commas: their hosts fetch it (through the API, "
               "admins). Without it: into this host's cache (HF_HUB_CACHE)")
 @click.option("--wait", "wait_", is_flag=True, help="with --workers: wait until every host has it (or failed)")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def pull(repo: str, revision: str | None, workers: str | None, wait_: bool, as_json: bool) -> None:
     """Fetch a Hub model (only the files a load reads: config, tokenizer, safetensors weights) into a Hugging Face
     cache, verified; exit 1 if a host failed."""
@@ -90,7 +90,7 @@ def pull(repo: str, revision: str | None, workers: str | None, wait_: bool, as_j
 @click.option("--workers", help="`all`, or worker names separated by commas: their hosts delete it (through the API, "
               "admins). Without it: from this host's cache (HF_HUB_CACHE)")
 @click.option("--wait", "wait_", is_flag=True, help="with --workers: wait until every host has deleted it")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def rm(repo: str, revision: str | None, workers: str | None, wait_: bool, as_json: bool) -> None:
     """Delete a Hub model's snapshots (and the blobs no other snapshot uses) from a Hugging Face cache."""
     if workers is None:

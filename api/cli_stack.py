@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from api import stack
-from api.cli_base import cli, client, emit, job_exit_code
+from api.cli_base import cli, client, emit, job_exit_code, json_option
 from api.cli_jobs import wait_with_progress
 from core.errors import InvalidInput, JobsError
 from core.settings import get_settings
@@ -163,7 +163,7 @@ def tokens_create(owner: str, scopes: tuple[str, ...], name: str | None) -> None
 
 
 @tokens.command("list")
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@json_option()
 def tokens_list(as_json: bool) -> None:
     """List tokens (ids, owners, scopes; never the secrets)."""
     from core import auth

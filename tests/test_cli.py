@@ -196,3 +196,18 @@ def test_submit_reads_a_spec_file_and_flags_override_it(tmp_path, cli_env, spawn
     assert json.loads(jobs(cli_env, "results", job_id, check=True).stdout)["output"] == "Paris."
     wrong_kind = jobs(cli_env, "submit", "finetune", "--spec", str(spec))
     assert wrong_kind.returncode == 2 and "is a 'generate' job, not 'finetune'" in wrong_kind.stderr
+
+
+def test_api_url_and_token_options_override_their_environment_variables_and_show_them_in_help(jobs_env, api_server):
+    """--api-url/--token (env JOBS_API_URL/JOBS_TOKEN, shown in --help) reach the API; a wrong token from the
+    environment is overridden by --token, a wrong one given by option is refused (exit 2), an unreachable URL exits 3."""
+    url, token, _ = api_server
+    env = {**jobs_env.env, "JOBS_API_URL": url, "JOBS_TOKEN": "jt_wrong"}
+    help_text = jobs(env, "--help", check=True).stdout
+    assert "[env var: JOBS_API_URL]" in help_text and "[env var: JOBS_TOKEN]" in help_text
+    assert jobs(env, "list", "--json").returncode == 2  # the environment's wrong token
+    listed = jobs(env, "--token", token, "list", "--json", check=True)
+    assert json.loads(listed.stdout) == []
+    assert jobs({**env, "JOBS_TOKEN": token}, "--token", "jt_wrong", "list").returncode == 2
+    unreachable = jobs({**env, "JOBS_TOKEN": token}, "--api-url", f"http://127.0.0.1:{free_port()}", "list")
+    assert unreachable.returncode == 3 and "cannot reach the jobs API" in unreachable.stderr
