@@ -11,7 +11,7 @@ from tests.conftest import ROOT, qa_pairs
 
 def jobs(env: dict[str, str], *args: str, check: bool = False) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-m", "api", *args], env=env, cwd=ROOT, capture_output=True,
-                            text=True, timeout=180)
+                            text=True, timeout=420)
     if check and result.returncode != 0:
         raise AssertionError(f"jobs {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result

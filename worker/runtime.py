@@ -257,7 +257,8 @@ class Runtime:
 
         The resident model is dropped first: training wraps a model in place, so it is never shared with jobs.
         """
-        from worker import distributed, finetune
+        with self.progress.phase("importing the training code"):  # peft, the trainer: seconds, more on a busy host
+            from worker import distributed, finetune
 
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
