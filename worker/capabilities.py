@@ -8,6 +8,9 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -151,6 +154,10 @@ def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ok": True, "reason": None, "device": device}
 
 
+# the child of probe_flex_isolated: the lowest CPU priority first (the compiler it starts inherits it, and a
+# job never competes with it), then one JSON line on stdout
+FLEX_CHILD = ("import json, os; os.nice(19); from worker import capabilities as c; "
+              "print(json.dumps(c.probe_flex(c.gpus())), flush=True)")
 FLEX_PENDING = {"ok": None, "reason": "the probe runs just after the worker starts"}
 
 
@@ -189,6 +196,33 @@ def probe_flex(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ok": True, "reason": None, "device": device}
 
 
+def probe_flex_isolated(devices: list[dict[str, Any]], *, started: Callable[[subprocess.Popen], None] = lambda p: None,
+                        timeout: float = 900.0) -> dict[str, Any]:
+    """`probe_flex` in a child process at the lowest CPU priority (FLEX_CHILD).
+
+    Not in the worker's own interpreter: the compile leaves threads that abort the interpreter at exit
+    ("terminate called without an active exception"), which would turn a clean stop into a crash, and a compiler
+    that crashes must not take the worker with it. `started` receives the child (the runtime ends it when the
+    worker stops); a remembered success answers without one."""
+    marker = _flex_marker("cuda" if devices else "cpu", devices)
+    if marker is not None and marker.is_file():
+        return {"ok": True, "reason": None, "device": "cuda" if devices else "cpu", "remembered": True}
+    proc = subprocess.Popen([sys.executable, "-c", FLEX_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    started(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"ok": False, "reason": f"the flex_attention compile probe took more than {timeout:.0f} s"}
+    lines = out.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "reason": f"the flex_attention compile probe exited with code {proc.returncode}: {last}"}
+    return json.loads(lines[-1])
+
+
 def _flex_marker(device: str, devices: list[dict[str, Any]]) -> Path | None:
     """Where a successful flex_attention probe is remembered, or None when Inductor's cache folder is unknown."""
     try:
@@ -198,3 +232,4 @@ def _flex_marker(device: str, devices: list[dict[str, Any]]) -> Path | None:
     key = json.dumps([versions().get("torch"), versions().get("triton"), device,
                       [d.get("name") for d in devices], os.environ.get("CXX")])
     return Path(cache_dir()) / "gpujobs-probes" / f"flex-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -58,6 +59,7 @@ class Runtime:
     _engine_thread: int | None = None  # the thread that runs shards (Celery's solo pool: the main thread)
     _reported_progress: bool = False  # the registration shows a shard's progress (cleared once it ended)
     _beat: threading.Thread | None = None
+    _probes: list[subprocess.Popen] = field(default_factory=list)  # probe child processes (flex_attention)
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -98,9 +100,10 @@ class Runtime:
         """Merge the flex_attention compile probe into this worker's registration (and drop flex_attention from
         its attention backends when it does not compile here)."""
         try:
-            _lower_thread_priority()  # the compile (and the compiler it runs) never competes with a job
             devices = capabilities.gpus()
-            result = capabilities.probe_flex(devices)
+            result = capabilities.probe_flex_isolated(devices, started=self._probes.append)
+            if self.shutting_down.is_set():
+                return  # the probe was ended with the worker: no answer
             backends = [b for b in capabilities.attention_backends(devices)
                         if result["ok"] or b != "flex_attention"]
             with session_scope() as session:
@@ -113,6 +116,9 @@ class Runtime:
     def stop(self) -> None:
         self.shutting_down.set()
         self.closed.set()
+        for proc in self._probes:  # a probe still compiling ends with the worker
+            if proc.poll() is None:
+                proc.kill()
         with session_scope() as session:
             registry.stopped(session, self.name)
 
@@ -375,15 +381,6 @@ def _publish(src, dest) -> None:
     shutil.copytree(src, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-
-
-def _lower_thread_priority() -> None:
-    """Nice this thread (Linux schedules threads as tasks; the processes it starts inherit it) to the lowest
-    priority, where the platform allows it."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 def _reset_peak_memory() -> None:
