@@ -270,7 +270,8 @@ def test_auto_runs_paged_attention_on_the_continuous_engine_and_padded_refuses_i
     why; engine padded refuses it instead of running plain sdpa without a word."""
     info: dict = {}
     results, _ = run(loaded, make_spec(tiny_model, attn_implementation="paged|sdpa"), memorized()[:2], info=info)
-    assert info["engine"] == "continuous" and info["engine_reason"] == "auto: continuous, the engine that runs paged|sdpa"
+    assert info["engine"] == "continuous"
+    assert info["engine_reason"] == "auto: continuous, the engine that runs paged|sdpa"
     assert all(r.error is None for r in results.values())
     with pytest.raises(InvalidInput, match=r"engine padded cannot run paged\|sdpa: use engine continuous or auto"):
         run(loaded, make_spec(tiny_model, attn_implementation="paged|sdpa", engine="padded"), memorized()[:1])

@@ -87,8 +87,9 @@ def run_engine(name: str, loaded: Loaded, spec: GenerateSpec, rows: list[tuple[i
 
 def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
     """The engine for this spec on this model, and why. `auto`: `continuous` for a `paged|…` attention, `fast` on
-    CUDA for an unquantized model it can run, else `padded` (see the module docstring). `fast`, `static` and `continuous` refuse a model or attention they
-    cannot run (InvalidInput, before any GPU work)."""
+    CUDA for an unquantized model it can run, else `padded` (see the module docstring). `fast`, `static` and
+    `continuous` refuse a model or attention they cannot run, `padded` a paged attention (InvalidInput, before any
+    GPU work)."""
     if spec.engine == "padded":
         if spec.attn_implementation.startswith("paged|"):  # refused at submit too (core/capability.py)
             raise InvalidInput(f"engine padded cannot run {spec.attn_implementation}: use engine continuous or auto")
