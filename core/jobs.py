@@ -210,7 +210,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             raise IllegalTransition(f"job {job_id} is {job.state}: retry a job once it has finished (or cancel it)")
         states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
-        spec = GenerateSpec.model_validate(job.spec) if job.kind == "generate" else None
+        spec = _generate_spec(job)
         rerun = [r for r in rows if r.state == RowState.pending.value or retry_can_change(r, spec)]
         if not rerun:
             raise InvalidInput(_nothing_to_retry(job_id, len(rows), failed_only))
@@ -223,6 +223,17 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
         transition(session, job, JobState.running, reason=f"{len(shard_ids)} shards re-queued")
         queue = job.queue
     dispatch.send(shard_ids, queue)
+
+
+def _generate_spec(job: Job) -> GenerateSpec | None:
+    """A generation job's stored spec, for the row checks of a retry (None: a fine-tune, or a spec stored by an
+    older version that no longer validates; its rows are then judged without it)."""
+    if job.kind != "generate":
+        return None
+    try:
+        return GenerateSpec.model_validate(job.spec)
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return None
 
 
 def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
