@@ -17,13 +17,13 @@ from sqlalchemy.orm import Session
 
 from api import service_models
 from core import adapters, capability, files, formats, hub, registry
-from core.dataset import PARAMS, SAMPLE_AT_ZERO, count_rows, openai_models, too_many_rows
+from core.dataset import PARAMS, SAMPLE_AT_ZERO, count_rows, engine_problem, openai_models, too_many_rows
 from core.db import session_scope
 from core.errors import Forbidden, InvalidInput, JobsError, Unschedulable
 from core.jobs import NewJob
 from core.queue import ping_redis, queue_for
 from core.settings import get_settings
-from core.spec import FinetuneSpec, GenerateSpec, Spec, parse_spec
+from core.spec import FinetuneSpec, GenerateSpec, Spec, parse_spec, sampling_of
 from core.training_data import file_format
 
 HUB_ID = hub.HUB_ID  # org/name; `./x` and `../x` are paths, not Hub ids
@@ -93,6 +93,8 @@ def _check_sampling(spec: Spec) -> None:
     """Parameters that are each valid but cannot run together (the engine would fail every row)."""
     if getattr(spec, "do_sample", None) and spec.temperature == 0:
         raise InvalidInput(f"invalid {spec.kind} spec: {SAMPLE_AT_ZERO}")
+    if isinstance(spec, GenerateSpec) and (problem := engine_problem(spec.engine, sampling_of(spec, None))):
+        raise InvalidInput(f"invalid {spec.kind} spec: {problem}")
 
 
 # --- the model ------------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
         else:
             problems.append(f"{attn} needs the flash-attn package ({'installed' if versions.get('flash-attn') else 'missing'})"
                             f" and an Ampere or newer GPU (worker has {'compute capability ' + str(cc) if cc else 'no GPU'})")
+    if attn == "flex_attention":
+        problems += _flex_problems(caps)
     if opts.use_kernels or opts.kernel_config:
         problems.append("use_kernels needs the `kernels` package and Hub access" if not versions.get("kernels")
                         else "use_kernels fetches kernels from the Hub, and the worker is offline")
@@ -49,6 +51,18 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
     problems += _finetune_problems(opts, caps)
     problems += _slice_problems(opts, caps, gpus)
     return problems
+
+
+def _flex_problems(caps: dict[str, Any]) -> list[str]:
+    """flex_attention is compiled (torch.compile: a C++ compiler on the CPU, Triton on CUDA): each worker probes it
+    after it registers (`flex_attention` in its capabilities; a registration without it predates the probe)."""
+    probe = caps.get("flex_attention")
+    if probe is None or probe.get("ok"):
+        return []
+    if probe.get("ok") is None:
+        return ["its flex_attention compile probe has not finished yet (it runs just after the worker starts; the "
+                "first compile on a CPU takes up to a minute): submit again shortly"]
+    return [f"{probe.get('reason')}: use attn_implementation sdpa or eager"]
 
 
 def _slice_problems(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
@@ -113,7 +127,12 @@ def _engine_problems(opts: LoadOptions, gpus: int) -> list[str]:
     problems = []
     engine = getattr(opts, "engine", None)
     attn = opts.attn_implementation.removeprefix("paged|")
-    if engine == "continuous" and attn in ("flex_attention", "sdpa_gqa"):
+    paged = opts.attn_implementation.startswith("paged|")
+    if paged and engine == "padded":  # it would run the plain backend: nothing falls back silently
+        problems.append(f"engine padded cannot run {opts.attn_implementation} (paged attention is the attention of "
+                        f"transformers' continuous batching, engine continuous): use engine continuous (or auto, which "
+                        f"runs paged attention there), or attn_implementation {attn}")
+    if (engine == "continuous" or paged and engine == "auto") and attn in ("flex_attention", "sdpa_gqa"):
         problems.append(f"engine continuous cannot run {attn} (transformers' continuous batching takes sdpa, "
                         "eager or flash attention): use engine padded or another attn_implementation")
     if engine == "fast" and opts.attn_implementation not in ("sdpa", "sdpa_gqa", "eager"):

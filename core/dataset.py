@@ -46,6 +46,63 @@ PARAMS = frozenset(SamplingParams.model_fields)
 _INT_PARAMS = {k for k, f in SamplingParams.model_fields.items() if int in get_args(f.annotation)}
 SAMPLE_AT_ZERO = ("do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
                   "above 0; set one, or set do_sample false for greedy decoding")
+NOT_PASSED_THROUGH = frozenset({"prompt", "messages", "custom_id", *PARAMS})  # what a row's `extra` never holds
+
+
+TOO_LONG = "exceeds the model's context"
+
+
+def too_long(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
+    """The reason a row does not fit the model's context (the token check at submit, and the worker's)."""
+    return (f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} {TOO_LONG} of {context} tokens: "
+            "shorten the prompt or lower max_new_tokens")
+
+
+def retry_can_change(row: Any, spec: Any) -> bool:
+    """Can running this failed row again end otherwise? Not when it was refused at submit (it never ran: its
+    error names its place and it has no execution), when the submit checks refuse its parameters now (a job stored
+    before a check existed), or when the worker found it too long for the model's context. A row that failed in
+    the engine for another reason (a chat template, a shard that gave up) may: the model or the worker may have
+    been fixed."""
+    stored, error = row.input or {}, row.error or ""
+    if "raw" in stored or TOO_LONG in error:
+        return False
+    if not row.executions and error.startswith((f"line {row.line}: ", f"row {row.line}: ")):
+        return False
+    try:
+        _row_params(dict(stored.get("params") or {}), spec)
+    except ValueError:
+        return False
+    return True
+
+
+def fast_unsupported(params: dict[str, Any]) -> str | None:
+    """The sampling parameter (effective, `sampling_of`) the fast engine cannot run, or None."""
+    if params.get("repetition_penalty") is not None:
+        return "repetition_penalty"
+    if params.get("do_sample") and params.get("top_p") not in (None, 1, 1.0):
+        return "top_p"
+    if params.get("do_sample") and params.get("top_k") not in (None, 0):
+        return "top_k"
+    return None
+
+
+def engine_problem(engine: str, params: dict[str, Any]) -> str | None:
+    """Why the engine a job asked for refuses a row with these effective sampling parameters (`sampling_of`), or
+    None. The workers' per-row refusals that need no model (worker/engines/fast.py, continuous.py), made at submit
+    too: for the job's own parameters (the submit is refused) and for each row's (a failed row)."""
+    if engine == "continuous" and params.get("repetition_penalty") is not None:
+        return ("repetition_penalty is not supported by the continuous engine (transformers drops it): use engine "
+                "padded or auto")
+    if engine == "fast" and (name := fast_unsupported(params)):
+        return f"{name} is not supported by the fast engine: use engine auto (which runs such rows padded) or padded"
+    return None
+
+
+def several_greedy(n: int) -> str:
+    """The reason a row asking for n > 1 outputs under greedy decoding fails (at submit, and in the worker)."""
+    return (f"num_return_sequences {n} needs sampling (greedy decoding returns the same text each time): set "
+            "temperature > 0 or do_sample true for this row")
 
 
 @dataclass
@@ -233,7 +290,7 @@ def _parse_record(idx: int, record: Record, fmt: str, spec: Any = None) -> Parse
     if custom_id is not None and (not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255
                                   or not custom_id.isprintable()):
         return _bad(idx, record.pos, fallback_id, record.raw, "custom_id must be a non-empty string of at most 255 "
-                                                              "printable characters", where)
+                                                              "printable characters", where, record.data)
     custom_id = custom_id or fallback_id
     try:
         if fmt == "csv":
@@ -242,7 +299,7 @@ def _parse_record(idx: int, record: Record, fmt: str, spec: Any = None) -> Parse
             obj = {k: v for k, v in obj.items() if not (k in PARAMS and v is None)}
         return ParsedRow(idx, record.pos, custom_id, _row_input(obj, spec))
     except ValueError as exc:
-        return _bad(idx, record.pos, custom_id, record.raw, str(exc), where)
+        return _bad(idx, record.pos, custom_id, record.raw, str(exc), where, record.data)
 
 
 def _csv_cells(obj: dict[str, Any]) -> dict[str, Any]:
@@ -352,6 +409,11 @@ def _row_params(params: dict[str, Any], spec: Any) -> dict[str, Any]:
         temperature = spec.temperature if temperature is None else temperature
     if do_sample and temperature == 0:
         raise ValueError(SAMPLE_AT_ZERO)
+    n = params.get("num_return_sequences") or (getattr(spec, "num_return_sequences", None) or 1)
+    if n > 1 and not (do_sample if do_sample is not None else bool(temperature)):
+        raise ValueError(several_greedy(n))  # the worker's check (worker/engines/common.py), made before GPU time
+    if spec is not None and (problem := engine_problem(getattr(spec, "engine", "auto"), sampling_of(spec, params))):
+        raise ValueError(problem)
     return params
 
 
@@ -372,9 +434,13 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
     return messages
 
 
-def _bad(idx: int, pos: int, custom_id: str, raw: str, reason: str, where: str = "line") -> ParsedRow:
-    """A failed row: its reason with its line (or row), and only the start of the record's text."""
-    return ParsedRow(idx, pos, custom_id, {"raw": raw[:RAW_KEPT]}, f"{where} {pos}: {reason}")
+def _bad(idx: int, pos: int, custom_id: str, raw: str, reason: str, where: str = "line",
+         data: dict[str, Any] | None = None) -> ParsedRow:
+    """A failed row: its reason with its line (or row), only the start of the record's text, and the record's
+    pass-through keys (`extra`, from its `data` where it was read), which its error record carries like a result."""
+    extra = {k: v for k, v in (data or {}).items() if k not in NOT_PASSED_THROUGH}
+    stored = {"raw": raw[:RAW_KEPT], **({"extra": extra} if extra else {})}
+    return ParsedRow(idx, pos, custom_id, stored, f"{where} {pos}: {reason}")
 
 
 # --- token checks (the `validating` step) -------------------------------------------------------------------
@@ -439,8 +505,7 @@ class TokenCheck:
 
     def _judge(self, out: list[str | None], i: int, count: int, new_tokens: int) -> None:
         if count + new_tokens > self.context:
-            out[i] = (f"prompt of {count} tokens + max_new_tokens {new_tokens} exceeds the model's context of "
-                      f"{self.context} tokens: shorten the prompt or lower max_new_tokens")
+            out[i] = too_long(count, new_tokens, self.context)
 
     def _text(self, row: dict[str, Any]) -> str | None:
         """The text the worker tokenizes; for messages without a usable template, their contents (a lower bound)."""
@@ -534,8 +599,9 @@ class InputCheck:
         good = [r for r in rows if r.error is None]
         for row in good:
             self.several = self.several or (row.input["params"].get("num_return_sequences") or 1) > 1
+        for row in rows:  # a failed row's error record carries its pass-through keys too
             if len(self.extra_keys) < EXTRA_KEYS_KEPT:
-                self.extra_keys.update(dict.fromkeys(row.input.get("extra", {})))
+                self.extra_keys.update(dict.fromkeys((row.input or {}).get("extra", {})))
         if self.tokens is None or not good:
             return rows
         for row, problem in zip(good, self.tokens.problems([r.input for r in good], self.spec)):

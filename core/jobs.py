@@ -29,13 +29,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, files
-from core.dataset import InputCheck, parse_dataset
+from core.dataset import InputCheck, parse_dataset, retry_can_change
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, JobsError
 from core.models import Adapter, File, Job, JobRow, Shard
 from core.queue import queue_for
 from core.settings import get_settings
-from core.spec import Spec
+from core.spec import GenerateSpec, Spec
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, insert_rows, new_id, now, open_shards, progress, transition
 from core.training_data import parse_training_file
@@ -200,7 +200,8 @@ def fail(session: Session, job: Job, error: str, **values: Any) -> None:
 def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None:
     """Re-open a finished job under the same id and re-run its failed (and, unless failed_only, unfinished) rows.
 
-    Rows that failed structural checks at submit are kept failed: running them again cannot succeed.
+    Failed rows whose failure cannot change are kept failed (`core.dataset.retry_can_change`: refused at submit,
+    or refused by the worker for their own input); when that leaves nothing to run, the error says how many.
     """
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
@@ -208,9 +209,10 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             raise IllegalTransition(f"job {job_id} is {job.state}: retry a job once it has finished (or cancel it)")
         states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
-        rerun = [r for r in rows if "raw" not in (r.input or {}) and not _structural_error(r)]
+        spec = _generate_spec(job)
+        rerun = [r for r in rows if r.state == RowState.pending.value or retry_can_change(r, spec)]
         if not rerun:
-            raise InvalidInput(f"job {job_id} has no rows to retry" + (" (--failed-only)" if failed_only else ""))
+            raise InvalidInput(_nothing_to_retry(job_id, len(rows), failed_only))
         for row in rerun:
             row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
         transition(session, job, JobState.queued, reason=f"retry of {len(rerun)} rows requested by {by}",
@@ -222,8 +224,23 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
     dispatch.send(shard_ids, queue)
 
 
-def _structural_error(row: JobRow) -> bool:
-    return bool(row.error and row.error.startswith((f"line {row.line}:", f"row {row.line}:")))
+def _generate_spec(job: Job) -> GenerateSpec | None:
+    """A generation job's stored spec, for the row checks of a retry (None: a fine-tune, or a spec stored by an
+    older version that no longer validates; its rows are then judged without it)."""
+    if job.kind != "generate":
+        return None
+    try:
+        return GenerateSpec.model_validate(job.spec)
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return None
+
+
+def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
+    if not kept:
+        return f"job {job_id} has no rows to retry" + (" (--failed-only)" if failed_only else "")
+    rows = "1 failed row was" if kept == 1 else f"{kept} failed rows were"
+    return (f"job {job_id}: {rows} refused for their input (at submit, or by the worker) and cannot be retried; fix "
+            f"the input (`gpujobs results {job_id} --errors` names each row's line and problem) and submit it again")
 
 
 def _reopen_shards(session: Session, job: Job, idxs: set[int]) -> list[int]:
@@ -346,11 +363,27 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     failed_shards = session.scalars(select(Shard).where(Shard.job_id == job_id,
                                                         Shard.state == ShardState.failed.value)).all()
     if failed_shards:
-        error = "; ".join(f"shard {s.idx} (rows {s.row_start}-{s.row_end - 1}): {s.error}" for s in failed_shards)
-        fail(session, job, error, **totals)
+        fail(session, job, _shards_error(failed_shards), **totals)
     else:
         transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
     return True
+
+
+def _shards_error(failed: list[Shard]) -> str:
+    """The job's error from its failed shards: each distinct error once, with the shards that had it (a cause that
+    fails every shard, such as a kernel that does not compile, reads as one line)."""
+    by_error: dict[str, list[Shard]] = {}
+    for shard in failed:
+        by_error.setdefault(shard.error or "failed", []).append(shard)
+    parts = []
+    for error, shards in by_error.items():
+        if len(shards) == 1:
+            s = shards[0]
+            parts.append(f"shard {s.idx} (rows {s.row_start}-{s.row_end - 1}): {error}")
+        else:
+            parts.append(f"{len(shards)} shards ({', '.join(str(s.idx) for s in shards[:10])}"
+                         f"{', …' if len(shards) > 10 else ''}): {error}")
+    return "; ".join(parts)
 
 
 def _totals(session: Session, job: Job) -> dict[str, Any]:

@@ -315,6 +315,23 @@ def fail_attempt(shard_id: int, worker: str, error: str) -> None:
     dispatch.resend(shard_id)
 
 
+def fail_final(shard_id: int, worker: str, cause: str, error: str) -> None:
+    """This worker's attempt failed with an error that fails the same way on every attempt (worker/failures.py:
+    a kernel that does not compile here, a bad parameter): an error event with the traceback `error`, then the
+    shard fails at once, its unfinished rows and its job naming `cause` (one line). Nothing when another process
+    owns it now."""
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        add_event(session, shard.job_id, f"shard {shard.idx} failed on {worker} (attempt {shard.attempts} of "
+                  f"{shard.max_attempts}), not retried: it would fail the same way again: {cause}", level="error",
+                  data={"traceback": error, "cause": cause}, shard_id=shard.id)
+        try:
+            give_up(session, shard, f"{cause} (not retried: it fails the same way on every attempt; the traceback: "
+                                    f"gpujobs events {shard.job_id} --json)")
+        except IllegalTransition:
+            pass
+
+
 def fail(shard_id: int, reason: str) -> None:
     """The shard cannot run at all (a spec the workers refuse, an adapter the registry refused): it fails with its
     unfinished rows and `reason`, on any attempt. Nothing when another process owns it now."""

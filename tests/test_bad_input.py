@@ -37,6 +37,8 @@ EMPTY = "the dataset is empty: expected one JSON object per line with 'prompt' o
 ONE_OF = "a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
 SAMPLE_AT_ZERO = ("do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
                   "above 0; set one, or set do_sample false for greedy decoding")
+GREEDY_N2 = ("num_return_sequences 2 needs sampling (greedy decoding returns the same text each time): set "
+             "temperature > 0 or do_sample true for this row")
 ATTN = ("unknown attention backend 'bogus': use one of sdpa, sdpa_gqa, eager, flex_attention, flash_attention_2, "
         "flash_attention_3, flash_attention_4, 'paged|<backend>', or a Hub kernel repo id such as "
         "'kernels-community/flash-attn'")
@@ -167,6 +169,12 @@ SPEC_CASES = [
      "invalid generate spec: stop: List should have at most 16 items after validation, not 17"),
     ("sampling at temperature 0", {"do_sample": True, "temperature": 0}, 422,
      f"invalid generate spec: {SAMPLE_AT_ZERO}"),
+    ("repetition_penalty on the continuous engine", {"engine": "continuous", "repetition_penalty": 1.2}, 422,
+     "invalid generate spec: repetition_penalty is not supported by the continuous engine (transformers drops it): "
+     "use engine padded or auto"),
+    ("top_p on the fast engine", {"engine": "fast", "temperature": 0.7, "top_p": 0.9}, 422,
+     "invalid generate spec: top_p is not supported by the fast engine: use engine auto (which runs such rows "
+     "padded) or padded"),
     ("unknown kind", {"kind": "train"}, 422, "unknown job kind 'train': use 'generate' or 'finetune'"),
     ("kind not a string", {"kind": 3}, 422, "unknown job kind 3: use 'generate' or 'finetune'"),
     ("a fine-tune with an unknown scheduler", {"kind": "finetune", "lr_scheduler": "cosinus"}, 422,
@@ -424,6 +432,7 @@ ROW_CASES = [
     ("top_p 1.5 in a row", {"prompt": "x", "top_p": 1.5},
      "invalid per-row parameter: top_p: Input should be less than or equal to 1"),
     ("sampling at temperature 0 in a row", {"prompt": "x", "do_sample": True, "temperature": 0}, SAMPLE_AT_ZERO),
+    ("two outputs under greedy decoding in a row", {"prompt": "x", "num_return_sequences": 2}, GREEDY_N2),
     ("17 stop strings in a row", {"prompt": "x", "stop": ["s"] * 17},
      "invalid per-row parameter: stop: List should have at most 16 items after validation, not 17"),
     ("non-UTF-8 bytes", b'{"prompt": "caf\xe9"}', "not valid UTF-8 at byte 15: save the file as UTF-8"),
@@ -460,6 +469,36 @@ def test_a_row_with_the_jobs_temperature_0_and_its_own_do_sample_fails(api, mode
     job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0, "temperature": 0}).json()
     assert [(line, error) for line, _, error in row_errors(api, job["id"])] == [(1, f"line 1: {SAMPLE_AT_ZERO}")]
     assert job["rows"]["pending"] == 2
+
+
+def test_a_rows_parameter_the_jobs_engine_refuses_fails_that_row_at_submit(api, model):
+    """Per-row checks of the engine the job asked for run at submit (the worker would refuse them one by one):
+    a row's repetition_penalty under engine continuous, a row's top_p under engine fast, n > 1 where the job is
+    greedy; the other rows stay pending."""
+    cases = [("continuous", {"repetition_penalty": 1.3}, "repetition_penalty is not supported by the continuous "
+              "engine (transformers drops it): use engine padded or auto"),
+             ("fast", {"do_sample": True, "temperature": 0.5, "top_p": 0.5}, "top_p is not supported by the fast "
+              "engine: use engine auto (which runs such rows padded) or padded"),
+             ("padded", {"num_return_sequences": 3, "temperature": 0}, GREEDY_N2.replace("sequences 2", "sequences 3"))]
+    for engine, params, error in cases:
+        data = lines({"prompt": "ok"}, {"prompt": "x", **params})
+        response = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0, "engine": engine})
+        assert response.status_code == 201, response.text
+        assert [(line, e) for line, _, e in row_errors(api, response.json()["id"])] == [(2, f"line 2: {error}")]
+        assert response.json()["rows"]["pending"] == 1
+
+
+def test_a_refused_csv_row_keeps_its_pass_through_columns_in_its_error_record(api, model):
+    """A CSV row refused at submit (a bad parameter cell) comes back with `--errors` with its own pass-through
+    columns (`tag`), like a row that ran; the CSV error export has the column too."""
+    data = b"prompt,tag,max_new_tokens\nfine,keep-1,\nbad,keep-2,many\n"
+    job = api.submit({"model": str(model), "input": api.upload(data, "d.csv"), "gpus": 0}).json()
+    response = api.client.get(f"/jobs/{job['id']}/results", params={"errors": True}, headers=api.admin)
+    [record] = map(json.loads, response.text.splitlines())
+    assert record["tag"] == "keep-2" and record["line"] == 3 and record["error"].startswith("line 3: invalid per-row")
+    exported = api.client.get(f"/jobs/{job['id']}/results", params={"errors": True, "format": "csv"},
+                              headers=api.admin).text
+    assert exported.splitlines()[0].split(",")[-1] == "tag" and exported.splitlines()[1].endswith(",keep-2")
 
 
 def test_a_10_mb_prompt_is_a_failed_row_that_is_not_stored_in_full(api, model):

@@ -12,7 +12,7 @@ from core import registry
 from core.capability import missing
 from core.db import session_scope
 from core.errors import Unschedulable
-from core.spec import LoadOptions
+from core.spec import GenerateSpec, LoadOptions
 
 CPU = {"device_count": 0, "min_compute_capability": None, "attention": ["sdpa", "eager", "flex_attention"],
        "versions": {"torch": "2.13.0", "bitsandbytes": "0.50.2", "torchao": None, "kernels": None, "flash-attn": None}}
@@ -24,6 +24,38 @@ T4 = {**CPU, "device_count": 1, "min_compute_capability": 7.5, "versions": {**CP
 
 def opts(**kw) -> LoadOptions:
     return LoadOptions(model="m", **kw)
+
+
+def gen(**kw) -> GenerateSpec:
+    return GenerateSpec(model="m", input="file_x", **kw)
+
+
+FLEX_FAILED = {"ok": False, "reason": "flex_attention does not compile on this worker's cpu: torch.compile failed "
+               "on this worker, CppCompileError: C++ compile error"}
+
+
+@pytest.mark.parametrize("spec, caps, expected", [
+    (gen(attn_implementation="paged|sdpa", engine="padded"), CPU,
+     ["engine padded cannot run paged|sdpa (paged attention is the attention of transformers' continuous batching, "
+      "engine continuous): use engine continuous (or auto, which runs paged attention there), or "
+      "attn_implementation sdpa"]),
+    (gen(attn_implementation="paged|sdpa"), CPU, []),
+    (gen(attn_implementation="paged|sdpa", engine="continuous"), CPU, []),
+    (gen(attn_implementation="paged|sdpa_gqa"), CPU,
+     ["engine continuous cannot run sdpa_gqa (transformers' continuous batching takes sdpa, eager or flash "
+      "attention): use engine padded or another attn_implementation"]),
+    (gen(attn_implementation="flex_attention"), {**CPU, "flex_attention": FLEX_FAILED},
+     [f"{FLEX_FAILED['reason']}: use attn_implementation sdpa or eager"]),
+    (gen(attn_implementation="flex_attention"), {**CPU, "flex_attention": {"ok": None, "reason": "pending"}},
+     ["its flex_attention compile probe has not finished yet (it runs just after the worker starts; the first "
+      "compile on a CPU takes up to a minute): submit again shortly"]),
+    (gen(attn_implementation="flex_attention"), {**CPU, "flex_attention": {"ok": True, "reason": None}}, []),
+])
+def test_paged_attention_runs_on_the_continuous_engine_and_flex_where_it_compiles(spec, caps, expected):
+    """`paged|…` is refused on the padded engine (which would run the plain backend: no silent fallback) and
+    accepted under auto (which runs it on the continuous engine); flex_attention is refused where the worker's
+    compile probe failed (naming why) or has not answered yet."""
+    assert missing(spec, caps, 0) == expected
 
 
 @pytest.mark.parametrize("spec, caps, gpus, expected", [

@@ -102,12 +102,14 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
     ],
 )
 def test_a_bad_row_fails_alone_with_its_line_and_reason(line, reason):
-    """A bad row becomes a failed row 'line N: reason' keeping its raw text; the good rows around it stay good."""
+    """A bad row becomes a failed row 'line N: reason' keeping its raw text and its pass-through keys (`tag`);
+    the good rows around it stay good."""
     rows = parse(b'{"prompt": "before"}\n\n' + line + b'\n{"prompt": "after"}\n')
     assert [r.error for r in rows] == [None, f"line 3: {reason}", None]
     assert [(r.idx, r.line) for r in rows] == [(0, 1), (1, 3), (2, 4)]
     bad = rows[1]
-    assert bad.input == {"raw": line.decode("utf-8", "replace") + "\n"}
+    extra = {"extra": {"tag": 1}} if b'"tag"' in line else {}
+    assert bad.input == {"raw": line.decode("utf-8", "replace") + "\n", **extra}
     assert rows[0].input["prompt"] == "before" and rows[2].input["prompt"] == "after"
 
 

@@ -266,3 +266,15 @@ def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outpu
         shard = session.scalars(select(Shard).where(Shard.job_id == job["id"])).one()
         assert shard.metrics["engine"]["engine"] == "continuous"
         assert shard.metrics["engine"]["cuda_graphs"] == {"varlen": False, "decode": False}
+
+
+def test_auto_runs_paged_attention_on_the_continuous_engine_and_padded_refuses_it(loaded, tiny_model):
+    """`paged|sdpa` under engine auto runs on the continuous engine (the one that runs paged attention), saying
+    why; engine padded refuses it instead of running plain sdpa without a word."""
+    info: dict = {}
+    results, _ = run(loaded, make_spec(tiny_model, attn_implementation="paged|sdpa"), memorized()[:2], info=info)
+    assert info["engine"] == "continuous"
+    assert info["engine_reason"] == "auto: continuous, the engine that runs paged|sdpa"
+    assert all(r.error is None for r in results.values())
+    with pytest.raises(InvalidInput, match=r"engine padded cannot run paged\|sdpa: use engine continuous or auto"):
+        run(loaded, make_spec(tiny_model, attn_implementation="paged|sdpa", engine="padded"), memorized()[:1])

@@ -9,11 +9,15 @@ import shutil
 import signal
 import time
 
+import pytest
 from sqlalchemy import func, select
 
 from api import results, service
+from core.dataset import retry_can_change
 from core.db import session_scope
+from core.errors import InvalidInput
 from core.models import Job, JobRow, Shard, Worker
+from core.spec import GenerateSpec
 from tests.conftest import wait_for
 
 
@@ -150,7 +154,42 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
     assert retried["retries"] == 1
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the retried job", procs=[worker])
     errors = {r["line"]: r["error"] for r in results.results(job["id"], owner=None, errors=True)}
-    assert "cannot start with a tool message" in errors[2] and "invalid JSON" in errors[3]
+    assert errors[2].startswith("line 2: cannot build the prompt") and "cannot start with a tool message" in errors[2]
+    assert errors[3].startswith("line 3: invalid JSON")
     with session_scope() as session:
         executions = dict(session.execute(select(JobRow.idx, JobRow.executions).where(JobRow.job_id == job["id"])).all())
     assert executions == {0: 1, 1: 2, 2: 0}
+
+
+def test_retry_failed_only_keeps_rows_that_fail_the_same_way_and_says_so(tmp_path, jobs_env, spawn_worker,
+                                                                         tiny_model):
+    """Rows refused for their input (n=2 under greedy decoding, broken JSON: refused at submit, each naming its
+    line) are never re-run: `retry --failed-only` with only those left says how many and to fix the input, and
+    changes nothing; a row the worker refused for its own input is kept too (a job stored before the check)."""
+    worker = spawn_worker([])
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join([json.dumps({"prompt": "What is the capital of France?", "tag": "a"}),
+                               json.dumps({"prompt": "x", "num_return_sequences": 2, "tag": "b"}), "{broken"]) + "\n")
+    job = service.submit(owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0,
+                                               "max_new_tokens": 4})
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[worker])
+    errors = {r["line"]: r for r in results.results(job["id"], owner=None, errors=True)}
+    assert errors[2]["error"].startswith("line 2: num_return_sequences 2 needs sampling") and errors[2]["tag"] == "b"
+    with pytest.raises(InvalidInput, match=rf"job {job['id']}: 2 failed rows were refused for their input \(at "
+                       r"submit, or by the worker\) and cannot be retried; fix the input"):
+        service.retry(job["id"], owner=None, failed_only=True, by="t")
+    assert job_state(job["id"]) == "succeeded" and row_counts(job["id"]) == {"succeeded": 1, "failed": 2}
+
+
+def test_a_row_the_worker_refused_for_its_parameters_cannot_change_on_retry():
+    """`retry_can_change`: a row whose parameters the submit checks refuse (stored before the check existed, then
+    refused by the worker) or that the worker found too long fails the same way again; an engine failure may not."""
+    spec = GenerateSpec(model="m", input="file_x")
+    def row(params, error, executions=1):
+        return JobRow(line=4, input={"prompt": "x", "params": params, "extra": {}}, error=error, executions=executions)
+    assert not retry_can_change(row({"num_return_sequences": 2}, "line 4: num_return_sequences 2 needs sampling"), spec)
+    assert not retry_can_change(row({}, "line 4: prompt of 900 tokens + max_new_tokens 9 exceeds the model's context "
+                                        "of 512 tokens: shorten the prompt or lower max_new_tokens"), spec)
+    assert not retry_can_change(row({}, "line 4: prompt too long", executions=0), spec)  # refused at submit
+    assert retry_can_change(row({}, "line 4: cannot build the prompt: bad template"), spec)
+    assert retry_can_change(row({}, "failed 3 times; last error: RuntimeError: CUDA error", executions=0), spec)

@@ -3,10 +3,16 @@ and used at submit to refuse jobs no live worker could run."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from core.slices import NVLINK_MULTICAST_OFF
@@ -59,6 +65,7 @@ def probe() -> dict[str, Any]:
         "min_compute_capability": min((float(d["compute_capability"]) for d in devices), default=None),
         "versions": versions(),
         "attention": attention_backends(devices),
+        "flex_attention": FLEX_PENDING,  # until probe_flex answers (worker/runtime.py)
         "varlen_attention": varlen_attention(devices),
         "hub": hub_settings(),
         "model_types": causal_lm_types(),
@@ -145,3 +152,84 @@ def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"ok": False, "reason": f"bitsandbytes 4-bit does not run on this worker's {device}: "
                                        f"{type(exc).__name__}: {exc}"}
     return {"ok": True, "reason": None, "device": device}
+
+
+# the child of probe_flex_isolated: the lowest CPU priority first (the compiler it starts inherits it, and a
+# job never competes with it), then one JSON line on stdout
+FLEX_CHILD = ("import json, os; os.nice(19); from worker import capabilities as c; "
+              "print(json.dumps(c.probe_flex(c.gpus())), flush=True)")
+FLEX_PENDING = {"ok": None, "reason": "the probe runs just after the worker starts"}
+
+
+def probe_flex(devices: list[dict[str, Any]]) -> dict[str, Any]:
+    """Can flex_attention run on this worker's device? Compile and run a small flex_attention call, as a job's
+    model would (torch.compile: Inductor's C++ compiler on the CPU, Triton on CUDA).
+
+    The first compile takes up to a minute on a busy CPU, so the runtime calls this in a thread after
+    registration, like the QLoRA probe; until it answers, the registration says `flex_attention: FLEX_PENDING`
+    and submit says the probe is pending. A success is remembered in Inductor's cache folder (keyed by torch's
+    version, the device and the C++ compiler), where the compiled kernel lives too; a failure is probed again at
+    the next start (the compiler may have been fixed)."""
+    device = "cuda" if devices else "cpu"
+    marker = _flex_marker(device, devices)
+    if marker is not None and marker.is_file():
+        return {"ok": True, "reason": None, "device": device, "remembered": True}
+    try:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        q = torch.randn(1, 2, 16, 16, device=device)
+        out = torch.compile(flex_attention)(q, q, q)
+        if out.shape != q.shape or not torch.isfinite(out).all():
+            raise RuntimeError("flex_attention gave a wrong result")
+    except Exception as exc:  # noqa: BLE001  any failure means: no flex_attention here, and why
+        from worker.failures import final_cause
+
+        cause = final_cause(exc) or f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        return {"ok": False, "reason": f"flex_attention does not compile on this worker's {device}: {cause}"}
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"device": device}))
+        except OSError:
+            pass  # not remembered: probed again next time
+    return {"ok": True, "reason": None, "device": device}
+
+
+def probe_flex_isolated(devices: list[dict[str, Any]], *, started: Callable[[subprocess.Popen], None] = lambda p: None,
+                        timeout: float = 900.0) -> dict[str, Any]:
+    """`probe_flex` in a child process at the lowest CPU priority (FLEX_CHILD).
+
+    Not in the worker's own interpreter: the compile leaves threads that abort the interpreter at exit
+    ("terminate called without an active exception"), which would turn a clean stop into a crash, and a compiler
+    that crashes must not take the worker with it. `started` receives the child (the runtime ends it when the
+    worker stops); a remembered success answers without one."""
+    marker = _flex_marker("cuda" if devices else "cpu", devices)
+    if marker is not None and marker.is_file():
+        return {"ok": True, "reason": None, "device": "cuda" if devices else "cpu", "remembered": True}
+    proc = subprocess.Popen([sys.executable, "-c", FLEX_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    started(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {"ok": False, "reason": f"the flex_attention compile probe took more than {timeout:.0f} s"}
+    lines = out.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "reason": f"the flex_attention compile probe exited with code {proc.returncode}: {last}"}
+    return json.loads(lines[-1])
+
+
+def _flex_marker(device: str, devices: list[dict[str, Any]]) -> Path | None:
+    """Where a successful flex_attention probe is remembered, or None when Inductor's cache folder is unknown."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+    except ImportError:
+        return None
+    key = json.dumps([versions().get("torch"), versions().get("triton"), device,
+                      [d.get("name") for d in devices], os.environ.get("CXX")])
+    return Path(cache_dir()) / "gpujobs-probes" / f"flex-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+

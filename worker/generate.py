@@ -15,7 +15,8 @@ next, so a crash loses at most one micro-batch. Four engines run the rows (spec 
 - `static` (worker/engines/static.py): `model.generate` with a static KV cache on `sdpa_gqa`, compiled on CUDA
   once per shape.
 
-`auto` picks `fast` on CUDA for an unquantized model it can run, else `padded` (see `choose_engine`). Measured on
+`auto` picks `fast` on CUDA for an unquantized model it can run, else `padded` (see `choose_engine`); with a
+`paged|…` attention it picks `continuous`, the one engine that runs paged attention. Measured on
 an H200 (G1, transformers 5.17, ops/bench/results/2026-12-03-h200): fast 54,772 output tok/s warm, the padded
 engine ~5–7k, transformers' continuous batching 1,470 (session 2). What ran (engine, the attention that really
 ran, CUDA graphs, cache size, compile and capture times) is written into the `info` dict the caller passes, for
@@ -85,13 +86,17 @@ def run_engine(name: str, loaded: Loaded, spec: GenerateSpec, rows: list[tuple[i
 
 
 def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
-    """The engine for this spec on this model, and why. `auto`: `fast` on CUDA for an unquantized model it can run,
-    else `padded` (see the module docstring). `fast`, `static` and `continuous` refuse a model or attention they
-    cannot run (InvalidInput, before any GPU work)."""
+    """The engine for this spec on this model, and why. `auto`: `continuous` for a `paged|…` attention, `fast` on
+    CUDA for an unquantized model it can run, else `padded` (see the module docstring). `fast`, `static` and
+    `continuous` refuse a model or attention they cannot run, `padded` a paged attention (InvalidInput, before any
+    GPU work)."""
     if spec.engine == "padded":
+        if spec.attn_implementation.startswith("paged|"):  # refused at submit too (core/capability.py)
+            raise InvalidInput(f"engine padded cannot run {spec.attn_implementation}: use engine continuous or auto")
         return "padded", "asked for"
     problem = fastgen.model_problem(loaded.model)
-    if spec.engine == "auto":
+    paged = spec.attn_implementation.startswith("paged|")  # under auto: the continuous engine, the one that runs it
+    if spec.engine == "auto" and not paged:
         if loaded.device.type != "cuda":
             return "padded", "auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU)"
         if getattr(loaded.model, "hf_quantizer", None) is not None:
@@ -113,6 +118,8 @@ def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
     if attn not in continuous.ATTENTION:
         raise InvalidInput(f"engine continuous cannot run attention {attn!r}: use one of "
                            f"{', '.join(continuous.ATTENTION)}, or engine padded")
+    if spec.engine == "auto":
+        return "continuous", f"auto: continuous, the engine that runs {spec.attn_implementation}"
     return "continuous", "asked for"
 
 

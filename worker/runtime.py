@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -27,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import adapters, exits, jobs, leases, registry
+from core import adapters, exits, formats, jobs, leases, registry
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryError
 from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from worker import capabilities, faults, generate, hubfetch, loader
+from worker import capabilities, failures, faults, generate, hubfetch, loader
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Runtime:
     _engine_thread: int | None = None  # the thread that runs shards (Celery's solo pool: the main thread)
     _reported_progress: bool = False  # the registration shows a shard's progress (cleared once it ended)
     _beat: threading.Thread | None = None
+    _probes: list[subprocess.Popen] = field(default_factory=list)  # probe child processes (flex_attention)
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class Runtime:
         self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._beat.start()
         threading.Thread(target=self._probe_qlora, name="qlora-probe", daemon=True).start()
+        threading.Thread(target=self._probe_flex, name="flex-probe", daemon=True).start()
 
     def _probe_qlora(self) -> None:
         """Merge the (slow) bitsandbytes 4-bit probe into this worker's registration once it has run."""
@@ -93,9 +96,29 @@ class Runtime:
         except Exception:
             log.exception("QLoRA probe of %s failed to record", self.name)
 
+    def _probe_flex(self) -> None:
+        """Merge the flex_attention compile probe into this worker's registration (and drop flex_attention from
+        its attention backends when it does not compile here)."""
+        try:
+            devices = capabilities.gpus()
+            result = capabilities.probe_flex_isolated(devices, started=self._probes.append)
+            if self.shutting_down.is_set():
+                return  # the probe was ended with the worker: no answer
+            backends = [b for b in capabilities.attention_backends(devices)
+                        if result["ok"] or b != "flex_attention"]
+            with session_scope() as session:
+                registry.heartbeat(session, self.name, current_shard_id=self.current,
+                                   extra={"flex_attention": result, "attention": backends})
+            log.info("worker %s: flex_attention probe %s", self.name, result)
+        except Exception:
+            log.exception("flex_attention probe of %s failed to record", self.name)
+
     def stop(self) -> None:
         self.shutting_down.set()
         self.closed.set()
+        for proc in self._probes:  # a probe still compiling ends with the worker
+            if proc.poll() is None:
+                proc.kill()
         with session_scope() as session:
             registry.stopped(session, self.name)
 
@@ -196,22 +219,26 @@ class Runtime:
             if job.kind == "finetune":
                 self._run_finetune(shard, job, rows, lines)
             else:
-                self._run(shard, job, rows)
+                self._run(shard, job, rows, lines)
         except (LeaseLost, IllegalTransition) as exc:  # someone else owns the shard now: leave it to them
             log.warning("%s %s", job.id, exc)
         except (InvalidInput, RegistryError) as exc:
             leases.fail(shard.id, str(exc))
-        except Exception:
+        except Exception as exc:
             error = traceback.format_exc()
             log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)
-            leases.fail_attempt(shard.id, self.name, error)
+            cause = failures.final_cause(exc)  # an error that fails the same way on every attempt, or None
+            if cause is not None:
+                leases.fail_final(shard.id, self.name, cause, error)
+            else:
+                leases.fail_attempt(shard.id, self.name, error)
         finally:
             self.current = self.current_job = None
         jobs.finalize(job.id)
         if job.kind == "finetune":
             jobs.release_waiting(job.id)
 
-    def _run(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]]) -> None:
+    def _run(self, shard, job: Job, rows: list[tuple[int, dict[str, Any]]], lines: dict[int, int]) -> None:
         settings = get_settings()
         spec = GenerateSpec.model_validate(job.spec)
         if spec.tp_plan:  # refused at submit too; a job queued while no worker was live reaches this
@@ -228,12 +255,14 @@ class Runtime:
         def on_event(message: str) -> None:
             jobs.event(job.id, f"shard {shard.idx}: {message}", level="warning", shard_id=shard.id)
 
+        where = formats.location(spec.input_format)
         engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
         first_result: float | None = None
         for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
                                          on_event=on_event, info=engine_info, progress=self.progress):
             engine_s += time.perf_counter() - t_engine
             faults.hit("batch")
+            failures.name_rows(results, lines, where)  # every row error names its line (or row)
             if not leases.record(shard, self.name, results, settings.lease_seconds):
                 break  # the job is stopping
             self.progress.beat("committed micro-batch")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from core.dataset import several_greedy, too_long
 from core.leases import RowResult
 from core.spec import GenerateSpec, sampling_of
 from worker import attention, faults
@@ -121,13 +122,11 @@ def _prepared(idx: int, row_input: dict[str, Any], ids: list[int] | Exception, s
     if isinstance(ids, Exception):  # e.g. a chat template that refuses these messages: this row fails alone
         return RowResult(idx, started_at=started, error=f"cannot build the prompt: {ids}")
     if limit and len(ids) + params["max_new_tokens"] > limit:
-        return RowResult(idx, prompt_tokens=len(ids), started_at=started, error=(
-            f"prompt of {len(ids)} tokens + max_new_tokens {params['max_new_tokens']} exceeds the model's "
-            f"context of {limit} tokens: shorten the prompt or lower max_new_tokens"))
+        return RowResult(idx, prompt_tokens=len(ids), started_at=started,
+                         error=too_long(len(ids), params["max_new_tokens"], limit))
     if (params.get("num_return_sequences") or 1) > 1 and not params["do_sample"]:
-        return RowResult(idx, prompt_tokens=len(ids), started_at=started, error=(
-            f"num_return_sequences {params['num_return_sequences']} needs sampling (greedy decoding returns "
-            "the same text each time): set temperature > 0 or do_sample true for this row"))
+        return RowResult(idx, prompt_tokens=len(ids), started_at=started,
+                         error=several_greedy(params["num_return_sequences"]))
     return Prepared(idx, params, ids)
 
 

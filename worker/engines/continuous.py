@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from core.dataset import engine_problem
 from core.leases import RowResult
 from core.spec import GenerateSpec
 from worker import faults
@@ -52,9 +53,8 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
         if isinstance(item, RowResult):
             ready.append(item)
         elif item.params["repetition_penalty"] is not None:
-            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started, error=(
-                "repetition_penalty is not supported by the continuous engine (transformers drops it): "
-                "use engine padded or auto")))
+            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started,
+                                   error=engine_problem("continuous", item.params)))
         else:
             groups.setdefault(repr([item.params[k] for k in MANAGER_WIDE]), []).append(item)
     for group in groups.values():

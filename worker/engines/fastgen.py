@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from core.dataset import fast_unsupported
 from worker import faults
 from worker.engines import decode_attention
 from worker.progress import Progress
@@ -153,14 +154,8 @@ def model_problem(model) -> str | None:
 
 
 def row_problem(params: dict[str, Any]) -> str | None:
-    """Why a row's sampling parameters need another engine, or None."""
-    if params["repetition_penalty"] is not None:
-        return "repetition_penalty"
-    if params["do_sample"] and params["top_p"] not in (None, 1, 1.0):
-        return "top_p"
-    if params["do_sample"] and params["top_k"] not in (None, 0):
-        return "top_k"
-    return None
+    """Why a row's sampling parameters need another engine, or None (core/dataset.py: submit checks it too)."""
+    return fast_unsupported(params)
 
 
 def max_len(model) -> int:

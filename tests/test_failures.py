@@ -1,0 +1,67 @@
+"""Failures that would fail the same way again are not retried, and say what they were: a real worker whose C++
+compiler is broken (a stand-in `CXX` that answers `--version` and fails every compile, as a worker without Python
+headers does) takes a flex_attention job queued before it started, fails each shard once with the root cause in
+one line (the traceback in an event), and its flex_attention probe then makes submit refuse such jobs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from sqlalchemy import select
+
+from api import service
+from core.db import session_scope
+from core.errors import Unschedulable
+from core.models import Job, JobEvent, Shard, Worker
+from tests.conftest import wait_for
+
+BROKEN_CXX = """#!/bin/sh
+case "$1" in --version|-v|-dumpversion|-dumpfullversion) exec {gxx} "$@";; esac
+echo "probe.cpp:1:10: fatal error: Python.h: No such file or directory" >&2
+exit 1
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to answer --version for the broken stand-in")
+def test_a_kernel_that_does_not_compile_fails_once_naming_the_cause_and_is_refused_after_the_probe(
+        tmp_path, jobs_env, spawn_worker, tiny_model):
+    """Each shard fails on its first attempt (not 3); the job's error is one line naming the compile failure, not
+    Dynamo's "Set TORCHDYNAMO_VERBOSE=1"; an error event holds the traceback; once the worker's probe answered,
+    a new flex_attention submit is refused with the reason and what to use instead."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text(BROKEN_CXX.format(gxx=shutil.which("g++")))
+    cxx.chmod(0o755)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Row {i}"}) + "\n" for i in range(4)))
+    spec = {"model": str(tiny_model), "input": str(data), "gpus": 0, "max_new_tokens": 4,
+            "attn_implementation": "flex_attention", "shard_rows": 2}
+    job = service.submit(owner="t", spec_data=spec)  # no worker is live yet: queued for the CPU queue
+    worker = spawn_worker([], CXX=str(cxx), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    wait_for(lambda: _job(job["id"]).state == "failed", 300, "the job to fail", procs=[worker])
+    final = _job(job["id"])
+    with session_scope() as session:
+        shards = session.scalars(select(Shard).where(Shard.job_id == job["id"])).all()
+        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job["id"], JobEvent.level == "error")).all()
+    assert [(s.state, s.attempts) for s in shards] == [("failed", 1), ("failed", 1)]
+    assert "\n" not in final.error and "TORCHDYNAMO_VERBOSE" not in final.error
+    assert final.error.startswith("2 shards (0, 1): torch.compile failed on this worker, "), final.error
+    assert "not retried: it fails the same way on every attempt" in final.error
+    assert events and all("Traceback" in e.data["traceback"] and "not retried" in e.message for e in events)
+
+    wait_for(lambda: (_probe(worker.pid) or {}).get("ok") is False, 300, "the flex_attention probe", procs=[worker])
+    with pytest.raises(Unschedulable, match=r"flex_attention does not compile on this worker's cpu: torch.compile "
+                                            r"failed on this worker, .*: use attn_implementation sdpa or eager"):
+        service.submit(owner="t", spec_data=spec)
+
+
+def _job(job_id: str) -> Job:
+    with session_scope() as session:
+        return session.get(Job, job_id)
+
+
+def _probe(pid: int) -> dict | None:
+    with session_scope() as session:
+        caps = session.scalar(select(Worker.capabilities).where(Worker.pid == pid))
+    return (caps or {}).get("flex_attention")
