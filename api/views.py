@@ -54,7 +54,8 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
         "spec": job.spec,
     }
     if not JobState(job.state).terminal:
-        view["live"] = _live_rates(session, job, p)
+        if job.kind != "finetune":  # a fine-tune's rate is training's (`training`), not generated tokens
+            view["live"] = _live_rates(session, job, p)
         downloads = _downloads(session, job)
         if downloads:
             view["downloads"] = downloads
@@ -80,6 +81,8 @@ def _metrics(session: Session, job: Job) -> dict[str, Any]:
     """The job's stored metrics plus time to first result: for the job, its first committed row after its start;
     per shard, each finished shard's first committed row after its claim (min / max over shards)."""
     metrics = dict(job.metrics or {})
+    if job.kind == "finetune":  # no generated results: its progress is `training`
+        return metrics
     if job.started_at is not None and "time_to_first_result_s" not in metrics:
         first = session.scalar(select(func.min(JobRow.finished_at)).where(
             JobRow.job_id == job.id, JobRow.worker.is_not(None)))

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from core import adapters, dispatch, files
 from core.dataset import InputCheck, parse_dataset
 from core.db import session_scope
-from core.errors import IllegalTransition, InvalidInput, JobsError
+from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
 from core.models import Adapter, File, Job, JobRow, Shard
 from core.queue import queue_for
 from core.settings import get_settings
@@ -206,7 +206,8 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
         if not JobState(job.state).terminal:
-            raise IllegalTransition(f"job {job_id} is {job.state}: retry a job once it has finished (or cancel it)")
+            raise NotFinished(f"job {job_id} is {job.state}: retry a job once it has finished (`gpujobs wait "
+                              f"{job_id}`), or cancel it first (`gpujobs cancel {job_id}`)")
         states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
         rerun = [r for r in rows if "raw" not in (r.input or {}) and not _structural_error(r)]
@@ -368,6 +369,8 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
         engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
         peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
     )
+    if job.kind == "finetune":
+        metrics.pop("output_tok_s")  # it generated nothing: its rate is training's (metrics.training, events)
     return dict(
         rows_succeeded=p["succeeded"],
         rows_failed=p["failed"],
@@ -379,6 +382,8 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
 
 def _summary(totals: dict[str, Any]) -> str:
     m = totals["metrics"]
+    if m.get("output_tok_s") is None:  # a fine-tune: its rows are training rows, it generated nothing
+        return f"{totals['rows_succeeded']} training rows in {m['duration_s']:.1f} s"
     return (
         f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
         f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"

@@ -196,3 +196,19 @@ def test_submit_reads_a_spec_file_and_flags_override_it(tmp_path, cli_env, spawn
     assert json.loads(jobs(cli_env, "results", job_id, check=True).stdout)["output"] == "Paris."
     wrong_kind = jobs(cli_env, "submit", "finetune", "--spec", str(spec))
     assert wrong_kind.returncode == 2 and "is a 'generate' job, not 'finetune'" in wrong_kind.stderr
+
+
+def test_wait_timeout_exits_124_and_retry_of_a_live_job_exits_2(tmp_path, cli_env, tiny_model):
+    """`wait --timeout` on a job that has not ended exits 124 (not 1, a failed job's code) and says the job goes on;
+    `retry` of a job that has not finished is a usage error (exit 2) that says what to do; nothing changes."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 2)
+    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                  check=True).stdout.strip()  # no worker: it stays queued
+    waited = jobs(cli_env, "wait", job_id, "--timeout", "0.5")
+    assert waited.returncode == 124, waited.stderr
+    assert f"job {job_id} is still running" in waited.stderr and f"gpujobs cancel {job_id}" in waited.stderr
+    retried = jobs(cli_env, "retry", job_id)
+    assert retried.returncode == 2, retried.stderr
+    assert "retry a job once it has finished" in retried.stderr and f"gpujobs cancel {job_id}" in retried.stderr
+    status = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
+    assert status["state"] == "running" and status["retries"] == 0
