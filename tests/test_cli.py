@@ -212,3 +212,32 @@ def test_wait_timeout_exits_124_and_retry_of_a_live_job_exits_2(tmp_path, cli_en
     assert "retry a job once it has finished" in retried.stderr and f"gpujobs cancel {job_id}" in retried.stderr
     status = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
     assert status["state"] == "running" and status["retries"] == 0
+
+
+def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
+    """`events ID` prints every event (607, not the first 500 of one page), `GET /events` says X-Has-More while a
+    page was cut, and `list --limit N` says on stderr when older jobs exist beyond the N it shows."""
+    from core.db import session_scope
+    from core.store import add_event
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    ids = [jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                check=True).stdout.strip() for _ in range(2)]
+    with session_scope() as session:
+        stored = len(jobs(cli_env, "events", ids[0], "--json", check=True).stdout.splitlines())
+        for i in range(607 - stored):
+            add_event(session, ids[0], f"note {i}")
+    printed = jobs(cli_env, "events", ids[0], check=True).stdout.splitlines()
+    assert len(printed) == 607 and printed[-1].endswith(f"note {606 - stored}")
+    import httpx
+
+    page = httpx.get(f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events", params={"limit": 600},
+                     headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"})
+    assert len(page.json()) == 600 and page.headers["X-Has-More"] == "true"
+    rest = httpx.get(f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events", params={"after": page.json()[-1]["id"]},
+                     headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"})
+    assert len(rest.json()) == 7 and rest.headers["X-Has-More"] == "false"
+    cut = jobs(cli_env, "list", "--limit", "1", check=True)
+    assert cut.stdout.split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
+    whole = jobs(cli_env, "list", "--limit", "2", check=True)
+    assert len(whole.stdout.splitlines()) == 2 and "older jobs exist" not in whole.stderr
