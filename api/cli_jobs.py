@@ -221,7 +221,8 @@ def submit() -> None:
 @click.option("--top-p", type=float, help="nucleus sampling")
 @click.option("--top-k", type=int, help="top-k sampling")
 @click.option("--do-sample/--greedy", default=None, help="force sampling or greedy decoding")
-@click.option("--seed", type=int, help="sampling seed")
+@click.option("--seed", type=int, help="sampling seed: the same samples on the same engine and batch composition "
+              "only, not across engines nor per row (README, \"What a seed promises\")")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
 @click.option("--adapter-revision", help="revision of a Hub --adapter: branch, tag or commit")
