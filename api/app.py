@@ -141,8 +141,14 @@ def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
 @app.get("/jobs/{job_id}/events", summary="A job's events after an event id, oldest first, `limit` at a time: ask "
                                          "again with `after` = the last id while X-Has-More is true")
 def job_events(caller: Caller, response: Response, job_id: str, after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
-               limit: Annotated[int, Query(ge=1, le=5000)] = 500) -> list:
-    found = views.events(job_id, owner=caller.visible_owner, after=after, limit=limit + 1)
+               limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+               run: Annotated[str | None, Query(pattern=r"^([1-9][0-9]{0,8}|current)$",
+                                                description="a run's events only: its number (1, then one more "
+                                                            "per retry) or `current`; default: every run")] = None,
+               superseded: Annotated[bool, Query(description="also the step events a resumed fine-tune ran "
+                                                             "again")] = False) -> list:
+    found = views.events(job_id, owner=caller.visible_owner, after=after, limit=limit + 1, run=run,
+                         superseded=superseded)
     return _page(response, found, limit)
 
 

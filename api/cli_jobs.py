@@ -327,12 +327,26 @@ def describe(job: dict[str, Any]) -> None:
     model = (job.get("metrics") or {}).get("model")
     if model and model.get("commit"):
         click.echo(f"  commit   {model['repo']}@{model['revision']} = {model['commit']}")
+    if job.get("run", 1) > 1:
+        click.echo(f"  run      {job['run']} (a retry started it; what follows is this run's; earlier runs: "
+                   f"`gpujobs status {job['id']} --all-runs`)")
     if job["kind"] == "finetune":
         _describe_training(job)
     else:
         _describe_generation(job)
     if job.get("error"):
         click.echo(f"  error    {job['error']}")
+
+
+def describe_runs(job: dict[str, Any]) -> None:
+    """The job, then one line per earlier run (metrics.runs): how it ended, its duration, rate and rows."""
+    describe(job)
+    for r in (job.get("metrics") or {}).get("runs", []):
+        numbers = [f"{r['duration_s']} s" if r.get("duration_s") is not None else None,
+                   f"{r['output_tok_s']} tok/s" if r.get("output_tok_s") is not None else None,
+                   f"{r['rows_succeeded']} rows succeeded, {r['rows_failed']} failed"]
+        error = f": {r['error']}" if r.get("error") else ""
+        click.echo(f"  run {r['run']}    {r['state']}, {', '.join(n for n in numbers if n)}{error}")
 
 
 def _describe_generation(job: dict[str, Any]) -> None:
@@ -369,10 +383,12 @@ def _describe_training(job: dict[str, Any]) -> None:
 
 @cli.command()
 @click.argument("job_id")
+@click.option("--all-runs", is_flag=True, help="also how each earlier run (before a retry) ended: state, duration, "
+              "rate, rows (JSON: metrics.runs, always)")
 @click.option("--json", "as_json", is_flag=True, help="print the job as JSON")
-def status(job_id: str, as_json: bool) -> None:
-    """Show a job's state, progress, rates, ETA and metrics."""
-    emit(client().job(job_id), as_json, describe)
+def status(job_id: str, all_runs: bool, as_json: bool) -> None:
+    """Show a job's state, progress, rates, ETA and metrics: of its current run (a retry starts a new one)."""
+    emit(client().job(job_id), as_json, describe_runs if all_runs else describe)
 
 
 @cli.command("list")
@@ -435,22 +451,37 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str)
 @cli.command()
 @click.argument("job_id")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
+@click.option("--run", "run", type=click.IntRange(1), help="the events of this run (1, then one more per retry); "
+              "default: the current run")
+@click.option("--all-runs", is_flag=True, help="every run's events as written, with the step events a resumed "
+              "fine-tune ran again (marked superseded)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per event")
-def events(job_id: str, follow: bool, as_json: bool) -> None:
-    """A job's events, every one (page after page): state changes, loads, errors, metrics."""
+def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: bool) -> None:
+    """A job's events, every one (page after page): state changes, loads, errors, metrics. Each run (a retry
+    starts one) has its own; the current run's are shown, each training step once."""
+    if run and all_runs:
+        raise InvalidInput("give --run N or --all-runs, not both")
     api, after = client(), 0
+    current = api.job(job_id).get("run", 1)
+    if run and run > current:
+        raise InvalidInput(f"job {job_id} has {current} run{'s' if current > 1 else ''}: give --run 1 to {current}")
+    if current > 1 and not run and not all_runs:
+        click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
+    scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}
     while True:
-        batch, more = api.events_page(job_id, after=after)
+        batch, more = api.events_page(job_id, after=after, **scope)
         for e in batch:
             after = e["id"]
             if as_json:
                 click.echo(json.dumps(e, default=str))
             else:
                 stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-                click.echo(f"{stamp} {e['level']:<5} {e['message']}")
+                tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + ("(superseded) " if e.get("superseded")
+                                                                            else "")
+                click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
         if more:
             continue  # the next page at once
-        if not follow or (not batch and api.job(job_id)["state"] in TERMINAL):
+        if not follow or (run and run < current) or (not batch and api.job(job_id)["state"] in TERMINAL):
             return
         if not batch:
             time.sleep(1.0)

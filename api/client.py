@@ -158,18 +158,24 @@ class Client:
         except httpx.TransportError as exc:
             raise errors_unreachable(self.url, exc) from exc
 
-    def events(self, job_id: str, *, after: int = 0, limit: int = 500) -> list[dict[str, Any]]:
-        """One page of a job's events after event id `after`, oldest first (`all_events` reads every page)."""
-        return self.events_page(job_id, after=after, limit=limit)[0]
+    def events(self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None,
+               superseded: bool = False) -> list[dict[str, Any]]:
+        """One page of a job's events after event id `after`, oldest first (`all_events` reads every page): of
+        one run (its number, or "current"; None: every run), with `superseded` also the step events a resumed
+        fine-tune ran again."""
+        return self.events_page(job_id, after=after, limit=limit, run=run, superseded=superseded)[0]
 
-    def events_page(self, job_id: str, *, after: int = 0, limit: int = 500) -> tuple[list[dict[str, Any]], bool]:
+    def events_page(self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None,
+                    superseded: bool = False) -> tuple[list[dict[str, Any]], bool]:
         """One page of events after `after`, and whether more exist after it (ask again from its last id)."""
-        return self._page(f"/jobs/{job_id}/events", {"after": after, "limit": limit})
+        params = {"after": after, "limit": limit, "superseded": superseded} | ({"run": run} if run else {})
+        return self._page(f"/jobs/{job_id}/events", params)
 
-    def all_events(self, job_id: str, *, after: int = 0) -> Iterator[dict[str, Any]]:
+    def all_events(self, job_id: str, *, after: int = 0, run: int | str | None = None,
+                   superseded: bool = False) -> Iterator[dict[str, Any]]:
         """Every event after `after` that exists now, page by page."""
         while True:
-            page, more = self.events_page(job_id, after=after)
+            page, more = self.events_page(job_id, after=after, run=run, superseded=superseded)
             yield from page
             if not more or not page:
                 return

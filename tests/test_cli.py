@@ -241,3 +241,40 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     assert cut.stdout.split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
     whole = jobs(cli_env, "list", "--limit", "2", check=True)
     assert len(whole.stdout.splitlines()) == 2 and "older jobs exist" not in whole.stderr
+
+
+def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(tmp_path, cli_env, spawn_worker,
+                                                                                 tiny_model):
+    """After cancel and retry, `status` shows run 2 without run 1's "done in", `events` shows run 2's events
+    (`--run 1` and `--all-runs` the history), and run 2's duration starts at its own first claim, not counting the
+    idle time between the cancel and the retry."""
+    import time
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}] * 2)
+    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                  "--max-new-tokens", "4", check=True).stdout.strip()  # no worker yet: it waits
+    jobs(cli_env, "cancel", job_id, check=True)
+    assert "done in" in jobs(cli_env, "status", job_id, check=True).stdout  # run 1's numbers, while it is current
+    retried_at = time.time()
+    jobs(cli_env, "retry", job_id, check=True)
+    status = jobs(cli_env, "status", job_id, check=True).stdout
+    assert "run      2" in status and "done in" not in status, status
+    view = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
+    assert view["run"] == 2 and "duration_s" not in view["metrics"] and view["started_at"] is None
+    assert [(r["run"], r["state"]) for r in view["metrics"]["runs"]] == [(1, "cancelled")]
+    now = jobs(cli_env, "events", job_id, check=True)
+    assert "retry of 2 rows requested" in now.stdout and "submitted by" not in now.stdout
+    assert "run 2 of job" in now.stderr
+    old = jobs(cli_env, "events", job_id, "--run", "1", check=True).stdout
+    assert "submitted by" in old and "cancel requested" in old and "retry of" not in old
+    both = jobs(cli_env, "events", job_id, "--all-runs", check=True).stdout
+    assert "[run 1] submitted by" in both and "[run 2] job → queued: retry of 2 rows" in both
+    beyond = jobs(cli_env, "events", job_id, "--run", "3")
+    assert beyond.returncode == 2 and "give --run 1 to 2" in beyond.stderr
+
+    spawn_worker([])
+    done = json.loads(jobs(cli_env, "wait", job_id, "--json").stdout)
+    assert done["state"] == "succeeded" and done["started_at"] >= retried_at
+    assert done["metrics"]["duration_s"] <= done["finished_at"] - retried_at
+    history = jobs(cli_env, "status", job_id, "--all-runs", check=True).stdout
+    assert "done in" in history and "run 1    cancelled" in history, history
