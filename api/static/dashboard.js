@@ -110,13 +110,16 @@ async function jobsView(v) {
       <code>gpujobs list --limit 1000</code>, or <code>GET /jobs?limit=1000&amp;state=…</code></p>` : "");
 }
 
-const jobState = { id: null, events: [], after: 0, throughputAt: 0, throughput: null };
+const jobState = { id: null, run: null, events: [], after: 0, throughputAt: 0, throughput: null };
 
+// A job's page shows its current run (a retry starts a new one): its events, its throughput, its loss curve.
 async function jobView(v, id) {
-  if (jobState.id !== id) Object.assign(jobState, { id, events: [], after: 0, throughputAt: 0, throughput: null });
   const job = await api(`/jobs/${encodeURIComponent(id)}`);
+  if (jobState.id !== id || jobState.run !== job.run) {
+    Object.assign(jobState, { id, run: job.run, events: [], after: 0, throughputAt: 0, throughput: null });
+  }
   for (let more = true; more;) {  // every page of new events, not only the first
-    const page = await apiPage(`/jobs/${encodeURIComponent(id)}/events?after=${jobState.after}&limit=5000`);
+    const page = await apiPage(`/jobs/${encodeURIComponent(id)}/events?after=${jobState.after}&limit=5000&run=${job.run}`);
     jobState.events.push(...page.body);
     if (page.body.length) jobState.after = page.body[page.body.length - 1].id;
     more = page.more && page.body.length > 0;
@@ -128,14 +131,18 @@ async function jobView(v, id) {
   if (v !== view) return;
   const t0 = job.started_at || job.created_at;
   const tput = job.kind === "finetune" ? [] : jobState.throughput.points.map(p => ({ x: p.t - t0, y: p.tokens_per_s }));
-  const loss = jobState.events.filter(e => e.data && typeof e.data.loss === "number")
-    .map((e, i) => ({ x: typeof e.data.step === "number" ? e.data.step : i, y: e.data.loss }));
+  // one point per step, the newest: a resumed fine-tune logs the steps after its checkpoint again
+  const byStep = new Map();
+  jobState.events.filter(e => e.data && typeof e.data.loss === "number")
+    .forEach((e, i) => byStep.set(typeof e.data.step === "number" ? e.data.step : i, e.data.loss));
+  const loss = [...byStep].sort((a, b) => a[0] - b[0]).map(([x, y]) => ({ x, y }));
   const live = job.live || {};
   const cards = job.kind === "finetune" ? trainingCards(job) : generationCards(job, live);
   const charts = job.kind === "finetune" ? chart("Training loss", loss, "step", "loss")
     : chart("Throughput over time", tput, "s", "output tokens/s") + (loss.length ? chart("Training loss", loss, "step", "loss") : "");
+  const runNote = job.run > 1 ? ` · run <span id="job-run">${esc(job.run)}</span> (earlier runs: <code>gpujobs status ${esc(job.id)} --all-runs</code>)` : "";
   main.innerHTML = `<h2>${esc(job.id)} <span class="state ${esc(job.state)}" id="job-state">${esc(job.state)}</span></h2>
-    <p class="muted">${esc(job.kind)} · ${esc(job.model)} · owner ${esc(job.owner)} · created ${esc(when(job.created_at))}</p>
+    <p class="muted">${esc(job.kind)} · ${esc(job.model)} · owner ${esc(job.owner)} · created ${esc(when(job.created_at))}${runNote}</p>
     ${job.error ? `<p class="error">${esc(job.error)}</p>` : ""}
     <div class="cards">${cards}</div>
     <div class="charts">${charts}</div>
