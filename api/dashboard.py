@@ -4,8 +4,9 @@
 The page and its script hold no data and answer without a token, like any static file; the page asks for a token
 (kept in the browser's localStorage) and sends it as `Authorization: Bearer` on every API call, so a user sees
 only their jobs and an admin everyone's, exactly as over the API. Views (hash routes): `#/jobs` (state, progress,
-throughput, owner), `#/jobs/ID` (live progress by polling, events, throughput over time, a loss curve from the
-`loss`/`step` of fine-tune events), `#/workers` (slices, GPUs, heartbeats).
+throughput, owner), `#/jobs/ID` (the job's current run, by polling: a generation job's progress, events and
+throughput over time; a fine-tune's step, epoch, loss, training tok/s, ETA and a loss curve of one point per step
+from its step events), `#/workers` (slices, GPUs, heartbeats).
 """
 
 from __future__ import annotations
