@@ -464,7 +464,8 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     api, after = client(), 0
     current = api.job(job_id).get("run", 1)
     if run and run > current:
-        raise InvalidInput(f"job {job_id} has {current} run{'s' if current > 1 else ''}: give --run 1 to {current}")
+        raise InvalidInput(f"job {job_id} has runs 1 to {current}: give one of them" if current > 1 else
+                           f"job {job_id} has only run 1 (each retry starts the next)")
     if current > 1 and not run and not all_runs:
         click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
     scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}

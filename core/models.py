@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, false
+from sqlalchemy import (JSON, BigInteger, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
+                        false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.states import JobState, RowState, ShardState

@@ -270,7 +270,7 @@ def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old
     both = jobs(cli_env, "events", job_id, "--all-runs", check=True).stdout
     assert "[run 1] submitted by" in both and "[run 2] job → queued: retry of 2 rows" in both
     beyond = jobs(cli_env, "events", job_id, "--run", "3")
-    assert beyond.returncode == 2 and "give --run 1 to 2" in beyond.stderr
+    assert beyond.returncode == 2 and f"job {job_id} has runs 1 to 2: give one of them" in beyond.stderr
 
     spawn_worker([])
     done = json.loads(jobs(cli_env, "wait", job_id, "--json").stdout)
