@@ -5,7 +5,7 @@ Commands are thin: parse, call the HTTP client or a stack function, format. They
 Exit codes (a contract for scripts; see README):
     0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input (also: `retry` of a job
     that has not finished)    3 server, Redis or database unreachable    4 succeeded with some failed rows
-    5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` (or `--wait`) gave up: the job goes on
+    5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
     130 `gpujobs up` interrupted while starting (it stopped what it started)
 
 Why 124 for a timeout: a script must tell "the job failed" (1) from "I stopped waiting" (the job may still
