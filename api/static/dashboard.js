@@ -4,6 +4,7 @@
 const TOKEN_KEY = "gpujobs.token";
 const POLL_MS = 1000;
 const JOBS_SHOWN = 200;  // the jobs list's length; a note says when older jobs exist
+const EVENTS_SHOWN = 200;  // a job page's events table; a note says when it holds fewer than the run's events
 const main = document.getElementById("main");
 let timer = null;        // the current view's polling timer
 let view = 0;            // bumped on every navigation: stale polls of a previous view draw nothing
@@ -147,8 +148,10 @@ async function jobView(v, id) {
     <div class="cards">${cards}</div>
     <div class="charts">${charts}</div>
     <h3>Events</h3><table id="events"><thead><tr><th>time</th><th>level</th><th>kind</th><th>message</th></tr></thead><tbody>` +
-    jobState.events.slice(-200).reverse().map(e => `<tr><td>${esc(when(e.ts))}</td><td>${esc(e.level)}</td><td>${esc(e.kind)}</td>
-      <td><pre>${esc(e.message)}</pre></td></tr>`).join("") + `</tbody></table>`;
+    jobState.events.slice(-EVENTS_SHOWN).reverse().map(e => `<tr><td>${esc(when(e.ts))}</td><td>${esc(e.level)}</td><td>${esc(e.kind)}</td>
+      <td><pre>${esc(e.message)}</pre></td></tr>`).join("") + `</tbody></table>` +
+    (jobState.events.length > EVENTS_SHOWN ? `<p class="muted" id="events-more">The newest ${EVENTS_SHOWN} of this run's
+      ${jobState.events.length} events are shown: <code>gpujobs events ${esc(job.id)}</code> prints every one.</p>` : "");
 }
 
 function generationCards(job, live) {
