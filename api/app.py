@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, FastAPI, File, Query, Request, UploadFile
+from fastapi import Body, FastAPI, File, Query, Request, Response, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -95,10 +95,21 @@ async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dic
     return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin)
 
 
-@app.get("/jobs", summary="List jobs, newest first")
-def list_jobs(caller: Caller, state: JobState | None = None,
+HAS_MORE = "X-Has-More"  # a list route's header: "true" when its `limit` cut the list (ask with a larger limit)
+
+
+def _page(response: Response, found: list, limit: int) -> list:
+    """The first `limit` of `limit + 1` found, with X-Has-More saying whether there were more: a list never stops
+    without saying so."""
+    response.headers[HAS_MORE] = "true" if len(found) > limit else "false"
+    return found[:limit]
+
+
+@app.get("/jobs", summary="List jobs, newest first (header X-Has-More: true when `limit` cut the list)")
+def list_jobs(caller: Caller, response: Response, state: JobState | None = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict]:
-    return views.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit)
+    found = views.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit + 1)
+    return _page(response, found, limit)
 
 
 @app.get("/jobs/{job_id}", summary="A job: state, progress, rates, metrics")
@@ -127,10 +138,18 @@ def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
     return dashboard.throughput(job_id, owner=caller.visible_owner)
 
 
-@app.get("/jobs/{job_id}/events", summary="A job's events after an event id")
-def job_events(caller: Caller, job_id: str, after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
-               limit: Annotated[int, Query(ge=1, le=5000)] = 500) -> list:
-    return views.events(job_id, owner=caller.visible_owner, after=after, limit=limit)
+@app.get("/jobs/{job_id}/events", summary="A job's events after an event id, oldest first, `limit` at a time: ask "
+                                         "again with `after` = the last id while X-Has-More is true")
+def job_events(caller: Caller, response: Response, job_id: str, after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+               limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+               run: Annotated[str | None, Query(pattern=r"^([1-9][0-9]{0,8}|current)$",
+                                                description="a run's events only: its number (1, then one more "
+                                                            "per retry) or `current`; default: every run")] = None,
+               superseded: Annotated[bool, Query(description="also the step events a resumed fine-tune ran "
+                                                             "again")] = False) -> list:
+    found = views.events(job_id, owner=caller.visible_owner, after=after, limit=limit + 1, run=run,
+                         superseded=superseded)
+    return _page(response, found, limit)
 
 
 @app.post("/jobs/{job_id}/cancel", summary="Cancel a job; finished rows are kept")
@@ -155,9 +174,11 @@ def usage(caller: Caller,
     return views.usage(owner=caller.visible_owner or owner, since=since)
 
 
-@app.get("/adapters", summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first")
-def list_adapters(caller: Caller, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
-    return views.list_adapters(owner=caller.visible_owner, limit=limit)
+@app.get("/adapters", summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first "
+                               "(header X-Has-More: true when `limit` cut the list)")
+def list_adapters(caller: Caller, response: Response,
+                  limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+    return _page(response, views.list_adapters(owner=caller.visible_owner, limit=limit + 1), limit)
 
 
 @app.get("/adapters/{job_id}", summary="An adapter (its id is the fine-tune job's): base model, tokenizer, LoRA "

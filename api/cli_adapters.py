@@ -27,10 +27,15 @@ def _line(a: dict[str, Any]) -> str:
 
 
 @adapters.command("list")
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True,
+              help="how many, newest first (stderr says when older adapters exist beyond them)")
 @json_option()
-def list_adapters(as_json: bool) -> None:
+def list_adapters(limit: int, as_json: bool) -> None:
     """Registered adapters, newest first."""
-    emit(client().adapters(), as_json, lambda rows: [click.echo(_line(a)) for a in rows])
+    found, more = client().adapters_page(limit=limit)
+    emit(found, as_json, lambda rows: [click.echo(_line(a)) for a in rows])
+    if more:
+        click.echo(f"(the newest {limit} shown; older adapters exist: --limit {min(limit * 4, 1000)})", err=True)
 
 
 @adapters.command("show")

@@ -3,10 +3,14 @@ Commands are thin: parse, call the HTTP client or a stack function, format. They
 `api/cli_adapters.py`, `api/cli_models.py` and `api/cli_stack.py`; `api/cli.py` is the entry point.
 
 Exit codes (a contract for scripts; see README):
-    0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input
-    3 server, Redis or database unreachable    4 succeeded with some failed rows
-    5 CUDA_VISIBLE_DEVICES contradicts --gpus    130 `gpujobs up` interrupted while starting (it stopped what it
-    started)
+    0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input (also: `retry` of a job
+    that has not finished)    3 server, Redis or database unreachable    4 succeeded with some failed rows
+    5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
+    130 `gpujobs up` interrupted while starting (it stopped what it started)
+
+Why 124 for a timeout: a script must tell "the job failed" (1) from "I stopped waiting" (the job may still
+succeed); 124 is what coreutils' `timeout(1)` exits with when its command outlived it, so scripts that already
+handle `timeout` read it the same way, and it is far from the small codes above and from a worker's (core/exits.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import click
 from core import errors
 
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
+EXIT_TIMEOUT = 124
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
@@ -27,9 +32,12 @@ def exit_code_for(exc: errors.JobsError) -> int:
         return EXIT_GPU_CONFLICT
     if isinstance(exc, errors.StartInterrupted):
         return EXIT_INTERRUPTED
+    if isinstance(exc, errors.WaitTimeout):
+        return EXIT_TIMEOUT
     if isinstance(exc, errors.ServiceUnavailable):
         return EXIT_UNREACHABLE
-    if isinstance(exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden)):
+    if isinstance(exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden,
+                        errors.NotFinished)):
         return EXIT_USAGE
     return EXIT_FAILED
 

@@ -185,13 +185,28 @@ def _model_in_lines(kind: str, spec: dict[str, Any]) -> bool:
 
 
 def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
+    """Submit and print the job's id. A fine-tune's chained job (`then_generate`) is named on stderr; with --wait
+    both ids are printed (the fine-tune's first), both are waited for, and the exit code is the chain's."""
     api = client()
     job = api.submit(resolve_local_paths(spec, api))
+    chained = (job.get("metrics") or {}).get("then_generate_job")
+    if chained and not wait:
+        click.echo(f"then-generate: {chained} runs once {job['id']} has trained its adapter", err=True)
     if wait:
         job = wait_with_progress(api, job["id"])
+    if wait and chained:
+        then = wait_with_progress(api, chained)
+        emit({**job, "chained_job": then}, as_json, lambda j: click.echo(f"{j['id']}\n{chained}"))
+        raise SystemExit(chain_exit_code(job, then))
     emit(job, as_json, lambda j: click.echo(j["id"]))
     if wait:
         raise SystemExit(job_exit_code(job))
+
+
+def chain_exit_code(finetune: dict[str, Any], then: dict[str, Any]) -> int:
+    """A chain's outcome: the fine-tune's code if it did not succeed (its chained job then fails too), else the
+    chained generation job's (0, 1, or 4 with failed rows)."""
+    return job_exit_code(finetune) or job_exit_code(then)
 
 
 @cli.group()
@@ -206,7 +221,8 @@ def submit() -> None:
 @click.option("--top-p", type=float, help="nucleus sampling")
 @click.option("--top-k", type=int, help="top-k sampling")
 @click.option("--do-sample/--greedy", default=None, help="force sampling or greedy decoding")
-@click.option("--seed", type=int, help="sampling seed")
+@click.option("--seed", type=int, help="sampling seed: the same samples on the same engine and batch composition "
+              "only, not across engines nor per row (README, \"What a seed promises\")")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
 @click.option("--adapter-revision", help="revision of a Hub --adapter: branch, tag or commit")
@@ -245,7 +261,10 @@ def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) ->
 @click.option("--validation-input",
               help="validation rows: a local file or save_to_disk directory (uploaded), a file_… id, or a server "
                    "path")
-@click.option("--then-generate", help="after training, generate over this dataset with the new adapter")
+@click.option("--then-generate",
+              help="after training, generate over this dataset with the new adapter: a second job, named on "
+                   "stderr, with generate defaults (max_new_tokens 256; other fields: `then_generate:` as an "
+                   "object in --spec). With --wait both ids are printed and both are waited for")
 @click.option("--file-format", type=click.Choice(["auto", "jsonl", "csv", "parquet", "hf"]),
               help="how to read --input and --validation-input (auto: by content and file name); a save_to_disk "
                    "directory is packed")
@@ -293,15 +312,13 @@ def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[s
 
 
 def describe(job: dict[str, Any]) -> None:
-    rows, live = job["rows"], job.get("live") or {}
+    """A job for people: what every job has, then a generation job's tokens and rates or a fine-tune's training
+    (a fine-tune generates nothing, so it shows no tokens, tok/s or first result)."""
+    rows = job["rows"]
     click.echo(f"{job['id']}  {job['state']}  {job.get('name') or ''}".rstrip())
     click.echo(f"  model    {job['model']}  (queue {job['queue']})")
     click.echo(f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
                f"of {rows['total']}")
-    click.echo(f"  tokens   {job['tokens']['prompt']} prompt, {job['tokens']['completion']} completion")
-    if live:
-        eta = f"{live['eta_s']:.0f} s" if live.get("eta_s") is not None else "unknown"
-        click.echo(f"  rate     {live['tokens_per_s']} tok/s, {live['rows_per_s']} rows/s (last minute); ETA {eta}")
     for d in job.get("downloads") or []:
         rate = f", {_size(d['rate_bytes_per_s'])}/s" if d.get("rate_bytes_per_s") else ""
         eta = f", ETA {d['eta_s']:.0f} s" if d.get("eta_s") is not None else ""
@@ -310,7 +327,34 @@ def describe(job: dict[str, Any]) -> None:
     model = (job.get("metrics") or {}).get("model")
     if model and model.get("commit"):
         click.echo(f"  commit   {model['repo']}@{model['revision']} = {model['commit']}")
-    metrics = job.get("metrics") or {}
+    if job.get("run", 1) > 1:
+        click.echo(f"  run      {job['run']} (a retry started it; what follows is this run's; earlier runs: "
+                   f"`gpujobs status {job['id']} --all-runs`)")
+    if job["kind"] == "finetune":
+        _describe_training(job)
+    else:
+        _describe_generation(job)
+    if job.get("error"):
+        click.echo(f"  error    {job['error']}")
+
+
+def describe_runs(job: dict[str, Any]) -> None:
+    """The job, then one line per earlier run (metrics.runs): how it ended, its duration, rate and rows."""
+    describe(job)
+    for r in (job.get("metrics") or {}).get("runs", []):
+        numbers = [f"{r['duration_s']} s" if r.get("duration_s") is not None else None,
+                   f"{r['output_tok_s']} tok/s" if r.get("output_tok_s") is not None else None,
+                   f"{r['rows_succeeded']} rows succeeded, {r['rows_failed']} failed"]
+        error = f": {r['error']}" if r.get("error") else ""
+        click.echo(f"  run {r['run']}    {r['state']}, {', '.join(n for n in numbers if n)}{error}")
+
+
+def _describe_generation(job: dict[str, Any]) -> None:
+    metrics, live = job.get("metrics") or {}, job.get("live") or {}
+    click.echo(f"  tokens   {job['tokens']['prompt']} prompt, {job['tokens']['completion']} completion")
+    if live:
+        eta = f"{live['eta_s']:.0f} s" if live.get("eta_s") is not None else "unknown"
+        click.echo(f"  rate     {live['tokens_per_s']} tok/s, {live['rows_per_s']} rows/s (last minute); ETA {eta}")
     if metrics.get("time_to_first_result_s") is not None:
         per_shard = metrics.get("shard_time_to_first_result_s")
         shards = (f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim ({per_shard['shards']} "
@@ -318,27 +362,39 @@ def describe(job: dict[str, Any]) -> None:
         click.echo(f"  first    result {metrics['time_to_first_result_s']} s after the start{shards}")
     if metrics.get("output_tok_s") is not None:
         click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s")
-    training = job.get("training")
+
+
+def _describe_training(job: dict[str, Any]) -> None:
+    """Step, epoch, loss, training tok/s and ETA (the job's `training`: its current run's last logged step)."""
+    training, metrics = job.get("training"), job.get("metrics") or {}
     if training:
+        loss = training.get("loss", training.get("train_loss"))
+        parts = [f"step {training.get('step', 0)}/{training.get('max_steps') or '?'}",
+                 f"epoch {training.get('epoch') or 0:.2f}"]
+        parts += [f"loss {loss:.4f}"] if loss is not None else []
+        parts += [f"{training['tokens_per_s']} training tok/s"] if training.get("tokens_per_s") is not None else []
         eta = f"; ETA {training['eta_s']:.0f} s" if training.get("eta_s") is not None else ""
-        loss = f", loss {training['loss']:.4f}" if training.get("loss") is not None else ""
-        click.echo(f"  training step {training['step']}/{training['max_steps']}, epoch {training['epoch']:.2f}"
-                   f"{loss}{eta}")
-    if job.get("error"):
-        click.echo(f"  error    {job['error']}")
+        click.echo(f"  training {', '.join(parts)}{eta}")
+    elif job["state"] not in TERMINAL:
+        click.echo("  training not started yet (no step logged)")
+    if metrics.get("duration_s") is not None:
+        click.echo(f"  done in  {metrics['duration_s']} s")
 
 
 @cli.command()
 @click.argument("job_id")
+@click.option("--all-runs", is_flag=True, help="also how each earlier run (before a retry) ended: state, duration, "
+              "rate, rows (JSON: metrics.runs, always)")
 @json_option("print the job as JSON")
-def status(job_id: str, as_json: bool) -> None:
-    """Show a job's state, progress, rates, ETA and metrics."""
-    emit(client().job(job_id), as_json, describe)
+def status(job_id: str, all_runs: bool, as_json: bool) -> None:
+    """Show a job's state, progress, rates, ETA and metrics: of its current run (a retry starts a new one)."""
+    emit(client().job(job_id), as_json, describe_runs if all_runs else describe)
 
 
 @cli.command("list")
 @click.option("--state", help="only jobs in this state")
-@click.option("--limit", default=50, show_default=True, help="how many, newest first")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True,
+              help="how many, newest first (stderr says when older jobs exist beyond them)")
 @json_option()
 def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
@@ -346,15 +402,19 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
         for j in jobs:
             done = j["rows"]["succeeded"] + j["rows"]["failed"]
             click.echo(f"{j['id']}  {j['state']:<10} {done:>7}/{j['rows']['total']:<7} {j['kind']:<9} {j['model']}")
-    emit(client().jobs(state=state, limit=limit), as_json, table)
+    found, more = client().jobs_page(state=state, limit=limit)
+    emit(found, as_json, table)
+    if more:
+        click.echo(f"(the newest {limit} shown; older jobs exist: --limit {min(limit * 4, 1000)})", err=True)
 
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--timeout", type=float, help="give up after this many seconds (exit 1)")
+@click.option("--timeout", type=float, help="give up after this many seconds (exit 124; the job goes on)")
 @json_option("print the finished job as JSON")
 def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
-    """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows."""
+    """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows,
+    124 when --timeout passed first (the job goes on)."""
     job = wait_with_progress(client(), job_id, timeout=timeout)
     emit(job, as_json, describe)
     raise SystemExit(job_exit_code(job))
@@ -391,20 +451,38 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str)
 @cli.command()
 @click.argument("job_id")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
+@click.option("--run", "run", type=click.IntRange(1), help="the events of this run (1, then one more per retry); "
+              "default: the current run")
+@click.option("--all-runs", is_flag=True, help="every run's events as written, with the step events a resumed "
+              "fine-tune ran again (marked superseded)")
 @json_option("one JSON object per event")
-def events(job_id: str, follow: bool, as_json: bool) -> None:
-    """A job's events: state changes, loads, errors, metrics."""
+def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: bool) -> None:
+    """A job's events, every one (page after page): state changes, loads, errors, metrics. Each run (a retry
+    starts one) has its own; the current run's are shown, each training step once."""
+    if run and all_runs:
+        raise InvalidInput("give --run N or --all-runs, not both")
     api, after = client(), 0
+    current = api.job(job_id).get("run", 1)
+    if run and run > current:
+        raise InvalidInput(f"job {job_id} has runs 1 to {current}: give one of them" if current > 1 else
+                           f"job {job_id} has only run 1 (each retry starts the next)")
+    if current > 1 and not run and not all_runs:
+        click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
+    scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}
     while True:
-        batch = api.events(job_id, after=after)
+        batch, more = api.events_page(job_id, after=after, **scope)
         for e in batch:
             after = e["id"]
             if as_json:
                 click.echo(json.dumps(e, default=str))
             else:
                 stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-                click.echo(f"{stamp} {e['level']:<5} {e['message']}")
-        if not follow or (not batch and api.job(job_id)["state"] in TERMINAL):
+                tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + ("(superseded) " if e.get("superseded")
+                                                                            else "")
+                click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
+        if more:
+            continue  # the next page at once
+        if not follow or (run and run < current) or (not batch and api.job(job_id)["state"] in TERMINAL):
             return
         if not batch:
             time.sleep(1.0)
@@ -424,7 +502,8 @@ def cancel(job_id: str, as_json: bool) -> None:
 @click.option("--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code")
 @json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
-    """Re-open a finished job under the same id and re-run its failed rows."""
+    """Re-open a finished job under the same id and re-run its failed rows. A job that has not finished is
+    refused (exit 2): wait for it or cancel it first."""
     api = client()
     job = api.retry(job_id, failed_only=failed_only)
     if wait_:

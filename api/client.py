@@ -120,8 +120,17 @@ class Client:
     status = job  # `gpujobs status`
 
     def jobs(self, *, state: str | None = None, limit: int = 50) -> list[Job]:
+        """The newest `limit` jobs (`jobs_page` also says whether more exist)."""
+        return self.jobs_page(state=state, limit=limit)[0]
+
+    def jobs_page(self, *, state: str | None = None, limit: int = 50) -> tuple[list[Job], bool]:
+        """The newest `limit` jobs, and whether older ones exist beyond them."""
         params = {"limit": limit} | ({"state": state} if state else {})
-        return self._json("GET", "/jobs", params=params)
+        return self._page("/jobs", params)
+
+    def _page(self, path: str, params: dict[str, Any]) -> tuple[list[Any], bool]:
+        response = self._request("GET", path, params=params)
+        return response.json(), response.headers.get("X-Has-More") == "true"
 
     def results(self, job_id: str, *, errors: bool = False) -> Iterator[Result]:
         try:
@@ -149,8 +158,28 @@ class Client:
         except httpx.TransportError as exc:
             raise errors_unreachable(self.url, exc) from exc
 
-    def events(self, job_id: str, *, after: int = 0) -> list[dict[str, Any]]:
-        return self._json("GET", f"/jobs/{job_id}/events", params={"after": after})
+    def events(self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None,
+               superseded: bool = False) -> list[dict[str, Any]]:
+        """One page of a job's events after event id `after`, oldest first (`all_events` reads every page): of
+        one run (its number, or "current"; None: every run), with `superseded` also the step events a resumed
+        fine-tune ran again."""
+        return self.events_page(job_id, after=after, limit=limit, run=run, superseded=superseded)[0]
+
+    def events_page(self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None,
+                    superseded: bool = False) -> tuple[list[dict[str, Any]], bool]:
+        """One page of events after `after`, and whether more exist after it (ask again from its last id)."""
+        params = {"after": after, "limit": limit, "superseded": superseded} | ({"run": run} if run else {})
+        return self._page(f"/jobs/{job_id}/events", params)
+
+    def all_events(self, job_id: str, *, after: int = 0, run: int | str | None = None,
+                   superseded: bool = False) -> Iterator[dict[str, Any]]:
+        """Every event after `after` that exists now, page by page."""
+        while True:
+            page, more = self.events_page(job_id, after=after, run=run, superseded=superseded)
+            yield from page
+            if not more or not page:
+                return
+            after = page[-1]["id"]
 
     def cancel(self, job_id: str) -> Job:
         return self._json("POST", f"/jobs/{job_id}/cancel")
@@ -162,9 +191,13 @@ class Client:
         """Registered workers; `all`: also those stopped long ago or replaced on their host and slice."""
         return self._json("GET", "/workers", params={"all": all} if all else None)
 
-    def adapters(self) -> list[dict[str, Any]]:
+    def adapters(self, *, limit: int = 100) -> list[dict[str, Any]]:
         """Registered LoRA adapters (id = the fine-tune job that made it), newest first."""
-        return self._json("GET", "/adapters")
+        return self.adapters_page(limit=limit)[0]
+
+    def adapters_page(self, *, limit: int = 100) -> tuple[list[dict[str, Any]], bool]:
+        """The newest `limit` adapters, and whether older ones exist beyond them."""
+        return self._page("/adapters", {"limit": limit})
 
     def adapter(self, adapter_id: str) -> dict[str, Any]:
         return self._json("GET", f"/adapters/{adapter_id}")
@@ -189,7 +222,7 @@ class Client:
     def wait(self, job_id: str, *, poll: float = 1.0, timeout: float | None = None,
              on_update: Callable[[Job], None] | None = None, progress: bool = False) -> Job:
         """Poll until the job ends and return it; `on_update` sees every poll (progress bars), `progress=True`
-        prints one updating line on stderr. Raises JobsError after `timeout` seconds (the job keeps running)."""
+        prints one updating line on stderr. Raises WaitTimeout after `timeout` seconds (the job keeps running)."""
         deadline = time.monotonic() + timeout if timeout else None
         while True:
             job = self.job(job_id)
@@ -200,7 +233,7 @@ class Client:
             if job["state"] in TERMINAL:
                 return job
             if deadline and time.monotonic() > deadline:
-                raise errors.JobsError(f"job {job_id} is still {job['state']} after {timeout} s: wait again, or "
+                raise errors.WaitTimeout(f"job {job_id} is still {job['state']} after {timeout} s: wait again, or "
                                        f"`gpujobs cancel {job_id}`")
             time.sleep(poll)
 

@@ -49,11 +49,13 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
         "versions": job.versions,
         "error": job.error,
         "retries": job.retries,
+        "run": run_of(job),  # 1, then one more per retry; metrics.runs holds the earlier runs' outcome and numbers
         "input_file_id": job.input_file_id,
         "spec": job.spec,
     }
     if not JobState(job.state).terminal:
-        view["live"] = _live_rates(session, job, p)
+        if job.kind != "finetune":  # a fine-tune's rate is training's (`training`), not generated tokens
+            view["live"] = _live_rates(session, job, p)
         downloads = _downloads(session, job)
         if downloads:
             view["downloads"] = downloads
@@ -79,12 +81,16 @@ def _metrics(session: Session, job: Job) -> dict[str, Any]:
     """The job's stored metrics plus time to first result: for the job, its first committed row after its start;
     per shard, each finished shard's first committed row after its claim (min / max over shards)."""
     metrics = dict(job.metrics or {})
-    if job.started_at is not None and "time_to_first_result_s" not in metrics:
+    if job.kind == "finetune":  # no generated results: its progress is `training`
+        return metrics
+    if job.started_at is not None and "time_to_first_result_s" not in metrics:  # this run's first row
         first = session.scalar(select(func.min(JobRow.finished_at)).where(
-            JobRow.job_id == job.id, JobRow.worker.is_not(None)))
+            JobRow.job_id == job.id, JobRow.worker.is_not(None), JobRow.finished_at >= job.started_at))
         metrics["time_to_first_result_s"] = round(first - job.started_at, 3) if first is not None else None
+    this_run = [Shard.started_at >= job.started_at] if job.started_at is not None else [Shard.started_at.is_(None)]
     shard_ttfr = [m["time_to_first_result_s"] for m in session.scalars(select(Shard.metrics).where(
-        Shard.job_id == job.id, Shard.metrics.is_not(None))) if (m or {}).get("time_to_first_result_s") is not None]
+        Shard.job_id == job.id, Shard.metrics.is_not(None), *this_run))
+        if (m or {}).get("time_to_first_result_s") is not None]
     if shard_ttfr:
         metrics["shard_time_to_first_result_s"] = {"min": min(shard_ttfr), "max": max(shard_ttfr),
                                                    "shards": len(shard_ttfr)}
@@ -123,9 +129,16 @@ def get(job_id: str, *, owner: str | None) -> dict[str, Any]:
         return job_view(session, get_job(session, job_id, owner=owner))
 
 
+def run_of(job: Job) -> int:
+    """The job's current run: 1, then one more per retry (the `run` its events are written in)."""
+    return (job.retries or 0) + 1
+
+
 def training_progress(session, job: Job) -> dict[str, Any] | None:
-    """A fine-tune's last logged step, epoch, loss and an ETA from the recent step time (None before step 1)."""
-    recent = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.kind == "metric")
+    """A fine-tune's last logged step, epoch, loss and an ETA from the recent step time, in its current run and not
+    superseded by a resume (None before step 1)."""
+    recent = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.kind == "metric",
+                                                    JobEvent.run == run_of(job), JobEvent.superseded.is_(False))
                              .order_by(JobEvent.id.desc()).limit(3)).all()
     if not recent:
         return None
@@ -140,14 +153,21 @@ def training_progress(session, job: Job) -> dict[str, Any] | None:
     return data
 
 
-def events(job_id: str, *, owner: str | None, after: int = 0, limit: int = 500) -> list[dict[str, Any]]:
+def events(job_id: str, *, owner: str | None, after: int = 0, limit: int = 500, run: int | str | None = None,
+           superseded: bool = False) -> list[dict[str, Any]]:
+    """A job's events after event id `after`, oldest first: of run `run` (a number, `current`, or None: every
+    run), without the step events a resumed fine-tune superseded unless `superseded`."""
     with session_scope() as session:
-        get_job(session, job_id, owner=owner)
-        stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after).order_by(JobEvent.id).limit(limit)
+        job = get_job(session, job_id, owner=owner)
+        stmt = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.id > after)
+        if run is not None:
+            stmt = stmt.where(JobEvent.run == (run_of(job) if run == "current" else int(run)))
+        if not superseded:
+            stmt = stmt.where(JobEvent.superseded.is_(False))
         return [
             {"id": e.id, "ts": e.ts, "kind": e.kind, "level": e.level, "message": e.message, "data": e.data,
-             "shard_id": e.shard_id}
-            for e in session.scalars(stmt).all()
+             "shard_id": e.shard_id, "run": e.run, "superseded": e.superseded}
+            for e in session.scalars(stmt.order_by(JobEvent.id).limit(limit)).all()
         ]
 
 

@@ -64,6 +64,17 @@ class IllegalTransition(Conflict):
     """A state change that the state machine does not allow, or that lost a race."""
 
 
+class NotFinished(IllegalTransition):
+    """An operation that needs a finished job (retry) asked of a live one: the caller's mistake, so the CLI exits 2
+    (usage) rather than 1, which scripts read as "the job failed"."""
+
+
+class WaitTimeout(JobsError):
+    """A wait gave up after its timeout; the job goes on. The CLI exits 124 (as `timeout(1)` does)."""
+
+    http_status = 504
+
+
 class LeaseLost(JobsError):
     """This worker no longer holds the shard's lease: someone else owns the work now."""
 

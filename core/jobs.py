@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, files
 from core.dataset import InputCheck, parse_dataset, retry_can_change
 from core.db import session_scope
-from core.errors import IllegalTransition, InvalidInput, JobsError
-from core.models import Adapter, File, Job, JobRow, Shard
+from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
+from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
 from core.queue import queue_for
 from core.settings import get_settings
 from core.spec import GenerateSpec, Spec
@@ -206,7 +206,8 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
         if not JobState(job.state).terminal:
-            raise IllegalTransition(f"job {job_id} is {job.state}: retry a job once it has finished (or cancel it)")
+            raise NotFinished(f"job {job_id} is {job.state}: retry a job once it has finished (`gpujobs wait "
+                              f"{job_id}`), or cancel it first (`gpujobs cancel {job_id}`)")
         states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
         spec = _generate_spec(job)
@@ -215,8 +216,11 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             raise InvalidInput(_nothing_to_retry(job_id, len(rows), failed_only))
         for row in rerun:
             row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
+        # a new run: the one that ended goes into metrics.runs, and the new one's clock starts at its first claim,
+        # so its duration and rates leave out the idle time between the end and the retry
         transition(session, job, JobState.queued, reason=f"retry of {len(rerun)} rows requested by {by}",
-                   retries=Job.retries + 1, error=None, finished_at=None)
+                   retries=Job.retries + 1, error=None, finished_at=None, started_at=None,
+                   metrics=close_run(job))
         transition(session, job, JobState.validating, reason="rows reset")
         shard_ids = _reopen_shards(session, job, {r.idx for r in rerun})
         transition(session, job, JobState.running, reason=f"{len(shard_ids)} shards re-queued")
@@ -241,6 +245,37 @@ def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
     rows = "1 failed row was" if kept == 1 else f"{kept} failed rows were"
     return (f"job {job_id}: {rows} refused for their input (at submit, or by the worker) and cannot be retried; fix "
             f"the input (`gpujobs results {job_id} --errors` names each row's line and problem) and submit it again")
+
+
+RUN_METRICS = ("duration_s", "output_tok_s", "time_to_first_result_s")  # a run's own; the rest are the job's
+
+
+def close_run(job: Job) -> dict[str, Any]:
+    """The job's metrics for a new run: the ended run's own numbers (RUN_METRICS) move into `metrics.runs`, with
+    its state, times, error and row counts; what belongs to the job (its input, model, GPU-seconds) stays."""
+    metrics = dict(job.metrics or {})
+    ended = {"run": (job.retries or 0) + 1, "state": job.state, "started_at": job.started_at,
+             "finished_at": job.finished_at, "error": job.error, "rows_succeeded": job.rows_succeeded,
+             "rows_failed": job.rows_failed, **{k: metrics.pop(k) for k in RUN_METRICS if k in metrics}}
+    metrics["runs"] = [*metrics.get("runs", []), ended]
+    return metrics
+
+
+def supersede_steps(job_id: str, *, after_step: int) -> int:
+    """A fine-tune resumes from its checkpoint at `after_step` (0: from the start): the current run's step events
+    after it are marked superseded, since those steps run again; the current view then shows each step once.
+    Returns how many were marked."""
+    with session_scope() as session:
+        run = session.scalar(select(Job.retries).where(Job.id == job_id)) + 1
+        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.run == run,
+                                                        JobEvent.kind == "metric", JobEvent.superseded.is_(False)))
+        marked = [e for e in events.all() if (e.data or {}).get("step", 0) > after_step]
+        for event in marked:
+            event.superseded = True
+        if marked:
+            add_event(session, job_id, f"training resumes after step {after_step}: {len(marked)} step events of the "
+                      "interrupted attempt are superseded (`gpujobs events --all-runs` shows them)")
+        return len(marked)
 
 
 def _reopen_shards(session: Session, job: Job, idxs: set[int]) -> list[int]:
@@ -390,16 +425,20 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
     p = progress(session, job)
     shards = session.scalars(select(Shard).where(Shard.job_id == job.id)).all()
     shard_metrics = [s.metrics or {} for s in shards]
-    started = job.started_at or job.created_at
+    started = job.started_at or job.created_at  # this run's first claim (a retry resets it)
     duration = max(now() - started, 1e-9)
+    run_tokens = session.scalar(select(func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
+        JobRow.job_id == job.id, JobRow.finished_at >= started, JobRow.worker.is_not(None)))  # this run's rows
     metrics = dict(job.metrics or {})
     metrics.update(
         duration_s=round(duration, 3),
-        output_tok_s=round(p["completion_tokens"] / duration, 2),
+        output_tok_s=round(int(run_tokens) / duration, 2),
         gpu_seconds=round(sum(m.get("gpu_seconds", 0.0) for m in shard_metrics), 3),
         engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
         peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
     )
+    if job.kind == "finetune":
+        metrics.pop("output_tok_s")  # it generated nothing: its rate is training's (metrics.training, events)
     return dict(
         rows_succeeded=p["succeeded"],
         rows_failed=p["failed"],
@@ -411,6 +450,8 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
 
 def _summary(totals: dict[str, Any]) -> str:
     m = totals["metrics"]
+    if m.get("output_tok_s") is None:  # a fine-tune: its rows are training rows, it generated nothing
+        return f"{totals['rows_succeeded']} training rows in {m['duration_s']:.1f} s"
     return (
         f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
         f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"

@@ -10,7 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.states import JobState, RowState, ShardState
@@ -102,7 +114,11 @@ class JobRow(Base):
 
 
 class JobEvent(Base):
-    """A state change, a log line or a metric of a job, in order of `id`."""
+    """A state change, a log line or a metric of a job, in order of `id`.
+
+    `run` (0007) is the job's run it was written in (`jobs.retries + 1`: 1, then one more per retry); `superseded`
+    marks a fine-tune's step events that a resume from an earlier checkpoint ran again (the current view hides them).
+    """
 
     __tablename__ = "job_events"
 
@@ -114,6 +130,8 @@ class JobEvent(Base):
     level: Mapped[str] = mapped_column(String(8), default="info")
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    run: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    superseded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
     __table_args__ = (Index("ix_job_events_job_id", "job_id", "id"),)
 

@@ -97,7 +97,11 @@ class SamplingParams(Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=100000)
     do_sample: bool | None = Field(None, description="default: sample when temperature > 0, else greedy")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
+        "sampling seed: the same seed gives the same samples on the same engine, model, hardware and library "
+        "versions for the same batch composition (the same rows, shard_rows and batch_rows); not across engines, "
+        "and not per row (a row's samples depend on the rows it is batched with) unless engine padded with "
+        "batch_rows 1. Greedy decoding ignores it"))
     stop: list[str] | None = Field(None, max_length=16, description="stop strings")
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool | None = Field(None, description="generate exactly max_new_tokens (benchmarks)")

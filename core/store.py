@@ -39,7 +39,10 @@ def add_event(
     data: dict[str, Any] | None = None,
     shard_id: int | None = None,
 ) -> None:
-    session.add(JobEvent(job_id=job_id, shard_id=shard_id, ts=now(), kind=kind, level=level, message=message, data=data))
+    """An event in the job's current run (`jobs.retries + 1`, read in the same statement)."""
+    run = select(func.coalesce(Job.retries, 0) + 1).where(Job.id == job_id).scalar_subquery()
+    session.add(JobEvent(job_id=job_id, shard_id=shard_id, ts=now(), kind=kind, level=level, message=message, data=data,
+                         run=func.coalesce(run, 1)))
 
 
 def transition(

@@ -588,6 +588,10 @@ def test_the_cli_refuses_bad_input_with_its_exit_code_and_writes_nothing(tmp_pat
         assert (job.state, job.rows_failed, job.error) == ("failed", 2, "every row is invalid; the first: line 1: "
                                                            "invalid JSON: Expecting property name enclosed in double "
                                                            "quotes (column 2)")
+    for args, message in ((["--run", "2"], f"Error: job {job.id} has only run 1 (each retry starts the next)"),
+                          (["--run", "1", "--all-runs"], "Error: give --run N or --all-runs, not both")):
+        refused = jobs(env, "events", job.id, *args)
+        assert (refused.returncode, refused.stderr.strip(), refused.stdout) == (2, message, ""), args
 
 
 def test_gpus_contradicting_cuda_visible_devices_exits_5(jobs_env):

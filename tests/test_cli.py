@@ -211,3 +211,85 @@ def test_api_url_and_token_options_override_their_environment_variables_and_show
     assert jobs({**env, "JOBS_TOKEN": token}, "--token", "jt_wrong", "list").returncode == 2
     unreachable = jobs({**env, "JOBS_TOKEN": token}, "--api-url", f"http://127.0.0.1:{free_port()}", "list")
     assert unreachable.returncode == 3 and "cannot reach the jobs API" in unreachable.stderr
+
+
+def test_wait_timeout_exits_124_and_retry_of_a_live_job_exits_2(tmp_path, cli_env, tiny_model):
+    """`wait --timeout` on a job that has not ended exits 124 (not 1, a failed job's code) and says the job goes on;
+    `retry` of a job that has not finished is a usage error (exit 2) that says what to do; nothing changes."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 2)
+    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                  check=True).stdout.strip()  # no worker: it stays queued
+    waited = jobs(cli_env, "wait", job_id, "--timeout", "0.5")
+    assert waited.returncode == 124, waited.stderr
+    assert f"job {job_id} is still running" in waited.stderr and f"gpujobs cancel {job_id}" in waited.stderr
+    retried = jobs(cli_env, "retry", job_id)
+    assert retried.returncode == 2, retried.stderr
+    assert "retry a job once it has finished" in retried.stderr and f"gpujobs cancel {job_id}" in retried.stderr
+    status = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
+    assert status["state"] == "running" and status["retries"] == 0
+
+
+def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
+    """`events ID` prints every event (607, not the first 500 of one page), `GET /events` says X-Has-More while a
+    page was cut, and `list --limit N` says on stderr when older jobs exist beyond the N it shows."""
+    from core.db import session_scope
+    from core.store import add_event
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    ids = [jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                check=True).stdout.strip() for _ in range(2)]
+    with session_scope() as session:
+        stored = len(jobs(cli_env, "events", ids[0], "--json", check=True).stdout.splitlines())
+        for i in range(607 - stored):
+            add_event(session, ids[0], f"note {i}")
+    printed = jobs(cli_env, "events", ids[0], check=True).stdout.splitlines()
+    assert len(printed) == 607 and printed[-1].endswith(f"note {606 - stored}")
+    import httpx
+
+    page = httpx.get(f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events", params={"limit": 600},
+                     headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"})
+    assert len(page.json()) == 600 and page.headers["X-Has-More"] == "true"
+    rest = httpx.get(f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events", params={"after": page.json()[-1]["id"]},
+                     headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"})
+    assert len(rest.json()) == 7 and rest.headers["X-Has-More"] == "false"
+    cut = jobs(cli_env, "list", "--limit", "1", check=True)
+    assert cut.stdout.split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
+    whole = jobs(cli_env, "list", "--limit", "2", check=True)
+    assert len(whole.stdout.splitlines()) == 2 and "older jobs exist" not in whole.stderr
+
+
+def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(tmp_path, cli_env, spawn_worker,
+                                                                                 tiny_model):
+    """After cancel and retry, `status` shows run 2 without run 1's "done in", `events` shows run 2's events
+    (`--run 1` and `--all-runs` the history), and run 2's duration starts at its own first claim, not counting the
+    idle time between the cancel and the retry."""
+    import time
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}] * 2)
+    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
+                  "--max-new-tokens", "4", check=True).stdout.strip()  # no worker yet: it waits
+    jobs(cli_env, "cancel", job_id, check=True)
+    assert "done in" in jobs(cli_env, "status", job_id, check=True).stdout  # run 1's numbers, while it is current
+    retried_at = time.time()
+    jobs(cli_env, "retry", job_id, check=True)
+    status = jobs(cli_env, "status", job_id, check=True).stdout
+    assert "run      2" in status and "done in" not in status, status
+    view = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
+    assert view["run"] == 2 and "duration_s" not in view["metrics"] and view["started_at"] is None
+    assert [(r["run"], r["state"]) for r in view["metrics"]["runs"]] == [(1, "cancelled")]
+    now = jobs(cli_env, "events", job_id, check=True)
+    assert "retry of 2 rows requested" in now.stdout and "submitted by" not in now.stdout
+    assert "run 2 of job" in now.stderr
+    old = jobs(cli_env, "events", job_id, "--run", "1", check=True).stdout
+    assert "submitted by" in old and "cancel requested" in old and "retry of" not in old
+    both = jobs(cli_env, "events", job_id, "--all-runs", check=True).stdout
+    assert "[run 1] submitted by" in both and "[run 2] job → queued: retry of 2 rows" in both
+    beyond = jobs(cli_env, "events", job_id, "--run", "3")
+    assert beyond.returncode == 2 and f"job {job_id} has runs 1 to 2: give one of them" in beyond.stderr
+
+    spawn_worker([])
+    done = json.loads(jobs(cli_env, "wait", job_id, "--json").stdout)
+    assert done["state"] == "succeeded" and done["started_at"] >= retried_at
+    assert done["metrics"]["duration_s"] <= done["finished_at"] - retried_at
+    history = jobs(cli_env, "status", job_id, "--all-runs", check=True).stdout
+    assert "done in" in history and "run 1    cancelled" in history, history

@@ -106,3 +106,38 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(tmp_path, jobs_e
     assert "online" in workers and "CPU" in workers
     assert httpx.get(f"{url}/jobs/{job['id']}/throughput", headers={"Authorization": f"Bearer {token}"}
                      ).json()["points"]
+
+
+def test_a_finetune_page_shows_training_not_generation(tmp_path, jobs_env, api_server, spawn_worker, base_model,
+                                                       browser):
+    """A fine-tune's page shows step, epoch, loss, training tok/s and ETA cards and its loss curve, not a generation
+    job's output tokens, tok/s and throughput chart; the jobs list gives its training tok/s; an events table cut
+    at 200 says so."""
+    from tests.conftest import ROOT
+
+    url, token, _ = api_server
+    spawn_worker([])
+    client = Client(url, token)
+    job = client.submit({"kind": "finetune", "model": str(base_model), "gpus": 0, "max_steps": 4, "batch_size": 12,
+                         "learning_rate": 1e-2, "lr_scheduler": "constant"},
+                        input=ROOT / "examples" / "finetune_qa.jsonl")
+    assert client.wait(job["id"], poll=0.5, timeout=300)["state"] == "succeeded"
+    from core.db import session_scope
+    from core.store import add_event
+
+    with session_scope() as session:  # more events than the page's table holds: it says so
+        for i in range(210):
+            add_event(session, job["id"], f"note {i}")
+    sign_in(browser, url, token)
+    wait_for(lambda: job["id"] in (text(browser, "#jobs") or ""), 20, "the job in the jobs list")
+    assert "training tok/s" in browser.find_element("css selector", f'tr[data-job="{job["id"]}"]').text
+    browser.get(f"{url}/dashboard#/jobs/{job['id']}")
+    wait_for(lambda: text(browser, "#job-step") == "4", 20, "the fine-tune's last step")
+    assert float(text(browser, "#job-loss")) > 0 and float(text(browser, "#job-epoch")) > 0
+    assert float(text(browser, "#job-train-rate")) > 0
+    page = browser.page_source
+    assert "Training loss" in page and "<path" in page
+    assert "Throughput over time" not in page and "output tokens" not in page and 'id="job-rate"' not in page
+    more = wait_for(lambda: text(browser, "#events-more"), 10, "the note that older events exist")
+    assert "The newest 200 of this run's" in more and f"gpujobs events {job['id']}" in more
+    browser.save_screenshot(str(tmp_path / "dashboard-finetune.png"))

@@ -158,6 +158,14 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
                                                        JobEvent.id > resumed_at).order_by(JobEvent.id)).all()
     resumed = [e.data for e in after if "loss" in e.data]
     assert resumed[0]["step"] == 21 and resumed[-1]["step"] == 40
+    # the current view shows each step once (the victim's steps after 20 ran again: superseded, kept for --all-runs)
+    current = [e for e in views.events(ft["id"], owner=None, run="current", limit=5000) if e["kind"] == "metric"]
+    assert [e["data"]["step"] for e in current if "loss" in e["data"]] == list(range(1, 41))
+    written = views.events(ft["id"], owner=None, superseded=True, limit=5000)
+    superseded = sorted(e["data"]["step"] for e in written if e["superseded"])
+    assert superseded and superseded[0] == 21 and all(e["run"] == 1 for e in written)
+    assert any("training resumes after step 20" in e["message"] for e in current + written)
+    assert done["training"]["step"] == 40 and done["run"] == 1
 
     # The same 40 steps unbroken, in a fresh process set up like a worker (one torch thread), so nothing this test
     # process did before can change the reference: the resumed step 21 has the same loss (within 5 %).

@@ -45,3 +45,27 @@ def test_submit_finetune_then_list_show_and_export_the_merged_adapter(tmp_path, 
     assert not any("lora" in name for name, _ in model.named_parameters())
     answers = generate_answers(model, tok, [q for q, _ in qa_pairs()], max_new_tokens=16)
     assert sum(got == want for got, (_, want) in zip(answers, qa_pairs())) >= 5, answers
+
+
+def test_then_generate_with_wait_prints_and_waits_for_both_and_status_shows_training(tmp_path, cli_env,
+                                                                                      spawn_worker, base_model):
+    """`submit finetune --then-generate … --wait` prints the fine-tune's id then the chained job's, returns once
+    both ended and exits with the chain's code; `status` of the fine-tune shows step, epoch, loss and training tok/s,
+    and none of a generation job's fields (tokens, tok/s of output, first result)."""
+    spawn_worker([])
+    spec = tmp_path / "ft.yaml"
+    spec.write_text(json.dumps({"then_generate": {"input": str(ROOT / "examples" / "prompts.jsonl"),
+                                                  "max_new_tokens": 4}}))
+    submitted = jobs(cli_env, "submit", "finetune", "--spec", str(spec), "--model", str(base_model), "--input",
+                     str(ROOT / "examples" / "finetune_qa.jsonl"), "--gpus", "0", "--max-steps", "3",
+                     "--batch-size", "12", "--wait")
+    assert submitted.returncode == 0, submitted.stderr
+    ft_id, gen_id = submitted.stdout.split()
+    ft = json.loads(jobs(cli_env, "status", ft_id, "--json", check=True).stdout)
+    gen = json.loads(jobs(cli_env, "status", gen_id, "--json", check=True).stdout)
+    assert ft["metrics"]["then_generate_job"] == gen_id and gen["spec"]["adapter"] == ft_id
+    assert ft["state"] == gen["state"] == "succeeded" and gen["rows"]["succeeded"] == gen["rows"]["total"] > 0
+    assert "output_tok_s" not in ft["metrics"] and "time_to_first_result_s" not in ft["metrics"]
+    status = jobs(cli_env, "status", ft_id, check=True).stdout
+    assert "training step 3/3, epoch" in status and "loss " in status and "training tok/s" in status, status
+    assert "  tokens " not in status and "first    result" not in status and ", 0.0 tok/s" not in status, status

@@ -101,3 +101,40 @@ def test_temperature_samples_follow_the_models_distribution(loaded, tiny_model, 
     wrong = exact(loaded, prompt).roll(7)  # the test can fail: a distribution that is not the model's is refused
     assert fit(first, wrong)[0] > fit(first, wrong)[1]
     fastgen.release(loaded.model)
+
+
+def _sampled_outputs(tmp_path, prompts: list[str], name: str, **spec) -> dict[str, str]:
+    """Run one sampled generation job over `prompts` through the worker; its outputs by custom_id."""
+    import json
+
+    from api import service, views
+    from core.db import session_scope
+    from core.models import JobRow
+    from tests.conftest import wait_for
+
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"custom_id": p, "prompt": p}) + "\n" for p in prompts))
+    job = service.submit(owner="alice", spec_data={"model": spec.pop("model"), "input": str(data), "gpus": 0,
+                                                   "temperature": 1.5, "max_new_tokens": 6, "ignore_eos": True,
+                                                   **spec})
+    done = wait_for(lambda: (j := views.get(job["id"], owner=None))["state"] in ("succeeded", "failed") and j, 300,
+                    f"job {job['id']}")
+    assert done["state"] == "succeeded" and done["rows"]["failed"] == 0, done
+    with session_scope() as session:
+        return {r.custom_id: r.output for r in session.query(JobRow).filter(JobRow.job_id == job["id"])}
+
+
+def test_a_seed_repeats_samples_for_the_same_engine_and_batching_and_per_row_with_padded_batch_rows_1(
+        tmp_path, jobs_env, spawn_worker, tiny_model):
+    """What README's "What a seed promises" says: the same seed, engine, rows and batching give the same samples;
+    with engine padded and batch_rows 1 a row's samples do not depend on the other rows of the job."""
+    spawn_worker([])
+    prompts = ["What is", "The capital of France is", "Spiders have", "Hello"]
+    spec = dict(model=str(tiny_model), seed=7, engine="padded")
+    first = _sampled_outputs(tmp_path, prompts, "a", **spec)
+    assert _sampled_outputs(tmp_path, prompts, "b", **spec) == first
+    alone = dict(spec, batch_rows=1)
+    together = _sampled_outputs(tmp_path, prompts, "d", **alone)
+    by_itself = _sampled_outputs(tmp_path, prompts[2:3], "e", **alone)
+    assert by_itself["Spiders have"] == together["Spiders have"]
+    assert len(set(together.values())) > 1  # sampled: the rows are not all the same text

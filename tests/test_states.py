@@ -193,3 +193,20 @@ def test_sessions_racing_the_same_transition_only_one_wins(any_jobs_env, kind):
             assert shard.attempts == 1  # the losers' values were not applied either
             assert events[0].message == f"shard 0 → running: by {shard.lease_owner}"
         assert session.scalar(select(func.count()).select_from(JobEvent)) == 1
+
+
+def test_events_record_the_run_they_were_written_in(any_jobs_env):
+    """An event's `run` is its job's retries + 1 when it was written (read in its INSERT, on SQLite and Postgres);
+    a transition that bumps `retries` writes its own event in the new run."""
+    from core.store import add_event
+
+    with session_scope() as session:
+        job = _make_job(session, JobState.failed.value)
+        add_event(session, job.id, "in run 1")
+        transition(session, job, JobState.queued, reason="retry", retries=Job.retries + 1)
+        add_event(session, job.id, "in run 2")
+    with session_scope() as session:
+        found = session.execute(select(JobEvent.message, JobEvent.run, JobEvent.superseded)
+                                .where(JobEvent.job_id == job.id).order_by(JobEvent.id)).all()
+    assert [tuple(f) for f in found] == [("in run 1", 1, False), ("job → queued: retry", 2, False),
+                                         ("in run 2", 2, False)]

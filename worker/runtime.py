@@ -298,6 +298,9 @@ class Runtime:
         _free_memory()
         workdir = adapters.workdir(job.id)
         checkpoint = finetune.latest_checkpoint(workdir / "checkpoints")
+        # steps an interrupted attempt logged after this checkpoint run again: their events leave the current view
+        jobs.supersede_steps(job.id, after_step=int(finetune.CHECKPOINT.match(checkpoint.name)[1]) if checkpoint
+                             else 0)
         jobs.event(job.id, f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint
                                                              else ""), shard_id=shard.id)
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731

@@ -3,6 +3,8 @@
 
 const TOKEN_KEY = "gpujobs.token";
 const POLL_MS = 1000;
+const JOBS_SHOWN = 200;  // the jobs list's length; a note says when older jobs exist
+const EVENTS_SHOWN = 200;  // a job page's events table; a note says when it holds fewer than the run's events
 const main = document.getElementById("main");
 let timer = null;        // the current view's polling timer
 let view = 0;            // bumped on every navigation: stale polls of a previous view draw nothing
@@ -10,11 +12,16 @@ let view = 0;            // bumped on every navigation: stale polls of a previou
 class Unauthorized extends Error {}
 
 async function api(path) {
+  return (await apiPage(path)).body;
+}
+
+// A list route's answer and whether its limit cut it (the X-Has-More header): no list stops without saying so.
+async function apiPage(path) {
   const response = await fetch(path, { headers: { Authorization: "Bearer " + localStorage.getItem(TOKEN_KEY) } });
   if (response.status === 401) throw new Unauthorized("the token was refused: sign in again");
   const body = await response.json();
   if (!response.ok) throw new Error((body.error && body.error.message) || response.statusText);
-  return body;
+  return { body, more: response.headers.get("X-Has-More") === "true" };
 }
 
 function esc(value) {
@@ -32,6 +39,10 @@ function gib(bytes) { return bytes == null ? "?" : (bytes / 2 ** 30).toFixed(1) 
 function done(job) { return job.rows.succeeded + job.rows.failed; }
 
 function rate(job) {
+  if (job.kind === "finetune") {  // training throughput; a fine-tune generates no tokens
+    const t = job.training || {};
+    return t.tokens_per_s != null ? `${t.tokens_per_s} training tok/s` : "";
+  }
   if (job.live && job.live.tokens_per_s) return `${job.live.tokens_per_s} tok/s`;
   if (job.metrics && job.metrics.output_tok_s != null) return `${job.metrics.output_tok_s} tok/s`;
   return "";
@@ -87,7 +98,7 @@ function signin(message) {
 }
 
 async function jobsView(v) {
-  const jobs = await api("/jobs?limit=200");
+  const { body: jobs, more } = await apiPage(`/jobs?limit=${JOBS_SHOWN}`);
   if (v !== view) return;
   main.innerHTML = `<h2>Jobs</h2><table id="jobs"><thead><tr><th>job</th><th>state</th><th>progress</th>
     <th>throughput</th><th>owner</th><th>model</th><th>created</th></tr></thead><tbody>` +
@@ -95,45 +106,72 @@ async function jobsView(v) {
       <td class="state ${esc(j.state)}">${esc(j.state)}</td>
       <td>${bar(j)} <span class="done">${done(j)}</span>/${j.rows.total}${j.rows.failed ? ` (${j.rows.failed} failed)` : ""}</td>
       <td>${esc(rate(j))}</td><td>${esc(j.owner)}</td><td>${esc(j.model)}</td><td>${esc(ago(j.created_at))}</td></tr>`).join("") +
-    `</tbody></table>` + (jobs.length ? "" : `<p class="muted">No jobs yet: <code>gpujobs submit …</code></p>`);
+    `</tbody></table>` + (jobs.length ? "" : `<p class="muted">No jobs yet: <code>gpujobs submit …</code></p>`) +
+    (more ? `<p class="muted" id="jobs-more">The newest ${JOBS_SHOWN} jobs are shown; older ones exist:
+      <code>gpujobs list --limit 1000</code>, or <code>GET /jobs?limit=1000&amp;state=…</code></p>` : "");
 }
 
-const jobState = { id: null, events: [], after: 0, throughputAt: 0, throughput: null };
+const jobState = { id: null, run: null, events: [], after: 0, throughputAt: 0, throughput: null };
 
+// A job's page shows its current run (a retry starts a new one): its events, its throughput, its loss curve.
 async function jobView(v, id) {
-  if (jobState.id !== id) Object.assign(jobState, { id, events: [], after: 0, throughputAt: 0, throughput: null });
   const job = await api(`/jobs/${encodeURIComponent(id)}`);
-  const fresh = await api(`/jobs/${encodeURIComponent(id)}/events?after=${jobState.after}&limit=5000`);
-  jobState.events.push(...fresh);
-  if (fresh.length) jobState.after = fresh[fresh.length - 1].id;
-  if (Date.now() - jobState.throughputAt > 3000 || !jobState.throughput) {
+  if (jobState.id !== id || jobState.run !== job.run) {
+    Object.assign(jobState, { id, run: job.run, events: [], after: 0, throughputAt: 0, throughput: null });
+  }
+  for (let more = true; more;) {  // every page of new events, not only the first
+    const page = await apiPage(`/jobs/${encodeURIComponent(id)}/events?after=${jobState.after}&limit=5000&run=${job.run}`);
+    jobState.events.push(...page.body);
+    if (page.body.length) jobState.after = page.body[page.body.length - 1].id;
+    more = page.more && page.body.length > 0;
+  }
+  if (job.kind !== "finetune" && (Date.now() - jobState.throughputAt > 3000 || !jobState.throughput)) {
     jobState.throughput = await api(`/jobs/${encodeURIComponent(id)}/throughput`);
     jobState.throughputAt = Date.now();
   }
   if (v !== view) return;
   const t0 = job.started_at || job.created_at;
-  const tput = jobState.throughput.points.map(p => ({ x: p.t - t0, y: p.tokens_per_s }));
-  const loss = jobState.events.filter(e => e.data && typeof e.data.loss === "number")
-    .map((e, i) => ({ x: typeof e.data.step === "number" ? e.data.step : i, y: e.data.loss }));
+  const tput = job.kind === "finetune" ? [] : jobState.throughput.points.map(p => ({ x: p.t - t0, y: p.tokens_per_s }));
+  // one point per step, the newest: a resumed fine-tune logs the steps after its checkpoint again
+  const byStep = new Map();
+  jobState.events.filter(e => e.data && typeof e.data.loss === "number")
+    .forEach((e, i) => byStep.set(typeof e.data.step === "number" ? e.data.step : i, e.data.loss));
+  const loss = [...byStep].sort((a, b) => a[0] - b[0]).map(([x, y]) => ({ x, y }));
   const live = job.live || {};
+  const cards = job.kind === "finetune" ? trainingCards(job) : generationCards(job, live);
+  const charts = job.kind === "finetune" ? chart("Training loss", loss, "step", "loss")
+    : chart("Throughput over time", tput, "s", "output tokens/s") + (loss.length ? chart("Training loss", loss, "step", "loss") : "");
+  const runNote = job.run > 1 ? ` · run <span id="job-run">${esc(job.run)}</span> (earlier runs: <code>gpujobs status ${esc(job.id)} --all-runs</code>)` : "";
   main.innerHTML = `<h2>${esc(job.id)} <span class="state ${esc(job.state)}" id="job-state">${esc(job.state)}</span></h2>
-    <p class="muted">${esc(job.kind)} · ${esc(job.model)} · owner ${esc(job.owner)} · created ${esc(when(job.created_at))}</p>
+    <p class="muted">${esc(job.kind)} · ${esc(job.model)} · owner ${esc(job.owner)} · created ${esc(when(job.created_at))}${runNote}</p>
     ${job.error ? `<p class="error">${esc(job.error)}</p>` : ""}
-    <div class="cards">
-      <div class="card">rows done<b><span id="job-done">${done(job)}</span> / <span id="job-total">${job.rows.total}</span></b>${bar(job)}</div>
+    <div class="cards">${cards}</div>
+    <div class="charts">${charts}</div>
+    <h3>Events</h3><table id="events"><thead><tr><th>time</th><th>level</th><th>kind</th><th>message</th></tr></thead><tbody>` +
+    jobState.events.slice(-EVENTS_SHOWN).reverse().map(e => `<tr><td>${esc(when(e.ts))}</td><td>${esc(e.level)}</td><td>${esc(e.kind)}</td>
+      <td><pre>${esc(e.message)}</pre></td></tr>`).join("") + `</tbody></table>` +
+    (jobState.events.length > EVENTS_SHOWN ? `<p class="muted" id="events-more">The newest ${EVENTS_SHOWN} of this run's
+      ${jobState.events.length} events are shown: <code>gpujobs events ${esc(job.id)}</code> prints every one.</p>` : "");
+}
+
+function generationCards(job, live) {
+  return `<div class="card">rows done<b><span id="job-done">${done(job)}</span> / <span id="job-total">${job.rows.total}</span></b>${bar(job)}</div>
       <div class="card">failed<b id="job-failed">${job.rows.failed}</b></div>
       <div class="card">tokens/s<b id="job-rate">${esc(live.tokens_per_s ?? job.metrics.output_tok_s ?? "")}</b></div>
       <div class="card">rows/s<b>${esc(live.rows_per_s ?? "")}</b></div>
       <div class="card">ETA<b>${live.eta_s != null ? esc(live.eta_s) + " s" : ""}</b></div>
-      <div class="card">output tokens<b>${job.tokens.completion}</b></div>
-    </div>
-    <div class="charts">
-      ${chart("Throughput over time", tput, "s", "output tokens/s")}
-      ${job.kind === "finetune" || loss.length ? chart("Training loss", loss, "step", "loss") : ""}
-    </div>
-    <h3>Events</h3><table id="events"><thead><tr><th>time</th><th>level</th><th>kind</th><th>message</th></tr></thead><tbody>` +
-    jobState.events.slice(-200).reverse().map(e => `<tr><td>${esc(when(e.ts))}</td><td>${esc(e.level)}</td><td>${esc(e.kind)}</td>
-      <td><pre>${esc(e.message)}</pre></td></tr>`).join("") + `</tbody></table>`;
+      <div class="card">output tokens<b>${job.tokens.completion}</b></div>`;
+}
+
+// A fine-tune generates nothing: its cards are training's (the job's `training`: the current run's last step).
+function trainingCards(job) {
+  const t = job.training || {};
+  const loss = t.loss ?? t.train_loss;
+  return `<div class="card">step<b><span id="job-step">${esc(t.step ?? 0)}</span> / ${esc(t.max_steps ?? "?")}</b></div>
+      <div class="card">epoch<b id="job-epoch">${t.epoch != null ? esc(t.epoch.toFixed(2)) : ""}</b></div>
+      <div class="card">loss<b id="job-loss">${loss != null ? esc(loss.toFixed(4)) : ""}</b></div>
+      <div class="card">training tok/s<b id="job-train-rate">${esc(t.tokens_per_s ?? "")}</b></div>
+      <div class="card">ETA<b id="job-eta">${t.eta_s != null ? esc(t.eta_s) + " s" : ""}</b></div>`;
 }
 
 async function workersView(v) {
