@@ -85,6 +85,7 @@ class Settings:
     batch_rows: int = 16
     lease_seconds: float = 20.0
     max_attempts: int = 3
+    fair_share_window: float = 3600.0  # owners' GPU-seconds are counted over this many seconds (core/scheduling.py)
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
     broker_wait_seconds: float | None = None  # a worker's BRPOP wait in Redis; None = kombu's 1 s (core/queue.py)
@@ -187,6 +188,7 @@ def get_settings() -> Settings:
         batch_rows=int(_env("JOBS_BATCH_ROWS", "16")),
         lease_seconds=float(_env("JOBS_LEASE_SECONDS", "20")),
         max_attempts=int(_env("JOBS_MAX_ATTEMPTS", "3")),
+        fair_share_window=float(_env("JOBS_FAIR_SHARE_WINDOW_SECONDS", "3600")),
         worker_timeout=float(_env("JOBS_WORKER_TIMEOUT", "30")),
         visibility_timeout=int(_env("JOBS_VISIBILITY_TIMEOUT", str(12 * 3600))),
         broker_wait_seconds=_broker_wait(),
