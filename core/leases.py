@@ -11,8 +11,8 @@ The rules that make "nothing lost, nothing run twice" hold:
   row is pending (idempotent on (job, row)); `executions` counts every attempt to write it, so a duplicate
   execution is visible, never hidden by a unique key.
 - Which queued shard a claim takes is the scheduling rule's choice (core/scheduling.py: priority, then fair share
-  between owners, then FIFO; owners' quotas): a message says "a shard is ready on this queue" and names the shard
-  it was sent for, which goes first among equals. A late or redelivered message whose shard is done or leased by a
+  between owners, then FIFO; owners' quotas): a message says "a shard is ready on this queue" (the queue of the
+  shard it names). A late or redelivered message whose shard is done or leased by a
   live worker takes the next queued shard, or nothing when none is queued.
 - A shard that goes back to the queue is sent again through `core.dispatch`, after its transaction committed; a
   shard that ends finalizes its job when it was the last one (`core.jobs.maybe_finalize`). The reaper
@@ -62,17 +62,16 @@ class RowResult:
 
 
 def claim(session: Session, shard_id: int, worker: str, lease_seconds: float) -> Claim | None:
-    """Take the lease of the shard the scheduling rule picks on the queue of `shard_id` (the message's shard: taken
-    first when it is of the chosen priority and owner; core/scheduling.py), or return None when nothing queued
-    there may run now. A message whose own shard is done, or leased by a live worker, takes the next queued shard
-    instead: another claim used that shard's message."""
+    """Take the lease of the shard the scheduling rule picks on the queue of `shard_id` (the message's shard;
+    core/scheduling.py), or return None when nothing queued there may run now. A message whose own shard is done,
+    or leased by a live worker, takes the next queued shard all the same: another claim used that shard's message."""
     hinted = session.get(Shard, shard_id)
     if hinted is None:
         log.warning("shard %s does not exist (job deleted?): message dropped", shard_id)
         return None
     queue = _tidy(session, hinted, session.get(Job, hinted.job_id))
     for _ in range(MAX_PICKS):
-        picked = scheduling.next_shard(session, queue, prefer=hinted.id)
+        picked = scheduling.next_shard(session, queue)
         if picked is None:
             log.info("nothing queued on %s may run now (message of shard %s)", queue, shard_id)
             return None

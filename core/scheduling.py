@@ -6,14 +6,14 @@ The rule. A worker that receives a message from queue Q takes, in the claim's tr
 2. among the owners with work at that priority, the owner with the fewest GPU-seconds over the last
    JOBS_FAIR_SHARE_WINDOW_SECONDS (1 h; a shard that runs now counts up to now; a slice of g GPUs counts g per
    second, a CPU shard 1); ties go to the owner whose oldest queued job is oldest;
-3. within that owner and priority, first in first out: the oldest job first, its shards in order. The shard the
-   message names goes first when it is of that owner and priority: messages are sent in that order already, and a
-   message that takes its own shard leaves no other message to redirect.
+3. within that owner and priority, first in first out: the oldest job first, its shards in order, whichever shard
+   the message was sent for (a shard handed back by a stopping worker goes before its job's later shards).
 
 Why the decision is made in SQL and not by the order of messages in Redis: Redis holds messages in the order they
 were sent, and a message cannot be moved once sent; the state the rule reads (what is queued, who ran how much,
 who is at quota) is in SQL, and a claim reads it as it is when a worker is free. So a message now means "a shard
-is ready on queue Q" (it still names one shard: the hint above, and the queue it was sent to).
+is ready on queue Q" (it still names one shard: the claim reads its queue from it, and tidies it: a stopping
+job's shard is cancelled, an expired lease re-queued).
 
 Why nothing is lost or run twice: the pick is taken by the conditional UPDATE every claim makes (queued → running,
 `core.store.transition`); on Postgres the candidate row is read `FOR UPDATE SKIP LOCKED`, so concurrent claims
@@ -135,21 +135,18 @@ def at_quota(session: Session, owners: set[str]) -> set[str]:
     return {o for o, cap in limits.items() if running.get(o, 0) >= cap}
 
 
-def next_shard(session: Session, queue: str, *, prefer: int | None = None) -> tuple[Shard, Job] | None:
-    """The queued shard of `queue` that the rule takes now (the shard `prefer` when it is of the chosen class), or
-    None when nothing on the queue may run. On Postgres the shard's row is locked (skipping rows other claims hold)
-    until the caller's transaction ends."""
+def next_shard(session: Session, queue: str) -> tuple[Shard, Job] | None:
+    """The queued shard of `queue` that the rule takes now, or None when nothing on the queue may run. On Postgres
+    the shard's row is locked (skipping rows other claims hold) until the caller's transaction ends."""
     for w in waiting(session, queue):
         if w.at_quota:
             return None  # the classes at quota come last: nothing else is queued
         same = (*_queued_on(queue), Job.priority == w.priority, Job.owner == w.owner)
-        base = (select(Shard, Job).join(Job, Job.id == Shard.job_id)
-                .with_for_update(skip_locked=True, of=Shard).execution_options(populate_existing=True))
-        found = None
-        if prefer is not None:
-            found = session.execute(base.where(Shard.id == prefer, *same)).first()
-        if found is None:
-            found = session.execute(base.where(*same).order_by(Job.created_at, Job.id, Shard.idx).limit(1)).first()
+        found = session.execute(
+            select(Shard, Job).join(Job, Job.id == Shard.job_id).where(*same)
+            .order_by(Job.created_at, Job.id, Shard.idx).limit(1)
+            .with_for_update(skip_locked=True, of=Shard).execution_options(populate_existing=True)
+        ).first()
         if found is not None:
             return found[0], found[1]
     return None

@@ -393,16 +393,16 @@ def test_queued_shards_finds_queued_never_sent_shards_older_than_the_cutoff():
     young_job, (young,) = make_job(rows=2, created_at=now())
     with session_scope() as session:
         dispatch.mark_enqueued(session, [old_b])
-    assert claim(old_c, "w1") is not None
+    assert claim(old_c, "w1").shard.id == old_a  # the claim takes the job's first queued shard (FIFO)
     with session_scope() as session:
         found = [s.id for s in dispatch.queued_shards(session, older_than=now() - 60)]
-    assert found == [old_a]
+    assert found == [old_c]
     with session_scope() as session:  # a later cutoff takes the young job's shard too
         found = sorted(s.id for s in dispatch.queued_shards(session, older_than=now() + 1))
-    assert found == sorted([old_a, young])
+    assert found == sorted([old_c, young])
     with session_scope() as session:  # after a Redis restart: every queued shard, sent or not
         found = sorted(s.id for s in dispatch.queued_shards(session, older_than=now() + 1, unsent_only=False))
-    assert found == sorted([old_a, old_b, young])
+    assert found == sorted([old_b, old_c, young])
 
 
 def test_stuck_jobs_finds_running_or_cancelling_jobs_without_an_open_shard():
