@@ -290,3 +290,56 @@ def test_cli_refuses_bad_priorities_with_exit_2_and_nothing_created(api_server, 
     cli(as_admin, "quota", "set", "ann", "--max-running-shards", "3", check=True)
     shown = json.loads(cli(as_admin, "quota", "show", "ann", "--json", check=True).stdout)
     assert shown[0]["owner"] == "ann" and shown[0]["max_running_shards"] == 3
+
+
+def test_openai_batch_metadata_priority_is_the_job_s_and_bad_ones_are_refused(jobs_env, tiny_model, tmp_path,
+                                                                             monkeypatch):
+    """batches.create with metadata {"priority": "low"} makes a low job's spec; "high" with a user token answers
+    403 naming the scope, "urgent" 422 naming the choices; neither leaves a job behind."""
+    from fastapi.testclient import TestClient
+
+    from api import access, openai_api
+    from api.app import app
+    from core import auth
+    from core.settings import reset
+
+    monkeypatch.setenv("JOBS_MODEL_ROOTS", str(tiny_model.parent))
+    reset()
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": tiny_model.name, "messages": [{"role": "user", "content": "hi"}]}}
+    with session_scope() as session:
+        token = auth.create_token(session, owner="ann", scopes=["user"])
+    client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
+    uploaded = client.post("/v1/files", data={"purpose": "batch"},
+                           files={"file": ("b.jsonl", json.dumps(line).encode() + b"\n")})
+    assert uploaded.status_code == 200, uploaded.text
+    request = {"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    ann = access.Principal(owner="ann", scopes=frozenset({"user"}))
+    spec = openai_api.batch_spec(ann, openai_api.BatchRequest(**request, metadata={"priority": "low"}))
+    assert spec["priority"] == "low" and spec["metadata"]["priority"] == "low"
+    high = client.post("/v1/batches", json={**request, "metadata": {"priority": "high"}})
+    assert high.status_code == 403 and "priority or admin scope" in high.text, high.text
+    urgent = client.post("/v1/batches", json={**request, "metadata": {"priority": "urgent"}})
+    assert urgent.status_code == 422 and "priority" in urgent.text, urgent.text
+    assert job_count() == 0
+
+
+@pytest.mark.usefixtures("jobs_env")
+def test_metrics_export_queued_shards_by_queue_priority_and_owner_and_running_shards_by_owner():
+    """/metrics: gpujobs_queued_shards{queue,priority,owner} and gpujobs_running_shards{owner}."""
+    from fastapi.testclient import TestClient
+
+    from api.app import app
+    from api.metrics import parse
+    from core import auth
+
+    make_job("ann", priority="low", shards=2)
+    _, (bob_shard, _) = make_job("bob", priority="high", shards=2)
+    assert claim(bob_shard).id == bob_shard
+    with session_scope() as session:
+        token = auth.create_token(session, owner="prometheus", scopes=["metrics"])
+    text = TestClient(app).get("/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    samples = parse(text)
+    assert sorted((s["queue"], s["priority"], s["owner"], v) for s, v in samples["gpujobs_queued_shards"]) == [
+        ("cpu", "high", "bob", 1.0), ("cpu", "low", "ann", 2.0)]
+    assert samples["gpujobs_running_shards"] == [({"owner": "bob"}, 1.0)]
