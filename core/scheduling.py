@@ -79,20 +79,30 @@ def _queued_on(queue: str) -> tuple[Any, ...]:
     return Shard.state == QUEUED, Job.queue == queue, Job.state.not_in(STOPPED_JOB_STATES)
 
 
-def waiting(session: Session, queue: str) -> list[Waiting]:
-    """Every class of queued work on `queue`, in the order the rule takes them (owners at quota last, flagged)."""
+def _jobs_waiting_on(queue: str) -> tuple[Any, ...]:
+    """Jobs of `queue` with a queued shard: a job-level filter (an EXISTS on the shards' (job, state) index), so the
+    claim's queries grow with the jobs waiting, not with their shards. Only running jobs have queued shards."""
+    has_queued = select(Shard.id).where(Shard.job_id == Job.id, Shard.state == QUEUED).exists()
+    return Job.queue == queue, Job.state == JobState.running.value, has_queued
+
+
+def waiting(session: Session, queue: str, *, count_shards: bool = False) -> list[Waiting]:
+    """Every class of queued work on `queue`, in the order the rule takes them (owners at quota last, flagged);
+    with `count_shards`, each class's queued shards (for views; the claim does not need them)."""
     rows = session.execute(
-        select(Job.priority, Job.owner, func.min(Job.created_at), func.count())
-        .select_from(Shard).join(Job, Job.id == Shard.job_id)
-        .where(*_queued_on(queue))
+        select(Job.priority, Job.owner, func.min(Job.created_at))
+        .where(*_jobs_waiting_on(queue))
         .group_by(Job.priority, Job.owner)
     ).all()
     if not rows:
         return []
-    owners = {owner for _, owner, _, _ in rows}
+    owners = {owner for _, owner, _ in rows}
     used = gpu_seconds(session, owners)
     full = at_quota(session, owners)
-    classes = [Waiting(p, o, oldest, n, used.get(o, 0.0), o in full) for p, o, oldest, n in rows]
+    counts = dict(((p, o), n) for p, o, n in session.execute(
+        select(Job.priority, Job.owner, func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
+        .where(*_queued_on(queue)).group_by(Job.priority, Job.owner)).all()) if count_shards else {}
+    classes = [Waiting(p, o, oldest, counts.get((p, o), 0), used.get(o, 0.0), o in full) for p, o, oldest in rows]
     return sorted(classes, key=lambda w: (w.at_quota, -w.priority, w.gpu_seconds, w.oldest, w.owner))
 
 
@@ -101,16 +111,19 @@ def gpu_seconds(session: Session, owners: set[str], window: float | None = None)
     t = now()
     since = t - (window if window is not None else get_settings().fair_share_window)
     start = case((Shard.started_at > since, Shard.started_at), else_=since)
-    end = case((Shard.state == RUNNING, t), else_=Shard.finished_at)
     weight = case((Job.gpus > 0, Job.gpus), else_=1)
-    rows = session.execute(
-        select(Job.owner, func.sum((end - start) * weight))
-        .select_from(Shard).join(Job, Job.id == Shard.job_id)
-        .where(Job.owner.in_(owners), Shard.started_at.is_not(None),
-               or_(Shard.state == RUNNING, Shard.finished_at > since))
-        .group_by(Job.owner)
-    ).all()
-    return {owner: float(seconds or 0.0) for owner, seconds in rows}
+    used: dict[str, float] = {}
+    # two queries, each on its own index (running shards by state, finished ones by finished_at), not one OR
+    for end, which in ((t, Shard.state == RUNNING), (Shard.finished_at, Shard.finished_at > since)):
+        rows = session.execute(
+            select(Job.owner, func.sum((end - start) * weight))
+            .select_from(Shard).join(Job, Job.id == Shard.job_id)
+            .where(which, Job.owner.in_(owners), Shard.started_at.is_not(None))
+            .group_by(Job.owner)
+        ).all()
+        for owner, seconds in rows:
+            used[owner] = used.get(owner, 0.0) + float(seconds or 0.0)
+    return used
 
 
 def running_shards(session: Session, owners: set[str] | None = None) -> dict[str, int]:
@@ -141,15 +154,20 @@ def next_shard(session: Session, queue: str) -> tuple[Shard, Job] | None:
     for w in waiting(session, queue):
         if w.at_quota:
             return None  # the classes at quota come last: nothing else is queued
-        same = (*_queued_on(queue), Job.priority == w.priority, Job.owner == w.owner)
-        found = session.execute(
-            select(Shard, Job).join(Job, Job.id == Shard.job_id).where(*same)
-            .order_by(Job.created_at, Job.id, Shard.idx).limit(1)
-            .with_for_update(skip_locked=True, of=Shard).execution_options(populate_existing=True)
-        ).first()
-        if found is not None:
-            return found[0], found[1]
+        jobs = session.scalars(
+            select(Job).where(*_jobs_waiting_on(queue), Job.priority == w.priority, Job.owner == w.owner)
+            .order_by(Job.created_at, Job.id).limit(JOBS_LOOKED_AT).execution_options(populate_existing=True)
+        ).all()
+        for job in jobs:
+            shard = session.scalar(
+                select(Shard).where(Shard.job_id == job.id, Shard.state == QUEUED).order_by(Shard.idx).limit(1)
+                .with_for_update(skip_locked=True).execution_options(populate_existing=True))
+            if shard is not None:
+                return shard, job
     return None
+
+
+JOBS_LOOKED_AT = 20  # of one owner and priority, oldest first: past them every queued shard is held by other claims
 
 
 def quota_guard(session: Session, owner: str) -> list[Any]:
@@ -173,7 +191,7 @@ def place(session: Session, job: Job) -> dict[str, Any] | None:
     mine = session.scalar(select(func.count()).where(Shard.job_id == job.id, Shard.state == QUEUED))
     if not mine or job.state in STOPPED_JOB_STATES:
         return None
-    classes = waiting(session, job.queue)
+    classes = waiting(session, job.queue, count_shards=True)
     own = next((w for w in classes if w.priority == job.priority and w.owner == job.owner), None)
     if own is None:
         return None
