@@ -27,7 +27,9 @@ queued a lease after its send while Q has no message left (`core.dispatch.reap`)
 Quotas: an owner with `max_running_shards` set runs at most that many shards at once. The claim's UPDATE counts the
 owner's running shards in its WHERE, after locking the owner's quota row on Postgres (so two claims of one capped
 owner are serialized; SQLite serializes every write), so a cap holds under concurrent claims. An owner at its cap
-is skipped: its queued jobs wait (`gpujobs status` says "waiting: owner quota").
+is skipped: its queued jobs wait (`gpujobs status` says "waiting: owner quota"). A message that found nothing to
+take is gone; the reaper sends such a shard again once it has been queued a lease since its send, the queue has no
+message left and its owner is under quota again (`core.dispatch.reap`), so a freed quota is used within a beat.
 
 The cost: per claim one grouped query over Q's queued shards, one over the candidates' recently run shards
 (indexed by `finished_at`), and one or two single-row reads; ops/bench/load.py measures it (`--claims`).
@@ -179,6 +181,15 @@ def quota_guard(session: Session, owner: str) -> list[Any]:
     running = (select(func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
                .where(Job.owner == owner, Shard.state == RUNNING).scalar_subquery())
     return [running < cap]
+
+
+def held_by_quota(session: Session, job_ids: set[str]) -> set[str]:
+    """Of `job_ids`, the jobs whose owner is at its quota now (the reaper does not send their shards again)."""
+    if not job_ids:
+        return set()
+    owners = dict(session.execute(select(Job.id, Job.owner).where(Job.id.in_(job_ids))).all())
+    full = at_quota(session, set(owners.values()))
+    return {job_id for job_id, owner in owners.items() if owner in full}
 
 
 # --- what users see: a queued job's place, the queues' depth --------------------------------------------------

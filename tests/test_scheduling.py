@@ -343,3 +343,29 @@ def test_metrics_export_queued_shards_by_queue_priority_and_owner_and_running_sh
     assert sorted((s["queue"], s["priority"], s["owner"], v) for s, v in samples["gpujobs_queued_shards"]) == [
         ("cpu", "high", "bob", 1.0), ("cpu", "low", "ann", 2.0)]
     assert samples["gpujobs_running_shards"] == [({"owner": "bob"}, 1.0)]
+
+
+@pytest.mark.usefixtures("jobs_env")
+def test_the_reaper_leaves_a_shard_held_by_its_owners_quota_and_sends_it_once_the_owner_is_under_it():
+    """A queued shard whose message was taken by a claim that found its owner at quota is not sent again while the
+    owner is at quota (no stream of no-op messages), and is sent again by the next reaper pass once it is not."""
+    from core import dispatch
+    from core.queue import waiting_messages
+
+    dispatch.reap()  # the first pass on a fresh Redis sends every queued shard (none yet): that is not this test
+    with session_scope() as session:
+        scheduling.set_quota(session, "ann", max_running_shards=1, by="root")
+    _, (first, second) = make_job("ann", shards=2)
+    assert claim(first).id == first and claim(second) is None  # the second shard's message found ann at quota
+    long_ago = now() - 3600
+    with session_scope() as session:
+        session.execute(update(Shard).where(Shard.id == second).values(enqueued_at=long_ago))
+    dispatch.reap()
+    assert waiting_messages("cpu") == 0
+    with session_scope() as session:
+        assert session.get(Shard, second).enqueued_at == long_ago
+        session.execute(update(Shard).where(Shard.id == first).values(state="succeeded", finished_at=now()))
+    dispatch.reap()
+    assert waiting_messages("cpu") == 1
+    with session_scope() as session:
+        assert session.get(Shard, second).enqueued_at > long_ago
