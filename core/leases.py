@@ -12,8 +12,8 @@ The rules that make "nothing lost, nothing run twice" hold:
   execution is visible, never hidden by a unique key.
 - Which queued shard a claim takes is the scheduling rule's choice (core/scheduling.py: priority, then fair share
   between owners, then FIFO; owners' quotas): a message says "a shard is ready on this queue" (the queue of the
-  shard it names). A late or redelivered message whose shard is done or leased by a
-  live worker takes the next queued shard, or nothing when none is queued.
+  shard it names). A late or redelivered message whose shard is done or leased by a live worker takes the next
+  queued shard, or nothing when none is queued.
 - A shard that goes back to the queue is sent again through `core.dispatch`, after its transaction committed; a
   shard that ends finalizes its job when it was the last one (`core.jobs.maybe_finalize`). The reaper
   (`core.dispatch.reap`) re-queues shards whose lease expired.
