@@ -98,7 +98,10 @@ def _tidy(session: Session, shard: Shard, job: Job) -> str:
         log.info("%s shard %s is already %s: late message takes the next queued shard", job.id, shard.idx, shard.state)
     elif job.state in STOPPED_JOB_STATES:
         _stop(session, shard, job)
-    elif shard.state == ShardState.running.value and shard.lease_expires_at and shard.lease_expires_at <= now():
+    elif shard.state == ShardState.running.value and shard.lease_expires_at and shard.lease_expires_at > now():
+        log.info("%s shard %s is leased by %s: duplicate message takes the next queued shard, if any", job.id,
+                 shard.idx, shard.lease_owner)
+    elif shard.state == ShardState.running.value:
         try:
             transition(session, shard, ShardState.queued, reason=f"lease of {shard.lease_owner} expired",
                        where=[Shard.lease_expires_at == shard.lease_expires_at], lease_owner=None, enqueued_at=None)
