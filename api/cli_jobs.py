@@ -355,8 +355,8 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
             done = j["rows"]["succeeded"] + j["rows"]["failed"]
             place = j.get("scheduling")
             waits = f"  [#{place['position']}, {place['waiting']}]" if place else ""
-            click.echo(f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/{j['rows']['total']:<7} "
-                       f"{j['kind']:<9} {j['model']}{waits}")
+            click.echo(f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/"
+                       f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}")
     emit(client().jobs(state=state, limit=limit), as_json, table)
 
 
