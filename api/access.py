@@ -29,6 +29,11 @@ class Principal:
         return "admin" in self.scopes
 
     @property
+    def may_prioritize(self) -> bool:
+        """Whether this caller may submit `priority: high` work (core/scheduling.py)."""
+        return self.is_admin or "priority" in self.scopes
+
+    @property
     def visible_owner(self) -> str | None:
         """The owner filter for reads and changes: None (everything) for admins."""
         return None if self.is_admin else self.owner

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from api import checks, dashboard, metrics, openai_api, service, service_models, views
 from api.access import Caller
 from api.results import export
-from core import files, formats
+from core import files, formats, scheduling
 from core.db import check_reachable, session_scope
 from core.errors import Forbidden, JobsError
 from core.queue import ping_redis
@@ -92,7 +92,8 @@ def file_info(caller: Caller, file_id: str) -> dict[str, Any]:
 @app.post("/jobs", status_code=201, summary="Submit a job (the spec; `input` is a file id or a server path)")
 async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     checks.request(spec, admin=caller.is_admin)
-    return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin)
+    return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin,
+                                   may_prioritize=caller.may_prioritize)
 
 
 HAS_MORE = "X-Has-More"  # a list route's header: "true" when its `limit` cut the list (ask with a larger limit)
@@ -222,6 +223,31 @@ def remove_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
     _admin_only(caller, "remove models from the workers' hosts")
     return service_models.request("remove", repo=body.repo, revision=body.revision, workers=body.workers,
                                   by=caller.owner)
+
+
+class QuotaRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    owner: str = Field(min_length=1, max_length=128, description="the owner the quota holds for")
+    max_running_shards: int | None = Field(description="shards of the owner that run at once at most (0 holds "
+                                           "new work); null: no cap", ge=0)
+
+
+@app.get("/quotas", summary="Owners' quotas (the cap on their running shards), their running and queued shards and "
+         "recent GPU-seconds: every owner with a quota or with work queued or running (admins)")
+def list_quotas(caller: Caller) -> list[dict[str, Any]]:
+    _admin_only(caller, "read owners' quotas")
+    with session_scope() as session:
+        return scheduling.quotas(session)
+
+
+@app.put("/quotas", summary="Set an owner's quota (admins)")
+def set_quota(caller: Caller, body: QuotaRequest) -> dict[str, Any]:
+    _admin_only(caller, "set quotas")
+    with session_scope() as session:
+        scheduling.set_quota(session, body.owner, max_running_shards=body.max_running_shards, by=caller.owner)
+    with session_scope() as session:
+        return scheduling.quota_view(session, body.owner)
 
 
 def _admin_only(caller, what: str) -> None:

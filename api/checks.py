@@ -29,13 +29,14 @@ from core.training_data import file_format
 HUB_ID = hub.HUB_ID  # org/name; `./x` and `../x` are paths, not Hub ids
 MAX_CONFIG_BYTES = 10 << 20  # a model's config.json, read as JSON at submit
 INHERITED = ("revision", "dtype", "attn_implementation", "use_kernels", "kernel_config", "device_map",
-             "trust_remote_code", "gpus")  # what a fine-tune's chained generation job takes from it
+             "trust_remote_code", "gpus", "priority")  # what a fine-tune's chained generation job takes from it
 
 
-def submission(owner: str, spec_data: Any, *, admin: bool = False) -> NewJob:
+def submission(owner: str, spec_data: Any, *, admin: bool = False, may_prioritize: bool = False) -> NewJob:
     """Every check of a submit, in order; the checked job for `core.jobs.submit`. `admin` lets an admin's job use
-    another owner's adapter."""
+    another owner's adapter; `may_prioritize` (a token with the priority or admin scope) lets it be `high`."""
     spec = parse_spec(_model_from_input(owner, spec_data))
+    priority(spec, may_prioritize=may_prioritize)
     if spec.kind == "finetune":
         return finetune(owner, spec)
     return generation(owner, spec, admin=admin)
@@ -75,6 +76,13 @@ def finetune(owner: str, spec: FinetuneSpec) -> NewJob:
         inputs = [(ref, file_format(dataset(session, owner, ref, fmt=spec.file_format))) for ref in refs]
     return NewJob(owner=owner, spec=spec, gpus=gpus, inputs=inputs, metrics=hub_check.metrics, notes=hub_check.notes,
                   then_generate=then)
+
+
+def priority(spec: Spec, *, may_prioritize: bool) -> None:
+    """`high` is for tokens with the priority (or admin) scope: any owner may lower their own work to `low`."""
+    if spec.priority == "high" and not may_prioritize:
+        raise Forbidden("priority high needs a token with the priority or admin scope (`gpujobs tokens create "
+                        "--owner NAME --scope user --scope priority`): submit with priority normal or low")
 
 
 def _then_generate_spec(spec: FinetuneSpec) -> dict[str, Any] | None:

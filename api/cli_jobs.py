@@ -1,4 +1,5 @@
-"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|usage`: commands that talk to the HTTP API."""
+"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|usage|quota`: commands that talk to the HTTP
+API."""
 
 from __future__ import annotations
 
@@ -140,6 +141,9 @@ def common_submit_options(fn):
         click.option("--input", "input_", help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path"),
         click.option("--name", help="a label for the job"),
         click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),
+        click.option("--priority", type=click.Choice(["low", "normal", "high"]),
+                     help="which queued work free workers take first (normal); high needs a token with the "
+                     "priority or admin scope"),
         click.option("--revision", help="Hub revision of the model: branch, tag or commit (the job records the "
                      "commit)"),
         click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="weights dtype (auto)"),
@@ -316,7 +320,11 @@ def describe(job: dict[str, Any]) -> None:
     (a fine-tune generates nothing, so it shows no tokens, tok/s or first result)."""
     rows = job["rows"]
     click.echo(f"{job['id']}  {job['state']}  {job.get('name') or ''}".rstrip())
-    click.echo(f"  model    {job['model']}  (queue {job['queue']})")
+    click.echo(f"  model    {job['model']}  (queue {job['queue']}, priority {job.get('priority', 'normal')})")
+    place = job.get("scheduling")
+    if place:
+        click.echo(f"  queued   {place['shards_queued']} shards, position {place['position']} "
+                   f"({place['shards_ahead']} shards ahead); {place['waiting']}")
     click.echo(f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
                f"of {rows['total']}")
     for d in job.get("downloads") or []:
@@ -401,7 +409,10 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     def table(jobs):
         for j in jobs:
             done = j["rows"]["succeeded"] + j["rows"]["failed"]
-            click.echo(f"{j['id']}  {j['state']:<10} {done:>7}/{j['rows']['total']:<7} {j['kind']:<9} {j['model']}")
+            place = j.get("scheduling")
+            waits = f"  [#{place['position']}, {place['waiting']}]" if place else ""
+            click.echo(f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/"
+                       f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}")
     found, more = client().jobs_page(state=state, limit=limit)
     emit(found, as_json, table)
     if more:
@@ -548,3 +559,41 @@ def usage(owner: str | None, since: str | None, as_json: bool) -> None:
                        f"{u['prompt_tokens']:>11} {u['completion_tokens']:>11} {u['gpu_seconds']:>10.1f} "
                        f"{u['engine_seconds']:>10.1f}")
     emit(client().usage(owner=owner, since=since), as_json, table)
+
+
+@cli.group()
+def quota() -> None:
+    """Owners' quotas (admins): a cap on the shards an owner runs at once; work over it waits queued."""
+
+
+@quota.command("set")
+@click.argument("owner")
+@click.option("--max-running-shards", type=click.IntRange(0), metavar="N",
+              help="at most N of the owner's shards run at once (0 holds new work)")
+@click.option("--no-cap", is_flag=True, help="remove the owner's cap")
+@click.option("--json", "as_json", is_flag=True, help="print the quota as JSON")
+def quota_set(owner: str, max_running_shards: int | None, no_cap: bool, as_json: bool) -> None:
+    """Set OWNER's quota: `--max-running-shards N`, or `--no-cap`."""
+    if (max_running_shards is None) == (not no_cap):
+        raise InvalidInput("give exactly one of --max-running-shards N or --no-cap")
+    emit(client().set_quota(owner, max_running_shards=None if no_cap else max_running_shards), as_json,
+         lambda q: click.echo(quota_line(q)))
+
+
+@quota.command("show")
+@click.argument("owner", required=False)
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def quota_show(owner: str | None, as_json: bool) -> None:
+    """Every owner with a quota or with work queued or running (or only OWNER): cap, running and queued shards,
+    GPU-seconds over the fair-share window."""
+    rows = [q for q in client().quotas() if owner is None or q["owner"] == owner]
+    if owner is not None and not rows:
+        rows = [{"owner": owner, "max_running_shards": None, "running_shards": 0, "queued_shards": 0,
+                 "gpu_seconds": 0.0}]
+    emit(rows, as_json, lambda qs: [click.echo(quota_line(q)) for q in qs])
+
+
+def quota_line(q: dict[str, Any]) -> str:
+    cap = "no cap" if q["max_running_shards"] is None else f"max {q['max_running_shards']} running shards"
+    return (f"{q['owner']:<20} {cap:<26} running {q['running_shards']:>4}  queued {q['queued_shards']:>6}  "
+            f"{q['gpu_seconds']:>10.1f} GPU-s recently")

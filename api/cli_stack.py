@@ -151,7 +151,8 @@ def tokens() -> None:
 @tokens.command("create")
 @click.option("--owner", required=True, help="the owner whose jobs this token submits and sees")
 @click.option("--scope", "scopes", multiple=True, default=["user"], show_default=True,
-              type=click.Choice(["user", "admin", "metrics"]), help="repeatable")
+              type=click.Choice(["user", "admin", "metrics", "priority"]),
+              help="repeatable; priority (beside user) may submit priority high jobs")
 @click.option("--name", help="a label")
 def tokens_create(owner: str, scopes: tuple[str, ...], name: str | None) -> None:
     """Create a token and print it once (only its hash is stored)."""

@@ -49,6 +49,8 @@ class Job(TypedDict, total=False):
     live: dict[str, Any]  # while it runs: rows_per_s, tokens_per_s, eta_s
     metrics: dict[str, Any]
     error: str | None
+    priority: str  # low, normal, high
+    scheduling: dict[str, Any]  # while shards are queued: position, shards_ahead, shards_queued, waiting (a reason)
     created_at: float
     started_at: float | None
     finished_at: float | None
@@ -103,9 +105,12 @@ class Client:
         with open(path, "rb") as stream:
             return self._json("POST", "/files", files={"file": (Path(path).name, stream)}, timeout=LONG)
 
-    def submit(self, spec: dict[str, Any], *, input: str | Path | None = None) -> Job:
+    def submit(self, spec: dict[str, Any], *, input: str | Path | None = None, priority: str | None = None) -> Job:
         """Submit a job. `input` (optional) is a local JSONL file, uploaded first; otherwise `spec["input"]` names
-        a file id or a server path."""
+        a file id or a server path. `priority` (low, normal, high; or `spec["priority"]`) orders queued work; high
+        needs a token with the priority or admin scope."""
+        if priority is not None:
+            spec = {**spec, "priority": priority}
         if input is not None:
             if not Path(input).is_file():
                 raise errors.InvalidInput(f"input {str(input)!r} is not a local file: give the path of a JSONL "
@@ -186,6 +191,14 @@ class Client:
 
     def retry(self, job_id: str, *, failed_only: bool = False) -> Job:
         return self._json("POST", f"/jobs/{job_id}/retry", params={"failed_only": failed_only})
+
+    def quotas(self) -> list[dict[str, Any]]:
+        """Owners' quotas, running and queued shards and recent GPU-seconds (admins)."""
+        return self._json("GET", "/quotas")
+
+    def set_quota(self, owner: str, *, max_running_shards: int | None) -> dict[str, Any]:
+        """Cap the shards `owner` runs at once (None: no cap); admins only."""
+        return self._json("PUT", "/quotas", json={"owner": owner, "max_running_shards": max_running_shards})
 
     def workers(self, *, all: bool = False) -> list[dict[str, Any]]:
         """Registered workers; `all`: also those stopped long ago or replaced on their host and slice."""

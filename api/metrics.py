@@ -9,6 +9,9 @@ tests/test_metrics.py checks that every name they use is exported):
 
     gpujobs_jobs{state}                                 jobs in each state (every state, 0 included)
     gpujobs_queue_depth{queue}                          messages waiting in Redis per queue (cpu, gpu1, ...)
+    gpujobs_queued_shards{queue,priority,owner}         shards waiting in SQL to be claimed (core/scheduling.py);
+                                                        only the combinations with some are exported
+    gpujobs_running_shards{owner}                       shards running now, per owner (quotas cap these)
     gpujobs_redis_up                                    1 when Redis answered this scrape
     gpujobs_rows_processed_total{state}                 rows finished, succeeded or failed
     gpujobs_tokens_processed_total{kind}                prompt and completion tokens of finished rows
@@ -44,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core import auth, registry
+from core import auth, registry, scheduling
 from core.db import session_scope
 from core.errors import Forbidden
 from core.models import Job, JobRow, Worker
@@ -87,6 +90,7 @@ class SqlCollector:
             yield from job_metrics(session)
             yield from row_metrics(session)
             yield from worker_metrics(session)
+            yield from scheduling_metrics(session)
             queues = known_queues(session)
         yield from queue_metrics(queues)
 
@@ -182,6 +186,17 @@ def worker_metrics(session: Session) -> Iterator[Metric]:
     for (host, slice_), w in sorted(newest.items()):
         restarts.add_metric([host, slice_], w.restarts or 0)
     yield from (by_state, restarts, up, age, total, allocated, reserved)
+
+
+def scheduling_metrics(session: Session) -> Iterator[Metric]:
+    queued = GaugeMetricFamily("gpujobs_queued_shards", "Shards waiting to be claimed, by queue, priority and owner",
+                               labels=["queue", "priority", "owner"])
+    for queue, priority, owner, count in scheduling.queue_depth(session):
+        queued.add_metric([queue, priority, owner], count)
+    running = GaugeMetricFamily("gpujobs_running_shards", "Shards running now, by owner", labels=["owner"])
+    for owner, count in sorted(scheduling.running_shards(session).items()):
+        running.add_metric([owner], count)
+    yield from (queued, running)
 
 
 def known_queues(session: Session) -> list[str]:

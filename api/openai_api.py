@@ -21,6 +21,8 @@ How it maps (choices that clients see, hence written down here):
 - The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
   rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
   deleted on their own. Uploaded files are ordinary stored files (`file_…`), usable by `gpujobs submit` too.
+- `metadata.priority` (`low`, `normal`, `high`) is the job's priority (core/scheduling.py); `high` needs a token
+  with the priority or admin scope, like any submit. It stays in the batch's metadata too.
 - `request_counts` are the job's rows: total, succeeded (`completed`), failed; `usage` its tokens.
 - The endpoints check tokens like the rest of the API (scope user or admin; a user sees only their own). They are
   not in our OpenAPI schema: OpenAI's specification describes them, and tests/test_openai_api.py checks their
@@ -164,7 +166,8 @@ class BatchRequest(BaseModel):
 @router.post("/batches")
 async def create_batch(who: Who, request: BatchRequest) -> dict[str, Any]:
     spec = await run_in_threadpool(batch_spec, who, request)
-    job = await run_in_threadpool(service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin)
+    job = await run_in_threadpool(service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin,
+                                  may_prioritize=who.may_prioritize)
     return await run_in_threadpool(_view, who, job["id"])
 
 
@@ -183,8 +186,11 @@ def batch_spec(who: access.Principal, request: BatchRequest) -> dict[str, Any]:
         stored = files.get(session, request.input_file_id, owner=who.owner)
         path = files.absolute(stored)
     check_urls(path, request.endpoint)
-    return {"kind": "generate", "input": request.input_file_id, "input_format": "openai",
+    spec = {"kind": "generate", "input": request.input_file_id, "input_format": "openai",
             "metadata": {**metadata, META + "endpoint": request.endpoint, META + "completion_window": "24h"}}
+    if "priority" in metadata:  # metadata {"priority": "low" | "normal" | "high"}: the job's priority
+        spec["priority"] = metadata["priority"]
+    return spec
 
 
 def check_urls(path, endpoint: str) -> None:

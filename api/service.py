@@ -15,18 +15,20 @@ from core import files, jobs
 from core.db import session_scope
 
 
-def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False) -> dict[str, Any]:
+def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False, may_prioritize: bool = False
+           ) -> dict[str, Any]:
     """Check, store the job and its rows, then enqueue its shards. Nothing is written if a check fails.
 
     A generation job whose `adapter` names a fine-tune still running waits, queued without shards, for its
     adapter (`core.adapters`). A fine-tune's `then_generate` is submitted like any spec, naming the fine-tune as
-    its adapter. `admin` lets an admin's job use another owner's adapter."""
-    return views.get(_submit(owner, spec_data, admin), owner=None)
+    its adapter. `admin` lets an admin's job use another owner's adapter; `may_prioritize` lets it be `high`
+    (api/checks.py)."""
+    return views.get(_submit(owner, spec_data, admin, may_prioritize), owner=None)
 
 
-def _submit(owner: str, spec_data: Any, admin: bool) -> str:
-    new = checks.submission(owner, spec_data, admin=admin)
-    return jobs.submit(new, chain=lambda chained: _submit(owner, chained, admin))
+def _submit(owner: str, spec_data: Any, admin: bool, may_prioritize: bool) -> str:
+    new = checks.submission(owner, spec_data, admin=admin, may_prioritize=may_prioritize)
+    return jobs.submit(new, chain=lambda chained: _submit(owner, chained, admin, may_prioritize))
 
 
 def cancel(job_id: str, *, owner: str | None, by: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from core import adapters, hub, model_cache, registry
+from core import adapters, hub, model_cache, registry, scheduling
 from core.db import session_scope
 from core.errors import InvalidInput
 from core.models import Job, JobEvent, JobRow, Shard
@@ -39,6 +39,7 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
         "model": job.spec.get("model"),
         "queue": job.queue,
         "gpus": job.gpus,
+        "priority": scheduling.name(job.priority),
         "rows": {k: p[k] for k in ("total", "succeeded", "failed", "pending")},
         "tokens": {"prompt": p["prompt_tokens"], "completion": p["completion_tokens"]},
         "created_at": job.created_at,
@@ -56,6 +57,9 @@ def job_view(session: Session, job: Job) -> dict[str, Any]:
     if not JobState(job.state).terminal:
         if job.kind != "finetune":  # a fine-tune's rate is training's (`training`), not generated tokens
             view["live"] = _live_rates(session, job, p)
+        place = scheduling.place(session, job)  # while shards are queued: position and why it waits
+        if place is not None:
+            view["scheduling"] = place
         downloads = _downloads(session, job)
         if downloads:
             view["downloads"] = downloads

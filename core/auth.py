@@ -1,4 +1,5 @@
-"""API tokens: stored as SHA-256 only, each with an owner and scopes (`user`, `admin`, `metrics`)."""
+"""API tokens: stored as SHA-256 only, each with an owner and scopes (`user`, `admin`, `metrics`, `priority`: may
+submit `priority: high` jobs, beside `user`; an admin may too)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from core.errors import InvalidInput, Unauthorized
 from core.models import Token
 from core.store import new_id, now
 
-SCOPES = ("user", "admin", "metrics")
+SCOPES = ("user", "admin", "metrics", "priority")
 OWNER = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")  # the name jobs are filed under: no spaces, no control characters
 
 

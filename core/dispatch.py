@@ -7,8 +7,9 @@ loses nothing: a queued shard never sent (`enqueued_at IS NULL`) is found and se
 messages are harmless: a claim of a shard that is done, or leased by a live worker, does nothing (core/leases.py).
 
 The reaper (`reap`, run on every worker's heartbeat through `core.jobs.reap`, safe to run many at once) sends
-never-sent shards, re-queues shards whose lease expired, sends again shards whose message was lost in flight, and
-after a Redis restart sends every queued shard. Each re-queue and re-send is a conditional update: only the
+never-sent shards, re-queues shards whose lease expired, sends again shards whose message was lost in flight (or
+taken by a claim that found its owner at quota: sent again once the owner is under it), and after a Redis restart
+sends every queued shard. Each re-queue and re-send is a conditional update: only the
 process that won it sends the message.
 """
 
@@ -19,7 +20,7 @@ import logging
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from core import registry
+from core import registry, scheduling
 from core.db import session_scope
 from core.errors import IllegalTransition
 from core.models import Job, Shard
@@ -79,8 +80,10 @@ def reap() -> None:
         # once read): a shard still queued a lease after its send, while its queue is empty, is sent again.
         stale = sent_long_ago(session, sent_before=now() - settings.lease_seconds)
         empty = {q for q in {q for _, q in stale} if waiting_messages(q) == 0}
+        # a shard held by its owner's quota stays queued on purpose: its message is sent once the owner is under it
+        held = scheduling.held_by_quota(session, {shard.job_id for shard, _ in stale})
         for shard, queue in stale:
-            if queue in empty and mark_resent(session, shard):
+            if queue in empty and shard.job_id not in held and mark_resent(session, shard):
                 to_send.append((shard.id, shard.job_id))
     for shard_id, job_id in to_send:
         log.info("%s reaper: enqueuing shard %s", job_id, shard_id)

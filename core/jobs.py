@@ -28,7 +28,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core import adapters, dispatch, files
+from core import adapters, dispatch, files, scheduling
 from core.dataset import InputCheck, parse_dataset, retry_can_change
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
@@ -96,7 +96,7 @@ def _create(session: Session, new: NewJob, file: File, **values: Any) -> Job:
     job = Job(id=new_id("job"), kind=new.spec.kind, state=JobState.queued.value, owner=new.owner,
               spec=new.spec.model_dump(mode="json"), input_file_id=file.id, queue=queue_for(new.gpus), gpus=new.gpus,
               created_at=now(), rows_succeeded=0, rows_failed=0, prompt_tokens=0, completion_tokens=0, retries=0,
-              **values)
+              priority=scheduling.rank(new.spec.priority), **values)
     session.add(job)
     session.flush()
     return job

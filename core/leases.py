@@ -10,7 +10,10 @@ The rules that make "nothing lost, nothing run twice" hold:
   lost its lease (paused, partitioned, reaped) cannot write anything. A row result is written only while the
   row is pending (idempotent on (job, row)); `executions` counts every attempt to write it, so a duplicate
   execution is visible, never hidden by a unique key.
-- A late or redelivered message finds its shard done or leased by a live worker and does nothing.
+- Which queued shard a claim takes is the scheduling rule's choice (core/scheduling.py: priority, then fair share
+  between owners, then FIFO; owners' quotas): a message says "a shard is ready on this queue" (the queue of the
+  shard it names). A late or redelivered message whose shard is done or leased by a live worker takes the next
+  queued shard, or nothing when none is queued.
 - A shard that goes back to the queue is sent again through `core.dispatch`, after its transaction committed; a
   shard that ends finalizes its job when it was the last one (`core.jobs.maybe_finalize`). The reaper
   (`core.dispatch.reap`) re-queues shards whose lease expired.
@@ -26,7 +29,7 @@ from typing import Any
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from core import adapters, dispatch
+from core import adapters, dispatch, scheduling
 from core.db import session_scope
 from core.errors import IllegalTransition, LeaseLost
 from core.jobs import maybe_finalize
@@ -36,7 +39,7 @@ from core.store import add_event, fail_pending_rows, now, transition
 
 log = logging.getLogger(__name__)
 
-STOPPED_JOB_STATES = (JobState.cancelling.value, JobState.cancelled.value, JobState.failed.value)
+STOPPED_JOB_STATES = scheduling.STOPPED_JOB_STATES
 
 
 @dataclass
@@ -59,44 +62,72 @@ class RowResult:
 
 
 def claim(session: Session, shard_id: int, worker: str, lease_seconds: float) -> Claim | None:
-    """Take the shard's lease, or return None (with an event) when there is nothing for this worker to do."""
-    shard = session.get(Shard, shard_id)
-    if shard is None:
+    """Take the lease of the shard the scheduling rule picks on the queue of `shard_id` (the message's shard;
+    core/scheduling.py), or return None when nothing queued there may run now. A message whose own shard is done,
+    or leased by a live worker, takes the next queued shard all the same: another claim used that shard's message."""
+    hinted = session.get(Shard, shard_id)
+    if hinted is None:
         log.warning("shard %s does not exist (job deleted?): message dropped", shard_id)
         return None
-    job = session.get(Job, shard.job_id)
-    if ShardState(shard.state).terminal:
-        log.info("%s shard %s is already %s: late message ignored", job.id, shard.idx, shard.state)
-        return None
-    if job.state in STOPPED_JOB_STATES:
-        _stop(session, shard, job)
-        return None
-    t = now()
-    try:
-        if shard.state == ShardState.running.value:
-            if shard.lease_expires_at and shard.lease_expires_at > t:
-                log.info("%s shard %s is leased by %s: duplicate message ignored", job.id, shard.idx,
-                         shard.lease_owner)
-                return None
-            expired_lease = Shard.lease_expires_at == shard.lease_expires_at
-            transition(session, shard, ShardState.queued, reason=f"lease of {shard.lease_owner} expired",
-                       where=[expired_lease])
+    queue = _tidy(session, hinted, session.get(Job, hinted.job_id))
+    for _ in range(MAX_PICKS):
+        picked = scheduling.next_shard(session, queue)
+        if picked is None:
+            log.info("nothing queued on %s may run now (message of shard %s)", queue, shard_id)
+            return None
+        shard, job = picked
         if shard.attempts >= shard.max_attempts:
             lost = shard.error or "the worker was lost each time"
             give_up(session, shard, f"gave up after {shard.attempts} attempts: {lost}")
-            return None
-        transition(
+            continue
+        taken = _take(session, shard, job, worker, lease_seconds)
+        if taken is not None:
+            return taken
+    log.warning("claims on %s lost %d races in a row: message of shard %s left to the reaper", queue, MAX_PICKS,
+                shard_id)
+    return None
+
+
+MAX_PICKS = 50  # each lost race means another claim took a shard: the queue empties long before this
+
+
+def _tidy(session: Session, shard: Shard, job: Job) -> str:
+    """What the message's own shard needs whoever runs next: cancelled with its stopping job, or back to the queue
+    once its lease expired (unsent, so the reaper sends it if this claim takes another). Returns its queue."""
+    if ShardState(shard.state).terminal:
+        log.info("%s shard %s is already %s: late message takes the next queued shard", job.id, shard.idx, shard.state)
+    elif job.state in STOPPED_JOB_STATES:
+        _stop(session, shard, job)
+    elif shard.state == ShardState.running.value and shard.lease_expires_at and shard.lease_expires_at > now():
+        log.info("%s shard %s is leased by %s: duplicate message takes the next queued shard, if any", job.id,
+                 shard.idx, shard.lease_owner)
+    elif shard.state == ShardState.running.value:
+        try:
+            transition(session, shard, ShardState.queued, reason=f"lease of {shard.lease_owner} expired",
+                       where=[Shard.lease_expires_at == shard.lease_expires_at], lease_owner=None, enqueued_at=None)
+        except IllegalTransition:
+            pass  # the reaper or another message re-queued it first
+    return job.queue
+
+
+def _take(session: Session, shard: Shard, job: Job, worker: str, lease_seconds: float) -> Claim | None:
+    """The conditional update queued → running under this worker's lease (and its owner's quota); None when
+    another claim took the shard first or the owner reached its quota meanwhile."""
+    t = now()
+    try:
+        shard = transition(
             session,
             shard,
             ShardState.running,
             reason=f"claimed by {worker} (attempt {shard.attempts + 1} of {shard.max_attempts})",
+            where=scheduling.quota_guard(session, job.owner),
             lease_owner=worker,
             lease_expires_at=t + lease_seconds,
             attempts=Shard.attempts + 1,
             started_at=t,
         )
-    except IllegalTransition:  # a duplicate message claimed it (or the reaper re-queued it) at the same time
-        log.info("%s shard %s was taken by another process: duplicate message ignored", job.id, shard.idx)
+    except IllegalTransition:
+        log.info("%s shard %s was taken by another claim: picking again", job.id, shard.idx)
         return None
     if job.state == JobState.running.value and job.started_at is None:
         session.execute(update(Job).where(Job.id == job.id, Job.started_at.is_(None)).values(started_at=t))

@@ -56,8 +56,14 @@ class Job(Base):
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
     retries: Mapped[int] = mapped_column(Integer, default=0)
+    # 0 low, 1 normal, 2 high (0008; core/scheduling.py): an integer so that the claim orders by it
+    priority: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
 
-    __table_args__ = (Index("ix_jobs_owner_created", "owner", "created_at"), Index("ix_jobs_state", "state"))
+    __table_args__ = (
+        Index("ix_jobs_owner_created", "owner", "created_at"),
+        Index("ix_jobs_state", "state"),
+        Index("ix_jobs_queue_priority", "queue", "priority", "owner", "created_at"),
+    )
 
 
 class Shard(Base):
@@ -85,6 +91,7 @@ class Shard(Base):
     __table_args__ = (
         Index("ix_shards_job_state", "job_id", "state"),
         Index("ix_shards_state_lease", "state", "lease_expires_at"),
+        Index("ix_shards_finished_at", "finished_at"),  # owners' recent GPU-seconds (core/scheduling.py)
     )
 
 
@@ -157,6 +164,18 @@ class Worker(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     reason: Mapped[str | None] = mapped_column(Text)
     restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class Quota(Base):
+    """An owner's limits (0008; core/scheduling.py): at most `max_running_shards` of its shards run at once (None: no
+    cap). Set by an admin (`gpujobs quota set`); an owner without a row has no limits."""
+
+    __tablename__ = "quotas"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    max_running_shards: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[float] = mapped_column(Float)
+    updated_by: Mapped[str | None] = mapped_column(String(128))
 
 
 class File(Base):

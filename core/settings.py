@@ -85,6 +85,7 @@ class Settings:
     batch_rows: int = 16
     lease_seconds: float = 20.0
     max_attempts: int = 3
+    fair_share_window: float = 3600.0  # owners' GPU-seconds are counted over this many seconds (core/scheduling.py)
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
     broker_wait_seconds: float | None = None  # a worker's BRPOP wait in Redis; None = kombu's 1 s (core/queue.py)
@@ -172,6 +173,7 @@ _NUMBERS = {
     "batch_rows": "JOBS_BATCH_ROWS",
     "lease_seconds": "JOBS_LEASE_SECONDS",
     "max_attempts": "JOBS_MAX_ATTEMPTS",
+    "fair_share_window": "JOBS_FAIR_SHARE_WINDOW_SECONDS",
     "worker_timeout": "JOBS_WORKER_TIMEOUT",
     "visibility_timeout": "JOBS_VISIBILITY_TIMEOUT",
     "batch_window_seconds": "JOBS_BATCH_WINDOW_SECONDS",

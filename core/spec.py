@@ -120,6 +120,9 @@ class JobSettings(Strict):
     name: str | None = Field(None, max_length=200)
     gpus: int | None = Field(None, ge=0, le=64, description="slice size: 0 = CPU; default: the smallest live slice")
     metadata: dict[str, str] | None = None
+    priority: Literal["low", "normal", "high"] = Field(
+        "normal", description="which queued work a free worker takes first (core/scheduling.py); high needs a token "
+        "with the priority or admin scope")
 
 
 class GenerateSpec(JobSettings, LoadOptions, SamplingParams):

@@ -31,7 +31,8 @@ from tests.conftest import ROOT
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")  # an OpenAPI path item's operations
 PUBLIC = {("GET", "/healthz")}  # the only operations that answer without a token
 GLOBAL = {("GET", "/workers"), ("GET", "/models")}  # operations that show no owner's data (shared by everyone)
-ADMIN_ONLY = {("POST", "/models/pull"), ("POST", "/models/remove")}  # operators' routes: a user gets 403
+ADMIN_ONLY = {("POST", "/models/pull"), ("POST", "/models/remove"),
+              ("GET", "/quotas"), ("PUT", "/quotas")}  # operators' routes: a user gets 403
 # A job reads only its submitter's files: an admin submitting over another owner's file id gets 404 like anyone.
 ADMIN_REFUSED = {("POST", "/jobs"): 404,
                  # no live worker in this world: the request has no host to go to
@@ -139,6 +140,7 @@ def bodies(world: World, ids: dict[str, str]) -> dict[tuple[str, str], tuple[dic
                             {"file_id"}),
         ("POST", "/models/pull"): ({"json": {"repo": "acme/probe", "workers": "all"}}, set()),
         ("POST", "/models/remove"): ({"json": {"repo": "acme/probe", "workers": "all"}}, set()),
+        ("PUT", "/quotas"): ({"json": {"owner": "probe-owner", "max_running_shards": 4}}, set()),
     }
 
 

@@ -134,8 +134,9 @@ def test_claim_takes_the_lease_counts_an_attempt_and_returns_the_pending_rows():
 
 
 def test_a_second_claim_of_a_leased_shard_returns_none():
-    """A duplicate message for a shard leased by a live worker is ignored: None, lease and attempts untouched."""
-    job_id, (s0, _) = make_job()
+    """A duplicate message for a shard leased by a live worker, with nothing else queued, is ignored: None, lease and
+    attempts untouched."""
+    job_id, (s0,) = make_job(rows=2, shard_rows=2)
     assert claim(s0, "w1") is not None
     before = shard_of(s0)
     assert claim(s0, "w2") is None
@@ -147,14 +148,30 @@ def test_a_second_claim_of_a_leased_shard_returns_none():
 
 @pytest.mark.parametrize("state", [s for s in ShardState if s.terminal])
 def test_a_claim_of_a_terminal_shard_returns_none(state):
-    """A late message for a finished shard does nothing: None, state and attempts unchanged, no event."""
-    job_id, (s0, _) = make_job()
+    """A late message for a finished shard, with nothing else queued, does nothing: None, state and attempts
+    unchanged, no event."""
+    job_id, (s0,) = make_job(rows=2, shard_rows=2)
     with session_scope() as session:
         session.execute(update(Shard).where(Shard.id == s0).values(state=state.value, attempts=1))
     assert claim(s0, "w1") is None
     shard = shard_of(s0)
     assert (shard.state, shard.attempts, shard.lease_owner) == (state.value, 1, None)
     assert messages(job_id) == []
+
+
+@pytest.mark.parametrize("state", [ShardState.running, ShardState.succeeded])
+def test_a_message_whose_shard_is_taken_takes_the_next_queued_shard(state):
+    """A message whose shard another claim took (or that is done) takes the next queued shard of its queue, so
+    every queued shard still has a message that runs it (core/scheduling.py); the taken shard is untouched."""
+    job_id, (s0, s1) = make_job()
+    with session_scope() as session:
+        session.execute(update(Shard).where(Shard.id == s0).values(state=state.value, attempts=1, lease_owner="w0",
+                                                                   lease_expires_at=now() + LEASE))
+    got = claim(s0, "w1")
+    assert got is not None and got.shard.id == s1
+    assert (shard_of(s0).state, shard_of(s0).lease_owner) == (state.value, "w0")
+    assert (shard_of(s1).state, shard_of(s1).lease_owner) == ("running", "w1")
+    assert claim(s1, "w2") is None  # s1's own message, late: nothing is left
 
 
 def test_a_claim_of_a_missing_shard_returns_none():
@@ -181,7 +198,7 @@ def test_a_claim_after_the_lease_expired_requeues_then_claims():
 
 def test_concurrent_claims_of_one_queued_shard_lease_it_once():
     """Four workers claim one queued shard at once (duplicate delivery): exactly one gets it, the others get None."""
-    job_id, (s0, _) = make_job()
+    job_id, (s0,) = make_job(rows=2, shard_rows=2)
     results = race(4, lambda session, i: leases.claim(session, s0, f"w{i}", LEASE))
     won = [i for i, r in enumerate(results) if isinstance(r, leases.Claim)]
     assert len(won) == 1, results
@@ -376,16 +393,16 @@ def test_queued_shards_finds_queued_never_sent_shards_older_than_the_cutoff():
     young_job, (young,) = make_job(rows=2, created_at=now())
     with session_scope() as session:
         dispatch.mark_enqueued(session, [old_b])
-    assert claim(old_c, "w1") is not None
+    assert claim(old_c, "w1").shard.id == old_a  # the claim takes the job's first queued shard (FIFO)
     with session_scope() as session:
         found = [s.id for s in dispatch.queued_shards(session, older_than=now() - 60)]
-    assert found == [old_a]
+    assert found == [old_c]
     with session_scope() as session:  # a later cutoff takes the young job's shard too
         found = sorted(s.id for s in dispatch.queued_shards(session, older_than=now() + 1))
-    assert found == sorted([old_a, young])
+    assert found == sorted([old_c, young])
     with session_scope() as session:  # after a Redis restart: every queued shard, sent or not
         found = sorted(s.id for s in dispatch.queued_shards(session, older_than=now() + 1, unsent_only=False))
-    assert found == sorted([old_a, old_b, young])
+    assert found == sorted([old_b, old_c, young])
 
 
 def test_stuck_jobs_finds_running_or_cancelling_jobs_without_an_open_shard():

@@ -43,7 +43,7 @@ def _drift(url: str) -> list:
 def test_models_define_the_expected_tables():
     """The metadata the migrations must build is the whole store (guards against an empty comparison)."""
     assert TABLES == {"jobs", "shards", "job_rows", "job_events", "workers", "files", "tokens", "adapters",
-                      "cached_models"}
+                      "cached_models", "quotas"}
 
 
 def test_upgrade_creates_every_table_of_the_models(blank_url):

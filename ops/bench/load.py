@@ -8,12 +8,18 @@ It starts its own stack in a temp dir, the same pieces the tests use: a private 
 (`core.embedded.start_redis`), SQLite (WAL) migrated by Alembic (or the Postgres URL given), the API under uvicorn
 and CPU worker processes (`python -m worker.main --slice ''`), with a tiny random Qwen3 model built on the spot.
 
-Two phases, each checked for "nothing lost, nothing run twice" in SQL (every row has one result and
-`executions == 1`, every job is finalized exactly once):
+Three phases on the stack, each checked for "nothing lost, nothing run twice" in SQL (every row has one result and
+`executions == 1`, every job is finalized exactly once), and one on the store alone:
 
 1. burst: N jobs of 1-2 rows (max_new_tokens 1) submitted at once over C concurrent HTTP connections (upload +
    POST /jobs each), while another thread calls GET /jobs/{id} in a loop and records its latency.
 2. big: one job of R rows (max_new_tokens 1), uploaded and submitted over HTTP, run by the workers; status polled.
+3. mixed (`--mixed M`): owners sharing the workers (core/scheduling.py): `big` submits one job of many shards, then
+   M small jobs of `ann`, `bob`, `cat` (normal), `vip` (high) and `batch` (low) are submitted at once; waiting time
+   (a job's first shard started − submitted) and turnaround percentiles per owner and priority.
+4. claims (`--claims`, after the stack stopped, on its store): the claim's cost in ms (core/leases.claim, the
+   scheduling rule's queries included) with 100 queued jobs of one shard, and with 100 jobs of 100 shards (10,000
+   queued shards), 8 owners, 3 priorities and 2,000 shards run within the fair-share window.
 
 It prints a table and writes JSON (commit, machine, settings, numbers) to ops/bench/results/load-<date>.json.
 `tests/test_load.py` runs the same functions at CI size (200 submissions, 20,000 rows).
@@ -415,6 +421,17 @@ def table(report: dict) -> str:
             add("burst: CPU seconds (api / workers)", cpu_text(b["cpu_s"]))
         add("burst: rows with executions != 1", b["audit"]["rows_not_executed_once"])
         add("burst: jobs finalized exactly once", f"{b['audit']['jobs_finalized_once']} of {b['jobs']}")
+    if m := report.get("mixed"):
+        add("mixed: small jobs / big job's shards", f"{m['jobs']} / {m['big_shards']}")
+        for cls, e in m["by_owner_priority"].items():
+            w, r = e["wait_s"], e["turnaround_s"]
+            add(f"mixed: {cls} wait p50 / p99 (n={w['n']})", f"{ms(w['p50'])} / {ms(w['p99'])}; turnaround p50 "
+                f"{ms(r['p50'])}")
+        add("mixed: rows with executions != 1", m["audit"]["rows_not_executed_once"])
+    for c in report.get("claims", []):
+        add(f"claim: ms at {c['queued_jobs']} jobs / {c['queued_shards']} shards",
+            f"mean {c['claim_ms']['mean']}, p50 {c['claim_ms']['p50']}, p99 {c['claim_ms']['p99']} "
+            f"(n={c['claim_ms']['n']})")
     if g := report.get("big"):
         add("big: rows / workers / shard / batch",
             f"{g['rows']} / {g['workers']} / {g['shard_rows']} / {g['batch_rows']}")
@@ -541,6 +558,119 @@ class Stack:
             self.redis.stop()
 
 
+# --- mixed owners and priorities (core/scheduling.py) -----------------------------------------------------------
+
+MIXED_OWNERS = (("ann", "normal"), ("bob", "normal"), ("cat", "normal"), ("vip", "high"), ("batch", "low"))
+
+
+def mixed(stack: Stack, model: Path, data_dir: Path, *, jobs: int, big_shards: int, timeout: float) -> dict:
+    """`big` submits one job of `big_shards` 2-row shards; then `jobs` 1-2-row jobs of the owners in MIXED_OWNERS
+    are submitted at once (8 connections). Waiting and turnaround percentiles per owner and priority, from SQL."""
+    from sqlalchemy import func, select
+
+    from api.client import Client
+    from core import auth
+    from core.db import session_scope
+    from core.models import Job, Shard
+    from core.scheduling import name
+
+    with session_scope(stack.database_url) as session:
+        tokens = {o: auth.create_token(session, owner=o, scopes=["user", "priority"]) for o in
+                  ("big", *[o for o, _ in MIXED_OWNERS])}
+    spec = job_spec(model, shard_rows=2, batch_rows=2)
+    with Client(stack.url, tokens["big"]) as c:
+        ids = [c.submit(spec, input=write_rows(data_dir / "mixed-big.jsonl", 2 * big_shards))["id"]]
+    rng = random.Random(0)
+    plan = [(MIXED_OWNERS[i % len(MIXED_OWNERS)], rng.randint(1, 2)) for i in range(jobs)]
+
+    def submit_one(i: int) -> str:
+        (owner, priority), rows = plan[i]
+        with Client(stack.url, tokens[owner]) as c:
+            return c.submit(spec, input=write_rows(data_dir / f"mixed-{i}.jsonl", rows), priority=priority)["id"]
+
+    with ThreadPoolExecutor(8) as pool:
+        ids += list(pool.map(submit_one, range(jobs)))
+    wait_terminal(stack.database_url, ids, timeout, alive=stack.dead)
+    with session_scope(stack.database_url) as session:
+        rows = session.execute(select(Job.owner, Job.priority, Job.created_at, Job.finished_at,
+                                      func.min(Shard.started_at))
+                               .join(Shard, Shard.job_id == Job.id).where(Job.id.in_(ids)).group_by(Job.id)).all()
+    by_class: dict[str, dict[str, list[float]]] = {}
+    for owner, priority, created, finished, started in rows:
+        entry = by_class.setdefault(f"{owner}/{name(priority)}", {"wait_s": [], "turnaround_s": []})
+        if started is not None:
+            entry["wait_s"].append(started - created)
+        if finished is not None:
+            entry["turnaround_s"].append(finished - created)
+    return {"jobs": jobs, "big_shards": big_shards, "audit": audit(stack.database_url, ids),
+            "by_owner_priority": {k: {m: summary(v) for m, v in e.items()} for k, e in sorted(by_class.items())}}
+
+
+# --- the claim's cost --------------------------------------------------------------------------------------------
+
+CLAIM_QUEUE = "bench-claims"  # no worker consumes it
+
+
+def claim_cost(database_url: str, *, jobs: int, shards_per_job: int, claims: int = 200, owners: int = 8,
+               history: int = 2000) -> dict:
+    """ms per `core.leases.claim` on a queue holding `jobs` x `shards_per_job` queued shards of `owners` owners
+    and three priorities, after `history` shards ran within the fair-share window. Its rows are deleted after."""
+    from sqlalchemy import delete, insert
+
+    from core import leases
+    from core.db import session_scope
+    from core.models import Job, Shard
+    from core.store import now
+
+    t, rng = now(), random.Random(1)
+    job_rows = [{"id": f"job_claims{i:06d}", "kind": "generate", "state": "running", "owner": f"owner{i % owners}",
+                 "spec": {}, "queue": CLAIM_QUEUE, "gpus": 1, "rows_total": shards_per_job, "rows_succeeded": 0,
+                 "rows_failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "created_at": t - 3600 + i,
+                 "retries": 0, "priority": rng.choice((0, 1, 1, 2))} for i in range(jobs)]
+    shard_rows = [{"job_id": j["id"], "idx": k, "row_start": k, "row_end": k + 1, "state": "queued", "attempts": 0,
+                   "max_attempts": 3, "rows_done": 0, "rows_failed": 0, "completion_tokens": 0, "enqueued_at": t}
+                  for j in job_rows for k in range(shards_per_job)]
+    ran = [{"job_id": job_rows[i % jobs]["id"], "idx": shards_per_job + i, "row_start": 0, "row_end": 1,
+            "state": "succeeded", "attempts": 1, "max_attempts": 3, "rows_done": 1, "rows_failed": 0,
+            "completion_tokens": 0, "started_at": t - rng.uniform(60, 3000), "finished_at": t - rng.uniform(0, 50)}
+           for i in range(history)]
+    with session_scope(database_url) as session:
+        session.execute(insert(Job), job_rows)
+        for chunk in range(0, len(shard_rows) + len(ran), 5000):
+            session.execute(insert(Shard), (shard_rows + ran)[chunk:chunk + 5000])
+        hint = session.scalar(select_first_shard(CLAIM_QUEUE))
+    if database_url.startswith("postgresql"):  # fresh planner statistics, as autovacuum keeps them on a live store:
+        from sqlalchemy import text  # without, a plan made for 100 shards scans 10,000 (80 ms a claim instead of 9)
+
+        from core.db import get_engine
+
+        with get_engine(database_url).connect() as conn:
+            conn.execute(text("ANALYZE jobs")), conn.execute(text("ANALYZE shards"))
+            conn.commit()
+    times = []
+    try:
+        for i in range(min(claims, len(shard_rows))):
+            t0 = time.perf_counter()
+            with session_scope(database_url) as session:
+                got = leases.claim(session, hint, f"bench{i}", 60.0)
+            times.append(time.perf_counter() - t0)
+            assert got is not None, "a claim found nothing on a queue with queued shards"
+    finally:
+        with session_scope(database_url) as session:
+            session.execute(delete(Job).where(Job.queue == CLAIM_QUEUE))
+    return {"queued_jobs": jobs, "queued_shards": len(shard_rows), "owners": owners, "history_shards": history,
+            "claim_ms": {k: (None if v is None else round(v * 1000, 2)) for k, v in summary(times).items()
+                         if k != "n"} | {"n": len(times), "mean": round(1000 * sum(times) / len(times), 2)}}
+
+
+def select_first_shard(queue: str):
+    from sqlalchemy import select
+
+    from core.models import Job, Shard
+
+    return select(Shard.id).join(Job, Job.id == Shard.job_id).where(Job.queue == queue).order_by(Shard.id).limit(1)
+
+
 def build_model(out: Path) -> Path:
     """The tests' tiny Qwen3 architecture with random weights (nothing memorized: answers do not matter here)."""
     subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out)], check=True, cwd=ROOT, capture_output=True,
@@ -589,7 +719,18 @@ def run(args: argparse.Namespace) -> dict:
                     wait_terminal(stack.database_url, [big.job_id], args.timeout, alive=stack.dead, interval=1)
                 report["big"] = big_report(big, audit(stack.database_url, [big.job_id]), poller, spec, args.workers)
                 report["big"]["cpu_s"] = cpu_delta(cpu, stack.cpu())
+            if args.mixed:
+                print(f"mixed: one job of {args.mixed_big_shards} shards, then {args.mixed} small jobs of 5 owners "
+                      "...", flush=True)
+                data = tmp / "mixed"
+                data.mkdir()
+                report["mixed"] = mixed(stack, model, data, jobs=args.mixed, big_shards=args.mixed_big_shards,
+                                        timeout=args.timeout)
             report["memory"] = stack.memory()
+            database_url = stack.database_url
+        if args.claims:
+            print("claims: the claim's cost at 100 queued jobs and at 10,000 queued shards ...", flush=True)
+            report["claims"] = [claim_cost(database_url, jobs=100, shards_per_job=n) for n in (1, 100)]
     report["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return report
 
@@ -608,13 +749,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model directory (default: a tiny random Qwen3 built on the spot)")
     parser.add_argument("--database-url", help="a Postgres URL (also JOBS_BENCH_DATABASE_URL); default SQLite")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait for each phase's jobs")
+    parser.add_argument("--mixed", type=int, default=0, help="small jobs of 5 owners and 3 priorities submitted "
+                        "behind one big job (0: skip)")
+    parser.add_argument("--mixed-big-shards", type=int, default=100, help="2-row shards of the mixed phase's big job")
+    parser.add_argument("--claims", action="store_true", help="measure the claim's cost (ms per claim at 100 "
+                        "queued jobs and at 10,000 queued shards)")
     args = parser.parse_args(argv)
     report = run(args)
     out = args.out or harness.RESULTS / f"load-{dt.date.today().isoformat()}.json"
     harness.write_json(out, report)
     print(table(report))
     print(f"wrote {out}")
-    ok = all(report.get(k, {}).get("audit", {}).get("rows_not_executed_once", 0) == 0 for k in ("burst", "big"))
+    ok = all(report.get(k, {}).get("audit", {}).get("rows_not_executed_once", 0) == 0
+             for k in ("burst", "big", "mixed"))
     return 0 if ok else 1
 
 
