@@ -3,7 +3,7 @@ claim's choice reads (queued shards by queue and priority; shards that ran recen
 per-owner quotas (a cap on concurrently running shards). See core/scheduling.py.
 
 Revision ID: 0008
-Revises: 0006 (no 0007 on the branch this was written on: the lead renumbers at merge)
+Revises: 0007
 Create Date: 2026-12-03
 """
 
