@@ -58,8 +58,11 @@ def main(argv: list[str]) -> int:
     for line in found:
         print(f"pins: {line}", file=sys.stderr)
     if found:
-        print(f"{len(found)} package(s) differ from {', '.join(argv)}: pin each one there (the version CI installed "
-              "is the one to pin, after reading its changes), see the header of constraints.txt", file=sys.stderr)
+        print(
+            f"{len(found)} package(s) differ from {', '.join(argv)}: pin each one there (the version CI installed "
+            "is the one to pin, after reading its changes), see the header of constraints.txt",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

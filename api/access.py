@@ -15,8 +15,11 @@ from core import auth
 from core.db import session_scope
 from core.errors import Forbidden
 
-bearer = HTTPBearer(auto_error=False, description="A token from `gpujobs tokens create` (scope user or admin); "
-                                                  "`gpujobs up` writes a local admin token to $JOBS_HOME/token.")
+bearer = HTTPBearer(
+    auto_error=False,
+    description="A token from `gpujobs tokens create` (scope user or admin); "
+    "`gpujobs up` writes a local admin token to $JOBS_HOME/token.",
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,10 @@ def principal(credentials: Annotated[HTTPAuthorizationCredentials | None, Depend
         token = auth.authenticate(session, credentials.credentials if credentials else None)
         owner, scopes = token.owner, frozenset(token.scopes.split(","))
     if not scopes & {"user", "admin"}:
-        raise Forbidden(f"this token has only the scope(s) {', '.join(sorted(scopes))}: jobs, files, batches and usage "
-                        "need a token with the user or admin scope (`gpujobs tokens create --owner NAME`)")
+        raise Forbidden(
+            f"this token has only the scope(s) {', '.join(sorted(scopes))}: jobs, files, batches and usage "
+            "need a token with the user or admin scope (`gpujobs tokens create --owner NAME`)"
+        )
     return Principal(owner=owner, scopes=scopes)
 
 

@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 MAX_ID = 2**63 - 1  # the largest integer SQLite and Postgres (bigint) store
 
 
-
 app = FastAPI(
     title="gpujobs",
     summary="Queued generation and LoRA fine-tune jobs on GPU workers",
@@ -55,15 +54,22 @@ async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
 async def _data_error(request: Request, exc: DataError) -> JSONResponse:
     """A value the database refuses (a NUL character in a string, a number out of range): the request's fault."""
     log.warning("%s %r: the database refused a value: %s", request.method, request.url.path, exc.orig)
-    return _error(422, "InvalidInput", f"the request holds a value the database cannot store ({exc.orig}): "
-                                       "remove NUL characters and keep numbers within 64 bits")
+    return _error(
+        422,
+        "InvalidInput",
+        f"the request holds a value the database cannot store ({exc.orig}): "
+        "remove NUL characters and keep numbers within 64 bits",
+    )
 
 
 @app.exception_handler(RequestValidationError)
 async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's own 422 (`detail`, kept for its clients), plus our `error` with one readable line for the CLI."""
-    problems = "; ".join(f"{' '.join(map(str, e['loc']))}: {e['msg']}"
-                         + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "") for e in exc.errors())
+    problems = "; ".join(
+        f"{' '.join(map(str, e['loc']))}: {e['msg']}"
+        + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "")
+        for e in exc.errors()
+    )
     return _error(422, "InvalidInput", f"invalid request: {problems}", detail=jsonable_encoder(exc.errors()))
 
 
@@ -92,8 +98,9 @@ def file_info(caller: Caller, file_id: str) -> dict[str, Any]:
 @app.post("/jobs", status_code=201, summary="Submit a job (the spec; `input` is a file id or a server path)")
 async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
     checks.request(spec, admin=caller.is_admin)
-    return await run_in_threadpool(service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin,
-                                   may_prioritize=caller.may_prioritize)
+    return await run_in_threadpool(
+        service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin, may_prioritize=caller.may_prioritize
+    )
 
 
 HAS_MORE = "X-Has-More"  # a list route's header: "true" when its `limit` cut the list (ask with a larger limit)
@@ -107,8 +114,9 @@ def _page(response: Response, found: list, limit: int) -> list:
 
 
 @app.get("/jobs", summary="List jobs, newest first (header X-Has-More: true when `limit` cut the list)")
-def list_jobs(caller: Caller, response: Response, state: JobState | None = None,
-              limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> list[dict]:
+def list_jobs(
+    caller: Caller, response: Response, state: JobState | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+) -> list[dict]:
     found = views.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit + 1)
     return _page(response, found, limit)
 
@@ -118,20 +126,29 @@ def get_job(caller: Caller, job_id: str) -> dict[str, Any]:
     return views.get(job_id, owner=caller.visible_owner)
 
 
-@app.get("/jobs/{job_id}/results", summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while "
-                                          "the job runs)")
-def results(caller: Caller, job_id: str, errors: bool = False,
-            format: Annotated[Literal["jsonl", "openai", "csv", "parquet"],
-                              Query(description="jsonl (ours), openai (Batch output file; with errors, its error "
-                                                "file), csv or parquet")] = "jsonl",
-            order: Annotated[Literal["input", "finished"],
-                             Query(description="input order, or the order rows finished")] = "input",
-            ) -> StreamingResponse:
+@app.get(
+    "/jobs/{job_id}/results",
+    summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while the job runs)",
+)
+def results(
+    caller: Caller,
+    job_id: str,
+    errors: bool = False,
+    format: Annotated[
+        Literal["jsonl", "openai", "csv", "parquet"],
+        Query(description="jsonl (ours), openai (Batch output file; with errors, its error file), csv or parquet"),
+    ] = "jsonl",
+    order: Annotated[
+        Literal["input", "finished"], Query(description="input order, or the order rows finished")
+    ] = "input",
+) -> StreamingResponse:
     views.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
     name = f"{job_id}{'-errors' if errors else ''}.{'jsonl' if format == 'openai' else format}"
-    return StreamingResponse(export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order),
-                             media_type=formats.MEDIA_TYPES[format],
-                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
+    return StreamingResponse(
+        export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order),
+        media_type=formats.MEDIA_TYPES[format],
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
 
 
 @app.get("/jobs/{job_id}/throughput", summary="Rows and output tokens per second over a job's run (time buckets)")
@@ -139,17 +156,29 @@ def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
     return dashboard.throughput(job_id, owner=caller.visible_owner)
 
 
-@app.get("/jobs/{job_id}/events", summary="A job's events after an event id, oldest first, `limit` at a time: ask "
-                                         "again with `after` = the last id while X-Has-More is true")
-def job_events(caller: Caller, response: Response, job_id: str, after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
-               limit: Annotated[int, Query(ge=1, le=5000)] = 500,
-               run: Annotated[str | None, Query(pattern=r"^([1-9][0-9]{0,8}|current)$",
-                                                description="a run's events only: its number (1, then one more "
-                                                            "per retry) or `current`; default: every run")] = None,
-               superseded: Annotated[bool, Query(description="also the step events a resumed fine-tune ran "
-                                                             "again")] = False) -> list:
-    found = views.events(job_id, owner=caller.visible_owner, after=after, limit=limit + 1, run=run,
-                         superseded=superseded)
+@app.get(
+    "/jobs/{job_id}/events",
+    summary="A job's events after an event id, oldest first, `limit` at a time: ask "
+    "again with `after` = the last id while X-Has-More is true",
+)
+def job_events(
+    caller: Caller,
+    response: Response,
+    job_id: str,
+    after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 500,
+    run: Annotated[
+        str | None,
+        Query(
+            pattern=r"^([1-9][0-9]{0,8}|current)$",
+            description="a run's events only: its number (1, then one more per retry) or `current`; default: every run",
+        ),
+    ] = None,
+    superseded: Annotated[bool, Query(description="also the step events a resumed fine-tune ran again")] = False,
+) -> list:
+    found = views.events(
+        job_id, owner=caller.visible_owner, after=after, limit=limit + 1, run=run, superseded=superseded
+    )
     return _page(response, found, limit)
 
 
@@ -164,34 +193,49 @@ def retry(caller: Caller, job_id: str, failed_only: bool = False) -> dict[str, A
 
 
 @app.get("/usage", summary="Usage per owner: jobs, rows, tokens, GPU-seconds and engine seconds")
-def usage(caller: Caller,
-          owner: Annotated[str | None, Query(description="one owner (admins); a user sees only their own")] = None,
-          since: Annotated[str | None, Query(description="jobs created since: a duration (7d, 12h, 30m) or an "
-                                                         "ISO date or time (2026-01-31, 2026-01-31T12:00Z)")] = None,
-          ) -> dict[str, Any]:
+def usage(
+    caller: Caller,
+    owner: Annotated[str | None, Query(description="one owner (admins); a user sees only their own")] = None,
+    since: Annotated[
+        str | None,
+        Query(
+            description="jobs created since: a duration (7d, 12h, 30m) or an "
+            "ISO date or time (2026-01-31, 2026-01-31T12:00Z)"
+        ),
+    ] = None,
+) -> dict[str, Any]:
     owner = owner or None
     if not caller.is_admin and owner not in (None, caller.owner):
         raise Forbidden(f"only an admin can read the usage of {owner!r}: leave out --owner to see your own")
     return views.usage(owner=caller.visible_owner or owner, since=since)
 
 
-@app.get("/adapters", summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first "
-                               "(header X-Has-More: true when `limit` cut the list)")
-def list_adapters(caller: Caller, response: Response,
-                  limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[dict[str, Any]]:
+@app.get(
+    "/adapters",
+    summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first "
+    "(header X-Has-More: true when `limit` cut the list)",
+)
+def list_adapters(
+    caller: Caller, response: Response, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> list[dict[str, Any]]:
     return _page(response, views.list_adapters(owner=caller.visible_owner, limit=limit + 1), limit)
 
 
-@app.get("/adapters/{job_id}", summary="An adapter (its id is the fine-tune job's): base model, tokenizer, LoRA "
-         "config, metrics")
+@app.get(
+    "/adapters/{job_id}",
+    summary="An adapter (its id is the fine-tune job's): base model, tokenizer, LoRA config, metrics",
+)
 def get_adapter(caller: Caller, job_id: str) -> dict[str, Any]:
     return views.get_adapter(job_id, owner=caller.visible_owner)
 
 
 @app.get("/workers", summary="Registered workers, their slices, GPUs, heartbeats, restarts and why they stopped")
-def workers(caller: Caller, all: Annotated[bool, Query(description="also workers that stopped long ago or were "
-                                                       "replaced on their host and slice")] = False
-            ) -> list[dict[str, Any]]:
+def workers(
+    caller: Caller,
+    all: Annotated[
+        bool, Query(description="also workers that stopped long ago or were replaced on their host and slice")
+    ] = False,
+) -> list[dict[str, Any]]:
     return views.workers(all=all)
 
 
@@ -200,41 +244,48 @@ class ModelRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     repo: str = Field(description="a Hub id, org/name")
-    revision: str | None = Field(None, description="branch, tag or commit (pull: default main; rm: default every "
-                                 "snapshot of the repo)")
+    revision: str | None = Field(
+        None, description="branch, tag or commit (pull: default main; rm: default every snapshot of the repo)"
+    )
     workers: str = Field("all", description="`all`, or worker names separated by commas: their hosts' caches act")
 
 
 @app.get("/models", summary="Hub models in each host's Hugging Face cache: commits, sizes, last use, downloads")
-def list_models(caller: Caller, repo: Annotated[str | None, Query(description="only this Hub id")] = None,
-                ) -> list[dict[str, Any]]:
+def list_models(
+    caller: Caller,
+    repo: Annotated[str | None, Query(description="only this Hub id")] = None,
+) -> list[dict[str, Any]]:
     return service_models.list_models(repo=repo)
 
 
 @app.post("/models/pull", summary="Ask the hosts of live workers to fetch a Hub model into their cache (admins)")
 def pull_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
     _admin_only(caller, "pull models onto the workers' hosts")
-    return service_models.request("pull", repo=body.repo, revision=body.revision, workers=body.workers,
-                                  by=caller.owner)
+    return service_models.request("pull", repo=body.repo, revision=body.revision, workers=body.workers, by=caller.owner)
 
 
 @app.post("/models/remove", summary="Ask the hosts of live workers to delete a Hub model from their cache (admins)")
 def remove_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
     _admin_only(caller, "remove models from the workers' hosts")
-    return service_models.request("remove", repo=body.repo, revision=body.revision, workers=body.workers,
-                                  by=caller.owner)
+    return service_models.request(
+        "remove", repo=body.repo, revision=body.revision, workers=body.workers, by=caller.owner
+    )
 
 
 class QuotaRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     owner: str = Field(min_length=1, max_length=128, description="the owner the quota holds for")
-    max_running_shards: int | None = Field(description="shards of the owner that run at once at most (0 holds "
-                                           "new work); null: no cap", ge=0)
+    max_running_shards: int | None = Field(
+        description="shards of the owner that run at once at most (0 holds new work); null: no cap", ge=0
+    )
 
 
-@app.get("/quotas", summary="Owners' quotas (the cap on their running shards), their running and queued shards and "
-         "recent GPU-seconds: every owner with a quota or with work queued or running (admins)")
+@app.get(
+    "/quotas",
+    summary="Owners' quotas (the cap on their running shards), their running and queued shards and "
+    "recent GPU-seconds: every owner with a quota or with work queued or running (admins)",
+)
 def list_quotas(caller: Caller) -> list[dict[str, Any]]:
     _admin_only(caller, "read owners' quotas")
     with session_scope() as session:

@@ -28,8 +28,17 @@ from core.training_data import file_format
 
 HUB_ID = hub.HUB_ID  # org/name; `./x` and `../x` are paths, not Hub ids
 MAX_CONFIG_BYTES = 10 << 20  # a model's config.json, read as JSON at submit
-INHERITED = ("revision", "dtype", "attn_implementation", "use_kernels", "kernel_config", "device_map",
-             "trust_remote_code", "gpus", "priority")  # what a fine-tune's chained generation job takes from it
+INHERITED = (
+    "revision",
+    "dtype",
+    "attn_implementation",
+    "use_kernels",
+    "kernel_config",
+    "device_map",
+    "trust_remote_code",
+    "gpus",
+    "priority",
+)  # what a fine-tune's chained generation job takes from it
 
 
 def submission(owner: str, spec_data: Any, *, admin: bool = False, may_prioritize: bool = False) -> NewJob:
@@ -54,11 +63,20 @@ def generation(owner: str, spec: GenerateSpec, *, admin: bool = False) -> NewJob
         gpus = slice_size(session, spec)
         notes: list[str] = []  # an adapter file's check, for the job's events
         waits = bool(spec.adapter) and adapters.check_for_generation(
-            session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision, notes=notes)
+            session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision, notes=notes
+        )
         fmt = dataset(session, owner, spec.input, fmt=spec.input_format)
     spec = _with_input_format(spec, fmt)
-    return NewJob(owner=owner, spec=spec, gpus=gpus, inputs=[(spec.input, fmt)], metrics=hub_check.metrics,
-                  notes=hub_check.notes + notes, model_dir=hub_check.local_dir, waits=waits)
+    return NewJob(
+        owner=owner,
+        spec=spec,
+        gpus=gpus,
+        inputs=[(spec.input, fmt)],
+        metrics=hub_check.metrics,
+        notes=hub_check.notes + notes,
+        model_dir=hub_check.local_dir,
+        waits=waits,
+    )
 
 
 def finetune(owner: str, spec: FinetuneSpec) -> NewJob:
@@ -74,15 +92,24 @@ def finetune(owner: str, spec: FinetuneSpec) -> NewJob:
         gpus = slice_size(session, spec)
         refs = [spec.input] + ([spec.validation_input] if spec.validation_input else [])
         inputs = [(ref, file_format(dataset(session, owner, ref, fmt=spec.file_format))) for ref in refs]
-    return NewJob(owner=owner, spec=spec, gpus=gpus, inputs=inputs, metrics=hub_check.metrics, notes=hub_check.notes,
-                  then_generate=then)
+    return NewJob(
+        owner=owner,
+        spec=spec,
+        gpus=gpus,
+        inputs=inputs,
+        metrics=hub_check.metrics,
+        notes=hub_check.notes,
+        then_generate=then,
+    )
 
 
 def priority(spec: Spec, *, may_prioritize: bool) -> None:
     """`high` is for tokens with the priority (or admin) scope: any owner may lower their own work to `low`."""
     if spec.priority == "high" and not may_prioritize:
-        raise Forbidden("priority high needs a token with the priority or admin scope (`gpujobs tokens create "
-                        "--owner NAME --scope user --scope priority`): submit with priority normal or low")
+        raise Forbidden(
+            "priority high needs a token with the priority or admin scope (`gpujobs tokens create "
+            "--owner NAME --scope user --scope priority`): submit with priority normal or low"
+        )
 
 
 def _then_generate_spec(spec: FinetuneSpec) -> dict[str, Any] | None:
@@ -117,25 +144,30 @@ def model(spec: Spec) -> Spec:
     """
     settings = get_settings()
     if spec.trust_remote_code and not settings.allow_remote_code:
-        raise Forbidden("trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that "
-                        "transformers supports natively")
+        raise Forbidden(
+            "trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that "
+            "transformers supports natively"
+        )
     if not spec.model.strip():
         raise InvalidInput("model is empty: give a local model directory or a Hub id (org/name)")
     path = files.resolve(spec.model, what="model") if spec.model.startswith("~") else Path(spec.model)
     roots = settings.model_roots
     adapter = getattr(spec, "adapter", None)
     if adapter and hub.is_hub_id(adapter) and roots and not hub.allowed(adapter):
-        raise InvalidInput(f"adapter {adapter!r}: this server takes Hub repos only where JOBS_HUB_MODELS lists them "
-                           "(its models come from JOBS_MODEL_ROOTS): upload the adapter instead (--adapter DIR)")
+        raise InvalidInput(
+            f"adapter {adapter!r}: this server takes Hub repos only where JOBS_HUB_MODELS lists them "
+            "(its models come from JOBS_MODEL_ROOTS): upload the adapter instead (--adapter DIR)"
+        )
     if not path.is_absolute() and HUB_ID.match(spec.model) and not path.exists():
         if not roots or hub.allowed(spec.model):
             return spec  # a Hub id: fetched once per host by the workers (service_models.check reads it first)
-        raise InvalidInput(f"model {spec.model!r} is not a directory under the model roots "
-                           f"({os.pathsep.join(map(str, roots))}): this server loads models only from "
-                           "JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists")
+        raise InvalidInput(
+            f"model {spec.model!r} is not a directory under the model roots "
+            f"({os.pathsep.join(map(str, roots))}): this server loads models only from "
+            "JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists"
+        )
     if not roots and not path.exists():
-        raise InvalidInput(f"model {spec.model!r} does not exist: give a local model directory or a Hub id "
-                           "(org/name)")
+        raise InvalidInput(f"model {spec.model!r} does not exist: give a local model directory or a Hub id (org/name)")
     real = files.check_server_path(str(path), roots, what="model")
     _check_model_dir(real, spec.model)
     return spec.model_copy(update={"model": str(real)})
@@ -144,8 +176,10 @@ def model(spec: Spec) -> Spec:
 def _check_model_dir(real: Path, name: str) -> None:
     """A saved transformers model: a directory with a config.json object and safetensors weights."""
     if not real.is_dir():
-        raise InvalidInput(f"model path {name!r} is not a directory: point at a directory saved with "
-                           "save_pretrained (config.json and *.safetensors)")
+        raise InvalidInput(
+            f"model path {name!r} is not a directory: point at a directory saved with "
+            "save_pretrained (config.json and *.safetensors)"
+        )
     config = real / "config.json"
     if not config.is_file():
         raise InvalidInput(f"model directory {name!r} has no config.json: point at a saved transformers model")
@@ -155,11 +189,15 @@ def _check_model_dir(real: Path, name: str) -> None:
     except (OSError, ValueError):
         data = None
     if not isinstance(data, dict):
-        raise InvalidInput(f"model directory {name!r} has a config.json that is not a JSON object (of at most "
-                           f"{MAX_CONFIG_BYTES} bytes): save the model again with save_pretrained")
+        raise InvalidInput(
+            f"model directory {name!r} has a config.json that is not a JSON object (of at most "
+            f"{MAX_CONFIG_BYTES} bytes): save the model again with save_pretrained"
+        )
     if not any(real.glob("*.safetensors")):
-        raise InvalidInput(f"model directory {name!r} has no .safetensors weights (pickle .bin checkpoints are "
-                           "refused): convert it with save_pretrained(..., safe_serialization=True)")
+        raise InvalidInput(
+            f"model directory {name!r} has no .safetensors weights (pickle .bin checkpoints are "
+            "refused): convert it with save_pretrained(..., safe_serialization=True)"
+        )
 
 
 def _model_from_input(owner: str, spec_data: Any) -> Any:
@@ -170,8 +208,10 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
     if not isinstance(spec_data, dict) or spec_data.get("model") or spec_data.get("kind", "generate") != "generate":
         return spec_data
     ref, fmt = spec_data.get("input"), spec_data.get("input_format", "auto")
-    missing = InvalidInput("model is missing: name one (--model, or `model:` in the spec); only OpenAI batch lines "
-                           "may name it instead, in body.model")
+    missing = InvalidInput(
+        "model is missing: name one (--model, or `model:` in the spec); only OpenAI batch lines "
+        "may name it instead, in body.model"
+    )
     if not isinstance(ref, str) or not ref.strip():
         return spec_data  # the spec check says what is missing
     if fmt not in ("auto", "openai"):
@@ -187,17 +227,23 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
         raise missing
     models, unnamed = openai_models(path)
     if not models:
-        raise InvalidInput("model is missing: the job names none and no OpenAI batch line names one in body.model: "
-                           "name one (--model, or `model:` in the spec)")
+        raise InvalidInput(
+            "model is missing: the job names none and no OpenAI batch line names one in body.model: "
+            "name one (--model, or `model:` in the spec)"
+        )
     (first, first_line), *others = models.items()
     if others:
         second, second_line = others[0]
-        raise InvalidInput(f"lines {first_line} and {second_line} name different models ({first!r} and {second!r}) "
-                           "in body.model: when the job names no model every line must name the same one; or name "
-                           "the model in the job (--model)")
+        raise InvalidInput(
+            f"lines {first_line} and {second_line} name different models ({first!r} and {second!r}) "
+            "in body.model: when the job names no model every line must name the same one; or name "
+            "the model in the job (--model)"
+        )
     if unnamed is not None:
-        raise InvalidInput(f"line {unnamed} names no body.model while line {first_line} names {first!r}: when the job "
-                           "names no model every line must name the same one; or name the model in the job (--model)")
+        raise InvalidInput(
+            f"line {unnamed} names no body.model while line {first_line} names {first!r}: when the job "
+            "names no model every line must name the same one; or name the model in the job (--model)"
+        )
     return {**spec_data, "model": _allowed_model(first)}
 
 
@@ -209,9 +255,11 @@ def _allowed_model(name: str) -> str:
         for root in roots:
             if (root / name).is_dir():
                 return str(root / name)
-    raise InvalidInput(f"body.model {name!r} is not a model directory under the model roots "
-                       f"({os.pathsep.join(map(str, roots))}): name one of those directories, or name the model in "
-                       "the job (--model)")
+    raise InvalidInput(
+        f"body.model {name!r} is not a model directory under the model roots "
+        f"({os.pathsep.join(map(str, roots))}): name one of those directories, or name the model in "
+        "the job (--model)"
+    )
 
 
 # --- where it runs ----------------------------------------------------------------------------------------------
@@ -226,8 +274,10 @@ def slice_size(session: Session, spec: Spec) -> int:
     workers = registry.live(session, get_settings().worker_timeout)
     if not workers:
         if spec.gpus is None:
-            raise Unschedulable("no live worker: start the local stack with `gpujobs up`, or pass --gpus N to queue "
-                                "the job until a worker of that slice size starts")
+            raise Unschedulable(
+                "no live worker: start the local stack with `gpujobs up`, or pass --gpus N to queue "
+                "the job until a worker of that slice size starts"
+            )
         return spec.gpus
     sizes = [spec.gpus] if spec.gpus is not None else sorted({registry.slice_size(w) for w in workers})
     gaps = []
@@ -238,8 +288,10 @@ def slice_size(session: Session, spec: Spec) -> int:
                 return size
             gaps.append(f"{worker.name} ({queue_for(size)}): {'; '.join(lacking)}")
     if not gaps:
-        raise Unschedulable(f"no live worker serves jobs of {spec.gpus} GPU(s) (queue {queue_for(spec.gpus)}); "
-                            f"live workers: {_describe(workers)}. Start one with `gpujobs worker --gpus ...`")
+        raise Unschedulable(
+            f"no live worker serves jobs of {spec.gpus} GPU(s) (queue {queue_for(spec.gpus)}); "
+            f"live workers: {_describe(workers)}. Start one with `gpujobs worker --gpus ...`"
+        )
     raise Unschedulable("no live worker can run this job: " + " | ".join(gaps))
 
 
@@ -258,8 +310,9 @@ def dataset(session: Session, owner: str, ref: str, *, fmt: str = "auto") -> str
     by their lines, Parquet by its footer; a saved dataset while it is parsed).
     """
     if not ref.strip():
-        raise InvalidInput("input is empty: give a file id (file_…) from POST /files, or a server path under "
-                           "JOBS_DATA_ROOTS")
+        raise InvalidInput(
+            "input is empty: give a file id (file_…) from POST /files, or a server path under JOBS_DATA_ROOTS"
+        )
     path, name, file = files.source(session, ref, owner=owner)
     max_rows = get_settings().max_rows
     try:
@@ -273,8 +326,10 @@ def dataset(session: Session, owner: str, ref: str, *, fmt: str = "auto") -> str
     except OSError as exc:
         if file is None:
             raise  # a server path that cannot be read: as when it is copied into the store
-        raise JobsError(f"stored file {file.id} cannot be read from the artifacts store ({exc.strerror}): check "
-                        "JOBS_ARTIFACTS on the API host, or upload the dataset again") from None
+        raise JobsError(
+            f"stored file {file.id} cannot be read from the artifacts store ({exc.strerror}): check "
+            "JOBS_ARTIFACTS on the API host, or upload the dataset again"
+        ) from None
     if rows > max_rows:
         raise too_many_rows(max_rows)
     return fmt
@@ -286,8 +341,10 @@ def _with_input_format(spec: GenerateSpec, fmt: str) -> GenerateSpec:
     ours = {"prompt", "messages", "custom_id", *PARAMS}
     unknown = sorted(set(columns) - ours)
     if unknown:
-        raise InvalidInput(f"input_columns {', '.join(map(repr, unknown))}: map one of prompt, messages, custom_id "
-                           f"or a sampling parameter ({', '.join(sorted(PARAMS))}) to a column of the file")
+        raise InvalidInput(
+            f"input_columns {', '.join(map(repr, unknown))}: map one of prompt, messages, custom_id "
+            f"or a sampling parameter ({', '.join(sorted(PARAMS))}) to a column of the file"
+        )
     if columns and fmt == "openai":
         raise InvalidInput("input_columns does not apply to OpenAI batch lines (their keys are fixed): leave it out")
     if "prompt" in columns and "messages" in columns:
@@ -330,12 +387,16 @@ def _check_user_server_path(source: Any) -> None:
         return  # a file id (checked against the owner) or not a path at all (the spec check says what is wrong)
     settings = get_settings()
     if not settings.data_roots:
-        raise Forbidden("server-side dataset paths are for admins unless the server sets JOBS_DATA_ROOTS: upload "
-                        "the file instead (`gpujobs submit --input FILE` uploads a local file)")
+        raise Forbidden(
+            "server-side dataset paths are for admins unless the server sets JOBS_DATA_ROOTS: upload "
+            "the file instead (`gpujobs submit --input FILE` uploads a local file)"
+        )
     try:
         real = Path(source).expanduser().resolve()
     except (OSError, RuntimeError, ValueError) as exc:
-        raise InvalidInput(f"dataset path {source!r} cannot be resolved ({exc}): give an absolute path under "
-                           "JOBS_DATA_ROOTS, or a file id") from None
+        raise InvalidInput(
+            f"dataset path {source!r} cannot be resolved ({exc}): give an absolute path under "
+            "JOBS_DATA_ROOTS, or a file id"
+        ) from None
     if any(real.is_relative_to(p) for p in (settings.home, settings.artifacts)):
         raise Forbidden(f"dataset path {source!r} is inside the jobs store: refer to a stored file by its id")

@@ -36,8 +36,9 @@ def exit_code_for(exc: errors.JobsError) -> int:
         return EXIT_TIMEOUT
     if isinstance(exc, errors.ServiceUnavailable):
         return EXIT_UNREACHABLE
-    if isinstance(exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden,
-                        errors.NotFinished)):
+    if isinstance(
+        exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden, errors.NotFinished)
+    ):
         return EXIT_USAGE
     return EXIT_FAILED
 
@@ -83,10 +84,20 @@ def client():
 
 @click.group(cls=Group, context_settings=CONTEXT)
 @click.version_option(package_name="gpujobs")
-@click.option("--api-url", envvar="JOBS_API_URL", show_envvar=True, metavar="URL",
-              help="the jobs API [default: the one `gpujobs up` started, else http://127.0.0.1:8765]")
-@click.option("--token", envvar="JOBS_TOKEN", show_envvar=True, metavar="TOKEN",
-              help="bearer token for the API [default: the local admin token `gpujobs up` wrote]")
+@click.option(
+    "--api-url",
+    envvar="JOBS_API_URL",
+    show_envvar=True,
+    metavar="URL",
+    help="the jobs API [default: the one `gpujobs up` started, else http://127.0.0.1:8765]",
+)
+@click.option(
+    "--token",
+    envvar="JOBS_TOKEN",
+    show_envvar=True,
+    metavar="TOKEN",
+    help="bearer token for the API [default: the local admin token `gpujobs up` wrote]",
+)
 @click.pass_context
 def cli(ctx: click.Context, api_url: str | None, token: str | None) -> None:
     """gpujobs: queued generation and LoRA fine-tune jobs on GPU workers.

@@ -23,10 +23,12 @@ from core.hub import HUB_ID, human_bytes
 def _size(n: Any) -> str:
     return human_bytes(int(n or 0))
 
+
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 # --- submit -------------------------------------------------------------------------------------------------
+
 
 def load_spec_file(path: str | None) -> dict[str, Any]:
     if not path:
@@ -75,8 +77,12 @@ def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     if model and Path(model).expanduser().exists():
         spec["model"] = str(Path(model).expanduser().resolve())
     adapter = spec.get("adapter")
-    if (adapter and spec.get("kind") == "generate" and not str(adapter).startswith(("file_", "job_"))
-            and (Path(adapter).expanduser().exists() or not HUB_ID.match(str(adapter)))):
+    if (
+        adapter
+        and spec.get("kind") == "generate"
+        and not str(adapter).startswith(("file_", "job_"))
+        and (Path(adapter).expanduser().exists() or not HUB_ID.match(str(adapter)))
+    ):
         spec["adapter"] = _upload_adapter(Path(adapter).expanduser(), api)  # a Hub repo id stays as it is
     return spec
 
@@ -86,9 +92,11 @@ def _upload_adapter(source: Path, api) -> str:
     if source.is_file() and source.suffix == ".zip":
         return api.upload(source)["id"]
     if not source.is_dir():
-        raise InvalidInput(f"--adapter {source}: not a fine-tune job id (job_…), a file id (file_…), a Hub repo "
-                           "(org/name), nor a local adapter directory (adapter_config.json + "
-                           "adapter_model.safetensors) or its .zip")
+        raise InvalidInput(
+            f"--adapter {source}: not a fine-tune job id (job_…), a file id (file_…), a Hub repo "
+            "(org/name), nor a local adapter directory (adapter_config.json + "
+            "adapter_model.safetensors) or its .zip"
+        )
     with pack_adapter(source) as packed:
         return api.upload(packed)["id"]
 
@@ -100,8 +108,10 @@ def pack_adapter(folder: Path):
     from core.adapters import ADAPTER_CONFIG, WEIGHTS
 
     if not (folder / WEIGHTS).is_file() and (folder / "adapter_model.bin").is_file():
-        raise InvalidInput(f"{folder} holds pickle weights (adapter_model.bin), which are refused: save the adapter "
-                           "with save_pretrained(..., safe_serialization=True)")
+        raise InvalidInput(
+            f"{folder} holds pickle weights (adapter_model.bin), which are refused: save the adapter "
+            "with save_pretrained(..., safe_serialization=True)"
+        )
     for name in (ADAPTER_CONFIG, WEIGHTS):
         if not (folder / name).is_file():
             raise InvalidInput(f"{folder} has no {name}: pass the directory that PEFT's save_pretrained wrote")
@@ -119,11 +129,15 @@ def pack_saved_dataset(folder: Path):
 
     Only the files a saved dataset has at its top level are packed (state.json, dataset_info.json, *.arrow)."""
     if (folder / "dataset_dict.json").is_file():
-        raise InvalidInput(f"{folder} is a DatasetDict (it holds splits): save one split, e.g. "
-                           "`ds['train'].save_to_disk(path)`, and pass that directory")
+        raise InvalidInput(
+            f"{folder} is a DatasetDict (it holds splits): save one split, e.g. "
+            "`ds['train'].save_to_disk(path)`, and pass that directory"
+        )
     if not (folder / "state.json").is_file():
-        raise InvalidInput(f"{folder} is a directory but not a dataset saved with save_to_disk (no state.json): "
-                           "pass a JSONL, CSV or Parquet file, or a save_to_disk directory")
+        raise InvalidInput(
+            f"{folder} is a directory but not a dataset saved with save_to_disk (no state.json): "
+            "pass a JSONL, CSV or Parquet file, or a save_to_disk directory"
+        )
     with tempfile.TemporaryDirectory(prefix="gpujobs-") as tmp:
         packed = Path(tmp) / f"{folder.name or 'dataset'}.hf.zip"
         with zipfile.ZipFile(packed, "w", zipfile.ZIP_STORED) as archive:  # Arrow files barely compress
@@ -135,27 +149,56 @@ def pack_saved_dataset(folder: Path):
 
 def common_submit_options(fn):
     options = [
-        click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="YAML or JSON spec; flags override it"),
-        click.option("--model", help="model directory, or a Hub id (org/name): fetched once per worker host, or read "
-                     "from its cache offline"),
-        click.option("--input", "input_", help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path"),
+        click.option(
+            "--spec", "spec_file", type=click.Path(dir_okay=False), help="YAML or JSON spec; flags override it"
+        ),
+        click.option(
+            "--model",
+            help="model directory, or a Hub id (org/name): fetched once per worker host, or read "
+            "from its cache offline",
+        ),
+        click.option(
+            "--input",
+            "input_",
+            help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path",
+        ),
         click.option("--name", help="a label for the job"),
         click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),
-        click.option("--priority", type=click.Choice(["low", "normal", "high"]),
-                     help="which queued work free workers take first (normal); high needs a token with the "
-                     "priority or admin scope"),
-        click.option("--revision", help="Hub revision of the model: branch, tag or commit (the job records the "
-                     "commit)"),
-        click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="weights dtype (auto)"),
-        click.option("--attn-implementation", "--attn", "attn_implementation",
-                     help="sdpa (default), sdpa_gqa, eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo"),
+        click.option(
+            "--priority",
+            type=click.Choice(["low", "normal", "high"]),
+            help="which queued work free workers take first (normal); high needs a token with the "
+            "priority or admin scope",
+        ),
+        click.option(
+            "--revision", help="Hub revision of the model: branch, tag or commit (the job records the commit)"
+        ),
+        click.option(
+            "--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), help="weights dtype (auto)"
+        ),
+        click.option(
+            "--attn-implementation",
+            "--attn",
+            "attn_implementation",
+            help="sdpa (default), sdpa_gqa, eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo",
+        ),
         click.option("--quantization", help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"),
         click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
-        click.option("--adapter", help="LoRA adapter: a fine-tune job id, a file id, a Hub LoRA repo (org/name), "
-                     "or a local PEFT adapter directory (uploaded as a zip)"),
-        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                     help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4"),
-        click.option("--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"),
+        click.option(
+            "--adapter",
+            help="LoRA adapter: a fine-tune job id, a file id, a Hub LoRA repo (org/name), "
+            "or a local PEFT adapter directory (uploaded as a zip)",
+        ),
+        click.option(
+            "--set",
+            "sets",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4",
+        ),
+        click.option(
+            "--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"
+        ),
         json_option("print the job as JSON instead of its id"),
     ]
     for option in reversed(options):
@@ -171,9 +214,14 @@ def submit_spec(kind: str, spec_file: str | None, sets: tuple[str, ...], flags: 
         raise InvalidInput(f"the spec file is a {spec['kind']!r} job, not {kind!r}")
     for field in ("model", "input"):
         if not spec.get(field) and not (field == "model" and _model_in_lines(kind, spec)):
-            raise InvalidInput(f"missing --{field} (or `{field}:` in the spec file)"
-                               + ("; only OpenAI batch lines may name the model instead, in body.model"
-                                  if field == "model" and kind == "generate" else ""))
+            raise InvalidInput(
+                f"missing --{field} (or `{field}:` in the spec file)"
+                + (
+                    "; only OpenAI batch lines may name the model instead, in body.model"
+                    if field == "model" and kind == "generate"
+                    else ""
+                )
+            )
     return spec
 
 
@@ -225,17 +273,29 @@ def submit() -> None:
 @click.option("--top-p", type=float, help="nucleus sampling")
 @click.option("--top-k", type=int, help="top-k sampling")
 @click.option("--do-sample/--greedy", default=None, help="force sampling or greedy decoding")
-@click.option("--seed", type=int, help="sampling seed: the same samples on the same engine and batch composition "
-              "only, not across engines nor per row (README, \"What a seed promises\")")
+@click.option(
+    "--seed",
+    type=int,
+    help="sampling seed: the same samples on the same engine and batch composition "
+    'only, not across engines nor per row (README, "What a seed promises")',
+)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
 @click.option("--adapter-revision", help="revision of a Hub --adapter: branch, tag or commit")
 @click.option("--shard-rows", type=int, help="rows per shard (one task each)")
 @click.option("--batch-rows", type=int, help="rows per micro-batch commit")
-@click.option("--input-format", type=click.Choice(["auto", "jsonl", "openai", "csv", "parquet", "hf"]),
-              help="how to read --input (auto: by content and file name); a save_to_disk directory is packed")
-@click.option("--column", "columns", multiple=True, metavar="OURS=THEIRS",
-              help="map a column of a CSV/Parquet/dataset input, e.g. prompt=question, custom_id=id (repeatable)")
+@click.option(
+    "--input-format",
+    type=click.Choice(["auto", "jsonl", "openai", "csv", "parquet", "hf"]),
+    help="how to read --input (auto: by content and file name); a save_to_disk directory is packed",
+)
+@click.option(
+    "--column",
+    "columns",
+    multiple=True,
+    metavar="OURS=THEIRS",
+    help="map a column of a CSV/Parquet/dataset input, e.g. prompt=question, custom_id=id (repeatable)",
+)
 def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
     """Generate text for every row of a JSONL dataset (`prompt` or `messages` per line)."""
     flags["input"] = input_
@@ -255,25 +315,39 @@ def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) ->
 @click.option("--lora-r", type=click.IntRange(1), help="LoRA rank (16)")
 @click.option("--lora-alpha", type=click.IntRange(1), help="LoRA alpha (32)")
 @click.option("--max-seq-length", type=click.IntRange(8), help="longest sequence in tokens (2048)")
-@click.option("--truncation", type=click.Choice(["refuse", "truncate"]),
-              help="rows longer than --max-seq-length: refuse the job (default) or truncate them")
+@click.option(
+    "--truncation",
+    type=click.Choice(["refuse", "truncate"]),
+    help="rows longer than --max-seq-length: refuse the job (default) or truncate them",
+)
 @click.option("--lr-scheduler", help="linear, cosine (default), constant, constant_with_warmup, …")
 @click.option("--gradient-accumulation", type=click.IntRange(1), help="micro-batches per optimizer step (1)")
 @click.option("--target-modules", help="comma-separated module names, or all-linear (default)")
 @click.option("--packing/--no-packing", default=None, help="pack rows into max-seq-length blocks")
 @click.option("--checkpoint-steps", type=click.IntRange(1), help="checkpoint every N steps (50); resume uses them")
-@click.option("--validation-input",
-              help="validation rows: a local file or save_to_disk directory (uploaded), a file_… id, or a server "
-                   "path")
-@click.option("--then-generate",
-              help="after training, generate over this dataset with the new adapter: a second job, named on "
-                   "stderr, with generate defaults (max_new_tokens 256; other fields: `then_generate:` as an "
-                   "object in --spec). With --wait both ids are printed and both are waited for")
-@click.option("--file-format", type=click.Choice(["auto", "jsonl", "csv", "parquet", "hf"]),
-              help="how to read --input and --validation-input (auto: by content and file name); a save_to_disk "
-                   "directory is packed")
-@click.option("--column", "columns", multiple=True, metavar="OURS=THEIRS",
-              help="map a column to messages, prompt, completion or text, e.g. completion=answer (repeatable)")
+@click.option(
+    "--validation-input",
+    help="validation rows: a local file or save_to_disk directory (uploaded), a file_… id, or a server path",
+)
+@click.option(
+    "--then-generate",
+    help="after training, generate over this dataset with the new adapter: a second job, named on "
+    "stderr, with generate defaults (max_new_tokens 256; other fields: `then_generate:` as an "
+    "object in --spec). With --wait both ids are printed and both are waited for",
+)
+@click.option(
+    "--file-format",
+    type=click.Choice(["auto", "jsonl", "csv", "parquet", "hf"]),
+    help="how to read --input and --validation-input (auto: by content and file name); a save_to_disk "
+    "directory is packed",
+)
+@click.option(
+    "--column",
+    "columns",
+    multiple=True,
+    metavar="OURS=THEIRS",
+    help="map a column to messages, prompt, completion or text, e.g. completion=answer (repeatable)",
+)
 def submit_finetune(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
     """Fine-tune a LoRA adapter (QLoRA with --quantization bnb-4bit) on a JSONL, CSV, Parquet or saved-dataset
     input whose rows are chat `messages` (loss on assistant turns), `prompt`/`completion` (loss on the
@@ -305,13 +379,16 @@ def _uploaded(source: Any, api) -> Any:
 
 # --- read ---------------------------------------------------------------------------------------------------
 
+
 def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[str, Any]:
     with click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar:
+
         def update(job: dict[str, Any]) -> None:
             rows = job["rows"]
             bar.length = max(rows["total"], 1)
             bar.update(rows["succeeded"] + rows["failed"] - bar.pos)
             bar.label = f"{job_id} {job['state']}"
+
         return api.wait(job_id, on_update=update, timeout=timeout)
 
 
@@ -323,21 +400,29 @@ def describe(job: dict[str, Any]) -> None:
     click.echo(f"  model    {job['model']}  (queue {job['queue']}, priority {job.get('priority', 'normal')})")
     place = job.get("scheduling")
     if place:
-        click.echo(f"  queued   {place['shards_queued']} shards, position {place['position']} "
-                   f"({place['shards_ahead']} shards ahead); {place['waiting']}")
-    click.echo(f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
-               f"of {rows['total']}")
+        click.echo(
+            f"  queued   {place['shards_queued']} shards, position {place['position']} "
+            f"({place['shards_ahead']} shards ahead); {place['waiting']}"
+        )
+    click.echo(
+        f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
+        f"of {rows['total']}"
+    )
     for d in job.get("downloads") or []:
         rate = f", {_size(d['rate_bytes_per_s'])}/s" if d.get("rate_bytes_per_s") else ""
         eta = f", ETA {d['eta_s']:.0f} s" if d.get("eta_s") is not None else ""
-        click.echo(f"  download {d['repo']}@{(d['commit'] or '?')[:12]} on {d['host']}: {_size(d['bytes_done'])} of "
-                   f"{_size(d['bytes_total'])}{rate}{eta}")
+        click.echo(
+            f"  download {d['repo']}@{(d['commit'] or '?')[:12]} on {d['host']}: {_size(d['bytes_done'])} of "
+            f"{_size(d['bytes_total'])}{rate}{eta}"
+        )
     model = (job.get("metrics") or {}).get("model")
     if model and model.get("commit"):
         click.echo(f"  commit   {model['repo']}@{model['revision']} = {model['commit']}")
     if job.get("run", 1) > 1:
-        click.echo(f"  run      {job['run']} (a retry started it; what follows is this run's; earlier runs: "
-                   f"`gpujobs status {job['id']} --all-runs`)")
+        click.echo(
+            f"  run      {job['run']} (a retry started it; what follows is this run's; earlier runs: "
+            f"`gpujobs status {job['id']} --all-runs`)"
+        )
     if job["kind"] == "finetune":
         _describe_training(job)
     else:
@@ -350,9 +435,11 @@ def describe_runs(job: dict[str, Any]) -> None:
     """The job, then one line per earlier run (metrics.runs): how it ended, its duration, rate and rows."""
     describe(job)
     for r in (job.get("metrics") or {}).get("runs", []):
-        numbers = [f"{r['duration_s']} s" if r.get("duration_s") is not None else None,
-                   f"{r['output_tok_s']} tok/s" if r.get("output_tok_s") is not None else None,
-                   f"{r['rows_succeeded']} rows succeeded, {r['rows_failed']} failed"]
+        numbers = [
+            f"{r['duration_s']} s" if r.get("duration_s") is not None else None,
+            f"{r['output_tok_s']} tok/s" if r.get("output_tok_s") is not None else None,
+            f"{r['rows_succeeded']} rows succeeded, {r['rows_failed']} failed",
+        ]
         error = f": {r['error']}" if r.get("error") else ""
         click.echo(f"  run {r['run']}    {r['state']}, {', '.join(n for n in numbers if n)}{error}")
 
@@ -365,8 +452,11 @@ def _describe_generation(job: dict[str, Any]) -> None:
         click.echo(f"  rate     {live['tokens_per_s']} tok/s, {live['rows_per_s']} rows/s (last minute); ETA {eta}")
     if metrics.get("time_to_first_result_s") is not None:
         per_shard = metrics.get("shard_time_to_first_result_s")
-        shards = (f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim ({per_shard['shards']} "
-                  "shards)") if per_shard else ""
+        shards = (
+            (f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim ({per_shard['shards']} shards)")
+            if per_shard
+            else ""
+        )
         click.echo(f"  first    result {metrics['time_to_first_result_s']} s after the start{shards}")
     if metrics.get("output_tok_s") is not None:
         click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s")
@@ -377,8 +467,10 @@ def _describe_training(job: dict[str, Any]) -> None:
     training, metrics = job.get("training"), job.get("metrics") or {}
     if training:
         loss = training.get("loss", training.get("train_loss"))
-        parts = [f"step {training.get('step', 0)}/{training.get('max_steps') or '?'}",
-                 f"epoch {training.get('epoch') or 0:.2f}"]
+        parts = [
+            f"step {training.get('step', 0)}/{training.get('max_steps') or '?'}",
+            f"epoch {training.get('epoch') or 0:.2f}",
+        ]
         parts += [f"loss {loss:.4f}"] if loss is not None else []
         parts += [f"{training['tokens_per_s']} training tok/s"] if training.get("tokens_per_s") is not None else []
         eta = f"; ETA {training['eta_s']:.0f} s" if training.get("eta_s") is not None else ""
@@ -391,8 +483,11 @@ def _describe_training(job: dict[str, Any]) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--all-runs", is_flag=True, help="also how each earlier run (before a retry) ended: state, duration, "
-              "rate, rows (JSON: metrics.runs, always)")
+@click.option(
+    "--all-runs",
+    is_flag=True,
+    help="also how each earlier run (before a retry) ended: state, duration, rate, rows (JSON: metrics.runs, always)",
+)
 @json_option("print the job as JSON")
 def status(job_id: str, all_runs: bool, as_json: bool) -> None:
     """Show a job's state, progress, rates, ETA and metrics: of its current run (a retry starts a new one)."""
@@ -401,18 +496,27 @@ def status(job_id: str, all_runs: bool, as_json: bool) -> None:
 
 @cli.command("list")
 @click.option("--state", help="only jobs in this state")
-@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True,
-              help="how many, newest first (stderr says when older jobs exist beyond them)")
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 1000),
+    default=50,
+    show_default=True,
+    help="how many, newest first (stderr says when older jobs exist beyond them)",
+)
 @json_option()
 def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
+
     def table(jobs):
         for j in jobs:
             done = j["rows"]["succeeded"] + j["rows"]["failed"]
             place = j.get("scheduling")
             waits = f"  [#{place['position']}, {place['waiting']}]" if place else ""
-            click.echo(f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/"
-                       f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}")
+            click.echo(
+                f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/"
+                f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}"
+            )
+
     found, more = client().jobs_page(state=state, limit=limit)
     emit(found, as_json, table)
     if more:
@@ -435,11 +539,21 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
 @click.argument("job_id")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="write here, not to stdout")
 @click.option("--errors", is_flag=True, help="failed rows (with their line and error) instead of results")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "openai", "csv", "parquet"]), default="jsonl",
-              show_default=True, help="jsonl (ours), openai (Batch output file; with --errors its error file), csv, "
-                                      "parquet")
-@click.option("--order", type=click.Choice(["input", "finished"]), default="input", show_default=True,
-              help="input order, or the order rows finished")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "openai", "csv", "parquet"]),
+    default="jsonl",
+    show_default=True,
+    help="jsonl (ours), openai (Batch output file; with --errors its error file), csv, parquet",
+)
+@click.option(
+    "--order",
+    type=click.Choice(["input", "finished"]),
+    default="input",
+    show_default=True,
+    help="input order, or the order rows finished",
+)
 def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str) -> None:
     """Finished rows (or, with --errors, failed rows); works while the job still runs."""
     if fmt == "parquet" and not output and sys.stdout.isatty():
@@ -462,10 +576,17 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str)
 @cli.command()
 @click.argument("job_id")
 @click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
-@click.option("--run", "run", type=click.IntRange(1), help="the events of this run (1, then one more per retry); "
-              "default: the current run")
-@click.option("--all-runs", is_flag=True, help="every run's events as written, with the step events a resumed "
-              "fine-tune ran again (marked superseded)")
+@click.option(
+    "--run",
+    "run",
+    type=click.IntRange(1),
+    help="the events of this run (1, then one more per retry); default: the current run",
+)
+@click.option(
+    "--all-runs",
+    is_flag=True,
+    help="every run's events as written, with the step events a resumed fine-tune ran again (marked superseded)",
+)
 @json_option("one JSON object per event")
 def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: bool) -> None:
     """A job's events, every one (page after page): state changes, loads, errors, metrics. Each run (a retry
@@ -475,8 +596,11 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     api, after = client(), 0
     current = api.job(job_id).get("run", 1)
     if run and run > current:
-        raise InvalidInput(f"job {job_id} has runs 1 to {current}: give one of them" if current > 1 else
-                           f"job {job_id} has only run 1 (each retry starts the next)")
+        raise InvalidInput(
+            f"job {job_id} has runs 1 to {current}: give one of them"
+            if current > 1
+            else f"job {job_id} has only run 1 (each retry starts the next)"
+        )
     if current > 1 and not run and not all_runs:
         click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
     scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}
@@ -488,8 +612,9 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
                 click.echo(json.dumps(e, default=str))
             else:
                 stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-                tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + ("(superseded) " if e.get("superseded")
-                                                                            else "")
+                tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + (
+                    "(superseded) " if e.get("superseded") else ""
+                )
                 click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
         if more:
             continue  # the next page at once
@@ -525,8 +650,13 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
 
 
 @cli.command()
-@click.option("--all", "all_", is_flag=True, help="also workers that stopped over JOBS_STOPPED_WORKERS_SHOWN "
-              "seconds (1 h) ago or were replaced by a newer worker on their host and slice")
+@click.option(
+    "--all",
+    "all_",
+    is_flag=True,
+    help="also workers that stopped over JOBS_STOPPED_WORKERS_SHOWN "
+    "seconds (1 h) ago or were replaced by a newer worker on their host and slice",
+)
 @json_option()
 def workers(all_: bool, as_json: bool) -> None:
     """Registered workers: state (online, lost: no heartbeat, offline: stopped), restarts of their slot, slice,
@@ -551,13 +681,19 @@ def worker_line(w: dict) -> str:
 @json_option()
 def usage(owner: str | None, since: str | None, as_json: bool) -> None:
     """Usage per owner: jobs, rows, tokens, GPU-seconds (wall time × slice size) and engine seconds."""
+
     def table(data):
-        click.echo(f"{'owner':<20} {'jobs':>6} {'rows ok':>9} {'failed':>7} {'prompt tok':>11} {'output tok':>11} "
-                   f"{'GPU-s':>10} {'engine-s':>10}")
+        click.echo(
+            f"{'owner':<20} {'jobs':>6} {'rows ok':>9} {'failed':>7} {'prompt tok':>11} {'output tok':>11} "
+            f"{'GPU-s':>10} {'engine-s':>10}"
+        )
         for u in data["owners"] + ([{"owner": "total", **data["total"]}] if len(data["owners"]) > 1 else []):
-            click.echo(f"{u['owner']:<20} {u['jobs']:>6} {u['rows_succeeded']:>9} {u['rows_failed']:>7} "
-                       f"{u['prompt_tokens']:>11} {u['completion_tokens']:>11} {u['gpu_seconds']:>10.1f} "
-                       f"{u['engine_seconds']:>10.1f}")
+            click.echo(
+                f"{u['owner']:<20} {u['jobs']:>6} {u['rows_succeeded']:>9} {u['rows_failed']:>7} "
+                f"{u['prompt_tokens']:>11} {u['completion_tokens']:>11} {u['gpu_seconds']:>10.1f} "
+                f"{u['engine_seconds']:>10.1f}"
+            )
+
     emit(client().usage(owner=owner, since=since), as_json, table)
 
 
@@ -568,16 +704,23 @@ def quota() -> None:
 
 @quota.command("set")
 @click.argument("owner")
-@click.option("--max-running-shards", type=click.IntRange(0), metavar="N",
-              help="at most N of the owner's shards run at once (0 holds new work)")
+@click.option(
+    "--max-running-shards",
+    type=click.IntRange(0),
+    metavar="N",
+    help="at most N of the owner's shards run at once (0 holds new work)",
+)
 @click.option("--no-cap", is_flag=True, help="remove the owner's cap")
 @click.option("--json", "as_json", is_flag=True, help="print the quota as JSON")
 def quota_set(owner: str, max_running_shards: int | None, no_cap: bool, as_json: bool) -> None:
     """Set OWNER's quota: `--max-running-shards N`, or `--no-cap`."""
     if (max_running_shards is None) == (not no_cap):
         raise InvalidInput("give exactly one of --max-running-shards N or --no-cap")
-    emit(client().set_quota(owner, max_running_shards=None if no_cap else max_running_shards), as_json,
-         lambda q: click.echo(quota_line(q)))
+    emit(
+        client().set_quota(owner, max_running_shards=None if no_cap else max_running_shards),
+        as_json,
+        lambda q: click.echo(quota_line(q)),
+    )
 
 
 @quota.command("show")
@@ -588,12 +731,15 @@ def quota_show(owner: str | None, as_json: bool) -> None:
     GPU-seconds over the fair-share window."""
     rows = [q for q in client().quotas() if owner is None or q["owner"] == owner]
     if owner is not None and not rows:
-        rows = [{"owner": owner, "max_running_shards": None, "running_shards": 0, "queued_shards": 0,
-                 "gpu_seconds": 0.0}]
+        rows = [
+            {"owner": owner, "max_running_shards": None, "running_shards": 0, "queued_shards": 0, "gpu_seconds": 0.0}
+        ]
     emit(rows, as_json, lambda qs: [click.echo(quota_line(q)) for q in qs])
 
 
 def quota_line(q: dict[str, Any]) -> str:
     cap = "no cap" if q["max_running_shards"] is None else f"max {q['max_running_shards']} running shards"
-    return (f"{q['owner']:<20} {cap:<26} running {q['running_shards']:>4}  queued {q['queued_shards']:>6}  "
-            f"{q['gpu_seconds']:>10.1f} GPU-s recently")
+    return (
+        f"{q['owner']:<20} {cap:<26} running {q['running_shards']:>4}  queued {q['queued_shards']:>6}  "
+        f"{q['gpu_seconds']:>10.1f} GPU-s recently"
+    )

@@ -35,8 +35,10 @@ def _when(ts: float | None) -> str:
 
 def _line(m: dict[str, Any]) -> str:
     refs = ",".join(m["refs"]) or "-"
-    line = (f"{m['host']:<16} {m['repo']:<32} {(m['commit'] or '?')[:12]:<12} {refs:<12} {m['state']:<16} "
-            f"{_size(m['bytes']):>10} {m['files']:>5}  used {_when(m['last_used_at'])}")
+    line = (
+        f"{m['host']:<16} {m['repo']:<32} {(m['commit'] or '?')[:12]:<12} {refs:<12} {m['state']:<16} "
+        f"{_size(m['bytes']):>10} {m['files']:>5}  used {_when(m['last_used_at'])}"
+    )
     download = m.get("download")
     if download:
         eta = f", ETA {download['eta_s']:.0f} s" if download.get("eta_s") is not None else ""
@@ -53,31 +55,42 @@ def _line(m: dict[str, Any]) -> str:
 def list_models(repo: str | None, as_json: bool) -> None:
     """What each host's Hugging Face cache holds: repo, commit, refs, state, size, files, last use (and any
     download in flight: bytes, rate, ETA). Hosts report what their workers found at start and fetched since."""
+
     def table(rows: list[dict[str, Any]]) -> None:
         if not rows:
-            click.echo("no Hub model in any worker's cache (pull one: gpujobs models pull ORG/NAME --workers all)",
-                       err=True)
+            click.echo(
+                "no Hub model in any worker's cache (pull one: gpujobs models pull ORG/NAME --workers all)", err=True
+            )
             return
         click.echo(f"{'host':<16} {'repo':<32} {'commit':<12} {'refs':<12} {'state':<16} {'size':>10} {'files':>5}")
         for m in rows:
             click.echo(_line(m))
+
     emit(client().models(repo=repo), as_json, table)
 
 
 @models.command("pull")
 @click.argument("repo")
 @click.option("--revision", help="branch, tag or commit (default main)")
-@click.option("--workers", help="`all`, or worker names separated by commas: their hosts fetch it (through the API, "
-              "admins). Without it: into this host's cache (HF_HUB_CACHE)")
+@click.option(
+    "--workers",
+    help="`all`, or worker names separated by commas: their hosts fetch it (through the API, "
+    "admins). Without it: into this host's cache (HF_HUB_CACHE)",
+)
 @click.option("--wait", "wait_", is_flag=True, help="with --workers: wait until every host has it (or failed)")
 @json_option()
 def pull(repo: str, revision: str | None, workers: str | None, wait_: bool, as_json: bool) -> None:
     """Fetch a Hub model (only the files a load reads: config, tokenizer, safetensors weights) into a Hugging Face
     cache, verified; exit 1 if a host failed."""
     if workers is None:
-        emit(_pull_here(repo, revision), as_json, lambda f: click.echo(
-            f"{f['repo']}@{f['commit']} in {f['path']}: {f['files']} files, {_size(f['bytes'])} "
-            f"({_size(f['downloaded'])} downloaded)"))
+        emit(
+            _pull_here(repo, revision),
+            as_json,
+            lambda f: click.echo(
+                f"{f['repo']}@{f['commit']} in {f['path']}: {f['files']} files, {_size(f['bytes'])} "
+                f"({_size(f['downloaded'])} downloaded)"
+            ),
+        )
         return
     api = client()
     rows = api.pull_models(repo, revision=revision, workers=workers)
@@ -87,8 +100,11 @@ def pull(repo: str, revision: str | None, workers: str | None, wait_: bool, as_j
 @models.command("rm")
 @click.argument("repo")
 @click.option("--revision", help="only the snapshot this branch, tag or commit names (default: every snapshot)")
-@click.option("--workers", help="`all`, or worker names separated by commas: their hosts delete it (through the API, "
-              "admins). Without it: from this host's cache (HF_HUB_CACHE)")
+@click.option(
+    "--workers",
+    help="`all`, or worker names separated by commas: their hosts delete it (through the API, "
+    "admins). Without it: from this host's cache (HF_HUB_CACHE)",
+)
 @click.option("--wait", "wait_", is_flag=True, help="with --workers: wait until every host has deleted it")
 @json_option()
 def rm(repo: str, revision: str | None, workers: str | None, wait_: bool, as_json: bool) -> None:
@@ -98,12 +114,16 @@ def rm(repo: str, revision: str | None, workers: str | None, wait_: bool, as_jso
         if revision:
             commit = hub.cached_commit(repo, revision)
             if commit is None:
-                raise InvalidInput(f"{hub.describe(repo, revision)} is not in this host's cache "
-                                   f"({hub.get_settings().hub_cache})")
+                raise InvalidInput(
+                    f"{hub.describe(repo, revision)} is not in this host's cache ({hub.get_settings().hub_cache})"
+                )
             commits = [commit]
         result = hub.remove(repo, commits)
-        emit(result, as_json, lambda r: click.echo(f"removed {len(r['removed'])} snapshot(s) of {repo}, "
-                                                   f"{_size(r['freed_bytes'])} freed"))
+        emit(
+            result,
+            as_json,
+            lambda r: click.echo(f"removed {len(r['removed'])} snapshot(s) of {repo}, {_size(r['freed_bytes'])} freed"),
+        )
         return
     api = client()
     rows = api.remove_models(repo, revision=revision, workers=workers)
@@ -117,8 +137,11 @@ def _pull_here(repo: str, revision: str | None) -> dict[str, Any]:
     class Bar(hub.Listener):
         def started(self, snap, *, files: int, total: int, done: int) -> None:
             nonlocal bar
-            bar = click.progressbar(length=max(total, 1), label=f"{repo}@{hub.short(snap.commit)} ({files} files)",
-                                    file=click.get_text_stream("stderr"))
+            bar = click.progressbar(
+                length=max(total, 1),
+                label=f"{repo}@{hub.short(snap.commit)} ({files} files)",
+                file=click.get_text_stream("stderr"),
+            )
             bar.__enter__()
             bar.update(done)
 
@@ -127,8 +150,9 @@ def _pull_here(repo: str, revision: str | None) -> dict[str, Any]:
                 bar.update(done - bar.pos)
 
         def waiting(self, snap) -> None:
-            click.echo(f"another process of this host is downloading {repo}@{hub.short(snap.commit)}: waiting",
-                       err=True)
+            click.echo(
+                f"another process of this host is downloading {repo}@{hub.short(snap.commit)}: waiting", err=True
+            )
 
     try:
         fetched = hub.ensure(repo, revision, kind="auto", listener=Bar())
@@ -137,9 +161,16 @@ def _pull_here(repo: str, revision: str | None) -> dict[str, Any]:
             bar.__exit__(None, None, None)
     for note in fetched.notes:
         click.echo(note, err=True)
-    return {"repo": fetched.repo, "revision": fetched.revision, "commit": fetched.commit, "kind": fetched.kind,
-            "path": str(fetched.path), "files": fetched.files, "bytes": fetched.bytes,
-            "downloaded": fetched.downloaded}
+    return {
+        "repo": fetched.repo,
+        "revision": fetched.revision,
+        "commit": fetched.commit,
+        "kind": fetched.kind,
+        "path": str(fetched.path),
+        "files": fetched.files,
+        "bytes": fetched.bytes,
+        "downloaded": fetched.downloaded,
+    }
 
 
 def _report(api, repo: str, rows: list[dict[str, Any]], wait_: bool, as_json: bool) -> None:
@@ -159,8 +190,14 @@ def _wait(api, repo: str, places: set[tuple[str, str]]) -> list[dict[str, Any]]:
         if not busy:
             click.echo("", err=True)
             return rows
-        summary = "; ".join(f"{r['host']}: {r['state']}" + (
-            f" {_size(r['download']['bytes_done'])}/{_size(r['download']['bytes_total'])}" if r.get("download")
-            else "") for r in busy)
+        summary = "; ".join(
+            f"{r['host']}: {r['state']}"
+            + (
+                f" {_size(r['download']['bytes_done'])}/{_size(r['download']['bytes_total'])}"
+                if r.get("download")
+                else ""
+            )
+            for r in busy
+        )
         click.echo(f"\r{summary}", err=True, nl=False)
         time.sleep(1.0)

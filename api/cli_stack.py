@@ -21,13 +21,25 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @cli.command()
-@click.option("--gpus", help="worker slices, ';' between workers: '0,1;2;3'; 'none' = one CPU worker "
-              "(default: one worker per GPU that nvidia-smi lists, else one CPU worker)")
-@click.option("--host", default="127.0.0.1", show_default=True, help="API listen address (beyond loopback needs "
-              "JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)")
+@click.option(
+    "--gpus",
+    help="worker slices, ';' between workers: '0,1;2;3'; 'none' = one CPU worker "
+    "(default: one worker per GPU that nvidia-smi lists, else one CPU worker)",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="API listen address (beyond loopback needs JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)",
+)
 @click.option("--port", default=8765, show_default=True, help="API port")
-@click.option("--detach", "-d", is_flag=True, help="return once the stack is healthy (a supervisor process keeps "
-              "restarting workers); stop it with `gpujobs down`")
+@click.option(
+    "--detach",
+    "-d",
+    is_flag=True,
+    help="return once the stack is healthy (a supervisor process keeps "
+    "restarting workers); stop it with `gpujobs down`",
+)
 def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME.
 
@@ -92,8 +104,11 @@ def down() -> None:
 
 
 @cli.command()
-@click.option("--gpus", required=True, help="this worker's slice: GPU indices as nvidia-smi shows them ('2,0'), "
-              "or 'none' for a CPU worker")
+@click.option(
+    "--gpus",
+    required=True,
+    help="this worker's slice: GPU indices as nvidia-smi shows them ('2,0'), or 'none' for a CPU worker",
+)
 @click.option("--loglevel", default="INFO", show_default=True, help="worker log level")
 def worker(gpus: str, loglevel: str) -> None:
     """Run one worker in the foreground, pinned to a GPU slice (replaces this process: same pid). Not restarted
@@ -113,8 +128,12 @@ def worker(gpus: str, loglevel: str) -> None:
 
 @cli.command()
 @click.option("--gpus", required=True, help="slices, ';' between workers: '0,1;2'; 'none' = one CPU worker")
-@click.option("--stop-timeout", default=120.0, show_default=True,
-              help="seconds a worker gets to hand its shard back on SIGTERM before SIGKILL")
+@click.option(
+    "--stop-timeout",
+    default=120.0,
+    show_default=True,
+    help="seconds a worker gets to hand its shard back on SIGTERM before SIGKILL",
+)
 def supervise(gpus: str, stop_timeout: float) -> None:
     """Run one worker per slice in the foreground and restart a worker that exits, with the policy of `gpujobs up`
     (JOBS_RESTART_*); SIGTERM or Ctrl-C stops them. Workers write to this process's output (ops/launch-workers.sh
@@ -150,9 +169,15 @@ def tokens() -> None:
 
 @tokens.command("create")
 @click.option("--owner", required=True, help="the owner whose jobs this token submits and sees")
-@click.option("--scope", "scopes", multiple=True, default=["user"], show_default=True,
-              type=click.Choice(["user", "admin", "metrics", "priority"]),
-              help="repeatable; priority (beside user) may submit priority high jobs")
+@click.option(
+    "--scope",
+    "scopes",
+    multiple=True,
+    default=["user"],
+    show_default=True,
+    type=click.Choice(["user", "admin", "metrics", "priority"]),
+    help="repeatable; priority (beside user) may submit priority high jobs",
+)
 @click.option("--name", help="a label")
 def tokens_create(owner: str, scopes: tuple[str, ...], name: str | None) -> None:
     """Create a token and print it once (only its hash is stored)."""
@@ -171,10 +196,20 @@ def tokens_list(as_json: bool) -> None:
     from core.db import session_scope
 
     with session_scope() as session:
-        rows = [{"id": t.id, "owner": t.owner, "scopes": t.scopes, "name": t.name, "revoked": t.revoked_at is not None}
-                for t in auth.list_tokens(session)]
-    emit(rows, as_json, lambda ts: [click.echo(f"{t['id']}  {t['owner']:<16} {t['scopes']:<20} "
-                                               f"{'revoked' if t['revoked'] else ''} {t['name'] or ''}") for t in ts])
+        rows = [
+            {"id": t.id, "owner": t.owner, "scopes": t.scopes, "name": t.name, "revoked": t.revoked_at is not None}
+            for t in auth.list_tokens(session)
+        ]
+    emit(
+        rows,
+        as_json,
+        lambda ts: [
+            click.echo(
+                f"{t['id']}  {t['owner']:<16} {t['scopes']:<20} {'revoked' if t['revoked'] else ''} {t['name'] or ''}"
+            )
+            for t in ts
+        ],
+    )
 
 
 @tokens.command("revoke")
@@ -189,8 +224,13 @@ def tokens_revoke(token_id: str) -> None:
 
 
 @cli.command()
-@click.option("--examples", type=click.Path(file_okay=False, exists=True), default=str(EXAMPLES),
-              show_default=True, help="folder with qa.jsonl and prompts.jsonl")
+@click.option(
+    "--examples",
+    type=click.Path(file_okay=False, exists=True),
+    default=str(EXAMPLES),
+    show_default=True,
+    help="folder with qa.jsonl and prompts.jsonl",
+)
 @click.option("--port", default=8765, show_default=True, help="API port if the stack must be started")
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
 def demo(examples: str, port: int, keep_running: bool) -> None:
@@ -208,23 +248,46 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
         click.echo(f"building a tiny base model (untrained weights) into {model} ...", err=True)
         log = settings.logs_dir / "tinymodel.log"
         with open(log, "wb") as out:
-            build = subprocess.run([sys.executable, "-m", "worker.tinymodel", str(model), "--base", "--qa",
-                                    str(Path(examples) / "qa.jsonl")], stdout=subprocess.DEVNULL, stderr=out,
-                                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
+            build = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "worker.tinymodel",
+                    str(model),
+                    "--base",
+                    "--qa",
+                    str(Path(examples) / "qa.jsonl"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=out,
+                env=dict(os.environ, HF_HUB_OFFLINE="1"),
+            )
         if build.returncode:
             raise JobsError(f"building the tiny model failed: see {log}")
     api = client()
     spec = yaml.safe_load((Path(examples) / "finetune.yaml").read_text())
-    spec.update(model=str(model), name="demo fine-tune", input=api.upload(Path(examples) / "finetune_qa.jsonl")["id"],
-                then_generate={"input": api.upload(Path(examples) / "prompts.jsonl")["id"], "max_new_tokens": 24,
-                               "name": "demo"})
+    spec.update(
+        model=str(model),
+        name="demo fine-tune",
+        input=api.upload(Path(examples) / "finetune_qa.jsonl")["id"],
+        then_generate={
+            "input": api.upload(Path(examples) / "prompts.jsonl")["id"],
+            "max_new_tokens": 24,
+            "name": "demo",
+        },
+    )
     finetune = api.submit(spec)
-    click.echo(f"submitted fine-tune {finetune['id']} (`gpujobs events {finetune['id']} --follow` shows its "
-               "training)", err=True)
+    click.echo(
+        f"submitted fine-tune {finetune['id']} (`gpujobs events {finetune['id']} --follow` shows its training)",
+        err=True,
+    )
     finetune = wait_with_progress(api, finetune["id"])
     training = (finetune.get("metrics") or {}).get("training") or {}
-    click.echo(f"fine-tune {finetune['state']}: {training.get('steps')} steps, final loss "
-               f"{training.get('final_loss')}; adapter {finetune['id']}", err=True)
+    click.echo(
+        f"fine-tune {finetune['state']}: {training.get('steps')} steps, final loss "
+        f"{training.get('final_loss')}; adapter {finetune['id']}",
+        err=True,
+    )
     job_id = (finetune.get("metrics") or {}).get("then_generate_job")
     if finetune["state"] != "succeeded" or not job_id:
         raise JobsError(f"the demo fine-tune {finetune['state']}: {finetune.get('error')}")
@@ -236,13 +299,15 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     for r in rows:
         click.echo(f"  {r['custom_id']:<12} {r['output']!r}", err=True)
-    click.echo(f"{job['state']}: {job['rows']['succeeded']} rows, {job['tokens']['completion']} tokens; "
-               f"results in {out}", err=True)
+    click.echo(
+        f"{job['state']}: {job['rows']['succeeded']} rows, {job['tokens']['completion']} tokens; results in {out}",
+        err=True,
+    )
     click.echo(str(out))
     if not keep_running:
         stack.down(log=lambda m: click.echo(m, err=True))
     else:
-        click.echo("the stack is still up: try `gpujobs list`, `gpujobs status ID`; stop it with `gpujobs down`", err=True)
+        click.echo(
+            "the stack is still up: try `gpujobs list`, `gpujobs status ID`; stop it with `gpujobs down`", err=True
+        )
     raise SystemExit(job_exit_code(job))
-
-

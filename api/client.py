@@ -89,8 +89,9 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise errors.ServiceUnavailable(f"cannot reach the jobs API at {self.url} ({exc}): start one with "
-                                            "`gpujobs up`, or set JOBS_API_URL") from exc
+            raise errors.ServiceUnavailable(
+                f"cannot reach the jobs API at {self.url} ({exc}): start one with `gpujobs up`, or set JOBS_API_URL"
+            ) from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
@@ -113,8 +114,10 @@ class Client:
             spec = {**spec, "priority": priority}
         if input is not None:
             if not Path(input).is_file():
-                raise errors.InvalidInput(f"input {str(input)!r} is not a local file: give the path of a JSONL "
-                                          "dataset, or put a file id / server path in spec['input']")
+                raise errors.InvalidInput(
+                    f"input {str(input)!r} is not a local file: give the path of a JSONL "
+                    "dataset, or put a file id / server path in spec['input']"
+                )
             spec = {**spec, "input": self.upload(input)["id"]}
         # a submit parses and stores every row before it answers: minutes for millions of rows
         return self._json("POST", "/jobs", json=spec, timeout=LONG)
@@ -149,8 +152,9 @@ class Client:
         except httpx.TransportError as exc:
             raise errors_unreachable(self.url, exc) from exc
 
-    def download(self, job_id: str, *, format: str = "jsonl", errors: bool = False,
-                 order: str = "input") -> Iterator[bytes]:
+    def download(
+        self, job_id: str, *, format: str = "jsonl", errors: bool = False, order: str = "input"
+    ) -> Iterator[bytes]:
         """The results file as bytes, chunk by chunk: `format` jsonl, openai (the OpenAI Batch output file, or
         its error file with `errors`), csv or parquet; `order` input or finished."""
         params = {"errors": errors, "format": format, "order": order}
@@ -163,21 +167,24 @@ class Client:
         except httpx.TransportError as exc:
             raise errors_unreachable(self.url, exc) from exc
 
-    def events(self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None,
-               superseded: bool = False) -> list[dict[str, Any]]:
+    def events(
+        self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None, superseded: bool = False
+    ) -> list[dict[str, Any]]:
         """One page of a job's events after event id `after`, oldest first (`all_events` reads every page): of
         one run (its number, or "current"; None: every run), with `superseded` also the step events a resumed
         fine-tune ran again."""
         return self.events_page(job_id, after=after, limit=limit, run=run, superseded=superseded)[0]
 
-    def events_page(self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None,
-                    superseded: bool = False) -> tuple[list[dict[str, Any]], bool]:
+    def events_page(
+        self, job_id: str, *, after: int = 0, limit: int = 500, run: int | str | None = None, superseded: bool = False
+    ) -> tuple[list[dict[str, Any]], bool]:
         """One page of events after `after`, and whether more exist after it (ask again from its last id)."""
         params = {"after": after, "limit": limit, "superseded": superseded} | ({"run": run} if run else {})
         return self._page(f"/jobs/{job_id}/events", params)
 
-    def all_events(self, job_id: str, *, after: int = 0, run: int | str | None = None,
-                   superseded: bool = False) -> Iterator[dict[str, Any]]:
+    def all_events(
+        self, job_id: str, *, after: int = 0, run: int | str | None = None, superseded: bool = False
+    ) -> Iterator[dict[str, Any]]:
         """Every event after `after` that exists now, page by page."""
         while True:
             page, more = self.events_page(job_id, after=after, run=run, superseded=superseded)
@@ -232,8 +239,15 @@ class Client:
         params = {k: v for k, v in {"owner": owner, "since": since}.items() if v is not None}
         return self._json("GET", "/usage", params=params)
 
-    def wait(self, job_id: str, *, poll: float = 1.0, timeout: float | None = None,
-             on_update: Callable[[Job], None] | None = None, progress: bool = False) -> Job:
+    def wait(
+        self,
+        job_id: str,
+        *,
+        poll: float = 1.0,
+        timeout: float | None = None,
+        on_update: Callable[[Job], None] | None = None,
+        progress: bool = False,
+    ) -> Job:
         """Poll until the job ends and return it; `on_update` sees every poll (progress bars), `progress=True`
         prints one updating line on stderr. Raises WaitTimeout after `timeout` seconds (the job keeps running)."""
         deadline = time.monotonic() + timeout if timeout else None
@@ -246,8 +260,9 @@ class Client:
             if job["state"] in TERMINAL:
                 return job
             if deadline and time.monotonic() > deadline:
-                raise errors.WaitTimeout(f"job {job_id} is still {job['state']} after {timeout} s: wait again, or "
-                                       f"`gpujobs cancel {job_id}`")
+                raise errors.WaitTimeout(
+                    f"job {job_id} is still {job['state']} after {timeout} s: wait again, or `gpujobs cancel {job_id}`"
+                )
             time.sleep(poll)
 
 

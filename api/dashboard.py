@@ -54,9 +54,18 @@ def throughput(job_id: str, *, owner: str | None) -> dict[str, Any]:
         bucket = max(1, math.ceil((end - start) / MAX_BUCKETS))
         # whole milliseconds, then integer division: the same buckets on SQLite and Postgres (whose CAST rounds)
         slot = cast((JobRow.finished_at - start) * 1000, BigInteger) // (bucket * 1000)
-        stmt = (select(slot, func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0))
-                .where(JobRow.job_id == job.id, JobRow.finished_at >= start, JobRow.worker.is_not(None))  # this run
-                .group_by(slot).order_by(slot))
-        points = [{"t": round(start + int(s) * bucket, 3), "rows_per_s": round(n / bucket, 3),
-                   "tokens_per_s": round(int(tok) / bucket, 2)} for s, n, tok in session.execute(stmt).all()]
+        stmt = (
+            select(slot, func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0))
+            .where(JobRow.job_id == job.id, JobRow.finished_at >= start, JobRow.worker.is_not(None))  # this run
+            .group_by(slot)
+            .order_by(slot)
+        )
+        points = [
+            {
+                "t": round(start + int(s) * bucket, 3),
+                "rows_per_s": round(n / bucket, 3),
+                "tokens_per_s": round(int(tok) / bucket, 2),
+            }
+            for s, n, tok in session.execute(stmt).all()
+        ]
     return {"job_id": job_id, "bucket_seconds": bucket, "points": points}

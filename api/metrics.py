@@ -69,8 +69,10 @@ def metrics_reader(credentials: Annotated[HTTPAuthorizationCredentials | None, D
         token = auth.authenticate(session, credentials.credentials if credentials else None)
         owner, scopes = token.owner, set(token.scopes.split(","))
     if not scopes & {"metrics", "admin"}:
-        raise Forbidden("/metrics needs a token with the metrics or admin scope: create one with "
-                        "`gpujobs tokens create --owner prometheus --scope metrics`")
+        raise Forbidden(
+            "/metrics needs a token with the metrics or admin scope: create one with "
+            "`gpujobs tokens create --owner prometheus --scope metrics`"
+        )
     return owner
 
 
@@ -105,14 +107,22 @@ def job_metrics(session: Session) -> Iterator[Metric]:
 
 def row_metrics(session: Session) -> Iterator[Metric]:
     terminal = [s.value for s in JobState if s.terminal]
-    done = session.execute(select(
-        func.coalesce(func.sum(Job.rows_succeeded), 0), func.coalesce(func.sum(Job.rows_failed), 0),
-        func.coalesce(func.sum(Job.prompt_tokens), 0), func.coalesce(func.sum(Job.completion_tokens), 0),
-    ).where(Job.state.in_(terminal))).one()
+    done = session.execute(
+        select(
+            func.coalesce(func.sum(Job.rows_succeeded), 0),
+            func.coalesce(func.sum(Job.rows_failed), 0),
+            func.coalesce(func.sum(Job.prompt_tokens), 0),
+            func.coalesce(func.sum(Job.completion_tokens), 0),
+        ).where(Job.state.in_(terminal))
+    ).one()
     rows = {RowState.succeeded.value: int(done[0]), RowState.failed.value: int(done[1])}
     tokens = {"prompt": int(done[2]), "completion": int(done[3])}
-    live = select(JobRow.state, func.count(), func.coalesce(func.sum(JobRow.prompt_tokens), 0),
-                  func.coalesce(func.sum(JobRow.completion_tokens), 0)).join(Job, Job.id == JobRow.job_id)
+    live = select(
+        JobRow.state,
+        func.count(),
+        func.coalesce(func.sum(JobRow.prompt_tokens), 0),
+        func.coalesce(func.sum(JobRow.completion_tokens), 0),
+    ).join(Job, Job.id == JobRow.job_id)
     live = live.where(Job.state.not_in(terminal), JobRow.state != RowState.pending.value).group_by(JobRow.state)
     for state, count, prompt, completion in session.execute(live).all():
         rows[state] = rows.get(state, 0) + int(count)
@@ -134,14 +144,20 @@ def rate_metrics(session: Session, terminal: list[str]) -> Iterator[Metric]:
     since = now() - RATE_WINDOW
     recent = select(Job.id).where(Job.state.not_in(terminal) | (Job.finished_at > since))
     count, tokens = session.execute(
-        select(func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0))
-        .where(JobRow.job_id.in_(recent), JobRow.finished_at > since, JobRow.worker.is_not(None))
+        select(func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
+            JobRow.job_id.in_(recent), JobRow.finished_at > since, JobRow.worker.is_not(None)
+        )
     ).one()
-    yield GaugeMetricFamily("gpujobs_rows_per_second", f"Rows finished per second over the last {RATE_WINDOW:.0f} s",
-                            value=count / RATE_WINDOW)
-    yield GaugeMetricFamily("gpujobs_tokens_per_second",
-                            f"Completion tokens per second over the last {RATE_WINDOW:.0f} s",
-                            value=int(tokens) / RATE_WINDOW)
+    yield GaugeMetricFamily(
+        "gpujobs_rows_per_second",
+        f"Rows finished per second over the last {RATE_WINDOW:.0f} s",
+        value=count / RATE_WINDOW,
+    )
+    yield GaugeMetricFamily(
+        "gpujobs_tokens_per_second",
+        f"Completion tokens per second over the last {RATE_WINDOW:.0f} s",
+        value=int(tokens) / RATE_WINDOW,
+    )
 
 
 def worker_metrics(session: Session) -> Iterator[Metric]:
@@ -150,15 +166,19 @@ def worker_metrics(session: Session) -> Iterator[Metric]:
     states: dict[str, int] = {"online": 0, "lost": 0, "offline": 0}
     labels = ["worker", "host", "slice"]
     up = GaugeMetricFamily("gpujobs_worker_up", "1 while the worker's heartbeat is fresh", labels=labels)
-    age = GaugeMetricFamily("gpujobs_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat",
-                            labels=labels)
+    age = GaugeMetricFamily(
+        "gpujobs_worker_heartbeat_age_seconds", "Seconds since the worker's last heartbeat", labels=labels
+    )
     gpu = ["worker", "gpu"]
-    total = GaugeMetricFamily("gpujobs_gpu_memory_total_bytes", "Memory of each GPU a worker holds",
-                              labels=[*gpu, "name", "uuid"])
-    allocated = GaugeMetricFamily("gpujobs_gpu_memory_allocated_bytes", "GPU memory the worker's tensors hold",
-                                  labels=gpu)
-    reserved = GaugeMetricFamily("gpujobs_gpu_memory_reserved_bytes", "GPU memory the worker's allocator reserved",
-                                 labels=gpu)
+    total = GaugeMetricFamily(
+        "gpujobs_gpu_memory_total_bytes", "Memory of each GPU a worker holds", labels=[*gpu, "name", "uuid"]
+    )
+    allocated = GaugeMetricFamily(
+        "gpujobs_gpu_memory_allocated_bytes", "GPU memory the worker's tensors hold", labels=gpu
+    )
+    reserved = GaugeMetricFamily(
+        "gpujobs_gpu_memory_reserved_bytes", "GPU memory the worker's allocator reserved", labels=gpu
+    )
     newest: dict[tuple[str, str], Worker] = {}
     for w in workers:
         state = registry.state_of(w, t, timeout)
@@ -173,24 +193,31 @@ def worker_metrics(session: Session) -> Iterator[Metric]:
         up.add_metric([w.name, w.host, w.slice], 1 if fresh else 0)
         age.add_metric([w.name, w.host, w.slice], max(0.0, t - w.heartbeat_at))
         for g in w.gpus or []:
-            total.add_metric([w.name, str(g.get("index")), str(g.get("name")), str(g.get("uuid"))],
-                             g.get("memory_bytes") or 0)
+            total.add_metric(
+                [w.name, str(g.get("index")), str(g.get("name")), str(g.get("uuid"))], g.get("memory_bytes") or 0
+            )
         for g in (w.capabilities or {}).get("gpu_memory", []):
             allocated.add_metric([w.name, str(g.get("index"))], g.get("allocated_bytes") or 0)
             reserved.add_metric([w.name, str(g.get("index"))], g.get("reserved_bytes") or 0)
     by_state = GaugeMetricFamily("gpujobs_workers", "Registered workers by state", labels=["state"])
     for state, count in states.items():
         by_state.add_metric([state], count)
-    restarts = CounterMetricFamily("gpujobs_worker_restarts", "Restarts of the worker of a host and slice by its "
-                                   "supervisor", labels=["host", "slice"])
+    restarts = CounterMetricFamily(
+        "gpujobs_worker_restarts",
+        "Restarts of the worker of a host and slice by its supervisor",
+        labels=["host", "slice"],
+    )
     for (host, slice_), w in sorted(newest.items()):
         restarts.add_metric([host, slice_], w.restarts or 0)
     yield from (by_state, restarts, up, age, total, allocated, reserved)
 
 
 def scheduling_metrics(session: Session) -> Iterator[Metric]:
-    queued = GaugeMetricFamily("gpujobs_queued_shards", "Shards waiting to be claimed, by queue, priority and owner",
-                               labels=["queue", "priority", "owner"])
+    queued = GaugeMetricFamily(
+        "gpujobs_queued_shards",
+        "Shards waiting to be claimed, by queue, priority and owner",
+        labels=["queue", "priority", "owner"],
+    )
     for queue, priority, owner, count in scheduling.queue_depth(session):
         queued.add_metric([queue, priority, owner], count)
     running = GaugeMetricFamily("gpujobs_running_shards", "Shards running now, by owner", labels=["owner"])
@@ -217,8 +244,7 @@ def queue_metrics(queues: list[str]) -> Iterator[Metric]:
             depth.add_metric([queue], waiting_messages(queue))
     except Exception as exc:  # redis raises several types for one cause; the scrape must still answer
         log.warning("metrics: Redis did not answer (%s): gpujobs_redis_up is 0", exc)
-        depth, up = GaugeMetricFamily("gpujobs_queue_depth", "Messages waiting in Redis per queue",
-                                      labels=["queue"]), 0
+        depth, up = GaugeMetricFamily("gpujobs_queue_depth", "Messages waiting in Redis per queue", labels=["queue"]), 0
     yield depth
     yield GaugeMetricFamily("gpujobs_redis_up", "1 when Redis answered this scrape", value=up)
 

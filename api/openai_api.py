@@ -55,14 +55,20 @@ from core.store import get_job, now
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 META = "openai_batch."  # spec.metadata keys of ours, hidden from the batch's metadata
-STATUS = {"queued": "validating", "validating": "validating", "running": "in_progress",
-          "finalizing": "finalizing", "succeeded": "completed", "failed": "failed", "cancelling": "cancelling",
-          "cancelled": "cancelled"}
+STATUS = {
+    "queued": "validating",
+    "validating": "validating",
+    "running": "in_progress",
+    "finalizing": "finalizing",
+    "succeeded": "completed",
+    "failed": "failed",
+    "cancelling": "cancelling",
+    "cancelled": "cancelled",
+}
 OUTPUT, ERRORS = "-output", "-errors"
 
 router = APIRouter(prefix="/v1", include_in_schema=False)
 Who = access.Caller
-
 
 
 # --- files ---------------------------------------------------------------------------------------------------
@@ -71,11 +77,11 @@ Who = access.Caller
 @router.post("/files")
 def create_file(who: Who, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
     if purpose != "batch":
-        raise InvalidInput(f"purpose {purpose!r} is not supported here: upload batch input files with "
-                           "purpose='batch'")
+        raise InvalidInput(f"purpose {purpose!r} is not supported here: upload batch input files with purpose='batch'")
     with session_scope() as session:
-        stored = files.save(session, owner=who.owner, filename=file.filename or "batch.jsonl", stream=file.file,
-                            purpose="batch")
+        stored = files.save(
+            session, owner=who.owner, filename=file.filename or "batch.jsonl", stream=file.file, purpose="batch"
+        )
         return file_object(stored)
 
 
@@ -85,9 +91,17 @@ def retrieve_file(who: Who, file_id: str) -> dict[str, Any]:
         size = sum(len(chunk) for chunk in _virtual_content(who, file_id, job_id))
         with session_scope() as session:
             job = get_job(session, job_id, owner=who.visible_owner)
-            return {"id": file_id, "object": "file", "bytes": size, "created_at": int(job.finished_at or now()),
-                    "filename": f"{file_id}.jsonl", "purpose": "batch_output", "status": "processed",
-                    "expires_at": None, "status_details": None}
+            return {
+                "id": file_id,
+                "object": "file",
+                "bytes": size,
+                "created_at": int(job.finished_at or now()),
+                "filename": f"{file_id}.jsonl",
+                "purpose": "batch_output",
+                "status": "processed",
+                "expires_at": None,
+                "status_details": None,
+            }
     with session_scope() as session:
         return file_object(files.get(session, file_id, owner=who.visible_owner))
 
@@ -115,8 +129,10 @@ def delete_file(who: Who, file_id: str) -> dict[str, Any]:
         live = [s.value for s in JobState if not s.terminal]
         busy = session.scalar(select(Job.id).where(Job.input_file_id == file_id, Job.state.in_(live)).limit(1))
         if busy:
-            raise Conflict(f"file {file_id} is the input of batch {busy}, which is still {_live_state(session, busy)}:"
-                           " delete it once the batch has ended (or cancel the batch)")
+            raise Conflict(
+                f"file {file_id} is the input of batch {busy}, which is still {_live_state(session, busy)}:"
+                " delete it once the batch has ended (or cancel the batch)"
+            )
         path = files.absolute(stored)
         session.delete(stored)
     path.unlink(missing_ok=True)
@@ -124,9 +140,17 @@ def delete_file(who: Who, file_id: str) -> dict[str, Any]:
 
 
 def file_object(f: StoredFile) -> dict[str, Any]:
-    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": int(f.created_at), "filename": f.filename,
-            "purpose": "batch" if f.purpose in ("batch", "input") else f.purpose, "status": "processed",
-            "expires_at": None, "status_details": None}
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": int(f.created_at),
+        "filename": f.filename,
+        "purpose": "batch" if f.purpose in ("batch", "input") else f.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 def _virtual(file_id: str) -> str | None:
@@ -166,8 +190,9 @@ class BatchRequest(BaseModel):
 @router.post("/batches")
 async def create_batch(who: Who, request: BatchRequest) -> dict[str, Any]:
     spec = await run_in_threadpool(batch_spec, who, request)
-    job = await run_in_threadpool(service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin,
-                                  may_prioritize=who.may_prioritize)
+    job = await run_in_threadpool(
+        service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin, may_prioritize=who.may_prioritize
+    )
     return await run_in_threadpool(_view, who, job["id"])
 
 
@@ -186,8 +211,12 @@ def batch_spec(who: access.Principal, request: BatchRequest) -> dict[str, Any]:
         stored = files.get(session, request.input_file_id, owner=who.owner)
         path = files.absolute(stored)
     check_urls(path, request.endpoint)
-    spec = {"kind": "generate", "input": request.input_file_id, "input_format": "openai",
-            "metadata": {**metadata, META + "endpoint": request.endpoint, META + "completion_window": "24h"}}
+    spec = {
+        "kind": "generate",
+        "input": request.input_file_id,
+        "input_format": "openai",
+        "metadata": {**metadata, META + "endpoint": request.endpoint, META + "completion_window": "24h"},
+    }
     if "priority" in metadata:  # metadata {"priority": "low" | "normal" | "high"}: the job's priority
         spec["priority"] = metadata["priority"]
     return spec
@@ -202,8 +231,10 @@ def check_urls(path, endpoint: str) -> None:
             except (ValueError, AttributeError):
                 continue
             if url is not None and url != endpoint:
-                raise InvalidInput(f"line {line_no} has url {url!r} but the batch's endpoint is {endpoint!r}: every "
-                                   "line of a batch must use the batch's endpoint")
+                raise InvalidInput(
+                    f"line {line_no} has url {url!r} but the batch's endpoint is {endpoint!r}: every "
+                    "line of a batch must use the batch's endpoint"
+                )
 
 
 @router.get("/batches/{batch_id}")
@@ -222,21 +253,29 @@ def cancel_batch(who: Who, batch_id: str) -> dict[str, Any]:
 
 
 @router.get("/batches")
-def list_batches(who: Who, limit: Annotated[int, Query(ge=1, le=100)] = 20,
-                 after: Annotated[str | None, Query(description="the last batch id of the previous page")] = None,
-                 ) -> dict[str, Any]:
+def list_batches(
+    who: Who,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(description="the last batch id of the previous page")] = None,
+) -> dict[str, Any]:
     with session_scope() as session:
         stmt = select(Job.id).where(Job.kind == "generate", Job.spec["input_format"].as_string() == "openai")
         if who.visible_owner is not None:
             stmt = stmt.where(Job.owner == who.visible_owner)
         if after:
             cursor = get_job(session, after, owner=who.visible_owner)
-            stmt = stmt.where(or_(Job.created_at < cursor.created_at,
-                                  and_(Job.created_at == cursor.created_at, Job.id < cursor.id)))
+            stmt = stmt.where(
+                or_(Job.created_at < cursor.created_at, and_(Job.created_at == cursor.created_at, Job.id < cursor.id))
+            )
         ids = list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
     data = [_view(who, job_id) for job_id in ids[:limit]]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": len(ids) > limit}
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(ids) > limit,
+    }
 
 
 def _view(who: access.Principal, batch_id: str) -> dict[str, Any]:
@@ -244,17 +283,23 @@ def _view(who: access.Principal, batch_id: str) -> dict[str, Any]:
     with session_scope() as session:
         job = get_job(session, batch_id, owner=who.visible_owner)
         if job.kind != "generate" or job.spec.get("input_format") != "openai":
-            raise NotFound(f"no batch {batch_id!r}: job {batch_id} is not an OpenAI batch (its input is not batch "
-                           "lines); read it with `gpujobs status`")
+            raise NotFound(
+                f"no batch {batch_id!r}: job {batch_id} is not an OpenAI batch (its input is not batch "
+                "lines); read it with `gpujobs status`"
+            )
         return batch_object(session, job)
 
 
 def expire_if_due(who: access.Principal, batch_id: str) -> None:
     with session_scope() as session:
         job = session.get(Job, batch_id)
-        due = (job is not None and (who.visible_owner in (None, job.owner)) and not JobState(job.state).terminal
-               and job.spec.get("input_format") == "openai"
-               and now() > job.created_at + get_settings().batch_window_seconds)
+        due = (
+            job is not None
+            and (who.visible_owner in (None, job.owner))
+            and not JobState(job.state).terminal
+            and job.spec.get("input_format") == "openai"
+            and now() > job.created_at + get_settings().batch_window_seconds
+        )
     if due:
         try:
             service.cancel(batch_id, owner=None, by=BATCH_EXPIRED_BY)
@@ -271,13 +316,18 @@ def batch_object(session: Session, job: Job) -> dict[str, Any]:
         status = "expired" if job.state == "cancelled" else "finalizing"
     ended = JobState(job.state).terminal
     rows, tokens = view["rows"], view["tokens"]
-    meta = (job.spec.get("metadata") or {})
+    meta = job.spec.get("metadata") or {}
     errors = None
     if job.state == "failed" and job.error:
         errors = {"object": "list", "data": [{"code": "failed", "message": job.error, "param": None, "line": None}]}
     return {
-        "id": job.id, "object": "batch", "endpoint": meta.get(META + "endpoint", ENDPOINTS[0]),
-        "errors": errors, "input_file_id": job.input_file_id, "completion_window": "24h", "status": status,
+        "id": job.id,
+        "object": "batch",
+        "endpoint": meta.get(META + "endpoint", ENDPOINTS[0]),
+        "errors": errors,
+        "input_file_id": job.input_file_id,
+        "completion_window": "24h",
+        "status": status,
         "output_file_id": job.id + OUTPUT if ended and rows["succeeded"] else None,
         "error_file_id": job.id + ERRORS if ended and rows["failed"] else None,
         "created_at": int(job.created_at),
@@ -292,16 +342,23 @@ def batch_object(session: Session, job: Job) -> dict[str, Any]:
         "request_counts": {"total": rows["total"], "completed": rows["succeeded"], "failed": rows["failed"]},
         "metadata": {k: v for k, v in meta.items() if not k.startswith(META)} or None,
         "model": job.spec.get("model"),
-        "usage": {"input_tokens": tokens["prompt"], "output_tokens": tokens["completion"],
-                  "total_tokens": tokens["prompt"] + tokens["completion"],
-                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+        "usage": {
+            "input_tokens": tokens["prompt"],
+            "output_tokens": tokens["completion"],
+            "total_tokens": tokens["prompt"] + tokens["completion"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
     }
 
 
 def state_times(session: Session, job_id: str) -> dict[str, Any]:
     """When the job last entered each state (from its state events), and the reason of its last cancel."""
-    stmt = (select(JobEvent.ts, JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.kind == "state",
-                                                     JobEvent.shard_id.is_(None)).order_by(JobEvent.id))
+    stmt = (
+        select(JobEvent.ts, JobEvent.data)
+        .where(JobEvent.job_id == job_id, JobEvent.kind == "state", JobEvent.shard_id.is_(None))
+        .order_by(JobEvent.id)
+    )
     times: dict[str, Any] = {}
     for ts, data in session.execute(stmt).all():
         state = (data or {}).get("state")

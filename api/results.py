@@ -20,8 +20,7 @@ from core.store import get_job
 RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 
 
-def results(job_id: str, *, owner: str | None, errors: bool = False,
-            order: str = "input") -> Iterator[dict[str, Any]]:
+def results(job_id: str, *, owner: str | None, errors: bool = False, order: str = "input") -> Iterator[dict[str, Any]]:
     """Finished rows (succeeded, or failed with `errors`) in input order or as they finished (`order`), as our
     JSONL records; works while the job still runs."""
     with session_scope() as session:
@@ -31,8 +30,9 @@ def results(job_id: str, *, owner: str | None, errors: bool = False,
             yield result_record(row, errors=errors, where=where)
 
 
-def export(job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool = False,
-           order: str = "input") -> Iterator[bytes]:
+def export(
+    job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool = False, order: str = "input"
+) -> Iterator[bytes]:
     """Finished rows as the bytes of a results file: `jsonl` (ours), `openai` (the OpenAI Batch output file, or
     its error file with `errors`), `csv` or `parquet`. Streams chunk by chunk; works while the job still runs.
 
@@ -40,8 +40,10 @@ def export(job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool =
     completion_tokens (error, with `errors`), then the rows' pass-through keys as text columns (lists and objects
     JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet)."""
     if fmt not in formats.OUTPUT_FORMATS or order not in ("input", "finished"):
-        raise InvalidInput(f"format {fmt!r} / order {order!r}: use a format of {', '.join(formats.OUTPUT_FORMATS)} "
-                           "and order input or finished")
+        raise InvalidInput(
+            f"format {fmt!r} / order {order!r}: use a format of {', '.join(formats.OUTPUT_FORMATS)} "
+            "and order input or finished"
+        )
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
         spec, info = job.spec, (job.metrics or {}).get("input") or {}
@@ -49,15 +51,20 @@ def export(job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool =
         rows = _finished_rows(session, job_id, errors=errors, order=order)
         if fmt == "openai":
             model = spec.get("model") or ""
-            yield from formats.jsonl_chunks(formats.openai_error_record(r, job_id=job_id) if errors else
-                                            formats.openai_output_record(r, job_id=job_id, model=model) for r in rows)
+            yield from formats.jsonl_chunks(
+                formats.openai_error_record(r, job_id=job_id)
+                if errors
+                else formats.openai_output_record(r, job_id=job_id, model=model)
+                for r in rows
+            )
             return
         records = (result_record(r, errors=errors, where=where) for r in rows)
         if fmt == "jsonl":
             yield from formats.jsonl_chunks(records)
             return
-        fixed = ["custom_id", where] + (["error"] if errors else ["output", "finish_reason", "prompt_tokens",
-                                                                  "completion_tokens"])
+        fixed = ["custom_id", where] + (
+            ["error"] if errors else ["output", "finish_reason", "prompt_tokens", "completion_tokens"]
+        )
         keys = info.get("extra_keys") or []
         columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
         columns += ["extra"] if any(k in RESULT_FIELDS or k == "row" for k in keys) else []
@@ -65,8 +72,12 @@ def export(job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool =
             yield from formats.csv_chunks(records, columns)
             return
         several = info.get("several_outputs") or (spec.get("num_return_sequences") or 1) > 1
-        types = {where: "int", "prompt_tokens": "int", "completion_tokens": "int",
-                 **({"output": "list", "finish_reason": "list"} if several else {})}
+        types = {
+            where: "int",
+            "prompt_tokens": "int",
+            "completion_tokens": "int",
+            **({"output": "list", "finish_reason": "list"} if several else {}),
+        }
         yield from formats.parquet_chunks(records, columns, types)
 
 
@@ -92,8 +103,12 @@ def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str
     if errors:
         record["error"] = row.error
     else:
-        record.update(output=row.output, finish_reason=row.finish_reason,
-                      prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens)
+        record.update(
+            output=row.output,
+            finish_reason=row.finish_reason,
+            prompt_tokens=row.prompt_tokens,
+            completion_tokens=row.completion_tokens,
+        )
     if shadowed:
         record["extra"] = shadowed
     return record

@@ -15,8 +15,9 @@ from core import files, jobs
 from core.db import session_scope
 
 
-def submit(*, owner: str, spec_data: dict[str, Any], admin: bool = False, may_prioritize: bool = False
-           ) -> dict[str, Any]:
+def submit(
+    *, owner: str, spec_data: dict[str, Any], admin: bool = False, may_prioritize: bool = False
+) -> dict[str, Any]:
     """Check, store the job and its rows, then enqueue its shards. Nothing is written if a check fails.
 
     A generation job whose `adapter` names a fine-tune still running waits, queued without shards, for its

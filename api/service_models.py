@@ -52,8 +52,13 @@ class Fleet:
             workers = registry.live(session, get_settings().worker_timeout)
         hubs = [((w.capabilities or {}).get("hub") or {}, w) for w in workers]
         types = set().union(*[set((w.capabilities or {}).get("model_types") or ()) for w in workers])
-        return cls(workers, model_cache.live_places(workers), [w for h, w in hubs if h and not h.get("offline")],
-                   [w for h, w in hubs if h.get("token") and not h.get("offline")], types)
+        return cls(
+            workers,
+            model_cache.live_places(workers),
+            [w for h, w in hubs if h and not h.get("offline")],
+            [w for h, w in hubs if h.get("token") and not h.get("offline")],
+            types,
+        )
 
     @property
     def all_offline(self) -> bool:
@@ -93,8 +98,10 @@ def _check_model(result: HubCheck, fleet: Fleet) -> None:
     if result.local_dir is not None:
         _check_config(repo, result.local_dir, fleet, spec)
     elif snap is None:
-        result.notes.append(f"{hub.describe(repo, revision)}: the API read no config.json (no Hub access and not in "
-                            "its cache): architecture, context and token checks left to the worker")
+        result.notes.append(
+            f"{hub.describe(repo, revision)}: the API read no config.json (no Hub access and not in "
+            "its cache): architecture, context and token checks left to the worker"
+        )
     if commit:
         result.spec = spec.model_copy(update={"revision": commit})
     result.metrics["model"] = record
@@ -132,8 +139,9 @@ def _resolve(repo: str, revision: str, kind: str, fleet: Fleet, notes: list[str]
     except NoAccess as exc:
         if not fleet.with_token:
             raise
-        notes.append(f"the API has no Hugging Face token for {repo} ({exc}); the workers' token is used and the "
-                     "worker checks it")
+        notes.append(
+            f"the API has no Hugging Face token for {repo} ({exc}); the workers' token is used and the worker checks it"
+        )
         return None
 
 
@@ -141,8 +149,9 @@ def _cached(repo: str, revision: str, fleet: Fleet, commit: str | None) -> list:
     """Live workers' cache rows of `repo` that hold the commit (when known) or the revision."""
     with session_scope() as session:
         rows = model_cache.ready_in(session, repo, fleet.places)
-        return [(r.host, r.commit) for r in rows
-                if (r.commit == commit if commit else model_cache.matches(r, revision))]
+        return [
+            (r.host, r.commit) for r in rows if (r.commit == commit if commit else model_cache.matches(r, revision))
+        ]
 
 
 def _agreed(cached: list) -> str | None:
@@ -158,10 +167,12 @@ def _own_snapshot(repo: str, commit: str) -> Path | None:
 def _offline_refusal(repo: str, revision: str, snap: hub.Snapshot | None, fleet: Fleet) -> str:
     names = ", ".join(sorted(w.name for w in fleet.workers))
     what = f"{hub.describe(repo, revision)}" + (f" (commit {snap.commit})" if snap else "")
-    return (f"{what} is not in the Hugging Face cache of any live worker, and every live worker is offline "
-            f"(HF_HUB_OFFLINE=1: {names}): put it in their cache from a host with network access (`gpujobs models "
-            f"pull {repo}` there, or `hf download {repo}`, into the cache the workers use), start workers that reach "
-            "the Hub, or name a model they have (`gpujobs models list`)")
+    return (
+        f"{what} is not in the Hugging Face cache of any live worker, and every live worker is offline "
+        f"(HF_HUB_OFFLINE=1: {names}): put it in their cache from a host with network access (`gpujobs models "
+        f"pull {repo}` there, or `hf download {repo}`, into the cache the workers use), start workers that reach "
+        "the Hub, or name a model they have (`gpujobs models list`)"
+    )
 
 
 def _check_config(repo: str, folder: Path, fleet: Fleet, spec: Spec) -> None:
@@ -174,22 +185,29 @@ def _check_config(repo: str, folder: Path, fleet: Fleet, spec: Spec) -> None:
         return
     if model_type not in fleet.model_types:
         archs = ", ".join(config.get("architectures") or []) or "no architectures listed"
-        versions = sorted({((w.capabilities or {}).get("versions") or {}).get("transformers") or "?"
-                           for w in fleet.workers})
-        raise InvalidInput(f"{repo}: model_type {model_type!r} ({archs}) is not a causal language model that "
-                           f"transformers {', '.join(versions)} on the live workers loads (AutoModelForCausalLM): "
-                           "gpujobs runs causal LMs; pick another model, or upgrade transformers on the workers")
+        versions = sorted(
+            {((w.capabilities or {}).get("versions") or {}).get("transformers") or "?" for w in fleet.workers}
+        )
+        raise InvalidInput(
+            f"{repo}: model_type {model_type!r} ({archs}) is not a causal language model that "
+            f"transformers {', '.join(versions)} on the live workers loads (AutoModelForCausalLM): "
+            "gpujobs runs causal LMs; pick another model, or upgrade transformers on the workers"
+        )
 
 
 def _adapter_note(repo: str, config: dict[str, Any], model: str) -> str:
     """The Hub adapter's config, checked as an uploaded adapter's is (core/adapters.py): LoRA, base by name."""
     if str(config.get("peft_type", "")).upper() not in adapters.LORA_TYPES:
-        raise InvalidInput(f"adapter {repo}: peft_type {config.get('peft_type')!r} is not a LoRA adapter; only LoRA "
-                           "adapters can be loaded")
+        raise InvalidInput(
+            f"adapter {repo}: peft_type {config.get('peft_type')!r} is not a LoRA adapter; only LoRA "
+            "adapters can be loaded"
+        )
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(adapters.BASE_CHANGING_INITS):
-        raise InvalidInput(f"adapter {repo}: init_lora_weights {init!r} changes the base model's weights, so the "
-                           "adapter does not apply to a plain base")
+        raise InvalidInput(
+            f"adapter {repo}: init_lora_weights {init!r} changes the base model's weights, so the "
+            "adapter does not apply to a plain base"
+        )
     named = config.get("base_model_name_or_path")
     if not named:
         return f"adapter {repo} names no base model: not checked at submit; it must fit {model}"
@@ -224,19 +242,26 @@ def request(action: str, *, repo: str, revision: str | None, workers: str, by: s
             except HubUnreachable:
                 commit = ""
         with session_scope() as session:
-            rows = model_cache.request(session, places=places, repo=repo, action="pull", by=by,
-                                       revision=revision or "main", commit=commit)
+            rows = model_cache.request(
+                session, places=places, repo=repo, action="pull", by=by, revision=revision or "main", commit=commit
+            )
             return [model_cache.view(r) for r in rows]
     with session_scope() as session:
-        rows = [r for r in model_cache.listing(session, repo) if (r.host, r.cache_dir) in places
-                and (revision is None or model_cache.matches(r, revision))]
+        rows = [
+            r
+            for r in model_cache.listing(session, repo)
+            if (r.host, r.cache_dir) in places and (revision is None or model_cache.matches(r, revision))
+        ]
         busy = [f"{r.host} ({r.state})" for r in rows if r.state in ("downloading", "removing")]
         if busy:
-            raise Conflict(f"{repo} is being downloaded or removed on {', '.join(busy)}: wait for it to end "
-                           "(`gpujobs models list`), then remove it")
+            raise Conflict(
+                f"{repo} is being downloaded or removed on {', '.join(busy)}: wait for it to end "
+                "(`gpujobs models list`), then remove it"
+            )
         if not rows:
-            raise InvalidInput(f"no live worker's cache holds {hub.describe(repo, revision)} "
-                               "(see `gpujobs models list`)")
+            raise InvalidInput(
+                f"no live worker's cache holds {hub.describe(repo, revision)} (see `gpujobs models list`)"
+            )
         for row in rows:
             row.state, row.requested_by, row.error, row.worker = "remove_requested", by, None, None
         return [model_cache.view(r) for r in rows]
@@ -254,6 +279,7 @@ def _places(workers: str) -> set[tuple[str, str]]:
     chosen = [w for w in live if names is None or w.name in names]
     places = model_cache.live_places(chosen)
     if not places:
-        raise Unschedulable("the chosen workers registered no Hugging Face cache (they run an older gpujobs): "
-                            "restart them")
+        raise Unschedulable(
+            "the chosen workers registered no Hugging Face cache (they run an older gpujobs): restart them"
+        )
     return places

@@ -46,8 +46,9 @@ def detect_gpus() -> list[str]:
     """GPU indices in PCI order from nvidia-smi (no CUDA in this process); [] when there is none."""
     if not shutil.which("nvidia-smi"):
         return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, check=False
+    )
     return [line.strip() for line in out.stdout.splitlines() if line.strip().isdigit()] if out.returncode == 0 else []
 
 
@@ -102,8 +103,9 @@ def ensure_token(owner: str | None = None) -> str:
     if settings.token_file.exists():
         return settings.token_file.read_text().strip()
     with session_scope() as session:
-        secret = auth.create_token(session, owner=owner or getpass.getuser(), scopes=["admin", "user", "metrics"],
-                                   name="local admin (jobs up)")
+        secret = auth.create_token(
+            session, owner=owner or getpass.getuser(), scopes=["admin", "user", "metrics"], name="local admin (jobs up)"
+        )
     fd = os.open(settings.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret + "\n")
@@ -116,8 +118,10 @@ def prepare(slices: list[list[str]] | None) -> list[list[str]]:
     settings = get_settings()
     stack = read_stack()
     if stack and any(alive(p) for p in stack_pids(stack)):
-        raise JobsError(f"a stack is already running from {settings.home} (API {stack.get('api_url')}): "
-                        "use it, or stop it with `gpujobs down`")
+        raise JobsError(
+            f"a stack is already running from {settings.home} (API {stack.get('api_url')}): "
+            "use it, or stop it with `gpujobs down`"
+        )
     if slices is None:
         inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
         found = parse_slice(inherited) if inherited is not None else detect_gpus()
@@ -148,8 +152,18 @@ def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
     upgrade()
     ensure_token()
     _check(interrupted)
-    api_cmd = [sys.executable, "-m", "uvicorn", "api.app:app", "--host", host, "--port", str(port), "--log-level",
-               "warning"]
+    api_cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "api.app:app",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     stack["api"] = _spawn(api_cmd, stack_env(stack), settings.logs_dir / "api.log")
     update_stack(api=stack["api"])
     log(f"api      {stack['api_url']} (pid {stack['api']}, log {settings.logs_dir / 'api.log'})")
@@ -159,8 +173,13 @@ def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
 def stack_env(stack: dict) -> dict[str, str]:
     """The environment of the stack's processes: this one's, pointed at the stack's home, Redis and API."""
     host, port = stack["api_url"].removeprefix("http://").rsplit(":", 1)
-    return dict(os.environ, JOBS_HOME=stack["home"], JOBS_REDIS_URL=stack["redis_url"], JOBS_API_HOST=host.strip("[]"),
-                JOBS_API_PORT=port)
+    return dict(
+        os.environ,
+        JOBS_HOME=stack["home"],
+        JOBS_REDIS_URL=stack["redis_url"],
+        JOBS_API_HOST=host.strip("[]"),
+        JOBS_API_PORT=port,
+    )
 
 
 def start_workers(stack: dict, slices: list[list[str]], *, detach: bool, log=print):
@@ -189,8 +208,9 @@ def run_detached(slices: list[list[str]], *, stop_timeout: float) -> int:
         log.error("no stack.json in %s: start the stack with `gpujobs up`", get_settings().run_dir)
         return 1
     update_stack(supervisor=os.getpid())
-    sup = Supervisor(slices, env=dict(os.environ), logs_dir=get_settings().logs_dir, hint=STACK_HINT,
-                     on_change=record_slots)
+    sup = Supervisor(
+        slices, env=dict(os.environ), logs_dir=get_settings().logs_dir, hint=STACK_HINT, on_change=record_slots
+    )
     sup.start()
     why = supervise_stack(sup, stack, signals.requested)
     log.info("%s: stopping the stack", why if not signals.requested() else signals.received)
@@ -220,8 +240,10 @@ def format_slices(slices: list[list[str]]) -> str:
 def check_inherited_for_up(devices: list[str]) -> None:
     inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
     if inherited is not None and not set(devices) <= set(parse_slice(inherited)):
-        raise GpuConflict(f"CUDA_VISIBLE_DEVICES={inherited!r} is set in this shell but a slice asks for "
-                          f"{','.join(devices)}: unset it or pass slices within it")
+        raise GpuConflict(
+            f"CUDA_VISIBLE_DEVICES={inherited!r} is set in this shell but a slice asks for "
+            f"{','.join(devices)}: unset it or pass slices within it"
+        )
 
 
 def _check(interrupted) -> None:
@@ -231,8 +253,9 @@ def _check(interrupted) -> None:
 
 def _spawn(cmd: list[str], env: dict[str, str], logfile: Path) -> int:
     with open(logfile, "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return proc.pid
 
 
@@ -285,8 +308,10 @@ def wait_healthy(stack: dict, *, sup=None, interrupted=lambda: False, timeout: f
             raise JobsError(f"{', '.join(dead)} exited during start: see the logs in {logs}")
         down = [s for s in current.get("slots", []) if s["state"] == "down"]
         if down:
-            raise JobsError("; ".join(f"the worker of slice {s['slice'] or 'none (CPU)'} stays down: {s['reason']}"
-                                      for s in down) + f" (see the logs in {logs})")
+            raise JobsError(
+                "; ".join(f"the worker of slice {s['slice'] or 'none (CPU)'} stays down: {s['reason']}" for s in down)
+                + f" (see the logs in {logs})"
+            )
         slots = current.get("slots", [])
         try:
             client.health()
@@ -319,8 +344,10 @@ def down(*, timeout: float = 30.0, log=print) -> bool:
     if not running:
         _remove_stack()
         if stack.get("supervisor") != me:
-            log(f"the stack in {stack.get('home')} was not running (its processes had exited, or the machine "
-                "restarted since): removed its stack.json")
+            log(
+                f"the stack in {stack.get('home')} was not running (its processes had exited, or the machine "
+                "restarted since): removed its stack.json"
+            )
         return True
     labels = _labels(stack)
     supervisor = stack.get("supervisor")
@@ -375,8 +402,11 @@ def _stop(pids: list[int], timeout: float, log) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m api.stack --gpus SLICES`: the detached supervisor process of `gpujobs up --detach`
     (`run_detached`)."""
-    parser = argparse.ArgumentParser(prog="python -m api.stack", description="the supervisor of a detached stack "
-                                     "(started by `gpujobs up --detach`; it owns $JOBS_HOME/run/stack.json)")
+    parser = argparse.ArgumentParser(
+        prog="python -m api.stack",
+        description="the supervisor of a detached stack "
+        "(started by `gpujobs up --detach`; it owns $JOBS_HOME/run/stack.json)",
+    )
     parser.add_argument("--gpus", required=True, help="slices, ';' between workers ('0,1;2'; 'none' = a CPU worker)")
     parser.add_argument("--stop-timeout", type=float, default=30.0, help="seconds a worker gets to stop")
     args = parser.parse_args(argv)

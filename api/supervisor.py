@@ -46,6 +46,7 @@ from core.slices import parse_slices, worker_command, worker_env
 
 log = logging.getLogger("supervisor")
 
+
 def _span(seconds: float) -> str:
     return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
 
@@ -60,8 +61,9 @@ class Policy:
     @classmethod
     def from_settings(cls) -> Policy:
         s = get_settings()
-        return cls(limit=s.restart_limit, window=s.restart_window, backoff=s.restart_backoff,
-                   backoff_max=s.restart_backoff_max)
+        return cls(
+            limit=s.restart_limit, window=s.restart_window, backoff=s.restart_backoff, backoff_max=s.restart_backoff_max
+        )
 
 
 def decide(code: int, exits: list[float], t: float, policy: Policy, hint: str) -> tuple[float | None, str]:
@@ -71,8 +73,10 @@ def decide(code: int, exits: list[float], t: float, policy: Policy, hint: str) -
         return None, f"a configuration error, not restarted: fix it, then {hint}"
     recent = [e for e in exits if t - e <= policy.window]
     if len(recent) >= policy.limit:
-        return None, (f"exited {len(recent)} times in {_span(policy.window)}, last exit {code} ({describe(code)}): "
-                      f"stays down; fix the cause, then {hint}")
+        return None, (
+            f"exited {len(recent)} times in {_span(policy.window)}, last exit {code} ({describe(code)}): "
+            f"stays down; fix the cause, then {hint}"
+        )
     delay = min(policy.backoff * 2 ** (len(recent) - 1), policy.backoff_max)
     return delay, f"restarting in {delay:g} s"
 
@@ -99,8 +103,13 @@ class Slot:
 
     def view(self) -> dict[str, Any]:
         state = "down" if self.down else "running" if self.proc else "restarting"
-        return {"slice": self.slice, "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
-                "state": state, "reason": self.down}
+        return {
+            "slice": self.slice,
+            "pid": self.proc.pid if self.proc else None,
+            "restarts": self.restarts,
+            "state": state,
+            "reason": self.down,
+        }
 
 
 class Supervisor:
@@ -110,8 +119,16 @@ class Supervisor:
     process's stdout/stderr. `hint`: how the user restarts a slot that stays down. `on_change`: called after every
     start and exit (the stack writes its pids to stack.json)."""
 
-    def __init__(self, slices: list[list[str]], *, env: dict[str, str], logs_dir: Path | None, hint: str,
-                 policy: Policy | None = None, on_change: Callable[[Supervisor], None] | None = None):
+    def __init__(
+        self,
+        slices: list[list[str]],
+        *,
+        env: dict[str, str],
+        logs_dir: Path | None,
+        hint: str,
+        policy: Policy | None = None,
+        on_change: Callable[[Supervisor], None] | None = None,
+    ):
         self.slots = [Slot(i, devices) for i, devices in enumerate(slices)]
         self.env, self.logs_dir, self.hint = env, logs_dir, hint
         self.policy = policy or Policy.from_settings()
@@ -176,8 +193,14 @@ class Supervisor:
         env = dict(worker_env(slot.devices, self.env), JOBS_WORKER_RESTARTS=str(slot.restarts))
         out = open(self.logs_dir / f"worker-{slot.index}.log", "ab") if self.logs_dir else None
         try:
-            slot.proc = subprocess.Popen(worker_command(slot.devices), env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT if out else None, start_new_session=True)
+            slot.proc = subprocess.Popen(
+                worker_command(slot.devices),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+            )
         finally:
             if out:
                 out.close()
@@ -205,9 +228,15 @@ class Supervisor:
         try:
             with session_scope() as session:
                 if registry.find(session, host=self.host, pid=pid) is None:
-                    registry.never_registered(session, host=self.host, pid=pid, slice=slot.slice, exit_code=code,
-                                              reason="; ".join(r for r in (reason, outcome) if r),
-                                              restarts=slot.restarts)
+                    registry.never_registered(
+                        session,
+                        host=self.host,
+                        pid=pid,
+                        slice=slot.slice,
+                        exit_code=code,
+                        reason="; ".join(r for r in (reason, outcome) if r),
+                        restarts=slot.restarts,
+                    )
                 else:
                     registry.exited(session, host=self.host, pid=pid, exit_code=code, reason=reason, outcome=outcome)
         except Exception:  # noqa: BLE001 - any store error: the supervisor must keep supervising

@@ -76,8 +76,9 @@ def _downloads(session: Session, job: Job) -> list[dict[str, Any]]:
         if not repo or not HUB_ID.match(repo):
             continue
         commit = ((job.metrics or {}).get(key) or {}).get("commit")
-        found += [model_cache.download_view(r) for r in model_cache.downloads(session, repo, [commit] if commit
-                                                                               else None)]
+        found += [
+            model_cache.download_view(r) for r in model_cache.downloads(session, repo, [commit] if commit else None)
+        ]
     return found
 
 
@@ -88,16 +89,26 @@ def _metrics(session: Session, job: Job) -> dict[str, Any]:
     if job.kind == "finetune":  # no generated results: its progress is `training`
         return metrics
     if job.started_at is not None and "time_to_first_result_s" not in metrics:  # this run's first row
-        first = session.scalar(select(func.min(JobRow.finished_at)).where(
-            JobRow.job_id == job.id, JobRow.worker.is_not(None), JobRow.finished_at >= job.started_at))
+        first = session.scalar(
+            select(func.min(JobRow.finished_at)).where(
+                JobRow.job_id == job.id, JobRow.worker.is_not(None), JobRow.finished_at >= job.started_at
+            )
+        )
         metrics["time_to_first_result_s"] = round(first - job.started_at, 3) if first is not None else None
     this_run = [Shard.started_at >= job.started_at] if job.started_at is not None else [Shard.started_at.is_(None)]
-    shard_ttfr = [m["time_to_first_result_s"] for m in session.scalars(select(Shard.metrics).where(
-        Shard.job_id == job.id, Shard.metrics.is_not(None), *this_run))
-        if (m or {}).get("time_to_first_result_s") is not None]
+    shard_ttfr = [
+        m["time_to_first_result_s"]
+        for m in session.scalars(
+            select(Shard.metrics).where(Shard.job_id == job.id, Shard.metrics.is_not(None), *this_run)
+        )
+        if (m or {}).get("time_to_first_result_s") is not None
+    ]
     if shard_ttfr:
-        metrics["shard_time_to_first_result_s"] = {"min": min(shard_ttfr), "max": max(shard_ttfr),
-                                                   "shards": len(shard_ttfr)}
+        metrics["shard_time_to_first_result_s"] = {
+            "min": min(shard_ttfr),
+            "max": max(shard_ttfr),
+            "shards": len(shard_ttfr),
+        }
     return metrics
 
 
@@ -141,9 +152,17 @@ def run_of(job: Job) -> int:
 def training_progress(session, job: Job) -> dict[str, Any] | None:
     """A fine-tune's last logged step, epoch, loss and an ETA from the recent step time, in its current run and not
     superseded by a resume (None before step 1)."""
-    recent = session.scalars(select(JobEvent).where(JobEvent.job_id == job.id, JobEvent.kind == "metric",
-                                                    JobEvent.run == run_of(job), JobEvent.superseded.is_(False))
-                             .order_by(JobEvent.id.desc()).limit(3)).all()
+    recent = session.scalars(
+        select(JobEvent)
+        .where(
+            JobEvent.job_id == job.id,
+            JobEvent.kind == "metric",
+            JobEvent.run == run_of(job),
+            JobEvent.superseded.is_(False),
+        )
+        .order_by(JobEvent.id.desc())
+        .limit(3)
+    ).all()
     if not recent:
         return None
     data: dict[str, Any] = {}
@@ -157,8 +176,15 @@ def training_progress(session, job: Job) -> dict[str, Any] | None:
     return data
 
 
-def events(job_id: str, *, owner: str | None, after: int = 0, limit: int = 500, run: int | str | None = None,
-           superseded: bool = False) -> list[dict[str, Any]]:
+def events(
+    job_id: str,
+    *,
+    owner: str | None,
+    after: int = 0,
+    limit: int = 500,
+    run: int | str | None = None,
+    superseded: bool = False,
+) -> list[dict[str, Any]]:
     """A job's events after event id `after`, oldest first: of run `run` (a number, `current`, or None: every
     run), without the step events a resumed fine-tune superseded unless `superseded`."""
     with session_scope() as session:
@@ -169,8 +195,17 @@ def events(job_id: str, *, owner: str | None, after: int = 0, limit: int = 500, 
         if not superseded:
             stmt = stmt.where(JobEvent.superseded.is_(False))
         return [
-            {"id": e.id, "ts": e.ts, "kind": e.kind, "level": e.level, "message": e.message, "data": e.data,
-             "shard_id": e.shard_id, "run": e.run, "superseded": e.superseded}
+            {
+                "id": e.id,
+                "ts": e.ts,
+                "kind": e.kind,
+                "level": e.level,
+                "message": e.message,
+                "data": e.data,
+                "shard_id": e.shard_id,
+                "run": e.run,
+                "superseded": e.superseded,
+            }
             for e in session.scalars(stmt.order_by(JobEvent.id).limit(limit)).all()
         ]
 
@@ -185,14 +220,26 @@ def workers(*, all: bool = False) -> list[dict[str, Any]]:
     with session_scope() as session:
         found = registry.all_workers(session)
         if not all:
-            found = registry.shown(found, t, timeout=settings.worker_timeout,
-                                   stopped_for=settings.stopped_workers_shown)
+            found = registry.shown(
+                found, t, timeout=settings.worker_timeout, stopped_for=settings.stopped_workers_shown
+            )
         return [
             {
-                "name": w.name, "host": w.host, "pid": w.pid, "slice": w.slice, "queues": w.queues, "gpus": w.gpus,
-                "capabilities": w.capabilities, "state": registry.state_of(w, t, settings.worker_timeout),
-                "started_at": w.started_at, "heartbeat_at": w.heartbeat_at, "current_shard_id": w.current_shard_id,
-                "restarts": w.restarts, "stopped_at": w.stopped_at, "exit_code": w.exit_code, "reason": w.reason,
+                "name": w.name,
+                "host": w.host,
+                "pid": w.pid,
+                "slice": w.slice,
+                "queues": w.queues,
+                "gpus": w.gpus,
+                "capabilities": w.capabilities,
+                "state": registry.state_of(w, t, settings.worker_timeout),
+                "started_at": w.started_at,
+                "heartbeat_at": w.heartbeat_at,
+                "current_shard_id": w.current_shard_id,
+                "restarts": w.restarts,
+                "stopped_at": w.stopped_at,
+                "exit_code": w.exit_code,
+                "reason": w.reason,
             }
             for w in found
         ]
@@ -209,14 +256,28 @@ def get_adapter(adapter_id: str, *, owner: str | None) -> dict[str, Any]:
 
 
 def file_view(f) -> dict[str, Any]:
-    return {"id": f.id, "filename": f.filename, "bytes": f.bytes, "sha256": f.sha256, "purpose": f.purpose,
-            "created_at": f.created_at, "owner": f.owner}
+    return {
+        "id": f.id,
+        "filename": f.filename,
+        "bytes": f.bytes,
+        "sha256": f.sha256,
+        "purpose": f.purpose,
+        "created_at": f.created_at,
+        "owner": f.owner,
+    }
 
 
 # --- usage --------------------------------------------------------------------------------------------------
 
-USAGE_FIELDS = ("jobs", "rows_succeeded", "rows_failed", "prompt_tokens", "completion_tokens", "gpu_seconds",
-                "engine_seconds")
+USAGE_FIELDS = (
+    "jobs",
+    "rows_succeeded",
+    "rows_failed",
+    "prompt_tokens",
+    "completion_tokens",
+    "gpu_seconds",
+    "engine_seconds",
+)
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -247,6 +308,7 @@ def usage(*, owner: str | None, since: str | None = None) -> dict[str, Any]:
 
 def _usage_queries(where: list, terminal: list[str]) -> list:
     """Per-owner sums: job counts; finished jobs' totals; live jobs' rows so far; live jobs' finished shards."""
+
     def metric(column, name: str):
         return func.coalesce(func.sum(column[name].as_float()), 0.0)
 
@@ -256,20 +318,35 @@ def _usage_queries(where: list, terminal: list[str]) -> list:
     finished, live = Job.state.in_(terminal), Job.state.not_in(terminal)
     return [
         select(Job.owner, func.count().label("jobs")).where(*where).group_by(Job.owner),
-        select(Job.owner, func.sum(Job.rows_succeeded).label("rows_succeeded"),
-               func.sum(Job.rows_failed).label("rows_failed"), func.sum(Job.prompt_tokens).label("prompt_tokens"),
-               func.sum(Job.completion_tokens).label("completion_tokens"),
-               metric(Job.metrics, "gpu_seconds").label("gpu_seconds"),
-               metric(Job.metrics, "engine_seconds").label("engine_seconds"))
-        .where(*where, finished).group_by(Job.owner),
-        select(Job.owner, counted(RowState.succeeded).label("rows_succeeded"),
-               counted(RowState.failed).label("rows_failed"),
-               func.coalesce(func.sum(JobRow.prompt_tokens), 0).label("prompt_tokens"),
-               func.coalesce(func.sum(JobRow.completion_tokens), 0).label("completion_tokens"))
-        .join(JobRow, JobRow.job_id == Job.id).where(*where, live).group_by(Job.owner),
-        select(Job.owner, metric(Shard.metrics, "gpu_seconds").label("gpu_seconds"),
-               metric(Shard.metrics, "engine_seconds").label("engine_seconds"))
-        .join(Shard, Shard.job_id == Job.id).where(*where, live).group_by(Job.owner),
+        select(
+            Job.owner,
+            func.sum(Job.rows_succeeded).label("rows_succeeded"),
+            func.sum(Job.rows_failed).label("rows_failed"),
+            func.sum(Job.prompt_tokens).label("prompt_tokens"),
+            func.sum(Job.completion_tokens).label("completion_tokens"),
+            metric(Job.metrics, "gpu_seconds").label("gpu_seconds"),
+            metric(Job.metrics, "engine_seconds").label("engine_seconds"),
+        )
+        .where(*where, finished)
+        .group_by(Job.owner),
+        select(
+            Job.owner,
+            counted(RowState.succeeded).label("rows_succeeded"),
+            counted(RowState.failed).label("rows_failed"),
+            func.coalesce(func.sum(JobRow.prompt_tokens), 0).label("prompt_tokens"),
+            func.coalesce(func.sum(JobRow.completion_tokens), 0).label("completion_tokens"),
+        )
+        .join(JobRow, JobRow.job_id == Job.id)
+        .where(*where, live)
+        .group_by(Job.owner),
+        select(
+            Job.owner,
+            metric(Shard.metrics, "gpu_seconds").label("gpu_seconds"),
+            metric(Shard.metrics, "engine_seconds").label("engine_seconds"),
+        )
+        .join(Shard, Shard.job_id == Job.id)
+        .where(*where, live)
+        .group_by(Job.owner),
     ]
 
 
@@ -288,5 +365,7 @@ def usage_since(value: str | None) -> float | None:
         moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
         return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
     except (ValueError, OverflowError):
-        raise InvalidInput(f"since {value!r}: give a duration such as 7d, 12h, 30m or 2w, or an ISO date or time "
-                           "such as 2026-01-31 or 2026-01-31T12:00:00Z") from None
+        raise InvalidInput(
+            f"since {value!r}: give a duration such as 7d, 12h, 30m or 2w, or an ISO date or time "
+            "such as 2026-01-31 or 2026-01-31T12:00:00Z"
+        ) from None

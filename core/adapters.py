@@ -62,8 +62,15 @@ def digest(folder: Path) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-def register(session: Session, job: Job, folder: Path, *, lora_config: dict[str, Any], load_options: dict[str, Any],
-             metrics: dict[str, Any]) -> Adapter:
+def register(
+    session: Session,
+    job: Job,
+    folder: Path,
+    *,
+    lora_config: dict[str, Any],
+    load_options: dict[str, Any],
+    metrics: dict[str, Any],
+) -> Adapter:
     """Record the adapter saved at `folder` (under the artifacts dir) for fine-tune `job`; idempotent per job."""
     size, sha = digest(folder)
     row = session.get(Adapter, job.id) or Adapter(id=job.id, job_id=job.id)
@@ -92,14 +99,33 @@ def list_for(session: Session, *, owner: str | None, limit: int = 100) -> list[A
 
 
 def view(row: Adapter) -> dict[str, Any]:
-    return {"id": row.id, "job_id": row.job_id, "owner": row.owner, "base_model": row.base_model,
-            "base_revision": row.base_revision, "tokenizer": row.tokenizer, "path": str(absolute(row)),
-            "bytes": row.bytes, "sha256": row.sha256, "lora_config": row.lora_config,
-            "load_options": row.load_options, "metrics": row.metrics, "created_at": row.created_at}
+    return {
+        "id": row.id,
+        "job_id": row.job_id,
+        "owner": row.owner,
+        "base_model": row.base_model,
+        "base_revision": row.base_revision,
+        "tokenizer": row.tokenizer,
+        "path": str(absolute(row)),
+        "bytes": row.bytes,
+        "sha256": row.sha256,
+        "lora_config": row.lora_config,
+        "load_options": row.load_options,
+        "metrics": row.metrics,
+        "created_at": row.created_at,
+    }
 
 
-def check_for_generation(session: Session, *, ref: str, owner: str, admin: bool, model: str,
-                         revision: str | None, notes: list[str] | None = None) -> bool:
+def check_for_generation(
+    session: Session,
+    *,
+    ref: str,
+    owner: str,
+    admin: bool,
+    model: str,
+    revision: str | None,
+    notes: list[str] | None = None,
+) -> bool:
     """Can a generation job of `owner` on `model` use adapter `ref`? True: yes, but its fine-tune is still running
     (the job must wait for it). Raises with what is wrong otherwise. A stored file (`file_…`) is checked by
     `check_file`, and its note appended to `notes` (for the job's events)."""
@@ -111,8 +137,10 @@ def check_for_generation(session: Session, *, ref: str, owner: str, admin: bool,
     if HUB_ID.match(ref):
         return False  # a Hub LoRA repo: checked against the Hub or the workers' caches (api/service_models.py)
     if not ref.startswith("job_"):
-        raise InvalidInput(f"adapter {ref!r}: name the fine-tune job that made it (job_…), an uploaded adapter "
-                           "file (file_…) or a Hub LoRA repo (org/name); list adapters with `gpujobs adapters list`")
+        raise InvalidInput(
+            f"adapter {ref!r}: name the fine-tune job that made it (job_…), an uploaded adapter "
+            "file (file_…) or a Hub LoRA repo (org/name); list adapters with `gpujobs adapters list`"
+        )
     job = session.get(Job, ref)
     if job is None or (not admin and job.owner != owner):
         raise NotFound(f"no adapter {ref!r}: list yours with `gpujobs adapters list`")
@@ -120,14 +148,20 @@ def check_for_generation(session: Session, *, ref: str, owner: str, admin: bool,
         raise InvalidInput(f"adapter {ref!r} names a {job.kind} job, not a fine-tune")
     base, base_revision = job.spec.get("model"), job.spec.get("revision")
     if (base, base_revision) != (model, revision):
-        raise InvalidInput(f"adapter {ref} was trained on {base!r}" + (f" (revision {base_revision})" if base_revision
-                           else "") + f", not on {model!r}: submit with --model {base}")
+        raise InvalidInput(
+            f"adapter {ref} was trained on {base!r}"
+            + (f" (revision {base_revision})" if base_revision else "")
+            + f", not on {model!r}: submit with --model {base}"
+        )
     state = JobState(job.state)
     if not state.terminal:
         return True
     if state is not JobState.succeeded:
-        raise Conflict(f"fine-tune {ref} is {job.state}" + (f" ({job.error})" if job.error else "")
-                       + ": it has no adapter. Retry it with `gpujobs retry`")
+        raise Conflict(
+            f"fine-tune {ref} is {job.state}"
+            + (f" ({job.error})" if job.error else "")
+            + ": it has no adapter. Retry it with `gpujobs retry`"
+        )
     if session.get(Adapter, ref) is None:
         raise Conflict(f"fine-tune {ref} succeeded but registered no adapter: retry it with `gpujobs retry`")
     return False
@@ -149,9 +183,22 @@ def check_for_generation(session: Session, *, ref: str, owner: str, admin: bool,
 
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_TYPES = ("LORA",)
-IGNORED_FILES = frozenset({"README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                           "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
-                           "merges.txt", "tokenizer.model", "generation_config.json", ".gitattributes"})
+IGNORED_FILES = frozenset(
+    {
+        "README.md",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "chat_template.jinja",
+        "chat_template.json",
+        "vocab.json",
+        "merges.txt",
+        "tokenizer.model",
+        "generation_config.json",
+        ".gitattributes",
+    }
+)
 BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")  # PEFT inits that rewrite the base weights
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
@@ -168,8 +215,10 @@ def get_file(session: Session, ref: str, *, owner: str | None) -> File:
     """The stored file an `adapter: file_…` names; another owner's answers NotFound, as for every file."""
     file = session.get(File, ref)
     if file is None or (owner is not None and file.owner != owner):
-        raise NotFound(f"no file {ref!r}: upload the adapter directory with `gpujobs submit generate --adapter DIR` "
-                       "(or POST /files with its zip) and name the file id it gets")
+        raise NotFound(
+            f"no file {ref!r}: upload the adapter directory with `gpujobs submit generate --adapter DIR` "
+            "(or POST /files with its zip) and name the file id it gets"
+        )
     return file
 
 
@@ -185,7 +234,7 @@ def check_archive(path: Path, ref: str) -> tuple[str, dict[str, Any]]:
     with archive:
         members = [m for m in archive.infolist() if not m.is_dir()]
         prefix = _archive_root(archive.infolist(), ref)
-        names = {m.filename[len(prefix):]: m for m in members}
+        names = {m.filename[len(prefix) :]: m for m in members}
         if len(names) != len(members):
             raise InvalidInput(f"adapter {ref}: the archive holds a file name twice: {HOW}")
         _check_members(names, ref, total=sum(m.file_size for m in members))
@@ -199,13 +248,17 @@ def check_archive(path: Path, ref: str) -> tuple[str, dict[str, Any]]:
         if not isinstance(config, dict):
             raise InvalidInput(f"adapter {ref}: {ADAPTER_CONFIG} is not a JSON object: {HOW}")
         if str(config.get("peft_type", "")).upper() not in LORA_TYPES:
-            raise InvalidInput(f"adapter {ref}: peft_type {config.get('peft_type')!r} is not a LoRA adapter "
-                               f"(peft_type {' or '.join(LORA_TYPES)}); only LoRA adapters can be loaded")
+            raise InvalidInput(
+                f"adapter {ref}: peft_type {config.get('peft_type')!r} is not a LoRA adapter "
+                f"(peft_type {' or '.join(LORA_TYPES)}); only LoRA adapters can be loaded"
+            )
         init = config.get("init_lora_weights")
         if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
-            raise InvalidInput(f"adapter {ref}: init_lora_weights {init!r} changes the base model's weights, so the "
-                               "adapter does not apply to a plain base: convert it to a plain LoRA adapter first "
-                               "(PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+            raise InvalidInput(
+                f"adapter {ref}: init_lora_weights {init!r} changes the base model's weights, so the "
+                "adapter does not apply to a plain base: convert it to a plain LoRA adapter first "
+                "(PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+            )
         _check_safetensors(archive, names[WEIGHTS], ref)
     return prefix, config
 
@@ -216,10 +269,17 @@ def _archive_root(infos: list, ref: str) -> str:
     for info in infos:
         name = info.filename
         parts = name.rstrip("/").split("/")
-        if (name.startswith("/") or "\\" in name or ":" in parts[0] or any(p in ("", ".", "..") for p in parts)
-                or len(parts) > 2):
-            raise InvalidInput(f"adapter {ref}: the archive member {name!r} is not a plain file name of the "
-                               f"adapter directory (no '..', absolute paths or nested folders): {HOW}")
+        if (
+            name.startswith("/")
+            or "\\" in name
+            or ":" in parts[0]
+            or any(p in ("", ".", "..") for p in parts)
+            or len(parts) > 2
+        ):
+            raise InvalidInput(
+                f"adapter {ref}: the archive member {name!r} is not a plain file name of the "
+                f"adapter directory (no '..', absolute paths or nested folders): {HOW}"
+            )
         if stat.S_ISLNK(info.external_attr >> 16):
             raise InvalidInput(f"adapter {ref}: the archive member {name!r} is a symbolic link: {HOW}")
         if len(parts) == 2 or info.is_dir():
@@ -227,28 +287,36 @@ def _archive_root(infos: list, ref: str) -> str:
     top = sorted(i.filename for i in infos if "/" not in i.filename)
     if len(folders) > 1 or (folders and top):
         where = ", ".join(sorted(f"{f}/" for f in folders) + top[:3])
-        raise InvalidInput(f"adapter {ref}: the archive holds more than one adapter directory ({where}); it must hold "
-                           f"the adapter's files at its top level or in one folder: {HOW}")
+        raise InvalidInput(
+            f"adapter {ref}: the archive holds more than one adapter directory ({where}); it must hold "
+            f"the adapter's files at its top level or in one folder: {HOW}"
+        )
     return f"{folders.pop()}/" if folders else ""
 
 
 def _check_members(names: dict[str, Any], ref: str, *, total: int) -> None:
     pickled = sorted(n for n in names if n.endswith(PICKLE_SUFFIXES))
     if pickled:
-        raise InvalidInput(f"adapter {ref} holds pickle weights ({', '.join(pickled)}), which are refused: save the "
-                           "adapter with save_pretrained(..., safe_serialization=True) (adapter_model.safetensors)")
+        raise InvalidInput(
+            f"adapter {ref} holds pickle weights ({', '.join(pickled)}), which are refused: save the "
+            "adapter with save_pretrained(..., safe_serialization=True) (adapter_model.safetensors)"
+        )
     for required in (ADAPTER_CONFIG, WEIGHTS):
         if required not in names:
             raise InvalidInput(f"adapter {ref} has no {required}: {HOW}")
     unknown = sorted(set(names) - {ADAPTER_CONFIG, WEIGHTS} - IGNORED_FILES)
     if unknown:
-        raise InvalidInput(f"adapter {ref} holds files that are not part of a LoRA adapter ({', '.join(unknown[:5])})"
-                           f": pack only {ADAPTER_CONFIG} and {WEIGHTS}, e.g. with `gpujobs submit generate --adapter "
-                           "DIR`")
+        raise InvalidInput(
+            f"adapter {ref} holds files that are not part of a LoRA adapter ({', '.join(unknown[:5])})"
+            f": pack only {ADAPTER_CONFIG} and {WEIGHTS}, e.g. with `gpujobs submit generate --adapter "
+            "DIR`"
+        )
     limit = get_settings().max_upload_bytes
     if len(names) > MAX_MEMBERS or total > limit:
-        raise InvalidInput(f"adapter {ref} unpacks to {total} bytes in {len(names)} files, over the limit of {limit} "
-                           f"bytes (JOBS_MAX_UPLOAD_BYTES) or {MAX_MEMBERS} files")
+        raise InvalidInput(
+            f"adapter {ref} unpacks to {total} bytes in {len(names)} files, over the limit of {limit} "
+            f"bytes (JOBS_MAX_UPLOAD_BYTES) or {MAX_MEMBERS} files"
+        )
 
 
 def _check_safetensors(archive: Any, info: Any, ref: str) -> None:
@@ -260,8 +328,10 @@ def _check_safetensors(archive: Any, info: Any, ref: str) -> None:
     except (struct.error, ValueError, OSError) as exc:
         header = exc
     if not isinstance(header, dict) or not any(k != "__metadata__" for k in header):
-        raise InvalidInput(f"adapter {ref}: {WEIGHTS} is not a safetensors file with tensors: save the adapter again "
-                           "with save_pretrained")
+        raise InvalidInput(
+            f"adapter {ref}: {WEIGHTS} is not a safetensors file with tensors: save the adapter again "
+            "with save_pretrained"
+        )
 
 
 def same_base(named: str, model: str) -> str | None:
@@ -280,14 +350,19 @@ def check_file(session: Session, *, ref: str, owner: str, admin: bool, model: st
     _, config = check_archive(files.absolute(file), ref)
     named = config.get("base_model_name_or_path")
     if named in (None, ""):
-        return (f"adapter {ref} names no base model (base_model_name_or_path): not checked at submit; it must fit "
-                f"{model}")
+        return (
+            f"adapter {ref} names no base model (base_model_name_or_path): not checked at submit; it must fit {model}"
+        )
     if not isinstance(named, str) or same_base(named, model) is None:
-        raise InvalidInput(f"adapter {ref} was trained on {named!r}, not on {model!r}: submit with --model set to "
-                           f"that base, or, if {model} is the same model under another name, set "
-                           f"base_model_name_or_path in {ADAPTER_CONFIG} to it and upload again")
-    return (f"adapter {ref}: LoRA r={config.get('r')} on base {named!r} (matched by {same_base(named, model)}; "
-            f"{file.bytes} bytes, sha256 {file.sha256[:12]}…)")
+        raise InvalidInput(
+            f"adapter {ref} was trained on {named!r}, not on {model!r}: submit with --model set to "
+            f"that base, or, if {model} is the same model under another name, set "
+            f"base_model_name_or_path in {ADAPTER_CONFIG} to it and upload again"
+        )
+    return (
+        f"adapter {ref}: LoRA r={config.get('r')} on base {named!r} (matched by {same_base(named, model)}; "
+        f"{file.bytes} bytes, sha256 {file.sha256[:12]}…)"
+    )
 
 
 def file_dir(file_id: str) -> Path:

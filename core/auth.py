@@ -31,8 +31,9 @@ def create_token(session: Session, *, owner: str, scopes: list[str], name: str |
         raise InvalidInput(f"owner {owner!r}: give a name of 1 to 128 characters without spaces or control characters")
     secret = "jt_" + secrets.token_urlsafe(32)
     scope_list = ",".join(s for s in SCOPES if s in scopes)
-    session.add(Token(id=new_id("tok"), sha256=digest(secret), owner=owner, scopes=scope_list, name=name,
-                      created_at=now()))
+    session.add(
+        Token(id=new_id("tok"), sha256=digest(secret), owner=owner, scopes=scope_list, name=name, created_at=now())
+    )
     return secret
 
 
@@ -41,8 +42,9 @@ def authenticate(session: Session, secret: str | None) -> Token:
         raise Unauthorized("missing bearer token: set JOBS_TOKEN, or run `gpujobs up` which writes a local admin token")
     token = session.scalar(select(Token).where(Token.sha256 == digest(secret)))
     if token is None or token.revoked_at is not None:
-        raise Unauthorized("invalid or revoked token: check JOBS_TOKEN (an admin can create one with "
-                           "`gpujobs tokens create`)")
+        raise Unauthorized(
+            "invalid or revoked token: check JOBS_TOKEN (an admin can create one with `gpujobs tokens create`)"
+        )
     return token
 
 

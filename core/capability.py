@@ -23,17 +23,25 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
     attn = opts.attn_implementation.removeprefix("paged|")
     if attn not in BUILTIN_ATTENTION and attn not in caps.get("attention", []):
         if "/" in attn:
-            problems.append(f"attention kernel {attn!r} comes from the Hub: needs the `kernels` package and Hub "
-                            "access, and the worker is offline" if versions.get("kernels") else
-                            f"attention kernel {attn!r} needs the `kernels` package")
+            problems.append(
+                f"attention kernel {attn!r} comes from the Hub: needs the `kernels` package and Hub "
+                "access, and the worker is offline"
+                if versions.get("kernels")
+                else f"attention kernel {attn!r} needs the `kernels` package"
+            )
         else:
-            problems.append(f"{attn} needs the flash-attn package ({'installed' if versions.get('flash-attn') else 'missing'})"
-                            f" and an Ampere or newer GPU (worker has {'compute capability ' + str(cc) if cc else 'no GPU'})")
+            problems.append(
+                f"{attn} needs the flash-attn package ({'installed' if versions.get('flash-attn') else 'missing'})"
+                f" and an Ampere or newer GPU (worker has {'compute capability ' + str(cc) if cc else 'no GPU'})"
+            )
     if attn == "flex_attention":
         problems += _flex_problems(caps)
     if opts.use_kernels or opts.kernel_config:
-        problems.append("use_kernels needs the `kernels` package and Hub access" if not versions.get("kernels")
-                        else "use_kernels fetches kernels from the Hub, and the worker is offline")
+        problems.append(
+            "use_kernels needs the `kernels` package and Hub access"
+            if not versions.get("kernels")
+            else "use_kernels fetches kernels from the Hub, and the worker is offline"
+        )
     q = opts.quantization
     if q is not None:
         if q.method.startswith("bnb-") and not versions.get("bitsandbytes"):
@@ -41,8 +49,10 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
         if q.method.startswith("torchao-") and not versions.get("torchao"):
             problems.append(f"{q.method} needs torchao (pip install torchao)")
         if q.method in ("torchao-float8", "fp8") and not (cc and cc >= 8.9):
-            problems.append(f"{q.method} needs a GPU of compute capability 8.9 or newer (worker has "
-                            f"{'compute capability ' + str(cc) if cc else 'no GPU'})")
+            problems.append(
+                f"{q.method} needs a GPU of compute capability 8.9 or newer (worker has "
+                f"{'compute capability ' + str(cc) if cc else 'no GPU'})"
+            )
         if q.method == "fp8" and not versions.get("kernels"):
             problems.append("fp8 (FineGrainedFP8Config) needs the `kernels` package and Hub access")
     if opts.device_map in ("cuda", "auto") and gpus == 0:
@@ -60,8 +70,10 @@ def _flex_problems(caps: dict[str, Any]) -> list[str]:
     if probe is None or probe.get("ok"):
         return []
     if probe.get("ok") is None:
-        return ["its flex_attention compile probe has not finished yet (it runs just after the worker starts; the "
-                "first compile on a CPU takes up to a minute): submit again shortly"]
+        return [
+            "its flex_attention compile probe has not finished yet (it runs just after the worker starts; the "
+            "first compile on a CPU takes up to a minute): submit again shortly"
+        ]
     return [f"{probe.get('reason')}: use attn_implementation sdpa or eager"]
 
 
@@ -71,19 +83,24 @@ def _slice_problems(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[
     if getattr(opts, "tp_plan", None):
         if gpus < 2:
             return [f"tp_plan {opts.tp_plan} needs a slice of 2 or more GPUs (gpus >= 2), this one has {gpus}"]
-        return ["tp_plan auto (tensor parallel under torchrun) is not supported by the workers yet: use device_map "
-                "auto to split the model over the slice, or one 1-GPU worker per GPU for data-parallel generation"]
+        return [
+            "tp_plan auto (tensor parallel under torchrun) is not supported by the workers yet: use device_map "
+            "auto to split the model over the slice, or one 1-GPU worker per GPU for data-parallel generation"
+        ]
     strategy = getattr(opts, "strategy", None)
     if strategy is None:
         return []
     try:
-        strategy, _ = plan(strategy, opts.nproc, gpus=gpus, device_map=opts.device_map,
-                           quantized=opts.quantization is not None)
+        strategy, _ = plan(
+            strategy, opts.nproc, gpus=gpus, device_map=opts.device_map, quantized=opts.quantization is not None
+        )
     except InvalidInput as exc:
         return [str(exc)]
     if strategy.startswith("deepspeed") and not (caps.get("versions") or {}).get("deepspeed"):
-        return [f"strategy {strategy} needs the deepspeed package on the worker (pip install deepspeed), and it is "
-                "missing: use ddp or fsdp2"]
+        return [
+            f"strategy {strategy} needs the deepspeed package on the worker (pip install deepspeed), and it is "
+            "missing: use ddp or fsdp2"
+        ]
     return []
 
 
@@ -100,8 +117,10 @@ def _finetune_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[str]:
     if q is not None and q.method == "bnb-4bit" and (caps.get("versions") or {}).get("bitsandbytes"):
         qlora = caps.get("qlora")
         if qlora is None:
-            problems.append("its bitsandbytes 4-bit probe has not finished yet (it runs just after the worker "
-                            "starts): submit again in a few seconds")
+            problems.append(
+                "its bitsandbytes 4-bit probe has not finished yet (it runs just after the worker "
+                "starts): submit again in a few seconds"
+            )
         elif not qlora.get("ok"):
             problems.append(f"QLoRA (bnb-4bit) cannot run: {qlora.get('reason')}")
     return problems
@@ -112,13 +131,17 @@ def _finetune_speed_problems(opts: LoadOptions, caps: dict[str, Any]) -> list[st
     problems = []
     cuda = bool(caps.get("cuda_available"))
     if getattr(opts, "liger", None) == "on" and not ((caps.get("versions") or {}).get("liger-kernel") and cuda):
-        problems.append("liger=on needs the liger-kernel package and a GPU (worker has "
-                        f"{'liger-kernel' if (caps.get('versions') or {}).get('liger-kernel') else 'no liger-kernel'}"
-                        f", {'a GPU' if cuda else 'no GPU'}): pip install liger-kernel on a GPU worker, or use "
-                        "liger auto/off (off: our chunked cross-entropy, same result)")
+        problems.append(
+            "liger=on needs the liger-kernel package and a GPU (worker has "
+            f"{'liger-kernel' if (caps.get('versions') or {}).get('liger-kernel') else 'no liger-kernel'}"
+            f", {'a GPU' if cuda else 'no GPU'}): pip install liger-kernel on a GPU worker, or use "
+            "liger auto/off (off: our chunked cross-entropy, same result)"
+        )
     if getattr(opts, "packed_attention", None) == "varlen" and not caps.get("varlen_attention"):
-        problems.append("packed_attention=varlen needs a GPU of compute capability 8.0 or newer and a torch with "
-                        "torch.nn.attention.varlen (2.10+): use packed_attention auto or mask")
+        problems.append(
+            "packed_attention=varlen needs a GPU of compute capability 8.0 or newer and a torch with "
+            "torch.nn.attention.varlen (2.10+): use packed_attention auto or mask"
+        )
     return problems
 
 
@@ -129,18 +152,26 @@ def _engine_problems(opts: LoadOptions, gpus: int) -> list[str]:
     attn = opts.attn_implementation.removeprefix("paged|")
     paged = opts.attn_implementation.startswith("paged|")
     if paged and engine == "padded":  # it would run the plain backend: nothing falls back silently
-        problems.append(f"engine padded cannot run {opts.attn_implementation} (paged attention is the attention of "
-                        f"transformers' continuous batching, engine continuous): use engine continuous (or auto, which "
-                        f"runs paged attention there), or attn_implementation {attn}")
+        problems.append(
+            f"engine padded cannot run {opts.attn_implementation} (paged attention is the attention of "
+            f"transformers' continuous batching, engine continuous): use engine continuous (or auto, which "
+            f"runs paged attention there), or attn_implementation {attn}"
+        )
     if (engine == "continuous" or paged and engine == "auto") and attn in ("flex_attention", "sdpa_gqa"):
-        problems.append(f"engine continuous cannot run {attn} (transformers' continuous batching takes sdpa, "
-                        "eager or flash attention): use engine padded or another attn_implementation")
+        problems.append(
+            f"engine continuous cannot run {attn} (transformers' continuous batching takes sdpa, "
+            "eager or flash attention): use engine padded or another attn_implementation"
+        )
     if engine == "fast" and opts.attn_implementation not in ("sdpa", "sdpa_gqa", "eager"):
-        problems.append(f"engine fast cannot honour {opts.attn_implementation} (it replaces the attention with its "
-                        "own slot-cache kernel): use attn_implementation sdpa, or engine padded for that kernel")
+        problems.append(
+            f"engine fast cannot honour {opts.attn_implementation} (it replaces the attention with its "
+            "own slot-cache kernel): use attn_implementation sdpa, or engine padded for that kernel"
+        )
     if engine == "static" and opts.attn_implementation not in ("sdpa", "sdpa_gqa", "eager"):
-        problems.append(f"engine static cannot run {opts.attn_implementation} (it runs sdpa, sdpa_gqa or eager with "
-                        "a static KV cache): use engine padded or one of those attn_implementations")
+        problems.append(
+            f"engine static cannot run {opts.attn_implementation} (it runs sdpa, sdpa_gqa or eager with "
+            "a static KV cache): use engine padded or one of those attn_implementations"
+        )
     for knob in ("cuda_graphs", "async_batching"):
         if getattr(opts, knob, None) == "on" and gpus == 0:
             problems.append(f"{knob}=on needs a GPU slice (gpus >= 1); use auto or off on CPU")

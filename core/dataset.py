@@ -44,8 +44,10 @@ LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # only an escape can make on
 UTF8_BOM, UTF16_BOMS = b"\xef\xbb\xbf", (b"\xff\xfe", b"\xfe\xff")
 PARAMS = frozenset(SamplingParams.model_fields)
 _INT_PARAMS = {k for k, f in SamplingParams.model_fields.items() if int in get_args(f.annotation)}
-SAMPLE_AT_ZERO = ("do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
-                  "above 0; set one, or set do_sample false for greedy decoding")
+SAMPLE_AT_ZERO = (
+    "do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
+    "above 0; set one, or set do_sample false for greedy decoding"
+)
 NOT_PASSED_THROUGH = frozenset({"prompt", "messages", "custom_id", *PARAMS})  # what a row's `extra` never holds
 
 
@@ -54,8 +56,10 @@ TOO_LONG = "exceeds the model's context"
 
 def too_long(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
     """The reason a row does not fit the model's context (the token check at submit, and the worker's)."""
-    return (f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} {TOO_LONG} of {context} tokens: "
-            "shorten the prompt or lower max_new_tokens")
+    return (
+        f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} {TOO_LONG} of {context} tokens: "
+        "shorten the prompt or lower max_new_tokens"
+    )
 
 
 def retry_can_change(row: Any, spec: Any) -> bool:
@@ -92,8 +96,10 @@ def engine_problem(engine: str, params: dict[str, Any]) -> str | None:
     None. The workers' per-row refusals that need no model (worker/engines/fast.py, continuous.py), made at submit
     too: for the job's own parameters (the submit is refused) and for each row's (a failed row)."""
     if engine == "continuous" and params.get("repetition_penalty") is not None:
-        return ("repetition_penalty is not supported by the continuous engine (transformers drops it): use engine "
-                "padded or auto")
+        return (
+            "repetition_penalty is not supported by the continuous engine (transformers drops it): use engine "
+            "padded or auto"
+        )
     if engine == "fast" and (name := fast_unsupported(params)):
         return f"{name} is not supported by the fast engine: use engine auto (which runs such rows padded) or padded"
     return None
@@ -101,8 +107,10 @@ def engine_problem(engine: str, params: dict[str, Any]) -> str | None:
 
 def several_greedy(n: int) -> str:
     """The reason a row asking for n > 1 outputs under greedy decoding fails (at submit, and in the worker)."""
-    return (f"num_return_sequences {n} needs sampling (greedy decoding returns the same text each time): set "
-            "temperature > 0 or do_sample true for this row")
+    return (
+        f"num_return_sequences {n} needs sampling (greedy decoding returns the same text each time): set "
+        "temperature > 0 or do_sample true for this row"
+    )
 
 
 @dataclass
@@ -114,8 +122,13 @@ class ParsedRow:
     error: str | None = None
 
 
-def parse_jsonl(source: BinaryIO | Iterable[bytes], *, spec: Any = None, max_rows: int | None = None,
-                max_row_bytes: int | None = None) -> Iterator[ParsedRow]:
+def parse_jsonl(
+    source: BinaryIO | Iterable[bytes],
+    *,
+    spec: Any = None,
+    max_rows: int | None = None,
+    max_row_bytes: int | None = None,
+) -> Iterator[ParsedRow]:
     """Parse JSONL bytes line by line; raise InvalidInput for an empty dataset, one of more than `max_rows` rows,
     a UTF-16 file or duplicate custom_ids.
 
@@ -126,15 +139,24 @@ def parse_jsonl(source: BinaryIO | Iterable[bytes], *, spec: Any = None, max_row
     return parse_records(read_jsonl(source, max_row_bytes=max_row_bytes), fmt="jsonl", spec=spec, max_rows=max_rows)
 
 
-def parse_dataset(path: Path, fmt: str, *, spec: Any = None, columns: dict[str, str] | None = None,
-                  max_rows: int | None = None, max_row_bytes: int | None = None) -> Iterator[ParsedRow]:
+def parse_dataset(
+    path: Path,
+    fmt: str,
+    *,
+    spec: Any = None,
+    columns: dict[str, str] | None = None,
+    max_rows: int | None = None,
+    max_row_bytes: int | None = None,
+) -> Iterator[ParsedRow]:
     """The stored rows of the input file at `path` in format `fmt` (not `auto`: see `formats.detect`)."""
-    return parse_records(read_records(path, fmt, columns=columns, max_row_bytes=max_row_bytes), fmt=fmt, spec=spec,
-                         max_rows=max_rows)
+    return parse_records(
+        read_records(path, fmt, columns=columns, max_row_bytes=max_row_bytes), fmt=fmt, spec=spec, max_rows=max_rows
+    )
 
 
-def read_records(path: Path, fmt: str, *, columns: dict[str, str] | None = None,
-                 max_row_bytes: int | None = None) -> Iterator[Record]:
+def read_records(
+    path: Path, fmt: str, *, columns: dict[str, str] | None = None, max_row_bytes: int | None = None
+) -> Iterator[Record]:
     """The records of an input file of any format, each with its line (or row) and its data as a dict, or the
     reason it cannot be read. This is the reader for every kind of job (generation and fine-tune datasets)."""
     max_row_bytes = get_settings().max_row_bytes if max_row_bytes is None else max_row_bytes
@@ -146,8 +168,9 @@ def read_records(path: Path, fmt: str, *, columns: dict[str, str] | None = None,
             head = stream.read(2)
             stream.seek(0)
             if head in UTF16_BOMS:
-                raise InvalidInput("the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it "
-                                   "as UTF-8")
+                raise InvalidInput(
+                    "the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it as UTF-8"
+                )
             yield from formats.read_csv(stream, columns=columns, max_row_bytes=max_row_bytes)
     elif fmt == "parquet":
         yield from formats.read_parquet(path, columns=columns, max_row_bytes=max_row_bytes)
@@ -157,8 +180,9 @@ def read_records(path: Path, fmt: str, *, columns: dict[str, str] | None = None,
         raise InvalidInput(f"unknown input_format {fmt!r}: use one of {', '.join(formats.INPUT_FORMATS)}")
 
 
-def read_jsonl(source: BinaryIO | Iterable[bytes], *, max_row_bytes: int | None = None,
-               columns: dict[str, str] | None = None) -> Iterator[Record]:
+def read_jsonl(
+    source: BinaryIO | Iterable[bytes], *, max_row_bytes: int | None = None, columns: dict[str, str] | None = None
+) -> Iterator[Record]:
     """JSON-object records of JSONL bytes, by 1-based physical line; blank lines are skipped."""
     max_row_bytes = get_settings().max_row_bytes if max_row_bytes is None else max_row_bytes
     for line_no, (raw, size) in enumerate(_lines(source, max_row_bytes), start=1):
@@ -168,15 +192,21 @@ def read_jsonl(source: BinaryIO | Iterable[bytes], *, max_row_bytes: int | None 
             continue
         text = raw[:RAW_KEPT].decode("utf-8", "replace")
         if size > max_row_bytes:
-            yield Record(line_no, None, text, f"row of {size} bytes exceeds the limit of {max_row_bytes} bytes "
-                                              "(JOBS_MAX_ROW_BYTES): shorten the row or split it")
+            yield Record(
+                line_no,
+                None,
+                text,
+                f"row of {size} bytes exceeds the limit of {max_row_bytes} bytes "
+                "(JOBS_MAX_ROW_BYTES): shorten the row or split it",
+            )
             continue
         obj, error = _decode_line(raw)
         yield Record(line_no, formats.map_columns(obj, columns) if obj is not None else None, text, error)
 
 
-def parse_records(records: Iterable[Record], *, fmt: str, spec: Any = None,
-                  max_rows: int | None = None) -> Iterator[ParsedRow]:
+def parse_records(
+    records: Iterable[Record], *, fmt: str, spec: Any = None, max_rows: int | None = None
+) -> Iterator[ParsedRow]:
     """Stored rows of records; raise InvalidInput for an empty dataset, more than `max_rows` rows or duplicate
     custom_ids (naming both places)."""
     max_rows = get_settings().max_rows if max_rows is None else max_rows
@@ -202,8 +232,10 @@ def parse_records(records: Iterable[Record], *, fmt: str, spec: Any = None,
 
 
 def too_many_rows(max_rows: int) -> InvalidInput:
-    return InvalidInput(f"the dataset has more than {max_rows} rows, the limit of this server (JOBS_MAX_ROWS): "
-                        "split it into several jobs")
+    return InvalidInput(
+        f"the dataset has more than {max_rows} rows, the limit of this server (JOBS_MAX_ROWS): "
+        "split it into several jobs"
+    )
 
 
 def count_rows(stream: BinaryIO, *, limit: int) -> int:
@@ -246,8 +278,10 @@ def _lines(source: BinaryIO | Iterable[bytes], limit: int) -> Iterator[tuple[byt
 
 def _strip_bom(raw: bytes) -> bytes:
     if raw.startswith(UTF16_BOMS):
-        raise InvalidInput("the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it as "
-                           "UTF-8, one JSON object per line")
+        raise InvalidInput(
+            "the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it as "
+            "UTF-8, one JSON object per line"
+        )
     return raw.removeprefix(UTF8_BOM)  # editors on Windows write one; it is not part of the first row
 
 
@@ -267,8 +301,10 @@ def _decode_line(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
     except RecursionError:
         return None, "invalid JSON: nested too deeply"
     if LONE_SURROGATE.search(raw) and not _encodable(obj):
-        return None, ("the row holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), which is not text: fix "
-                      "or remove the escape")
+        return None, (
+            "the row holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), which is not text: fix "
+            "or remove the escape"
+        )
     if not isinstance(obj, dict):
         return None, f"expected a JSON object, got {type(obj).__name__}"
     return obj, None
@@ -287,10 +323,18 @@ def _parse_record(idx: int, record: Record, fmt: str, spec: Any = None) -> Parse
         custom_id = str(custom_id)  # an integer id column of a table
     if fmt == "csv" and custom_id == "":
         custom_id = None
-    if custom_id is not None and (not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255
-                                  or not custom_id.isprintable()):
-        return _bad(idx, record.pos, fallback_id, record.raw, "custom_id must be a non-empty string of at most 255 "
-                                                              "printable characters", where, record.data)
+    if custom_id is not None and (
+        not isinstance(custom_id, str) or not custom_id or len(custom_id) > 255 or not custom_id.isprintable()
+    ):
+        return _bad(
+            idx,
+            record.pos,
+            fallback_id,
+            record.raw,
+            "custom_id must be a non-empty string of at most 255 printable characters",
+            where,
+            record.data,
+        )
     custom_id = custom_id or fallback_id
     try:
         if fmt == "csv":
@@ -339,8 +383,13 @@ def _openai_row(idx: int, record: Record, obj: dict[str, Any], spec: Any) -> Par
         ok = isinstance(custom_id, str) and 0 < len(custom_id) <= 255 and custom_id.isprintable()
         return _bad(idx, record.pos, custom_id if ok else fallback_id, record.raw, str(exc))
     if len(request.custom_id) > 255 or not request.custom_id.isprintable():
-        return _bad(idx, record.pos, fallback_id, record.raw, "custom_id must be a non-empty string of at most 255 "
-                                                              "printable characters")
+        return _bad(
+            idx,
+            record.pos,
+            fallback_id,
+            record.raw,
+            "custom_id must be a non-empty string of at most 255 printable characters",
+        )
     try:
         row = _row_input({request.kind: request.content, **request.params}, spec)
     except ValueError as exc:
@@ -397,8 +446,9 @@ def _row_params(params: dict[str, Any], spec: Any) -> dict[str, Any]:
     spreadsheet's quoting must not silently change a parameter); 12.0 is accepted as the integer 12."""
     if not params:
         return {}  # the common row (the job's own parameters were checked at submit)
-    params = {k: int(v) if k in _INT_PARAMS and isinstance(v, float) and v.is_integer() else v
-              for k, v in params.items()}
+    params = {
+        k: int(v) if k in _INT_PARAMS and isinstance(v, float) and v.is_integer() else v for k, v in params.items()
+    }
     try:
         params = SamplingParams.model_validate(params, strict=True).model_dump(exclude_none=True)
     except ValidationError as exc:
@@ -434,8 +484,9 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
     return messages
 
 
-def _bad(idx: int, pos: int, custom_id: str, raw: str, reason: str, where: str = "line",
-         data: dict[str, Any] | None = None) -> ParsedRow:
+def _bad(
+    idx: int, pos: int, custom_id: str, raw: str, reason: str, where: str = "line", data: dict[str, Any] | None = None
+) -> ParsedRow:
     """A failed row: its reason with its line (or row), only the start of the record's text, and the record's
     pass-through keys (`extra`, from its `data` where it was read), which its error record carries like a result."""
     extra = {k: v for k, v in (data or {}).items() if k not in NOT_PASSED_THROUGH}
@@ -469,7 +520,8 @@ class TokenCheck:
         try:
             config = json.loads((root / "config.json").read_text())
             context = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
-                "max_position_embeddings")
+                "max_position_embeddings"
+            )
             if not (root / "tokenizer.json").is_file() or not isinstance(context, int) or context <= 0:
                 return None
             from tokenizers import Tokenizer
@@ -554,8 +606,9 @@ def _compile_template(source: Any) -> Any:
     def raise_exception(message: str) -> None:
         raise ValueError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -611,12 +664,18 @@ class InputCheck:
         return rows
 
     def summary(self) -> dict[str, Any]:
-        return {"format": self.spec.input_format, "extra_keys": list(self.extra_keys)[:EXTRA_KEYS_KEPT],
-                "several_outputs": self.several, "token_check": self.tokens is not None, "too_long": self.too_long}
+        return {
+            "format": self.spec.input_format,
+            "extra_keys": list(self.extra_keys)[:EXTRA_KEYS_KEPT],
+            "several_outputs": self.several,
+            "token_check": self.tokens is not None,
+            "too_long": self.too_long,
+        }
 
     def token_note(self) -> str:
         if self.tokens is None:
-            return ("token checks left to the worker: the model's tokenizer.json and config.json are not readable "
-                    "by the API")
-        return (f"token checks done against a context of {self.tokens.context} tokens: {self.too_long} rows too "
-                "long")
+            return (
+                "token checks left to the worker: the model's tokenizer.json and config.json are not readable "
+                "by the API"
+            )
+        return f"token checks done against a context of {self.tokens.context} tokens: {self.too_long} rows too long"

@@ -52,8 +52,9 @@ def _create_engine(url: str) -> Engine:
         # SQLAlchemy's default (5 + 10 overflow) a status read queued for a connection behind submissions waiting
         # for SQLite's write lock (ops/bench/README.md, "Load"). In WAL mode readers never wait for the writer; an
         # idle connection is a file handle.
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=40,
-                               max_overflow=40)
+        engine = create_engine(
+            url, connect_args={"timeout": 30, "check_same_thread": False}, pool_size=40, max_overflow=40
+        )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args=PG_CONNECT_ARGS)
@@ -61,8 +62,14 @@ def _create_engine(url: str) -> Engine:
 
 # libpq: give up a connect after 10 s; notice a dead peer (host gone, network cut) after ~20 s instead of TCP's
 # ~15 min (unacknowledged data: tcp_user_timeout) or 2 h (idle connection: keepalives).
-PG_CONNECT_ARGS = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-                   "keepalives_count": 3, "tcp_user_timeout": 20_000}
+PG_CONNECT_ARGS = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,
+}
 
 
 @cache

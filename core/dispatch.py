@@ -166,6 +166,10 @@ def mark_resent(session: Session, shard: Shard) -> bool:
     )
     if session.execute(stmt).rowcount != 1:
         return False
-    add_event(session, shard.job_id, f"shard {shard.idx} sent again: queued since its send, and its queue is empty "
-              "(the message was lost in flight)", shard_id=shard.id)
+    add_event(
+        session,
+        shard.job_id,
+        f"shard {shard.idx} sent again: queued since its send, and its queue is empty (the message was lost in flight)",
+        shard_id=shard.id,
+    )
     return True

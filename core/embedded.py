@@ -146,13 +146,20 @@ def _start(binary: str, workdir: Path, port: int | None, unix_socket: Path | Non
     args = [
         binary,
         *listen,
-        "--bind", "127.0.0.1",
-        "--protected-mode", "yes",
-        "--daemonize", "no",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(workdir),
-        "--logfile", "",  # log to stdout, which goes to `logfile`
+        "--bind",
+        "127.0.0.1",
+        "--protected-mode",
+        "yes",
+        "--daemonize",
+        "no",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+        "--logfile",
+        "",  # log to stdout, which goes to `logfile`
     ]
     with open(logfile, "ab") as log:
         offset = log.tell()  # report only this start's lines, the file may hold earlier runs
@@ -182,8 +189,9 @@ def _start(binary: str, workdir: Path, port: int | None, unix_socket: Path | Non
                 f"redis-server did not answer within {timeout:g}s. Log {logfile}:\n{_tail(logfile, offset)}"
             )
         time.sleep(0.05)
-    return RedisServer(proc=proc, url=url, broker_url=broker_url, workdir=workdir, logfile=logfile,
-                       port=port, unix_socket=unix_socket)
+    return RedisServer(
+        proc=proc, url=url, broker_url=broker_url, workdir=workdir, logfile=logfile, port=port, unix_socket=unix_socket
+    )
 
 
 def _ping(port: int | None, unix_socket: Path | None, pid: int) -> bool:

@@ -28,8 +28,9 @@ def absolute(file: File) -> Path:
     return get_settings().artifacts / file.path
 
 
-def save(session: Session, *, owner: str, filename: str, stream: BinaryIO, purpose: str = "input",
-         job_id: str | None = None) -> File:
+def save(
+    session: Session, *, owner: str, filename: str, stream: BinaryIO, purpose: str = "input", job_id: str | None = None
+) -> File:
     """Copy `stream` into the store as a new file of `owner`'s, recorded in `session`'s transaction.
 
     Nothing is left half-written: the copy goes to `<id>.part` and is renamed once whole; an upload over
@@ -50,8 +51,17 @@ def save(session: Session, *, owner: str, filename: str, stream: BinaryIO, purpo
         tmp.unlink(missing_ok=True)
         raise
     _discard_unless_committed(session, dest)
-    file = File(id=file_id, owner=owner, filename=label, purpose=purpose, path=str(rel), bytes=size,
-                sha256=digest.hexdigest(), created_at=now(), job_id=job_id)
+    file = File(
+        id=file_id,
+        owner=owner,
+        filename=label,
+        purpose=purpose,
+        path=str(rel),
+        bytes=size,
+        sha256=digest.hexdigest(),
+        created_at=now(),
+        job_id=job_id,
+    )
     session.add(file)
     return file
 
@@ -62,8 +72,10 @@ def _copy(stream: BinaryIO, tmp: Path, label: str, limit: int):
         while chunk := stream.read(CHUNK):
             size += len(chunk)
             if size > limit:
-                raise InvalidInput(f"{label!r} is larger than the upload limit of {limit} bytes "
-                                   "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs")
+                raise InvalidInput(
+                    f"{label!r} is larger than the upload limit of {limit} bytes "
+                    "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs"
+                )
             digest.update(chunk)
             out.write(chunk)
     return digest, size

@@ -44,8 +44,12 @@ ROW_FORMATS = ("parquet", "hf")  # located by a 0-based `row`; the others by a 1
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 RAW_KEPT = 2000  # characters of a bad record kept for `results --errors`
 ARROW_BATCH = 1024
-MEDIA_TYPES = {"jsonl": "application/x-ndjson", "openai": "application/x-ndjson", "csv": "text/csv; charset=utf-8",
-               "parquet": "application/vnd.apache.parquet"}
+MEDIA_TYPES = {
+    "jsonl": "application/x-ndjson",
+    "openai": "application/x-ndjson",
+    "csv": "text/csv; charset=utf-8",
+    "parquet": "application/vnd.apache.parquet",
+}
 
 
 def location(fmt: str) -> str:
@@ -123,8 +127,10 @@ def check_columns(available: Iterable[str], columns: dict[str, str] | None, what
     names = list(available)
     missing = [f"{ours}={theirs}" for ours, theirs in (columns or {}).items() if theirs not in names]
     if missing:
-        raise InvalidInput(f"input_columns {', '.join(missing)}: the {what} has no such column; its columns are "
-                           f"{', '.join(map(repr, names)) or 'none'}")
+        raise InvalidInput(
+            f"input_columns {', '.join(missing)}: the {what} has no such column; its columns are "
+            f"{', '.join(map(repr, names)) or 'none'}"
+        )
 
 
 def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row_bytes: int) -> Iterator[Record]:
@@ -136,12 +142,15 @@ def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row
     try:
         header = next(reader, None)
         if header is None or not any(h.strip() for h in header):
-            raise InvalidInput("the CSV file is empty: expected a header row naming the columns (e.g. prompt), "
-                               "then one row per record")
+            raise InvalidInput(
+                "the CSV file is empty: expected a header row naming the columns (e.g. prompt), then one row per record"
+            )
         if len(set(header)) != len(header) or any(_bad_text(h) for h in header):
             dupes = sorted({h for h in header if header.count(h) > 1})
-            raise InvalidInput("the CSV header (line 1) must name each column once in UTF-8 text"
-                               + (f"; repeated: {', '.join(map(repr, dupes))}" if dupes else ""))
+            raise InvalidInput(
+                "the CSV header (line 1) must name each column once in UTF-8 text"
+                + (f"; repeated: {', '.join(map(repr, dupes))}" if dupes else "")
+            )
         check_columns(header, columns, "CSV header (line 1)")
         last = reader.line_num
         for fields in reader:
@@ -150,18 +159,30 @@ def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row
                 continue  # a blank line is not a record
             raw = ",".join(fields)[:RAW_KEPT]
             if len(fields) != len(header):
-                yield Record(start, None, _clean(raw), f"has {len(fields)} fields, the header has {len(header)}: "
-                                                       "quote fields that hold commas or line breaks")
+                yield Record(
+                    start,
+                    None,
+                    _clean(raw),
+                    f"has {len(fields)} fields, the header has {len(header)}: "
+                    "quote fields that hold commas or line breaks",
+                )
             elif sum(len(f) for f in fields) > max_row_bytes:
-                yield Record(start, None, _clean(raw), f"row of more than {max_row_bytes} bytes exceeds the limit "
-                                                       "(JOBS_MAX_ROW_BYTES): shorten the row or split it")
+                yield Record(
+                    start,
+                    None,
+                    _clean(raw),
+                    f"row of more than {max_row_bytes} bytes exceeds the limit "
+                    "(JOBS_MAX_ROW_BYTES): shorten the row or split it",
+                )
             elif any(_bad_text(f) for f in fields):
                 yield Record(start, None, _clean(raw), "not valid UTF-8: save the file as UTF-8")
             else:
                 yield Record(start, map_columns(dict(zip(header, fields)), columns), raw)
     except csv.Error as exc:
-        raise InvalidInput(f"the CSV file cannot be read at line {reader.line_num}: {exc} (a quote that is never "
-                           "closed swallows the rest of the file): fix the quoting") from None
+        raise InvalidInput(
+            f"the CSV file cannot be read at line {reader.line_num}: {exc} (a quote that is never "
+            "closed swallows the rest of the file): fix the quoting"
+        ) from None
     except UnicodeDecodeError:  # surrogateescape decodes any byte; only a UTF-16 file's BOM ends here
         raise InvalidInput("the CSV file is not UTF-8: save it as UTF-8") from None
 
@@ -179,8 +200,9 @@ def _clean(raw: str) -> str:
     return raw.encode("utf-8", "replace").decode("utf-8")
 
 
-def read_parquet(path: Path, *, columns: dict[str, str] | None = None,
-                 max_row_bytes: int | None = None) -> Iterator[Record]:
+def read_parquet(
+    path: Path, *, columns: dict[str, str] | None = None, max_row_bytes: int | None = None
+) -> Iterator[Record]:
     """Parquet records, batch by batch (never the whole file in memory)."""
     import pyarrow.parquet as pq
 
@@ -209,8 +231,10 @@ def read_hf(path: Path, *, columns: dict[str, str] | None = None, max_row_bytes:
     try:
         archive = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise InvalidInput(f"the dataset archive cannot be read ({exc}): pass the directory that "
-                           "save_to_disk wrote to `gpujobs submit --input`, which packs it") from None
+        raise InvalidInput(
+            f"the dataset archive cannot be read ({exc}): pass the directory that "
+            "save_to_disk wrote to `gpujobs submit --input`, which packs it"
+        ) from None
     with archive:
         names = set(archive.namelist())
         prefix = _dataset_root(names)
@@ -219,8 +243,10 @@ def read_hf(path: Path, *, columns: dict[str, str] | None = None, max_row_bytes:
         for name in data_files:
             member = prefix + name
             if member not in names:
-                raise InvalidInput(f"the saved dataset lists {name!r} in state.json but the archive has no such "
-                                   "file: save the dataset again")
+                raise InvalidInput(
+                    f"the saved dataset lists {name!r} in state.json but the archive has no such "
+                    "file: save the dataset again"
+                )
             try:
                 with archive.open(member) as stream:
                     reader = pa.ipc.open_stream(stream)
@@ -229,8 +255,9 @@ def read_hf(path: Path, *, columns: dict[str, str] | None = None, max_row_bytes:
                         schema_checked = True
                     yield from _arrow_records(reader, columns, counter, max_row_bytes=max_row_bytes)
             except (pa.ArrowInvalid, OSError) as exc:
-                raise InvalidInput(f"the Arrow file {name!r} of the saved dataset cannot be read ({exc}): save the "
-                                   "dataset again") from None
+                raise InvalidInput(
+                    f"the Arrow file {name!r} of the saved dataset cannot be read ({exc}): save the dataset again"
+                ) from None
 
 
 def _dataset_root(names: set[str]) -> str:
@@ -239,12 +266,21 @@ def _dataset_root(names: set[str]) -> str:
         if prefix + "state.json" in names:
             return prefix
         if prefix + "dataset_dict.json" in names:
-            splits = sorted({n[len(prefix):].split("/", 1)[0] for n in names if n.startswith(prefix)
-                             and n.count("/") > prefix.count("/")})
-            raise InvalidInput(f"this is a DatasetDict with splits {', '.join(splits)}: save one split "
-                               "(`ds['train'].save_to_disk(path)`) and submit that directory")
-    raise InvalidInput("the archive is not a dataset saved with save_to_disk (no state.json): pass the directory "
-                       "that `Dataset.save_to_disk` wrote")
+            splits = sorted(
+                {
+                    n[len(prefix) :].split("/", 1)[0]
+                    for n in names
+                    if n.startswith(prefix) and n.count("/") > prefix.count("/")
+                }
+            )
+            raise InvalidInput(
+                f"this is a DatasetDict with splits {', '.join(splits)}: save one split "
+                "(`ds['train'].save_to_disk(path)`) and submit that directory"
+            )
+    raise InvalidInput(
+        "the archive is not a dataset saved with save_to_disk (no state.json): pass the directory "
+        "that `Dataset.save_to_disk` wrote"
+    )
 
 
 def _data_files(archive: zipfile.ZipFile, prefix: str) -> list[str]:
@@ -259,8 +295,9 @@ def _data_files(archive: zipfile.ZipFile, prefix: str) -> list[str]:
     return files
 
 
-def _arrow_records(batches, columns: dict[str, str] | None, counter: list[int] | None = None, *,
-                   max_row_bytes: int | None = None) -> Iterator[Record]:
+def _arrow_records(
+    batches, columns: dict[str, str] | None, counter: list[int] | None = None, *, max_row_bytes: int | None = None
+) -> Iterator[Record]:
     """Records of Arrow record batches, numbered by a 0-based row that runs on across batches (and across the
     files of one saved dataset, through the shared `counter`)."""
     counter = counter if counter is not None else [0]
@@ -275,8 +312,13 @@ def _arrow_records(batches, columns: dict[str, str] | None, counter: list[int] |
                 continue
             text = json.dumps(clean, ensure_ascii=False)
             if max_row_bytes is not None and len(text) > max_row_bytes:
-                yield Record(row, None, text[:RAW_KEPT], f"row of more than {max_row_bytes} bytes exceeds the limit "
-                                                         "(JOBS_MAX_ROW_BYTES): shorten the row or split it")
+                yield Record(
+                    row,
+                    None,
+                    text[:RAW_KEPT],
+                    f"row of more than {max_row_bytes} bytes exceeds the limit "
+                    "(JOBS_MAX_ROW_BYTES): shorten the row or split it",
+                )
                 continue
             yield Record(row, map_columns(clean, columns), text[:RAW_KEPT])
 
@@ -299,23 +341,47 @@ def jsonable(value: Any) -> Any:
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError("a binary column holds bytes that are not UTF-8 text: store text columns as strings") from None
+            raise ValueError(
+                "a binary column holds bytes that are not UTF-8 text: store text columns as strings"
+            ) from None
     return value
 
 
 # --- OpenAI batch lines --------------------------------------------------------------------------------------
 
 # body keys we map onto our sampling parameters
-_OPENAI_PARAMS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
-                  # extensions that vLLM and TGI accept in the body as well
-                  "top_k": "top_k", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-                  "do_sample": "do_sample"}
+_OPENAI_PARAMS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    # extensions that vLLM and TGI accept in the body as well
+    "top_k": "top_k",
+    "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos",
+    "do_sample": "do_sample",
+}
 # body keys that change nothing here when they hold these values
-_OPENAI_NEUTRAL = {"stream": (False, None), "logprobs": (False, None), "frequency_penalty": (0, None),
-                   "presence_penalty": (0, None), "response_format": ({"type": "text"}, None),
-                   "parallel_tool_calls": (True, False, None)}
-_OPENAI_IGNORED = ("model", "user", "metadata", "store", "service_tier", "max_tokens", "max_completion_tokens", "n",
-                   "messages", "prompt")
+_OPENAI_NEUTRAL = {
+    "stream": (False, None),
+    "logprobs": (False, None),
+    "frequency_penalty": (0, None),
+    "presence_penalty": (0, None),
+    "response_format": ({"type": "text"}, None),
+    "parallel_tool_calls": (True, False, None),
+}
+_OPENAI_IGNORED = (
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "messages",
+    "prompt",
+)
 
 
 @dataclass
@@ -342,8 +408,9 @@ def openai_request(obj: dict[str, Any], *, n_param: str | None = "num_return_seq
         raise ValueError(f"method {obj.get('method')!r}: OpenAI batch lines use POST")
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}: an OpenAI batch line has custom_id, "
-                         "method, url and body")
+        raise ValueError(
+            f"unknown key(s) {', '.join(map(repr, unknown))}: an OpenAI batch line has custom_id, method, url and body"
+        )
     url, body = obj.get("url"), obj.get("body")
     if url not in OPENAI_URLS:
         raise ValueError(f"url {url!r} is not supported: use /v1/chat/completions or /v1/completions")
@@ -373,8 +440,9 @@ def _openai_messages(messages: Any) -> Any:
     for i, msg in enumerate(messages):
         if isinstance(msg, dict) and isinstance(msg.get("content"), list):
             parts = msg["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in parts):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
+            ):
                 raise ValueError(f"body.messages[{i}].content: only text parts are supported here")
             msg = {**msg, "content": "".join(p["text"] for p in parts)}
         if isinstance(msg, dict):
@@ -400,8 +468,9 @@ def _openai_params(body: dict[str, Any], n_param: str | None) -> dict[str, Any]:
             raise ValueError(f"body.{key} = {json.dumps(body[key])} is not supported by this server: leave it out")
     unknown = sorted(set(body) - set(_OPENAI_PARAMS) - set(_OPENAI_NEUTRAL) - set(_OPENAI_IGNORED))
     if unknown:
-        raise ValueError(f"body key(s) {', '.join(map(repr, unknown))} are not supported by this server: leave "
-                         "them out")
+        raise ValueError(
+            f"body key(s) {', '.join(map(repr, unknown))} are not supported by this server: leave them out"
+        )
     return params
 
 
@@ -427,9 +496,16 @@ def openai_output_record(row: Any, *, job_id: str, model: str) -> dict[str, Any]
     reasons = row.finish_reason
     reasons = reasons if isinstance(reasons, list) else [reasons] * len(texts)
     choices = [
-        ({"index": i, "message": {"role": "assistant", "content": text, "refusal": None}, "logprobs": None,
-          "finish_reason": reason} if chat else
-         {"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+        (
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            if chat
+            else {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        )
         for i, (text, reason) in enumerate(zip(texts, reasons))
     ]
     prompt, completion = row.prompt_tokens or 0, row.completion_tokens or 0
@@ -441,9 +517,12 @@ def openai_output_record(row: Any, *, job_id: str, model: str) -> dict[str, Any]
         "choices": choices,
         "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
     }
-    return {"id": _request_id(job_id, row.idx, "batch_req"), "custom_id": row.custom_id,
-            "response": {"status_code": 200, "request_id": _request_id(job_id, row.idx, "req"), "body": body},
-            "error": None}
+    return {
+        "id": _request_id(job_id, row.idx, "batch_req"),
+        "custom_id": row.custom_id,
+        "response": {"status_code": 200, "request_id": _request_id(job_id, row.idx, "req"), "body": body},
+        "error": None,
+    }
 
 
 def openai_error_record(row: Any, *, job_id: str) -> dict[str, Any]:
@@ -453,12 +532,22 @@ def openai_error_record(row: Any, *, job_id: str) -> dict[str, Any]:
     `invalid_request_error`; a row that failed in the engine answers 500 `server_error`."""
     invalid = row.worker is None
     status = 400 if invalid else 500
-    error = {"message": row.error or "failed", "type": "invalid_request_error" if invalid else "server_error",
-             "param": None, "code": None}
-    return {"id": _request_id(job_id, row.idx, "batch_req"), "custom_id": row.custom_id,
-            "response": {"status_code": status, "request_id": _request_id(job_id, row.idx, "req"),
-                         "body": {"error": error}},
-            "error": None}
+    error = {
+        "message": row.error or "failed",
+        "type": "invalid_request_error" if invalid else "server_error",
+        "param": None,
+        "code": None,
+    }
+    return {
+        "id": _request_id(job_id, row.idx, "batch_req"),
+        "custom_id": row.custom_id,
+        "response": {
+            "status_code": status,
+            "request_id": _request_id(job_id, row.idx, "req"),
+            "body": {"error": error},
+        },
+        "error": None,
+    }
 
 
 def _request_id(job_id: str, idx: int, prefix: str) -> str:
@@ -500,8 +589,9 @@ def csv_chunks(records: Iterable[dict[str, Any]], columns: list[str], chunk_rows
     yield buffer.getvalue().encode()
 
 
-def parquet_chunks(records: Iterable[dict[str, Any]], columns: list[str], types: dict[str, str],
-                   chunk_rows: int = 1000) -> Iterator[bytes]:
+def parquet_chunks(
+    records: Iterable[dict[str, Any]], columns: list[str], types: dict[str, str], chunk_rows: int = 1000
+) -> Iterator[bytes]:
     """A Parquet file, one row group per `chunk_rows` records, yielded as its bytes are written.
 
     `types` gives `int`, `float` or `list` for the columns that are not text; every other column is text (lists

@@ -62,9 +62,20 @@ CHUNK = 1 << 20
 RETRIES = 3  # transport errors within one fetch, each resuming where the last stopped (1, 2, 4 s apart)
 CONFIG, INDEX, WEIGHTS = "config.json", "model.safetensors.index.json", "model.safetensors"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 MODEL_EXTRAS = ("generation_config.json", *TOKENIZER_FILES)
 SUBMIT_FILES = (CONFIG, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")  # what the API reads
 NOT_SAFETENSORS = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".h5", ".msgpack")
@@ -202,9 +213,11 @@ def _online() -> None:
 
 def _unreachable(exc: Exception, what: str) -> HubUnreachable:
     detail = re.sub(r"//[^/@\s]*@", "//", str(exc))  # a URL in the error never shows a password of HF_ENDPOINT
-    return HubUnreachable(f"cannot reach the Hub at {endpoint()} for {what} ({type(exc).__name__}: {detail}): check "
-                          "this host's network and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 and pull the model on a host "
-                          "with network access (`gpujobs models pull`)")
+    return HubUnreachable(
+        f"cannot reach the Hub at {endpoint()} for {what} ({type(exc).__name__}: {detail}): check "
+        "this host's network and HF_ENDPOINT, or set HF_HUB_OFFLINE=1 and pull the model on a host "
+        "with network access (`gpujobs models pull`)"
+    )
 
 
 def refusal(status: int, headers: Any, repo: str, revision: str | None, what: str) -> Exception:
@@ -213,35 +226,49 @@ def refusal(status: int, headers: Any, repo: str, revision: str | None, what: st
     value, source = token()
     page = f"{endpoint()}/{repo}"
     if code == "RevisionNotFound":
-        return InvalidInput(f"revision {revision!r} of {repo} does not exist on {endpoint()}: give a branch, a tag or "
-                            "a commit of the repo (e.g. main)")
+        return InvalidInput(
+            f"revision {revision!r} of {repo} does not exist on {endpoint()}: give a branch, a tag or "
+            "a commit of the repo (e.g. main)"
+        )
     if code == "GatedRepo":
         if not value:
-            return NoAccess(f"{repo} is a gated repo and no Hugging Face token is set here: accept its terms at "
-                                f"{page} with your account, then set HF_TOKEN (or run `hf auth login`, which writes "
-                                f"{get_settings().hub_token_path}) on the API host and on every worker host")
-        return InvalidInput(f"the Hugging Face token from {source} has no access to the gated repo {repo} "
-                            f"({status}): request access at {page} with the token's account, or use another token")
+            return NoAccess(
+                f"{repo} is a gated repo and no Hugging Face token is set here: accept its terms at "
+                f"{page} with your account, then set HF_TOKEN (or run `hf auth login`, which writes "
+                f"{get_settings().hub_token_path}) on the API host and on every worker host"
+            )
+        return InvalidInput(
+            f"the Hugging Face token from {source} has no access to the gated repo {repo} "
+            f"({status}): request access at {page} with the token's account, or use another token"
+        )
     if status == 401 and "Invalid credentials" in message:
-        return InvalidInput(f"the Hugging Face token from {source} is not valid ({status} from {endpoint()}): "
-                            "create a new one and set it (HF_TOKEN or `hf auth login`)")
+        return InvalidInput(
+            f"the Hugging Face token from {source} is not valid ({status} from {endpoint()}): "
+            "create a new one and set it (HF_TOKEN or `hf auth login`)"
+        )
     if code == "EntryNotFound":
         return InvalidInput(f"{what} does not exist in {describe(repo, revision)} on {endpoint()}")
     if code == "RepoNotFound" or status in (401, 404):
         if value:
-            return InvalidInput(f"model repo {repo!r} was not found on {endpoint()} (HF_ENDPOINT), or the token from "
-                                f"{source} has no access to it")
-        return NoAccess(f"model repo {repo!r} was not found on {endpoint()} (HF_ENDPOINT), or it is private and no "
-                        "Hugging Face token is set here: set a token with access (HF_TOKEN, or `hf auth login`) on "
-                        "the API host and on every worker host")
+            return InvalidInput(
+                f"model repo {repo!r} was not found on {endpoint()} (HF_ENDPOINT), or the token from "
+                f"{source} has no access to it"
+            )
+        return NoAccess(
+            f"model repo {repo!r} was not found on {endpoint()} (HF_ENDPOINT), or it is private and no "
+            "Hugging Face token is set here: set a token with access (HF_TOKEN, or `hf auth login`) on "
+            "the API host and on every worker host"
+        )
     if status == 403:
         return InvalidInput(f"{endpoint()} refused {what} (403{': ' + message if message else ''})")
-    return HubUnreachable(f"the Hub at {endpoint()} answered {status} for {what}"
-                          f"{': ' + message if message else ''}: try again later")
+    return HubUnreachable(
+        f"the Hub at {endpoint()} answered {status} for {what}{': ' + message if message else ''}: try again later"
+    )
 
 
-def _get(client, url: str, *, repo: str, revision: str | None, what: str, params: dict | None = None,
-         retries: int = RETRIES):
+def _get(
+    client, url: str, *, repo: str, revision: str | None, what: str, params: dict | None = None, retries: int = RETRIES
+):
     """One GET, retried on transport errors and server errors (a blip must not fail a job's attempt; the API asks
     with retries=0 so that a submit never waits on an unreachable Hub)."""
     import httpx
@@ -252,10 +279,10 @@ def _get(client, url: str, *, repo: str, revision: str | None, what: str, params
         except httpx.TransportError as exc:
             if attempt == retries:
                 raise _unreachable(exc, what) from None
-            time.sleep(2 ** attempt)
+            time.sleep(2**attempt)
             continue
         if response.status_code >= 500 and attempt < retries:
-            time.sleep(2 ** attempt)
+            time.sleep(2**attempt)
             continue
         if response.status_code >= 400:
             raise refusal(response.status_code, response.headers, repo, revision, what)
@@ -269,15 +296,24 @@ def listing(repo: str, revision: str | None, *, retries: int = RETRIES) -> tuple
     rev = revision or "main"
     url = f"{get_settings().hub_endpoint}/api/models/{repo}/revision/{quote(rev, safe='')}"
     with _client() as client:
-        response = _get(client, url, repo=repo, revision=rev, what=f"the file list of {describe(repo, rev)}",
-                        params={"blobs": "true"}, retries=retries)
+        response = _get(
+            client,
+            url,
+            repo=repo,
+            revision=rev,
+            what=f"the file list of {describe(repo, rev)}",
+            params={"blobs": "true"},
+            retries=retries,
+        )
     try:
         data = response.json()
         commit = data["sha"]
         files = [_repo_file(s) for s in data.get("siblings") or []]
     except (ValueError, KeyError, TypeError) as exc:
-        raise HubUnreachable(f"{endpoint()} answered the file list of {describe(repo, rev)} with something that is "
-                             f"not the Hub's model info ({type(exc).__name__}: {exc}): check HF_ENDPOINT") from None
+        raise HubUnreachable(
+            f"{endpoint()} answered the file list of {describe(repo, rev)} with something that is "
+            f"not the Hub's model info ({type(exc).__name__}: {exc}): check HF_ENDPOINT"
+        ) from None
     if not isinstance(commit, str) or not COMMIT.match(commit):
         raise HubUnreachable(f"{endpoint()} named no commit for {describe(repo, rev)}: check HF_ENDPOINT")
     return commit, files, bool(data.get("gated"))
@@ -294,8 +330,9 @@ def _repo_file(sibling: dict[str, Any]) -> RepoFile:
 # --- which files a load reads -------------------------------------------------------------------------------
 
 
-def select(files: list[RepoFile], *, kind: str, repo: str, revision: str | None,
-           read_index: Callable[[RepoFile], Any]) -> list[RepoFile]:
+def select(
+    files: list[RepoFile], *, kind: str, repo: str, revision: str | None, read_index: Callable[[RepoFile], Any]
+) -> list[RepoFile]:
     """The files a load of `kind` reads, from a commit's files (top level only). Refused, with what to do: no
     config, no safetensors weights (pickled ones are never loaded), an index naming a shard that is not there."""
     names = {f.name: f for f in files if PLAIN_FILE.match(f.name)}
@@ -303,15 +340,23 @@ def select(files: list[RepoFile], *, kind: str, repo: str, revision: str | None,
     if kind_of(files, kind) == "adapter":
         if ADAPTER_WEIGHTS not in names:
             pickled = "adapter_model.bin" in names
-            raise InvalidInput(f"{where} has no {ADAPTER_WEIGHTS}" + (
-                " (only adapter_model.bin, a pickled checkpoint, which is refused: loading one can run code)"
-                if pickled else "") + ": name a PEFT LoRA adapter saved with save_pretrained(safe_serialization=True)")
+            raise InvalidInput(
+                f"{where} has no {ADAPTER_WEIGHTS}"
+                + (
+                    " (only adapter_model.bin, a pickled checkpoint, which is refused: loading one can run code)"
+                    if pickled
+                    else ""
+                )
+                + ": name a PEFT LoRA adapter saved with save_pretrained(safe_serialization=True)"
+            )
         if ADAPTER_CONFIG not in names:
             raise InvalidInput(f"{where} has no {ADAPTER_CONFIG}: it is not a PEFT adapter repo")
         return [names[ADAPTER_CONFIG], names[ADAPTER_WEIGHTS]]
     if CONFIG not in names:
-        raise InvalidInput(f"{where} has no {CONFIG}: it is not a transformers model repo (an adapter repo is named "
-                           "with --adapter, on its base model)")
+        raise InvalidInput(
+            f"{where} has no {CONFIG}: it is not a transformers model repo (an adapter repo is named "
+            "with --adapter, on its base model)"
+        )
     if INDEX in names:
         weights = [names[INDEX], *_shards(read_index(names[INDEX]), names, where)]
     elif WEIGHTS in names:
@@ -320,11 +365,15 @@ def select(files: list[RepoFile], *, kind: str, repo: str, revision: str | None,
         other = sorted(n for n in names if n.endswith(NOT_SAFETENSORS))
         raise InvalidInput(
             f"{where} has no safetensors weights ({WEIGHTS} or {INDEX})"
-            + (f"; it holds only {', '.join(other[:3])}: pickled (or non-PyTorch) checkpoints are refused, since "
-               "loading a pickle can run code. Use a revision that has safetensors weights (the Hub's conversion "
-               "bot often opened one as refs/pr/N: --revision refs/pr/N), or convert the weights with "
-               "save_pretrained(..., safe_serialization=True) and load that directory" if other else
-               ": it holds no weights transformers can load"))
+            + (
+                f"; it holds only {', '.join(other[:3])}: pickled (or non-PyTorch) checkpoints are refused, since "
+                "loading a pickle can run code. Use a revision that has safetensors weights (the Hub's conversion "
+                "bot often opened one as refs/pr/N: --revision refs/pr/N), or convert the weights with "
+                "save_pretrained(..., safe_serialization=True) and load that directory"
+                if other
+                else ": it holds no weights transformers can load"
+            )
+        )
     return [names[CONFIG], *(names[n] for n in MODEL_EXTRAS if n in names), *weights]
 
 
@@ -343,8 +392,10 @@ def _shards(index: Any, names: dict[str, RepoFile], where: str) -> list[RepoFile
     shards = sorted({str(v) for v in weight_map.values()})
     odd = [s for s in shards if not PLAIN_FILE.match(s) or not s.endswith(".safetensors")]
     if odd:
-        raise InvalidInput(f"{where}: {INDEX} names weights that are not safetensors files of the repo's top level "
-                           f"({', '.join(odd[:3])})")
+        raise InvalidInput(
+            f"{where}: {INDEX} names weights that are not safetensors files of the repo's top level "
+            f"({', '.join(odd[:3])})"
+        )
     missing = [s for s in shards if s not in names]
     if missing:
         raise InvalidInput(f"{where}: {INDEX} names shards that are not in the repo ({', '.join(missing[:3])})")
@@ -361,8 +412,9 @@ def plan(repo: str, revision: str | None, *, kind: str = "model", client=None, r
         return _json(path, what=f"{INDEX} of {describe(repo, rev)}")
 
     kind = kind_of(files, kind)
-    return Snapshot(repo, commit, rev, kind, select(files, kind=kind, repo=repo, revision=rev, read_index=read_index),
-                    gated=gated)
+    return Snapshot(
+        repo, commit, rev, kind, select(files, kind=kind, repo=repo, revision=rev, read_index=read_index), gated=gated
+    )
 
 
 def _json(path: Path, *, what: str) -> Any:
@@ -377,8 +429,14 @@ def _json(path: Path, *, what: str) -> Any:
 # --- fetching -----------------------------------------------------------------------------------------------
 
 
-def ensure(repo: str, revision: str | None, *, kind: str = "model", listener: Listener | None = None,
-           should_stop: Callable[[], bool] | None = None) -> Fetched:
+def ensure(
+    repo: str,
+    revision: str | None,
+    *,
+    kind: str = "model",
+    listener: Listener | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Fetched:
     """The snapshot of `repo` at `revision` in this host's cache, fetched if needed, verified.
 
     A commit whose marker still matches needs no request at all. Offline (HF_HUB_OFFLINE) only the cache is used.
@@ -389,9 +447,14 @@ def ensure(repo: str, revision: str | None, *, kind: str = "model", listener: Li
         return _fetched(repo, rev, rev, kind)
     settings = get_settings()
     if settings.hub_offline:
-        return from_cache(repo, rev, kind=kind, why=f"this host is offline (HF_HUB_OFFLINE=1): pull it on a host "
-                          f"with network access into this cache ({settings.hub_cache}), e.g. `gpujobs models pull "
-                          f"{repo}`, or unset HF_HUB_OFFLINE")
+        return from_cache(
+            repo,
+            rev,
+            kind=kind,
+            why=f"this host is offline (HF_HUB_OFFLINE=1): pull it on a host "
+            f"with network access into this cache ({settings.hub_cache}), e.g. `gpujobs models pull "
+            f"{repo}`, or unset HF_HUB_OFFLINE",
+        )
     try:
         snap = plan(repo, rev, kind=kind)
     except HubUnreachable as exc:
@@ -399,14 +462,20 @@ def ensure(repo: str, revision: str | None, *, kind: str = "model", listener: Li
             fetched = from_cache(repo, rev, kind=kind, why=str(exc))
         except InvalidInput:
             raise exc from None
-        fetched.notes.append(f"the Hub cannot be reached ({exc}); using the cached {describe(repo, rev)} = commit "
-                             f"{fetched.commit}")
+        fetched.notes.append(
+            f"the Hub cannot be reached ({exc}); using the cached {describe(repo, rev)} = commit {fetched.commit}"
+        )
         return fetched
     return fetch(snap, listener=listener, should_stop=should_stop)
 
 
-def fetch(snap: Snapshot, *, listener: Listener | None = None, should_stop: Callable[[], bool] | None = None,
-          complete: bool = True) -> Fetched:
+def fetch(
+    snap: Snapshot,
+    *,
+    listener: Listener | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    complete: bool = True,
+) -> Fetched:
     """Make every file of `snap` present and verified in this host's cache, one process per host at a time.
 
     `complete` (a whole load's files) writes the marker; the API fetches a few small files with complete=False."""
@@ -433,8 +502,17 @@ def fetch(snap: Snapshot, *, listener: Listener | None = None, should_stop: Call
         seconds = time.monotonic() - t0
         if missing:
             listener.finished(snap, downloaded=downloaded, seconds=seconds)
-    return Fetched(snap.repo, snap.revision, snap.commit, snap.kind, root / "snapshots" / snap.commit,
-                   len(snap.files), snap.bytes, downloaded, round(seconds, 3))
+    return Fetched(
+        snap.repo,
+        snap.revision,
+        snap.commit,
+        snap.kind,
+        root / "snapshots" / snap.commit,
+        len(snap.files),
+        snap.bytes,
+        downloaded,
+        round(seconds, 3),
+    )
 
 
 def _download_all(snap: Snapshot, missing: list[RepoFile], listener: Listener, stop: Callable[[], bool]) -> int:
@@ -455,8 +533,14 @@ def _download_all(snap: Snapshot, missing: list[RepoFile], listener: Listener, s
     return total - sum(parts.values())
 
 
-def _fetch_file(snap: Snapshot, f: RepoFile, *, client=None, on_bytes: Callable[[int], None] = lambda n: None,
-                should_stop: Callable[[], bool] = lambda: False) -> Path:
+def _fetch_file(
+    snap: Snapshot,
+    f: RepoFile,
+    *,
+    client=None,
+    on_bytes: Callable[[int], None] = lambda n: None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Path:
     """One blob, downloaded (resumed from its .incomplete part) and verified under huggingface_hub's blob lock."""
     root = repo_dir(snap.repo)
     blob = root / "blobs" / f.etag
@@ -467,23 +551,39 @@ def _fetch_file(snap: Snapshot, f: RepoFile, *, client=None, on_bytes: Callable[
         client = client or stack.enter_context(_client())
         blob.parent.mkdir(parents=True, exist_ok=True)
         part = blob.with_name(blob.name + ".incomplete")
-        url = (f"{get_settings().hub_endpoint}/{snap.repo}/resolve/{quote(snap.commit, safe='')}/"
-               f"{quote(f.name, safe='/')}")
+        url = (
+            f"{get_settings().hub_endpoint}/{snap.repo}/resolve/{quote(snap.commit, safe='')}/{quote(f.name, safe='/')}"
+        )
         for attempt in (1, 2):  # a file whose bytes do not match its hash is fetched again once
             _stream(client, url, part, f, snap, on_bytes, should_stop)
             if content_ok(part, f.etag):
                 os.replace(part, blob)
                 return blob
             part.unlink(missing_ok=True)
-            log.warning("%s: %s of %s@%s did not match its hash: %s", snap.repo, f.name, snap.repo,
-                        short(snap.commit), "fetching it again" if attempt == 1 else "giving up")
-        raise ChecksumMismatch(f"{f.name} of {snap.repo}@{snap.commit} from {endpoint()} does not match its hash "
-                               f"{f.etag} twice in a row: the endpoint (HF_ENDPOINT) serves corrupted bytes")
+            log.warning(
+                "%s: %s of %s@%s did not match its hash: %s",
+                snap.repo,
+                f.name,
+                snap.repo,
+                short(snap.commit),
+                "fetching it again" if attempt == 1 else "giving up",
+            )
+        raise ChecksumMismatch(
+            f"{f.name} of {snap.repo}@{snap.commit} from {endpoint()} does not match its hash "
+            f"{f.etag} twice in a row: the endpoint (HF_ENDPOINT) serves corrupted bytes"
+        )
     raise AssertionError("unreachable")
 
 
-def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes: Callable[[int], None],
-            should_stop: Callable[[], bool]) -> None:
+def _stream(
+    client,
+    url: str,
+    part: Path,
+    f: RepoFile,
+    snap: Snapshot,
+    on_bytes: Callable[[int], None],
+    should_stop: Callable[[], bool],
+) -> None:
     """Append the rest of `f` to `part` (a Range request from its size), retrying transport errors, each time from
     where the bytes stopped."""
     import httpx
@@ -510,9 +610,11 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
                         on_bytes(-offset)  # the server ignored the Range: those bytes come again
                     for chunk in response.iter_bytes():  # as the bytes arrive: progress and resume see them
                         if should_stop():
-                            raise FetchInterrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the "
-                                                   "worker is stopping); the part already downloaded is kept for the "
-                                                   "next attempt")
+                            raise FetchInterrupted(
+                                f"fetch of {snap.repo} stopped (the job was cancelled or the "
+                                "worker is stopping); the part already downloaded is kept for the "
+                                "next attempt"
+                            )
                         out.write(chunk)
                         received += len(chunk)
                         on_bytes(len(chunk))
@@ -521,13 +623,19 @@ def _stream(client, url: str, part: Path, f: RepoFile, snap: Snapshot, on_bytes:
             raise httpx.RemoteProtocolError(f"the body ended after {part.stat().st_size} of {f.size} bytes")
         except httpx.TransportError as exc:
             if should_stop():
-                raise FetchInterrupted(f"fetch of {snap.repo} stopped (the job was cancelled or the worker is "
-                                       "stopping)") from None
+                raise FetchInterrupted(
+                    f"fetch of {snap.repo} stopped (the job was cancelled or the worker is stopping)"
+                ) from None
             failures = 0 if received else failures + 1  # bytes flowed: the endpoint is there, keep going
             if failures > RETRIES:
                 raise _unreachable(exc, f"{f.name} of {describe(snap.repo, snap.commit)}") from None
-            log.warning("%s: %s interrupted after %d bytes (%s): resuming", snap.repo, f.name, part.stat().st_size
-                        if part.exists() else 0, exc)
+            log.warning(
+                "%s: %s interrupted after %d bytes (%s): resuming",
+                snap.repo,
+                f.name,
+                part.stat().st_size if part.exists() else 0,
+                exc,
+            )
             time.sleep(min(2 ** max(failures - 1, 0), 8))
 
 
@@ -546,7 +654,8 @@ def _check_disk(snap: Snapshot, needed: int) -> None:
             f"not enough disk space for {snap.repo}@{short(snap.commit)} on host {host()}: {human_bytes(needed)} to "
             f"download into {settings.hub_cache}, {human_bytes(free)} free, and "
             f"{human_bytes(settings.hub_min_free_bytes)} must stay free (JOBS_HUB_MIN_FREE_BYTES): remove models no "
-            "job needs (`gpujobs models list`, `gpujobs models rm`), or point HF_HUB_CACHE at a larger disk")
+            "job needs (`gpujobs models list`, `gpujobs models rm`), or point HF_HUB_CACHE at a larger disk"
+        )
 
 
 def human_bytes(n: float) -> str:
@@ -588,8 +697,11 @@ def _lock(path: Path, should_stop: Callable[[], bool], on_busy: Callable[[], Non
 
 def _snapshot_lock(snap: Snapshot, listener: Listener, should_stop: Callable[[], bool]):
     root = repo_dir(snap.repo)
-    return _lock(root.parent / ".locks" / root.name / f"gpujobs-{snap.commit}.lock", should_stop,
-                 on_busy=lambda: listener.waiting(snap))
+    return _lock(
+        root.parent / ".locks" / root.name / f"gpujobs-{snap.commit}.lock",
+        should_stop,
+        on_busy=lambda: listener.waiting(snap),
+    )
 
 
 # --- the cache: links, refs, markers, verification --------------------------------------------------------------
@@ -680,8 +792,12 @@ def _write_marker(root: Path, snap: Snapshot) -> None:
     for f in snap.files:
         st = (root / "blobs" / f.etag).stat()
         files[f.name] = {"etag": f.etag, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    _atomic_write(_marker_path(root, snap.commit), json.dumps(
-        {"repo": snap.repo, "commit": snap.commit, "kind": snap.kind, "files": files, "verified_at": time.time()}))
+    _atomic_write(
+        _marker_path(root, snap.commit),
+        json.dumps(
+            {"repo": snap.repo, "commit": snap.commit, "kind": snap.kind, "files": files, "verified_at": time.time()}
+        ),
+    )
 
 
 def marker(repo: str, commit: str) -> dict[str, Any] | None:
@@ -709,8 +825,12 @@ def _marker_ok(repo: str, commit: str, kind: str, files: list[RepoFile] | None =
             st = blob.stat()
         except OSError:
             return False
-        if (not pointer.is_symlink() or os.readlink(pointer) != os.path.relpath(blob, pointer.parent)
-                or st.st_size != entry.get("size") or st.st_mtime_ns != entry.get("mtime_ns")):
+        if (
+            not pointer.is_symlink()
+            or os.readlink(pointer) != os.path.relpath(blob, pointer.parent)
+            or st.st_size != entry.get("size")
+            or st.st_mtime_ns != entry.get("mtime_ns")
+        ):
             return False
     return True
 
@@ -718,8 +838,15 @@ def _marker_ok(repo: str, commit: str, kind: str, files: list[RepoFile] | None =
 def _fetched(repo: str, revision: str, commit: str, kind: str) -> Fetched:
     data = marker(repo, commit) or {"files": {}}
     kind = data.get("kind", kind)
-    return Fetched(repo, revision, commit, kind, repo_dir(repo) / "snapshots" / commit, len(data["files"]),
-                   sum(int(v.get("size") or 0) for v in data["files"].values()))
+    return Fetched(
+        repo,
+        revision,
+        commit,
+        kind,
+        repo_dir(repo) / "snapshots" / commit,
+        len(data["files"]),
+        sum(int(v.get("size") or 0) for v in data["files"].values()),
+    )
 
 
 def cached_commit(repo: str, revision: str | None, cache: Path | None = None) -> str | None:
@@ -761,14 +888,21 @@ def from_cache(repo: str, revision: str | None, *, kind: str = "model", why: str
     snapshot = repo_dir(repo) / "snapshots" / commit
     kind = kind_of(local_files(repo, commit), kind)
     try:
-        chosen = select(local_files(repo, commit), kind=kind, repo=repo, revision=rev,
-                        read_index=lambda f: _json(snapshot / f.name, what=f"{INDEX} of {describe(repo, rev)}"))
+        chosen = select(
+            local_files(repo, commit),
+            kind=kind,
+            repo=repo,
+            revision=rev,
+            read_index=lambda f: _json(snapshot / f.name, what=f"{INDEX} of {describe(repo, rev)}"),
+        )
     except InvalidInput as exc:
         raise InvalidInput(f"{describe(repo, rev)} is not complete {where} ({exc}), and {why}") from None
     bad = [f.name for f in chosen if not f.etag or not content_ok(snapshot / f.name, f.etag)]
     if bad:
-        raise InvalidInput(f"{', '.join(bad)} of {describe(repo, rev)} {where} is corrupted (its content does not "
-                           f"match its hash), and {why}")
+        raise InvalidInput(
+            f"{', '.join(bad)} of {describe(repo, rev)} {where} is corrupted (its content does not "
+            f"match its hash), and {why}"
+        )
     snap = Snapshot(repo, commit, rev, kind, chosen)
     _write_marker(repo_dir(repo), snap)
     return Fetched(repo, rev, commit, kind, snapshot, len(chosen), snap.bytes)
@@ -783,8 +917,10 @@ def submit_files(snap: Snapshot) -> Path:
     small = [f for f in snap.files if f.name in SUBMIT_FILES or f.name == ADAPTER_CONFIG]
     too_big = [f.name for f in small if (f.size or 0) > MAX_SMALL_FILE]
     if too_big:
-        raise InvalidInput(f"{', '.join(too_big)} of {snap.repo} is over {human_bytes(MAX_SMALL_FILE)}: not a config "
-                           "or tokenizer file this server reads")
+        raise InvalidInput(
+            f"{', '.join(too_big)} of {snap.repo} is over {human_bytes(MAX_SMALL_FILE)}: not a config "
+            "or tokenizer file this server reads"
+        )
     return fetch(Snapshot(snap.repo, snap.commit, snap.revision, snap.kind, small), complete=False).path
 
 
@@ -805,7 +941,7 @@ def scan(cache: Path | None = None) -> list[dict[str, Any]]:
     cache = cache or get_settings().hub_cache
     found = []
     for root in sorted(cache.glob("models--*")) if cache.is_dir() else []:
-        repo = root.name[len("models--"):].replace("--", "/")
+        repo = root.name[len("models--") :].replace("--", "/")
         refs = _refs(root)
         for snapshot in sorted((root / "snapshots").iterdir()) if (root / "snapshots").is_dir() else []:
             if snapshot.is_dir() and COMMIT.match(snapshot.name):
@@ -835,22 +971,36 @@ def _snapshot_record(repo: str, root: Path, snapshot: Path, refs: list[str]) -> 
     files = local_files(repo, snapshot.name, root.parent)
     kind = kind_of(files)
     try:
-        select(files, kind=kind, repo=repo, revision=snapshot.name,
-               read_index=lambda f: _json(snapshot / f.name, what=INDEX))
+        select(
+            files,
+            kind=kind,
+            repo=repo,
+            revision=snapshot.name,
+            read_index=lambda f: _json(snapshot / f.name, what=INDEX),
+        )
         state = "ready"
     except InvalidInput:
         state = "partial"
     blobs = {(root / "blobs" / f.etag) if f.etag else snapshot / f.name for f in files}
     sizes = [b.stat() for b in blobs if b.exists()]
-    return {"repo": repo, "commit": snapshot.name, "kind": kind, "refs": sorted(refs), "files": len(files),
-            "bytes": sum(s.st_size for s in sizes), "state": state,
-            "verified": marker(repo, snapshot.name) is not None and _marker_ok(repo, snapshot.name, kind)
-            if root.parent == get_settings().hub_cache else None,
-            "modified_at": max((s.st_mtime for s in sizes), default=snapshot.stat().st_mtime)}
+    return {
+        "repo": repo,
+        "commit": snapshot.name,
+        "kind": kind,
+        "refs": sorted(refs),
+        "files": len(files),
+        "bytes": sum(s.st_size for s in sizes),
+        "state": state,
+        "verified": marker(repo, snapshot.name) is not None and _marker_ok(repo, snapshot.name, kind)
+        if root.parent == get_settings().hub_cache
+        else None,
+        "modified_at": max((s.st_mtime for s in sizes), default=snapshot.stat().st_mtime),
+    }
 
 
-def remove(repo: str, commits: list[str] | None = None, *,
-           should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+def remove(
+    repo: str, commits: list[str] | None = None, *, should_stop: Callable[[], bool] = lambda: False
+) -> dict[str, Any]:
     """Delete snapshots of `repo` (every one when `commits` is None) from this host's cache: their links, the refs
     naming them, our markers and every blob no remaining snapshot uses; the repo's folder once none is left. Each
     snapshot's fetch lock is held while it goes, so no fetch of it runs meanwhile."""
@@ -867,8 +1017,11 @@ def remove(repo: str, commits: list[str] | None = None, *,
                 if ref == commit:
                     for name in named:
                         (root / "refs" / name).unlink(missing_ok=True)
-    kept = {Path(os.readlink(p)).name for p in (root / "snapshots").rglob("*") if p.is_symlink()} \
-        if (root / "snapshots").is_dir() else set()
+    kept = (
+        {Path(os.readlink(p)).name for p in (root / "snapshots").rglob("*") if p.is_symlink()}
+        if (root / "snapshots").is_dir()
+        else set()
+    )
     for blob in (root / "blobs").iterdir() if (root / "blobs").is_dir() else []:
         if blob.name not in kept and not blob.name.endswith(".incomplete"):
             freed += blob.stat().st_size

@@ -93,10 +93,24 @@ class _Opened:
 
 
 def _create(session: Session, new: NewJob, file: File, **values: Any) -> Job:
-    job = Job(id=new_id("job"), kind=new.spec.kind, state=JobState.queued.value, owner=new.owner,
-              spec=new.spec.model_dump(mode="json"), input_file_id=file.id, queue=queue_for(new.gpus), gpus=new.gpus,
-              created_at=now(), rows_succeeded=0, rows_failed=0, prompt_tokens=0, completion_tokens=0, retries=0,
-              priority=scheduling.rank(new.spec.priority), **values)
+    job = Job(
+        id=new_id("job"),
+        kind=new.spec.kind,
+        state=JobState.queued.value,
+        owner=new.owner,
+        spec=new.spec.model_dump(mode="json"),
+        input_file_id=file.id,
+        queue=queue_for(new.gpus),
+        gpus=new.gpus,
+        created_at=now(),
+        rows_succeeded=0,
+        rows_failed=0,
+        prompt_tokens=0,
+        completion_tokens=0,
+        retries=0,
+        priority=scheduling.rank(new.spec.priority),
+        **values,
+    )
     session.add(job)
     session.flush()
     return job
@@ -106,7 +120,10 @@ def _open_generation(session: Session, new: NewJob) -> _Opened:
     """Create a generation job from its stored input: every row checked (token checks where the API can read the
     tokenizer), then validating, then its shards and running. It stops at `queued` while it waits for a fine-tune,
     and ends `failed` when every row is invalid."""
-    spec, (ref, _), = new.spec, *new.inputs
+    (
+        spec,
+        (ref, _),
+    ) = new.spec, *new.inputs
     file = files.stored(session, ref, owner=new.owner)
     job = _create(session, new, file, rows_total=0)
     checked = InputCheck(spec, model_dir=new.model_dir)
@@ -133,27 +150,52 @@ def _open_finetune(session: Session, new: NewJob) -> _Opened:
     """Create a fine-tune: its training rows (then its validation rows, marked `split: validation`), each checked
     (one bad row refuses the job), then validating, then its one shard over every row, and running."""
     spec, settings = new.spec, get_settings()
-    limits = dict(max_rows=settings.max_rows, max_row_bytes=settings.max_row_bytes, input_format=spec.input_format,
-                  columns=spec.input_columns)
+    limits = dict(
+        max_rows=settings.max_rows,
+        max_row_bytes=settings.max_row_bytes,
+        input_format=spec.input_format,
+        columns=spec.input_columns,
+    )
     (train_ref, fmt), *validation = new.inputs
     train = files.stored(session, train_ref, owner=new.owner)
     rows = parse_training_file(files.absolute(train), fmt, **limits)
     read_as = {"format": fmt}
     for valid_ref, valid_fmt in validation:
         valid = files.stored(session, valid_ref, owner=new.owner)
-        rows += parse_training_file(files.absolute(valid), valid_fmt, split="validation", start_idx=len(rows),
-                                    what="validation dataset", **limits)
+        rows += parse_training_file(
+            files.absolute(valid),
+            valid_fmt,
+            split="validation",
+            start_idx=len(rows),
+            what="validation dataset",
+            **limits,
+        )
         read_as["validation_format"] = valid_fmt
     job = _create(session, new, train, rows_total=len(rows), metrics={"input": read_as, **new.metrics})
-    session.execute(JobRow.__table__.insert(), [
-        {"job_id": job.id, "idx": r.idx, "line": r.line, "input": r.input, "state": RowState.pending.value,
-         "custom_id": ("validation-" if r.input.get("split") else "") + f"{r.where}-{r.line}", "executions": 0}
-        for r in rows])
+    session.execute(
+        JobRow.__table__.insert(),
+        [
+            {
+                "job_id": job.id,
+                "idx": r.idx,
+                "line": r.line,
+                "input": r.input,
+                "state": RowState.pending.value,
+                "custom_id": ("validation-" if r.input.get("split") else "") + f"{r.where}-{r.line}",
+                "executions": 0,
+            }
+            for r in rows
+        ],
+    )
     n_valid = sum(1 for r in rows if r.input.get("split"))
-    add_event(session, job.id, f"submitted by {new.owner}: fine-tune on {len(rows) - n_valid} training rows"
-              f" ({read_as['format']})"
-              + (f" and {n_valid} validation rows ({read_as['validation_format']})" if n_valid else "")
-              + f", queue {job.queue}")
+    add_event(
+        session,
+        job.id,
+        f"submitted by {new.owner}: fine-tune on {len(rows) - n_valid} training rows"
+        f" ({read_as['format']})"
+        + (f" and {n_valid} validation rows ({read_as['validation_format']})" if n_valid else "")
+        + f", queue {job.queue}",
+    )
     for note in new.notes:
         add_event(session, job.id, note)
     transition(session, job, JobState.validating, reason="structural checks done")
@@ -166,8 +208,9 @@ def start(session: Session, job: Job, *, shard_rows: int, reason: str | None = N
     """Cut a validating job into shards of up to `shard_rows` rows and move it to running. Returns the shard ids to send
     once the transaction has committed."""
     shards = create_shards(session, job, shard_rows=shard_rows, max_attempts=get_settings().max_attempts)
-    transition(session, job, JobState.running, reason=reason or f"{len(shards)} shards of up to {shard_rows} rows "
-               "queued")
+    transition(
+        session, job, JobState.running, reason=reason or f"{len(shards)} shards of up to {shard_rows} rows queued"
+    )
     return [s.id for s in shards]
 
 
@@ -206,8 +249,10 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
         if not JobState(job.state).terminal:
-            raise NotFinished(f"job {job_id} is {job.state}: retry a job once it has finished (`gpujobs wait "
-                              f"{job_id}`), or cancel it first (`gpujobs cancel {job_id}`)")
+            raise NotFinished(
+                f"job {job_id} is {job.state}: retry a job once it has finished (`gpujobs wait "
+                f"{job_id}`), or cancel it first (`gpujobs cancel {job_id}`)"
+            )
         states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
         spec = _generate_spec(job)
@@ -218,9 +263,17 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
         # a new run: the one that ended goes into metrics.runs, and the new one's clock starts at its first claim,
         # so its duration and rates leave out the idle time between the end and the retry
-        transition(session, job, JobState.queued, reason=f"retry of {len(rerun)} rows requested by {by}",
-                   retries=Job.retries + 1, error=None, finished_at=None, started_at=None,
-                   metrics=close_run(job))
+        transition(
+            session,
+            job,
+            JobState.queued,
+            reason=f"retry of {len(rerun)} rows requested by {by}",
+            retries=Job.retries + 1,
+            error=None,
+            finished_at=None,
+            started_at=None,
+            metrics=close_run(job),
+        )
         transition(session, job, JobState.validating, reason="rows reset")
         shard_ids = _reopen_shards(session, job, {r.idx for r in rerun})
         transition(session, job, JobState.running, reason=f"{len(shard_ids)} shards re-queued")
@@ -243,8 +296,10 @@ def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
     if not kept:
         return f"job {job_id} has no rows to retry" + (" (--failed-only)" if failed_only else "")
     rows = "1 failed row was" if kept == 1 else f"{kept} failed rows were"
-    return (f"job {job_id}: {rows} refused for their input (at submit, or by the worker) and cannot be retried; fix "
-            f"the input (`gpujobs results {job_id} --errors` names each row's line and problem) and submit it again")
+    return (
+        f"job {job_id}: {rows} refused for their input (at submit, or by the worker) and cannot be retried; fix "
+        f"the input (`gpujobs results {job_id} --errors` names each row's line and problem) and submit it again"
+    )
 
 
 RUN_METRICS = ("duration_s", "output_tok_s", "time_to_first_result_s")  # a run's own; the rest are the job's
@@ -254,9 +309,16 @@ def close_run(job: Job) -> dict[str, Any]:
     """The job's metrics for a new run: the ended run's own numbers (RUN_METRICS) move into `metrics.runs`, with
     its state, times, error and row counts; what belongs to the job (its input, model, GPU-seconds) stays."""
     metrics = dict(job.metrics or {})
-    ended = {"run": (job.retries or 0) + 1, "state": job.state, "started_at": job.started_at,
-             "finished_at": job.finished_at, "error": job.error, "rows_succeeded": job.rows_succeeded,
-             "rows_failed": job.rows_failed, **{k: metrics.pop(k) for k in RUN_METRICS if k in metrics}}
+    ended = {
+        "run": (job.retries or 0) + 1,
+        "state": job.state,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "error": job.error,
+        "rows_succeeded": job.rows_succeeded,
+        "rows_failed": job.rows_failed,
+        **{k: metrics.pop(k) for k in RUN_METRICS if k in metrics},
+    }
     metrics["runs"] = [*metrics.get("runs", []), ended]
     return metrics
 
@@ -267,14 +329,24 @@ def supersede_steps(job_id: str, *, after_step: int) -> int:
     Returns how many were marked."""
     with session_scope() as session:
         run = session.scalar(select(Job.retries).where(Job.id == job_id)) + 1
-        events = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.run == run,
-                                                        JobEvent.kind == "metric", JobEvent.superseded.is_(False)))
+        events = session.scalars(
+            select(JobEvent).where(
+                JobEvent.job_id == job_id,
+                JobEvent.run == run,
+                JobEvent.kind == "metric",
+                JobEvent.superseded.is_(False),
+            )
+        )
         marked = [e for e in events.all() if (e.data or {}).get("step", 0) > after_step]
         for event in marked:
             event.superseded = True
         if marked:
-            add_event(session, job_id, f"training resumes after step {after_step}: {len(marked)} step events of the "
-                      "interrupted attempt are superseded (`gpujobs events --all-runs` shows them)")
+            add_event(
+                session,
+                job_id,
+                f"training resumes after step {after_step}: {len(marked)} step events of the "
+                "interrupted attempt are superseded (`gpujobs events --all-runs` shows them)",
+            )
         return len(marked)
 
 
@@ -282,8 +354,17 @@ def _reopen_shards(session: Session, job: Job, idxs: set[int]) -> list[int]:
     shard_ids = []
     for shard in session.scalars(select(Shard).where(Shard.job_id == job.id)).all():
         if any(shard.row_start <= i < shard.row_end for i in idxs):
-            transition(session, shard, ShardState.queued, reason="retry", attempts=0, error=None, enqueued_at=None,
-                       lease_owner=None, lease_expires_at=None)
+            transition(
+                session,
+                shard,
+                ShardState.queued,
+                reason="retry",
+                attempts=0,
+                error=None,
+                enqueued_at=None,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
             shard_ids.append(shard.id)
     return shard_ids
 
@@ -315,8 +396,9 @@ def expire_batches(session: Session, window_seconds: float) -> list[str]:
     """Cancel OpenAI batches (jobs whose input is batch lines) still live past their completion window; their
     finished rows are kept. Run by every worker's reaper, so a batch nobody reads expires too."""
     terminal = [s.value for s in JobState if s.terminal] + [JobState.cancelling.value]
-    live = session.scalars(select(Job).where(Job.kind == "generate", Job.state.not_in(terminal),
-                                             Job.created_at < now() - window_seconds)).all()
+    live = session.scalars(
+        select(Job).where(Job.kind == "generate", Job.state.not_in(terminal), Job.created_at < now() - window_seconds)
+    ).all()
     expired = []
     for job in live:
         if job.spec.get("input_format") == "openai":
@@ -341,8 +423,12 @@ def release_waiting(finetune_id: str | None = None) -> None:
         to_send = []
         for job in jobs:
             ref = (job.spec or {}).get("adapter")
-            if not ref or adapters.is_file_ref(ref) or (finetune_id and ref != finetune_id) or _has_shards(session,
-                                                                                                         job.id):
+            if (
+                not ref
+                or adapters.is_file_ref(ref)
+                or (finetune_id and ref != finetune_id)
+                or _has_shards(session, job.id)
+            ):
                 continue
             parent = session.get(Job, ref)
             if parent is not None and not JobState(parent.state).terminal:
@@ -385,8 +471,9 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     if job is None or open_shards(session, job_id):
         return False
     if job.state == JobState.cancelling.value:
-        transition(session, job, JobState.cancelled, reason="every shard stopped", finished_at=now(),
-                   **_totals(session, job))
+        transition(
+            session, job, JobState.cancelled, reason="every shard stopped", finished_at=now(), **_totals(session, job)
+        )
         return True
     if job.state != JobState.running.value:
         return False
@@ -395,8 +482,9 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     except IllegalTransition:
         return False  # another process is finalizing it
     totals = _totals(session, job)
-    failed_shards = session.scalars(select(Shard).where(Shard.job_id == job_id,
-                                                        Shard.state == ShardState.failed.value)).all()
+    failed_shards = session.scalars(
+        select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.failed.value)
+    ).all()
     if failed_shards:
         fail(session, job, _shards_error(failed_shards), **totals)
     else:
@@ -416,8 +504,10 @@ def _shards_error(failed: list[Shard]) -> str:
             s = shards[0]
             parts.append(f"shard {s.idx} (rows {s.row_start}-{s.row_end - 1}): {error}")
         else:
-            parts.append(f"{len(shards)} shards ({', '.join(str(s.idx) for s in shards[:10])}"
-                         f"{', …' if len(shards) > 10 else ''}): {error}")
+            parts.append(
+                f"{len(shards)} shards ({', '.join(str(s.idx) for s in shards[:10])}"
+                f"{', …' if len(shards) > 10 else ''}): {error}"
+            )
     return "; ".join(parts)
 
 
@@ -427,8 +517,11 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
     shard_metrics = [s.metrics or {} for s in shards]
     started = job.started_at or job.created_at  # this run's first claim (a retry resets it)
     duration = max(now() - started, 1e-9)
-    run_tokens = session.scalar(select(func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
-        JobRow.job_id == job.id, JobRow.finished_at >= started, JobRow.worker.is_not(None)))  # this run's rows
+    run_tokens = session.scalar(
+        select(func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
+            JobRow.job_id == job.id, JobRow.finished_at >= started, JobRow.worker.is_not(None)
+        )
+    )  # this run's rows
     metrics = dict(job.metrics or {})
     metrics.update(
         duration_s=round(duration, 3),
@@ -505,4 +598,3 @@ def record_engine(job_id: str, engine_info: dict[str, Any]) -> None:
         job = session.get(Job, job_id)
         if job.load_options is not None and "engine" not in job.load_options:
             job.load_options = {**job.load_options, "engine": engine_info}
-

@@ -83,8 +83,9 @@ def claim(session: Session, shard_id: int, worker: str, lease_seconds: float) ->
         taken = _take(session, shard, job, worker, lease_seconds)
         if taken is not None:
             return taken
-    log.warning("claims on %s lost %d races in a row: message of shard %s left to the reaper", queue, MAX_PICKS,
-                shard_id)
+    log.warning(
+        "claims on %s lost %d races in a row: message of shard %s left to the reaper", queue, MAX_PICKS, shard_id
+    )
     return None
 
 
@@ -99,12 +100,23 @@ def _tidy(session: Session, shard: Shard, job: Job) -> str:
     elif job.state in STOPPED_JOB_STATES:
         _stop(session, shard, job)
     elif shard.state == ShardState.running.value and shard.lease_expires_at and shard.lease_expires_at > now():
-        log.info("%s shard %s is leased by %s: duplicate message takes the next queued shard, if any", job.id,
-                 shard.idx, shard.lease_owner)
+        log.info(
+            "%s shard %s is leased by %s: duplicate message takes the next queued shard, if any",
+            job.id,
+            shard.idx,
+            shard.lease_owner,
+        )
     elif shard.state == ShardState.running.value:
         try:
-            transition(session, shard, ShardState.queued, reason=f"lease of {shard.lease_owner} expired",
-                       where=[Shard.lease_expires_at == shard.lease_expires_at], lease_owner=None, enqueued_at=None)
+            transition(
+                session,
+                shard,
+                ShardState.queued,
+                reason=f"lease of {shard.lease_owner} expired",
+                where=[Shard.lease_expires_at == shard.lease_expires_at],
+                lease_owner=None,
+                enqueued_at=None,
+            )
         except IllegalTransition:
             pass  # the reaper or another message re-queued it first
     return job.queue
@@ -237,7 +249,15 @@ def hand_back(session: Session, shard: Shard, worker: str, reason: str, *, count
 
 
 def stop_cancelled(session: Session, shard: Shard, worker: str) -> None:
-    transition(session, shard, ShardState.cancelled, reason="job cancelled", where=[Shard.lease_owner == worker], lease_owner=None, finished_at=now())
+    transition(
+        session,
+        shard,
+        ShardState.cancelled,
+        reason="job cancelled",
+        where=[Shard.lease_owner == worker],
+        lease_owner=None,
+        finished_at=now(),
+    )
     maybe_finalize(session, shard.job_id)
 
 
@@ -291,8 +311,11 @@ def end_early(shard_id: int, worker: str, *, hand_back: str | None = None) -> bo
 def hand_over(job_id: str, worker: str, reason: str) -> None:
     """`end_early` of the shard this worker holds for `job_id`, if any (a shutdown during a model's download)."""
     with session_scope() as session:
-        shard = session.scalar(select(Shard).where(Shard.job_id == job_id, Shard.lease_owner == worker,
-                                                   Shard.state == ShardState.running.value))
+        shard = session.scalar(
+            select(Shard).where(
+                Shard.job_id == job_id, Shard.lease_owner == worker, Shard.state == ShardState.running.value
+            )
+        )
         _, resend = _end_early(session, shard, worker, reason) if shard is not None else (False, False)
     if resend:
         dispatch.resend(shard.id)
@@ -315,8 +338,17 @@ def complete(shard_id: int, worker: str, metrics: dict[str, Any]) -> None:
         finish(session, session.get(Shard, shard_id), worker, metrics)
 
 
-def complete_training(shard_id: int, worker: str, *, rows: list[int], folder: Path, lora_config: dict[str, Any],
-                      load_options: dict[str, Any], metrics: dict[str, Any], lease_seconds: float) -> None:
+def complete_training(
+    shard_id: int,
+    worker: str,
+    *,
+    rows: list[int],
+    folder: Path,
+    lora_config: dict[str, Any],
+    load_options: dict[str, Any],
+    metrics: dict[str, Any],
+    lease_seconds: float,
+) -> None:
     """A fine-tune's shard succeeded, in one transaction: its `rows` done (under the lease), the adapter at `folder`
     registered (its id is the job's), the training metrics on the job, the shard finished."""
     with session_scope() as session:
@@ -334,8 +366,14 @@ def fail_attempt(shard_id: int, worker: str, error: str) -> None:
     last_line = error.strip().splitlines()[-1]
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
-        add_event(session, shard.job_id, f"shard {shard.idx} failed on {worker} (attempt {shard.attempts} of "
-                  f"{shard.max_attempts}): {last_line}", level="error", data={"traceback": error}, shard_id=shard.id)
+        add_event(
+            session,
+            shard.job_id,
+            f"shard {shard.idx} failed on {worker} (attempt {shard.attempts} of {shard.max_attempts}): {last_line}",
+            level="error",
+            data={"traceback": error},
+            shard_id=shard.id,
+        )
         try:
             if shard.attempts >= shard.max_attempts:
                 give_up(session, shard, f"failed {shard.attempts} times; last error: {last_line}")
@@ -353,12 +391,22 @@ def fail_final(shard_id: int, worker: str, cause: str, error: str) -> None:
     owns it now."""
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
-        add_event(session, shard.job_id, f"shard {shard.idx} failed on {worker} (attempt {shard.attempts} of "
-                  f"{shard.max_attempts}), not retried: it would fail the same way again: {cause}", level="error",
-                  data={"traceback": error, "cause": cause}, shard_id=shard.id)
+        add_event(
+            session,
+            shard.job_id,
+            f"shard {shard.idx} failed on {worker} (attempt {shard.attempts} of "
+            f"{shard.max_attempts}), not retried: it would fail the same way again: {cause}",
+            level="error",
+            data={"traceback": error, "cause": cause},
+            shard_id=shard.id,
+        )
         try:
-            give_up(session, shard, f"{cause} (not retried: it fails the same way on every attempt; the traceback: "
-                                    f"gpujobs events {shard.job_id} --json)")
+            give_up(
+                session,
+                shard,
+                f"{cause} (not retried: it fails the same way on every attempt; the traceback: "
+                f"gpujobs events {shard.job_id} --json)",
+            )
         except IllegalTransition:
             pass
 
@@ -373,8 +421,9 @@ def fail(shard_id: int, reason: str) -> None:
             pass
 
 
-def give_back_stalled(shard_id: int, worker: str, *, stall: str, stuck_in: str, exit_code: int,
-                      data: dict[str, Any]) -> int:
+def give_back_stalled(
+    shard_id: int, worker: str, *, stall: str, stuck_in: str, exit_code: int, data: dict[str, Any]
+) -> int:
     """The stall watchdog's hand-back (worker/runtime.py). First the `stall` event (level error, its own transaction,
     so it stays even when the lease is no longer ours): `stall` (what stalled, for how long, the bound), where the
     engine thread is stuck, what becomes of the shard and the worker's `exit_code`, with `data` (the engine
@@ -388,11 +437,23 @@ def give_back_stalled(shard_id: int, worker: str, *, stall: str, stuck_in: str, 
             outcome = "the shard fails: it used its last attempt"
         else:
             outcome = f"the shard goes back to the queue (attempt {shard.attempts} of {shard.max_attempts} used)"
-        add_event(session, shard.job_id, f"shard {shard.idx} stalled on {worker}: {stall}, stuck in {stuck_in}; "
-                  f"{outcome}; the worker exits with code {exit_code} (the engine thread's stack: gpujobs events "
-                  "--json)", kind="stall", level="error", shard_id=shard_id,
-                  data={"worker": worker, **data, "attempt": shard.attempts, "max_attempts": shard.max_attempts,
-                        "exit_code": exit_code})
+        add_event(
+            session,
+            shard.job_id,
+            f"shard {shard.idx} stalled on {worker}: {stall}, stuck in {stuck_in}; "
+            f"{outcome}; the worker exits with code {exit_code} (the engine thread's stack: gpujobs events "
+            "--json)",
+            kind="stall",
+            level="error",
+            shard_id=shard_id,
+            data={
+                "worker": worker,
+                **data,
+                "attempt": shard.attempts,
+                "max_attempts": shard.max_attempts,
+                "exit_code": exit_code,
+            },
+        )
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
         idx = shard.idx

@@ -33,15 +33,30 @@ def place_of(capabilities: dict[str, Any] | None, host: str) -> tuple[str, str] 
 
 def upsert(session: Session, *, host: str, cache_dir: str, repo: str, commit: str, **values: Any) -> CachedModel:
     """The row of (place, repo, commit), created if missing (two workers of a place may race: one insert wins)."""
-    where = (CachedModel.host == host, CachedModel.cache_dir == cache_dir, CachedModel.repo == repo,
-             CachedModel.commit == commit)
+    where = (
+        CachedModel.host == host,
+        CachedModel.cache_dir == cache_dir,
+        CachedModel.repo == repo,
+        CachedModel.commit == commit,
+    )
     row = session.scalar(select(CachedModel).where(*where))
     if row is None:
         try:
             with session.begin_nested():
-                row = CachedModel(host=host, cache_dir=cache_dir, repo=repo, commit=commit, state="ready", files=0,
-                                  bytes=0, bytes_done=0, bytes_total=0, kind="model", created_at=now(),
-                                  updated_at=now())
+                row = CachedModel(
+                    host=host,
+                    cache_dir=cache_dir,
+                    repo=repo,
+                    commit=commit,
+                    state="ready",
+                    files=0,
+                    bytes=0,
+                    bytes_done=0,
+                    bytes_total=0,
+                    kind="model",
+                    created_at=now(),
+                    updated_at=now(),
+                )
                 session.add(row)
                 session.flush()
         except IntegrityError:
@@ -53,8 +68,14 @@ def upsert(session: Session, *, host: str, cache_dir: str, repo: str, commit: st
 
 
 def find(session: Session, *, host: str, cache_dir: str, repo: str, commit: str) -> CachedModel | None:
-    return session.scalar(select(CachedModel).where(CachedModel.host == host, CachedModel.cache_dir == cache_dir,
-                                                    CachedModel.repo == repo, CachedModel.commit == commit))
+    return session.scalar(
+        select(CachedModel).where(
+            CachedModel.host == host,
+            CachedModel.cache_dir == cache_dir,
+            CachedModel.repo == repo,
+            CachedModel.commit == commit,
+        )
+    )
 
 
 def update_row(session: Session, row_id: int, **values: Any) -> None:
@@ -72,17 +93,28 @@ def sync(session: Session, *, host: str, cache_dir: str, records: Iterable[dict[
             continue
         row.kind, row.refs, row.files, row.bytes, row.state = r["kind"], r["refs"], r["files"], r["bytes"], r["state"]
         row.error = None
-    for row in session.scalars(select(CachedModel).where(CachedModel.host == host,
-                                                         CachedModel.cache_dir == cache_dir)).all():
+    for row in session.scalars(
+        select(CachedModel).where(CachedModel.host == host, CachedModel.cache_dir == cache_dir)
+    ).all():
         if (row.repo, row.commit) not in seen and row.state in ("ready", "partial", "failed"):
             session.delete(row)
 
 
 def record(session: Session, *, host: str, cache_dir: str, snapshot: dict[str, Any], **values: Any) -> CachedModel:
     """One snapshot's row after a fetch (core.hub.scan's record of it) plus `values`."""
-    return upsert(session, host=host, cache_dir=cache_dir, repo=snapshot["repo"], commit=snapshot["commit"],
-                  kind=snapshot["kind"], refs=snapshot["refs"], files=snapshot["files"], bytes=snapshot["bytes"],
-                  state=snapshot["state"], **values)
+    return upsert(
+        session,
+        host=host,
+        cache_dir=cache_dir,
+        repo=snapshot["repo"],
+        commit=snapshot["commit"],
+        kind=snapshot["kind"],
+        refs=snapshot["refs"],
+        files=snapshot["files"],
+        bytes=snapshot["bytes"],
+        state=snapshot["state"],
+        **values,
+    )
 
 
 def live_places(workers: list) -> set[tuple[str, str]]:
@@ -110,33 +142,62 @@ def downloads(session: Session, repo: str, commits: Iterable[str] | None = None)
 
 def download_view(row: CachedModel) -> dict[str, Any]:
     left = max(row.bytes_total - row.bytes_done, 0)
-    return {"host": row.host, "repo": row.repo, "commit": row.commit, "worker": row.worker,
-            "bytes_done": row.bytes_done, "bytes_total": row.bytes_total, "rate_bytes_per_s": row.rate,
-            "eta_s": round(left / row.rate, 1) if row.rate else None, "started_at": row.started_at,
-            "updated_at": row.updated_at}
+    return {
+        "host": row.host,
+        "repo": row.repo,
+        "commit": row.commit,
+        "worker": row.worker,
+        "bytes_done": row.bytes_done,
+        "bytes_total": row.bytes_total,
+        "rate_bytes_per_s": row.rate,
+        "eta_s": round(left / row.rate, 1) if row.rate else None,
+        "started_at": row.started_at,
+        "updated_at": row.updated_at,
+    }
 
 
 def view(row: CachedModel) -> dict[str, Any]:
-    data = {"id": row.id, "host": row.host, "cache_dir": row.cache_dir, "repo": row.repo, "commit": row.commit or None,
-            "revision": row.revision, "refs": row.refs or [], "kind": row.kind, "state": row.state,
-            "files": row.files, "bytes": row.bytes, "last_used_at": row.last_used_at, "updated_at": row.updated_at,
-            "finished_at": row.finished_at, "worker": row.worker, "requested_by": row.requested_by,
-            "error": row.error}
+    data = {
+        "id": row.id,
+        "host": row.host,
+        "cache_dir": row.cache_dir,
+        "repo": row.repo,
+        "commit": row.commit or None,
+        "revision": row.revision,
+        "refs": row.refs or [],
+        "kind": row.kind,
+        "state": row.state,
+        "files": row.files,
+        "bytes": row.bytes,
+        "last_used_at": row.last_used_at,
+        "updated_at": row.updated_at,
+        "finished_at": row.finished_at,
+        "worker": row.worker,
+        "requested_by": row.requested_by,
+        "error": row.error,
+    }
     if row.state == "downloading":
         data["download"] = download_view(row)
     return data
 
 
 def listing(session: Session, repo: str | None = None) -> list[CachedModel]:
-    stmt = select(CachedModel).order_by(CachedModel.host, CachedModel.cache_dir, CachedModel.repo,
-                                        CachedModel.commit)
+    stmt = select(CachedModel).order_by(CachedModel.host, CachedModel.cache_dir, CachedModel.repo, CachedModel.commit)
     if repo:
         stmt = stmt.where(CachedModel.repo == repo)
     return list(session.scalars(stmt).all())
 
 
-def request(session: Session, *, places: Iterable[tuple[str, str]], repo: str, action: str, by: str,
-            revision: str | None = None, commit: str = "") -> list[CachedModel]:
+def request(
+    session: Session,
+    *,
+    places: Iterable[tuple[str, str]],
+    repo: str,
+    action: str,
+    by: str,
+    revision: str | None = None,
+    commit: str = "",
+) -> list[CachedModel]:
     """Leave a pull (or remove) request for each place; a place's workers act on it (see the module docstring)."""
     state = {"pull": "pull_requested", "remove": "remove_requested"}[action]
     rows = []
@@ -153,14 +214,22 @@ def request(session: Session, *, places: Iterable[tuple[str, str]], repo: str, a
 
 def claim(session: Session, *, host: str, cache_dir: str, worker: str) -> CachedModel | None:
     """The oldest request of this place, taken by `worker` (a conditional UPDATE: one worker wins each)."""
-    candidates = session.scalars(select(CachedModel).where(
-        CachedModel.host == host, CachedModel.cache_dir == cache_dir,
-        CachedModel.state.in_(REQUESTS)).order_by(CachedModel.updated_at)).all()
+    candidates = session.scalars(
+        select(CachedModel)
+        .where(CachedModel.host == host, CachedModel.cache_dir == cache_dir, CachedModel.state.in_(REQUESTS))
+        .order_by(CachedModel.updated_at)
+    ).all()
     for row in candidates:
-        taken = session.execute(update(CachedModel).where(
-            CachedModel.id == row.id, CachedModel.state == row.state, CachedModel.updated_at == row.updated_at)
-            .values(worker=worker, updated_at=now(), started_at=now(),
-                    state="downloading" if row.state == "pull_requested" else "removing")).rowcount
+        taken = session.execute(
+            update(CachedModel)
+            .where(CachedModel.id == row.id, CachedModel.state == row.state, CachedModel.updated_at == row.updated_at)
+            .values(
+                worker=worker,
+                updated_at=now(),
+                started_at=now(),
+                state="downloading" if row.state == "pull_requested" else "removing",
+            )
+        ).rowcount
         if taken:
             session.refresh(row)
             row.revision = row.revision or (row.commit or None)
@@ -171,10 +240,15 @@ def claim(session: Session, *, host: str, cache_dir: str, worker: str) -> Cached
 def reclaim_stale(session: Session) -> int:
     """Downloads and removals whose worker stopped updating them (it died): failed, so they can be asked again."""
     stale = now() - STALE_SECONDS
-    return session.execute(update(CachedModel).where(
-        CachedModel.state.in_(("downloading", "removing")), CachedModel.updated_at < stale)
-        .values(state="failed", error="the worker doing this stopped (no progress for a minute): ask again",
-                updated_at=now())).rowcount
+    return session.execute(
+        update(CachedModel)
+        .where(CachedModel.state.in_(("downloading", "removing")), CachedModel.updated_at < stale)
+        .values(
+            state="failed",
+            error="the worker doing this stopped (no progress for a minute): ask again",
+            updated_at=now(),
+        )
+    ).rowcount
 
 
 def drop(session: Session, row_id: int) -> None:

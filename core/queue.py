@@ -68,8 +68,13 @@ def transport_options(visibility_timeout: int, broker_wait: float | None = None)
     JOBS_BROKER_WAIT_SECONDS (`broker_wait`) changes it through kombu's `polling_interval`, which also sets the
     sleep between empty polls of consumers that run without an event loop.
     """
-    options: dict = {"visibility_timeout": visibility_timeout, "socket_timeout": 15, "socket_connect_timeout": 5,
-                     "socket_keepalive": True, "health_check_interval": 10}
+    options: dict = {
+        "visibility_timeout": visibility_timeout,
+        "socket_timeout": 15,
+        "socket_connect_timeout": 5,
+        "socket_keepalive": True,
+        "health_check_interval": 10,
+    }
     if broker_wait is not None:
         options["polling_interval"] = broker_wait
     if visibility_timeout < 600:

@@ -21,8 +21,18 @@ from core.slices import parse_slice
 from core.store import now
 
 
-def register(session: Session, *, name: str, host: str, pid: int, slice: str, queues: list[str],
-             gpus: list[dict[str, Any]], capabilities: dict[str, Any], restarts: int = 0) -> None:
+def register(
+    session: Session,
+    *,
+    name: str,
+    host: str,
+    pid: int,
+    slice: str,
+    queues: list[str],
+    gpus: list[dict[str, Any]],
+    capabilities: dict[str, Any],
+    restarts: int = 0,
+) -> None:
     t = now()
     worker = session.get(Worker, name) or Worker(name=name, started_at=t)
     worker.host, worker.pid, worker.slice, worker.queues = host, pid, slice, queues
@@ -32,7 +42,9 @@ def register(session: Session, *, name: str, host: str, pid: int, slice: str, qu
     session.merge(worker)
 
 
-def heartbeat(session: Session, name: str, *, current_shard_id: int | None, extra: dict[str, Any] | None = None) -> None:
+def heartbeat(
+    session: Session, name: str, *, current_shard_id: int | None, extra: dict[str, Any] | None = None
+) -> None:
     values: dict[str, Any] = {"heartbeat_at": now(), "state": "online", "current_shard_id": current_shard_id}
     session.execute(update(Worker).where(Worker.name == name).values(**values))
     if extra:  # merged under a row lock (Postgres): the heartbeat and the QLoRA probe both merge into capabilities
@@ -51,8 +63,9 @@ def stopped(session: Session, name: str, *, exit_code: int | None = None, reason
     session.execute(update(Worker).where(Worker.name == name).values(**values))
 
 
-def exited(session: Session, *, host: str, pid: int, exit_code: int, reason: str | None,
-           outcome: str | None = None) -> None:
+def exited(
+    session: Session, *, host: str, pid: int, exit_code: int, reason: str | None, outcome: str | None = None
+) -> None:
     """What a supervisor saw: the worker process `pid` on `host` exited with `exit_code`. Keeps a reason the worker
     wrote itself on its way out (a stall, a missing slice), and the moment it stopped; `outcome` (what the
     supervisor does about it, e.g. "stays down: ...") is added after the reason."""
@@ -66,8 +79,9 @@ def exited(session: Session, *, host: str, pid: int, exit_code: int, reason: str
 
 def find(session: Session, *, host: str, pid: int) -> Worker | None:
     """The latest registration of process `pid` on `host`, if it registered."""
-    return session.scalars(select(Worker).where(Worker.host == host, Worker.pid == pid)
-                           .order_by(Worker.started_at.desc())).first()
+    return session.scalars(
+        select(Worker).where(Worker.host == host, Worker.pid == pid).order_by(Worker.started_at.desc())
+    ).first()
 
 
 def default_name(pid: int, devices: list[str], host: str) -> str:
@@ -75,15 +89,32 @@ def default_name(pid: int, devices: list[str], host: str) -> str:
     return f"w{pid}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
 
 
-def never_registered(session: Session, *, host: str, pid: int, slice: str, exit_code: int, reason: str,
-                     restarts: int) -> None:
+def never_registered(
+    session: Session, *, host: str, pid: int, slice: str, exit_code: int, reason: str, restarts: int
+) -> None:
     """A supervised worker that exited before it registered (bad arguments, a GPU conflict, an import error): an
     offline row under its default name, so `gpujobs workers` still says why its slot is down."""
     t = now()
     devices = parse_slice(slice)
-    session.merge(Worker(name=default_name(pid, devices, host), host=host, pid=pid, slice=slice, queues=[], gpus=[],
-                         capabilities={}, state="offline", started_at=t, heartbeat_at=t, current_shard_id=None,
-                         stopped_at=t, exit_code=exit_code, reason=reason, restarts=restarts))
+    session.merge(
+        Worker(
+            name=default_name(pid, devices, host),
+            host=host,
+            pid=pid,
+            slice=slice,
+            queues=[],
+            gpus=[],
+            capabilities={},
+            state="offline",
+            started_at=t,
+            heartbeat_at=t,
+            current_shard_id=None,
+            stopped_at=t,
+            exit_code=exit_code,
+            reason=reason,
+            restarts=restarts,
+        )
+    )
 
 
 def state_of(worker: Worker, t: float, timeout: float) -> str:
@@ -103,8 +134,9 @@ def shown(workers: list[Worker], t: float, *, timeout: float, stopped_for: float
     for w in workers:
         state = state_of(w, t, timeout)
         replaced = newest[(w.host, w.slice)] > w.started_at
-        old = (state == "offline" and t - (w.stopped_at or w.heartbeat_at) > stopped_for) or \
-            (state == "lost" and t - w.heartbeat_at > 86400)
+        old = (state == "offline" and t - (w.stopped_at or w.heartbeat_at) > stopped_for) or (
+            state == "lost" and t - w.heartbeat_at > 86400
+        )
         if state == "online" or not (replaced or old):
             keep.append(w)
     return keep

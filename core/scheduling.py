@@ -101,9 +101,20 @@ def waiting(session: Session, queue: str, *, count_shards: bool = False) -> list
     owners = {owner for _, owner, _ in rows}
     used = gpu_seconds(session, owners)
     full = at_quota(session, owners)
-    counts = dict(((p, o), n) for p, o, n in session.execute(
-        select(Job.priority, Job.owner, func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
-        .where(*_queued_on(queue)).group_by(Job.priority, Job.owner)).all()) if count_shards else {}
+    counts = (
+        dict(
+            ((p, o), n)
+            for p, o, n in session.execute(
+                select(Job.priority, Job.owner, func.count())
+                .select_from(Shard)
+                .join(Job, Job.id == Shard.job_id)
+                .where(*_queued_on(queue))
+                .group_by(Job.priority, Job.owner)
+            ).all()
+        )
+        if count_shards
+        else {}
+    )
     classes = [Waiting(p, o, oldest, counts.get((p, o), 0), used.get(o, 0.0), o in full) for p, o, oldest in rows]
     return sorted(classes, key=lambda w: (w.at_quota, -w.priority, w.gpu_seconds, w.oldest, w.owner))
 
@@ -119,7 +130,8 @@ def gpu_seconds(session: Session, owners: set[str], window: float | None = None)
     for end, which in ((t, Shard.state == RUNNING), (Shard.finished_at, Shard.finished_at > since)):
         rows = session.execute(
             select(Job.owner, func.sum((end - start) * weight))
-            .select_from(Shard).join(Job, Job.id == Shard.job_id)
+            .select_from(Shard)
+            .join(Job, Job.id == Shard.job_id)
             .where(which, Job.owner.in_(owners), Shard.started_at.is_not(None))
             .group_by(Job.owner)
         ).all()
@@ -129,16 +141,24 @@ def gpu_seconds(session: Session, owners: set[str], window: float | None = None)
 
 
 def running_shards(session: Session, owners: set[str] | None = None) -> dict[str, int]:
-    stmt = (select(Job.owner, func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
-            .where(Shard.state == RUNNING).group_by(Job.owner))
+    stmt = (
+        select(Job.owner, func.count())
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Shard.state == RUNNING)
+        .group_by(Job.owner)
+    )
     if owners is not None:
         stmt = stmt.where(Job.owner.in_(owners))
     return dict(session.execute(stmt).all())
 
 
 def caps(session: Session, owners: set[str]) -> dict[str, int]:
-    rows = session.execute(select(Quota.owner, Quota.max_running_shards)
-                           .where(Quota.owner.in_(owners), Quota.max_running_shards.is_not(None))).all()
+    rows = session.execute(
+        select(Quota.owner, Quota.max_running_shards).where(
+            Quota.owner.in_(owners), Quota.max_running_shards.is_not(None)
+        )
+    ).all()
     return dict(rows)
 
 
@@ -157,13 +177,21 @@ def next_shard(session: Session, queue: str) -> tuple[Shard, Job] | None:
         if w.at_quota:
             return None  # the classes at quota come last: nothing else is queued
         jobs = session.scalars(
-            select(Job).where(*_jobs_waiting_on(queue), Job.priority == w.priority, Job.owner == w.owner)
-            .order_by(Job.created_at, Job.id).limit(JOBS_LOOKED_AT).execution_options(populate_existing=True)
+            select(Job)
+            .where(*_jobs_waiting_on(queue), Job.priority == w.priority, Job.owner == w.owner)
+            .order_by(Job.created_at, Job.id)
+            .limit(JOBS_LOOKED_AT)
+            .execution_options(populate_existing=True)
         ).all()
         for job in jobs:
             shard = session.scalar(
-                select(Shard).where(Shard.job_id == job.id, Shard.state == QUEUED).order_by(Shard.idx).limit(1)
-                .with_for_update(skip_locked=True).execution_options(populate_existing=True))
+                select(Shard)
+                .where(Shard.job_id == job.id, Shard.state == QUEUED)
+                .order_by(Shard.idx)
+                .limit(1)
+                .with_for_update(skip_locked=True)
+                .execution_options(populate_existing=True)
+            )
             if shard is not None:
                 return shard, job
     return None
@@ -178,8 +206,13 @@ def quota_guard(session: Session, owner: str) -> list[Any]:
     cap = session.scalar(select(Quota.max_running_shards).where(Quota.owner == owner).with_for_update())
     if cap is None:
         return []
-    running = (select(func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
-               .where(Job.owner == owner, Shard.state == RUNNING).scalar_subquery())
+    running = (
+        select(func.count())
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Job.owner == owner, Shard.state == RUNNING)
+        .scalar_subquery()
+    )
     return [running < cap]
 
 
@@ -206,11 +239,18 @@ def place(session: Session, job: Job) -> dict[str, Any] | None:
     own = next((w for w in classes if w.priority == job.priority and w.owner == job.owner), None)
     if own is None:
         return None
-    ahead = sum(w.shards for w in classes[:classes.index(own)] if not w.at_quota)
+    ahead = sum(w.shards for w in classes[: classes.index(own)] if not w.at_quota)
     ahead += session.scalar(
-        select(func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
-        .where(*_queued_on(job.queue), Job.priority == job.priority, Job.owner == job.owner,
-               or_(Job.created_at < job.created_at, (Job.created_at == job.created_at) & (Job.id < job.id))))
+        select(func.count())
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(
+            *_queued_on(job.queue),
+            Job.priority == job.priority,
+            Job.owner == job.owner,
+            or_(Job.created_at < job.created_at, (Job.created_at == job.created_at) & (Job.id < job.id)),
+        )
+    )
     if own.at_quota:
         cap = caps(session, {job.owner}).get(job.owner)
         reason = f"waiting: owner quota ({cap} running shards at most)"
@@ -227,7 +267,8 @@ def queue_depth(session: Session) -> list[tuple[str, str, str, int]]:
     """(queue, priority name, owner, queued shards) over every queue: `/metrics`' gpujobs_queued_shards."""
     rows = session.execute(
         select(Job.queue, Job.priority, Job.owner, func.count())
-        .select_from(Shard).join(Job, Job.id == Shard.job_id)
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
         .where(Shard.state == QUEUED, Job.state.not_in(STOPPED_JOB_STATES))
         .group_by(Job.queue, Job.priority, Job.owner)
     ).all()
@@ -238,10 +279,13 @@ def queue_depth(session: Session) -> list[tuple[str, str, str, int]]:
 
 
 def set_quota(session: Session, owner: str, *, max_running_shards: int | None, by: str) -> Quota:
-    if max_running_shards is not None and (isinstance(max_running_shards, bool)
-                                           or not isinstance(max_running_shards, int) or max_running_shards < 0):
-        raise InvalidInput(f"max_running_shards {max_running_shards!r}: give a whole number >= 0 (0 holds every new "
-                           "shard of the owner), or null for no cap")
+    if max_running_shards is not None and (
+        isinstance(max_running_shards, bool) or not isinstance(max_running_shards, int) or max_running_shards < 0
+    ):
+        raise InvalidInput(
+            f"max_running_shards {max_running_shards!r}: give a whole number >= 0 (0 holds every new "
+            "shard of the owner), or null for no cap"
+        )
     quota = session.get(Quota, owner)
     if quota is None:
         quota = Quota(owner=owner)
@@ -253,17 +297,27 @@ def set_quota(session: Session, owner: str, *, max_running_shards: int | None, b
 
 def quota_view(session: Session, owner: str) -> dict[str, Any]:
     quota = session.get(Quota, owner)
-    queued = session.scalar(select(func.count()).select_from(Shard).join(Job, Job.id == Shard.job_id)
-                            .where(Job.owner == owner, Shard.state == QUEUED, Job.state.not_in(STOPPED_JOB_STATES)))
-    return {"owner": owner, "max_running_shards": quota.max_running_shards if quota else None,
-            "running_shards": running_shards(session, {owner}).get(owner, 0), "queued_shards": queued,
-            "gpu_seconds": round(gpu_seconds(session, {owner}).get(owner, 0.0), 3),
-            "updated_at": quota.updated_at if quota else None, "updated_by": quota.updated_by if quota else None}
+    queued = session.scalar(
+        select(func.count())
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Job.owner == owner, Shard.state == QUEUED, Job.state.not_in(STOPPED_JOB_STATES))
+    )
+    return {
+        "owner": owner,
+        "max_running_shards": quota.max_running_shards if quota else None,
+        "running_shards": running_shards(session, {owner}).get(owner, 0),
+        "queued_shards": queued,
+        "gpu_seconds": round(gpu_seconds(session, {owner}).get(owner, 0.0), 3),
+        "updated_at": quota.updated_at if quota else None,
+        "updated_by": quota.updated_by if quota else None,
+    }
 
 
 def quotas(session: Session) -> list[dict[str, Any]]:
     """Every owner with a quota, or with shards queued or running."""
-    busy = session.scalars(select(Job.owner).join(Shard, Shard.job_id == Job.id)
-                           .where(Shard.state.in_((QUEUED, RUNNING))).distinct())
+    busy = session.scalars(
+        select(Job.owner).join(Shard, Shard.job_id == Job.id).where(Shard.state.in_((QUEUED, RUNNING))).distinct()
+    )
     owners = set(session.scalars(select(Quota.owner))) | set(busy)
     return [quota_view(session, owner) for owner in sorted(owners)]

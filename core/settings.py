@@ -48,8 +48,9 @@ def _broker_wait() -> float | None:
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < 15:
-        raise ValueError(f"JOBS_BROKER_WAIT_SECONDS={value!r}: give seconds above 0 and below 15 (the broker socket's "
-                         "read timeout)")
+        raise ValueError(
+            f"JOBS_BROKER_WAIT_SECONDS={value!r}: give seconds above 0 and below 15 (the broker socket's read timeout)"
+        )
     return seconds
 
 
@@ -231,7 +232,8 @@ def get_settings() -> Settings:
         hub_endpoint=_env("HF_ENDPOINT", _default("hub_endpoint")).rstrip("/"),
         hub_offline=_true(_env("HF_HUB_OFFLINE")) or _true(_env("TRANSFORMERS_OFFLINE")),
         hub_cache=Path(_env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE") or str(_hf_home() / "hub"))
-        .expanduser().resolve(),
+        .expanduser()
+        .resolve(),
         hub_token_path=Path(_env("HF_TOKEN_PATH", str(_hf_home() / "token"))).expanduser(),
         hub_models=[p.strip() for p in (_env("JOBS_HUB_MODELS") or "").split(",") if p.strip()],
         **numbers,

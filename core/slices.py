@@ -41,33 +41,43 @@ def pinned_env(devices: list[str], base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def plan(strategy: str, nproc: int | None, *, gpus: int, device_map: str | None = None,
-         quantized: bool = False) -> tuple[str, int]:
+def plan(
+    strategy: str, nproc: int | None, *, gpus: int, device_map: str | None = None, quantized: bool = False
+) -> tuple[str, int]:
     """(strategy, processes) of a fine-tune on a slice of `gpus` GPUs (0 = CPU); InvalidInput says why not."""
     if gpus > 0 and nproc is not None and nproc != gpus:
-        raise InvalidInput(f"nproc={nproc} on a slice of {gpus} GPU(s): on GPUs a distributed fine-tune runs one "
-                           "process per GPU of the slice; leave nproc out, or set gpus to the slice size you want")
+        raise InvalidInput(
+            f"nproc={nproc} on a slice of {gpus} GPU(s): on GPUs a distributed fine-tune runs one "
+            "process per GPU of the slice; leave nproc out, or set gpus to the slice size you want"
+        )
     world = gpus if gpus > 0 else (nproc or 1)
     if strategy == "auto":
         return ("single", 1) if world == 1 or device_map == "auto" else ("ddp", world)
     if strategy == "single":
         if gpus == 0 and (nproc or 1) > 1:
-            raise InvalidInput(f"strategy single runs one process, but nproc={nproc}: use strategy ddp or leave "
-                               "nproc out")
+            raise InvalidInput(
+                f"strategy single runs one process, but nproc={nproc}: use strategy ddp or leave nproc out"
+            )
         return "single", 1
     if world < 2:
         where = f"a slice of {gpus} GPU" if gpus else "the CPU without nproc"
-        raise InvalidInput(f"strategy {strategy} needs 2 or more processes, and {where} gives one: submit with "
-                           "gpus: 2 (or more) for a slice of several GPUs, or use strategy auto/single")
+        raise InvalidInput(
+            f"strategy {strategy} needs 2 or more processes, and {where} gives one: submit with "
+            "gpus: 2 (or more) for a slice of several GPUs, or use strategy auto/single"
+        )
     if device_map == "auto":
-        raise InvalidInput(f"strategy {strategy} runs one copy of the model per GPU, device_map auto splits one copy "
-                           "over the slice in one process: use one or the other (strategy single with device_map "
-                           "auto for a model that does not fit one GPU)")
+        raise InvalidInput(
+            f"strategy {strategy} runs one copy of the model per GPU, device_map auto splits one copy "
+            "over the slice in one process: use one or the other (strategy single with device_map "
+            "auto for a model that does not fit one GPU)"
+        )
     if quantized and strategy != "ddp":
         raise InvalidInput(f"QLoRA (a bnb-4bit base) runs with strategy ddp or single, not {strategy}")
     if strategy != "ddp" and gpus == 0:  # accelerate runs FSDP only on GPUs: on the CPU it would quietly be DDP
-        raise InvalidInput(f"strategy {strategy} needs a slice of GPUs (accelerate shards only on GPUs): on the CPU "
-                           "use strategy ddp with nproc")
+        raise InvalidInput(
+            f"strategy {strategy} needs a slice of GPUs (accelerate shards only on GPUs): on the CPU "
+            "use strategy ddp with nproc"
+        )
     return strategy, world
 
 
@@ -82,8 +92,10 @@ def parse_slice(text: str) -> list[str]:
     devices = [d.strip() for d in text.split(",")]
     for d in devices:
         if not (d.isdigit() or d.startswith(("GPU-", "MIG-"))):
-            raise InvalidInput(f"bad GPU {d!r} in {text!r}: use indices as nvidia-smi shows them (e.g. 0,1), "
-                               "GPU UUIDs, or 'none' for a CPU worker")
+            raise InvalidInput(
+                f"bad GPU {d!r} in {text!r}: use indices as nvidia-smi shows them (e.g. 0,1), "
+                "GPU UUIDs, or 'none' for a CPU worker"
+            )
     if len(set(devices)) != len(devices):
         raise InvalidInput(f"GPU slice {text!r} names a device twice")
     return devices

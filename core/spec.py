@@ -54,10 +54,13 @@ def _attn_ok(value: str) -> str:
 class LoadOptions(Strict):
     """How a worker loads the model. Equal load options share one resident model."""
 
-    model: str = Field(description="a local model directory, or a Hub id (org/name): fetched once per host into the "
-                       "Hugging Face cache, or read from it offline (core/hub.py)")
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit); the job stores the commit "
-                                 "it resolved to")
+    model: str = Field(
+        description="a local model directory, or a Hub id (org/name): fetched once per host into the "
+        "Hugging Face cache, or read from it offline (core/hub.py)"
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit); the job stores the commit it resolved to"
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bf16 on compute capability >= 8.0, fp16 below, fp32 on CPU"
     )
@@ -68,10 +71,12 @@ class LoadOptions(Strict):
     device_map: Literal["cuda", "auto", "cpu"] | None = Field(
         None, description="cuda: one GPU; auto: split over the worker's slice; cpu. Default: cuda on a GPU slice"
     )
-    adapter: str | None = Field(None, description="LoRA adapter: a fine-tune job id, a stored file id, or a Hub LoRA "
-                                "repo (org/name)")
-    adapter_revision: str | None = Field(None, description="a Hub adapter's revision (branch, tag or commit); the job "
-                                         "stores the commit it resolved to")
+    adapter: str | None = Field(
+        None, description="LoRA adapter: a fine-tune job id, a stored file id, or a Hub LoRA repo (org/name)"
+    )
+    adapter_revision: str | None = Field(
+        None, description="a Hub adapter's revision (branch, tag or commit); the job stores the commit it resolved to"
+    )
     trust_remote_code: bool = Field(False, description="only where the server allows it")
 
     @field_validator("attn_implementation")
@@ -97,11 +102,17 @@ class SamplingParams(Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=100000)
     do_sample: bool | None = Field(None, description="default: sample when temperature > 0, else greedy")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description=(
-        "sampling seed: the same seed gives the same samples on the same engine, model, hardware and library "
-        "versions for the same batch composition (the same rows, shard_rows and batch_rows); not across engines, "
-        "and not per row (a row's samples depend on the rows it is batched with) unless engine padded with "
-        "batch_rows 1. Greedy decoding ignores it"))
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description=(
+            "sampling seed: the same seed gives the same samples on the same engine, model, hardware and library "
+            "versions for the same batch composition (the same rows, shard_rows and batch_rows); not across engines, "
+            "and not per row (a row's samples depend on the rows it is batched with) unless engine padded with "
+            "batch_rows 1. Greedy decoding ignores it"
+        ),
+    )
     stop: list[str] | None = Field(None, max_length=16, description="stop strings")
     repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool | None = Field(None, description="generate exactly max_new_tokens (benchmarks)")
@@ -121,8 +132,10 @@ class JobSettings(Strict):
     gpus: int | None = Field(None, ge=0, le=64, description="slice size: 0 = CPU; default: the smallest live slice")
     metadata: dict[str, str] | None = None
     priority: Literal["low", "normal", "high"] = Field(
-        "normal", description="which queued work a free worker takes first (core/scheduling.py); high needs a token "
-        "with the priority or admin scope")
+        "normal",
+        description="which queued work a free worker takes first (core/scheduling.py); high needs a token "
+        "with the priority or admin scope",
+    )
 
 
 class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
@@ -132,24 +145,30 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
     batch_rows: int | None = Field(None, ge=1, le=65536, description="rows per micro-batch commit")
     # how the dataset is read (core/formats.py); a submitted `auto` is stored as the format it resolved to
     input_format: Literal["auto", "jsonl", "openai", "csv", "parquet", "hf"] = Field(
-        "auto", description="auto: by content and file name; jsonl, openai (batch lines), csv, parquet, hf "
-        "(a save_to_disk directory, packed by the CLI)")
+        "auto",
+        description="auto: by content and file name; jsonl, openai (batch lines), csv, parquet, hf "
+        "(a save_to_disk directory, packed by the CLI)",
+    )
     input_columns: dict[str, str] | None = Field(
-        None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}")
+        None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}"
+    )
     engine: Literal["auto", "fast", "padded", "static", "continuous"] = Field(
-        "auto", description="fast: continuous batching over a slot KV cache with a Triton decode attention and "
+        "auto",
+        description="fast: continuous batching over a slot KV cache with a Triton decode attention and "
         "CUDA graphs (worker/engines/fastgen.py); padded: batched model.generate; static: model.generate with a static KV "
         "cache, compiled on CUDA, fixed shapes (batch_rows slots, bucketed cache length); continuous: transformers "
         "continuous batching (generate_batch's engine); auto: fast on CUDA where it applies, else padded "
-        "(docs/design.md 'Generation engines')"
+        "(docs/design.md 'Generation engines')",
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="continuous engine: CUDA graphs")
     async_batching: Literal["auto", "on", "off"] = Field(
         "auto", description="continuous engine: overlap CPU scheduling with the GPU (double buffers)"
     )
     tp_plan: Literal["auto"] | None = Field(
-        None, description="auto: tensor parallel over the slice (one process per GPU under torchrun); needs a slice "
-        "of 2 or more GPUs, not with device_map auto. Refused at submit for now: docs/design.md 'Several GPUs'")
+        None,
+        description="auto: tensor parallel over the slice (one process per GPU under torchrun); needs a slice "
+        "of 2 or more GPUs, not with device_map auto. Refused at submit for now: docs/design.md 'Several GPUs'",
+    )
 
     @field_validator("cuda_graphs", "async_batching", mode="before")
     @classmethod
@@ -160,28 +179,42 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
     @model_validator(mode="after")
     def _tp_plan_alone(self) -> GenerateSpec:
         if self.tp_plan and self.device_map == "auto":
-            raise ValueError("tp_plan auto shards every layer over the slice, device_map auto places whole layers "
-                             "on its GPUs: use one or the other")
+            raise ValueError(
+                "tp_plan auto shards every layer over the slice, device_map auto places whole layers "
+                "on its GPUs: use one or the other"
+            )
         return self
 
     @model_validator(mode="after")
     def _adapter_revision(self) -> GenerateSpec:
         if self.adapter_revision and not (self.adapter and "/" in self.adapter):
-            raise ValueError("adapter_revision is the revision of a Hub adapter: name the adapter's repo (adapter: "
-                             "org/name) too")
+            raise ValueError(
+                "adapter_revision is the revision of a Hub adapter: name the adapter's repo (adapter: org/name) too"
+            )
         return self
 
     @model_validator(mode="after")
     def _n_needs_sampling(self) -> GenerateSpec:
         sampling = self.do_sample if self.do_sample is not None else bool(self.temperature)
         if (self.num_return_sequences or 1) > 1 and not sampling:
-            raise ValueError("num_return_sequences > 1 needs sampling (greedy decoding returns the same text "
-                             "n times): set temperature > 0 or do_sample true")
+            raise ValueError(
+                "num_return_sequences > 1 needs sampling (greedy decoding returns the same text "
+                "n times): set temperature > 0 or do_sample true"
+            )
         return self
 
 
-LR_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-                 "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+LR_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
 
 
 class FinetuneSpec(JobSettings, LoadOptions):
@@ -201,12 +234,16 @@ class FinetuneSpec(JobSettings, LoadOptions):
 
     kind: Literal["finetune"] = "finetune"
     input_format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
-        "auto", description="the row shape; auto: each row is `messages`, `prompt`+`completion`, or `text`")
+        "auto", description="the row shape; auto: each row is `messages`, `prompt`+`completion`, or `text`"
+    )
     file_format: Literal["auto", "jsonl", "csv", "parquet", "hf"] = Field(
-        "auto", description="how input and validation_input are read; auto: by content and file name; hf: a "
-        "save_to_disk directory (packed by the CLI)")
+        "auto",
+        description="how input and validation_input are read; auto: by content and file name; hf: a "
+        "save_to_disk directory (packed by the CLI)",
+    )
     input_columns: dict[str, str] | None = Field(
-        None, description="our field -> the file's column, e.g. {prompt: question, completion: answer}")
+        None, description="our field -> the file's column, e.g. {prompt: question, completion: answer}"
+    )
     validation_input: str | None = Field(None, description="a stored file id or server path of validation rows")
     validation_split: float | None = Field(None, gt=0, lt=1, description="fraction of rows held out for eval")
     lora_r: int = Field(16, ge=1, le=1024)
@@ -223,32 +260,47 @@ class FinetuneSpec(JobSettings, LoadOptions):
     gradient_accumulation: int = Field(1, ge=1, le=4096)
     max_seq_length: int = Field(2048, ge=8, le=1_048_576)
     truncation: Literal["refuse", "truncate"] = Field(
-        "refuse", description="rows longer than max_seq_length: refuse the job, or truncate them")
+        "refuse", description="rows longer than max_seq_length: refuse the job, or truncate them"
+    )
     packing: bool = False
     seed: int = Field(0, ge=0, le=2**32 - 1)
     gradient_checkpointing: bool = False
     checkpoint_steps: int = Field(50, ge=1)
     # speed levers (worker/finetune_setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
     liger: Literal["auto", "on", "off"] = Field(
-        "auto", description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "
-        "on any device; auto: liger where the worker has it and a GPU. Neither materializes the logits")
+        "auto",
+        description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "
+        "on any device; auto: liger where the worker has it and a GPU. Neither materializes the logits",
+    )
     compile: Literal["auto", "on", "off"] = Field(
-        "auto", description="torch.compile each decoder layer (compiled before the first step, time recorded); "
-        "auto: on for packed training on CUDA without quantization")
+        "auto",
+        description="torch.compile each decoder layer (compiled before the first step, time recorded); "
+        "auto: on for packed training on CUDA without quantization",
+    )
     packed_attention: Literal["auto", "varlen", "mask"] = Field(
-        "auto", description="with packing, how rows in one block are kept apart: varlen (flash-attention over each "
+        "auto",
+        description="with packing, how rows in one block are kept apart: varlen (flash-attention over each "
         "row, CUDA, torch's varlen_attn), mask (transformers' block-diagonal mask for attn_implementation); auto: "
-        "varlen where it runs, else mask")
+        "varlen where it runs, else mask",
+    )
     strategy: Literal["auto", "single", "ddp", "fsdp2", "deepspeed_zero2", "deepspeed_zero3"] = Field(
-        "auto", description="how a slice of several GPUs trains: auto (one process on one GPU or the CPU, ddp on a "
+        "auto",
+        description="how a slice of several GPUs trains: auto (one process on one GPU or the CPU, ddp on a "
         "slice of 2 or more unless device_map auto), single (one process), ddp, fsdp2, deepspeed_zero2/3 (needs "
-        "deepspeed on the worker); batch_size is per process")
+        "deepspeed on the worker); batch_size is per process",
+    )
     nproc: int | None = Field(
-        None, ge=1, le=64, description="processes of a distributed strategy; default: one per GPU of the slice. On "
-        "the CPU (gloo; tests and debugging) give it to run several")
+        None,
+        ge=1,
+        le=64,
+        description="processes of a distributed strategy; default: one per GPU of the slice. On "
+        "the CPU (gloo; tests and debugging) give it to run several",
+    )
     then_generate: dict[str, Any] | None = Field(
-        None, description="a generation job run with the adapter once training succeeds: a dataset, or "
-        "an object of generate-spec fields (`input` required)")
+        None,
+        description="a generation job run with the adapter once training succeeds: a dataset, or "
+        "an object of generate-spec fields (`input` required)",
+    )
 
     @field_validator("lr_scheduler")
     @classmethod
@@ -280,8 +332,10 @@ class FinetuneSpec(JobSettings, LoadOptions):
     def _training_columns(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         unknown = sorted(set(value or {}) - {"messages", "prompt", "completion", "text"})
         if unknown:
-            raise ValueError(f"cannot map {', '.join(map(repr, unknown))}: a fine-tune maps messages, prompt, "
-                             "completion or text to a column of the file")
+            raise ValueError(
+                f"cannot map {', '.join(map(repr, unknown))}: a fine-tune maps messages, prompt, "
+                "completion or text to a column of the file"
+            )
         if value is not None and any(not isinstance(v, str) or not v for v in value.values()):
             raise ValueError("each mapped column must be a non-empty column name")
         return value
@@ -289,24 +343,31 @@ class FinetuneSpec(JobSettings, LoadOptions):
     @model_validator(mode="after")
     def _training_knobs(self) -> "FinetuneSpec":
         if self.quantization is not None and self.quantization.method != "bnb-4bit":
-            raise ValueError(f"quantization {self.quantization.method!r} cannot be trained: fine-tunes take "
-                             "bnb-4bit (QLoRA) or no quantization")
+            raise ValueError(
+                f"quantization {self.quantization.method!r} cannot be trained: fine-tunes take "
+                "bnb-4bit (QLoRA) or no quantization"
+            )
         if self.adapter or self.adapter_revision:
-            raise ValueError("adapter: a fine-tune trains a new adapter on the base model; continuing an adapter "
-                             "is not supported")
+            raise ValueError(
+                "adapter: a fine-tune trains a new adapter on the base model; continuing an adapter is not supported"
+            )
         if self.validation_input and self.validation_split:
             raise ValueError("give validation_input or validation_split, not both")
         self._check_strategy()
         if self.then_generate is not None and not self.then_generate.get("input"):
             raise ValueError("then_generate needs an input dataset")
         if self.packed_attention != "auto" and not self.packing:
-            raise ValueError(f"packed_attention {self.packed_attention} applies to packed rows: set packing true, "
-                             "or leave packed_attention auto")
+            raise ValueError(
+                f"packed_attention {self.packed_attention} applies to packed rows: set packing true, "
+                "or leave packed_attention auto"
+            )
         shape = {"messages": {"messages"}, "prompt_completion": {"prompt", "completion"}, "text": {"text"}}
         stray = set(self.input_columns or ()) - shape.get(self.input_format, set(self.input_columns or ()))
         if stray:
-            raise ValueError(f"input_columns maps {', '.join(sorted(stray))}, which input_format "
-                             f"{self.input_format} rows do not have")
+            raise ValueError(
+                f"input_columns maps {', '.join(sorted(stray))}, which input_format "
+                f"{self.input_format} rows do not have"
+            )
         return self
 
     def _check_strategy(self) -> None:
@@ -316,8 +377,13 @@ class FinetuneSpec(JobSettings, LoadOptions):
             return
         gpus = self.gpus if self.gpus is not None else (self.nproc or 2)
         try:
-            plan(self.strategy, self.nproc, gpus=gpus, device_map=self.device_map,
-                 quantized=self.quantization is not None)
+            plan(
+                self.strategy,
+                self.nproc,
+                gpus=gpus,
+                device_map=self.device_map,
+                quantized=self.quantization is not None,
+            )
         except InvalidInput as exc:
             raise ValueError(str(exc)) from None
 

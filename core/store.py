@@ -41,8 +41,18 @@ def add_event(
 ) -> None:
     """An event in the job's current run (`jobs.retries + 1`, read in the same statement)."""
     run = select(func.coalesce(Job.retries, 0) + 1).where(Job.id == job_id).scalar_subquery()
-    session.add(JobEvent(job_id=job_id, shard_id=shard_id, ts=now(), kind=kind, level=level, message=message, data=data,
-                         run=func.coalesce(run, 1)))
+    session.add(
+        JobEvent(
+            job_id=job_id,
+            shard_id=shard_id,
+            ts=now(),
+            kind=kind,
+            level=level,
+            message=message,
+            data=data,
+            run=func.coalesce(run, 1),
+        )
+    )
 
 
 def transition(
@@ -111,8 +121,16 @@ def insert_rows(session: Session, job_id: str, rows: Iterable[ParsedRow]) -> tup
             failed += 1
             first_error = first_error or row.error
         chunk.append(
-            {"job_id": job_id, "idx": row.idx, "custom_id": row.custom_id, "line": row.line, "input": row.input,
-             "state": bad_state if bad else pending, "error": row.error, "executions": 0}
+            {
+                "job_id": job_id,
+                "idx": row.idx,
+                "custom_id": row.custom_id,
+                "line": row.line,
+                "input": row.input,
+                "state": bad_state if bad else pending,
+                "error": row.error,
+                "executions": 0,
+            }
         )
         if len(chunk) >= INSERT_CHUNK:
             session.execute(JobRow.__table__.insert(), chunk)
@@ -146,13 +164,12 @@ def create_shards(session: Session, job: Job, *, shard_rows: int, max_attempts: 
 def progress(session: Session, job: Job) -> dict[str, int]:
     """Rows done/failed/pending from the rows themselves (exact, also while shards run)."""
     counts = dict(
-        session.execute(
-            select(JobRow.state, func.count()).where(JobRow.job_id == job.id).group_by(JobRow.state)
-        ).all()
+        session.execute(select(JobRow.state, func.count()).where(JobRow.job_id == job.id).group_by(JobRow.state)).all()
     )
     tokens = session.execute(
-        select(func.coalesce(func.sum(JobRow.prompt_tokens), 0), func.coalesce(func.sum(JobRow.completion_tokens), 0))
-        .where(JobRow.job_id == job.id)
+        select(
+            func.coalesce(func.sum(JobRow.prompt_tokens), 0), func.coalesce(func.sum(JobRow.completion_tokens), 0)
+        ).where(JobRow.job_id == job.id)
     ).one()
     return {
         "total": job.rows_total,

@@ -51,29 +51,69 @@ def file_format(detected: str) -> str:
     return "jsonl" if detected == "openai" else detected
 
 
-def parse_training_file(path: Path, fmt: str, *, input_format: str = "auto", columns: dict[str, str] | None = None,
-                        split: str = "train", start_idx: int = 0, max_rows: int, max_row_bytes: int,
-                        what: str = "dataset") -> list[TrainingRow]:
+def parse_training_file(
+    path: Path,
+    fmt: str,
+    *,
+    input_format: str = "auto",
+    columns: dict[str, str] | None = None,
+    split: str = "train",
+    start_idx: int = 0,
+    max_rows: int,
+    max_row_bytes: int,
+    what: str = "dataset",
+) -> list[TrainingRow]:
     """Every row of a training file in format `fmt` (jsonl, csv, parquet or hf; not `auto`), checked; raise
     InvalidInput naming the bad rows, an empty file, or a file the reader refuses as a whole."""
     fmt = file_format(fmt)
     if fmt not in FILE_FORMATS[1:]:
         raise InvalidInput(f"file_format {fmt!r} cannot hold training rows: use one of {', '.join(FILE_FORMATS)}")
     records = read_records(path, fmt, columns=columns, max_row_bytes=max_row_bytes)
-    return training_rows(records, fmt, input_format=input_format, columns=columns, split=split, start_idx=start_idx,
-                         max_rows=max_rows, what=what)
+    return training_rows(
+        records,
+        fmt,
+        input_format=input_format,
+        columns=columns,
+        split=split,
+        start_idx=start_idx,
+        max_rows=max_rows,
+        what=what,
+    )
 
 
-def parse_training_jsonl(stream: BinaryIO, *, input_format: str = "auto", split: str = "train", start_idx: int = 0,
-                         max_rows: int, max_row_bytes: int, what: str = "dataset") -> list[TrainingRow]:
+def parse_training_jsonl(
+    stream: BinaryIO,
+    *,
+    input_format: str = "auto",
+    split: str = "train",
+    start_idx: int = 0,
+    max_rows: int,
+    max_row_bytes: int,
+    what: str = "dataset",
+) -> list[TrainingRow]:
     """Every row of a JSONL training stream, checked (see `parse_training_file`)."""
-    return training_rows(read_jsonl(stream, max_row_bytes=max_row_bytes), "jsonl", input_format=input_format,
-                         split=split, start_idx=start_idx, max_rows=max_rows, what=what)
+    return training_rows(
+        read_jsonl(stream, max_row_bytes=max_row_bytes),
+        "jsonl",
+        input_format=input_format,
+        split=split,
+        start_idx=start_idx,
+        max_rows=max_rows,
+        what=what,
+    )
 
 
-def training_rows(records: Iterable[Record], fmt: str, *, input_format: str = "auto",
-                  columns: dict[str, str] | None = None, split: str = "train", start_idx: int = 0, max_rows: int,
-                  what: str = "dataset") -> list[TrainingRow]:
+def training_rows(
+    records: Iterable[Record],
+    fmt: str,
+    *,
+    input_format: str = "auto",
+    columns: dict[str, str] | None = None,
+    split: str = "train",
+    start_idx: int = 0,
+    max_rows: int,
+    what: str = "dataset",
+) -> list[TrainingRow]:
     """Checked training rows of a reader's records; one bad record refuses them all (naming the first few)."""
     where = formats.location(fmt)
     rows, errors = [], []
@@ -92,14 +132,21 @@ def training_rows(records: Iterable[Record], fmt: str, *, input_format: str = "a
         rows.append(TrainingRow(start_idx + len(rows), record.pos, row, where))
     if errors:
         more = f" (and {len(errors) - SHOWN_ERRORS} more)" if len(errors) > SHOWN_ERRORS else ""
-        raise InvalidInput(f"the fine-tune {what} has {len(errors)} bad row(s){more}: "
-                           + "; ".join(errors[:SHOWN_ERRORS]) + ". Fix them and submit again")
+        raise InvalidInput(
+            f"the fine-tune {what} has {len(errors)} bad row(s){more}: "
+            + "; ".join(errors[:SHOWN_ERRORS])
+            + ". Fix them and submit again"
+        )
     if not rows:
         if fmt == "jsonl":
-            raise InvalidInput(f"the fine-tune {what} is empty: expected one JSON object per line with 'messages', "
-                               "'prompt' and 'completion', or 'text'")
-        raise InvalidInput(f"the fine-tune {what} has no rows: expected a {fmt} file with a 'messages', 'prompt' "
-                           "and 'completion', or 'text' column (or map yours with input_columns / --column)")
+            raise InvalidInput(
+                f"the fine-tune {what} is empty: expected one JSON object per line with 'messages', "
+                "'prompt' and 'completion', or 'text'"
+            )
+        raise InvalidInput(
+            f"the fine-tune {what} has no rows: expected a {fmt} file with a 'messages', 'prompt' "
+            "and 'completion', or 'text' column (or map yours with input_columns / --column)"
+        )
     return rows
 
 
@@ -126,8 +173,9 @@ def detect_format(obj: dict[str, Any]) -> str:
     raise ValueError("a training row needs 'messages' (chat), 'prompt' and 'completion', or 'text'")
 
 
-def check_row(obj: dict[str, Any], input_format: str = "auto", *, columns: dict[str, str] | None = None,
-              table: bool = False) -> dict[str, Any]:
+def check_row(
+    obj: dict[str, Any], input_format: str = "auto", *, columns: dict[str, str] | None = None, table: bool = False
+) -> dict[str, Any]:
     """The stored form of one training row (only its shape's fields), or ValueError saying what is missing.
 
     `columns` (the spec's input_columns) lets a missing field name the file's column it was mapped from; `table`
@@ -140,8 +188,10 @@ def check_row(obj: dict[str, Any], input_format: str = "auto", *, columns: dict[
     for name in fields:
         if name not in obj:
             column = f" (column {columns[name]!r})" if columns and name in columns else ""
-            raise ValueError(f"a {fmt} row needs {' and '.join(repr(f) for f in fields)}; '{name}'{column} is "
-                             + ("missing or empty" if table else "missing"))
+            raise ValueError(
+                f"a {fmt} row needs {' and '.join(repr(f) for f in fields)}; '{name}'{column} is "
+                + ("missing or empty" if table else "missing")
+            )
     if fmt == "messages":
         return {"messages": _check_messages(obj["messages"])}
     for name in fields:
@@ -155,9 +205,11 @@ def _check_messages(messages: Any) -> list[dict[str, str]]:
         raise ValueError("'messages' must be a non-empty list of {role, content} objects")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) and "
-                             "'content' (a string)")
+            raise ValueError(
+                f"messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) and 'content' (a string)"
+            )
     if not any(m["role"] == "assistant" and m["content"] for m in messages):
-        raise ValueError("a chat row needs at least one non-empty assistant message: the loss is on assistant "
-                         "turns only")
+        raise ValueError(
+            "a chat row needs at least one non-empty assistant message: the loss is on assistant turns only"
+        )
     return [{"role": m["role"], "content": m["content"]} for m in messages]

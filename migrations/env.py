@@ -20,8 +20,9 @@ def run_offline() -> None:
 def run_online() -> None:
     engine = get_engine(url)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True,
-                          poolclass=pool.NullPool)
+        context.configure(
+            connection=connection, target_metadata=Base.metadata, render_as_batch=True, poolclass=pool.NullPool
+        )
         with context.begin_transaction():
             context.run_migrations()
 

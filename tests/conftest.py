@@ -38,8 +38,12 @@ PROCESSES = 4
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Run in PROCESSES processes unless -n was given (-n 0 or -p no:xdist: this process only), or --pdb asked for
     one process, or this is an xdist process itself (its numprocesses is None too)."""
-    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
-            and not hasattr(config, "workerinput") and not config.option.usepdb):
+    if (
+        config.pluginmanager.hasplugin("xdist")
+        and config.option.numprocesses is None
+        and not hasattr(config, "workerinput")
+        and not config.option.usepdb
+    ):
         config.option.numprocesses = PROCESSES
         if config.option.dist == "no":
             config.option.dist = "worksteal"  # tests last 0.01-120 s: an idle process takes queued tests from another
@@ -153,8 +157,13 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> 
 
 
 def build_tiny(out: Path, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl"),
-                    *args], check=True, cwd=ROOT, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    subprocess.run(
+        [sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl"), *args],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -237,8 +246,14 @@ def spawn_worker(tmp_path) -> Iterator:
         env = worker_env(devices, {**os.environ, **extra})
         log = tmp_path / f"worker-{len(procs)}.log"
         with open(log, "wb") as out:
-            popen = subprocess.Popen(worker_command(devices), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+            popen = subprocess.Popen(
+                worker_command(devices),
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         proc = Proc(popen, log)
         procs.append(proc)
         if wait:
@@ -300,8 +315,13 @@ def api_server(tmp_path, jobs_env) -> Iterator[tuple[str, str, Proc]]:
     port = free_port()
     log = tmp_path / "api.log"
     with open(log, "wb") as out:
-        popen = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.app:app", "--port", str(port)],
-                                 env=jobs_env.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "api.app:app", "--port", str(port)],
+            env=jobs_env.env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     proc = Proc(popen, log)
     url = f"http://127.0.0.1:{port}"
 

@@ -78,8 +78,17 @@ class HubServer:
 
     # --- content ----------------------------------------------------------------------------------------------
 
-    def add(self, repo_id: str, files: dict[str, bytes], *, tags: tuple[str, ...] = (), branch: str = "main",
-            gated: bool = False, private: bool = False, token: str | None = None) -> str:
+    def add(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        *,
+        tags: tuple[str, ...] = (),
+        branch: str = "main",
+        gated: bool = False,
+        private: bool = False,
+        token: str | None = None,
+    ) -> str:
         """A new commit of `repo_id` holding exactly `files`, on `branch` (and `tags`); returns its sha."""
         repo = self.repos.setdefault(repo_id, Repo(repo_id))
         repo.gated, repo.private, repo.token = repo.gated or gated, repo.private or private, token or repo.token
@@ -132,7 +141,6 @@ class HubServer:
         self.died.set()
 
 
-
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
@@ -167,14 +175,14 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith("/api/models/"):
             return self._api(url, head)
         if path.startswith("/cdn/"):
-            return self._cdn(path[len("/cdn/"):], parse_qs(url.query), head)
+            return self._cdn(path[len("/cdn/") :], parse_qs(url.query), head)
         parts = url.path.lstrip("/").split("/", 4)  # org, name, "resolve", rev, file (still quoted)
         if len(parts) == 5 and parts[2] == "resolve":
             return self._resolve(f"{parts[0]}/{parts[1]}", unquote(parts[3]), unquote(parts[4]), head)
         self._error(404, "EntryNotFound", "not found")
 
     def _api(self, url, head: bool) -> None:
-        rest = url.path[len("/api/models/"):].split("/")
+        rest = url.path[len("/api/models/") :].split("/")
         repo_id, tail = "/".join(rest[:2]), rest[2:]
         repo = self._repo(repo_id, api=True)
         if repo is None:
@@ -198,13 +206,24 @@ class _Handler(BaseHTTPRequestHandler):
             if blobs:
                 sibling.update(size=len(data), blobId=git_blob_id(data))
                 if is_lfs(name):
-                    sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                      "pointerSize": 134}
+                    sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
             siblings.append(sibling)
-        return {"_id": repo.id, "id": repo.id, "modelId": repo.id, "sha": commit.sha, "private": repo.private,
-                "gated": "manual" if repo.gated else False, "disabled": False, "downloads": 0, "likes": 0,
-                "tags": ["transformers"], "library_name": "transformers", "siblings": siblings,
-                "lastModified": "2026-01-01T00:00:00.000Z", "createdAt": "2026-01-01T00:00:00.000Z"}
+        return {
+            "_id": repo.id,
+            "id": repo.id,
+            "modelId": repo.id,
+            "sha": commit.sha,
+            "private": repo.private,
+            "gated": "manual" if repo.gated else False,
+            "disabled": False,
+            "downloads": 0,
+            "likes": 0,
+            "tags": ["transformers"],
+            "library_name": "transformers",
+            "siblings": siblings,
+            "lastModified": "2026-01-01T00:00:00.000Z",
+            "createdAt": "2026-01-01T00:00:00.000Z",
+        }
 
     def _entry(self, name: str, data: bytes) -> dict:
         entry = {"type": "file", "oid": git_blob_id(data), "size": len(data), "path": name}
@@ -260,11 +279,16 @@ class _Handler(BaseHTTPRequestHandler):
         if not repo.gated or self._token_ok(repo):
             return True
         if self.headers.get("authorization"):
-            self._error(403, "GatedRepo", f"Access to model {repo.id} is restricted and you are not in the "
-                                          "authorized list.")
+            self._error(
+                403, "GatedRepo", f"Access to model {repo.id} is restricted and you are not in the authorized list."
+            )
         else:
-            self._error(401, "GatedRepo", f"Access to model {repo.id} is restricted. You must have access to it "
-                                          "and be authenticated to access it. Please log in.")
+            self._error(
+                401,
+                "GatedRepo",
+                f"Access to model {repo.id} is restricted. You must have access to it "
+                "and be authenticated to access it. Please log in.",
+            )
         return False
 
     def _commit(self, repo: Repo, rev: str) -> Commit | None:
@@ -300,7 +324,7 @@ class _Handler(BaseHTTPRequestHandler):
         start = 0
         asked = self.headers.get("range")
         if asked and asked.startswith("bytes=") and asked.endswith("-"):
-            start = int(asked[len("bytes="):-1])
+            start = int(asked[len("bytes=") : -1])
         if start >= len(data) and asked:
             self.send_response(416)
             self.send_header("Content-Range", f"bytes */{len(data)}")
@@ -329,7 +353,7 @@ class _Handler(BaseHTTPRequestHandler):
             die_at = self.hub.die_after.pop(key, None)
             hold = self.hub.hold.get(key)
         if die_at is not None:
-            return self._send_then_die(key, body[:max(die_at - start, 0)])
+            return self._send_then_die(key, body[: max(die_at - start, 0)])
         if hold is not None and not hold[1].is_set():  # the bytes up to the hold point, then wait for the event
             cut = max(hold[0] - start, 0)
             self._send(key, body[:cut])
@@ -339,7 +363,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, key: tuple[str, str], chunk: bytes) -> None:
         for i in range(0, len(chunk), 1 << 16):
-            piece = chunk[i:i + (1 << 16)]
+            piece = chunk[i : i + (1 << 16)]
             self.wfile.write(piece)
             self.wfile.flush()
             with self.hub.lock:

@@ -60,8 +60,9 @@ def unavailable() -> str | None:
     if out.returncode != 0:
         return f"`ip netns add` failed: {out.stderr.strip()} (a container needs CAP_SYS_ADMIN and CAP_NET_ADMIN)"
     try:
-        out = subprocess.run(["ip", "-n", probe, "link", "add", "br0", "type", "bridge"], check=False,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["ip", "-n", probe, "link", "add", "br0", "type", "bridge"], check=False, capture_output=True, text=True
+        )
         if out.returncode != 0:
             return f"cannot create a bridge in a namespace: {out.stderr.strip()}"
     finally:
@@ -79,8 +80,10 @@ def pg_bindir() -> Path | None:
     found = shutil.which("initdb")
     if found and shutil.which("pg_ctl"):
         return Path(found).parent
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name)
-                      if p.parent.parent.name.isdigit() else 0)
+    versions = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
     return versions[-1].parent if versions else None
 
 
@@ -181,13 +184,37 @@ class Cluster:
             ip("-n", self.hub, "addr", "add", f"{self.addr('hub')}/24", "dev", "br0")
             ip("-n", self.hub, "link", "set", "br0", "up")
             for host in self.hosts:
-                ip("-n", self.hub, "link", "add", f"port-{host}", "type", "veth", "peer", "name", "eth0",
-                   "netns", self.ns(host))
+                ip(
+                    "-n",
+                    self.hub,
+                    "link",
+                    "add",
+                    f"port-{host}",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    self.ns(host),
+                )
                 ip("-n", self.hub, "link", "set", f"port-{host}", "master", "br0", "up")
                 ip("-n", self.ns(host), "addr", "add", f"{self.addr(host)}/24", "dev", "eth0")
                 ip("-n", self.ns(host), "link", "set", "eth0", "up")
-            ip("-n", self.hub, "link", "add", "port-root", "type", "veth", "peer", "name", self.root_veth,
-               "netns", str(os.getpid()))
+            ip(
+                "-n",
+                self.hub,
+                "link",
+                "add",
+                "port-root",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.root_veth,
+                "netns",
+                str(os.getpid()),
+            )
             ip("-n", self.hub, "link", "set", "port-root", "master", "br0", "up")
             ip("addr", "add", f"{self.addr('root')}/24", "dev", self.root_veth)
             ip("link", "set", self.root_veth, "up")
@@ -236,8 +263,14 @@ class Cluster:
         log = self.workdir / "logs" / log_name
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as out:
-            popen = subprocess.Popen(self.exec_in(host, cmd), env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
-                                     stdout=out, stderr=subprocess.STDOUT)
+            popen = subprocess.Popen(
+                self.exec_in(host, cmd),
+                env=env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         proc = Proc(popen, log)
         proc.host = host  # close() kills processes of a host that is cut off at once: they could not finish
         self.procs.append(proc)
@@ -255,9 +288,25 @@ class Cluster:
 
         workdir = self.workdir / "redis"
         workdir.mkdir()
-        cmd = [find_redis_server(), "--bind", self.addr("hub"), "--port", str(REDIS_PORT), "--requirepass",
-               self.redis_password, "--protected-mode", "yes", "--save", "", "--appendonly", "no", "--dir",
-               str(workdir), "--logfile", ""]
+        cmd = [
+            find_redis_server(),
+            "--bind",
+            self.addr("hub"),
+            "--port",
+            str(REDIS_PORT),
+            "--requirepass",
+            self.redis_password,
+            "--protected-mode",
+            "yes",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--logfile",
+            "",
+        ]
         proc = self.spawn("hub", cmd, dict(os.environ), "redis.log")
         import redis
 
@@ -279,19 +328,55 @@ class Cluster:
         root.mkdir()
         shutil.chown(root, "postgres", "postgres")
         self.pg_data = root / "data"
-        self._as_postgres([str(pg_bin / "initdb"), "-D", str(self.pg_data), "-U", "postgres", "--auth=trust",
-                           "--no-locale", "-E", "UTF8"], root / "initdb.log")
+        self._as_postgres(
+            [
+                str(pg_bin / "initdb"),
+                "-D",
+                str(self.pg_data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-locale",
+                "-E",
+                "UTF8",
+            ],
+            root / "initdb.log",
+        )
         with open(self.pg_data / "pg_hba.conf", "a") as hba:
             hba.write(f"host all all {NET}.{self.subnet}.0/24 trust\n")
-        options = (f"-p {PG_PORT} -k {root} -c listen_addresses={self.addr('hub')} -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off")
-        self._as_postgres(self.exec_in("hub", ["runuser", "-u", "postgres", "--", str(pg_bin / "pg_ctl"), "-D",
-                                               str(self.pg_data), "-l", str(root / "postgres.log"), "-w", "-t",
-                                               "60", "-o", options, "start"]), root / "pg_ctl.log", runuser=False)
+        options = (
+            f"-p {PG_PORT} -k {root} -c listen_addresses={self.addr('hub')} -c fsync=off "
+            "-c synchronous_commit=off -c full_page_writes=off"
+        )
+        self._as_postgres(
+            self.exec_in(
+                "hub",
+                [
+                    "runuser",
+                    "-u",
+                    "postgres",
+                    "--",
+                    str(pg_bin / "pg_ctl"),
+                    "-D",
+                    str(self.pg_data),
+                    "-l",
+                    str(root / "postgres.log"),
+                    "-w",
+                    "-t",
+                    "60",
+                    "-o",
+                    options,
+                    "start",
+                ],
+            ),
+            root / "pg_ctl.log",
+            runuser=False,
+        )
         import psycopg
 
-        with psycopg.connect(f"postgresql://postgres@{self.addr('hub')}:{PG_PORT}/postgres", autocommit=True,
-                             connect_timeout=10) as conn:
+        with psycopg.connect(
+            f"postgresql://postgres@{self.addr('hub')}:{PG_PORT}/postgres", autocommit=True, connect_timeout=10
+        ) as conn:
             conn.execute("CREATE DATABASE jobs")
 
     def _as_postgres(self, cmd: list[str], log: Path, *, runuser: bool = True) -> None:
@@ -308,12 +393,18 @@ class Cluster:
 
         # One intra-op thread: two CPU workers on a small (often shared) machine with torch's default of one thread
         # per core oversubscribe it, and a tiny model then runs 10-40x slower (measured on 2 cores under load).
-        env = worker_env([], self.env(f"home-{host}", JOBS_HOSTNAME=f"host-{host}", OMP_NUM_THREADS="1",
-                                      MKL_NUM_THREADS="1", **extra))
+        env = worker_env(
+            [],
+            self.env(f"home-{host}", JOBS_HOSTNAME=f"host-{host}", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra),
+        )
         proc = self.spawn(host, worker_command([]), env, f"worker-{host}.log")
         if wait:
-            wait_for(lambda: registered(self.database_url, proc.pid), 90, f"the worker on host-{host} to register",
-                     procs=[proc])
+            wait_for(
+                lambda: registered(self.database_url, proc.pid),
+                90,
+                f"the worker on host-{host} to register",
+                procs=[proc],
+            )
         return proc
 
     def consuming(self, host: str) -> bool:
@@ -322,8 +413,9 @@ class Cluster:
 
         client = redis.Redis.from_url(self.redis_url, socket_connect_timeout=2, socket_timeout=5)
         try:
-            return any(c["addr"].rsplit(":", 1)[0] == self.addr(host) and c.get("cmd") == "brpop"
-                       for c in client.client_list())
+            return any(
+                c["addr"].rsplit(":", 1)[0] == self.addr(host) and c.get("cmd") == "brpop" for c in client.client_list()
+            )
         finally:
             client.close()
 
@@ -331,11 +423,30 @@ class Cluster:
         """The API server (uvicorn) in the hub, listening on the hub's address (hence roots are required)."""
         import httpx
 
-        env = self.env("home-hub", JOBS_API_HOST=self.addr("hub"), JOBS_API_PORT=str(API_PORT),
-                       JOBS_MODEL_ROOTS=os.pathsep.join(map(str, model_roots)),
-                       JOBS_DATA_ROOTS=os.pathsep.join(map(str, data_roots)))
-        proc = self.spawn("hub", [sys.executable, "-m", "uvicorn", "api.app:app", "--host", self.addr("hub"),
-                                  "--port", str(API_PORT), "--log-level", "warning"], env, "api.log")
+        env = self.env(
+            "home-hub",
+            JOBS_API_HOST=self.addr("hub"),
+            JOBS_API_PORT=str(API_PORT),
+            JOBS_MODEL_ROOTS=os.pathsep.join(map(str, model_roots)),
+            JOBS_DATA_ROOTS=os.pathsep.join(map(str, data_roots)),
+        )
+        proc = self.spawn(
+            "hub",
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "api.app:app",
+                "--host",
+                self.addr("hub"),
+                "--port",
+                str(API_PORT),
+                "--log-level",
+                "warning",
+            ],
+            env,
+            "api.log",
+        )
 
         def healthy() -> bool:
             try:
@@ -352,11 +463,14 @@ class Cluster:
         try:
             import psycopg
 
-            with psycopg.connect(f"postgresql://postgres@{self.addr('hub')}:{PG_PORT}/jobs", connect_timeout=5,
-                                 autocommit=True) as conn:
-                rows = conn.execute("SELECT client_addr, state, wait_event_type, wait_event, "
-                                    "now() - state_change, left(query, 100) FROM pg_stat_activity "
-                                    "WHERE datname = 'jobs' AND pid <> pg_backend_pid()").fetchall()
+            with psycopg.connect(
+                f"postgresql://postgres@{self.addr('hub')}:{PG_PORT}/jobs", connect_timeout=5, autocommit=True
+            ) as conn:
+                rows = conn.execute(
+                    "SELECT client_addr, state, wait_event_type, wait_event, "
+                    "now() - state_change, left(query, 100) FROM pg_stat_activity "
+                    "WHERE datname = 'jobs' AND pid <> pg_backend_pid()"
+                ).fetchall()
             lines += ["pg_stat_activity:", *(f"  {r}" for r in rows)]
         except Exception as exc:  # noqa: BLE001 (diagnostics must never hide the real failure)
             lines.append(f"pg_stat_activity unavailable: {exc}")
@@ -374,9 +488,26 @@ class Cluster:
                 _quietly(proc.popen.kill)
             _quietly(proc.stop, 10)
         if self.pg_data is not None and self.pg_bin is not None and (self.pg_data / "postmaster.pid").exists():
-            _quietly(subprocess.run, ["runuser", "-u", "postgres", "--", str(self.pg_bin / "pg_ctl"), "-D",
-                                      str(self.pg_data), "stop", "-m", "immediate", "-t", "20"],
-                     check=False, capture_output=True, cwd="/")
+            _quietly(
+                subprocess.run,
+                [
+                    "runuser",
+                    "-u",
+                    "postgres",
+                    "--",
+                    str(self.pg_bin / "pg_ctl"),
+                    "-D",
+                    str(self.pg_data),
+                    "stop",
+                    "-m",
+                    "immediate",
+                    "-t",
+                    "20",
+                ],
+                check=False,
+                capture_output=True,
+                cwd="/",
+            )
         for ns in self.namespaces:  # anything left in our own namespaces is ours (started here): kill it by pid
             out = subprocess.run(["ip", "netns", "pids", ns], check=False, capture_output=True, text=True)
             for pid in out.stdout.split():

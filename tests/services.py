@@ -149,8 +149,10 @@ def postgres_url() -> Iterator[str]:
         error = exc
     if error is not None:
         # The variable was set on purpose: an unreachable server is an error, never a skip.
-        pytest.fail(f"{POSTGRES_ENV}={server.render_as_string(hide_password=True)} is set but "
-                    f"CREATE DATABASE failed: {error}", pytrace=False)
+        pytest.fail(
+            f"{POSTGRES_ENV}={server.render_as_string(hide_password=True)} is set but CREATE DATABASE failed: {error}",
+            pytrace=False,
+        )
 
     try:
         yield server.set(database=name).render_as_string(hide_password=False)
@@ -190,14 +192,24 @@ class PrivatePostgres:
         self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
         root.mkdir(parents=True, exist_ok=True)
         shutil.chown(root, "postgres")
-        self._run = lambda *args: subprocess.run(["runuser", "-u", "postgres", "--", *args], cwd=root, check=True,
-                                                  capture_output=True, text=True)
+        self._run = lambda *args: subprocess.run(
+            ["runuser", "-u", "postgres", "--", *args], cwd=root, check=True, capture_output=True, text=True
+        )
         self._run(str(PG_BIN / "initdb"), "-D", str(root / "data"), "--auth=trust", "--no-locale", "-E", "UTF8")
         self.start()
 
     def start(self) -> None:
-        self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.root / "data"), "-l", str(self.root / "log"), "-w", "-o",
-                  f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        self._run(
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(self.root / "data"),
+            "-l",
+            str(self.root / "log"),
+            "-w",
+            "-o",
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off",
+            "start",
+        )
 
     def stop(self, mode: str = "fast") -> None:
         self._run(str(PG_BIN / "pg_ctl"), "-D", str(self.root / "data"), "-m", mode, "-w", "stop")

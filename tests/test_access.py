@@ -31,12 +31,19 @@ from tests.conftest import ROOT
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")  # an OpenAPI path item's operations
 PUBLIC = {("GET", "/healthz")}  # the only operations that answer without a token
 GLOBAL = {("GET", "/workers"), ("GET", "/models")}  # operations that show no owner's data (shared by everyone)
-ADMIN_ONLY = {("POST", "/models/pull"), ("POST", "/models/remove"),
-              ("GET", "/quotas"), ("PUT", "/quotas")}  # operators' routes: a user gets 403
+ADMIN_ONLY = {
+    ("POST", "/models/pull"),
+    ("POST", "/models/remove"),
+    ("GET", "/quotas"),
+    ("PUT", "/quotas"),
+}  # operators' routes: a user gets 403
 # A job reads only its submitter's files: an admin submitting over another owner's file id gets 404 like anyone.
-ADMIN_REFUSED = {("POST", "/jobs"): 404,
-                 # no live worker in this world: the request has no host to go to
-                 ("POST", "/models/pull"): 422, ("POST", "/models/remove"): 422}
+ADMIN_REFUSED = {
+    ("POST", "/jobs"): 404,
+    # no live worker in this world: the request has no host to go to
+    ("POST", "/models/pull"): 422,
+    ("POST", "/models/remove"): 422,
+}
 MISSING = {"job_id": "job_000000000000", "file_id": "file_000000000000"}  # ids that exist for nobody
 ALICE, BOB, ROOT_ADMIN = "alice", "bob", "root"
 SECRETS = ("alice-secret-prompt-7f3a", "alice-secret-extra-55d0", "alice-secret-output-91c2", "alice-secret.jsonl")
@@ -79,8 +86,9 @@ def rows_file(*rows: Any) -> bytes:
 
 
 def submit(world: World, who: str, file_id: str) -> dict[str, Any]:
-    response = world.call(who, "POST", "/jobs", json={"model": world.model, "input": file_id, "gpus": 0,
-                                                      "max_new_tokens": 4})
+    response = world.call(
+        who, "POST", "/jobs", json={"model": world.model, "input": file_id, "gpus": 0, "max_new_tokens": 4}
+    )
     assert response.status_code == 201, response.text
     return response.json()
 
@@ -101,8 +109,12 @@ def world(jobs_env, tiny_model) -> World:
             "metrics": auth.create_token(session, owner="prometheus", scopes=["metrics"]),
         }
     w = World(TestClient(app), str(tiny_model), tokens, [], "", "", "")
-    w.a_file = upload(w, ALICE, SECRETS[3], rows_file(
-        {"prompt": SECRETS[0], "note": SECRETS[1]}, {"prompt": "second"}, "{broken " + SECRETS[0]))
+    w.a_file = upload(
+        w,
+        ALICE,
+        SECRETS[3],
+        rows_file({"prompt": SECRETS[0], "note": SECRETS[1]}, {"prompt": "second"}, "{broken " + SECRETS[0]),
+    )
     w.a_jobs = [submit(w, ALICE, w.a_file)["id"] for _ in range(2)]
     cancelled = w.call(ALICE, "POST", f"/jobs/{w.a_jobs[1]}/cancel")
     assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled", cancelled.text
@@ -111,15 +123,41 @@ def world(jobs_env, tiny_model) -> World:
             row = session.get(JobRow, (job_id, 0))
             row.state, row.output, row.finish_reason, row.completion_tokens = "succeeded", SECRETS[2], "stop", 3
             # an adapter registered for the job, as a fine-tune's worker would have (its id is the job's id)
-            session.add(Adapter(id=job_id, job_id=job_id, owner=ALICE, base_model=w.model, tokenizer=w.model,
-                                path=f"adapters/{job_id}", bytes=1, sha256="0" * 64, lora_config={"r": 8},
-                                load_options={}, metrics={"note": SECRETS[1]}, created_at=0.0))
+            session.add(
+                Adapter(
+                    id=job_id,
+                    job_id=job_id,
+                    owner=ALICE,
+                    base_model=w.model,
+                    tokenizer=w.model,
+                    path=f"adapters/{job_id}",
+                    bytes=1,
+                    sha256="0" * 64,
+                    lora_config={"r": 8},
+                    load_options={},
+                    metrics={"note": SECRETS[1]},
+                    created_at=0.0,
+                )
+            )
     w.b_file = upload(w, BOB, "bob.jsonl", rows_file({"prompt": "bob's own prompt"}))
     w.b_job = submit(w, BOB, w.b_file)["id"]
     with session_scope() as session:
-        session.add(Adapter(id=w.b_job, job_id=w.b_job, owner=BOB, base_model=w.model, tokenizer=w.model,
-                            path=f"adapters/{w.b_job}", bytes=1, sha256="0" * 64, lora_config={"r": 8},
-                            load_options={}, metrics={}, created_at=0.0))
+        session.add(
+            Adapter(
+                id=w.b_job,
+                job_id=w.b_job,
+                owner=BOB,
+                base_model=w.model,
+                tokenizer=w.model,
+                path=f"adapters/{w.b_job}",
+                bytes=1,
+                sha256="0" * 64,
+                lora_config={"r": 8},
+                load_options={},
+                metrics={},
+                created_at=0.0,
+            )
+        )
     return w
 
 
@@ -136,8 +174,10 @@ def bodies(world: World, ids: dict[str, str]) -> dict[tuple[str, str], tuple[dic
     body must be added here."""
     return {
         ("POST", "/files"): ({"files": {"file": ("probe.jsonl", rows_file({"prompt": "probe"}))}}, set()),
-        ("POST", "/jobs"): ({"json": {"model": world.model, "input": ids["file_id"], "gpus": 0, "max_new_tokens": 4}},
-                            {"file_id"}),
+        ("POST", "/jobs"): (
+            {"json": {"model": world.model, "input": ids["file_id"], "gpus": 0, "max_new_tokens": 4}},
+            {"file_id"},
+        ),
         ("POST", "/models/pull"): ({"json": {"repo": "acme/probe", "workers": "all"}}, set()),
         ("POST", "/models/remove"): ({"json": {"repo": "acme/probe", "workers": "all"}}, set()),
         ("PUT", "/quotas"): ({"json": {"owner": "probe-owner", "max_running_shards": 4}}, set()),
@@ -163,19 +203,23 @@ def build(world: World, method: str, path: str, op: dict[str, Any], ids: dict[st
         name, where = param["name"], param["in"]
         if where == "path":
             if name not in ids:
-                raise Unexercisable(f"{method} {path}: path parameter {name!r} is not one this test can fill with "
-                                    f"user A's ids ({', '.join(ids)}): teach tests/test_access.py about it")
+                raise Unexercisable(
+                    f"{method} {path}: path parameter {name!r} is not one this test can fill with "
+                    f"user A's ids ({', '.join(ids)}): teach tests/test_access.py about it"
+                )
             url, used = url.replace("{" + name + "}", ids[name]), used | {name}
         elif where == "query" and name in ids:  # an id in the query string (`?job_id=`) is probed like one in the path
             params[name], used = ids[name], used | {name}
         elif param.get("required"):
-            raise Unexercisable(f"{method} {path}: required {where} parameter {name!r}: add a value for it in "
-                                "tests/test_access.py")
+            raise Unexercisable(
+                f"{method} {path}: required {where} parameter {name!r}: add a value for it in tests/test_access.py"
+            )
     kwargs: dict[str, Any] = {"params": params}
     if "requestBody" in op:
         if (method, path) not in bodies(world, ids):
-            raise Unexercisable(f"{method} {path} takes a body: add a minimal valid one to bodies() in "
-                                "tests/test_access.py")
+            raise Unexercisable(
+                f"{method} {path} takes a body: add a minimal valid one to bodies() in tests/test_access.py"
+            )
         body, carried = bodies(world, ids)[(method, path)]
         kwargs, used = {**kwargs, **body}, used | carried
     return Request(method, url, kwargs, ids, used)
@@ -216,8 +260,9 @@ def probe_without_token(world: World, application: FastAPI = app) -> list[str]:
         for headers in ({}, {"Authorization": "Bearer jt_not-a-token"}, {"Authorization": "Basic YWxpY2U6eA=="}):
             response = world.client.request(method, request.url, headers=headers, **request.kwargs)
             if response.status_code != 401:
-                problems.append(f"{method} {path} with {headers or 'no token'}: {response.status_code} "
-                                f"{response.text[:200]}")
+                problems.append(
+                    f"{method} {path} with {headers or 'no token'}: {response.status_code} {response.text[:200]}"
+                )
             elif "token" not in response.json()["error"]["message"]:
                 problems.append(f"{method} {path}: 401 without saying what is wrong with the token")
     return problems
@@ -241,8 +286,10 @@ def probe_other_user(world: World, application: FastAPI = app) -> list[str]:
                 for name in request.used:
                     expected = expected.replace(request.ids[name], MISSING[name])
                 if response.status_code != 404 or (twin.status_code, twin.text) != (404, expected):
-                    problems.append(f"{method} {request.url} as B: {response.status_code} {response.text[:200]} "
-                                    f"(for ids that do not exist: {twin.status_code} {twin.text[:200]})")
+                    problems.append(
+                        f"{method} {request.url} as B: {response.status_code} {response.text[:200]} "
+                        f"(for ids that do not exist: {twin.status_code} {twin.text[:200]})"
+                    )
             elif (method, path) in ADMIN_ONLY:
                 if response.status_code != 403 or "only an admin token" not in response.text:
                     problems.append(f"{method} {path} as B (a user): {response.status_code} {response.text[:200]}")
@@ -261,8 +308,10 @@ def _only_own(world: World, method: str, path: str, response) -> list[str]:
     if (method, path) in GLOBAL:
         return [f"{method} {path} is listed as GLOBAL but shows owners {sorted(owners)}"] if owners else []
     if not any(m in response.text for m in world.b_markers):
-        return [f"{method} {path} as B shows none of B's own items: if it shows no owner's data at all, add it to "
-                f"GLOBAL in tests/test_access.py ({response.text[:200]})"]
+        return [
+            f"{method} {path} as B shows none of B's own items: if it shows no owner's data at all, add it to "
+            f"GLOBAL in tests/test_access.py ({response.text[:200]})"
+        ]
     return []
 
 
@@ -284,13 +333,17 @@ def probe_admin(world: World, application: FastAPI = app) -> list[str]:
         answers = [(r.url, r.send(world, ROOT_ADMIN)) for r in requests_for(world, method, path, op)]
         expected = ADMIN_REFUSED.get((method, path))
         if expected:
-            problems += [f"{method} {url} as admin: {r.status_code}, expected {expected}"
-                         for url, r in answers if r.status_code != expected]
+            problems += [
+                f"{method} {url} as admin: {r.status_code}, expected {expected}"
+                for url, r in answers
+                if r.status_code != expected
+            ]
             continue
         ok = [r for _, r in answers if r.is_success]
         if not ok or (method == "GET" and len(ok) < len(answers)):
-            problems += [f"{method} {url} as admin: {r.status_code} {r.text[:200]}" for url, r in answers
-                         if not r.is_success]
+            problems += [
+                f"{method} {url} as admin: {r.status_code} {r.text[:200]}" for url, r in answers if not r.is_success
+            ]
             continue
         shows_a = any(m in r.text for r in ok for m in world.a_markers)
         reads_owned = method == "GET" and (method, path) not in GLOBAL
@@ -381,16 +434,20 @@ def test_a_route_added_later_without_protection_fails_these_probes(world):
     assert [p for p in probe_without_token(world, leaky) if "/export" in p] == []
     assert any("/peek" in p for p in probe_without_token(world, leaky))
     assert {path for path in ("/peek", "/export") if any(path in p for p in probe_other_user(world, leaky))} == {
-        "/peek", "/export"}
+        "/peek",
+        "/export",
+    }
     assert any("/peek" in p for p in probe_metrics_token(world, leaky))
 
 
 def test_tokens_are_stored_as_sha256_only_and_a_revoked_token_gets_401(jobs_env):
     """`gpujobs tokens create` prints a secret that appears nowhere in the tokens table (only its SHA-256 does),
     `tokens list` never shows it, and after `tokens revoke` the token gets 401 with a message saying so."""
+
     def gpujobs(*args: str) -> str:
-        result = subprocess.run([sys.executable, "-m", "api", *args], env=jobs_env.env, cwd=ROOT,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "api", *args], env=jobs_env.env, cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, result.stderr
         return result.stdout
 
@@ -419,8 +476,12 @@ def test_token_owner_and_scopes_are_checked_when_created(jobs_env):
     from core.errors import InvalidInput
 
     with session_scope() as session:
-        for owner, scopes, reason in [("", ["user"], "owner"), ("a b", ["user"], "owner"),
-                                      ("ok", ["root"], "unknown scope"), ("ok", [], "unknown scope")]:
+        for owner, scopes, reason in [
+            ("", ["user"], "owner"),
+            ("a b", ["user"], "owner"),
+            ("ok", ["root"], "unknown scope"),
+            ("ok", [], "unknown scope"),
+        ]:
             with pytest.raises(InvalidInput, match=reason):
                 auth.create_token(session, owner=owner, scopes=scopes)
         assert session.scalar(select(func.count()).select_from(Token)) == 0

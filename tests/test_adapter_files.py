@@ -44,7 +44,8 @@ def load_events(job_ids: list[str]) -> list[dict]:
 
 
 def test_an_uploaded_adapter_zip_reproduces_its_answers_reuses_the_resident_model_and_the_cli_packs_a_directory(
-        tmp_path, jobs_env, api_server, spawn_worker, base_model):
+    tmp_path, jobs_env, api_server, spawn_worker, base_model
+):
     """A fine-tune job's adapter folder, zipped (in one folder, tokenizer files included) and uploaded, runs on a
     real worker: >= 5 of 6 memorized answers, the file id and its source in load_options, extracted once into the
     artifacts store; a second job with the same file reuses the resident model; an adapter that does not fit the
@@ -81,8 +82,23 @@ def test_an_uploaded_adapter_zip_reproduces_its_answers_reuses_the_resident_mode
 
     url, token, _ = api_server
     env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
-    cli = jobs(env, "submit", "generate", "--model", str(base_model), "--input", str(prompts), "--adapter",
-               str(folder), "--gpus", "0", "--max-new-tokens", "16", "--wait", "--json")
+    cli = jobs(
+        env,
+        "submit",
+        "generate",
+        "--model",
+        str(base_model),
+        "--input",
+        str(prompts),
+        "--adapter",
+        str(folder),
+        "--gpus",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--wait",
+        "--json",
+    )
     assert cli.returncode == 0, cli.stderr
     job = json.loads(cli.stdout)
     packed = job["spec"]["adapter"]
@@ -92,11 +108,18 @@ def test_an_uploaded_adapter_zip_reproduces_its_answers_reuses_the_resident_mode
 
 def fake_adapter(base: str | None = "tiny-base", **config) -> dict[str, bytes]:
     """The two files of a LoRA adapter, small and made by hand (the API never loads them; the worker does)."""
-    header = json.dumps({"base_model.model.lm_head.lora_A.weight":
-                         {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}}).encode()
+    header = json.dumps(
+        {"base_model.model.lm_head.lora_A.weight": {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]}}
+    ).encode()
     weights = struct.pack("<Q", len(header)) + header + b"\0" * 4
-    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
-           "base_model_name_or_path": base, **config}
+    cfg = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj"],
+        "base_model_name_or_path": base,
+        **config,
+    }
     return {"adapter_config.json": json.dumps(cfg).encode(), "adapter_model.safetensors": weights}
 
 
@@ -106,9 +129,13 @@ def test_adapter_files_are_refused_at_submit_with_what_is_wrong_and_nothing_is_s
     safetensors, and a base
     mismatch naming both models are refused; a base matched by name, an unnamed base (with an event) and an admin
     using another owner's file are accepted."""
+
     def submit(file_id: str, owner: str = "alice", admin: bool = False) -> dict:
-        return service.submit(owner=owner, admin=admin, spec_data={"model": str(base_model), "input": str(PROMPTS),
-                                                                   "adapter": file_id, "gpus": 0})
+        return service.submit(
+            owner=owner,
+            admin=admin,
+            spec_data={"model": str(base_model), "input": str(PROMPTS), "adapter": file_id, "gpus": 0},
+        )
 
     def refused(members_or_bytes, match: str, error=InvalidInput) -> None:
         data = members_or_bytes if isinstance(members_or_bytes, bytes) else zipped(members_or_bytes)
@@ -126,16 +153,20 @@ def test_adapter_files_are_refused_at_submit_with_what_is_wrong_and_nothing_is_s
     refused({**good, "../evil.sh": b"x"}, "not a plain file name")
     refused({**good, "/etc/cron.d/x": b"x"}, "not a plain file name")
     refused({f"a/b/{k}": v for k, v in good.items()}, "not a plain file name")
-    refused({"a/adapter_config.json": good["adapter_config.json"], "b/adapter_model.safetensors": b"x"},
-            "more than one adapter directory")
+    refused(
+        {"a/adapter_config.json": good["adapter_config.json"], "b/adapter_model.safetensors": b"x"},
+        "more than one adapter directory",
+    )
     refused({**good, "train.py": b"print()"}, r"not part of a LoRA adapter \(train.py\)")
     refused({**good, "adapter_config.json": b"[1, 2]"}, "is not a JSON object")
     refused({**good, "adapter_config.json": b"{nope"}, "is not valid JSON")
     refused(fake_adapter(peft_type="PREFIX_TUNING"), "'PREFIX_TUNING' is not a LoRA adapter")
     refused(fake_adapter(init_lora_weights="pissa_niter_4"), "changes the base model's weights")
     refused({**good, "adapter_model.safetensors": b"\x10\0\0\0\0\0\0\0not json at all!"}, "not a safetensors file")
-    refused(fake_adapter(base="Qwen/Qwen3-0.6B"),
-            rf"trained on 'Qwen/Qwen3-0.6B', not on '{base_model.resolve()}': submit with --model")
+    refused(
+        fake_adapter(base="Qwen/Qwen3-0.6B"),
+        rf"trained on 'Qwen/Qwen3-0.6B', not on '{base_model.resolve()}': submit with --model",
+    )
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 0
 

@@ -35,13 +35,19 @@ from tests.test_e2e import jobs, write_rows
 DROP = object()  # a spec value that removes the field
 EMPTY = "the dataset is empty: expected one JSON object per line with 'prompt' or 'messages'"
 ONE_OF = "a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
-SAMPLE_AT_ZERO = ("do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
-                  "above 0; set one, or set do_sample false for greedy decoding")
-GREEDY_N2 = ("num_return_sequences 2 needs sampling (greedy decoding returns the same text each time): set "
-             "temperature > 0 or do_sample true for this row")
-ATTN = ("unknown attention backend 'bogus': use one of sdpa, sdpa_gqa, eager, flex_attention, flash_attention_2, "
-        "flash_attention_3, flash_attention_4, 'paged|<backend>', or a Hub kernel repo id such as "
-        "'kernels-community/flash-attn'")
+SAMPLE_AT_ZERO = (
+    "do_sample is true but temperature is 0 (the row's or the job's): sampling needs a temperature "
+    "above 0; set one, or set do_sample false for greedy decoding"
+)
+GREEDY_N2 = (
+    "num_return_sequences 2 needs sampling (greedy decoding returns the same text each time): set "
+    "temperature > 0 or do_sample true for this row"
+)
+ATTN = (
+    "unknown attention backend 'bogus': use one of sdpa, sdpa_gqa, eager, flex_attention, flash_attention_2, "
+    "flash_attention_3, flash_attention_4, 'paged|<backend>', or a Hub kernel repo id such as "
+    "'kernels-community/flash-attn'"
+)
 
 
 # --- the harness ----------------------------------------------------------------------------------------------
@@ -74,8 +80,9 @@ class Api:
     def stored(self) -> dict[str, Any]:
         """Everything a submit could write: table counts and the files under the artifacts folder."""
         with session_scope() as session:
-            counts = {m.__tablename__: session.scalar(select(func.count()).select_from(m))
-                      for m in (Job, JobRow, Shard, File)}
+            counts = {
+                m.__tablename__: session.scalar(select(func.count()).select_from(m)) for m in (Job, JobRow, Shard, File)
+            }
         counts["redis keys"] = redis.Redis.from_url(core_settings.get_settings().redis_url).dbsize()
         folder = self.artifacts / "files"
         counts["on disk"] = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
@@ -92,13 +99,19 @@ def api(jobs_env, monkeypatch) -> Iterator[Api]:
     with session_scope() as session:
         admin = auth.create_token(session, owner="alice", scopes=["admin", "user"], name="tests")
         bob = auth.create_token(session, owner="bob", scopes=["user"], name="tests")
-    yield Api(TestClient(app), {"Authorization": f"Bearer {admin}"}, {"Authorization": f"Bearer {bob}"},
-              Path(jobs_env.env["JOBS_ARTIFACTS"]), monkeypatch)
+    yield Api(
+        TestClient(app),
+        {"Authorization": f"Bearer {admin}"},
+        {"Authorization": f"Bearer {bob}"},
+        Path(jobs_env.env["JOBS_ARTIFACTS"]),
+        monkeypatch,
+    )
     core_settings.reset()
 
 
-def fake_model(path: Path, *, config: str | None = '{"model_type": "qwen3"}',
-               weights: str = "model.safetensors") -> Path:
+def fake_model(
+    path: Path, *, config: str | None = '{"model_type": "qwen3"}', weights: str = "model.safetensors"
+) -> Path:
     """A directory that looks like a saved model to the submit checks (no worker ever loads it)."""
     path.mkdir(parents=True)
     if config is not None:
@@ -114,6 +127,7 @@ def model(tmp_path) -> Path:
 
 def lines(*rows: Any) -> bytes:
     """JSONL bytes: dicts are dumped, bytes and str are taken as the line itself."""
+
     def line(row: Any) -> bytes:
         return row if isinstance(row, bytes) else (row if isinstance(row, str) else json.dumps(row)).encode()
 
@@ -148,66 +162,150 @@ SPEC_CASES = [
     # (case, spec fields over a valid spec, HTTP status, exact message)
     ("unknown field", {"bogus": 1}, 422, "invalid generate spec: unknown field 'bogus'"),
     ("a misspelt field", {"max_tokens": 5}, 422, "invalid generate spec: unknown field 'max_tokens'"),
-    ("no model", {"model": DROP}, 422, "model is missing: name one (--model, or `model:` in the spec); only OpenAI "
-     "batch lines may name it instead, in body.model"),
+    (
+        "no model",
+        {"model": DROP},
+        422,
+        "model is missing: name one (--model, or `model:` in the spec); only OpenAI "
+        "batch lines may name it instead, in body.model",
+    ),
     ("no input", {"input": DROP}, 422, "invalid generate spec: input: Field required"),
     ("model as a number", {"model": 5}, 422, "invalid generate spec: model: Input should be a valid string"),
-    ("max_new_tokens 0", {"max_new_tokens": 0}, 422,
-     "invalid generate spec: max_new_tokens: Input should be greater than or equal to 1"),
-    ("max_new_tokens 10**9", {"max_new_tokens": 10**9}, 422,
-     "invalid generate spec: max_new_tokens: Input should be less than or equal to 131072"),
-    ("max_new_tokens not a number", {"max_new_tokens": "many"}, 422,
-     "invalid generate spec: max_new_tokens: Input should be a valid integer, unable to parse string as an integer"),
-    ("temperature -1", {"temperature": -1}, 422,
-     "invalid generate spec: temperature: Input should be greater than or equal to 0"),
+    (
+        "max_new_tokens 0",
+        {"max_new_tokens": 0},
+        422,
+        "invalid generate spec: max_new_tokens: Input should be greater than or equal to 1",
+    ),
+    (
+        "max_new_tokens 10**9",
+        {"max_new_tokens": 10**9},
+        422,
+        "invalid generate spec: max_new_tokens: Input should be less than or equal to 131072",
+    ),
+    (
+        "max_new_tokens not a number",
+        {"max_new_tokens": "many"},
+        422,
+        "invalid generate spec: max_new_tokens: Input should be a valid integer, unable to parse string as an integer",
+    ),
+    (
+        "temperature -1",
+        {"temperature": -1},
+        422,
+        "invalid generate spec: temperature: Input should be greater than or equal to 0",
+    ),
     ("top_p 0", {"top_p": 0}, 422, "invalid generate spec: top_p: Input should be greater than 0"),
     ("top_p 1.5", {"top_p": 1.5}, 422, "invalid generate spec: top_p: Input should be less than or equal to 1"),
     ("top_k -1", {"top_k": -1}, 422, "invalid generate spec: top_k: Input should be greater than or equal to 0"),
-    ("repetition_penalty 0", {"repetition_penalty": 0}, 422,
-     "invalid generate spec: repetition_penalty: Input should be greater than 0"),
-    ("17 stop strings", {"stop": [f"s{i}" for i in range(17)]}, 422,
-     "invalid generate spec: stop: List should have at most 16 items after validation, not 17"),
-    ("sampling at temperature 0", {"do_sample": True, "temperature": 0}, 422,
-     f"invalid generate spec: {SAMPLE_AT_ZERO}"),
-    ("repetition_penalty on the continuous engine", {"engine": "continuous", "repetition_penalty": 1.2}, 422,
-     "invalid generate spec: repetition_penalty is not supported by the continuous engine (transformers drops it): "
-     "use engine padded or auto"),
-    ("top_p on the fast engine", {"engine": "fast", "temperature": 0.7, "top_p": 0.9}, 422,
-     "invalid generate spec: top_p is not supported by the fast engine: use engine auto (which runs such rows "
-     "padded) or padded"),
+    (
+        "repetition_penalty 0",
+        {"repetition_penalty": 0},
+        422,
+        "invalid generate spec: repetition_penalty: Input should be greater than 0",
+    ),
+    (
+        "17 stop strings",
+        {"stop": [f"s{i}" for i in range(17)]},
+        422,
+        "invalid generate spec: stop: List should have at most 16 items after validation, not 17",
+    ),
+    (
+        "sampling at temperature 0",
+        {"do_sample": True, "temperature": 0},
+        422,
+        f"invalid generate spec: {SAMPLE_AT_ZERO}",
+    ),
+    (
+        "repetition_penalty on the continuous engine",
+        {"engine": "continuous", "repetition_penalty": 1.2},
+        422,
+        "invalid generate spec: repetition_penalty is not supported by the continuous engine (transformers drops it): "
+        "use engine padded or auto",
+    ),
+    (
+        "top_p on the fast engine",
+        {"engine": "fast", "temperature": 0.7, "top_p": 0.9},
+        422,
+        "invalid generate spec: top_p is not supported by the fast engine: use engine auto (which runs such rows "
+        "padded) or padded",
+    ),
     ("unknown kind", {"kind": "train"}, 422, "unknown job kind 'train': use 'generate' or 'finetune'"),
     ("kind not a string", {"kind": 3}, 422, "unknown job kind 3: use 'generate' or 'finetune'"),
-    ("a fine-tune with an unknown scheduler", {"kind": "finetune", "lr_scheduler": "cosinus"}, 422,
-     "invalid finetune spec: lr_scheduler: Value error, unknown lr_scheduler 'cosinus': use one of linear, cosine, "
-     "cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr, "
-     "warmup_stable_decay"),
+    (
+        "a fine-tune with an unknown scheduler",
+        {"kind": "finetune", "lr_scheduler": "cosinus"},
+        422,
+        "invalid finetune spec: lr_scheduler: Value error, unknown lr_scheduler 'cosinus': use one of linear, cosine, "
+        "cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr, "
+        "warmup_stable_decay",
+    ),
     ("gpus -1", {"gpus": -1}, 422, "invalid generate spec: gpus: Input should be greater than or equal to 0"),
     ("gpus 65", {"gpus": 65}, 422, "invalid generate spec: gpus: Input should be less than or equal to 64"),
-    ("unknown attention backend", {"attn_implementation": "bogus"}, 422,
-     f"invalid generate spec: attn_implementation: Value error, {ATTN}"),
-    ("unknown quantization", {"quantization": "int3"}, 422,
-     "invalid generate spec: quantization.method: Input should be 'bnb-4bit', 'bnb-8bit', 'torchao-int8', "
-     "'torchao-int4', 'torchao-float8' or 'fp8'"),
-    ("unknown dtype", {"dtype": "int8"}, 422,
-     "invalid generate spec: dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'"),
-    ("trust_remote_code forbidden", {"trust_remote_code": True}, 403,
-     "trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that transformers "
-     "supports natively"),
-    ("model path missing", {"model": "{tmp}/nope"}, 422,
-     "model '{tmp}/nope' does not exist: give a local model directory or a Hub id (org/name)"),
-    ("a relative path that is not a Hub id", {"model": "../nope"}, 422,
-     "model '../nope' does not exist: give a local model directory or a Hub id (org/name)"),
-    ("model path empty", {"model": " "}, 422,
-     "model is empty: give a local model directory or a Hub id (org/name)"),
-    ("model path is a file", {"model": "{model}/config.json"}, 422,
-     "model path '{model}/config.json' is not a directory: point at a directory saved with save_pretrained "
-     "(config.json and *.safetensors)"),
-    ("input file id unknown", {"input": "file_000000000000"}, 404,
-     "no file 'file_000000000000': upload it with the job (`gpujobs submit --input FILE`)"),
-    ("input empty", {"input": ""}, 422,
-     "input is empty: give a file id (file_…) from POST /files, or a server path under JOBS_DATA_ROOTS"),
-    ("dataset server path missing", {"input": "{tmp}/nope.jsonl"}, 422,
-     "dataset path '{tmp}/nope.jsonl' does not exist on the server"),
+    (
+        "unknown attention backend",
+        {"attn_implementation": "bogus"},
+        422,
+        f"invalid generate spec: attn_implementation: Value error, {ATTN}",
+    ),
+    (
+        "unknown quantization",
+        {"quantization": "int3"},
+        422,
+        "invalid generate spec: quantization.method: Input should be 'bnb-4bit', 'bnb-8bit', 'torchao-int8', "
+        "'torchao-int4', 'torchao-float8' or 'fp8'",
+    ),
+    (
+        "unknown dtype",
+        {"dtype": "int8"},
+        422,
+        "invalid generate spec: dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'",
+    ),
+    (
+        "trust_remote_code forbidden",
+        {"trust_remote_code": True},
+        403,
+        "trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that transformers "
+        "supports natively",
+    ),
+    (
+        "model path missing",
+        {"model": "{tmp}/nope"},
+        422,
+        "model '{tmp}/nope' does not exist: give a local model directory or a Hub id (org/name)",
+    ),
+    (
+        "a relative path that is not a Hub id",
+        {"model": "../nope"},
+        422,
+        "model '../nope' does not exist: give a local model directory or a Hub id (org/name)",
+    ),
+    ("model path empty", {"model": " "}, 422, "model is empty: give a local model directory or a Hub id (org/name)"),
+    (
+        "model path is a file",
+        {"model": "{model}/config.json"},
+        422,
+        "model path '{model}/config.json' is not a directory: point at a directory saved with save_pretrained "
+        "(config.json and *.safetensors)",
+    ),
+    (
+        "input file id unknown",
+        {"input": "file_000000000000"},
+        404,
+        "no file 'file_000000000000': upload it with the job (`gpujobs submit --input FILE`)",
+    ),
+    (
+        "input empty",
+        {"input": ""},
+        422,
+        "input is empty: give a file id (file_…) from POST /files, or a server path under JOBS_DATA_ROOTS",
+    ),
+    (
+        "dataset server path missing",
+        {"input": "{tmp}/nope.jsonl"},
+        422,
+        "dataset path '{tmp}/nope.jsonl' does not exist on the server",
+    ),
     ("dataset server path a directory", {"input": "{tmp}"}, 422, "dataset path '{tmp}' is not a regular file"),
 ]
 
@@ -237,12 +335,21 @@ def test_a_bad_spec_is_refused_with_its_message_and_writes_nothing(api, model, t
     ("layout", "message"),
     [
         (dict(config=None), "model directory '{m}' has no config.json: point at a saved transformers model"),
-        (dict(weights="pytorch_model.bin"), "model directory '{m}' has no .safetensors weights (pickle .bin "
-         "checkpoints are refused): convert it with save_pretrained(..., safe_serialization=True)"),
-        (dict(config="{not json"), "model directory '{m}' has a config.json that is not a JSON object (of at most "
-         "10485760 bytes): save the model again with save_pretrained"),
-        (dict(config="[1, 2]"), "model directory '{m}' has a config.json that is not a JSON object (of at most "
-         "10485760 bytes): save the model again with save_pretrained"),
+        (
+            dict(weights="pytorch_model.bin"),
+            "model directory '{m}' has no .safetensors weights (pickle .bin "
+            "checkpoints are refused): convert it with save_pretrained(..., safe_serialization=True)",
+        ),
+        (
+            dict(config="{not json"),
+            "model directory '{m}' has a config.json that is not a JSON object (of at most "
+            "10485760 bytes): save the model again with save_pretrained",
+        ),
+        (
+            dict(config="[1, 2]"),
+            "model directory '{m}' has a config.json that is not a JSON object (of at most "
+            "10485760 bytes): save the model again with save_pretrained",
+        ),
     ],
     ids=["no config.json", "pickle weights only", "config.json not JSON", "config.json not an object"],
 )
@@ -256,16 +363,20 @@ def test_a_model_directory_that_is_not_a_saved_model_is_refused(api, tmp_path, l
 def test_remote_code_passes_that_check_when_the_server_allows_it(api, model):
     """With JOBS_ALLOW_REMOTE_CODE=1 a trust_remote_code spec passes the check and the job is queued."""
     api.setenv(JOBS_ALLOW_REMOTE_CODE="1")
-    response = api.submit({"model": str(model), "input": api.upload(lines({"prompt": "hi"})), "gpus": 0,
-                           "trust_remote_code": True})
+    response = api.submit(
+        {"model": str(model), "input": api.upload(lines({"prompt": "hi"})), "gpus": 0, "trust_remote_code": True}
+    )
     assert response.status_code == 201, response.text
     assert response.json()["state"] == "running" and response.json()["spec"]["trust_remote_code"] is True
 
 
 @pytest.mark.parametrize(
     ("body", "message"),
-    [(b"[1, 2]", "Input should be a valid dictionary"), (b'"a spec"', "Input should be a valid dictionary"),
-     (b"{not json", "JSON decode error")],
+    [
+        (b"[1, 2]", "Input should be a valid dictionary"),
+        (b'"a spec"', "Input should be a valid dictionary"),
+        (b"{not json", "JSON decode error"),
+    ],
     ids=["a JSON list", "a JSON string", "not JSON"],
 )
 def test_a_body_that_is_not_a_json_object_is_refused(api, body, message):
@@ -280,8 +391,13 @@ def test_a_body_that_is_not_a_json_object_is_refused(api, body, message):
 def test_another_owners_file_is_not_found(api, model):
     """bob cannot submit on alice's file: it answers 404 as if it did not exist, and nothing is written."""
     alices = api.upload(lines({"prompt": "hi"}))
-    refused(api, {"model": str(model), "input": alices, "gpus": 0}, 404,
-            f"no file {alices!r}: upload it with the job (`gpujobs submit --input FILE`)", headers=api.bob)
+    refused(
+        api,
+        {"model": str(model), "input": alices, "gpus": 0},
+        404,
+        f"no file {alices!r}: upload it with the job (`gpujobs submit --input FILE`)",
+        headers=api.bob,
+    )
 
 
 # --- server-side paths and roots ------------------------------------------------------------------------------
@@ -302,20 +418,33 @@ def test_a_model_outside_the_model_roots_is_refused(api, roots, tmp_path):
     too (models come only from the roots and JOBS_HUB_MODELS); the model inside the roots is accepted."""
     outside = fake_model(tmp_path / "elsewhere")
     data = str(roots["data"] / "ok.jsonl")
-    refused(api, {"model": str(outside), "input": data, "gpus": 0}, 403,
-            f"model path '{outside}' is outside the allowed roots ({roots['models']}): move it under one of them")
-    refused(api, {"model": "Qwen/Qwen3-0.6B", "input": data, "gpus": 0}, 422,
-            f"model 'Qwen/Qwen3-0.6B' is not a directory under the model roots ({roots['models']}): this server "
-            "loads models only from JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists")
-    refused(api, {"model": f"{roots['models']}/../elsewhere", "input": data, "gpus": 0}, 403,
-            f"model path '{roots['models']}/../elsewhere' is outside the allowed roots ({roots['models']}): move it "
-            "under one of them")
+    refused(
+        api,
+        {"model": str(outside), "input": data, "gpus": 0},
+        403,
+        f"model path '{outside}' is outside the allowed roots ({roots['models']}): move it under one of them",
+    )
+    refused(
+        api,
+        {"model": "Qwen/Qwen3-0.6B", "input": data, "gpus": 0},
+        422,
+        f"model 'Qwen/Qwen3-0.6B' is not a directory under the model roots ({roots['models']}): this server "
+        "loads models only from JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists",
+    )
+    refused(
+        api,
+        {"model": f"{roots['models']}/../elsewhere", "input": data, "gpus": 0},
+        403,
+        f"model path '{roots['models']}/../elsewhere' is outside the allowed roots ({roots['models']}): move it "
+        "under one of them",
+    )
     accepted = api.submit({"model": str(roots["models"] / "tiny"), "input": data, "gpus": 0})
     assert accepted.status_code == 201, accepted.text
 
 
 @pytest.mark.parametrize(
-    "path", ["{tmp}/other.jsonl", "{data}/../../../../etc/passwd", "/etc/passwd", "{data}/link-to-passwd"],
+    "path",
+    ["{tmp}/other.jsonl", "{data}/../../../../etc/passwd", "/etc/passwd", "{data}/link-to-passwd"],
     ids=["outside the roots", "traversal out of the root", "a system file", "a symlink in the root to /etc/passwd"],
 )
 def test_a_dataset_path_outside_the_data_roots_is_refused(api, roots, tmp_path, model, path):
@@ -324,8 +453,12 @@ def test_a_dataset_path_outside_the_data_roots_is_refused(api, roots, tmp_path, 
     (tmp_path / "other.jsonl").write_bytes(lines({"prompt": "hi"}))
     (roots["data"] / "link-to-passwd").symlink_to("/etc/passwd")
     path = path.format(tmp=tmp_path, data=roots["data"])
-    refused(api, {"model": str(model), "input": path, "gpus": 0}, 403,
-            f"dataset path {path!r} is outside the allowed roots ({roots['data']}): move it under one of them")
+    refused(
+        api,
+        {"model": str(model), "input": path, "gpus": 0},
+        403,
+        f"dataset path {path!r} is outside the allowed roots ({roots['data']}): move it under one of them",
+    )
 
 
 def test_a_server_path_refused_after_it_was_copied_in_leaves_no_copy(api, roots, model):
@@ -333,8 +466,12 @@ def test_a_server_path_refused_after_it_was_copied_in_leaves_no_copy(api, roots,
     first: the copy is removed when the submit's transaction rolls back."""
     dup = lines({"prompt": "a", "custom_id": "x"}, {"prompt": "b", "custom_id": "x"})
     (roots["data"] / "dup.jsonl").write_bytes(dup)
-    refused(api, {"model": str(model), "input": str(roots["data"] / "dup.jsonl"), "gpus": 0}, 422,
-            "duplicate custom_id 'x' on lines 1 and 2: custom_ids must be unique within a dataset")
+    refused(
+        api,
+        {"model": str(model), "input": str(roots["data"] / "dup.jsonl"), "gpus": 0},
+        422,
+        "duplicate custom_id 'x' on lines 1 and 2: custom_ids must be unique within a dataset",
+    )
     ok = api.submit({"model": str(model), "input": str(roots["data"] / "ok.jsonl"), "gpus": 0})
     assert ok.status_code == 201, ok.text
     assert len(api.stored()["on disk"]) == 1
@@ -346,6 +483,7 @@ def test_a_server_path_refused_after_it_was_copied_in_leaves_no_copy(api, roots,
 def test_an_upload_named_with_a_path_is_stored_under_our_own_id(api):
     """An upload named ../../etc/passwd is stored as files/<its id>; the name is kept only as the label
     'passwd'; nothing is written outside the store."""
+
     def written() -> set[Path]:
         return {p for p in api.artifacts.parent.parent.rglob("*") if p.is_file() and "jobs.db" not in p.name}
 
@@ -363,8 +501,11 @@ def test_an_oversized_upload_is_refused_and_leaves_nothing(api):
     api.setenv(JOBS_MAX_UPLOAD_BYTES="1000")
     before = api.stored()
     response = api.client.post("/files", files={"file": ("big.jsonl", b"x" * 5000)}, headers=api.admin)
-    assert error_of(response) == (422, "'big.jsonl' is larger than the upload limit of 1000 bytes "
-                                       "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs")
+    assert error_of(response) == (
+        422,
+        "'big.jsonl' is larger than the upload limit of 1000 bytes "
+        "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs",
+    )
     assert api.stored() == before
     assert not list(api.artifacts.rglob("*.part"))
 
@@ -374,14 +515,22 @@ def test_an_oversized_upload_is_refused_and_leaves_nothing(api):
 DATASET_CASES = [
     ("empty file", b"", EMPTY),
     ("blank lines only", b"\n   \n\r\n\t\n", EMPTY),
-    ("duplicate custom_ids",
-     lines({"prompt": "a", "custom_id": "q"}, "", {"prompt": "b"}, {"prompt": "c", "custom_id": "q"}),
-     "duplicate custom_id 'q' on lines 1 and 4: custom_ids must be unique within a dataset"),
-    ("a custom_id equal to a generated one", lines({"prompt": "a", "custom_id": "line-2"}, {"prompt": "b"}),
-     "duplicate custom_id 'line-2' on lines 1 and 2: custom_ids must be unique within a dataset"),
-    ("UTF-16", '{"prompt": "hi"}\n'.encode("utf-16"),
-     "the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it as UTF-8, one JSON object "
-     "per line"),
+    (
+        "duplicate custom_ids",
+        lines({"prompt": "a", "custom_id": "q"}, "", {"prompt": "b"}, {"prompt": "c", "custom_id": "q"}),
+        "duplicate custom_id 'q' on lines 1 and 4: custom_ids must be unique within a dataset",
+    ),
+    (
+        "a custom_id equal to a generated one",
+        lines({"prompt": "a", "custom_id": "line-2"}, {"prompt": "b"}),
+        "duplicate custom_id 'line-2' on lines 1 and 2: custom_ids must be unique within a dataset",
+    ),
+    (
+        "UTF-16",
+        '{"prompt": "hi"}\n'.encode("utf-16"),
+        "the dataset is UTF-16 encoded (it starts with a UTF-16 byte-order mark): save it as UTF-8, one JSON object "
+        "per line",
+    ),
 ]
 
 
@@ -396,8 +545,12 @@ def test_more_rows_than_jobs_max_rows_is_refused_before_any_insert(api, model):
     """With JOBS_MAX_ROWS=1000, 1001 rows are refused naming the limit and the setting, and nothing is
     written; 1000 rows (and blank lines) are accepted."""
     api.setenv(JOBS_MAX_ROWS="1000")
-    refused(api, {"model": str(model), "input": api.upload(lines(*[{"prompt": "p"}] * 1001)), "gpus": 0}, 422,
-            "the dataset has more than 1000 rows, the limit of this server (JOBS_MAX_ROWS): split it into several jobs")
+    refused(
+        api,
+        {"model": str(model), "input": api.upload(lines(*[{"prompt": "p"}] * 1001)), "gpus": 0},
+        422,
+        "the dataset has more than 1000 rows, the limit of this server (JOBS_MAX_ROWS): split it into several jobs",
+    )
     ok = api.submit({"model": str(model), "input": api.upload(lines(*[{"prompt": "p"}] * 1000, "", "")), "gpus": 0})
     assert ok.status_code == 201, ok.text
     assert ok.json()["rows"]["total"] == 1000
@@ -418,32 +571,65 @@ ROW_CASES = [
     ("not an object", b'["prompt", "x"]', "expected a JSON object, got list"),
     ("prompt as a number", {"prompt": 42}, "'prompt' must be a non-empty string, not a number"),
     ("prompt empty", {"prompt": ""}, "'prompt' must be a non-empty string"),
-    ("messages not a list", {"messages": "hello"}, "'messages' must be a non-empty list of {role, content} objects, "
-     "not a string"),
-    ("a message without content", {"messages": [{"role": "user"}]},
-     "messages[0] must be an object with 'role' (one of system, user, assistant, tool, developer) and 'content'"),
+    (
+        "messages not a list",
+        {"messages": "hello"},
+        "'messages' must be a non-empty list of {role, content} objects, not a string",
+    ),
+    (
+        "a message without content",
+        {"messages": [{"role": "user"}]},
+        "messages[0] must be an object with 'role' (one of system, user, assistant, tool, developer) and 'content'",
+    ),
     ("neither prompt nor messages", {"text": "hi"}, ONE_OF),
-    ("max_new_tokens as a string", {"prompt": "x", "max_new_tokens": "12"},
-     "invalid per-row parameter: max_new_tokens: Input should be a valid integer"),
-    ("do_sample as a number", {"prompt": "x", "do_sample": 1},
-     "invalid per-row parameter: do_sample: Input should be a valid boolean"),
-    ("temperature -1 in a row", {"prompt": "x", "temperature": -1},
-     "invalid per-row parameter: temperature: Input should be greater than or equal to 0"),
-    ("top_p 1.5 in a row", {"prompt": "x", "top_p": 1.5},
-     "invalid per-row parameter: top_p: Input should be less than or equal to 1"),
+    (
+        "max_new_tokens as a string",
+        {"prompt": "x", "max_new_tokens": "12"},
+        "invalid per-row parameter: max_new_tokens: Input should be a valid integer",
+    ),
+    (
+        "do_sample as a number",
+        {"prompt": "x", "do_sample": 1},
+        "invalid per-row parameter: do_sample: Input should be a valid boolean",
+    ),
+    (
+        "temperature -1 in a row",
+        {"prompt": "x", "temperature": -1},
+        "invalid per-row parameter: temperature: Input should be greater than or equal to 0",
+    ),
+    (
+        "top_p 1.5 in a row",
+        {"prompt": "x", "top_p": 1.5},
+        "invalid per-row parameter: top_p: Input should be less than or equal to 1",
+    ),
     ("sampling at temperature 0 in a row", {"prompt": "x", "do_sample": True, "temperature": 0}, SAMPLE_AT_ZERO),
     ("two outputs under greedy decoding in a row", {"prompt": "x", "num_return_sequences": 2}, GREEDY_N2),
-    ("17 stop strings in a row", {"prompt": "x", "stop": ["s"] * 17},
-     "invalid per-row parameter: stop: List should have at most 16 items after validation, not 17"),
+    (
+        "17 stop strings in a row",
+        {"prompt": "x", "stop": ["s"] * 17},
+        "invalid per-row parameter: stop: List should have at most 16 items after validation, not 17",
+    ),
     ("non-UTF-8 bytes", b'{"prompt": "caf\xe9"}', "not valid UTF-8 at byte 15: save the file as UTF-8"),
-    ("a NUL in the custom_id", {"prompt": "x", "custom_id": "a\u0000b"},
-     "custom_id must be a non-empty string of at most 255 printable characters"),
-    ("NaN as a value", b'{"prompt": "x", "score": NaN}',
-     "invalid JSON: NaN is not a JSON value: write null or a number"),
-    ("a lone surrogate escape", b'{"prompt": "a\\ud800b"}',
-     "the row holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), which is not text: fix or remove the escape"),
-    ("JSON nested too deeply", b'{"prompt": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-     "invalid JSON: nested too deeply"),
+    (
+        "a NUL in the custom_id",
+        {"prompt": "x", "custom_id": "a\u0000b"},
+        "custom_id must be a non-empty string of at most 255 printable characters",
+    ),
+    (
+        "NaN as a value",
+        b'{"prompt": "x", "score": NaN}',
+        "invalid JSON: NaN is not a JSON value: write null or a number",
+    ),
+    (
+        "a lone surrogate escape",
+        b'{"prompt": "a\\ud800b"}',
+        "the row holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), which is not text: fix or remove the escape",
+    ),
+    (
+        "JSON nested too deeply",
+        b'{"prompt": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "invalid JSON: nested too deeply",
+    ),
 ]
 
 
@@ -459,13 +645,17 @@ def test_a_bad_row_fails_alone_and_the_other_rows_are_kept(api, model, bad, erro
     [(line, custom_id, message)] = row_errors(api, job["id"])
     assert (line, message) == (3, f"line 3: {error}")
     assert [(r.custom_id, r.state, (r.input or {}).get("prompt")) for r in rows_of(job["id"])] == [
-        ("a", "pending", "first"), (custom_id, "failed", None), ("b", "pending", "last")]
+        ("a", "pending", "first"),
+        (custom_id, "failed", None),
+        ("b", "pending", "last"),
+    ]
 
 
 def test_a_row_with_the_jobs_temperature_0_and_its_own_do_sample_fails(api, model):
     """A row's do_sample is checked together with the job's temperature 0 (the engine would fail the shard)."""
-    data = lines({"prompt": "x", "do_sample": True}, {"prompt": "y"},
-                 {"prompt": "z", "do_sample": True, "temperature": 0.7})
+    data = lines(
+        {"prompt": "x", "do_sample": True}, {"prompt": "y"}, {"prompt": "z", "do_sample": True, "temperature": 0.7}
+    )
     job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0, "temperature": 0}).json()
     assert [(line, error) for line, _, error in row_errors(api, job["id"])] == [(1, f"line 1: {SAMPLE_AT_ZERO}")]
     assert job["rows"]["pending"] == 2
@@ -475,11 +665,20 @@ def test_a_rows_parameter_the_jobs_engine_refuses_fails_that_row_at_submit(api, 
     """Per-row checks of the engine the job asked for run at submit (the worker would refuse them one by one):
     a row's repetition_penalty under engine continuous, a row's top_p under engine fast, n > 1 where the job is
     greedy; the other rows stay pending."""
-    cases = [("continuous", {"repetition_penalty": 1.3}, "repetition_penalty is not supported by the continuous "
-              "engine (transformers drops it): use engine padded or auto"),
-             ("fast", {"do_sample": True, "temperature": 0.5, "top_p": 0.5}, "top_p is not supported by the fast "
-              "engine: use engine auto (which runs such rows padded) or padded"),
-             ("padded", {"num_return_sequences": 3, "temperature": 0}, GREEDY_N2.replace("sequences 2", "sequences 3"))]
+    cases = [
+        (
+            "continuous",
+            {"repetition_penalty": 1.3},
+            "repetition_penalty is not supported by the continuous "
+            "engine (transformers drops it): use engine padded or auto",
+        ),
+        (
+            "fast",
+            {"do_sample": True, "temperature": 0.5, "top_p": 0.5},
+            "top_p is not supported by the fast engine: use engine auto (which runs such rows padded) or padded",
+        ),
+        ("padded", {"num_return_sequences": 3, "temperature": 0}, GREEDY_N2.replace("sequences 2", "sequences 3")),
+    ]
     for engine, params, error in cases:
         data = lines({"prompt": "ok"}, {"prompt": "x", **params})
         response = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0, "engine": engine})
@@ -496,8 +695,9 @@ def test_a_refused_csv_row_keeps_its_pass_through_columns_in_its_error_record(ap
     response = api.client.get(f"/jobs/{job['id']}/results", params={"errors": True}, headers=api.admin)
     [record] = map(json.loads, response.text.splitlines())
     assert record["tag"] == "keep-2" and record["line"] == 3 and record["error"].startswith("line 3: invalid per-row")
-    exported = api.client.get(f"/jobs/{job['id']}/results", params={"errors": True, "format": "csv"},
-                              headers=api.admin).text
+    exported = api.client.get(
+        f"/jobs/{job['id']}/results", params={"errors": True, "format": "csv"}, headers=api.admin
+    ).text
     assert exported.splitlines()[0].split(",")[-1] == "tag" and exported.splitlines()[1].endswith(",keep-2")
 
 
@@ -507,8 +707,14 @@ def test_a_10_mb_prompt_is_a_failed_row_that_is_not_stored_in_full(api, model):
     huge = json.dumps({"prompt": "x" * 10_000_000}).encode()
     data = lines({"prompt": "before"}, huge, {"prompt": "after"})
     job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
-    assert row_errors(api, job["id"]) == [(2, "line-2", f"line 2: row of {len(huge)} bytes exceeds the limit of "
-                                           "1048576 bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it")]
+    assert row_errors(api, job["id"]) == [
+        (
+            2,
+            "line-2",
+            f"line 2: row of {len(huge)} bytes exceeds the limit of "
+            "1048576 bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it",
+        )
+    ]
     bad = rows_of(job["id"])[1]
     assert bad.input == {"raw": huge[:2000].decode()}
     assert job["rows"] == {"total": 3, "succeeded": 0, "failed": 1, "pending": 2}
@@ -521,8 +727,9 @@ def test_a_row_at_the_size_limit_is_kept_and_one_byte_more_is_not(ending):
     assert len(row) == 102
     parsed = list(parse_jsonl(io.BytesIO(row + (ending or b"\n") + row + b"x" + ending), max_row_bytes=102))
     assert parsed[0].error is None
-    assert parsed[1].error == ("line 2: row of 103 bytes exceeds the limit of 102 bytes (JOBS_MAX_ROW_BYTES): "
-                               "shorten the row or split it")
+    assert parsed[1].error == (
+        "line 2: row of 103 bytes exceeds the limit of 102 bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it"
+    )
 
 
 def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_row(api, model):
@@ -536,8 +743,10 @@ def test_a_dataset_of_only_bad_rows_fails_before_any_shard_is_queued(api, model)
     data = lines("{broken", {"prompt": 7}, b"\xff\xfe")
     job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
     assert job["state"] == "failed"
-    assert job["error"] == "every row is invalid; the first: line 1: invalid JSON: Expecting property name " \
-                           "enclosed in double quotes (column 2)"
+    assert (
+        job["error"] == "every row is invalid; the first: line 1: invalid JSON: Expecting property name "
+        "enclosed in double quotes (column 2)"
+    )
     assert [line for line, _, _ in row_errors(api, job["id"])] == [1, 2, 3]
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job["id"])) == 0
@@ -570,11 +779,18 @@ def test_the_cli_refuses_bad_input_with_its_exit_code_and_writes_nothing(tmp_pat
     empty = write_rows(tmp_path / "empty.jsonl", [])
     bad = write_rows(tmp_path / "bad.jsonl", ["{oops", {"prompt": ""}])
     cases = [
-        (["--input", bad], 2, "Error: missing --model (or `model:` in the spec file); only OpenAI batch lines may "
-                              "name the model instead, in body.model"),
+        (
+            ["--input", bad],
+            2,
+            "Error: missing --model (or `model:` in the spec file); only OpenAI batch lines may "
+            "name the model instead, in body.model",
+        ),
         (["--model", str(model), "--input", empty, "--gpus", "0"], 2, f"Error: {EMPTY}"),
-        (["--model", str(model), "--input", str(tmp_path / "missing.jsonl"), "--gpus", "0"], 2,
-         f"Error: dataset path '{tmp_path / 'missing.jsonl'}' does not exist on the server"),
+        (
+            ["--model", str(model), "--input", str(tmp_path / "missing.jsonl"), "--gpus", "0"],
+            2,
+            f"Error: dataset path '{tmp_path / 'missing.jsonl'}' does not exist on the server",
+        ),
     ]
     for args, code, message in cases:
         result = jobs(env, "submit", "generate", *args)
@@ -585,11 +801,17 @@ def test_the_cli_refuses_bad_input_with_its_exit_code_and_writes_nothing(tmp_pat
     assert waited.returncode == 1 and waited.stdout.startswith("job_"), waited.stderr
     with session_scope() as session:
         [job] = session.scalars(select(Job)).all()
-        assert (job.state, job.rows_failed, job.error) == ("failed", 2, "every row is invalid; the first: line 1: "
-                                                           "invalid JSON: Expecting property name enclosed in double "
-                                                           "quotes (column 2)")
-    for args, message in ((["--run", "2"], f"Error: job {job.id} has only run 1 (each retry starts the next)"),
-                          (["--run", "1", "--all-runs"], "Error: give --run N or --all-runs, not both")):
+        assert (job.state, job.rows_failed, job.error) == (
+            "failed",
+            2,
+            "every row is invalid; the first: line 1: "
+            "invalid JSON: Expecting property name enclosed in double "
+            "quotes (column 2)",
+        )
+    for args, message in (
+        (["--run", "2"], f"Error: job {job.id} has only run 1 (each retry starts the next)"),
+        (["--run", "1", "--all-runs"], "Error: give --run N or --all-runs, not both"),
+    ):
         refused = jobs(env, "events", job.id, *args)
         assert (refused.returncode, refused.stderr.strip(), refused.stdout) == (2, message, ""), args
 
@@ -606,8 +828,13 @@ def test_gpus_contradicting_cuda_visible_devices_exits_5(jobs_env):
 
 def build_untrained_model(out: Path) -> Path:
     """A tiny random Qwen3 model with its tokenizer (no training: the answers do not matter here)."""
-    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out)], check=True, cwd=ROOT, capture_output=True,
-                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    subprocess.run(
+        [sys.executable, "-m", "worker.tinymodel", str(out)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     return out
 
 
@@ -617,22 +844,40 @@ def test_a_worker_survives_bad_rows_and_takes_the_next_job(api, jobs_env, spawn_
     worker = spawn_worker([], wait=False)
     model = build_untrained_model(tmp_path / "untrained")  # while the worker starts
     wait_for(lambda: registered(jobs_env.database_url, worker.pid), 90, "worker registration", procs=[worker])
-    rows = [{"prompt": "hello", "custom_id": "good-1"}, "{oops", {"prompt": "x", "max_new_tokens": "5"},
-            {"prompt": "too long", "max_new_tokens": 131072, "custom_id": "long"},
-            {"prompt": "x", "do_sample": True, "temperature": 0},
-            {"messages": [{"role": "user", "content": "hi"}], "custom_id": "good-2"}]
+    rows = [
+        {"prompt": "hello", "custom_id": "good-1"},
+        "{oops",
+        {"prompt": "x", "max_new_tokens": "5"},
+        {"prompt": "too long", "max_new_tokens": 131072, "custom_id": "long"},
+        {"prompt": "x", "do_sample": True, "temperature": 0},
+        {"messages": [{"role": "user", "content": "hi"}], "custom_id": "good-2"},
+    ]
     spec = {"model": str(model), "max_new_tokens": 4, "batch_rows": 8}
     first = api.submit({**spec, "input": api.upload(lines(*rows))}).json()
-    done = wait_for(lambda: (j := api.client.get(f"/jobs/{first['id']}", headers=api.admin).json())["state"]
-                    in ("succeeded", "failed") and j, 90, "the first job", procs=[worker])
+    done = wait_for(
+        lambda: (
+            (j := api.client.get(f"/jobs/{first['id']}", headers=api.admin).json())["state"] in ("succeeded", "failed")
+            and j
+        ),
+        90,
+        "the first job",
+        procs=[worker],
+    )
     assert done["state"] == "succeeded" and done["rows"]["succeeded"] == 2 and done["rows"]["failed"] == 4
     errors = {custom_id: error for _, custom_id, error in row_errors(api, first["id"])}
     assert sorted(errors) == ["line-2", "line-3", "line-5", "long"]
     # caught before any GPU time by the API's token check (the validating step), so it names its line
-    assert re.fullmatch(r"line 4: prompt of \d+ tokens \+ max_new_tokens 131072 exceeds the model's context of 512 tokens: "
-                        r"shorten the prompt or lower max_new_tokens", errors["long"]), errors["long"]
+    assert re.fullmatch(
+        r"line 4: prompt of \d+ tokens \+ max_new_tokens 131072 exceeds the model's context of 512 tokens: "
+        r"shorten the prompt or lower max_new_tokens",
+        errors["long"],
+    ), errors["long"]
     assert worker.alive()
     second = api.submit({**spec, "input": api.upload(lines({"prompt": "again"}))}).json()
-    wait_for(lambda: api.client.get(f"/jobs/{second['id']}", headers=api.admin).json()["state"] == "succeeded", 60,
-             "the next job", procs=[worker])
+    wait_for(
+        lambda: api.client.get(f"/jobs/{second['id']}", headers=api.admin).json()["state"] == "succeeded",
+        60,
+        "the next job",
+        procs=[worker],
+    )
     assert worker.alive()

@@ -38,8 +38,9 @@ def test_up_demo_down_on_a_fresh_home(tmp_path, redis_server):
     finally:
         down = jobs(env, "down")
     assert down.returncode == 0
-    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"
-                   for p in pids)
+    assert not any(
+        os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z" for p in pids
+    )
     assert not (tmp_path / "home" / "run" / "stack.json").exists()
 
 
@@ -95,8 +96,18 @@ def test_read_commands_follow_a_job_and_the_model_stays_resident(tmp_path, cli_e
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}] * 3)
     ids = []
     for _ in range(2):
-        sub = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--max-new-tokens",
-                   "8", check=True)
+        sub = jobs(
+            cli_env,
+            "submit",
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--input",
+            data,
+            "--max-new-tokens",
+            "8",
+            check=True,
+        )
         ids.append(sub.stdout.strip())
         follow = jobs(cli_env, "events", ids[-1], "--follow", check=True)
         assert "job → succeeded" in follow.stdout
@@ -120,8 +131,9 @@ def test_cancelled_job_waits_with_exit_1(tmp_path, cli_env, tiny_model):
     """A job cancelled before any worker took it ends `cancelled`; `jobs wait` exits 1, `jobs cancel` again is
     refused with a clear message."""
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 4)
-    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
-                  check=True).stdout.strip()
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()
     assert jobs(cli_env, "cancel", job_id, check=True).stdout.split() == [job_id, "cancelled"]
     assert jobs(cli_env, "wait", job_id).returncode == 1
     again = jobs(cli_env, "cancel", job_id)
@@ -154,14 +166,24 @@ def test_up_in_the_foreground_stops_everything_on_ctrl_c_even_with_sigint_ignore
     # its output goes to a file, never to a pipe nobody reads (a full pipe would block `up` and what inherits it)
     out = tmp_path / "up.log"
     with open(out, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "api", "up", "--port", str(free_port())], env=env, cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=ignore_job_control_signals)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api", "up", "--port", str(free_port())],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=ignore_job_control_signals,
+        )
     try:
+
         def healthy():
-            return stack_file.exists() and json.loads(stack_file.read_text()).get("workers") and \
-                jobs(env, "workers", "--json").returncode == 0 and \
-                any(w["state"] == "online" for w in json.loads(jobs(env, "workers", "--json").stdout))
+            return (
+                stack_file.exists()
+                and json.loads(stack_file.read_text()).get("workers")
+                and jobs(env, "workers", "--json").returncode == 0
+                and any(w["state"] == "online" for w in json.loads(jobs(env, "workers", "--json").stdout))
+            )
 
         wait_for(healthy, 120, "the foreground stack")
         wait_for(lambda: "Ctrl-C stops it" in out.read_text(), 60, "up to say it runs in the foreground")
@@ -177,8 +199,9 @@ def test_up_in_the_foreground_stops_everything_on_ctrl_c_even_with_sigint_ignore
         if proc.poll() is None:
             proc.kill()
     pids = [stack["redis"], stack["api"], *stack["workers"]]
-    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"
-                   for p in pids)
+    assert not any(
+        os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z" for p in pids
+    )
     assert not stack_file.exists()
     assert proc.returncode == 0 and "SIGINT: stopping the stack" in out.read_text()
 
@@ -189,8 +212,9 @@ def test_submit_reads_a_spec_file_and_flags_override_it(tmp_path, cli_env, spawn
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}])
     spec = tmp_path / "job.yaml"
     spec.write_text(f"kind: generate\nmodel: {tiny_model}\ninput: {data}\nmax_new_tokens: 2\nname: from-file\n")
-    job_id = jobs(cli_env, "submit", "generate", "--spec", str(spec), "--max-new-tokens", "16", "--wait",
-                  check=True).stdout.strip()
+    job_id = jobs(
+        cli_env, "submit", "generate", "--spec", str(spec), "--max-new-tokens", "16", "--wait", check=True
+    ).stdout.strip()
     job = json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)
     assert job["name"] == "from-file" and job["spec"]["max_new_tokens"] == 16
     assert json.loads(jobs(cli_env, "results", job_id, check=True).stdout)["output"] == "Paris."
@@ -217,8 +241,9 @@ def test_wait_timeout_exits_124_and_retry_of_a_live_job_exits_2(tmp_path, cli_en
     """`wait --timeout` on a job that has not ended exits 124 (not 1, a failed job's code) and says the job goes on;
     `retry` of a job that has not finished is a usage error (exit 2) that says what to do; nothing changes."""
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 2)
-    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
-                  check=True).stdout.strip()  # no worker: it stays queued
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()  # no worker: it stays queued
     waited = jobs(cli_env, "wait", job_id, "--timeout", "0.5")
     assert waited.returncode == 124, waited.stderr
     assert f"job {job_id} is still running" in waited.stderr and f"gpujobs cancel {job_id}" in waited.stderr
@@ -236,8 +261,12 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     from core.store import add_event
 
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
-    ids = [jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
-                check=True).stdout.strip() for _ in range(2)]
+    ids = [
+        jobs(
+            cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
     with session_scope() as session:
         stored = len(jobs(cli_env, "events", ids[0], "--json", check=True).stdout.splitlines())
         for i in range(607 - stored):
@@ -246,11 +275,17 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     assert len(printed) == 607 and printed[-1].endswith(f"note {606 - stored}")
     import httpx
 
-    page = httpx.get(f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events", params={"limit": 600},
-                     headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"})
+    page = httpx.get(
+        f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events",
+        params={"limit": 600},
+        headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"},
+    )
     assert len(page.json()) == 600 and page.headers["X-Has-More"] == "true"
-    rest = httpx.get(f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events", params={"after": page.json()[-1]["id"]},
-                     headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"})
+    rest = httpx.get(
+        f"{cli_env['JOBS_API_URL']}/jobs/{ids[0]}/events",
+        params={"after": page.json()[-1]["id"]},
+        headers={"Authorization": f"Bearer {cli_env['JOBS_TOKEN']}"},
+    )
     assert len(rest.json()) == 7 and rest.headers["X-Has-More"] == "false"
     cut = jobs(cli_env, "list", "--limit", "1", check=True)
     assert cut.stdout.split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
@@ -258,16 +293,29 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     assert len(whole.stdout.splitlines()) == 2 and "older jobs exist" not in whole.stderr
 
 
-def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(tmp_path, cli_env, spawn_worker,
-                                                                                 tiny_model):
+def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(
+    tmp_path, cli_env, spawn_worker, tiny_model
+):
     """After cancel and retry, `status` shows run 2 without run 1's "done in", `events` shows run 2's events
     (`--run 1` and `--all-runs` the history), and run 2's duration starts at its own first claim, not counting the
     idle time between the cancel and the retry."""
     import time
 
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "What is the capital of France?"}] * 2)
-    job_id = jobs(cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0",
-                  "--max-new-tokens", "4", check=True).stdout.strip()  # no worker yet: it waits
+    job_id = jobs(
+        cli_env,
+        "submit",
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--input",
+        data,
+        "--gpus",
+        "0",
+        "--max-new-tokens",
+        "4",
+        check=True,
+    ).stdout.strip()  # no worker yet: it waits
     jobs(cli_env, "cancel", job_id, check=True)
     assert "done in" in jobs(cli_env, "status", job_id, check=True).stdout  # run 1's numbers, while it is current
     retried_at = time.time()

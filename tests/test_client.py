@@ -16,8 +16,9 @@ def write_rows(path, rows) -> str:
     return str(path)
 
 
-def test_submit_wait_with_progress_results_status_and_cancel(tmp_path, jobs_env, api_server, spawn_worker,
-                                                             tiny_model, capsys):
+def test_submit_wait_with_progress_results_status_and_cancel(
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model, capsys
+):
     """submit(input=local file) uploads it; wait() calls back on every poll and prints progress; results()
     yields the memorized answers in input order; status() and cancel() work; a cancelled job ends cancelled."""
     url, token, _ = api_server
@@ -27,12 +28,12 @@ def test_submit_wait_with_progress_results_status_and_cancel(tmp_path, jobs_env,
         data = write_rows(tmp_path / "qa.jsonl", [{"prompt": q, "custom_id": f"q{i}"} for i, (q, _) in enumerate(qa)])
         job = client.submit({"model": str(tiny_model), "max_new_tokens": 16}, input=data)
         seen = []
-        done = client.wait(job["id"], poll=0.2, timeout=120, on_update=lambda j: seen.append(j["state"]),
-                           progress=True)
+        done = client.wait(job["id"], poll=0.2, timeout=120, on_update=lambda j: seen.append(j["state"]), progress=True)
         assert done["state"] == "succeeded" and seen[-1] == "succeeded"
         assert f"{job['id']} succeeded  {len(qa)}/{len(qa)} rows" in capsys.readouterr().err
-        assert [(r["custom_id"], r["output"]) for r in client.results(job["id"])] == \
-               [(f"q{i}", a) for i, (_, a) in enumerate(qa)]
+        assert [(r["custom_id"], r["output"]) for r in client.results(job["id"])] == [
+            (f"q{i}", a) for i, (_, a) in enumerate(qa)
+        ]
         assert list(client.results(job["id"], errors=True)) == []
         assert client.status(job["id"])["rows"] == {"total": len(qa), "succeeded": len(qa), "failed": 0, "pending": 0}
 

@@ -22,9 +22,18 @@ def test_two_hosts_drain_one_job_on_postgres(tmp_path, pg_jobs_env, spawn_worker
         hosts.append(spawn_worker([], JOBS_HOME=str(home), JOBS_HOSTNAME=name))
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Row {i}"}) + "\n" for i in range(64)))
-    job = service.submit(owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0,
-                                               "max_new_tokens": 32, "ignore_eos": True, "shard_rows": 4,
-                                               "batch_rows": 2})
+    job = service.submit(
+        owner="t",
+        spec_data={
+            "model": str(tiny_model),
+            "input": str(data),
+            "gpus": 0,
+            "max_new_tokens": 32,
+            "ignore_eos": True,
+            "shard_rows": 4,
+            "batch_rows": 2,
+        },
+    )
     wait_for(lambda: views.get(job["id"], owner=None)["state"] == "succeeded", 180, "the job", procs=hosts)
     with session_scope() as session:
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job["id"])).all()

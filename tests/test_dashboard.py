@@ -25,8 +25,7 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,900"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,900"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
@@ -49,8 +48,9 @@ def sign_in(driver, url: str, token: str) -> None:
     driver.find_element("css selector", "#signin").click()
 
 
-def test_dashboard_shows_a_running_job_live_and_matches_the_api(tmp_path, jobs_env, api_server, spawn_worker,
-                                                                 tiny_model, browser):
+def test_dashboard_shows_a_running_job_live_and_matches_the_api(
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model, browser
+):
     """Signed in with a token, the job page's done-count rises from one read to the next, always within what
     the API said just before and just after; at the end it equals the API's; the jobs list shows state and owner,
     the workers page the live worker; a bad token is refused with a message. Screenshots in the test's tmp dir."""
@@ -62,8 +62,9 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(tmp_path, jobs_e
     client = Client(url, token)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"row {i}: tell me a story"}) + "\n" for i in range(200)))
-    job = client.submit({"model": str(tiny_model), "max_new_tokens": 16, "ignore_eos": True, "batch_rows": 4},
-                        input=data)
+    job = client.submit(
+        {"model": str(tiny_model), "max_new_tokens": 16, "ignore_eos": True, "batch_rows": 4}, input=data
+    )
     sign_in(browser, url, token)
     wait_for(lambda: job["id"] in (text(browser, "#jobs") or ""), 20, "the job in the jobs list")
     row = browser.find_element("css selector", f'tr[data-job="{job["id"]}"]').text
@@ -81,8 +82,11 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(tmp_path, jobs_e
         """The first count the page draws that is at least the API's just before and above `above`; it never exceeds
         the API's just after (the page shows what the API said, never more)."""
         before = api_done()
-        value = wait_for(lambda: (v := shown()) is not None and v >= before and v > above and v, 120,
-                         f"the page to draw a count of at least {before} and above {above}")
+        value = wait_for(
+            lambda: (v := shown()) is not None and v >= before and v > above and v,
+            120,
+            f"the page to draw a count of at least {before} and above {above}",
+        )
         after = api_done()
         assert before <= value <= after, (before, value, after)
         return value
@@ -104,12 +108,14 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(tmp_path, jobs_e
     browser.get(f"{url}/dashboard#/workers")
     workers = wait_for(lambda: text(browser, "#workers"), 10, "the workers table")
     assert "online" in workers and "CPU" in workers
-    assert httpx.get(f"{url}/jobs/{job['id']}/throughput", headers={"Authorization": f"Bearer {token}"}
-                     ).json()["points"]
+    assert httpx.get(f"{url}/jobs/{job['id']}/throughput", headers={"Authorization": f"Bearer {token}"}).json()[
+        "points"
+    ]
 
 
-def test_a_finetune_page_shows_training_not_generation(tmp_path, jobs_env, api_server, spawn_worker, base_model,
-                                                       browser):
+def test_a_finetune_page_shows_training_not_generation(
+    tmp_path, jobs_env, api_server, spawn_worker, base_model, browser
+):
     """A fine-tune's page shows step, epoch, loss, training tok/s and ETA cards and its loss curve, not a generation
     job's output tokens, tok/s and throughput chart; the jobs list gives its training tok/s; an events table cut
     at 200 says so."""
@@ -118,9 +124,18 @@ def test_a_finetune_page_shows_training_not_generation(tmp_path, jobs_env, api_s
     url, token, _ = api_server
     spawn_worker([])
     client = Client(url, token)
-    job = client.submit({"kind": "finetune", "model": str(base_model), "gpus": 0, "max_steps": 4, "batch_size": 12,
-                         "learning_rate": 1e-2, "lr_scheduler": "constant"},
-                        input=ROOT / "examples" / "finetune_qa.jsonl")
+    job = client.submit(
+        {
+            "kind": "finetune",
+            "model": str(base_model),
+            "gpus": 0,
+            "max_steps": 4,
+            "batch_size": 12,
+            "learning_rate": 1e-2,
+            "lr_scheduler": "constant",
+        },
+        input=ROOT / "examples" / "finetune_qa.jsonl",
+    )
     assert client.wait(job["id"], poll=0.5, timeout=300)["state"] == "succeeded"
     from core.db import session_scope
     from core.store import add_event

@@ -26,8 +26,10 @@ def parse(data: bytes) -> list[ParsedRow]:
 def test_prompt_and_messages_rows_parse_into_the_stored_form():
     """A prompt row and a messages row become {prompt|messages, params: {}, extra: {}} with 0-based idx and 1-based line."""
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    rows = parse(b'{"prompt": "Hello"}\n'
-                 b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}\n')
+    rows = parse(
+        b'{"prompt": "Hello"}\n'
+        b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}\n'
+    )
     assert rows == [
         ParsedRow(0, 1, "line-1", {"prompt": "Hello", "params": {}, "extra": {}}),
         ParsedRow(1, 2, "line-2", {"messages": messages, "params": {}, "extra": {}}),
@@ -45,12 +47,9 @@ def test_every_role_is_accepted():
 
 def test_custom_id_is_kept_or_generated_from_the_physical_line():
     """A given custom_id is kept; a missing one becomes line-N, N the 1-based physical line (blank lines count, are skipped)."""
-    rows = parse(b'{"prompt": "a"}\n'
-                 b"\n"
-                 b"   \n"
-                 b'{"prompt": "b", "custom_id": "mine"}\n'
-                 b"\r\n"
-                 b'{"prompt": "c"}')  # no trailing newline on the last line
+    rows = parse(
+        b'{"prompt": "a"}\n\n   \n{"prompt": "b", "custom_id": "mine"}\n\r\n{"prompt": "c"}'
+    )  # no trailing newline on the last line
     assert [(r.idx, r.line, r.custom_id) for r in rows] == [(0, 1, "line-1"), (1, 4, "mine"), (2, 6, "line-6")]
     assert all(r.error is None for r in rows)
     assert "custom_id" not in rows[1].input["extra"]
@@ -58,8 +57,10 @@ def test_custom_id_is_kept_or_generated_from_the_physical_line():
 
 def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
     """Unknown keys go unchanged to extra; sampling parameters become validated per-row params (stop string → list)."""
-    (row,) = parse(b'{"prompt": "p", "temperature": 0.5, "max_new_tokens": 12, "stop": "END", "seed": null, '
-                   b'"meta": {"a": [1, 2]}, "tag": "t", "params": "mine"}\n')
+    (row,) = parse(
+        b'{"prompt": "p", "temperature": 0.5, "max_new_tokens": 12, "stop": "END", "seed": null, '
+        b'"meta": {"a": [1, 2]}, "tag": "t", "params": "mine"}\n'
+    )
     assert row.error is None
     assert row.input == {
         "prompt": "p",
@@ -89,16 +90,19 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
         (b'{"messages": [{"role": "user", "content": "x"}, {"role": "user"}]}', f"messages[1] {BAD_MESSAGE}"),
         (b'{"messages": [{"role": "user", "content": 3}]}', f"messages[0] {BAD_MESSAGE}"),
         (b'{"messages": ["hi"]}', f"messages[0] {BAD_MESSAGE}"),
-        (b'{"prompt": "x", "temperature": -1}',
-         "invalid per-row parameter: temperature: Input should be greater than or equal to 0"),
-        (b'{"prompt": "x", "max_new_tokens": 0, "top_p": 2}',
-         "invalid per-row parameter: max_new_tokens: Input should be greater than or equal to 1; "
-         "top_p: Input should be less than or equal to 1"),
+        (
+            b'{"prompt": "x", "temperature": -1}',
+            "invalid per-row parameter: temperature: Input should be greater than or equal to 0",
+        ),
+        (
+            b'{"prompt": "x", "max_new_tokens": 0, "top_p": 2}',
+            "invalid per-row parameter: max_new_tokens: Input should be greater than or equal to 1; "
+            "top_p: Input should be less than or equal to 1",
+        ),
         (b'{"prompt": "x", "stop": 5}', "invalid per-row parameter: stop: Input should be a valid list"),
         (b'{"prompt": "x", "custom_id": ""}', CUSTOM_ID),
         (b'{"prompt": "x", "custom_id": 7}', CUSTOM_ID),
-        (b'{"prompt": "x", "custom_id": "' + b"c" * 256 + b'"}',
-         CUSTOM_ID),
+        (b'{"prompt": "x", "custom_id": "' + b"c" * 256 + b'"}', CUSTOM_ID),
     ],
 )
 def test_a_bad_row_fails_alone_with_its_line_and_reason(line, reason):
@@ -154,9 +158,7 @@ def test_a_duplicate_custom_id_is_refused_naming_both_lines():
     """Two rows with one custom_id refuse the dataset, naming the id and both physical lines."""
     with pytest.raises(InvalidInput) as info:
         parse(b'{"prompt": "a", "custom_id": "x"}\n\n{"prompt": "b"}\n{"prompt": "c", "custom_id": "x"}\n')
-    assert str(info.value) == (
-        "duplicate custom_id 'x' on lines 1 and 4: custom_ids must be unique within a dataset"
-    )
+    assert str(info.value) == ("duplicate custom_id 'x' on lines 1 and 4: custom_ids must be unique within a dataset")
 
 
 def test_a_given_custom_id_equal_to_a_generated_one_is_a_duplicate():
@@ -179,8 +181,12 @@ def test_read_records_gives_every_format_its_place(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"q": "x"}\n\n{"q": "y"}\n')
     (tmp_path / "a.csv").write_text("q\nx\ny\n")
     pq.write_table(pa.table({"q": ["x", "y"]}), tmp_path / "a.parquet")
-    places = {fmt: [(r.pos, r.data) for r in read_records(tmp_path / f"a.{fmt}", fmt, columns={"prompt": "q"})]
-              for fmt in ("jsonl", "csv", "parquet")}
-    assert places == {"jsonl": [(1, {"prompt": "x"}), (3, {"prompt": "y"})],
-                      "csv": [(2, {"prompt": "x"}), (3, {"prompt": "y"})],
-                      "parquet": [(0, {"prompt": "x"}), (1, {"prompt": "y"})]}
+    places = {
+        fmt: [(r.pos, r.data) for r in read_records(tmp_path / f"a.{fmt}", fmt, columns={"prompt": "q"})]
+        for fmt in ("jsonl", "csv", "parquet")
+    }
+    assert places == {
+        "jsonl": [(1, {"prompt": "x"}), (3, {"prompt": "y"})],
+        "csv": [(2, {"prompt": "x"}), (3, {"prompt": "y"})],
+        "parquet": [(0, {"prompt": "x"}), (1, {"prompt": "y"})],
+    }

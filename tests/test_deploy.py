@@ -160,12 +160,23 @@ def test_compose_file_validates_with_docker_compose():
     if not shutil.which("docker-compose"):
         require_service("docker-compose", "apt-get install --no-install-recommends docker-compose")
     base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/root")}
-    ok = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"], env={**base, **COMPOSE_ENV},
-                        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config", "-q"],
+        env={**base, **COMPOSE_ENV},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
-    missing = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"],
-                             env={**base, "POSTGRES_PASSWORD": "x"}, cwd=ROOT, capture_output=True, text=True,
-                             timeout=60)
+    missing = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config", "-q"],
+        env={**base, "POSTGRES_PASSWORD": "x"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode != 0 and "REDIS_PASSWORD" in missing.stderr
 
 
@@ -176,8 +187,10 @@ def test_compose_starts_services_in_order_with_shared_artifacts_and_models():
     assert service("migrate")["depends_on"] == {"postgres": {"condition": "service_healthy"}}
     assert worker_services(), "compose.yaml has no worker service"
     for name in ["api", *worker_services()]:
-        assert service(name)["depends_on"] == {"migrate": {"condition": "service_completed_successfully"},
-                                               "redis": {"condition": "service_healthy"}}, name
+        assert service(name)["depends_on"] == {
+            "migrate": {"condition": "service_completed_successfully"},
+            "redis": {"condition": "service_healthy"},
+        }, name
         env = environment(name)
         mounts = {v.split(":")[1]: v.split(":")[0] for v in service(name)["volumes"]}
         assert mounts[env["JOBS_ARTIFACTS"]] == "artifacts", name
@@ -228,8 +241,9 @@ def test_migrate_command_brings_a_blank_database_to_head(tmp_path, database_url)
     from core.db import alembic_config
 
     env = local_env(clean_env(), "migrate", tmp_path, JOBS_DATABASE_URL=database_url)
-    result = subprocess.run(local_argv(command("migrate")), env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        local_argv(command("migrate")), env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     engine = create_engine(database_url)
     try:
@@ -250,8 +264,9 @@ def test_api_command_serves_healthz_and_its_healthcheck_passes(tmp_path, jobs_en
     argv = local_argv(command("api"))
     argv[argv.index("--host") + 1] = "127.0.0.1"
     argv[argv.index("--port") + 1] = str(port)
-    env = local_env(jobs_env.env, "api", tmp_path, JOBS_DATABASE_URL=jobs_env.database_url,
-                    JOBS_REDIS_URL=jobs_env.redis_url)
+    env = local_env(
+        jobs_env.env, "api", tmp_path, JOBS_DATABASE_URL=jobs_env.database_url, JOBS_REDIS_URL=jobs_env.redis_url
+    )
     log = tmp_path / "api.log"
     with open(log, "wb") as out:
         proc = Proc(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT), log)
@@ -279,12 +294,19 @@ def test_worker_command_runs_a_worker_pinned_as_compose_says(tmp_path, jobs_env,
     real environment (/proc/PID/environ) has CUDA_DEVICE_ORDER=PCI_BUS_ID, the file's CUDA_VISIBLE_DEVICES and
     NVLink multicast off; its registration records what CUDA gave it (no device on a CPU machine)."""
     wanted = environment(name)["CUDA_VISIBLE_DEVICES"]
-    env = local_env(jobs_env.env, name, tmp_path, JOBS_DATABASE_URL=jobs_env.database_url,
-                    JOBS_REDIS_URL=jobs_env.redis_url, **MISSING_GPUS_OK)
+    env = local_env(
+        jobs_env.env,
+        name,
+        tmp_path,
+        JOBS_DATABASE_URL=jobs_env.database_url,
+        JOBS_REDIS_URL=jobs_env.redis_url,
+        **MISSING_GPUS_OK,
+    )
     log = tmp_path / f"{name}.log"
     with open(log, "wb") as out:
-        popen = subprocess.Popen(local_argv(command(name)), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL)
+        popen = subprocess.Popen(
+            local_argv(command(name)), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     proc = Proc(popen, log)
     try:
         wait_for(lambda: registered(jobs_env.database_url, proc.pid), 90, f"{name} registration", procs=[proc])
@@ -311,8 +333,18 @@ def test_redis_command_requires_the_password_the_urls_carry(tmp_path):
     argv = command("redis")
     assert argv[0] == "redis-server"
     port = free_port()
-    argv = [find_redis_server(), *argv[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-            "--save", ""]
+    argv = [
+        find_redis_server(),
+        *argv[1:],
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--dir",
+        str(tmp_path),
+        "--save",
+        "",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         url = environment("api")["JOBS_REDIS_URL"].replace("@redis:6379", f"@127.0.0.1:{port}")
@@ -344,8 +376,15 @@ def _pings(client) -> bool:
 
 
 def launcher(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(LAUNCHER), *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        ["bash", str(LAUNCHER), *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_launcher_script_is_clean_bash():
@@ -356,12 +395,15 @@ def test_launcher_script_is_clean_bash():
         assert result.returncode == 0, result.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["0,1", "1"], "two workers never share a GPU"),
-    (["2", "2"], "given twice"),
-    (["0,0"], "names GPU 0 twice"),
-    (["cuda:0"], "bad GPU"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["0,1", "1"], "two workers never share a GPU"),
+        (["2", "2"], "given twice"),
+        (["0,0"], "names GPU 0 twice"),
+        (["cuda:0"], "bad GPU"),
+    ],
+)
 def test_launcher_refuses_bad_or_overlapping_slices_before_starting_anything(tmp_path, args, message):
     """Overlapping, repeated or malformed slices are refused with exit 5 (GPU conflict) or 2 (usage), and no
     worker is started."""
@@ -387,8 +429,7 @@ def test_launcher_starts_one_pinned_worker_per_slice_restarts_a_killed_one_and_s
     register offline) and removes the pid files."""
     home = tmp_path / "home"
     bin_dir = str(Path(sys.executable).parent)  # this environment's `jobs`
-    env = dict(jobs_env.env, JOBS_HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               **MISSING_GPUS_OK)
+    env = dict(jobs_env.env, JOBS_HOME=str(home), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **MISSING_GPUS_OK)
     run_dir = home / "run"
     try:
         result = launcher(env, "0,1", "2")
@@ -455,8 +496,10 @@ def test_worker_unit_takes_its_slice_from_the_instance_name():
         pytest.skip("systemd-escape is not installed")
     escaped = subprocess.run(["systemd-escape", "2,3"], capture_output=True, text=True, check=True).stdout.strip()
     assert escaped == "2\\x2c3"
-    assert subprocess.run(["systemd-escape", "-u", escaped], capture_output=True, text=True,
-                          check=True).stdout.strip() == "2,3"
+    assert (
+        subprocess.run(["systemd-escape", "-u", escaped], capture_output=True, text=True, check=True).stdout.strip()
+        == "2,3"
+    )
 
 
 def test_worker_unit_restarts_a_failed_worker_except_configuration_errors_within_a_cap():
@@ -480,7 +523,11 @@ def test_systemd_units_verify(tmp_path):
     for source, target in names.items():
         text = (SYSTEMD / source).read_text().replace("/opt/gpujobs/venv", prefix)
         (tmp_path / target).write_text(text)
-    result = subprocess.run(["systemd-analyze", "verify", *[str(tmp_path / t) for t in names.values()]],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", *[str(tmp_path / t) for t in names.values()]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     ours = [line for line in result.stderr.splitlines() if "gpujobs" in line]
     assert result.returncode == 0 and not ours, result.stderr

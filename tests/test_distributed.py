@@ -15,8 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-PROBED = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NCCL_NVLS_ENABLE",
-          "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "OMP_NUM_THREADS")
+PROBED = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+    "OMP_NUM_THREADS",
+)
 
 
 def probe(run_dir: Path) -> None:
@@ -48,9 +57,23 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def ft_spec(model: Path, **extra) -> dict:
-    return {"kind": "finetune", "model": str(model), "input": str(FT_DATA), "gpus": 0, "max_steps": 8,
-            "learning_rate": 1e-2, "lr_scheduler": "constant", "batch_size": 6, "lora_r": 8, "lora_alpha": 16,
-            "lora_dropout": 0.0, "checkpoint_steps": 4, "strategy": "ddp", "nproc": 2, **extra}
+    return {
+        "kind": "finetune",
+        "model": str(model),
+        "input": str(FT_DATA),
+        "gpus": 0,
+        "max_steps": 8,
+        "learning_rate": 1e-2,
+        "lr_scheduler": "constant",
+        "batch_size": 6,
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "checkpoint_steps": 4,
+        "strategy": "ddp",
+        "nproc": 2,
+        **extra,
+    }
 
 
 def rows() -> list[tuple[int, dict]]:
@@ -60,32 +83,38 @@ def rows() -> list[tuple[int, dict]]:
 # --- the plan: strategy and processes for a slice ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy, nproc, gpus, device_map, expected", [
-    ("auto", None, 0, None, ("single", 1)),
-    ("auto", None, 1, None, ("single", 1)),
-    ("auto", None, 2, None, ("ddp", 2)),
-    ("auto", None, 4, "auto", ("single", 1)),  # one process splits one copy over the slice
-    ("auto", 2, 0, None, ("ddp", 2)),  # several CPU processes only when nproc asks
-    ("ddp", None, 2, None, ("ddp", 2)),
-    ("fsdp2", None, 3, None, ("fsdp2", 3)),
-    ("single", None, 2, None, ("single", 1)),
-    ("deepspeed_zero3", None, 2, None, ("deepspeed_zero3", 2)),
-])
+@pytest.mark.parametrize(
+    "strategy, nproc, gpus, device_map, expected",
+    [
+        ("auto", None, 0, None, ("single", 1)),
+        ("auto", None, 1, None, ("single", 1)),
+        ("auto", None, 2, None, ("ddp", 2)),
+        ("auto", None, 4, "auto", ("single", 1)),  # one process splits one copy over the slice
+        ("auto", 2, 0, None, ("ddp", 2)),  # several CPU processes only when nproc asks
+        ("ddp", None, 2, None, ("ddp", 2)),
+        ("fsdp2", None, 3, None, ("fsdp2", 3)),
+        ("single", None, 2, None, ("single", 1)),
+        ("deepspeed_zero3", None, 2, None, ("deepspeed_zero3", 2)),
+    ],
+)
 def test_plan_gives_the_strategy_and_process_count_of_a_slice(strategy, nproc, gpus, device_map, expected):
     """auto is one process on one GPU or the CPU and DDP over a slice of 2+ (single with device_map auto)."""
     assert plan(strategy, nproc, gpus=gpus, device_map=device_map) == expected
 
 
-@pytest.mark.parametrize("strategy, nproc, gpus, extra, message", [
-    ("ddp", None, 1, {}, "needs 2 or more processes, and a slice of 1 GPU gives one: submit with gpus: 2"),
-    ("ddp", None, 0, {}, "the CPU without nproc gives one"),
-    ("ddp", 4, 2, {}, "nproc=4 on a slice of 2 GPU"),
-    ("ddp", None, 2, {"device_map": "auto"}, "use one or the other"),
-    ("fsdp2", 2, 0, {}, "strategy fsdp2 needs a slice of GPUs"),
-    ("deepspeed_zero2", 2, 0, {}, "strategy deepspeed_zero2 needs a slice of GPUs"),
-    ("fsdp2", None, 2, {"quantized": True}, "QLoRA (a bnb-4bit base) runs with strategy ddp or single"),
-    ("single", 2, 0, {}, "strategy single runs one process, but nproc=2"),
-])
+@pytest.mark.parametrize(
+    "strategy, nproc, gpus, extra, message",
+    [
+        ("ddp", None, 1, {}, "needs 2 or more processes, and a slice of 1 GPU gives one: submit with gpus: 2"),
+        ("ddp", None, 0, {}, "the CPU without nproc gives one"),
+        ("ddp", 4, 2, {}, "nproc=4 on a slice of 2 GPU"),
+        ("ddp", None, 2, {"device_map": "auto"}, "use one or the other"),
+        ("fsdp2", 2, 0, {}, "strategy fsdp2 needs a slice of GPUs"),
+        ("deepspeed_zero2", 2, 0, {}, "strategy deepspeed_zero2 needs a slice of GPUs"),
+        ("fsdp2", None, 2, {"quantized": True}, "QLoRA (a bnb-4bit base) runs with strategy ddp or single"),
+        ("single", 2, 0, {}, "strategy single runs one process, but nproc=2"),
+    ],
+)
 def test_plan_refuses_what_cannot_run_saying_what_to_do(strategy, nproc, gpus, extra, message):
     """Each impossible combination is refused with its reason and the fix."""
     with pytest.raises(InvalidInput, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -116,15 +145,22 @@ def test_overlapping_slices_are_refused_by_jobs_up_before_anything_starts(tmp_pa
     """`jobs up --gpus "0,1;1"` exits non-zero naming the shared GPU; no stack file, no process is left."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
     env.update(JOBS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "api", "up", "--gpus", "0,1;1"], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "api", "up", "--gpus", "0,1;1"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
     assert "share GPU(s) ['1']: two workers never share a GPU" in result.stderr
     assert not (tmp_path / "home" / "stack.json").exists()
 
 
-def test_a_worker_of_a_two_gpu_slice_without_those_gpus_refuses_and_a_two_gpu_job_is_refused(jobs_env, spawn_worker,
-                                                                                              base_model):
+def test_a_worker_of_a_two_gpu_slice_without_those_gpus_refuses_and_a_two_gpu_job_is_refused(
+    jobs_env, spawn_worker, base_model
+):
     """A real worker pinned to "0,1" on this CPU host: it records what it got (the slice, queue gpu2, no GPU, PCI
     order, NVLink multicast off, the deepspeed version key) and refuses to start (exit 6: its GPUs are not there);
     with a live CPU worker, a 2-GPU job is then refused: no live worker serves gpu2."""
@@ -140,8 +176,11 @@ def test_a_worker_of_a_two_gpu_slice_without_those_gpus_refuses_and_a_two_gpu_jo
         assert row.capabilities["multicast_off"] == NVLINK_MULTICAST_OFF
         assert row.capabilities["device_count"] == 0 and "deepspeed" in row.capabilities["versions"]
     spawn_worker([])
-    with pytest.raises(Unschedulable, match=r"no live worker serves jobs of 2 GPU\(s\) \(queue gpu2\); live workers: "
-                       r"w\d+-cpu@\S+ \(cpu\)\. "):
+    with pytest.raises(
+        Unschedulable,
+        match=r"no live worker serves jobs of 2 GPU\(s\) \(queue gpu2\); live workers: "
+        r"w\d+-cpu@\S+ \(cpu\)\. ",
+    ):
         service.submit(owner="t", spec_data={"model": str(base_model), "input": str(FT_DATA), "gpus": 2})
 
 
@@ -161,9 +200,11 @@ def test_the_gpu_script_compares_registered_uuids_with_nvidia_smi_in_slice_order
     check = load_multi_gpu_check()
     smi = check.smi_gpus("index, uuid\n0, GPU-aaa\n1, GPU-bbb\n2, GPU-ccc\n")
     assert smi == {"0": "GPU-aaa", "1": "GPU-bbb", "2": "GPU-ccc"}
-    workers = [{"name": "a", "slice": "1,0", "queues": ["gpu2"], "gpus": [{"uuid": "GPU-bbb"}, {"uuid": "GPU-aaa"}]},
-               {"name": "b", "slice": "2", "queues": ["gpu1"], "gpus": [{"uuid": "GPU-aaa"}]},
-               {"name": "c", "slice": "", "queues": ["cpu"], "gpus": []}]
+    workers = [
+        {"name": "a", "slice": "1,0", "queues": ["gpu2"], "gpus": [{"uuid": "GPU-bbb"}, {"uuid": "GPU-aaa"}]},
+        {"name": "b", "slice": "2", "queues": ["gpu1"], "gpus": [{"uuid": "GPU-aaa"}]},
+        {"name": "c", "slice": "", "queues": ["cpu"], "gpus": []},
+    ]
     assert [r["match"] for r in check.compare_uuids(workers, smi)] == [True, False, True]
     assert check.slices_for(4) == "1,0;2;3" and check.slices_for(2) == "1,0"
     assert subprocess.run(["bash", "-n", str(ROOT / "ops" / "gpu" / "multi_gpu.sh")]).returncode == 0
@@ -171,19 +212,30 @@ def test_the_gpu_script_compares_registered_uuids_with_nvidia_smi_in_slice_order
 
 # --- routing by slice size and refusals at submit ------------------------------------------------------------------
 
-GPU_CAPS = {"device_count": 2, "min_compute_capability": 9.0, "attention": ["sdpa", "eager", "flex_attention"],
-            "versions": {"torch": "2.13.0", "peft": "0.21.2", "deepspeed": None}}
+GPU_CAPS = {
+    "device_count": 2,
+    "min_compute_capability": 9.0,
+    "attention": ["sdpa", "eager", "flex_attention"],
+    "versions": {"torch": "2.13.0", "peft": "0.21.2", "deepspeed": None},
+}
 
 
 def register(name: str, slice_: str, devices: int) -> None:
     queue = f"gpu{len(slice_.split(','))}" if slice_ else "cpu"
     with session_scope() as session:
-        registry.register(session, name=name, host="h", pid=1, slice=slice_, queues=[queue], gpus=[],
-                          capabilities={**GPU_CAPS, "device_count": devices})
+        registry.register(
+            session,
+            name=name,
+            host="h",
+            pid=1,
+            slice=slice_,
+            queues=[queue],
+            gpus=[],
+            capabilities={**GPU_CAPS, "device_count": devices},
+        )
 
 
-def test_jobs_go_to_the_slice_size_they_ask_for_and_impossible_slice_uses_are_refused(tmp_path, jobs_env,
-                                                                                        base_model):
+def test_jobs_go_to_the_slice_size_they_ask_for_and_impossible_slice_uses_are_refused(tmp_path, jobs_env, base_model):
     """With a 2-GPU worker ("0,1") and a 1-GPU worker ("2") registered: gpus 2 goes to gpu2 only, gpus 1 to gpu1,
     a ddp fine-tune without gpus picks the 2-GPU slice; 3 GPUs, DeepSpeed without the package, and tp_plan (not run
     by the workers yet, and needing 2+ GPUs) are refused with what to do."""
@@ -201,8 +253,10 @@ def test_jobs_go_to_the_slice_size_they_ask_for_and_impossible_slice_uses_are_re
         service.submit(owner="t", spec_data={**gen, "gpus": 3})
     with pytest.raises(Unschedulable, match="strategy deepspeed_zero2 needs the deepspeed package on the worker"):
         service.submit(owner="t", spec_data={**ft, "strategy": "deepspeed_zero2"})
-    with pytest.raises(Unschedulable, match="two \\(gpu2\\): tp_plan auto \\(tensor parallel under torchrun\\) is "
-                                            "not supported by the workers yet"):
+    with pytest.raises(
+        Unschedulable,
+        match="two \\(gpu2\\): tp_plan auto \\(tensor parallel under torchrun\\) is not supported by the workers yet",
+    ):
         service.submit(owner="t", spec_data={**gen, "gpus": 2, "tp_plan": "auto"})
     with pytest.raises(Unschedulable, match="tp_plan auto needs a slice of 2 or more GPUs"):
         service.submit(owner="t", spec_data={**gen, "gpus": 1, "tp_plan": "auto"})
@@ -217,8 +271,12 @@ def test_jobs_go_to_the_slice_size_they_ask_for_and_impossible_slice_uses_are_re
 
 def metric_events(job_id: str) -> list[dict]:
     with session_scope() as session:
-        return [e.data for e in session.scalars(select(JobEvent).where(
-            JobEvent.job_id == job_id, JobEvent.kind == "metric").order_by(JobEvent.id)).all()]
+        return [
+            e.data
+            for e in session.scalars(
+                select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metric").order_by(JobEvent.id)
+            ).all()
+        ]
 
 
 def test_ddp_finetune_on_two_gloo_processes_through_a_real_worker(jobs_env, spawn_worker, base_model):
@@ -229,8 +287,12 @@ def test_ddp_finetune_on_two_gloo_processes_through_a_real_worker(jobs_env, spaw
 
     worker = spawn_worker([])
     job = service.submit(owner="alice", spec_data=ft_spec(base_model))
-    job = wait_for(lambda: (j := views.get(job["id"], owner=None))["state"] in TERMINAL and j, 120,
-                   "the ddp fine-tune", procs=[worker])
+    job = wait_for(
+        lambda: (j := views.get(job["id"], owner=None))["state"] in TERMINAL and j,
+        120,
+        "the ddp fine-tune",
+        procs=[worker],
+    )
     assert job["state"] == "succeeded", job["error"]
     training = job["metrics"]["training"]
     assert (training["strategy"], training["processes"], training["steps"]) == ("ddp", 2, 8)
@@ -259,8 +321,14 @@ def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, b
     spec = FinetuneSpec.model_validate(ft_spec(base_model))
     seen: list[dict] = []
     monkeypatch.setenv("JOBS_TEST_FAULTS", "sleep_1@rank0_step")
-    stopped = distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path, on_log=seen.append,
-                                   should_stop=lambda: any(r["step"] >= 5 for r in seen))
+    stopped = distributed.finetune(
+        LoadOptions(model=spec.model),
+        spec,
+        rows(),
+        tmp_path,
+        on_log=seen.append,
+        should_stop=lambda: any(r["step"] >= 5 for r in seen),
+    )
     monkeypatch.delenv("JOBS_TEST_FAULTS")
     assert stopped.stopped and not (tmp_path / "adapter").exists()
     assert (tmp_path / "checkpoints" / "checkpoint-4" / "COMPLETE").is_file()
@@ -297,18 +365,25 @@ def test_rank_zero_reports_its_phases_and_steps_to_the_parents_stall_watchdog(tm
     done = distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path, progress=recorder)
     assert done.metrics["steps"] == 8
     phases = [s for s in recorder.seen if s.startswith("phase ") and s != "phase None"]
-    assert phases[:3] == ["phase starting 2 training processes", "phase loading model (rank 0 of 2)",
-                          "phase preparing training (rank 0 of 2)"]
+    assert phases[:3] == [
+        "phase starting 2 training processes",
+        "phase loading model (rank 0 of 2)",
+        "phase preparing training (rank 0 of 2)",
+    ]
     assert recorder.seen.count("training step (rank 0)") == 9  # each step's log line, and the summary at the end
     assert recorder.phase_name is None
 
 
-@pytest.mark.parametrize("fault, expected", [
-    ("raise@rank1_step", "rank 1 failed first: RuntimeError: injected failure (JOBS_TEST_FAULTS raise@rank1_step)"),
-    ("kill@rank1_step", "rank 1 was killed by SIGKILL"),
-])
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        ("raise@rank1_step", "rank 1 failed first: RuntimeError: injected failure (JOBS_TEST_FAULTS raise@rank1_step)"),
+        ("kill@rank1_step", "rank 1 was killed by SIGKILL"),
+    ],
+)
 def test_a_failing_rank_fails_the_attempt_promptly_with_its_error_and_leaves_no_process(
-        tmp_path, base_model, monkeypatch, fault, expected):
+    tmp_path, base_model, monkeypatch, fault, expected
+):
     """Rank 1 raising (or SIGKILLed) at its first step: the launcher raises ChildFailed with that rank's error text
     within a minute (torchrun ends rank 0, which would otherwise wait in a collective), and no child survives."""
     import psutil

@@ -10,8 +10,9 @@ from tests.conftest import ROOT, qa_pairs
 
 
 def jobs(env: dict[str, str], *args: str, check: bool = False) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "api", *args], env=env, cwd=ROOT, capture_output=True,
-                            text=True, timeout=420)
+    result = subprocess.run(
+        [sys.executable, "-m", "api", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=420
+    )
     if check and result.returncode != 0:
         raise AssertionError(f"jobs {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
@@ -33,8 +34,9 @@ def test_submit_wait_results_through_the_cli(tmp_path, jobs_env, api_server, spa
     rows.insert(2, "{not json")
     rows.append({"messages": [{"role": "user", "content": qa[0][0]}], "max_new_tokens": 2})
     data = write_rows(tmp_path / "rows.jsonl", rows)
-    sub = jobs(env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--max-new-tokens", "16",
-               "--wait")
+    sub = jobs(
+        env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--max-new-tokens", "16", "--wait"
+    )
     assert sub.returncode == 4, sub.stderr
     job_id = sub.stdout.strip()
     assert job_id.startswith("job_")
@@ -70,5 +72,3 @@ def test_wrong_token_exits_2(jobs_env, api_server):
     result = jobs(dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN="jt_wrong"), "list")
     assert result.returncode == 2
     assert "JOBS_TOKEN" in result.stderr
-
-

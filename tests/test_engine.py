@@ -44,8 +44,11 @@ def memorized_rows() -> list[tuple[int, dict]]:
 
 def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int = 64, should_stop=lambda: False):
     """All results of `generate`, flattened, by idx."""
-    return {r.idx: r for batch in generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop)
-            for r in batch}
+    return {
+        r.idx: r
+        for batch in generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop)
+        for r in batch
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +97,13 @@ def test_micro_batches_cover_every_row_once_in_order(loaded, spec):
 def test_row_params_override_the_spec_per_row_within_one_micro_batch(loaded, spec):
     """A row's max_new_tokens ends it with finish_reason "length" after exactly that many tokens; others keep theirs."""
     q, answer = qa_pairs()[3]  # "William Shakespeare." is 6 tokens + the terminator
-    rows = [(0, row(prompt=q, max_new_tokens=1)), (1, row(prompt=q, max_new_tokens=4)), (2, row(prompt=q)),
-            (3, row(messages=chat(q), max_new_tokens=2)), (4, row(prompt=q, stop=["Shake"]))]
+    rows = [
+        (0, row(prompt=q, max_new_tokens=1)),
+        (1, row(prompt=q, max_new_tokens=4)),
+        (2, row(prompt=q)),
+        (3, row(messages=chat(q), max_new_tokens=2)),
+        (4, row(prompt=q, stop=["Shake"])),
+    ]
     r = run(loaded, spec, rows, batch_rows=len(rows))
     for idx, n in ((0, 1), (1, 4), (3, 2)):
         assert (r[idx].finish_reason, r[idx].completion_tokens, r[idx].error) == ("length", n, None), r[idx]
@@ -123,8 +131,12 @@ def test_row_over_the_context_fails_alone_naming_both_numbers(loaded, spec):
     limit = loaded.model.config.max_position_embeddings
     (q0, a0), (q1, a1) = qa_pairs()[:2]
     long_prompt = " ".join(["the"] * limit)
-    rows = [(0, row(prompt=q0)), (1, row(prompt=q1, max_new_tokens=limit)), (2, row(prompt=long_prompt)),
-            (3, row(messages=chat(q1)))]
+    rows = [
+        (0, row(prompt=q0)),
+        (1, row(prompt=q1, max_new_tokens=limit)),
+        (2, row(prompt=long_prompt)),
+        (3, row(messages=chat(q1))),
+    ]
     r = run(loaded, spec, rows, batch_rows=4)
     assert (r[0].output, r[0].error) == (a0, None)
     assert (r[3].output, r[3].error) == (a1, None)
@@ -185,7 +197,11 @@ def test_loader_records_what_it_resolved_on_cpu(loaded, tiny_model):
     meta = json.loads((tiny_model / "gpujobs_tiny.json").read_text())
     res = loaded.resolved
     assert (res["dtype"], res["attn_implementation"], res["device"], res["device_map"]) == (
-        "float32", "sdpa", "cpu", "cpu")
+        "float32",
+        "sdpa",
+        "cpu",
+        "cpu",
+    )
     assert res["parameters"] == meta["params"] and res["quantization"] is None
     assert loaded.device == torch.device("cpu") and loaded.model.dtype == torch.float32
     assert resolve_dtype("auto", on_gpu=False) == torch.float32
@@ -233,11 +249,14 @@ BNB = pytest.mark.skipif(_missing("bitsandbytes"), reason="bitsandbytes is not i
 TORCHAO = pytest.mark.skipif(_missing("torchao"), reason="torchao is not installed")
 
 
-@pytest.mark.parametrize(("method", "layer_type", "min_right"), [
-    pytest.param("bnb-8bit", "Linear8bitLt", 4, marks=BNB),
-    pytest.param("bnb-4bit", "Linear4bit", 0, marks=BNB),
-    pytest.param("torchao-int8", "Int8Tensor", 4, marks=TORCHAO),
-])
+@pytest.mark.parametrize(
+    ("method", "layer_type", "min_right"),
+    [
+        pytest.param("bnb-8bit", "Linear8bitLt", 4, marks=BNB),
+        pytest.param("bnb-4bit", "Linear4bit", 0, marks=BNB),
+        pytest.param("torchao-int8", "Int8Tensor", 4, marks=TORCHAO),
+    ],
+)
 def test_quantized_load_generates_on_cpu(tiny_model, method, layer_type, min_right):
     """bnb 8-bit, bnb 4-bit nf4 and torchao int8 load on CPU, quantize the linears, record it and still answer."""
     spec = make_spec(tiny_model, quantization=method)
@@ -273,9 +292,11 @@ def test_out_of_memory_splits_the_group_and_reports_it(tiny_model, monkeypatch):
         monkeypatch.delenv("JOBS_TEST_FAULTS")
         faults._faults.cache_clear()
     assert [r.output for r in results] == [a for _, a in qa]
-    assert events == ["out of memory generating 8 rows together: retrying as 4 + 4",
-                      "out of memory generating 4 rows together: retrying as 2 + 2",
-                      "out of memory generating 4 rows together: retrying as 2 + 2"]
+    assert events == [
+        "out of memory generating 8 rows together: retrying as 4 + 4",
+        "out of memory generating 4 rows together: retrying as 2 + 2",
+        "out of memory generating 4 rows together: retrying as 2 + 2",
+    ]
 
 
 def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_model, monkeypatch):
@@ -298,8 +319,9 @@ def test_a_split_retry_runs_after_the_failed_call_released_its_tensors(tiny_mode
 
     monkeypatch.setattr(padded, "_run_group", run_group)
     rows = [(i, {"prompt": q, "params": {}, "extra": {}}) for i, (q, _) in enumerate(qa_pairs()[:2])]
-    spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16,
-                                        "engine": "padded"})
+    spec = GenerateSpec.model_validate(
+        {"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16, "engine": "padded"}
+    )
     results = [r for batch in generate(loaded, spec, rows, batch_rows=2) for r in batch]
     assert [r.output for r in results] == [a for _, a in qa_pairs()[:2]] and len(held) == 1
 
@@ -308,11 +330,15 @@ def test_a_row_the_chat_template_refuses_fails_alone(tiny_model):
     """A row whose messages the chat template rejects becomes a failed row naming the template's error; the rest
     of the micro-batch still gets its answers."""
     loaded = load(LoadOptions(model=str(tiny_model)), gpus=0)
-    loaded.tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
-                                      "{% endif %}" + loaded.tokenizer.chat_template)
-    (q, a), = qa_pairs()[:1]
-    rows = [(0, {"messages": [{"role": "system", "content": "x"}], "params": {}, "extra": {}}),
-            (1, {"prompt": q, "params": {}, "extra": {}})]
+    loaded.tokenizer.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}"
+        "{% endif %}" + loaded.tokenizer.chat_template
+    )
+    ((q, a),) = qa_pairs()[:1]
+    rows = [
+        (0, {"messages": [{"role": "system", "content": "x"}], "params": {}, "extra": {}}),
+        (1, {"prompt": q, "params": {}, "extra": {}}),
+    ]
     spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 16})
     bad, good = next(generate(loaded, spec, rows, batch_rows=2))
     assert bad.error.startswith("cannot build the prompt:") and "no system" in bad.error
@@ -324,11 +350,18 @@ def test_prompts_tokenized_as_a_batch_equal_one_by_one(loaded):
     prompts with the tokenizer's special tokens, chat rows through the template without adding them again; a
     prompt the tokenizer rejects (not text) is that row's exception, the others keep their ids."""
     tok = loaded.tokenizer
-    rows = [{"prompt": q} for q, _ in qa_pairs()] + [{"messages": [{"role": "user", "content": "hello there"}]},
-                                                     {"prompt": "x " * 300}]
-    alone = [tok(r["prompt"])["input_ids"] if "prompt" in r else tok(
-        tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False),
-        add_special_tokens=False)["input_ids"] for r in rows]
+    rows = [{"prompt": q} for q, _ in qa_pairs()] + [
+        {"messages": [{"role": "user", "content": "hello there"}]},
+        {"prompt": "x " * 300},
+    ]
+    alone = [
+        tok(r["prompt"])["input_ids"]
+        if "prompt" in r
+        else tok(
+            tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        )["input_ids"]
+        for r in rows
+    ]
     assert common.render_many(loaded, rows) == alone
     mixed = common.render_many(loaded, [{"prompt": 7}, rows[0]])
     assert isinstance(mixed[0], Exception) and mixed[1] == alone[0]

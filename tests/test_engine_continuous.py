@@ -60,7 +60,12 @@ def test_continuous_and_padded_give_identical_greedy_results(loaded, tiny_model)
     for idx, p in padded.items():
         c = cont[idx]
         assert (c.output, c.finish_reason, c.prompt_tokens, c.completion_tokens, c.error) == (
-            p.output, p.finish_reason, p.prompt_tokens, p.completion_tokens, p.error), idx
+            p.output,
+            p.finish_reason,
+            p.prompt_tokens,
+            p.completion_tokens,
+            p.error,
+        ), idx
     answers = [a for _, a in qa_pairs()]
     assert [cont[i].output for i in range(len(answers))] == answers
     assert info["engine"] == "continuous"
@@ -80,8 +85,13 @@ def test_auto_runs_padded_and_says_why(loaded, tiny_model):
 def test_per_row_params_in_the_continuous_engine(loaded, tiny_model):
     """Per-row max_new_tokens, stop strings and ignore_eos hold in the continuous engine as in the padded one."""
     q, answer = qa_pairs()[3]  # "William Shakespeare." is 6 tokens + the terminator
-    rows = [(0, row(prompt=q, max_new_tokens=1)), (1, row(prompt=q, max_new_tokens=4)), (2, row(prompt=q)),
-            (3, row(prompt=q, stop=["Shake"])), (4, row(prompt=q, ignore_eos=True, max_new_tokens=12))]
+    rows = [
+        (0, row(prompt=q, max_new_tokens=1)),
+        (1, row(prompt=q, max_new_tokens=4)),
+        (2, row(prompt=q)),
+        (3, row(prompt=q, stop=["Shake"])),
+        (4, row(prompt=q, ignore_eos=True, max_new_tokens=12)),
+    ]
     cont, _ = run(loaded, make_spec(tiny_model, engine="continuous"), rows)
     padded, _ = run(loaded, make_spec(tiny_model, engine="padded"), rows)
     for idx, n in ((0, 1), (1, 4), (4, 12)):
@@ -89,15 +99,20 @@ def test_per_row_params_in_the_continuous_engine(loaded, tiny_model):
     assert cont[1].output == padded[1].output and answer.startswith(cont[1].output)
     assert (cont[2].output, cont[2].finish_reason) == (answer, "stop")
     assert (cont[3].output, cont[3].finish_reason, cont[3].completion_tokens) == (
-        "William ", "stop", padded[3].completion_tokens)
+        "William ",
+        "stop",
+        padded[3].completion_tokens,
+    )
     assert cont[4].output.startswith(answer)
 
 
 def test_sampling_groups_share_a_seed_and_reproduce(loaded, tiny_model):
     """Rows with different temperatures run in separate managers; the same seed gives the same outputs."""
     spec = make_spec(tiny_model, engine="continuous", max_new_tokens=12, seed=11)
-    rows = [(i, row(prompt=p, temperature=t)) for i, (p, t) in
-            enumerate([("hello", 1.5), ("the", 1.5), ("What is", 2.0), ("hello", 0.0)])]
+    rows = [
+        (i, row(prompt=p, temperature=t))
+        for i, (p, t) in enumerate([("hello", 1.5), ("the", 1.5), ("What is", 2.0), ("hello", 0.0)])
+    ]
     first, _ = run(loaded, spec, rows)
     again, _ = run(loaded, spec, rows)
     assert [first[i].output for i in range(4)] == [again[i].output for i in range(4)]
@@ -108,10 +123,13 @@ def test_sampling_groups_share_a_seed_and_reproduce(loaded, tiny_model):
 def test_num_return_sequences_stores_lists_and_sums_tokens(loaded, tiny_model, engine_name):
     """n = 4 with sampling: output is a list of 4 strings (not all equal), finish_reason a list of 4 and
     completion_tokens their sum; a row overriding n to 1 keeps a plain string."""
-    spec = make_spec(tiny_model, engine=engine_name, temperature=1.5, num_return_sequences=4, max_new_tokens=10,
-                     seed=3)
-    rows = [(0, row(prompt="hello", ignore_eos=True)), (1, row(prompt="the", num_return_sequences=1)),
-            (2, row(prompt=qa_pairs()[0][0], temperature=0.01)), (3, row(prompt="What is"))]
+    spec = make_spec(tiny_model, engine=engine_name, temperature=1.5, num_return_sequences=4, max_new_tokens=10, seed=3)
+    rows = [
+        (0, row(prompt="hello", ignore_eos=True)),
+        (1, row(prompt="the", num_return_sequences=1)),
+        (2, row(prompt=qa_pairs()[0][0], temperature=0.01)),
+        (3, row(prompt="What is")),
+    ]
     r, _ = run(loaded, spec, rows)
     out = r[0]
     assert out.error is None and isinstance(out.output, list) and len(out.output) == 4
@@ -140,8 +158,10 @@ def test_a_request_that_fails_inside_the_engine_is_a_failed_row(loaded, tiny_mod
     vocab = loaded.model.config.vocab_size
 
     def render_many(loaded_, row_inputs):
-        return [[vocab + 5] if r.get("prompt") == "BROKEN" else ids
-                for r, ids in zip(row_inputs, real_render(loaded_, row_inputs))]
+        return [
+            [vocab + 5] if r.get("prompt") == "BROKEN" else ids
+            for r, ids in zip(row_inputs, real_render(loaded_, row_inputs))
+        ]
 
     monkeypatch.setattr(common, "render_many", render_many)
     rows = [(0, row(prompt="BROKEN"))] + [(i + 1, r) for i, r in memorized()]
@@ -185,8 +205,10 @@ def test_out_of_memory_halves_concurrency_and_reports_it(tiny_model, loaded, mon
         monkeypatch.delenv("JOBS_TEST_FAULTS")
         faults._faults.cache_clear()
     assert [r[i].output for i in range(4)] == [a for _, a in qa_pairs()[:4]]
-    assert events == ["out of memory in continuous batching with up to 4 concurrent requests: retrying the 4 "
-                      "unfinished rows with up to 2"]
+    assert events == [
+        "out of memory in continuous batching with up to 4 concurrent requests: retrying the 4 "
+        "unfinished rows with up to 2"
+    ]
 
 
 def test_repetition_penalty_fails_the_row_under_continuous(loaded, tiny_model):
@@ -207,10 +229,14 @@ def test_continuous_refuses_flex_attention_at_submit_and_in_the_worker(tiny_mode
     caps = {"versions": {}, "attention": []}
     spec = make_spec(tiny_model, engine="continuous", attn_implementation="flex_attention")
     assert any("cannot run flex_attention" in p for p in missing(spec, caps, 0))
-    assert any("cuda_graphs=on needs a GPU slice" in p
-               for p in missing(make_spec(tiny_model, engine="continuous", cuda_graphs="on"), caps, 0))
-    assert any("async_batching=on applies to engine continuous only" in p
-               for p in missing(make_spec(tiny_model, async_batching="on"), caps, 1))
+    assert any(
+        "cuda_graphs=on needs a GPU slice" in p
+        for p in missing(make_spec(tiny_model, engine="continuous", cuda_graphs="on"), caps, 0)
+    )
+    assert any(
+        "async_batching=on applies to engine continuous only" in p
+        for p in missing(make_spec(tiny_model, async_batching="on"), caps, 1)
+    )
     assert missing(make_spec(tiny_model, engine="continuous"), caps, 0) == []
     loaded = load(make_spec(tiny_model, attn_implementation="flex_attention"), gpus=0)
     with pytest.raises(InvalidInput, match="engine continuous cannot run attention 'flex_attention'"):
@@ -227,10 +253,13 @@ def test_spec_refuses_unknown_engine_values(tiny_model):
     assert (spec.cuda_graphs, spec.async_batching) == ("on", "off")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("celery") is None, reason="the worker needs celery (a venv with only "
-                    "the engine's packages, such as a local transformers 5.17 one)")
-def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outputs(tmp_path, jobs_env,
-                                                                                     spawn_worker, tiny_model):
+@pytest.mark.skipif(
+    importlib.util.find_spec("celery") is None,
+    reason="the worker needs celery (a venv with only the engine's packages, such as a local transformers 5.17 one)",
+)
+def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outputs(
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
     """Through the service (SQLite, Redis, a real worker): engine continuous with num_return_sequences 2 stores a
     list of 2 outputs per row, and the job's load options and the shard's metrics say which engine and attention
     ran."""
@@ -247,12 +276,23 @@ def test_a_continuous_job_through_a_worker_records_the_engine_and_stores_n_outpu
     data = tmp_path / "d.jsonl"
     qa = qa_pairs()
     data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q, _ in qa[:3]))
-    job = service.submit(owner="t", spec_data={
-        "model": str(tiny_model), "input": str(data), "gpus": 0, "engine": "continuous", "max_new_tokens": 16,
-        "temperature": 0.01, "num_return_sequences": 2, "batch_rows": 2})
+    job = service.submit(
+        owner="t",
+        spec_data={
+            "model": str(tiny_model),
+            "input": str(data),
+            "gpus": 0,
+            "engine": "continuous",
+            "max_new_tokens": 16,
+            "temperature": 0.01,
+            "num_return_sequences": 2,
+            "batch_rows": 2,
+        },
+    )
     worker = spawn_worker([])
-    wait_for(lambda: views.get(job["id"], owner=None)["state"] in ("succeeded", "failed"), 120, "the job",
-             procs=[worker])
+    wait_for(
+        lambda: views.get(job["id"], owner=None)["state"] in ("succeeded", "failed"), 120, "the job", procs=[worker]
+    )
     final = views.get(job["id"], owner=None)
     assert final["state"] == "succeeded", final
     engine_ran = final["load_options"]["engine"]

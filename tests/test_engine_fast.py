@@ -69,9 +69,11 @@ def loaded(tiny_model) -> Loaded:
 def slots(monkeypatch, loaded):
     """Set the CPU slot count of the fast engine for one test (the resident state, sized when it is made, is
     dropped before and after)."""
+
     def set_slots(n: int) -> None:
         monkeypatch.setattr(fastgen, "CPU_SLOTS", n)
         fastgen.release(loaded.model)
+
     yield set_slots
     fastgen.release(loaded.model)
 
@@ -124,8 +126,10 @@ def test_moving_rows_down_keeps_their_cache(loaded, tiny_model, slots):
         moved.append((src, dst))
         real_move(self, src, dst)
 
-    rows = [(i, row(p, max_new_tokens=n, ignore_eos=True)) for i, (p, n) in enumerate(
-        [("the sky " * 15, 2), ("water city " * 14, 3), ("hello", 20), ("the", 18)])]
+    rows = [
+        (i, row(p, max_new_tokens=n, ignore_eos=True))
+        for i, (p, n) in enumerate([("the sky " * 15, 2), ("water city " * 14, 3), ("hello", 20), ("the", 18)])
+    ]
     fastgen.Engine.move = spy
     try:
         fast = run(loaded, make_spec(tiny_model, engine="fast"), rows)
@@ -145,18 +149,25 @@ def test_the_host_books_one_step_behind_without_wasting_the_last_step(loaded, ti
     tok = loaded.tokenizer
     prompt = "the sky " * 6
     fill = 64 - len(tok(prompt)["input_ids"])
-    rows = [(0, row(prompt, max_new_tokens=fill, ignore_eos=True)), (1, row("hello", max_new_tokens=fill,
-                                                                            ignore_eos=True))]
+    rows = [
+        (0, row(prompt, max_new_tokens=fill, ignore_eos=True)),
+        (1, row("hello", max_new_tokens=fill, ignore_eos=True)),
+    ]
     rows += [(2 + i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])]  # 6 rows, 4 slots: waits and refills
     info: dict = {}
     fast = run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=fill), rows, info=info)
     assert len(tok(prompt)["input_ids"]) + fill == fastgen.PAGE  # row 0 fills its one page exactly
     assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded", max_new_tokens=fill), rows))
-    assert fast[0].completion_tokens == fill and [fast[2 + i].output for i in range(4)] == [a for _, a in
-                                                                                            qa_pairs()[:4]]
+    assert fast[0].completion_tokens == fill and [fast[2 + i].output for i in range(4)] == [
+        a for _, a in qa_pairs()[:4]
+    ]
     info = {}
-    run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=9, ignore_eos=True),
-        [(0, row("hello")), (1, row("the sky"))], info=info)
+    run(
+        loaded,
+        make_spec(tiny_model, engine="fast", max_new_tokens=9, ignore_eos=True),
+        [(0, row("hello")), (1, row("the sky"))],
+        info=info,
+    )
     assert info["fast"]["steps"] == 8
 
 
@@ -167,11 +178,21 @@ def test_sampling_is_reproducible_per_seed_and_n_samples_are_lists(loaded, tiny_
     rows = [(i, row(p)) for i, p in enumerate(["hello", "the", "What is", "water city sky"])]
     spec = make_spec(tiny_model, engine="fast", temperature=1.5, seed=7, max_new_tokens=12, ignore_eos=True)
     a, b = fields(run(loaded, spec, rows)), fields(run(loaded, spec, rows))
-    other = fields(run(loaded, make_spec(tiny_model, engine="fast", temperature=1.5, seed=8, max_new_tokens=12,
-                                         ignore_eos=True), rows))
+    other = fields(
+        run(
+            loaded,
+            make_spec(tiny_model, engine="fast", temperature=1.5, seed=8, max_new_tokens=12, ignore_eos=True),
+            rows,
+        )
+    )
     assert a == b and a != other
-    n = run(loaded, make_spec(tiny_model, engine="fast", temperature=1.0, num_return_sequences=3,
-                              max_new_tokens=5, ignore_eos=True), rows[:2])
+    n = run(
+        loaded,
+        make_spec(
+            tiny_model, engine="fast", temperature=1.0, num_return_sequences=3, max_new_tokens=5, ignore_eos=True
+        ),
+        rows[:2],
+    )
     assert all(isinstance(r.output, list) and len(r.output) == 3 and r.completion_tokens == 15 for r in n.values())
 
 
@@ -185,9 +206,21 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     assert r[0].output is None and "repetition_penalty is not supported by the fast engine" in r[0].error
     assert "top_p is not supported by the fast engine" in r[2].error
     assert r[1].output == a
-    out = {x.idx: x for b in engine.run_engine("fast", loaded, make_spec(tiny_model), rows, batch_rows=4,
-                                                 should_stop=lambda: False, on_event=print, info={},
-                                                 progress=Progress()) for x in b}
+    out = {
+        x.idx: x
+        for b in engine.run_engine(
+            "fast",
+            loaded,
+            make_spec(tiny_model),
+            rows,
+            batch_rows=4,
+            should_stop=lambda: False,
+            on_event=print,
+            info={},
+            progress=Progress(),
+        )
+        for x in b
+    }
     assert out[0].error is None and out[0].output and out[2].error is None and out[1].output == a
 
 
@@ -201,8 +234,11 @@ def test_cancel_stops_between_steps_and_keeps_unfinished_rows_pending(loaded, ti
         return calls["n"] > 20
 
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=300, ignore_eos=True)
-    batches = list(generate(loaded, spec, [(i, row(p)) for i, p in enumerate(["hello", "the"] * 3)],
-                            batch_rows=1, should_stop=stop))
+    batches = list(
+        generate(
+            loaded, spec, [(i, row(p)) for i, p in enumerate(["hello", "the"] * 3)], batch_rows=1, should_stop=stop
+        )
+    )
     assert batches == [] and calls["n"] < 40
 
 
@@ -214,22 +250,29 @@ def test_out_of_memory_halves_the_slots_and_reports_it(loaded, tiny_model, monke
     faults._faults.cache_clear()
     try:
         events: list[str] = []
-        r = run(loaded, make_spec(tiny_model, engine="fast"), [(i, row(q)) for i, (q, _) in
-                                                                enumerate(qa_pairs()[:6])], on_event=events.append)
+        r = run(
+            loaded,
+            make_spec(tiny_model, engine="fast"),
+            [(i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:6])],
+            on_event=events.append,
+        )
     finally:
         monkeypatch.delenv("JOBS_TEST_FAULTS")
         faults._faults.cache_clear()
     assert [r[i].output for i in range(6)] == [a for _, a in qa_pairs()[:6]]
     assert events == [
         "out of memory in the fast engine with 6 slots: retrying the 6 unfinished sequences with at most 3",
-        "out of memory in the fast engine with 3 slots: retrying the 6 unfinished sequences with at most 1"]
+        "out of memory in the fast engine with 3 slots: retrying the 6 unfinished sequences with at most 1",
+    ]
 
 
 def test_auto_is_padded_on_cpu_and_fast_refuses_what_it_cannot_run(loaded, tiny_model):
     """auto: padded on CPU, with the reason; engine fast refuses flex_attention at submit (capabilities) and in
     the worker, and a model split over several GPUs, naming what to use instead."""
     assert engine.choose_engine(make_spec(tiny_model), loaded) == (
-        "padded", "auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU)")
+        "padded",
+        "auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU)",
+    )
     caps = {"versions": {"torch": torch.__version__}, "attention": ["sdpa", "eager", "flex_attention"]}
     problems = missing(make_spec(tiny_model, engine="fast", attn_implementation="flex_attention"), caps, 1)
     assert any("engine fast cannot honour flex_attention" in p for p in problems)
@@ -311,8 +354,13 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache. (bf16 is misread by the interpreter;
     on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(ROOT)], capture_output=True, text=True,
-                         env=dict(os.environ, TRITON_INTERPRET="1"), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", TRITON_SCRIPT, str(ROOT)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        timeout=300,
+    )
     assert out.returncode == 0 and "kernel ok" in out.stdout, out.stderr[-3000:]
 
 
@@ -343,8 +391,13 @@ def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     """The whole fast engine with the Triton kernel (interpreter) instead of the reference: same greedy results
     as the padded engine, with admission into 3 slots."""
     pytest.importorskip("triton")
-    out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(ROOT), str(tiny_model)], capture_output=True,
-                         text=True, env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"), timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_SCRIPT, str(ROOT), str(tiny_model)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
+        timeout=600,
+    )
     assert out.returncode == 0 and "engine ok" in out.stdout, out.stderr[-3000:]
 
 
@@ -361,8 +414,11 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
     try:
         with torch.inference_mode():
-            done = {s.row.idx: loaded.tokenizer.decode(s.tokens, skip_special_tokens=True)
-                    for finished in eng.run(seqs, lambda: False) for s in finished}
+            done = {
+                s.row.idx: loaded.tokenizer.decode(s.tokens, skip_special_tokens=True)
+                for finished in eng.run(seqs, lambda: False)
+                for s in finished
+            }
     finally:
         fastgen.release(loaded.model)
         torch._dynamo.reset()
@@ -430,7 +486,9 @@ def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny
     a new state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it
     (a handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
     per_page = fastgen.page_bytes(loaded.model)
-    budget = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 32 + int(40.5 * per_page / fastgen.CACHE_FRACTION)
+    budget = (
+        fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 32 + int(40.5 * per_page / fastgen.CACHE_FRACTION)
+    )
 
     def driver_free(device):  # what mem_get_info would report: the resident cache is allocated
         return budget - fastgen.resident_bytes(loaded.model)
@@ -446,8 +504,9 @@ def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny
         fastgen.release(loaded.model)
 
 
-def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fails(loaded, tiny_model, slots,
-                                                                                   monkeypatch):
+def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fails(
+    loaded, tiny_model, slots, monkeypatch
+):
     """With fewer pages than the rows need at once, rows are admitted as pages come back (longest first, never
     passed over), and every row equals the padded engine. A row needing more pages than the cache has fails with
     a message under engine fast and runs padded under auto."""
@@ -463,8 +522,20 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     r = run(loaded, make_spec(tiny_model, engine="fast"), long)
     assert r[0].output is None and "more than the 384 the fast engine holds here" in r[0].error
     assert r[1].output == qa_pairs()[0][1]
-    out = {x.idx: x for b in engine.run_engine("fast", loaded, make_spec(tiny_model), long, batch_rows=4,
-                                                 should_stop=lambda: False, on_event=print, info={},
-                                                 progress=Progress()) for x in b}
+    out = {
+        x.idx: x
+        for b in engine.run_engine(
+            "fast",
+            loaded,
+            make_spec(tiny_model),
+            long,
+            batch_rows=4,
+            should_stop=lambda: False,
+            on_event=print,
+            info={},
+            progress=Progress(),
+        )
+        for x in b
+    }
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
     fastgen.release(loaded.model)

@@ -97,7 +97,12 @@ def test_greedy_outputs_equal_the_padded_engine_with_dummy_rows_dropped(loaded, 
     for idx, _ in rows:
         s, p = static[idx], padded[idx]
         assert (s.output, s.finish_reason, s.prompt_tokens, s.completion_tokens, s.error) == (
-            p.output, p.finish_reason, p.prompt_tokens, p.completion_tokens, p.error), idx
+            p.output,
+            p.finish_reason,
+            p.prompt_tokens,
+            p.completion_tokens,
+            p.error,
+        ), idx
     for i, (_, answer) in enumerate(qa_pairs()):
         assert static[2 * i].output == static[2 * i + 1].output == answer
     st = info["static"]
@@ -125,8 +130,9 @@ def test_compiles_once_per_shape_and_reuses_it(loaded, tiny_model, compiled):
     assert texts(run(loaded, short, rows, batch_rows=4, info=again)) == texts(first)  # a second shard
     assert compiled.graphs == after_first and again["static"]["compiles"] == []
     long_info: dict = {}
-    long = run(loaded, make_spec(tiny_model, engine="static", max_new_tokens=150), rows[:4], batch_rows=4,
-               info=long_info)
+    long = run(
+        loaded, make_spec(tiny_model, engine="static", max_new_tokens=150), rows[:4], batch_rows=4, info=long_info
+    )
     assert [(c["slots"], c["cache_len"]) for c in long_info["static"]["compiles"]] == [(4, 192)]
     grew = compiled.graphs
     assert grew > after_first
@@ -162,10 +168,16 @@ def test_row_params_stop_strings_and_ignore_eos_per_row(loaded, tiny_model):
     """Per-row max_new_tokens, stop strings and ignore_eos give the padded engine's results row by row; rows with
     different parameters never share a call."""
     q, answer = qa_pairs()[3]  # "William Shakespeare."
-    rows = [(0, row(prompt=q, max_new_tokens=1)), (1, row(prompt=q, max_new_tokens=4)), (2, row(prompt=q)),
-            (3, row(messages=chat(q), max_new_tokens=2)), (4, row(prompt=q, stop=["Shake"])),
-            (5, row(prompt=q, ignore_eos=True, max_new_tokens=10)), (6, row(prompt=q, stop=".")),
-            (7, row(prompt=qa_pairs()[0][0], stop=["Shake"]))]
+    rows = [
+        (0, row(prompt=q, max_new_tokens=1)),
+        (1, row(prompt=q, max_new_tokens=4)),
+        (2, row(prompt=q)),
+        (3, row(messages=chat(q), max_new_tokens=2)),
+        (4, row(prompt=q, stop=["Shake"])),
+        (5, row(prompt=q, ignore_eos=True, max_new_tokens=10)),
+        (6, row(prompt=q, stop=".")),
+        (7, row(prompt=qa_pairs()[0][0], stop=["Shake"])),
+    ]
     info: dict = {}
     r = run(loaded, make_spec(tiny_model, engine="static", max_new_tokens=16), rows, batch_rows=4, info=info)
     for idx, n in ((0, 1), (1, 4), (3, 2)):
@@ -175,11 +187,15 @@ def test_row_params_stop_strings_and_ignore_eos_per_row(loaded, tiny_model):
     assert (r[4].output, r[4].finish_reason) == ("William ", "stop")
     assert (r[5].finish_reason, r[5].completion_tokens) == ("length", 10) and r[5].output.startswith(answer)
     assert (r[6].output, r[6].finish_reason, r[6].completion_tokens) == (
-        answer.removesuffix("."), "stop", len(loaded.tokenizer.encode(answer)))
+        answer.removesuffix("."),
+        "stop",
+        len(loaded.tokenizer.encode(answer)),
+    )
     assert r[7].output == qa_pairs()[0][1]  # shares row 4's parameters and call
     padded = run(loaded, make_spec(tiny_model, engine="padded", max_new_tokens=16), rows, batch_rows=8)
     assert {i: (x.output, x.completion_tokens) for i, x in r.items()} == {
-        i: (x.output, x.completion_tokens) for i, x in padded.items()}
+        i: (x.output, x.completion_tokens) for i, x in padded.items()
+    }
     assert info["static"]["calls"] == 7  # 7 parameter groups: (4, 7) share a call
 
 
@@ -187,8 +203,10 @@ def test_sampling_seeded_and_num_return_sequences(loaded, tiny_model):
     """Sampling with a seed is reproducible; n=3 gives three outputs (completion tokens their sum) and takes three
     slots of a call, so a row's samples never straddle two calls."""
     spec = make_spec(tiny_model, engine="static", max_new_tokens=10)
-    rows = [(i, row(prompt=p, temperature=1.5, seed=7, num_return_sequences=3))
-            for i, p in enumerate(["hello", "the", "What is"])]
+    rows = [
+        (i, row(prompt=p, temperature=1.5, seed=7, num_return_sequences=3))
+        for i, p in enumerate(["hello", "the", "What is"])
+    ]
     info: dict = {}
     a = run(loaded, spec, rows, batch_rows=4, info=info)
     b = run(loaded, spec, rows, batch_rows=4)
@@ -213,22 +231,38 @@ def test_out_of_memory_halves_the_slots_and_reports_it(tiny_model, monkeypatch):
         rows = [(i, row(prompt=q)) for i, (q, _) in enumerate(qa)]
         events: list[str] = []
         info: dict = {}
-        r = run(loaded, make_spec(tiny_model, engine="static", max_new_tokens=16), rows, batch_rows=8,
-                on_event=events.append, info=info)
+        r = run(
+            loaded,
+            make_spec(tiny_model, engine="static", max_new_tokens=16),
+            rows,
+            batch_rows=8,
+            on_event=events.append,
+            info=info,
+        )
     finally:
         monkeypatch.delenv("JOBS_TEST_FAULTS")
         faults._faults.cache_clear()
     assert [r[i].output for i in range(8)] == [a for _, a in qa]
-    assert events == ["out of memory generating 8 sequences together (static engine): retrying as calls of 4",
-                      "out of memory generating 4 sequences together (static engine): retrying as calls of 2"]
+    assert events == [
+        "out of memory generating 8 sequences together (static engine): retrying as calls of 4",
+        "out of memory generating 4 sequences together (static engine): retrying as calls of 2",
+    ]
     assert (info["static"]["slots"], info["static"]["calls"]) == (2, 4)
 
 
 def test_cache_buckets_and_refusals(tiny_model):
     """Cache lengths round up to 128·2^k / 192·2^k (capped at the context when the row fits); a spec asking
     engine static with an attention it cannot run is refused at submit."""
-    assert [cache_bucket(n) for n in (1, 128, 129, 193, 257, 512, 513, 1300)] == [128, 128, 192, 256, 384, 512,
-                                                                                  768, 1536]
+    assert [cache_bucket(n) for n in (1, 128, 129, 193, 257, 512, 513, 1300)] == [
+        128,
+        128,
+        192,
+        256,
+        384,
+        512,
+        768,
+        1536,
+    ]
     assert cache_bucket(500, limit=512) == 512 and cache_bucket(300, limit=320) == 320
     caps = {"versions": {}, "attention": []}
     assert missing(make_spec(tiny_model, engine="static"), caps, 0) == []

@@ -26,7 +26,8 @@ exit 1
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to answer --version for the broken stand-in")
 def test_a_kernel_that_does_not_compile_fails_once_naming_the_cause_and_is_refused_after_the_probe(
-        tmp_path, jobs_env, spawn_worker, tiny_model):
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
     """Each shard fails on its first attempt (not 3); the job's error is one line naming the compile failure, not
     Dynamo's "Set TORCHDYNAMO_VERBOSE=1"; an error event holds the traceback; once the worker's probe answered,
     a new flex_attention submit is refused with the reason and what to use instead."""
@@ -35,8 +36,14 @@ def test_a_kernel_that_does_not_compile_fails_once_naming_the_cause_and_is_refus
     cxx.chmod(0o755)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Row {i}"}) + "\n" for i in range(4)))
-    spec = {"model": str(tiny_model), "input": str(data), "gpus": 0, "max_new_tokens": 4,
-            "attn_implementation": "flex_attention", "shard_rows": 2}
+    spec = {
+        "model": str(tiny_model),
+        "input": str(data),
+        "gpus": 0,
+        "max_new_tokens": 4,
+        "attn_implementation": "flex_attention",
+        "shard_rows": 2,
+    }
     job = service.submit(owner="t", spec_data=spec)  # no worker is live yet: queued for the CPU queue
     worker = spawn_worker([], CXX=str(cxx), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     wait_for(lambda: _job(job["id"]).state == "failed", 300, "the job to fail", procs=[worker])
@@ -51,8 +58,11 @@ def test_a_kernel_that_does_not_compile_fails_once_naming_the_cause_and_is_refus
     assert events and all("Traceback" in e.data["traceback"] and "not retried" in e.message for e in events)
 
     wait_for(lambda: (_probe(worker.pid) or {}).get("ok") is False, 300, "the flex_attention probe", procs=[worker])
-    with pytest.raises(Unschedulable, match=r"flex_attention does not compile on this worker's cpu: torch.compile "
-                                            r"failed on this worker, .*: use attn_implementation sdpa or eager"):
+    with pytest.raises(
+        Unschedulable,
+        match=r"flex_attention does not compile on this worker's cpu: torch.compile "
+        r"failed on this worker, .*: use attn_implementation sdpa or eager",
+    ):
         service.submit(owner="t", spec_data=spec)
 
 

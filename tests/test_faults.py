@@ -21,8 +21,9 @@ def executions(job_id: str) -> list[int]:
         return list(session.scalars(select(JobRow.executions).where(JobRow.job_id == job_id)).all())
 
 
-def test_a_shard_that_kills_its_worker_every_time_fails_after_the_attempt_cap(tmp_path, jobs_env, spawn_worker,
-                                                                              tiny_model):
+def test_a_shard_that_kills_its_worker_every_time_fails_after_the_attempt_cap(
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
     """A worker that dies on every micro-batch (restarted each time, as systemd would) makes the shard fail with
     "gave up after 3 attempts" instead of looping; the job fails with that reason."""
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 8)))
@@ -45,8 +46,9 @@ def test_sigterm_hands_back_the_shard_and_another_worker_finishes_it(tmp_path, j
     """SIGTERM mid-shard: the worker stops after its current micro-batch, hands the shard back without counting
     an attempt, and exits; another worker finishes the job; every row ran once."""
     first = spawn_worker([])
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240),
-                                                        shard_rows=240))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240), shard_rows=240)
+    )
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=[first])
     first.popen.send_signal(signal.SIGTERM)
     first.popen.wait(30)
@@ -66,8 +68,9 @@ def test_visibility_timeout_shorter_than_a_shard_runs_every_row_once(tmp_path, j
     because it has many rows to compute: a fast machine cannot end it early, a loaded one spends no CPU on it."""
     env = {"JOBS_VISIBILITY_TIMEOUT": "5", "JOBS_TEST_FAULTS": "sleep_1@batch"}
     workers = [spawn_worker([], **env), spawn_worker([], **env)]
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 96),
-                                                        shard_rows=96))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 96), shard_rows=96)
+    )
     wait_for(lambda: job_state(job["id"]) == "succeeded", 240, "the job", procs=workers)
     assert set(executions(job["id"])) == {1}
     with session_scope() as session:
@@ -75,19 +78,22 @@ def test_visibility_timeout_shorter_than_a_shard_runs_every_row_once(tmp_path, j
         ended = max(r.finished_at for r in session.scalars(select(JobRow).where(JobRow.job_id == job["id"])))
     assert ended - started > 5, "the shard must outlast the visibility timeout for this test to mean anything"
     logs = "".join(w.log.read_text() for w in workers)
-    assert "is leased by" in logs and "duplicate message" in logs, "Redis never redelivered the message: the test " \
-        "proved nothing"
+    assert "is leased by" in logs and "duplicate message" in logs, (
+        "Redis never redelivered the message: the test proved nothing"
+    )
 
 
 @pytest.mark.parametrize("outage", [2, 10])
-def test_redis_killed_and_restarted_mid_job_the_job_completes(tmp_path, jobs_env, redis_server, spawn_worker,
-                                                              tiny_model, outage):
+def test_redis_killed_and_restarted_mid_job_the_job_completes(
+    tmp_path, jobs_env, redis_server, spawn_worker, tiny_model, outage
+):
     """SIGKILL Redis while a job runs and restart it empty on the same port after `outage` seconds: the workers
     survive (an ack that fails while Redis is down used to end a Celery 5.7 worker), reconnect, the lost queued
     messages are sent again, and the job completes with every row once."""
     workers = [spawn_worker([]), spawn_worker([])]
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240),
-                                                        shard_rows=24))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 240), shard_rows=24)
+    )
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=workers)
     redis_server.kill()
     time.sleep(outage)
@@ -96,18 +102,21 @@ def test_redis_killed_and_restarted_mid_job_the_job_completes(tmp_path, jobs_env
     assert set(executions(job["id"])) == {1}
 
 
-def test_postgres_down_for_seconds_mid_job_the_job_completes(tmp_path, private_pg_jobs_env, private_postgres,
-                                                             spawn_worker, tiny_model):
+def test_postgres_down_for_seconds_mid_job_the_job_completes(
+    tmp_path, private_pg_jobs_env, private_postgres, spawn_worker, tiny_model
+):
     """Stop Postgres in immediate mode for 6 s while a job runs, then start it again: the workers ride it out
     (their leases cover the gap or the reaper re-queues), the job completes, rows committed before the outage
     are kept, and every row ran once."""
     workers = [spawn_worker([]), spawn_worker([])]
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120),
-                                                        shard_rows=12))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120), shard_rows=12)
+    )
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=workers)
     with session_scope() as session:
-        before = set(session.scalars(select(JobRow.idx).where(JobRow.job_id == job["id"],
-                                                              JobRow.state == "succeeded")).all())
+        before = set(
+            session.scalars(select(JobRow.idx).where(JobRow.job_id == job["id"], JobRow.state == "succeeded")).all()
+        )
     private_postgres.stop("immediate")
     time.sleep(6)
     private_postgres.start()

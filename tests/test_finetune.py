@@ -41,9 +41,21 @@ open(sys.argv[4], "w").write(json.dumps({e["step"]: e["loss"] for e in logs if "
 
 def ft_spec(model: Path, **extra) -> dict:
     """60 steps over the 12 rows (one batch): enough for the tiny base to learn every answer."""
-    return {"kind": "finetune", "model": str(model), "input": str(FT_DATA), "gpus": 0, "max_steps": 60,
-            "learning_rate": 1e-2, "lr_scheduler": "constant", "batch_size": 12, "lora_r": 16, "lora_alpha": 32,
-            "lora_dropout": 0.0, "checkpoint_steps": 20, **extra}
+    return {
+        "kind": "finetune",
+        "model": str(model),
+        "input": str(FT_DATA),
+        "gpus": 0,
+        "max_steps": 60,
+        "learning_rate": 1e-2,
+        "lr_scheduler": "constant",
+        "batch_size": 12,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.0,
+        "checkpoint_steps": 20,
+        **extra,
+    }
 
 
 def qa_prompts(tmp_path: Path) -> Path:
@@ -54,19 +66,25 @@ def qa_prompts(tmp_path: Path) -> Path:
 
 
 def finished(job_id: str, timeout: float, procs) -> dict:
-    return wait_for(lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
-                    f"job {job_id} to finish", procs=procs)
+    return wait_for(
+        lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j,
+        timeout,
+        f"job {job_id} to finish",
+        procs=procs,
+    )
 
 
 def metric_events(job_id: str) -> list[dict]:
     with session_scope() as session:
-        rows = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metric")
-                               .order_by(JobEvent.id)).all()
+        rows = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metric").order_by(JobEvent.id)
+        ).all()
         return [e.data for e in rows]
 
 
 def test_lora_finetune_memorizes_answers_and_generation_with_its_adapter_reproduces_them(
-        tmp_path, jobs_env, spawn_worker, base_model, capsys):
+    tmp_path, jobs_env, spawn_worker, base_model, capsys
+):
     """A fine-tune on the untrained base registers an adapter; a generation job naming it answers >= 5 of 6 exactly;
     training events (loss, learning rate, grad norm, tokens/s) are recorded, `status` shows the step and epoch,
     and the precision is fp32 on CPU; adapters are listed to their owner only."""
@@ -83,16 +101,25 @@ def test_lora_finetune_memorizes_answers_and_generation_with_its_adapter_reprodu
     events = metric_events(ft["id"])
     steps = [e["step"] for e in events if "loss" in e]
     assert steps == list(range(1, 61))
-    assert all({"loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch"} <= e.keys()
-               for e in events if "loss" in e)
+    assert all(
+        {"loss", "learning_rate", "grad_norm", "tokens_per_s", "epoch"} <= e.keys() for e in events if "loss" in e
+    )
     assert [e for e in events if "loss" in e][-1]["loss"] < 0.05
     with session_scope() as session:
         adapter = session.get(Adapter, ft["id"])
         assert adapter.owner == "alice" and adapter.base_model == str(base_model.resolve())
         assert adapter.lora_config["r"] == 16 and adapter.metrics["steps"] == 60
 
-    gen = service.submit(owner="alice", spec_data={"model": str(base_model), "input": str(qa_prompts(tmp_path)),
-                                                   "adapter": ft["id"], "gpus": 0, "max_new_tokens": 16})
+    gen = service.submit(
+        owner="alice",
+        spec_data={
+            "model": str(base_model),
+            "input": str(qa_prompts(tmp_path)),
+            "adapter": ft["id"],
+            "gpus": 0,
+            "max_new_tokens": 16,
+        },
+    )
     gen = finished(gen["id"], 120, [worker])
     assert gen["state"] == "succeeded", gen["error"]
     assert gen["load_options"]["adapter"]["id"] == ft["id"]
@@ -115,8 +142,9 @@ def test_then_generate_waits_for_the_finetune_and_runs_with_its_adapter(tmp_path
     gen_id = ft["metrics"]["then_generate_job"]
     assert views.get(gen_id, owner=None)["state"] == "queued"
     with pytest.raises(Exception, match="no adapter"):
-        service.submit(owner="bob", spec_data={"model": str(base_model), "input": str(PROMPTS), "adapter": ft["id"],
-                                               "gpus": 0})
+        service.submit(
+            owner="bob", spec_data={"model": str(base_model), "input": str(PROMPTS), "adapter": ft["id"], "gpus": 0}
+        )
     gen = finished(gen_id, 180, [worker])
     assert gen["state"] == "succeeded", gen["error"]
     assert views.get(ft["id"], owner=None)["state"] == "succeeded"
@@ -125,7 +153,8 @@ def test_then_generate_waits_for_the_finetune_and_runs_with_its_adapter(tmp_path
 
 
 def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_checkpoint(
-        tmp_path, jobs_env, spawn_worker, base_model):
+    tmp_path, jobs_env, spawn_worker, base_model
+):
     """SIGKILL the training worker after checkpoint 20: another worker skips a half-written later checkpoint,
     resumes from checkpoint-20 (first logged step 21, loss within 5 % of an unbroken run) and finishes the job."""
     import signal
@@ -139,8 +168,13 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
     fast = dict(JOBS_LEASE_SECONDS="3")
     victim = spawn_worker([], JOBS_TEST_FAULTS="sleep_0.15@train_step", **fast)
     ft = service.submit(owner="alice", spec_data=spec_data)
-    wait_for(lambda: any(e.get("step", 0) >= 22 for e in metric_events(ft["id"])), 60, "step 22", interval=0.05,
-             procs=[victim])
+    wait_for(
+        lambda: any(e.get("step", 0) >= 22 for e in metric_events(ft["id"])),
+        60,
+        "step 22",
+        interval=0.05,
+        procs=[victim],
+    )
     os.kill(victim.pid, signal.SIGKILL)
     checkpoints = adapters.workdir(ft["id"]) / "checkpoints"
     assert [step for step, _ in finetune.complete_checkpoints(checkpoints)] == [20]
@@ -152,10 +186,16 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
     assert done["state"] == "succeeded", done["error"]
     assert done["metrics"]["training"]["resumed_from_step"] == 20
     with session_scope() as session:
-        resumed_at = session.scalar(select(JobEvent.id).where(JobEvent.job_id == ft["id"],
-                                                              JobEvent.message.like("%resuming from checkpoint-20")))
-        after = session.scalars(select(JobEvent).where(JobEvent.job_id == ft["id"], JobEvent.kind == "metric",
-                                                       JobEvent.id > resumed_at).order_by(JobEvent.id)).all()
+        resumed_at = session.scalar(
+            select(JobEvent.id).where(
+                JobEvent.job_id == ft["id"], JobEvent.message.like("%resuming from checkpoint-20")
+            )
+        )
+        after = session.scalars(
+            select(JobEvent)
+            .where(JobEvent.job_id == ft["id"], JobEvent.kind == "metric", JobEvent.id > resumed_at)
+            .order_by(JobEvent.id)
+        ).all()
     resumed = [e.data for e in after if "loss" in e.data]
     assert resumed[0]["step"] == 21 and resumed[-1]["step"] == 40
     # the current view shows each step once (the victim's steps after 20 ran again: superseded, kept for --all-runs)
@@ -171,9 +211,22 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
     # process did before can change the reference: the resumed step 21 has the same loss (within 5 %).
     spec = FinetuneSpec.model_validate({**spec_data, "model": str(base_model)})
     reference = tmp_path / "unbroken.json"
-    subprocess.run([sys.executable, "-c", UNBROKEN, spec.model_dump_json(), str(FT_DATA), str(tmp_path / "unbroken"),
-                    str(reference)], check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            UNBROKEN,
+            spec.model_dump_json(),
+            str(FT_DATA),
+            str(tmp_path / "unbroken"),
+            str(reference),
+        ],
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     unbroken = {int(step): loss for step, loss in json.loads(reference.read_text()).items()}
     assert resumed[0]["loss"] == pytest.approx(unbroken[21], rel=0.05)
 
@@ -181,6 +234,7 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
 def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_path, jobs_env, base_model):
     """Empty dataset, rows without their format's fields, a bad scheduler, untrainable quantization, both validation
     options: each refused before anything is stored, with a message that says what is wrong."""
+
     def refused(rows: list, match: str, **extra) -> None:
         path = tmp_path / "bad.jsonl"
         path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
@@ -191,8 +245,10 @@ def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_p
     refused(["", "  "], "is empty")
     refused([{"prompt": "Q"}], r"line 1: a prompt_completion row needs 'prompt' and 'completion'; 'completion' is")
     refused([{"text": "ok"}, {"question": "Q"}], r"line 2: a training row needs 'messages'")
-    refused([{"messages": [{"role": "user", "content": "hi"}]}], "line 1: a chat row needs at least one non-empty "
-                                                                  "assistant message")
+    refused(
+        [{"messages": [{"role": "user", "content": "hi"}]}],
+        "line 1: a chat row needs at least one non-empty assistant message",
+    )
     refused([{"text": "ok"}, "{not json"], "line 2: invalid JSON")
     refused([{"text": "ok"}], "a messages row needs 'messages'", input_format="messages")
     refused([{"text": "ok"}], "unknown lr_scheduler 'cosinus'", lr_scheduler="cosinus")
@@ -202,19 +258,22 @@ def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_p
     from sqlalchemy import func
 
     from core.models import Job
+
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 0
 
 
 def test_finetune_refuses_unknown_modules_and_too_long_rows_before_training_and_a_truncated_adapter_fails(
-        tmp_path, jobs_env, spawn_worker, base_model):
+    tmp_path, jobs_env, spawn_worker, base_model
+):
     """On the worker, before any step: target modules the model lacks and rows longer than max_seq_length (with
     truncation: refuse) fail the job naming modules and lines; a truncated adapter file fails the registry's check."""
     worker = spawn_worker([], JOBS_TEST_FAULTS="truncate@adapter_saved")
     bad_modules = service.submit(owner="alice", spec_data=ft_spec(base_model, target_modules=["q_proj", "w_nope"]))
     too_long = service.submit(owner="alice", spec_data=ft_spec(base_model, max_seq_length=12))
-    truncated = service.submit(owner="alice", spec_data=ft_spec(base_model, max_steps=3, max_seq_length=12,
-                                                                truncation="truncate"))
+    truncated = service.submit(
+        owner="alice", spec_data=ft_spec(base_model, max_steps=3, max_seq_length=12, truncation="truncate")
+    )
     job = finished(bad_modules["id"], 60, [worker])
     assert job["state"] == "failed" and "target_modules ['w_nope'] do not exist" in job["error"]
     assert "q_proj" in job["error"]  # it names the modules the model has
@@ -229,7 +288,8 @@ def test_finetune_refuses_unknown_modules_and_too_long_rows_before_training_and_
 
 
 def test_cancel_stops_training_within_seconds_keeps_its_checkpoint_and_a_qlora_job_trains(
-        jobs_env, spawn_worker, base_model):
+    jobs_env, spawn_worker, base_model
+):
     """Cancel ends a long fine-tune within a few seconds and keeps its last complete checkpoint, and its chained
     generation job fails with that reason; then a QLoRA job
     (bitsandbytes 4-bit base on this CPU) trains, lowers the loss and records its quantization."""
@@ -238,8 +298,12 @@ def test_cancel_stops_training_within_seconds_keeps_its_checkpoint_and_a_qlora_j
     from worker import finetune
 
     worker = spawn_worker([])
-    ft = service.submit(owner="alice", spec_data=ft_spec(base_model, max_steps=100000, checkpoint_steps=5,
-                                                         then_generate={"input": str(PROMPTS), "max_new_tokens": 4}))
+    ft = service.submit(
+        owner="alice",
+        spec_data=ft_spec(
+            base_model, max_steps=100000, checkpoint_steps=5, then_generate={"input": str(PROMPTS), "max_new_tokens": 4}
+        ),
+    )
     gen_id = ft["metrics"]["then_generate_job"]
     wait_for(lambda: any(e.get("step", 0) >= 7 for e in metric_events(ft["id"])), 120, "step 7", procs=[worker])
     t0 = time.monotonic()
@@ -251,12 +315,14 @@ def test_cancel_stops_training_within_seconds_keeps_its_checkpoint_and_a_qlora_j
     gen = finished(gen_id, 30, [worker])
     assert gen["state"] == "failed" and "cancelled" in gen["error"]
     with pytest.raises(Conflict, match="cancelled"):
-        service.submit(owner="alice", spec_data={"model": str(base_model), "input": str(PROMPTS),
-                                                 "adapter": ft["id"], "gpus": 0})
+        service.submit(
+            owner="alice", spec_data={"model": str(base_model), "input": str(PROMPTS), "adapter": ft["id"], "gpus": 0}
+        )
 
     def probed():
         with session_scope() as session:
             return all("qlora" in w.capabilities for w in session.scalars(select(Worker)).all())
+
     wait_for(probed, 60, "the QLoRA probe", procs=[worker])
     q = service.submit(owner="alice", spec_data=ft_spec(base_model, max_steps=20, quantization="bnb-4bit"))
     q = finished(q["id"], 120, [worker])
@@ -279,7 +345,10 @@ def test_a_user_cannot_name_server_paths_for_validation_or_chained_datasets(jobs
     client = TestClient(app)
     headers = {"Authorization": f"Bearer {token}"}
     uploaded = client.post("/files", headers=headers, files={"file": ("t.jsonl", FT_DATA.read_bytes())}).json()["id"]
-    for extra in ({"validation_input": "/etc/passwd"}, {"then_generate": "/etc/passwd"},
-                  {"then_generate": {"input": "/etc/passwd"}}):
+    for extra in (
+        {"validation_input": "/etc/passwd"},
+        {"then_generate": "/etc/passwd"},
+        {"then_generate": {"input": "/etc/passwd"}},
+    ):
         response = client.post("/jobs", headers=headers, json=ft_spec(base_model, input=uploaded, **extra))
         assert response.status_code == 403 and "server-side dataset paths" in response.text, response.text

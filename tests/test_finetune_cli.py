@@ -20,9 +20,20 @@ def cli_env(jobs_env, api_server):
 
 def test_submit_finetune_then_list_show_and_export_the_merged_adapter(tmp_path, cli_env, spawn_worker, base_model):
     spawn_worker([])
-    submitted = jobs(cli_env, "submit", "finetune", "--spec", str(ROOT / "examples" / "finetune.yaml"), "--model",
-                     str(base_model), "--input", str(ROOT / "examples" / "finetune_qa.jsonl"), "--gpus", "0",
-                     "--wait")
+    submitted = jobs(
+        cli_env,
+        "submit",
+        "finetune",
+        "--spec",
+        str(ROOT / "examples" / "finetune.yaml"),
+        "--model",
+        str(base_model),
+        "--input",
+        str(ROOT / "examples" / "finetune_qa.jsonl"),
+        "--gpus",
+        "0",
+        "--wait",
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     status = jobs(cli_env, "status", job_id, check=True).stdout
@@ -47,18 +58,35 @@ def test_submit_finetune_then_list_show_and_export_the_merged_adapter(tmp_path, 
     assert sum(got == want for got, (_, want) in zip(answers, qa_pairs())) >= 5, answers
 
 
-def test_then_generate_with_wait_prints_and_waits_for_both_and_status_shows_training(tmp_path, cli_env,
-                                                                                      spawn_worker, base_model):
+def test_then_generate_with_wait_prints_and_waits_for_both_and_status_shows_training(
+    tmp_path, cli_env, spawn_worker, base_model
+):
     """`submit finetune --then-generate … --wait` prints the fine-tune's id then the chained job's, returns once
     both ended and exits with the chain's code; `status` of the fine-tune shows step, epoch, loss and training tok/s,
     and none of a generation job's fields (tokens, tok/s of output, first result)."""
     spawn_worker([])
     spec = tmp_path / "ft.yaml"
-    spec.write_text(json.dumps({"then_generate": {"input": str(ROOT / "examples" / "prompts.jsonl"),
-                                                  "max_new_tokens": 4}}))
-    submitted = jobs(cli_env, "submit", "finetune", "--spec", str(spec), "--model", str(base_model), "--input",
-                     str(ROOT / "examples" / "finetune_qa.jsonl"), "--gpus", "0", "--max-steps", "3",
-                     "--batch-size", "12", "--wait")
+    spec.write_text(
+        json.dumps({"then_generate": {"input": str(ROOT / "examples" / "prompts.jsonl"), "max_new_tokens": 4}})
+    )
+    submitted = jobs(
+        cli_env,
+        "submit",
+        "finetune",
+        "--spec",
+        str(spec),
+        "--model",
+        str(base_model),
+        "--input",
+        str(ROOT / "examples" / "finetune_qa.jsonl"),
+        "--gpus",
+        "0",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "12",
+        "--wait",
+    )
     assert submitted.returncode == 0, submitted.stderr
     ft_id, gen_id = submitted.stdout.split()
     ft = json.loads(jobs(cli_env, "status", ft_id, "--json", check=True).stdout)

@@ -30,9 +30,15 @@ def test_loss_is_only_on_the_completion_and_the_assistant_turns(tok):
     the template's generation prompt; text: every token."""
     ex = finetune_data.tokenize_row(tok, {"prompt": "What is 2 + 2?", "completion": "Four."})
     assert learned(tok, ex) == "Four.<|endoftext|>"
-    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sky?"},
-                         {"role": "assistant", "content": "Blue."}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Sky?"},
+            {"role": "assistant", "content": "Blue."},
+        ]
+    }
     ex = finetune_data.tokenize_row(tok, chat)
     assert learned(tok, ex) == "Hello.<|im_end|>\nBlue.<|im_end|>\n"
     assert tok.decode(ex.input_ids) == tok.apply_chat_template(chat["messages"], tokenize=False)
@@ -86,11 +92,13 @@ def test_resume_takes_the_newest_complete_checkpoint_and_removes_half_written_on
 def test_finetune_spec_refuses_untrainable_settings_with_a_reason():
     from core.spec import parse_spec
 
-    for extra, match in (({"lr_scheduler": "cosinus"}, "unknown lr_scheduler"),
-                         ({"quantization": "torchao-int8"}, "bnb-4bit"),
-                         ({"adapter": "job_x"}, "continuing an adapter"),
-                         ({"truncation": "cut"}, "truncation"),
-                         ({"then_generate": {"max_new_tokens": 3}}, "then_generate needs an input")):
+    for extra, match in (
+        ({"lr_scheduler": "cosinus"}, "unknown lr_scheduler"),
+        ({"quantization": "torchao-int8"}, "bnb-4bit"),
+        ({"adapter": "job_x"}, "continuing an adapter"),
+        ({"truncation": "cut"}, "truncation"),
+        ({"then_generate": {"max_new_tokens": 3}}, "then_generate needs an input"),
+    ):
         with pytest.raises(InvalidInput, match=match):
             parse_spec({"kind": "finetune", "model": "m", "input": "file_x", **extra})
 
@@ -102,9 +110,13 @@ def test_a_short_run_without_a_queue_logs_eval_loss_and_saves_the_adapter(tmp_pa
 
     rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i}."}) for i in range(1, 9)]
     logs: list[dict] = []
-    result = finetune.finetune(LoadOptions(model=str(base_model)),
-                               spec(model=str(base_model), max_steps=4, checkpoint_steps=2, validation_split=0.25,
-                                    batch_size=2), rows, tmp_path, on_log=logs.append)
+    result = finetune.finetune(
+        LoadOptions(model=str(base_model)),
+        spec(model=str(base_model), max_steps=4, checkpoint_steps=2, validation_split=0.25, batch_size=2),
+        rows,
+        tmp_path,
+        on_log=logs.append,
+    )
     assert [e["step"] for e in logs if "eval_loss" in e] == [2, 4]
     assert [s for s, _ in finetune.complete_checkpoints(tmp_path / "checkpoints")] == [2, 4]
     assert (result.adapter_dir / "adapter_model.safetensors").is_file() and not result.stopped

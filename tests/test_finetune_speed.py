@@ -51,14 +51,14 @@ def test_pack_keeps_rows_whole_best_fit_and_pads_every_block_with_its_own_positi
     examples, _ = finetune_data.build_examples(tok, rows, spec(packing=True, max_seq_length=40))
     blocks = finetune_data.pack(examples, 40, tok.pad_token_id)
     lengths = sorted(len(e.input_ids) for e in examples if len(e.input_ids) <= 40)
-    pieces = sorted(n for b in blocks for n in b.segments[:len(b.segments) - (b.real_tokens < 40)])
+    pieces = sorted(n for b in blocks for n in b.segments[: len(b.segments) - (b.real_tokens < 40)])
     assert all(len(b.input_ids) == len(b.position_ids) == len(b.labels) == 40 for b in blocks)
     assert sum(b.real_tokens for b in blocks) == sum(len(e.input_ids) for e in examples)
     assert all(n in pieces for n in lengths)  # every row that fits a block is one whole segment
     for b in blocks:
         start = 0
         for n in b.segments:
-            assert b.position_ids[start:start + n] == list(range(n))  # positions restart at every row
+            assert b.position_ids[start : start + n] == list(range(n))  # positions restart at every row
             assert b.labels[start] == finetune_data.IGNORE  # a row's first token is never a target
             start += n
     assert len(blocks) <= -(-sum(b.real_tokens for b in blocks) // 40) + 1  # best fit: one block more at most
@@ -89,7 +89,7 @@ def test_a_packed_batch_loss_is_its_rows_losses_run_one_by_one(tok, base_model, 
         for b in blocks:
             start = 0
             for n in b.segments:
-                ids, lab = (torch.tensor([x[start:start + n]]) for x in (b.input_ids, b.labels))
+                ids, lab = (torch.tensor([x[start : start + n]]) for x in (b.input_ids, b.labels))
                 k = int((lab[:, 1:] != finetune_data.IGNORE).sum())
                 if k:
                     alone += model(input_ids=ids, labels=lab, use_cache=False).loss.item() * k
@@ -106,11 +106,25 @@ def test_gradient_accumulation_trains_like_one_big_batch_and_records_the_levers(
     curves, results = [], []
     for batch, accumulate in ((4, 1), (2, 2)):
         logs: list[dict] = []
-        results.append(finetune.finetune(
-            LoadOptions(model=str(base_model)),
-            spec(model=str(base_model), packing=True, max_seq_length=48, max_steps=3, batch_size=batch,
-                 gradient_accumulation=accumulate, learning_rate=1e-2, lora_dropout=0.0, lr_scheduler="constant"),
-            rows, tmp_path / f"b{batch}", on_log=logs.append))
+        results.append(
+            finetune.finetune(
+                LoadOptions(model=str(base_model)),
+                spec(
+                    model=str(base_model),
+                    packing=True,
+                    max_seq_length=48,
+                    max_steps=3,
+                    batch_size=batch,
+                    gradient_accumulation=accumulate,
+                    learning_rate=1e-2,
+                    lora_dropout=0.0,
+                    lr_scheduler="constant",
+                ),
+                rows,
+                tmp_path / f"b{batch}",
+                on_log=logs.append,
+            )
+        )
         curves.append([r["loss"] for r in logs if "loss" in r])
     assert len(curves[0]) == 3 and curves[0] == pytest.approx(curves[1], rel=1e-4)
     speed = results[0].metrics["speed"]
@@ -156,9 +170,25 @@ def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_fo
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "f1.json"
     env = {**os.environ, "JOBS_HOME": str(tmp_path / "jobs-home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(root / "ops" / "bench" / "f1.py"), "--smoke", "--work", str(tmp_path),
-                           "--out", str(out), "--port", str(free_port())], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=400, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "ops" / "bench" / "f1.py"),
+            "--smoke",
+            "--work",
+            str(tmp_path),
+            "--out",
+            str(out),
+            "--port",
+            str(free_port()),
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]  # ran; the H200 targets are not met on a CPU
     f1 = json.loads(out.read_text())["f1"]
     assert f1["service"]["state"] == "succeeded" and f1["service"]["steps_logged"] == 12

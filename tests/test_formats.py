@@ -62,8 +62,18 @@ def saved_dataset(folder: Path, *tables: pa.Table) -> Path:
         with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         names.append({"filename": name})
-    (folder / "state.json").write_text(json.dumps({"_data_files": names, "_fingerprint": "f", "_format_columns": None,
-                                                   "_format_kwargs": {}, "_format_type": None, "_split": None}))
+    (folder / "state.json").write_text(
+        json.dumps(
+            {
+                "_data_files": names,
+                "_fingerprint": "f",
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_split": None,
+            }
+        )
+    )
     (folder / "dataset_info.json").write_text(json.dumps({"features": {}}))
     return folder
 
@@ -103,47 +113,97 @@ def test_openai_lines_map_body_parameters_onto_row_parameters(tmp_path):
     """Chat and completions lines become messages / prompt rows; max_tokens and max_completion_tokens →
     max_new_tokens, n → num_return_sequences, stop string → list; url and body.model are kept for the response."""
     data = lines(
-        openai_line("chat-1", {"model": "qwen", "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}], "max_completion_tokens": 7,
-            "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "END", "n": 2, "stream": False}),
+        openai_line(
+            "chat-1",
+            {
+                "model": "qwen",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}
+                ],
+                "max_completion_tokens": 7,
+                "temperature": 0.5,
+                "top_p": 0.9,
+                "seed": 3,
+                "stop": "END",
+                "n": 2,
+                "stream": False,
+            },
+        ),
         openai_line("comp-1", {"model": "qwen", "prompt": "Once", "max_tokens": 5}, url="/v1/completions"),
     )
     rows = parse(write(tmp_path / "b.jsonl", data), "openai")
     assert [(r.idx, r.line, r.custom_id, r.error) for r in rows] == [(0, 1, "chat-1", None), (1, 2, "comp-1", None)]
     assert rows[0].input == {
         "messages": [{"role": "user", "content": "Hi there"}],
-        "params": {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["END"],
-                   "num_return_sequences": 2},
-        "extra": {}, "openai": {"url": CHAT, "model": "qwen"},
+        "params": {
+            "max_new_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": ["END"],
+            "num_return_sequences": 2,
+        },
+        "extra": {},
+        "openai": {"url": CHAT, "model": "qwen"},
     }
-    assert rows[1].input == {"prompt": "Once", "params": {"max_new_tokens": 5}, "extra": {},
-                             "openai": {"url": "/v1/completions", "model": "qwen"}}
+    assert rows[1].input == {
+        "prompt": "Once",
+        "params": {"max_new_tokens": 5},
+        "extra": {},
+        "openai": {"url": "/v1/completions", "model": "qwen"},
+    }
 
 
 OPENAI_BAD = [
     (openai_line("", {"messages": []}), "line-2", "an OpenAI batch line needs a 'custom_id' (a non-empty string)"),
     (openai_line("a", {"messages": []}, method="GET"), "a", "method 'GET': OpenAI batch lines use POST"),
-    (openai_line("a", {"prompt": "x"}, url="/v1/embeddings"), "a",
-     "url '/v1/embeddings' is not supported: use /v1/chat/completions or /v1/completions"),
+    (
+        openai_line("a", {"prompt": "x"}, url="/v1/embeddings"),
+        "a",
+        "url '/v1/embeddings' is not supported: use /v1/chat/completions or /v1/completions",
+    ),
     (openai_line("a", "hi"), "a", "'body' must be an object with the request (messages or prompt, max_tokens, …)"),
     (openai_line("a", {"prompt": "x"}), "a", f"body.prompt does not belong to {CHAT}: use body.messages"),
-    (openai_line("a", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
-                       "max_completion_tokens": 4}), "a",
-     "body.max_tokens and body.max_completion_tokens differ: give one of them"),
-    (openai_line("a", {"messages": [{"role": "user", "content": "x"}], "stream": True}), "a",
-     "body.stream = true is not supported by this server: leave it out"),
-    (openai_line("a", {"messages": [{"role": "user", "content": "x"}], "tools": []}), "a",
-     "body key(s) 'tools' are not supported by this server: leave them out"),
-    (openai_line("a", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}), "a",
-     "body.messages[0].content: only text parts are supported here"),
-    (openai_line("a", {"messages": []}, extra=1), "a",
-     "unknown key(s) 'extra': an OpenAI batch line has custom_id, method, url and body"),
-    (openai_line("a", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}), "a",
-     "invalid per-row parameter: temperature: Input should be greater than or equal to 0 (in body)"),
-    (openai_line("a", {"messages": []}), "a",
-     "'messages' must be a non-empty list of {role, content} objects (in body)"),
-    (openai_line("a", {"messages": [{"role": "user", "content": "x"}], "model": 5}), "a",
-     "body.model must be a non-empty string"),
+    (
+        openai_line("a", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}),
+        "a",
+        "body.max_tokens and body.max_completion_tokens differ: give one of them",
+    ),
+    (
+        openai_line("a", {"messages": [{"role": "user", "content": "x"}], "stream": True}),
+        "a",
+        "body.stream = true is not supported by this server: leave it out",
+    ),
+    (
+        openai_line("a", {"messages": [{"role": "user", "content": "x"}], "tools": []}),
+        "a",
+        "body key(s) 'tools' are not supported by this server: leave them out",
+    ),
+    (
+        openai_line("a", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+        "a",
+        "body.messages[0].content: only text parts are supported here",
+    ),
+    (
+        openai_line("a", {"messages": []}, extra=1),
+        "a",
+        "unknown key(s) 'extra': an OpenAI batch line has custom_id, method, url and body",
+    ),
+    (
+        openai_line("a", {"messages": [{"role": "user", "content": "x"}], "temperature": -1}),
+        "a",
+        "invalid per-row parameter: temperature: Input should be greater than or equal to 0 (in body)",
+    ),
+    (
+        openai_line("a", {"messages": []}),
+        "a",
+        "'messages' must be a non-empty list of {role, content} objects (in body)",
+    ),
+    (
+        openai_line("a", {"messages": [{"role": "user", "content": "x"}], "model": 5}),
+        "a",
+        "body.model must be a non-empty string",
+    ),
 ]
 
 
@@ -170,21 +230,38 @@ def test_body_model_chooses_the_model_when_the_job_names_none(api, tmp_path):
     fake_model(root / "qwen-mini")
     api.setenv(JOBS_MODEL_ROOTS=str(root))
     line = lambda cid, **body: openai_line(cid, {"messages": [{"role": "user", "content": "x"}], **body})  # noqa: E731
-    job = api.submit({"input": api.upload(lines(line("a", model="qwen-mini"), line("b", model="qwen-mini"))),
-                      "gpus": 0})
+    job = api.submit(
+        {"input": api.upload(lines(line("a", model="qwen-mini"), line("b", model="qwen-mini"))), "gpus": 0}
+    )
     assert job.status_code == 201, job.text
     assert job.json()["model"] == str(root / "qwen-mini") and job.json()["spec"]["input_format"] == "openai"
     same = "when the job names no model every line must name the same one; or name the model in the job (--model)"
-    refused(api, {"input": api.upload(lines(line("a", model="qwen-mini"), line("b", model="other"))), "gpus": 0}, 422,
-            f"lines 1 and 2 name different models ('qwen-mini' and 'other') in body.model: {same}")
-    refused(api, {"input": api.upload(lines(line("a", model="qwen-mini"), line("b"))), "gpus": 0}, 422,
-            f"line 2 names no body.model while line 1 names 'qwen-mini': {same}")
-    refused(api, {"input": api.upload(lines(line("a", model="../qwen-mini"))), "gpus": 0}, 422,
-            f"body.model '../qwen-mini' is not a model directory under the model roots ({root}): name one of those "
-            "directories, or name the model in the job (--model)")
-    refused(api, {"input": api.upload(lines(line("a"))), "gpus": 0}, 422,
-            "model is missing: the job names none and no OpenAI batch line names one in body.model: name one "
-            "(--model, or `model:` in the spec)")
+    refused(
+        api,
+        {"input": api.upload(lines(line("a", model="qwen-mini"), line("b", model="other"))), "gpus": 0},
+        422,
+        f"lines 1 and 2 name different models ('qwen-mini' and 'other') in body.model: {same}",
+    )
+    refused(
+        api,
+        {"input": api.upload(lines(line("a", model="qwen-mini"), line("b"))), "gpus": 0},
+        422,
+        f"line 2 names no body.model while line 1 names 'qwen-mini': {same}",
+    )
+    refused(
+        api,
+        {"input": api.upload(lines(line("a", model="../qwen-mini"))), "gpus": 0},
+        422,
+        f"body.model '../qwen-mini' is not a model directory under the model roots ({root}): name one of those "
+        "directories, or name the model in the job (--model)",
+    )
+    refused(
+        api,
+        {"input": api.upload(lines(line("a"))), "gpus": 0},
+        422,
+        "model is missing: the job names none and no OpenAI batch line names one in body.model: name one "
+        "(--model, or `model:` in the spec)",
+    )
 
 
 # --- CSV ------------------------------------------------------------------------------------------------------
@@ -193,19 +270,30 @@ def test_body_model_chooses_the_model_when_the_job_names_none(api, tmp_path):
 def test_csv_rows_with_a_column_mapping(tmp_path):
     """--column prompt=question custom_id=id: lines count the header and a quoted line break; parameter cells are
     read as JSON (an empty one takes the job's value); other columns come back unchanged; bad rows fail alone."""
-    data = ("question,id,max_new_tokens,stop,topic\n"
-            'What is 2+2?,q1,12,END,math\n'
-            '"A prompt\nover two lines",q2,,"[""a"", ""b""]",poetry\n'
-            "\n"
-            "too,many,fields,here,x,y\n"
-            ",q5,,,empty\n"
-            "Hi,q6,many,,bad number\n"
-            "Hi,,,,no id\n")
+    data = (
+        "question,id,max_new_tokens,stop,topic\n"
+        "What is 2+2?,q1,12,END,math\n"
+        '"A prompt\nover two lines",q2,,"[""a"", ""b""]",poetry\n'
+        "\n"
+        "too,many,fields,here,x,y\n"
+        ",q5,,,empty\n"
+        "Hi,q6,many,,bad number\n"
+        "Hi,,,,no id\n"
+    )
     rows = parse(write(tmp_path / "d.csv", data), "csv", {"prompt": "question", "custom_id": "id"})
-    assert [(r.idx, r.line, r.custom_id) for r in rows] == [(0, 2, "q1"), (1, 3, "q2"), (2, 6, "line-6"),
-                                                            (3, 7, "q5"), (4, 8, "q6"), (5, 9, "line-9")]
-    assert rows[0].input == {"prompt": "What is 2+2?", "params": {"max_new_tokens": 12, "stop": ["END"]},
-                             "extra": {"topic": "math"}}
+    assert [(r.idx, r.line, r.custom_id) for r in rows] == [
+        (0, 2, "q1"),
+        (1, 3, "q2"),
+        (2, 6, "line-6"),
+        (3, 7, "q5"),
+        (4, 8, "q6"),
+        (5, 9, "line-9"),
+    ]
+    assert rows[0].input == {
+        "prompt": "What is 2+2?",
+        "params": {"max_new_tokens": 12, "stop": ["END"]},
+        "extra": {"topic": "math"},
+    }
     assert rows[1].input["prompt"] == "A prompt\nover two lines" and rows[1].input["params"] == {"stop": ["a", "b"]}
     assert [r.error for r in rows[2:5]] == [
         "line 6: has 6 fields, the header has 5: quote fields that hold commas or line breaks",
@@ -217,7 +305,7 @@ def test_csv_rows_with_a_column_mapping(tmp_path):
 
 def test_csv_messages_column_and_bad_utf8(tmp_path):
     """A messages column holds JSON; a cell that is not UTF-8 fails its row only."""
-    data = (b'messages\n"[{""role"": ""user"", ""content"": ""hi""}]"\nnot json\n\xff\xfe\n')
+    data = b'messages\n"[{""role"": ""user"", ""content"": ""hi""}]"\nnot json\n\xff\xfe\n'
     rows = parse(write(tmp_path / "m.csv", data), "csv")
     assert rows[0].input["messages"] == [{"role": "user", "content": "hi"}]
     assert [r.error for r in rows[1:]] == [
@@ -226,19 +314,34 @@ def test_csv_messages_column_and_bad_utf8(tmp_path):
     ]
 
 
-@pytest.mark.parametrize(("data", "columns", "message"), [
-    (b"", None, "the CSV file is empty: expected a header row naming the columns (e.g. prompt), then one row per "
-                "record"),
-    (b"question\nhi\n", {"prompt": "q"},
-     "input_columns prompt=q: the CSV header (line 1) has no such column; its columns are 'question'"),
-    (b"prompt,prompt\nhi,ho\n", None, "the CSV header (line 1) must name each column once in UTF-8 text; repeated: "
-                                      "'prompt'"),
-    (b'prompt\n"never closed\nhi\n', None,
-     "the CSV file cannot be read at line 3: unexpected end of data (a quote that is never closed swallows the rest "
-     "of the file): fix the quoting"),
-    (b"prompt,custom_id\na,x\nb,y\nc,x\n", None, f"duplicate custom_id 'x' on lines 2 and 4: {DUP}"),
-    (b"prompt\n\n", None, "the dataset has no rows: expected a csv file with one record per row"),
-])
+@pytest.mark.parametrize(
+    ("data", "columns", "message"),
+    [
+        (
+            b"",
+            None,
+            "the CSV file is empty: expected a header row naming the columns (e.g. prompt), then one row per record",
+        ),
+        (
+            b"question\nhi\n",
+            {"prompt": "q"},
+            "input_columns prompt=q: the CSV header (line 1) has no such column; its columns are 'question'",
+        ),
+        (
+            b"prompt,prompt\nhi,ho\n",
+            None,
+            "the CSV header (line 1) must name each column once in UTF-8 text; repeated: 'prompt'",
+        ),
+        (
+            b'prompt\n"never closed\nhi\n',
+            None,
+            "the CSV file cannot be read at line 3: unexpected end of data (a quote that is never closed swallows the rest "
+            "of the file): fix the quoting",
+        ),
+        (b"prompt,custom_id\na,x\nb,y\nc,x\n", None, f"duplicate custom_id 'x' on lines 2 and 4: {DUP}"),
+        (b"prompt\n\n", None, "the dataset has no rows: expected a csv file with one record per row"),
+    ],
+)
 def test_a_csv_refused_as_a_whole(tmp_path, data, columns, message):
     """Whole-file problems refuse the CSV with what to do."""
     with pytest.raises(InvalidInput) as info:
@@ -252,12 +355,15 @@ def test_a_csv_refused_as_a_whole(tmp_path, data, columns, message):
 def test_parquet_rows_are_numbered_from_0_and_typed_cells_kept(tmp_path):
     """Parquet: 0-based `row`, integer ids become text, a null parameter takes the job's value, a list-of-structs
     messages column works, other columns keep their JSON types; bad rows say `row N:`."""
-    path = parquet_file(tmp_path / "p.parquet", {
-        "q": ["Hi", None, "Yo"],
-        "id": [10, 11, 12],
-        "temperature": [0.5, None, -1.0],
-        "score": [1.5, 2.0, float("nan")],
-    })
+    path = parquet_file(
+        tmp_path / "p.parquet",
+        {
+            "q": ["Hi", None, "Yo"],
+            "id": [10, 11, 12],
+            "temperature": [0.5, None, -1.0],
+            "score": [1.5, 2.0, float("nan")],
+        },
+    )
     rows = parse(path, "parquet", {"prompt": "q", "custom_id": "id"})
     assert [(r.line, r.custom_id) for r in rows] == [(0, "10"), (1, "11"), (2, "12")]
     assert rows[0].input == {"prompt": "Hi", "params": {"temperature": 0.5}, "extra": {"score": 1.5}}
@@ -271,15 +377,20 @@ def test_parquet_refusals(tmp_path):
     """A mapped column the file lacks, duplicate ids (naming both rows) and a damaged file refuse the submission;
     a row over JOBS_MAX_ROW_BYTES fails alone."""
     path = parquet_file(tmp_path / "p.parquet", {"prompt": ["a", "b", "c"], "custom_id": ["x", "y", "x"]})
-    with pytest.raises(InvalidInput, match=r"input_columns prompt=question: the Parquet file has no such column; "
-                                           r"its columns are 'prompt', 'custom_id'"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"input_columns prompt=question: the Parquet file has no such column; "
+        r"its columns are 'prompt', 'custom_id'",
+    ):
         parse(path, "parquet", {"prompt": "question"})
     with pytest.raises(InvalidInput, match=f"duplicate custom_id 'x' on rows 0 and 2: {DUP}"):
         parse(path, "parquet")
     big = parquet_file(tmp_path / "big.parquet", {"prompt": ["x", "y" * 300]})
     rows = list(parse_dataset(big, "parquet", spec=parse_spec({"model": "m", "input": "x"}), max_row_bytes=200))
-    assert [r.error for r in rows] == [None, "row 1: row of more than 200 bytes exceeds the limit (JOBS_MAX_ROW_BYTES): "
-                                             "shorten the row or split it"]
+    assert [r.error for r in rows] == [
+        None,
+        "row 1: row of more than 200 bytes exceeds the limit (JOBS_MAX_ROW_BYTES): shorten the row or split it",
+    ]
     broken = write(tmp_path / "broken.parquet", path.read_bytes()[:40])
     with pytest.raises(InvalidInput, match="the Parquet file cannot be read .*: write it again with pyarrow or pandas"):
         parse(broken, "parquet")
@@ -290,8 +401,11 @@ def test_a_saved_dataset_is_packed_and_read_across_its_arrow_files(tmp_path):
     files; a DatasetDict or a directory without state.json is refused with what to do."""
     folder = saved_dataset(tmp_path / "ds", pa.table({"question": ["a", "b"]}), pa.table({"question": ["c"]}))
     rows = parse(packed(folder, tmp_path / "ds.zip"), "hf", {"prompt": "question"})
-    assert [(r.line, r.custom_id, r.input["prompt"]) for r in rows] == [(0, "row-0", "a"), (1, "row-1", "b"),
-                                                                         (2, "row-2", "c")]
+    assert [(r.line, r.custom_id, r.input["prompt"]) for r in rows] == [
+        (0, "row-0", "a"),
+        (1, "row-1", "b"),
+        (2, "row-2", "c"),
+    ]
     from api.cli_jobs import pack_saved_dataset
 
     (tmp_path / "dd").mkdir()
@@ -313,8 +427,9 @@ def test_table_inputs_through_the_api(api, model, tmp_path):
     """CSV, Parquet and a packed dataset submit with input_columns; the stored format and `row` numbers show
     in results; a mapping key that is not ours, or one on OpenAI lines, is refused."""
     csv_id = api.upload(b"question,id\nhi,a\n,b\n", "d.csv")
-    job = api.submit({"model": str(model), "input": csv_id, "gpus": 0,
-                      "input_columns": {"prompt": "question", "custom_id": "id"}}).json()
+    job = api.submit(
+        {"model": str(model), "input": csv_id, "gpus": 0, "input_columns": {"prompt": "question", "custom_id": "id"}}
+    ).json()
     assert job["spec"]["input_format"] == "csv" and job["rows"]["total"] == 2 and job["rows"]["failed"] == 1
     pq_path = parquet_file(tmp_path / "p.parquet", {"prompt": ["x", ""]})
     job = api.submit({"model": str(model), "input": api.upload(pq_path.read_bytes(), "p.parquet"), "gpus": 0}).json()
@@ -323,13 +438,25 @@ def test_table_inputs_through_the_api(api, model, tmp_path):
     hf = packed(saved_dataset(tmp_path / "ds", pa.table({"prompt": ["x"]})), tmp_path / "ds.zip")
     job = api.submit({"model": str(model), "input": api.upload(hf.read_bytes(), "ds.hf.zip"), "gpus": 0}).json()
     assert job["spec"]["input_format"] == "hf" and job["rows"]["pending"] == 1
-    refused(api, {"model": str(model), "input": csv_id, "gpus": 0, "input_columns": {"question": "prompt"}}, 422,
-            "input_columns 'question': map one of prompt, messages, custom_id or a sampling parameter (do_sample, "
-            "ignore_eos, max_new_tokens, num_return_sequences, repetition_penalty, seed, stop, temperature, top_k, "
-            "top_p) to a column of the file")
-    refused(api, {"model": str(model), "input": api.upload(lines(openai_line("a", {"messages": []}))), "gpus": 0,
-                  "input_columns": {"prompt": "q"}}, 422,
-            "input_columns does not apply to OpenAI batch lines (their keys are fixed): leave it out")
+    refused(
+        api,
+        {"model": str(model), "input": csv_id, "gpus": 0, "input_columns": {"question": "prompt"}},
+        422,
+        "input_columns 'question': map one of prompt, messages, custom_id or a sampling parameter (do_sample, "
+        "ignore_eos, max_new_tokens, num_return_sequences, repetition_penalty, seed, stop, temperature, top_k, "
+        "top_p) to a column of the file",
+    )
+    refused(
+        api,
+        {
+            "model": str(model),
+            "input": api.upload(lines(openai_line("a", {"messages": []}))),
+            "gpus": 0,
+            "input_columns": {"prompt": "q"},
+        },
+        422,
+        "input_columns does not apply to OpenAI batch lines (their keys are fixed): leave it out",
+    )
 
 
 # --- the token pre-flight check -------------------------------------------------------------------------------
@@ -346,8 +473,11 @@ def test_the_token_check_counts_as_the_worker_does(tiny_model):
     prompt = "What is the capital of France? " * 30
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt}]
     n_prompt = len(tok(prompt)["input_ids"])
-    n_chat = len(tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)["input_ids"])
+    n_chat = len(
+        tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
     spec = parse_spec({"model": str(tiny_model), "input": "x"})
     fits = {"prompt": prompt, "params": {"max_new_tokens": 512 - n_prompt}}
     over = {"prompt": prompt, "params": {"max_new_tokens": 513 - n_prompt}}
@@ -367,14 +497,26 @@ def test_rows_too_long_fail_in_validating_and_all_too_long_fails_before_any_shar
     """Rows whose prompt + max_new_tokens exceed the context become failed rows with their line; the others stay
     pending. A dataset where every row is too long fails with no shard queued."""
     long = "What is the capital of France? " * 200
-    job = api.submit({"model": str(tiny_model), "gpus": 0, "max_new_tokens": 16,
-                      "input": api.upload(lines({"prompt": "hi"}, {"prompt": long, "custom_id": "long"}))}).json()
+    job = api.submit(
+        {
+            "model": str(tiny_model),
+            "gpus": 0,
+            "max_new_tokens": 16,
+            "input": api.upload(lines({"prompt": "hi"}, {"prompt": long, "custom_id": "long"})),
+        }
+    ).json()
     assert job["rows"] == {"total": 2, "succeeded": 0, "failed": 1, "pending": 1}
     errors = api.client.get(f"/jobs/{job['id']}/results", params={"errors": True}, headers=api.admin).text
     assert json.loads(errors)["error"].startswith("line 2: prompt of ")
     assert job["metrics"]["input"]["too_long"] == 1
-    job = api.submit({"model": str(tiny_model), "gpus": 0, "max_new_tokens": 500,
-                      "input": api.upload(lines({"prompt": long}, {"prompt": long + "!"}))}).json()
+    job = api.submit(
+        {
+            "model": str(tiny_model),
+            "gpus": 0,
+            "max_new_tokens": 500,
+            "input": api.upload(lines({"prompt": long}, {"prompt": long + "!"})),
+        }
+    ).json()
     assert job["state"] == "failed" and job["error"].startswith("every row is invalid; the first: line 1: prompt of")
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job["id"])) == 0
@@ -388,9 +530,19 @@ def finish_rows(job_id: str, outputs: dict[int, Any]) -> None:
     with session_scope() as session:
         for idx, output in outputs.items():
             several = isinstance(output, list)
-            session.execute(update(JobRow).where(JobRow.job_id == job_id, JobRow.idx == idx).values(
-                state="succeeded", output=output, finish_reason=["stop"] * len(output) if several else "length",
-                prompt_tokens=3, completion_tokens=4, worker="w1", finished_at=1000.0 - idx))
+            session.execute(
+                update(JobRow)
+                .where(JobRow.job_id == job_id, JobRow.idx == idx)
+                .values(
+                    state="succeeded",
+                    output=output,
+                    finish_reason=["stop"] * len(output) if several else "length",
+                    prompt_tokens=3,
+                    completion_tokens=4,
+                    worker="w1",
+                    finished_at=1000.0 - idx,
+                )
+            )
 
 
 def get(api, job_id: str, **params: Any):
@@ -403,9 +555,11 @@ def test_results_in_every_format_and_order(api, model):
     """JSONL, OpenAI output and error files, CSV and Parquet, in input and finishing order; a row with two outputs
     is a list in JSONL and Parquet, two choices in OpenAI, a JSON list in a CSV cell; pass-through keys are
     columns; an unknown format is refused."""
-    data = lines(openai_line("c1", {"model": "echo-me", "messages": [{"role": "user", "content": "a"}]}),
-                 openai_line("c2", {"prompt": "b", "n": 2, "temperature": 1.0}, url="/v1/completions"),
-                 openai_line("c3", {"messages": []}))
+    data = lines(
+        openai_line("c1", {"model": "echo-me", "messages": [{"role": "user", "content": "a"}]}),
+        openai_line("c2", {"prompt": "b", "n": 2, "temperature": 1.0}, url="/v1/completions"),
+        openai_line("c3", {"messages": []}),
+    )
     job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
     finish_rows(job["id"], {0: "A", 1: ["B1", "B2"]})
 
@@ -419,12 +573,20 @@ def test_results_in_every_format_and_order(api, model):
     chat, comp = out[0]["response"]["body"], out[1]["response"]["body"]
     assert out[0]["custom_id"] == "c1" and out[0]["error"] is None and out[0]["response"]["status_code"] == 200
     assert chat["object"] == "chat.completion" and chat["model"] == "echo-me"
-    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "A", "refusal": None},
-                                "logprobs": None, "finish_reason": "length"}]
+    assert chat["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "A", "refusal": None},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
     assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert comp["object"] == "text_completion" and comp["model"] == str(model)
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in comp["choices"]] == [(0, "B1", "stop"),
-                                                                                       (1, "B2", "stop")]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in comp["choices"]] == [
+        (0, "B1", "stop"),
+        (1, "B2", "stop"),
+    ]
     (err,) = [json.loads(x) for x in get(api, job["id"], format="openai", errors=True).text.splitlines()]
     assert err["custom_id"] == "c3" and err["response"]["status_code"] == 400
     assert err["response"]["body"]["error"]["type"] == "invalid_request_error"
@@ -432,7 +594,10 @@ def test_results_in_every_format_and_order(api, model):
 
     table = list(csv.reader(io.StringIO(get(api, job["id"], format="csv").text)))
     assert table[0] == ["custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens"]
-    assert table[1:] == [["c1", "1", "A", "length", "3", "4"], ["c2", "2", '["B1", "B2"]', '["stop", "stop"]', "3", "4"]]
+    assert table[1:] == [
+        ["c1", "1", "A", "length", "3", "4"],
+        ["c2", "2", '["B1", "B2"]', '["stop", "stop"]', "3", "4"],
+    ]
     errors_csv = list(csv.reader(io.StringIO(get(api, job["id"], format="csv", errors=True).text)))
     assert errors_csv[0] == ["custom_id", "line", "error"] and errors_csv[1][:2] == ["c3", "3"]
 
@@ -451,18 +616,30 @@ def test_table_results_keep_pass_through_columns_and_parquet_rows(api, model, tm
     job = api.submit({"model": str(model), "input": api.upload(path.read_bytes(), "p.parquet"), "gpus": 0}).json()
     finish_rows(job["id"], {0: "X", 1: "Y"})
     table = list(csv.reader(io.StringIO(get(api, job["id"], format="csv").text)))
-    assert table == [["custom_id", "row", "output", "finish_reason", "prompt_tokens", "completion_tokens", "topic", "n"],
-                     ["row-0", "0", "X", "length", "3", "4", "a", "1"], ["row-1", "1", "Y", "length", "3", "4", "b", "2"]]
+    assert table == [
+        ["custom_id", "row", "output", "finish_reason", "prompt_tokens", "completion_tokens", "topic", "n"],
+        ["row-0", "0", "X", "length", "3", "4", "a", "1"],
+        ["row-1", "1", "Y", "length", "3", "4", "b", "2"],
+    ]
     parquet = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet").content)).to_pylist()
-    assert parquet[1] == {"custom_id": "row-1", "row": 1, "output": "Y", "finish_reason": "length", "prompt_tokens": 3,
-                          "completion_tokens": 4, "topic": "b", "n": "2"}
+    assert parquet[1] == {
+        "custom_id": "row-1",
+        "row": 1,
+        "output": "Y",
+        "finish_reason": "length",
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "topic": "b",
+        "n": "2",
+    }
 
 
 # --- through a real worker and the CLI ------------------------------------------------------------------------
 
 
 def test_a_running_job_shows_progress_and_its_csv_results_download_in_every_format(
-        tmp_path, jobs_env, api_server, spawn_worker, tiny_model):
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model
+):
     """A CSV job on a real worker, slowed to one row per 0.8 s: `gpujobs status --json` read during the run shows
     two different rows-done values, results download while it runs; at the end status shows the time to first
     result (job and shard), and `results` writes Parquet and the OpenAI output file."""
@@ -470,11 +647,29 @@ def test_a_running_job_shows_progress_and_its_csv_results_download_in_every_form
     env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
     spawn_worker([], JOBS_TEST_FAULTS="sleep_0.8@batch")
     rows = 30  # 24 s or more: each `gpujobs status` below is a process of its own, seconds each on a loaded machine
-    data = write(tmp_path / "q.csv", "question,id\n" + "".join(f"What is the capital of France? {i},q{i}\n"
-                                                               for i in range(rows)))
-    sub = jobs(env, "submit", "generate", "--model", str(tiny_model), "--input", str(data), "--column",
-               "prompt=question", "--column", "custom_id=id", "--max-new-tokens", "4", "--batch-rows", "1",
-               "--gpus", "0", check=True)
+    data = write(
+        tmp_path / "q.csv", "question,id\n" + "".join(f"What is the capital of France? {i},q{i}\n" for i in range(rows))
+    )
+    sub = jobs(
+        env,
+        "submit",
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--input",
+        str(data),
+        "--column",
+        "prompt=question",
+        "--column",
+        "custom_id=id",
+        "--max-new-tokens",
+        "4",
+        "--batch-rows",
+        "1",
+        "--gpus",
+        "0",
+        check=True,
+    )
     job_id = sub.stdout.strip()
     seen: list[int] = []
 

@@ -41,17 +41,28 @@ def seeded(any_jobs_env, tiny_model) -> dict[str, Any]:
     spec = {"model": str(tiny_model), "input": file_id, "gpus": 0, "max_new_tokens": 4}
     live, finished = (service.submit(owner="fuzz", spec_data=spec)["id"] for _ in range(2))
     service.cancel(finished, owner=None, by="fuzz")
-    return {"token": token, "file_id": file_id, "spec": spec, "job_ids": {"live": live, "finished": finished},
-            "postgres": any_jobs_env.database_url.startswith("postgresql")}
+    return {
+        "token": token,
+        "file_id": file_id,
+        "spec": spec,
+        "job_ids": {"live": live, "finished": finished},
+        "postgres": any_jobs_env.database_url.startswith("postgresql"),
+    }
 
 
 # The body of POST /jobs is a free-form object in the schema (the spec is checked by our own code, for our own
 # messages), so generated bodies rarely name a spec field: half the time, a valid spec gets odd values for some of
 # its real fields instead (JSON has no NaN or infinity: a client cannot send them).
-ODD = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
-                st.text(max_size=40),
-                st.sampled_from(["/", ".", "..", "/dev/null", "file_", "org/name", "a\x00b", "~/x"]),
-                st.lists(st.text(max_size=5), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+ODD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=40),
+    st.sampled_from(["/", ".", "..", "/dev/null", "file_", "org/name", "a\x00b", "~/x"]),
+    st.lists(st.text(max_size=5), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
 SPEC_OVERRIDES = st.dictionaries(st.sampled_from(sorted(GenerateSpec.model_fields)), ODD, max_size=3)
 
 
@@ -74,16 +85,19 @@ def test_no_request_makes_the_api_answer_5xx(case, ids, overrides, seeded):
 # --- what the fuzzing found, pinned as plain cases ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("url", "params", "message"), [
-    # an event id beyond 64 bits overflowed SQLite's integer binding: 500
-    ("/jobs/{job_id}/events", {"after": 2**64}, "query after: Input should be less than or equal to"),
-    # a NUL character in an id or a query value: Postgres refuses it in a text column: 500 (SQLite: not found)
-    ("/jobs/job_%00", {}, "NUL"),
-    ("/files/file_%00", {}, "NUL"),
-    ("/usage", {"owner": "a\x00"}, "NUL"),
-    # an unknown state listed nothing at all instead of saying which states exist
-    ("/jobs", {"state": "bogus"}, "query state: Input should be 'queued'"),
-])
+@pytest.mark.parametrize(
+    ("url", "params", "message"),
+    [
+        # an event id beyond 64 bits overflowed SQLite's integer binding: 500
+        ("/jobs/{job_id}/events", {"after": 2**64}, "query after: Input should be less than or equal to"),
+        # a NUL character in an id or a query value: Postgres refuses it in a text column: 500 (SQLite: not found)
+        ("/jobs/job_%00", {}, "NUL"),
+        ("/files/file_%00", {}, "NUL"),
+        ("/usage", {"owner": "a\x00"}, "NUL"),
+        # an unknown state listed nothing at all instead of saying which states exist
+        ("/jobs", {"state": "bogus"}, "query state: Input should be 'queued'"),
+    ],
+)
 def test_inputs_that_made_the_api_answer_500_are_a_422_with_a_message(seeded, url, params, message):
     """Each once made the API answer 500 (on SQLite or Postgres); now each is a 422 whose message says why."""
     from fastapi.testclient import TestClient

@@ -30,15 +30,25 @@ from tests.hubserver import HubServer
 REPO, PICKLED, GATED = "acme/tiny-qa", "acme/pickled", "acme/gated"
 SECRET = "hf_test_secret_5b1f0c9e"
 NEVER_READ = ("README.md", "pytorch_model.bin", "onnx/model.onnx")
-LOADED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-          "model.safetensors")
+LOADED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "model.safetensors",
+)
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def model_files(folder: Path) -> dict[str, bytes]:
     files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != "gpujobs_tiny.json"}
-    return {**files, "README.md": b"# a tiny model\n", "pytorch_model.bin": b"\x80\x04pickled" * 64,
-            "onnx/model.onnx": b"onnx" * 256}
+    return {
+        **files,
+        "README.md": b"# a tiny model\n",
+        "pytorch_model.bin": b"\x80\x04pickled" * 64,
+        "onnx/model.onnx": b"onnx" * 256,
+    }
 
 
 class Hub:
@@ -78,14 +88,19 @@ def hub_env(jobs_env, fake_hub, tmp_path, monkeypatch) -> Hub:
 
 
 def worker_env(tmp_path: Path, host: str, **extra: str) -> dict[str, str]:
-    return {"JOBS_HOSTNAME": host, "HF_HUB_CACHE": str(tmp_path / f"cache-{host}"),
-            "HF_HOME": str(tmp_path / f"hf-home-{host}"), **extra}
+    return {
+        "JOBS_HOSTNAME": host,
+        "HF_HUB_CACHE": str(tmp_path / f"cache-{host}"),
+        "HF_HOME": str(tmp_path / f"hf-home-{host}"),
+        **extra,
+    }
 
 
 def qa_input(tmp_path: Path) -> str:
     path = tmp_path / "qa.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": q}) + "\n"
-                            for i, (q, _) in enumerate(qa_pairs())))
+    path.write_text(
+        "".join(json.dumps({"custom_id": f"q{i}", "prompt": q}) + "\n" for i, (q, _) in enumerate(qa_pairs()))
+    )
     return str(path)
 
 
@@ -94,8 +109,12 @@ def spec(tmp_path: Path, **extra) -> dict:
 
 
 def finished(job_id: str, timeout: float, procs) -> dict:
-    return wait_for(lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j, timeout,
-                    f"job {job_id} to finish", procs=procs)
+    return wait_for(
+        lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j,
+        timeout,
+        f"job {job_id} to finish",
+        procs=procs,
+    )
 
 
 def right_answers(job_id: str) -> int:
@@ -123,7 +142,9 @@ def test_a_fetch_reads_only_what_a_load_needs_verifies_it_and_needs_no_request_o
     assert fetched.commit == hub_env.main and fetched.downloaded > 0
     assert sorted(p.name for p in fetched.path.iterdir()) == sorted(LOADED)
     assert {name: hub_env.server.gets(REPO, name) for name in LOADED + NEVER_READ} == {
-        **dict.fromkeys(LOADED, 1), **dict.fromkeys(NEVER_READ, 0)}
+        **dict.fromkeys(LOADED, 1),
+        **dict.fromkeys(NEVER_READ, 0),
+    }
     cache = settings.get_settings().hub_cache
     assert (cache / hub.folder(REPO) / "refs" / "main").read_text() == hub_env.main
 
@@ -150,8 +171,9 @@ def test_bad_bytes_from_the_server_are_fetched_again_and_twice_bad_leaves_nothin
     hub_env.server.corrupt[(REPO, "model.safetensors")] = 1
     fetched = hub.ensure(REPO, None)
     assert hub_env.server.gets(REPO, "model.safetensors") == 2 and hub.content_ok(
-        (fetched.path / "model.safetensors").resolve(), hub.marker(REPO, fetched.commit)["files"]
-        ["model.safetensors"]["etag"])
+        (fetched.path / "model.safetensors").resolve(),
+        hub.marker(REPO, fetched.commit)["files"]["model.safetensors"]["etag"],
+    )
 
     hub_env.server.corrupt[(REPO, "model.safetensors")] = 2
     with pytest.raises(ChecksumMismatch, match="does not match its hash"):
@@ -192,8 +214,7 @@ def test_bad_input_is_one_clear_error_each(hub_env, monkeypatch):
 # --- submit checks (the API, in this process) -----------------------------------------------------------------
 
 
-def test_submit_pins_the_commit_reads_config_and_tokenizer_and_refuses_what_it_can_know(hub_env, tmp_path,
-                                                                                         monkeypatch):
+def test_submit_pins_the_commit_reads_config_and_tokenizer_and_refuses_what_it_can_know(hub_env, tmp_path, monkeypatch):
     """A Hub id is resolved at submit: the spec's revision becomes the commit (the words asked stay in metrics),
     config.json and tokenizer.json are read here (token checks run before any GPU time: a row too long for the
     context fails during validating); unknown repos and revisions, pickled weights and a gated repo without a token
@@ -202,18 +223,26 @@ def test_submit_pins_the_commit_reads_config_and_tokenizer_and_refuses_what_it_c
     long_row.write_text(json.dumps({"prompt": "why " * 5000}) + "\n" + json.dumps({"prompt": "hello"}) + "\n")
     job = service.submit(owner="alice", spec_data=spec(tmp_path, input=str(long_row)))
     assert job["spec"]["revision"] == hub_env.main
-    assert job["metrics"]["model"] == {"repo": REPO, "revision": "main", "commit": hub_env.main, "files": 6,
-                                       "bytes": sum(len(hub_env.tiny[n]) for n in LOADED), "resolved_by": "api"}
+    assert job["metrics"]["model"] == {
+        "repo": REPO,
+        "revision": "main",
+        "commit": hub_env.main,
+        "files": 6,
+        "bytes": sum(len(hub_env.tiny[n]) for n in LOADED),
+        "resolved_by": "api",
+    }
     assert job["metrics"]["input"]["token_check"] is True and job["rows"]["failed"] == 1
     assert hub_env.server.gets(REPO, "model.safetensors") == 0  # the API never fetches weights
     tagged = service.submit(owner="alice", spec_data=spec(tmp_path, revision="v1"))
     assert tagged["spec"]["revision"] == hub_env.v1 and tagged["metrics"]["model"]["revision"] == "v1"
 
     count = job_count()
-    for bad, match in ((spec(tmp_path, model="acme/nope"), "'acme/nope' was not found"),
-                       (spec(tmp_path, revision="nope"), "revision 'nope' of acme/tiny-qa does not exist"),
-                       (spec(tmp_path, model=PICKLED), "no safetensors weights.*pickled"),
-                       (spec(tmp_path, model=GATED), "gated repo and no Hugging Face token is set here")):
+    for bad, match in (
+        (spec(tmp_path, model="acme/nope"), "'acme/nope' was not found"),
+        (spec(tmp_path, revision="nope"), "revision 'nope' of acme/tiny-qa does not exist"),
+        (spec(tmp_path, model=PICKLED), "no safetensors weights.*pickled"),
+        (spec(tmp_path, model=GATED), "gated repo and no Hugging Face token is set here"),
+    ):
         with pytest.raises(InvalidInput, match=match):
             service.submit(owner="alice", spec_data=bad)
     assert job_count() == count
@@ -249,12 +278,16 @@ def secret_in_database() -> list[str]:
 
 def leased_by(job_id: str) -> set[str]:
     with session_scope() as session:
-        return set(session.scalars(select(Shard.lease_owner).where(Shard.job_id == job_id,
-                                                                   Shard.lease_owner.is_not(None))).all())
+        return set(
+            session.scalars(
+                select(Shard.lease_owner).where(Shard.job_id == job_id, Shard.lease_owner.is_not(None))
+            ).all()
+        )
 
 
-def test_two_workers_of_a_host_download_once_and_both_load_another_host_downloads_again(hub_env, tmp_path,
-                                                                                         spawn_worker):
+def test_two_workers_of_a_host_download_once_and_both_load_another_host_downloads_again(
+    hub_env, tmp_path, spawn_worker
+):
     """Two workers on host A take the two shards of a job: one downloads (the other waits on the snapshot's lock,
     and says so), `status` shows the download's bytes, rate and ETA while it runs, each file is fetched once and
     both workers load it; the job records the commit. Host B (another cache) downloads again for the next job;
@@ -274,15 +307,21 @@ def test_two_workers_of_a_host_download_once_and_both_load_another_host_download
     download = wait_for(downloading, 120, "both shards claimed while the weights download", procs=workers)
     assert download["host"] == "host-a" and download["commit"] == hub_env.main
     assert download["bytes_total"] >= hub_env.weights and download["rate_bytes_per_s"] is not None
-    wait_for(lambda: any(" waits for acme/tiny-qa@" in m for m in messages(job_id)), 60,
-             "the second worker to say it waits", procs=workers)
+    wait_for(
+        lambda: any(" waits for acme/tiny-qa@" in m for m in messages(job_id)),
+        60,
+        "the second worker to say it waits",
+        procs=workers,
+    )
     release.set()
     job = finished(job_id, 180, workers)
     assert job["state"] == "succeeded", job["error"]
     assert right_answers(job_id) >= 5
     assert by_api["model.safetensors"] == 0 and by_api["config.json"] == 1
     assert {name: hub_env.server.gets(REPO, name) - by_api.get(name, 0) for name in LOADED + NEVER_READ} == {
-        **dict.fromkeys(LOADED, 1), **dict.fromkeys(NEVER_READ, 0)}  # once for the two workers of host A
+        **dict.fromkeys(LOADED, 1),
+        **dict.fromkeys(NEVER_READ, 0),
+    }  # once for the two workers of host A
     loads = [e for e in views.events(job_id, owner=None) if " loaded acme/tiny-qa " in e["message"]]
     assert len({e["message"].split()[0] for e in loads}) == 2  # both workers loaded it
     assert job["load_options"]["revision"] == hub_env.main and job["load_options"]["hub"]["host"] == "host-a"
@@ -310,7 +349,8 @@ def failed_attempts(job_id: str) -> list[dict]:
 
 
 def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_server_download_resumes(
-        hub_env, tmp_path, spawn_worker, monkeypatch):
+    hub_env, tmp_path, spawn_worker, monkeypatch
+):
     """A tag loads its commit (the base model: it knows no answer), main loads the memorized model; a cached blob
     changed on disk (same size) and one truncated are found at the next job and fetched again; the server dying
     half-way through the weights fails the attempt cleanly (nothing half-written is loaded) and the retry resumes
@@ -359,30 +399,42 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
     hub_env.server.add("acme/slow", hub_env.tiny)
     hub_env.server.hold[("acme/slow", "model.safetensors")] = (half, held)
     job_id = service.submit(owner="alice", spec_data=spec(tmp_path, model="acme/slow"))["id"]
-    wait_for(lambda: [d for d in views.get(job_id, owner=None).get("downloads", []) if d["bytes_done"] >= half],
-             120, "the download to stall half-way", procs=[worker])
+    wait_for(
+        lambda: [d for d in views.get(job_id, owner=None).get("downloads", []) if d["bytes_done"] >= half],
+        120,
+        "the download to stall half-way",
+        procs=[worker],
+    )
     service.cancel(job_id, owner=None, by="alice")
     job = finished(job_id, 120, [worker])
     held.set()
     assert job["state"] == "cancelled"
     assert not [m for m in messages(job_id) if "re-enqueued by the reaper" in m]  # stopped, not left to expire
-    assert next((tmp_path / "cache-host-a" / hub.folder("acme/slow") / "blobs").glob("*.incomplete")).stat().st_size \
-        == half  # kept for the next fetch
+    assert (
+        next((tmp_path / "cache-host-a" / hub.folder("acme/slow") / "blobs").glob("*.incomplete")).stat().st_size
+        == half
+    )  # kept for the next fetch
 
 
 HF_DOWNLOAD = "from huggingface_hub import snapshot_download; print(snapshot_download({repo!r}))"
 
 
 def test_offline_workers_load_from_a_cache_filled_by_huggingface_hub_and_submit_refuses_what_none_has(
-        hub_env, tmp_path, spawn_worker, monkeypatch):
+    hub_env, tmp_path, spawn_worker, monkeypatch
+):
     """A cache filled by huggingface_hub's own snapshot_download (as `hf download` does) serves offline workers
     (HF_HUB_OFFLINE=1): the job runs with no request to the Hub, pinned to the commit the workers' caches hold;
     a model (or revision) that no live worker's cache holds is refused at submit, saying why and what to do."""
     cache = tmp_path / "cache-host-off"
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    done = subprocess.run([sys.executable, "-c", HF_DOWNLOAD.format(repo=REPO)], capture_output=True, text=True,
-                          env={**env, "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": hub_env.server.url},
-                          timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", HF_DOWNLOAD.format(repo=REPO)],
+        capture_output=True,
+        text=True,
+        env={**env, "HF_HUB_CACHE": str(cache), "HF_ENDPOINT": hub_env.server.url},
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip().splitlines()[-1]) == cache / hub.folder(REPO) / "snapshots" / hub_env.main
 
@@ -398,14 +450,18 @@ def test_offline_workers_load_from_a_cache_filled_by_huggingface_hub_and_submit_
 
     count = job_count()
     for model, revision in ((GATED, None), (REPO, "v1")):
-        with pytest.raises(Unschedulable, match="not in the Hugging Face cache of any live worker, and every live "
-                                                "worker is offline \\(HF_HUB_OFFLINE=1.*gpujobs models pull"):
+        with pytest.raises(
+            Unschedulable,
+            match="not in the Hugging Face cache of any live worker, and every live "
+            "worker is offline \\(HF_HUB_OFFLINE=1.*gpujobs models pull",
+        ):
             service.submit(owner="alice", spec_data=spec(tmp_path, model=model, revision=revision))
     assert job_count() == count
 
 
 def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_pull_list_and_remove(
-        hub_env, tmp_path, spawn_worker, api_server, jobs_env, monkeypatch):
+    hub_env, tmp_path, spawn_worker, api_server, jobs_env, monkeypatch
+):
     """With HF_TOKEN on the API and the worker a gated repo runs; the token is sent to the Hub only (never to the
     CDN a download is redirected to) and appears in no table and no log. `gpujobs models pull --workers all --wait`
     has the worker's host fetch a model (the API here is offline: the worker resolves the revision), `models list`
@@ -432,8 +488,10 @@ def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_
     rows = json.loads(pulled.stdout)
     assert [(r["host"], r["commit"], r["state"]) for r in rows] == [("host-t", hub_env.main, "ready")]
     listed = json.loads(jobs(env, "models", "list", "--json", check=True).stdout)
-    assert {(m["repo"], m["host"], m["state"]) for m in listed} >= {(REPO, "host-t", "ready"),
-                                                                    (GATED, "host-t", "ready")}
+    assert {(m["repo"], m["host"], m["state"]) for m in listed} >= {
+        (REPO, "host-t", "ready"),
+        (GATED, "host-t", "ready"),
+    }
     removed = jobs(env, "models", "rm", REPO, "--workers", "all", "--wait", "--json")
     assert removed.returncode == 0, removed.stderr
     assert not (tmp_path / "cache-host-t" / hub.folder(REPO)).exists()
@@ -461,34 +519,57 @@ get_peft_model(model, config).save_pretrained(sys.argv[2])
 """
 
 
-def test_a_hub_lora_adapter_is_checked_at_submit_fetched_and_applied_at_its_commit(hub_env, tmp_path, tiny_model,
-                                                                                   spawn_worker):
+def test_a_hub_lora_adapter_is_checked_at_submit_fetched_and_applied_at_its_commit(
+    hub_env, tmp_path, tiny_model, spawn_worker
+):
     """`adapter: org/name` names a Hub LoRA repo: its config is checked at submit (LoRA, its base by name, weights
     in safetensors), its revision pinned to a commit; the worker fetches its two files and applies it, and the job
     records the adapter's source and commit. A model whose architecture the live workers' transformers cannot load
     as a causal LM is refused at submit."""
     folder = tmp_path / "lora"
-    subprocess.run([sys.executable, "-c", MAKE_LORA, str(tiny_model), str(folder)], check=True, cwd=ROOT,
-                   capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", MAKE_LORA, str(tiny_model), str(folder)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
     config = json.loads((folder / "adapter_config.json").read_text())
     files = {"adapter_model.safetensors": (folder / "adapter_model.safetensors").read_bytes(), "README.md": b"lora"}
-    lora = hub_env.server.add("acme/tiny-lora", {**files, "adapter_config.json": json.dumps(
-        {**config, "base_model_name_or_path": REPO}).encode()})
-    hub_env.server.add("acme/other-lora", {**files, "adapter_config.json": json.dumps(
-        {**config, "base_model_name_or_path": "acme/another-model"}).encode()})
-    hub_env.server.add("acme/pickled-lora", {"adapter_model.bin": b"\x80\x04pickle", "adapter_config.json": json.dumps(
-        {**config, "base_model_name_or_path": REPO}).encode()})
-    for adapter, match in (("acme/other-lora", "was trained on 'acme/another-model', not on 'acme/tiny-qa'"),
-                           ("acme/pickled-lora", "has no adapter_model.safetensors \\(only adapter_model.bin, a "
-                                                 "pickled checkpoint")):
+    lora = hub_env.server.add(
+        "acme/tiny-lora",
+        {**files, "adapter_config.json": json.dumps({**config, "base_model_name_or_path": REPO}).encode()},
+    )
+    hub_env.server.add(
+        "acme/other-lora",
+        {
+            **files,
+            "adapter_config.json": json.dumps({**config, "base_model_name_or_path": "acme/another-model"}).encode(),
+        },
+    )
+    hub_env.server.add(
+        "acme/pickled-lora",
+        {
+            "adapter_model.bin": b"\x80\x04pickle",
+            "adapter_config.json": json.dumps({**config, "base_model_name_or_path": REPO}).encode(),
+        },
+    )
+    for adapter, match in (
+        ("acme/other-lora", "was trained on 'acme/another-model', not on 'acme/tiny-qa'"),
+        ("acme/pickled-lora", "has no adapter_model.safetensors \\(only adapter_model.bin, a pickled checkpoint"),
+    ):
         with pytest.raises(InvalidInput, match=match):
             service.submit(owner="alice", spec_data=spec(tmp_path, adapter=adapter))
 
     worker = spawn_worker([], **worker_env(tmp_path, "host-l"))
     encoder = json.loads(hub_env.tiny["config.json"]) | {"model_type": "vit", "architectures": ["ViTModel"]}
     hub_env.server.add("acme/encoder", {**hub_env.tiny, "config.json": json.dumps(encoder).encode()})
-    with pytest.raises(InvalidInput, match="model_type 'vit' \\(ViTModel\\) is not a causal language model that "
-                                           "transformers .* on the live workers loads"):
+    with pytest.raises(
+        InvalidInput,
+        match="model_type 'vit' \\(ViTModel\\) is not a causal language model that "
+        "transformers .* on the live workers loads",
+    ):
         service.submit(owner="alice", spec_data=spec(tmp_path, model="acme/encoder"))  # the workers' registrations
     job = service.submit(owner="alice", spec_data=spec(tmp_path, adapter="acme/tiny-lora"))
     assert job["spec"]["adapter_revision"] == lora and job["metrics"]["adapter"]["commit"] == lora
@@ -508,8 +589,9 @@ def test_the_api_reads_a_hub_models_config_and_tokenizer_without_importing_torch
 
     env = {k: v for k, v in jobs_env.env.items() if k != "HF_HUB_OFFLINE"}
     env.update(HF_ENDPOINT=hub_env.server.url, HF_HUB_CACHE=str(tmp_path / "cache-api"), JOBS_HUB_MIN_FREE_BYTES="0")
-    result = subprocess.run([sys.executable, "-c", SCRIPT, REPO], env=env, cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, REPO], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["heavy"] == []
@@ -525,8 +607,15 @@ def test_the_cache_record_claims_each_request_once_and_follows_scans_on_sqlite_a
     from core import model_cache
 
     places = {("h1", "/c1"), ("h2", "/c2")}
-    record = {"repo": REPO, "commit": "a" * 40, "kind": "model", "refs": ["main"], "files": 6, "bytes": 10,
-              "state": "ready"}
+    record = {
+        "repo": REPO,
+        "commit": "a" * 40,
+        "kind": "model",
+        "refs": ["main"],
+        "files": 6,
+        "bytes": 10,
+        "state": "ready",
+    }
     with session_scope() as session:
         rows = model_cache.request(session, places=places, repo=REPO, action="pull", by="ops", revision="main")
         assert sorted(r.state for r in rows) == ["pull_requested"] * 2

@@ -38,15 +38,19 @@ def test_no_import_cycles_among_our_modules():
     """A module never imports, directly or through others, a module that imports it back (packages' __init__ excluded
     as targets: importing `worker.x` runs `worker/__init__`, which imports nothing of ours)."""
     modules = our_modules()
-    graph = {m: sorted({target for _, target, _ in imports(p, modules) if target != m and modules[target].name
-                        != "__init__.py"}) for m, p in modules.items()}
+    graph = {
+        m: sorted(
+            {target for _, target, _ in imports(p, modules) if target != m and modules[target].name != "__init__.py"}
+        )
+        for m, p in modules.items()
+    }
     cycles, state = [], {}
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = "open"
         for target in graph[module]:
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, [*path, target])
         state[module] = "done"
@@ -61,7 +65,10 @@ def test_no_module_imports_another_modules_private_names():
     """`from core.x import _helper` reaches into another module's internals: make the name public (and part of that
     module's contract) or move the code."""
     modules = our_modules()
-    private = [f"{path.relative_to(ROOT)}:{line}: from {module} import {name}"
-               for m, path in modules.items() for line, module, name in imports(path, modules)
-               if name and name.startswith("_") and not name.startswith("__") and module != m]
+    private = [
+        f"{path.relative_to(ROOT)}:{line}: from {module} import {name}"
+        for m, path in modules.items()
+        for line, module, name in imports(path, modules)
+        if name and name.startswith("_") and not name.startswith("__") and module != m
+    ]
     assert not private, "imports of private names:\n" + "\n".join(private)

@@ -31,8 +31,14 @@ SCRIPT = textwrap.dedent("""
 def test_api_process_imports_no_torch_and_no_worker_code_after_a_submit(jobs_env, tiny_model):
     """A submit through the real FastAPI app (real Redis, real SQLite) leaves torch, transformers and worker/
     out of the API process's sys.modules."""
-    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model)], env=jobs_env.env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_model)],
+        env=jobs_env.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["job"].startswith("job_")

@@ -23,20 +23,45 @@ pytestmark = pytest.mark.usefixtures("any_jobs_env")
 LEASE = 30.0
 
 
-def make_job(*, rows: int = 4, shard_rows: int = 2, max_attempts: int = 3, state: str = JobState.running.value,
-             bad_rows: tuple[int, ...] = (), created_at: float | None = None) -> tuple[str, list[int]]:
+def make_job(
+    *,
+    rows: int = 4,
+    shard_rows: int = 2,
+    max_attempts: int = 3,
+    state: str = JobState.running.value,
+    bad_rows: tuple[int, ...] = (),
+    created_at: float | None = None,
+) -> tuple[str, list[int]]:
     """A job with `rows` rows (those in `bad_rows` failed at parse time) cut into shards; returns (job id, shard ids)."""
     with session_scope() as session:
-        job = Job(id=new_id("job"), kind="generate", state=state, owner="alice", spec={"model": "m", "input": "f"},
-                  queue="gpu", gpus=1, rows_total=rows, created_at=created_at or now())
+        job = Job(
+            id=new_id("job"),
+            kind="generate",
+            state=state,
+            owner="alice",
+            spec={"model": "m", "input": "f"},
+            queue="gpu",
+            gpus=1,
+            rows_total=rows,
+            created_at=created_at or now(),
+        )
         session.add(job)
         session.flush()
         parsed = [
-            ParsedRow(i, i + 1, f"r{i}", {"prompt": f"p{i}", "params": {}, "extra": {}},
-                      f"line {i + 1}: bad" if i in bad_rows else None)
+            ParsedRow(
+                i,
+                i + 1,
+                f"r{i}",
+                {"prompt": f"p{i}", "params": {}, "extra": {}},
+                f"line {i + 1}: bad" if i in bad_rows else None,
+            )
             for i in range(rows)
         ]
-        assert insert_rows(session, job.id, parsed) == (rows, len(bad_rows), f"line {bad_rows[0] + 1}: bad" if bad_rows else None)
+        assert insert_rows(session, job.id, parsed) == (
+            rows,
+            len(bad_rows),
+            f"line {bad_rows[0] + 1}: bad" if bad_rows else None,
+        )
         shards = create_shards(session, job, shard_rows=shard_rows, max_attempts=max_attempts)
         return job.id, [s.id for s in shards]
 
@@ -90,7 +115,9 @@ def finalize(job_id: str) -> bool:
 
 
 def ok(idx: int, output: str = "out", tokens: int = 5) -> RowResult:
-    return RowResult(idx, output=output, finish_reason="stop", prompt_tokens=3, completion_tokens=tokens, started_at=now())
+    return RowResult(
+        idx, output=output, finish_reason="stop", prompt_tokens=3, completion_tokens=tokens, started_at=now()
+    )
 
 
 def race(n: int, attempt) -> list[object]:
@@ -165,8 +192,11 @@ def test_a_message_whose_shard_is_taken_takes_the_next_queued_shard(state):
     every queued shard still has a message that runs it (core/scheduling.py); the taken shard is untouched."""
     job_id, (s0, s1) = make_job()
     with session_scope() as session:
-        session.execute(update(Shard).where(Shard.id == s0).values(state=state.value, attempts=1, lease_owner="w0",
-                                                                   lease_expires_at=now() + LEASE))
+        session.execute(
+            update(Shard)
+            .where(Shard.id == s0)
+            .values(state=state.value, attempts=1, lease_owner="w0", lease_expires_at=now() + LEASE)
+        )
     got = claim(s0, "w1")
     assert got is not None and got.shard.id == s1
     assert (shard_of(s0).state, shard_of(s0).lease_owner) == (state.value, "w0")
@@ -280,7 +310,12 @@ def test_commit_rows_writes_only_pending_rows_and_counts_every_execution():
     commit(s0, "w1", [ok(0, "first", tokens=7), RowResult(1, output="ignored", completion_tokens=1)])
     commit(s0, "w1", [ok(0, "second", tokens=9)])
     rows = rows_of(job_id)
-    assert (rows[0].state, rows[0].output, rows[0].completion_tokens, rows[0].executions) == ("succeeded", "first", 7, 2)
+    assert (rows[0].state, rows[0].output, rows[0].completion_tokens, rows[0].executions) == (
+        "succeeded",
+        "first",
+        7,
+        2,
+    )
     assert (rows[0].worker, rows[0].finish_reason, rows[0].prompt_tokens) == ("w1", "stop", 3)
     assert rows[0].finished_at is not None and rows[0].started_at is not None
     assert (rows[1].state, rows[1].output, rows[1].error, rows[1].executions) == ("failed", None, "line 2: bad", 1)
@@ -319,7 +354,11 @@ def test_commit_rows_under_a_lost_lease_raises_and_writes_nothing(how):
             leases.commit_rows(session, session.get(Shard, s0), writer, [ok(0)], LEASE)
     after = shard_of(s0)
     assert (after.state, after.lease_owner, after.lease_expires_at, after.rows_done) == (
-        before.state, before.lease_owner, before.lease_expires_at, before.rows_done)
+        before.state,
+        before.lease_owner,
+        before.lease_expires_at,
+        before.rows_done,
+    )
     rows = rows_of(job_id)
     assert (rows[0].state, rows[0].output, rows[0].executions) == ("pending", None, 0)
 
@@ -437,9 +476,15 @@ def test_maybe_finalize_succeeds_the_job_once_with_totals():
     job_id, shards = make_job(rows=4, shard_rows=2)
     with session_scope() as session:  # the job started 2 s ago: duration is measured from started_at
         session.execute(update(Job).where(Job.id == job_id).values(started_at=now() - 2))
-    _run_all(job_id, shards, [[ok(0, tokens=10), ok(1, tokens=20)], [ok(2, tokens=30), ok(3, tokens=40)]],
-             [{"gpu_seconds": 1.5, "engine_seconds": 1.0, "peak_memory_bytes": 100},
-              {"gpu_seconds": 2.5, "engine_seconds": 2.0, "peak_memory_bytes": 300}])
+    _run_all(
+        job_id,
+        shards,
+        [[ok(0, tokens=10), ok(1, tokens=20)], [ok(2, tokens=30), ok(3, tokens=40)]],
+        [
+            {"gpu_seconds": 1.5, "engine_seconds": 1.0, "peak_memory_bytes": 100},
+            {"gpu_seconds": 2.5, "engine_seconds": 2.0, "peak_memory_bytes": 300},
+        ],
+    )
     assert job_of(job_id).state == "running"  # finishing a shard does not finalize by itself
     t_before = now()
     assert finalize(job_id) is True

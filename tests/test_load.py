@@ -48,8 +48,9 @@ def report_out(tmp_path, capsys, name: str, report: dict) -> None:
         print(f"\n{table(report)}\nwrote {out}")
 
 
-def test_200_concurrent_submissions_each_row_once_and_status_answers_fast(tmp_path, jobs_env, api_server,
-                                                                          spawn_worker, tiny_model, capsys):
+def test_200_concurrent_submissions_each_row_once_and_status_answers_fast(
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model, capsys
+):
     """200 jobs of 1-2 rows (max_new_tokens 1) submitted at once over 64 HTTP connections, one CPU worker: every
     POST /jobs answers 201, every job succeeds and is finalized once, every row is executed exactly once, and
     GET /jobs/{id}, called in a loop meanwhile, answers 200 with p99 under STATUS_P99_S."""
@@ -81,8 +82,9 @@ def test_200_concurrent_submissions_each_row_once_and_status_answers_fast(tmp_pa
     assert status["p99"] < STATUS_P99_S, f"GET /jobs/{{id}} p99 {status['p99']} s under load: bound {STATUS_P99_S} s"
 
 
-def test_20000_row_job_on_two_cpu_workers_writes_every_row_once(tmp_path, jobs_env, api_server, spawn_worker,
-                                                                tiny_model, capsys):
+def test_20000_row_job_on_two_cpu_workers_writes_every_row_once(
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model, capsys
+):
     """One job of 20,000 rows (max_new_tokens 1, shards of 2,000 rows, micro-batches of 256) uploaded and
     submitted over HTTP, run by two CPU workers: every row succeeds with exactly one execution and the job is
     finalized once. Rows per second are reported, not asserted."""
@@ -102,8 +104,9 @@ def test_20000_row_job_on_two_cpu_workers_writes_every_row_once(tmp_path, jobs_e
         wait_terminal(jobs_env.database_url, [big.job_id], 150, alive=alive)
     a = audit(jobs_env.database_url, [big.job_id])
     report = {"warm_up_s": warm, "big": big_report(big, a, poller, spec, workers=2)}
-    report["big"]["cpu_s"] = cpu_delta(cpu, {name: cpu_seconds(p.pid) for name, p in
-                                             zip(("api", "worker0", "worker1"), procs)})
+    report["big"]["cpu_s"] = cpu_delta(
+        cpu, {name: cpu_seconds(p.pid) for name, p in zip(("api", "worker0", "worker1"), procs)}
+    )
     report["memory"] = {name: memory(p.pid) for name, p in zip(("api", "worker0", "worker1"), procs)}
     report_out(tmp_path, capsys, "load-big", report)
 

@@ -60,8 +60,9 @@ def ops_expressions() -> dict[str, str]:
     return found
 
 
-def test_metrics_need_the_metrics_or_admin_scope_and_ops_files_use_only_exported_names(jobs_env, api_server,
-                                                                                        redis_server):
+def test_metrics_need_the_metrics_or_admin_scope_and_ops_files_use_only_exported_names(
+    jobs_env, api_server, redis_server
+):
     """No token 401, a user token 403 (with the fix), metrics and admin tokens read it; every gpujobs_* name in
     alerts.yml and the Grafana dashboard is exported; a message waiting in Redis shows as queue depth."""
     url, admin, _ = api_server
@@ -96,9 +97,22 @@ def start_flower(tmp_path, broker_url: str) -> tuple[str, Proc]:
     log = tmp_path / "flower.log"
     with open(log, "wb") as out:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "celery", "--broker", broker_url, "flower", f"--port={port}",
-             "--address=127.0.0.1", "--basic-auth=ops:secret"],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "--broker",
+                broker_url,
+                "flower",
+                f"--port={port}",
+                "--address=127.0.0.1",
+                "--basic-auth=ops:secret",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     proc = Proc(popen, log)
     url = f"http://127.0.0.1:{port}"
 
@@ -112,8 +126,9 @@ def start_flower(tmp_path, broker_url: str) -> tuple[str, Proc]:
     return url, proc
 
 
-def test_a_finished_job_counts_in_metrics_and_flower_sees_its_task(tmp_path, jobs_env, api_server, spawn_worker,
-                                                                    tiny_model, redis_server):
+def test_a_finished_job_counts_in_metrics_and_flower_sees_its_task(
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model, redis_server
+):
     """A real job on a real worker: /metrics counts its job, rows and tokens and the live worker; `celery flower`
     against our broker lists the job's run_shard task as SUCCESS in /api/tasks."""
     url, admin, _ = api_server
@@ -140,8 +155,10 @@ def test_a_finished_job_counts_in_metrics_and_flower_sees_its_task(tmp_path, job
 
         def shard_task_succeeded() -> dict | None:
             tasks = httpx.get(f"{flower_url}/api/tasks", auth=("ops", "secret"), timeout=5).json()
-            return next((t for t in tasks.values() if t.get("name") == "gpujobs.run_shard"
-                         and t.get("state") == "SUCCESS"), None)
+            return next(
+                (t for t in tasks.values() if t.get("name") == "gpujobs.run_shard" and t.get("state") == "SUCCESS"),
+                None,
+            )
 
         task = wait_for(shard_task_succeeded, 30, "Flower to list the finished run_shard task", procs=[flower])
         assert task["worker"] and time.time() - task["succeeded"] < 300

@@ -42,8 +42,18 @@ def _drift(url: str) -> list:
 
 def test_models_define_the_expected_tables():
     """The metadata the migrations must build is the whole store (guards against an empty comparison)."""
-    assert TABLES == {"jobs", "shards", "job_rows", "job_events", "workers", "files", "tokens", "adapters",
-                      "cached_models", "quotas"}
+    assert TABLES == {
+        "jobs",
+        "shards",
+        "job_rows",
+        "job_events",
+        "workers",
+        "files",
+        "tokens",
+        "adapters",
+        "cached_models",
+        "quotas",
+    }
 
 
 def test_upgrade_creates_every_table_of_the_models(blank_url):
@@ -70,8 +80,9 @@ def test_migrated_indexes_and_constraints_match_the_models(blank_url):
         assert {(i.name, tuple(c.name for c in i.columns)) for i in table.indexes} <= indexes, name
         assert inspector.get_pk_constraint(name)["constrained_columns"] == [c.name for c in table.primary_key], name
         fks = {(tuple(f["constrained_columns"]), f["referred_table"]) for f in inspector.get_foreign_keys(name)}
-        assert {(tuple(fk.parent.name for fk in c.elements), c.referred_table.name)
-                for c in table.foreign_key_constraints} == fks, name
+        assert {
+            (tuple(fk.parent.name for fk in c.elements), c.referred_table.name) for c in table.foreign_key_constraints
+        } == fks, name
 
 
 def test_downgrade_to_base_and_upgrade_again(blank_url):
@@ -106,8 +117,9 @@ def test_jobs_db_upgrade_command_migrates_a_fresh_sqlite_file(tmp_path):
     url = f"sqlite:///{path}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_")}
     env.update(JOBS_DATABASE_URL=url, JOBS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, "-m", "api", "db", "upgrade"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "api", "db", "upgrade"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "database at head" in result.stderr
     try:
@@ -127,12 +139,20 @@ def test_0002_keeps_outputs_and_stores_nul_characters(blank_url):
 
     db.upgrade(blank_url, "0001")
     with db.get_engine(blank_url).begin() as conn:
-        conn.execute(text("INSERT INTO jobs (id, kind, state, owner, spec, queue, gpus, rows_total, rows_succeeded, "
-                          "rows_failed, prompt_tokens, completion_tokens, created_at, retries) VALUES ('job_1', "
-                          "'generate', 'running', 'o', '{}', 'cpu', 0, 2, 0, 0, 0, 0, 0, 0)"))
-        conn.execute(text("INSERT INTO job_rows (job_id, idx, custom_id, line, state, output, executions) VALUES "
-                          "('job_1', 0, 'a', 1, 'succeeded', 'Paris. \"quoted\"', 1), "
-                          "('job_1', 1, 'b', 2, 'pending', NULL, 0)"))
+        conn.execute(
+            text(
+                "INSERT INTO jobs (id, kind, state, owner, spec, queue, gpus, rows_total, rows_succeeded, "
+                "rows_failed, prompt_tokens, completion_tokens, created_at, retries) VALUES ('job_1', "
+                "'generate', 'running', 'o', '{}', 'cpu', 0, 2, 0, 0, 0, 0, 0, 0)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO job_rows (job_id, idx, custom_id, line, state, output, executions) VALUES "
+                "('job_1', 0, 'a', 1, 'succeeded', 'Paris. \"quoted\"', 1), "
+                "('job_1', 1, 'b', 2, 'pending', NULL, 0)"
+            )
+        )
     db.upgrade(blank_url)
     with session_scope(blank_url) as session:
         assert session.get(JobRow, ("job_1", 0)).output == 'Paris. "quoted"'

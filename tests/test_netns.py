@@ -108,13 +108,28 @@ def job_state(job_id: str) -> str:
 def progress(job_id: str, a: str, b: str) -> tuple[int, int, Shard | None, int]:
     """Rows committed by A and by B, the shard A holds (if any) and its pending rows."""
     with session() as s:
-        by_worker = dict(s.execute(select(JobRow.worker, func.count()).where(
-            JobRow.job_id == job_id, JobRow.state == "succeeded").group_by(JobRow.worker)).all())
-        shard = s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.state == "running",
-                                              Shard.lease_owner == a)).first()
-        pending = 0 if shard is None else s.scalar(select(func.count()).where(
-            JobRow.job_id == job_id, JobRow.idx >= shard.row_start, JobRow.idx < shard.row_end,
-            JobRow.state == "pending"))
+        by_worker = dict(
+            s.execute(
+                select(JobRow.worker, func.count())
+                .where(JobRow.job_id == job_id, JobRow.state == "succeeded")
+                .group_by(JobRow.worker)
+            ).all()
+        )
+        shard = s.scalars(
+            select(Shard).where(Shard.job_id == job_id, Shard.state == "running", Shard.lease_owner == a)
+        ).first()
+        pending = (
+            0
+            if shard is None
+            else s.scalar(
+                select(func.count()).where(
+                    JobRow.job_id == job_id,
+                    JobRow.idx >= shard.row_start,
+                    JobRow.idx < shard.row_end,
+                    JobRow.state == "pending",
+                )
+            )
+        )
     return by_worker.get(a, 0), by_worker.get(b, 0), shard, pending
 
 
@@ -151,20 +166,35 @@ def test_cut_worker_host_mid_job_other_host_finishes_and_cut_host_writes_nothing
     proc_a, proc_b = c.spawn_worker("a", wait=False), c.spawn_worker("b", wait=False)
     api = c.start_api(model_roots=[tiny_model.parent], data_roots=[tmp_path])
     for host, proc in (("a", proc_a), ("b", proc_b)):  # both consume: the first two shards go one to each host
-        wait_for(lambda host=host, proc=proc: registered(c.database_url, proc.pid) and c.consuming(host), 90,
-                 f"the worker on host-{host} to register and consume", procs=[proc])
+        wait_for(
+            lambda host=host, proc=proc: registered(c.database_url, proc.pid) and c.consuming(host),
+            90,
+            f"the worker on host-{host} to register and consume",
+            procs=[proc],
+        )
     wa, wb = worker(proc_a.pid), worker(proc_b.pid)
     assert (wa.host, wb.host) == ("host-a", "host-b")
     a, b = wa.name, wb.name
     started = time.monotonic() - t0
 
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"}) + "\n"
-                            for i in range(ROWS)))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"}) + "\n" for i in range(ROWS)
+        )
+    )
     client = Client(url=c.api_url, token=c.token)  # over the bridge, to the API in the hub
-    job_id = client.submit({"model": str(tiny_model), "input": client.upload(data)["id"], "gpus": 0,
-                            "max_new_tokens": NEW_TOKENS, "ignore_eos": True, "shard_rows": SHARD_ROWS,
-                            "batch_rows": BATCH_ROWS})["id"]
+    job_id = client.submit(
+        {
+            "model": str(tiny_model),
+            "input": client.upload(data)["id"],
+            "gpus": 0,
+            "max_new_tokens": NEW_TOKENS,
+            "ignore_eos": True,
+            "shard_rows": SHARD_ROWS,
+            "batch_rows": BATCH_ROWS,
+        }
+    )["id"]
 
     shard = cut_a_mid_shard(c, how, job_id, a, b, [proc_a, proc_b, api])
     cut_at, cut_t = time.time(), time.monotonic()
@@ -173,8 +203,13 @@ def test_cut_worker_host_mid_job_other_host_finishes_and_cut_host_writes_nothing
 
     # --- B finishes the job, A's half-done shard included ---
     try:
-        wait_for(lambda: job_state(job_id) in ("succeeded", "failed", "cancelled"), FINISH_AFTER_CUT_S,
-                 "the job to finish on host B", interval=0.2, procs=[proc_b, api])
+        wait_for(
+            lambda: job_state(job_id) in ("succeeded", "failed", "cancelled"),
+            FINISH_AFTER_CUT_S,
+            "the job to finish on host B",
+            interval=0.2,
+            procs=[proc_b, api],
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{c.diagnostics()}") from None
     finished_after = time.monotonic() - cut_t
@@ -194,8 +229,12 @@ def test_cut_worker_host_mid_job_other_host_finishes_and_cut_host_writes_nothing
     assert sum(m.startswith("job → succeeded") for m in messages) == 1
 
     # --- B's reaper marks the silent host lost; then A is reconnected ---
-    wait_for(lambda: worker(proc_a.pid).state == "lost", LOST_AFTER_CUT_S - (time.monotonic() - cut_t),
-             "host A to be marked lost", procs=[proc_b])
+    wait_for(
+        lambda: worker(proc_a.pid).state == "lost",
+        LOST_AFTER_CUT_S - (time.monotonic() - cut_t),
+        "host A to be marked lost",
+        procs=[proc_b],
+    )
     cut_for = time.monotonic() - cut_t
     store = settled(job_id)
     c.restore("a", how)
@@ -206,8 +245,13 @@ def test_cut_worker_host_mid_job_other_host_finishes_and_cut_host_writes_nothing
         w = worker(proc_a.pid)
         return w.state == "online" and w.heartbeat_at > restored_at and w.current_shard_id is None
 
-    wait_for(a_back_and_done, RECOVER_AFTER_RESTORE_S, "host A to heartbeat again with its shard given up",
-             interval=0.5, procs=[proc_a])
+    wait_for(
+        a_back_and_done,
+        RECOVER_AFTER_RESTORE_S,
+        "host A to heartbeat again with its shard given up",
+        interval=0.5,
+        procs=[proc_a],
+    )
     recovered_after = time.monotonic() - restored_t
     log = proc_a.log.read_text(errors="replace")
     refused = f"is no longer leased by {a}" in log or "lost the lease of shard" in log
@@ -218,10 +262,12 @@ def test_cut_worker_host_mid_job_other_host_finishes_and_cut_host_writes_nothing
     time.sleep(1)  # a commit that slipped past the lease check would have landed by now
     assert settled(job_id) == store, "host A wrote rows after it lost its lease"
     assert job_state(job_id) == "succeeded"
-    print(f"\nnetns[{how}]: subnet {netns.NET}.{c.subnet}.0/24; workers+API up in {started:.1f} s; job finished "
-          f"{finished_after:.1f} s after the cut ({len(before)} rows committed before it, {len(after)} after, all "
-          f"by B); A marked lost, off the network {cut_for:.1f} s; A heartbeat again {recovered_after:.1f} s after "
-          f"the restore; A's late commit {'refused by the lease check' if refused else 'failed on the network'}")
+    print(
+        f"\nnetns[{how}]: subnet {netns.NET}.{c.subnet}.0/24; workers+API up in {started:.1f} s; job finished "
+        f"{finished_after:.1f} s after the cut ({len(before)} rows committed before it, {len(after)} after, all "
+        f"by B); A marked lost, off the network {cut_for:.1f} s; A heartbeat again {recovered_after:.1f} s after "
+        f"the restore; A's late commit {'refused by the lease check' if refused else 'failed on the network'}"
+    )
 
 
 class MessageLost(AssertionError):
@@ -244,8 +290,9 @@ def test_message_popped_by_a_host_that_drops_off_is_sent_again(cluster, tiny_mod
     # This Redis has been in use: a reaper claimed its epoch long ago (else the first reaper to start would re-send
     # every queued shard, this one included, as after a Redis restart).
     r.set("gpujobs:broker-epoch", str(time.time()))
-    job_id = service.submit(owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0,
-                                                  "max_new_tokens": 4})["id"]
+    job_id = service.submit(
+        owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0, "max_new_tokens": 4}
+    )["id"]
     assert r.llen("cpu") == 1
     r.rename("cpu", "gpujobs-test:parked")  # the product's own message, held back until A is waiting for it
 
@@ -271,8 +318,10 @@ def test_message_popped_by_a_host_that_drops_off_is_sent_again(cluster, tiny_mod
             wait_for(lambda: r.llen("cpu") == 0, 10, "Redis to hand the message to A's pending BRPOP")
             break
         except AssertionError:
-            assert attempt < 2, (f"Redis never handed the message to A's pending BRPOP in 3 tries (the last pushed "
-                                 f"{pushed:.3f} s after A sent it; it waits 10 s)")
+            assert attempt < 2, (
+                f"Redis never handed the message to A's pending BRPOP in 3 tries (the last pushed "
+                f"{pushed:.3f} s after A sent it; it waits 10 s)"
+            )
             pusher.lmove("cpu", "gpujobs-test:parked", "RIGHT", "LEFT")
             c.restore("a", "switch")
     assert r.hlen("unacked") == 0  # kombu would only record it once A read the reply
@@ -283,5 +332,7 @@ def test_message_popped_by_a_host_that_drops_off_is_sent_again(cluster, tiny_mod
     except AssertionError as exc:
         with session() as s:
             shard = s.scalars(select(Shard).where(Shard.job_id == job_id)).one()
-        raise MessageLost(f"{exc}\nshard {shard.id} is {shard.state}, sent at {shard.enqueued_at}, queue length "
-                          f"{r.llen('cpu')}, unacked {r.hlen('unacked')}: its message is gone") from None
+        raise MessageLost(
+            f"{exc}\nshard {shard.id} is {shard.state}, sent at {shard.enqueued_at}, queue length "
+            f"{r.llen('cpu')}, unacked {r.hlen('unacked')}: its message is gone"
+        ) from None

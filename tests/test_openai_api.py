@@ -27,8 +27,12 @@ def model_roots(jobs_env, tiny_model):
 
 
 def chat_line(custom_id: str, content, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], **body},
+    }
 
 
 def write_lines(path, lines) -> str:
@@ -48,12 +52,17 @@ def warm_up(url: str, token: str, tiny_model, tmp_path, worker) -> None:
 
 
 def wait_status(client: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120):
-    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b, timeout,
-                    f"batch {batch_id} to reach {statuses}", interval=0.5)
+    return wait_for(
+        lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
+        timeout,
+        f"batch {batch_id} to reach {statuses}",
+        interval=0.5,
+    )
 
 
-def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model_roots, jobs_env, api_server,
-                                                                 spawn_worker):
+def test_the_documented_batch_workflow_list_cancel_and_isolation(
+    tmp_path, model_roots, jobs_env, api_server, spawn_worker
+):
     """files.create(purpose=batch) → batches.create → retrieve until completed → files.content(output_file_id)
     gives each memorized answer under its custom_id, and the error file the bad line; list pages with has_more and
     `after`; cancel ends cancelled with finished rows kept; another user gets 404; 24h only, allow-listed models."""
@@ -67,18 +76,23 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model
         uploaded = client.files.create(file=f, purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.bytes > 0
 
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"run": "docs"})
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"run": "docs"}
+    )
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "docs"}
     done = wait_status(client, batch.id, ("completed", "failed"))
     assert done.status == "completed" and done.completed_at and done.in_progress_at
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (len(qa) + 1,
-                                                                                                      len(qa), 1)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
+        len(qa) + 1,
+        len(qa),
+        1,
+    )
     output = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
     answers = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in output}
     assert answers == {f"q{i}": a for i, (_, a) in enumerate(qa)}
-    assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["object"] == "chat.completion"
-               for o in output)
+    assert all(
+        o["response"]["status_code"] == 200 and o["response"]["body"]["object"] == "chat.completion" for o in output
+    )
     [error] = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
     assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
     assert "logit_bias" in error["response"]["body"]["error"]["message"]
@@ -87,8 +101,11 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model
 
     long = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(300)]
     with open(write_lines(tmp_path / "long.jsonl", long), "rb") as f:
-        second = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
-                                       endpoint="/v1/chat/completions", completion_window="24h")
+        second = client.batches.create(
+            input_file_id=client.files.create(file=f, purpose="batch").id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
     assert client.batches.cancel(second.id).status in ("cancelling", "cancelled")
     cancelled = wait_status(client, second.id, ("cancelled",))
     assert cancelled.cancelled_at and cancelled.request_counts.completed < 300
@@ -99,16 +116,22 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model
 
     with session_scope() as session:
         bob = OpenAI(base_url=f"{url}/v1", api_key=auth.create_token(session, owner="bob", scopes=["user"]))
-    for call in (lambda: bob.batches.retrieve(batch.id), lambda: bob.files.content(done.output_file_id),
-                 lambda: bob.files.retrieve(uploaded.id), lambda: bob.batches.cancel(second.id)):
+    for call in (
+        lambda: bob.batches.retrieve(batch.id),
+        lambda: bob.files.content(done.output_file_id),
+        lambda: bob.files.retrieve(uploaded.id),
+        lambda: bob.batches.cancel(second.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     assert bob.batches.list().data == []
 
     with pytest.raises(openai.UnprocessableEntityError, match="only '24h'"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="48h")
-    with open(write_lines(tmp_path / "other.jsonl", [chat_line("a", "hi") | {"body": {"model": "gpt-4o",
-                                                                                       "messages": []}}]), "rb") as f:
+    with open(
+        write_lines(tmp_path / "other.jsonl", [chat_line("a", "hi") | {"body": {"model": "gpt-4o", "messages": []}}]),
+        "rb",
+    ) as f:
         other = client.files.create(file=f, purpose="batch")
     with pytest.raises(openai.UnprocessableEntityError, match="not a model directory under the model roots"):
         client.batches.create(input_file_id=other.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -117,8 +140,9 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(tmp_path, model
         client.files.retrieve(uploaded.id)
 
 
-def test_a_batch_nobody_reads_still_expires_by_the_workers_reaper(tmp_path, model_roots, jobs_env, spawn_worker,
-                                                                   tiny_model, request):
+def test_a_batch_nobody_reads_still_expires_by_the_workers_reaper(
+    tmp_path, model_roots, jobs_env, spawn_worker, tiny_model, request
+):
     """No client reads the batch after creating it: the workers' reaper cancels it once its (6 s) window has
     passed, with the window as the reason, and keeps its finished rows; /v1 then reports it `expired`."""
     jobs_env.env["JOBS_BATCH_WINDOW_SECONDS"] = "6"
@@ -130,18 +154,23 @@ def test_a_batch_nobody_reads_still_expires_by_the_workers_reaper(tmp_path, mode
     client = OpenAI(base_url=f"{url}/v1", api_key=token)
     lines = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(800)]
     with open(write_lines(tmp_path / "long.jsonl", lines), "rb") as f:
-        batch = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
-                                      endpoint="/v1/chat/completions", completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=client.files.create(file=f, purpose="batch").id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
     ours = Client(url, token)  # reads through our own API only: nothing here runs the /v1 expiry check
-    job = wait_for(lambda: (j := ours.job(batch.id))["state"] == "cancelled" and j, 180, "the reaper's expiry",
-                   procs=[worker])
+    job = wait_for(
+        lambda: (j := ours.job(batch.id))["state"] == "cancelled" and j, 180, "the reaper's expiry", procs=[worker]
+    )
     assert 0 < job["rows"]["succeeded"] < 800
     assert any("completion window" in e["message"] for e in ours.events(batch.id))
     assert client.batches.retrieve(batch.id).status == "expired"
 
 
-def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(tmp_path, model_roots, jobs_env,
-                                                                            spawn_worker, tiny_model, request):
+def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(
+    tmp_path, model_roots, jobs_env, spawn_worker, tiny_model, request
+):
     """With the window shortened to 6 s, a long batch (slowed down) read after it is `expired`, its finished rows
     are in the output file and counted in request_counts, and the job underneath is cancelled."""
     jobs_env.env["JOBS_BATCH_WINDOW_SECONDS"] = "6"
@@ -151,8 +180,11 @@ def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(tmp_
     client = OpenAI(base_url=f"{url}/v1", api_key=token)
     lines = [chat_line(f"r{i}", f"row {i}", max_tokens=8) for i in range(400)]  # 25 commits of 16 rows: >= 10 s
     with open(write_lines(tmp_path / "long.jsonl", lines), "rb") as f:
-        batch = client.batches.create(input_file_id=client.files.create(file=f, purpose="batch").id,
-                                      endpoint="/v1/chat/completions", completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=client.files.create(file=f, purpose="batch").id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
     assert batch.expires_at - batch.created_at in (5, 6, 7)
     ours = Client(url, token)
     wait_for(lambda: ours.job(batch.id)["rows"]["succeeded"] > 0, 60, "the first finished rows")

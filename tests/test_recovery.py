@@ -22,21 +22,34 @@ from tests.conftest import wait_for
 
 
 def write_dataset(path, n: int) -> str:
-    path.write_text("".join(json.dumps({"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"}) + "\n"
-                            for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"}) + "\n" for i in range(n)
+        )
+    )
     return str(path)
 
 
 def long_spec(model, data: str, **extra) -> dict:
     """Every row generates exactly 48 tokens (EOS off), 4 rows per committed micro-batch."""
-    return {"model": str(model), "input": data, "gpus": 0, "max_new_tokens": 48, "ignore_eos": True,
-            "batch_rows": 4, **extra}
+    return {
+        "model": str(model),
+        "input": data,
+        "gpus": 0,
+        "max_new_tokens": 48,
+        "ignore_eos": True,
+        "batch_rows": 4,
+        **extra,
+    }
 
 
 def row_counts(job_id: str) -> dict[str, int]:
     with session_scope() as session:
-        return dict(session.execute(select(JobRow.state, func.count()).where(JobRow.job_id == job_id)
-                                    .group_by(JobRow.state)).all())
+        return dict(
+            session.execute(
+                select(JobRow.state, func.count()).where(JobRow.job_id == job_id).group_by(JobRow.state)
+            ).all()
+        )
 
 
 def job_state(job_id: str) -> str:
@@ -54,8 +67,9 @@ def test_sigkilled_worker_shard_is_finished_by_another_within_60s(tmp_path, jobs
     took most of the bound there)."""
     n = 64
     workers = [spawn_worker([]), spawn_worker([])]
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", n),
-                                                        shard_rows=n))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", n), shard_rows=n)
+    )
 
     def half_done():
         counts = row_counts(job["id"])
@@ -71,8 +85,9 @@ def test_sigkilled_worker_shard_is_finished_by_another_within_60s(tmp_path, jobs
     dead.popen.wait(10)
     assert not dead.alive()
     with session_scope() as session:
-        committed_before = set(session.scalars(select(JobRow.idx).where(JobRow.job_id == job["id"],
-                                                                        JobRow.state == "succeeded")).all())
+        committed_before = set(
+            session.scalars(select(JobRow.idx).where(JobRow.job_id == job["id"], JobRow.state == "succeeded")).all()
+        )
     assert 8 <= len(committed_before) < n
 
     survivor = next(w for w in workers if w.pid != victim.pid)
@@ -93,8 +108,9 @@ def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, s
     `generate` stops between decode steps, finished rows stay, the job ends cancelled, and the worker claims its
     next task within 5 s of that task being queued."""
     worker = spawn_worker([])
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480),
-                                                        shard_rows=120))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 480), shard_rows=120)
+    )
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 120, "first rows", procs=[worker])
     cancelled_at = time.time()
     service.cancel(job["id"], owner=None, by="t")
@@ -109,8 +125,15 @@ def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, s
     finished = list(results.results(job["id"], owner=None))
     assert len(finished) == done
 
-    small = service.submit(owner="t", spec_data={"model": str(tiny_model), "gpus": 0, "max_new_tokens": 4,
-                                                 "input": write_dataset(tmp_path / "s.jsonl", 3)})
+    small = service.submit(
+        owner="t",
+        spec_data={
+            "model": str(tiny_model),
+            "gpus": 0,
+            "max_new_tokens": 4,
+            "input": write_dataset(tmp_path / "s.jsonl", 3),
+        },
+    )
     wait_for(lambda: job_state(small["id"]) == "succeeded", 15, "the next job", procs=[worker])
     with session_scope() as session:
         shard = session.scalars(select(Shard).where(Shard.job_id == small["id"])).one()
@@ -122,8 +145,9 @@ def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_mo
     """After a cancel, `retry` re-runs the unfinished rows under the same id; `--failed-only` has nothing to do
     for rows a cancel left pending."""
     worker = spawn_worker([])
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120),
-                                                        shard_rows=40))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120), shard_rows=40)
+    )
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 4, 120, "first rows", procs=[worker])
     service.cancel(job["id"], owner=None, by="t")
     wait_for(lambda: job_state(job["id"]) == "cancelled", 15, "cancelled", procs=[worker])
@@ -143,12 +167,20 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
     template = (model / "chat_template.jinja").read_text()
     (model / "chat_template.jinja").write_text(
         "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool "
-        "message') }}{%- endif %}" + template)
+        "message') }}{%- endif %}" + template
+    )
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join([json.dumps({"prompt": "What is the capital of France?"}),
-                               json.dumps({"messages": [{"role": "tool", "content": "hi"}]}), "{broken"]) + "\n")
-    job = service.submit(owner="t", spec_data={"model": str(model), "input": str(data), "gpus": 0,
-                                               "max_new_tokens": 8})
+    data.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "What is the capital of France?"}),
+                json.dumps({"messages": [{"role": "tool", "content": "hi"}]}),
+                "{broken",
+            ]
+        )
+        + "\n"
+    )
+    job = service.submit(owner="t", spec_data={"model": str(model), "input": str(data), "gpus": 0, "max_new_tokens": 8})
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[worker])
     retried = service.retry(job["id"], owner=None, failed_only=True, by="t")
     assert retried["retries"] == 1
@@ -157,26 +189,39 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
     assert errors[2].startswith("line 2: cannot build the prompt") and "cannot start with a tool message" in errors[2]
     assert errors[3].startswith("line 3: invalid JSON")
     with session_scope() as session:
-        executions = dict(session.execute(select(JobRow.idx, JobRow.executions).where(JobRow.job_id == job["id"])).all())
+        executions = dict(
+            session.execute(select(JobRow.idx, JobRow.executions).where(JobRow.job_id == job["id"])).all()
+        )
     assert executions == {0: 1, 1: 2, 2: 0}
 
 
-def test_retry_failed_only_keeps_rows_that_fail_the_same_way_and_says_so(tmp_path, jobs_env, spawn_worker,
-                                                                         tiny_model):
+def test_retry_failed_only_keeps_rows_that_fail_the_same_way_and_says_so(tmp_path, jobs_env, spawn_worker, tiny_model):
     """Rows refused for their input (n=2 under greedy decoding, broken JSON: refused at submit, each naming its
     line) are never re-run: `retry --failed-only` with only those left says how many and to fix the input, and
     changes nothing; a row the worker refused for its own input is kept too (a job stored before the check)."""
     worker = spawn_worker([])
     data = tmp_path / "d.jsonl"
-    data.write_text("\n".join([json.dumps({"prompt": "What is the capital of France?", "tag": "a"}),
-                               json.dumps({"prompt": "x", "num_return_sequences": 2, "tag": "b"}), "{broken"]) + "\n")
-    job = service.submit(owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0,
-                                               "max_new_tokens": 4})
+    data.write_text(
+        "\n".join(
+            [
+                json.dumps({"prompt": "What is the capital of France?", "tag": "a"}),
+                json.dumps({"prompt": "x", "num_return_sequences": 2, "tag": "b"}),
+                "{broken",
+            ]
+        )
+        + "\n"
+    )
+    job = service.submit(
+        owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0, "max_new_tokens": 4}
+    )
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the job", procs=[worker])
     errors = {r["line"]: r for r in results.results(job["id"], owner=None, errors=True)}
     assert errors[2]["error"].startswith("line 2: num_return_sequences 2 needs sampling") and errors[2]["tag"] == "b"
-    with pytest.raises(InvalidInput, match=rf"job {job['id']}: 2 failed rows were refused for their input \(at "
-                       r"submit, or by the worker\) and cannot be retried; fix the input"):
+    with pytest.raises(
+        InvalidInput,
+        match=rf"job {job['id']}: 2 failed rows were refused for their input \(at "
+        r"submit, or by the worker\) and cannot be retried; fix the input",
+    ):
         service.retry(job["id"], owner=None, failed_only=True, by="t")
     assert job_state(job["id"]) == "succeeded" and row_counts(job["id"]) == {"succeeded": 1, "failed": 2}
 
@@ -185,11 +230,19 @@ def test_a_row_the_worker_refused_for_its_parameters_cannot_change_on_retry():
     """`retry_can_change`: a row whose parameters the submit checks refuse (stored before the check existed, then
     refused by the worker) or that the worker found too long fails the same way again; an engine failure may not."""
     spec = GenerateSpec(model="m", input="file_x")
+
     def row(params, error, executions=1):
         return JobRow(line=4, input={"prompt": "x", "params": params, "extra": {}}, error=error, executions=executions)
+
     assert not retry_can_change(row({"num_return_sequences": 2}, "line 4: num_return_sequences 2 needs sampling"), spec)
-    assert not retry_can_change(row({}, "line 4: prompt of 900 tokens + max_new_tokens 9 exceeds the model's context "
-                                        "of 512 tokens: shorten the prompt or lower max_new_tokens"), spec)
+    assert not retry_can_change(
+        row(
+            {},
+            "line 4: prompt of 900 tokens + max_new_tokens 9 exceeds the model's context "
+            "of 512 tokens: shorten the prompt or lower max_new_tokens",
+        ),
+        spec,
+    )
     assert not retry_can_change(row({}, "line 4: prompt too long", executions=0), spec)  # refused at submit
     assert retry_can_change(row({}, "line 4: cannot build the prompt: bad template"), spec)
     assert retry_can_change(row({}, "failed 3 times; last error: RuntimeError: CUDA error", executions=0), spec)

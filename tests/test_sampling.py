@@ -50,18 +50,34 @@ def loaded(tiny_model):
 def draws(loaded, tiny_model, engine: str) -> list[list[int]]:
     """SAMPLES continuations of the same prompt, two tokens each: through the fast engine (`fastgen.Engine`, as the
     worker runs it) or plain `model.generate` (top_k and top_p off: temperature alone)."""
-    spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "engine": "fast",
-                                        "temperature": TEMPERATURE, "max_new_tokens": 2, "ignore_eos": True})
+    spec = GenerateSpec.model_validate(
+        {
+            "model": str(tiny_model),
+            "input": "file_x",
+            "engine": "fast",
+            "temperature": TEMPERATURE,
+            "max_new_tokens": 2,
+            "ignore_eos": True,
+        }
+    )
     prompt = loaded.tokenizer(PROMPT)["input_ids"]
     torch.manual_seed(11)
     if engine == "generate":
         out = []
         with torch.inference_mode():
             for _ in range(SAMPLES // 200):
-                y = loaded.model.generate(torch.tensor([prompt] * 200), attention_mask=torch.ones(200, len(prompt)),
-                                          do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
-                                          max_new_tokens=2, min_new_tokens=2, pad_token_id=0)
-                out += y[:, len(prompt):].tolist()
+                y = loaded.model.generate(
+                    torch.tensor([prompt] * 200),
+                    attention_mask=torch.ones(200, len(prompt)),
+                    do_sample=True,
+                    temperature=TEMPERATURE,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=2,
+                    min_new_tokens=2,
+                    pad_token_id=0,
+                )
+                out += y[:, len(prompt) :].tolist()
         return out
     rows = [(i, {"prompt": PROMPT, "params": {}, "extra": {}}) for i in range(SAMPLES)]
     seqs = [fastgen.Seq(p, 0) for p in common.prepare(loaded, spec, rows, 0.0)]
@@ -114,18 +130,31 @@ def _sampled_outputs(tmp_path, prompts: list[str], name: str, **spec) -> dict[st
 
     data = tmp_path / f"{name}.jsonl"
     data.write_text("".join(json.dumps({"custom_id": p, "prompt": p}) + "\n" for p in prompts))
-    job = service.submit(owner="alice", spec_data={"model": spec.pop("model"), "input": str(data), "gpus": 0,
-                                                   "temperature": 1.5, "max_new_tokens": 6, "ignore_eos": True,
-                                                   **spec})
-    done = wait_for(lambda: (j := views.get(job["id"], owner=None))["state"] in ("succeeded", "failed") and j, 300,
-                    f"job {job['id']}")
+    job = service.submit(
+        owner="alice",
+        spec_data={
+            "model": spec.pop("model"),
+            "input": str(data),
+            "gpus": 0,
+            "temperature": 1.5,
+            "max_new_tokens": 6,
+            "ignore_eos": True,
+            **spec,
+        },
+    )
+    done = wait_for(
+        lambda: (j := views.get(job["id"], owner=None))["state"] in ("succeeded", "failed") and j,
+        300,
+        f"job {job['id']}",
+    )
     assert done["state"] == "succeeded" and done["rows"]["failed"] == 0, done
     with session_scope() as session:
         return {r.custom_id: r.output for r in session.query(JobRow).filter(JobRow.job_id == job["id"])}
 
 
 def test_a_seed_repeats_samples_for_the_same_engine_and_batching_and_per_row_with_padded_batch_rows_1(
-        tmp_path, jobs_env, spawn_worker, tiny_model):
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
     """What README's "What a seed promises" says: the same seed, engine, rows and batching give the same samples;
     with engine padded and batch_rows 1 a row's samples do not depend on the other rows of the job."""
     spawn_worker([])

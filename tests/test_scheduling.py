@@ -27,17 +27,30 @@ LEASE = 30.0
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 
-def make_job(owner: str, *, priority: str = "normal", shards: int = 1, created_at: float | None = None,
-             queue: str = "cpu") -> tuple[str, list[int]]:
+def make_job(
+    owner: str, *, priority: str = "normal", shards: int = 1, created_at: float | None = None, queue: str = "cpu"
+) -> tuple[str, list[int]]:
     """A running job of `owner` with `shards` queued one-row shards; returns (job id, shard ids)."""
     with session_scope() as session:
-        job = Job(id=new_id("job"), kind="generate", state=JobState.running.value, owner=owner,
-                  spec={"model": "m", "input": "f"}, queue=queue, gpus=0, rows_total=shards,
-                  created_at=created_at or now(), priority=scheduling.rank(priority))
+        job = Job(
+            id=new_id("job"),
+            kind="generate",
+            state=JobState.running.value,
+            owner=owner,
+            spec={"model": "m", "input": "f"},
+            queue=queue,
+            gpus=0,
+            rows_total=shards,
+            created_at=created_at or now(),
+            priority=scheduling.rank(priority),
+        )
         session.add(job)
         session.flush()
-        insert_rows(session, job.id, [ParsedRow(i, i + 1, f"r{i}", {"prompt": "p", "params": {}, "extra": {}}, None)
-                                      for i in range(shards)])
+        insert_rows(
+            session,
+            job.id,
+            [ParsedRow(i, i + 1, f"r{i}", {"prompt": "p", "params": {}, "extra": {}}, None) for i in range(shards)],
+        )
         return job.id, [s.id for s in create_shards(session, job, shard_rows=1, max_attempts=3)]
 
 
@@ -122,8 +135,12 @@ def test_status_shows_priority_position_and_reason_and_metrics_count_queued_shar
     high, _ = make_job("bob", priority="high", shards=3)
     view = views.get(low, owner=None)
     assert view["priority"] == "low"
-    assert view["scheduling"] == {"position": 4, "shards_ahead": 3, "shards_queued": 2,
-                                  "waiting": "waiting: higher-priority work"}
+    assert view["scheduling"] == {
+        "position": 4,
+        "shards_ahead": 3,
+        "shards_queued": 2,
+        "waiting": "waiting: higher-priority work",
+    }
     assert views.get(high, owner=None)["scheduling"]["waiting"] == "waiting: next for a free worker"
     with session_scope() as session:
         assert sorted(scheduling.queue_depth(session)) == [("cpu", "high", "bob", 3), ("cpu", "low", "ann", 2)]
@@ -169,8 +186,14 @@ def test_concurrent_claims_never_double_claim_nor_forget_a_shard():
     assert not errors and not any(t.is_alive() for t in threads), errors
     assert len(taken) == len(set(taken)) == 52  # every message took one shard but the capped owner's last 8
     with session_scope() as session:
-        states = dict(session.execute(select(Job.owner, func.count()).join(Shard, Shard.job_id == Job.id)
-                                      .where(Shard.state == "running").group_by(Job.owner)).all())
+        states = dict(
+            session.execute(
+                select(Job.owner, func.count())
+                .join(Shard, Shard.job_id == Job.id)
+                .where(Shard.state == "running")
+                .group_by(Job.owner)
+            ).all()
+        )
         assert states == {"ann": 20, "bob": 15, "cat": 15, "capped": 2}
         assert session.scalar(select(func.max(Shard.attempts))) == 1
 
@@ -179,34 +202,54 @@ def test_concurrent_claims_never_double_claim_nor_forget_a_shard():
 
 
 def gen_spec(model, data: str, **extra) -> dict:
-    return {"model": str(model), "input": data, "gpus": 0, "max_new_tokens": 4, "ignore_eos": True,
-            "batch_rows": 2, "shard_rows": 2, **extra}
+    return {
+        "model": str(model),
+        "input": data,
+        "gpus": 0,
+        "max_new_tokens": 4,
+        "ignore_eos": True,
+        "batch_rows": 2,
+        "shard_rows": 2,
+        **extra,
+    }
 
 
 def started_shards(job_id: str) -> list[tuple[float, int]]:
     with session_scope() as session:
-        return sorted(session.execute(select(Shard.started_at, Shard.idx).where(
-            Shard.job_id == job_id, Shard.started_at.is_not(None))).all())
+        return sorted(
+            session.execute(
+                select(Shard.started_at, Shard.idx).where(Shard.job_id == job_id, Shard.started_at.is_not(None))
+            ).all()
+        )
 
 
 def finished(job_id: str, procs) -> dict:
-    return wait_for(lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j, 180,
-                    f"job {job_id} to finish", procs=procs)
+    return wait_for(
+        lambda: (j := views.get(job_id, owner=None))["state"] in TERMINAL and j,
+        180,
+        f"job {job_id} to finish",
+        procs=procs,
+    )
 
 
 def test_a_high_priority_job_submitted_behind_a_long_low_one_starts_within_one_micro_batch(
-        jobs_env, spawn_worker, tiny_model, tmp_path):
+    jobs_env, spawn_worker, tiny_model, tmp_path
+):
     """One worker runs a 30-shard low-priority job (one micro-batch per shard); a high-priority job submitted while
     it runs starts next: at most one low shard starts between its submit and its start (SQL timestamps)."""
-    low = service.submit(owner="ann", spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "low.jsonl", 60),
-                                                          priority="low"))
+    low = service.submit(
+        owner="ann", spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "low.jsonl", 60), priority="low")
+    )
     worker = spawn_worker(JOBS_TEST_FAULTS="sleep_1@batch")  # each micro-batch of this worker lasts >= 1 s
     wait_for(lambda: started_shards(low["id"]), 120, "the low job's first shard to start", procs=[worker])
-    high = service.submit(owner="bob", may_prioritize=True,
-                          spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "high.jsonl", 2), priority="high"))
+    high = service.submit(
+        owner="bob",
+        may_prioritize=True,
+        spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "high.jsonl", 2), priority="high"),
+    )
     done = finished(high["id"], [worker])
     assert done["state"] == "succeeded" and done["priority"] == "high"
-    (high_start, _), = started_shards(high["id"])
+    ((high_start, _),) = started_shards(high["id"])
     low_starts = [t for t, _ in started_shards(low["id"])]
     assert len([t for t in low_starts if t < high_start]) < 30, "precondition: the low job still had queued shards"
     between = [t for t in low_starts if done["created_at"] <= t < high_start]
@@ -216,7 +259,8 @@ def test_a_high_priority_job_submitted_behind_a_long_low_one_starts_within_one_m
 
 
 def test_two_owners_the_small_job_finishes_before_the_huge_one_is_ten_percent_done(
-        jobs_env, spawn_worker, tiny_model, tmp_path):
+    jobs_env, spawn_worker, tiny_model, tmp_path
+):
     """ann's 40-shard job, then bob's 2-shard job, both queued before the only worker starts: fair share alternates
     the owners, so bob's job ends while ann's has under 10 % of its shards done (FIFO would run all of ann's)."""
     huge = service.submit(owner="ann", spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "huge.jsonl", 80)))
@@ -226,8 +270,11 @@ def test_two_owners_the_small_job_finishes_before_the_huge_one_is_ten_percent_do
     done = finished(small["id"], [worker])
     assert done["state"] == "succeeded"
     with session_scope() as session:
-        huge_done = session.scalar(select(func.count()).where(
-            Shard.job_id == huge["id"], Shard.state == "succeeded", Shard.finished_at <= done["finished_at"]))
+        huge_done = session.scalar(
+            select(func.count()).where(
+                Shard.job_id == huge["id"], Shard.state == "succeeded", Shard.finished_at <= done["finished_at"]
+            )
+        )
     assert huge_done < 4, huge_done  # 10 % of 40 shards
     service.cancel(huge["id"], owner=None, by="test")
     finished(huge["id"], [worker])
@@ -242,7 +289,8 @@ def job_count() -> int:
 
 
 def test_an_unknown_priority_or_high_without_the_scope_is_refused_and_nothing_is_created(
-        jobs_env, tiny_model, tmp_path):
+    jobs_env, tiny_model, tmp_path
+):
     """The service refuses `urgent` (InvalidInput naming the choices) and `high` for a caller without the scope
     (Forbidden naming the scope); neither leaves a job behind; `low` needs no scope."""
     data = write_dataset(tmp_path / "d.jsonl", 2)
@@ -292,8 +340,9 @@ def test_cli_refuses_bad_priorities_with_exit_2_and_nothing_created(api_server, 
     assert shown[0]["owner"] == "ann" and shown[0]["max_running_shards"] == 3
 
 
-def test_openai_batch_metadata_priority_is_the_job_s_and_bad_ones_are_refused(jobs_env, tiny_model, tmp_path,
-                                                                             monkeypatch):
+def test_openai_batch_metadata_priority_is_the_job_s_and_bad_ones_are_refused(
+    jobs_env, tiny_model, tmp_path, monkeypatch
+):
     """batches.create with metadata {"priority": "low"} makes a low job's spec; "high" with a user token answers
     403 naming the scope, "urgent" 422 naming the choices; neither leaves a job behind."""
     from fastapi.testclient import TestClient
@@ -305,13 +354,18 @@ def test_openai_batch_metadata_priority_is_the_job_s_and_bad_ones_are_refused(jo
 
     monkeypatch.setenv("JOBS_MODEL_ROOTS", str(tiny_model.parent))
     reset()
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": tiny_model.name, "messages": [{"role": "user", "content": "hi"}]}}
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": tiny_model.name, "messages": [{"role": "user", "content": "hi"}]},
+    }
     with session_scope() as session:
         token = auth.create_token(session, owner="ann", scopes=["user"])
     client = TestClient(app, headers={"Authorization": f"Bearer {token}"})
-    uploaded = client.post("/v1/files", data={"purpose": "batch"},
-                           files={"file": ("b.jsonl", json.dumps(line).encode() + b"\n")})
+    uploaded = client.post(
+        "/v1/files", data={"purpose": "batch"}, files={"file": ("b.jsonl", json.dumps(line).encode() + b"\n")}
+    )
     assert uploaded.status_code == 200, uploaded.text
     request = {"input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     ann = access.Principal(owner="ann", scopes=frozenset({"user"}))
@@ -341,7 +395,9 @@ def test_metrics_export_queued_shards_by_queue_priority_and_owner_and_running_sh
     text = TestClient(app).get("/metrics", headers={"Authorization": f"Bearer {token}"}).text
     samples = parse(text)
     assert sorted((s["queue"], s["priority"], s["owner"], v) for s, v in samples["gpujobs_queued_shards"]) == [
-        ("cpu", "high", "bob", 1.0), ("cpu", "low", "ann", 2.0)]
+        ("cpu", "high", "bob", 1.0),
+        ("cpu", "low", "ann", 2.0),
+    ]
     assert samples["gpujobs_running_shards"] == [({"owner": "bob"}, 1.0)]
 
 

@@ -37,9 +37,13 @@ def created_databases():
         admin = sqlalchemy.create_engine(os.environ["JOBS_TEST_POSTGRES_URL"])
         try:
             with admin.connect() as conn:
-                left = conn.execute(
-                    sqlalchemy.text("select datname from pg_database where datname = any(:names)"), {"names": names}
-                ).scalars().all()
+                left = (
+                    conn.execute(
+                        sqlalchemy.text("select datname from pg_database where datname = any(:names)"), {"names": names}
+                    )
+                    .scalars()
+                    .all()
+                )
         finally:
             admin.dispose()
         assert left == [], f"postgres_url did not drop {left}"

@@ -15,8 +15,7 @@ import pytest
 
 from tests.conftest import ROOT, wait_for
 
-STEPS = ["setup", "engines", "g2_first", "g2_second", "g1", "mixed", "cancel_retry", "oom", "finetune_chain",
-         "adapter"]
+STEPS = ["setup", "engines", "g2_first", "g2_second", "g1", "mixed", "cancel_retry", "oom", "finetune_chain", "adapter"]
 
 
 def _module(name: str, path: str):
@@ -34,8 +33,12 @@ def test_worker_writes_every_thread_stack_on_sigusr2_and_keeps_running(jobs_env,
     # registered before its heartbeat thread starts: signal once Celery says it is ready, when both run
     wait_for(lambda: " ready." in worker.log.read_text(errors="replace"), 90, "the worker ready", procs=[worker])
     os.kill(worker.pid, signal.SIGUSR2)
-    wait_for(lambda: "_heartbeat_loop" in worker.log.read_text(errors="replace"), 60, "a stack dump in the log",
-             procs=[worker])
+    wait_for(
+        lambda: "_heartbeat_loop" in worker.log.read_text(errors="replace"),
+        60,
+        "a stack dump in the log",
+        procs=[worker],
+    )
     text = worker.log.read_text(errors="replace")
     assert "Current thread" in text or "Thread 0x" in text
     from tests.conftest import registered
@@ -72,12 +75,30 @@ def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
     (models / "tiny-base").symlink_to(base_model)
     out = tmp_path / "soak.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "OUT"}
-    proc = subprocess.run([sys.executable, str(ROOT / "ops" / "gpu" / "soak.py"), "--smoke", "--work", str(tmp_path),
-                           "--out", str(out), "--budget-s", "800"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=880)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "ops" / "gpu" / "soak.py"),
+            "--smoke",
+            "--work",
+            str(tmp_path),
+            "--out",
+            str(out),
+            "--budget-s",
+            "800",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
     report = json.loads(out.read_text())["soak"]
-    failed = {s["name"]: s.get("error") or [k for k, c in s["checks"].items() if not c["ok"]]
-              for s in report["steps"] if not s.get("passed")}
+    failed = {
+        s["name"]: s.get("error") or [k for k, c in s["checks"].items() if not c["ok"]]
+        for s in report["steps"]
+        if not s.get("passed")
+    }
     assert proc.returncode == 0 and report["passed"], f"{failed}\n{proc.stdout[-4000:]}"
     assert [s["name"] for s in report["steps"]] == STEPS
     assert all(s["restarts"] == 0 and s["checks"] for s in report["steps"])

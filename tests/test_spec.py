@@ -28,8 +28,12 @@ def test_a_minimal_generate_spec_gets_the_defaults():
     assert (spec.kind, spec.model, spec.input) == ("generate", "Qwen/Qwen3-0.6B", "file_abc")
     assert spec.max_new_tokens == 256
     assert (spec.temperature, spec.top_p, spec.top_k, spec.do_sample, spec.seed, spec.stop) == (None,) * 6
-    assert (spec.dtype, spec.attn_implementation, spec.use_kernels, spec.trust_remote_code) == ("auto", "sdpa", False,
-                                                                                                False)
+    assert (spec.dtype, spec.attn_implementation, spec.use_kernels, spec.trust_remote_code) == (
+        "auto",
+        "sdpa",
+        False,
+        False,
+    )
     assert (spec.quantization, spec.device_map, spec.adapter, spec.revision) == (None, None, None, None)
     assert (spec.gpus, spec.shard_rows, spec.batch_rows, spec.name, spec.metadata) == (None, None, None, None, None)
 
@@ -85,7 +89,10 @@ def test_quantization_shorthand_string_becomes_a_method_with_defaults():
     spec = parse_spec({**BASE, "quantization": "bnb-4bit"})
     assert spec.quantization == Quantization(method="bnb-4bit")
     assert (spec.quantization.quant_type, spec.quantization.double_quant, spec.quantization.compute_dtype) == (
-        "nf4", True, "auto")
+        "nf4",
+        True,
+        "auto",
+    )
     full = parse_spec({**BASE, "quantization": {"method": "bnb-4bit", "quant_type": "fp4"}})
     assert full.quantization.quant_type == "fp4"
 
@@ -106,8 +113,14 @@ def test_a_bad_attention_backend_lists_the_options(value):
 
 @pytest.mark.parametrize(
     "value",
-    [*ATTN_BACKENDS, "paged|sdpa", "paged|flash_attention_2", "kernels-community/flash-attn",
-     "kernels-community/flash-attn@v1.2:flash_attn", "paged|kernels-community/flash-attn"],
+    [
+        *ATTN_BACKENDS,
+        "paged|sdpa",
+        "paged|flash_attention_2",
+        "kernels-community/flash-attn",
+        "kernels-community/flash-attn@v1.2:flash_attn",
+        "paged|kernels-community/flash-attn",
+    ],
 )
 def test_built_in_paged_and_hub_kernel_backends_are_accepted(value):
     """Every built-in backend, `paged|<backend>` and a Hub kernel repo id are accepted unchanged."""
@@ -131,7 +144,12 @@ def test_a_finetune_spec_parses_with_its_defaults():
     spec = parse_spec({**BASE, "kind": "finetune"})
     assert isinstance(spec, FinetuneSpec)
     assert (spec.kind, spec.model, spec.input, spec.dtype, spec.attn_implementation) == (
-        "finetune", "Qwen/Qwen3-0.6B", "file_abc", "auto", "sdpa")
+        "finetune",
+        "Qwen/Qwen3-0.6B",
+        "file_abc",
+        "auto",
+        "sdpa",
+    )
     assert (spec.lora_r, spec.lora_alpha, spec.lora_dropout, spec.target_modules) == (16, 32, 0.05, "all-linear")
     assert (spec.epochs, spec.max_steps, spec.learning_rate, spec.lr_scheduler) == (1.0, None, 2e-4, "cosine")
     assert (spec.batch_size, spec.gradient_accumulation, spec.max_seq_length, spec.packing) == (4, 1, 2048, False)
@@ -141,7 +159,10 @@ def test_a_finetune_spec_parses_with_its_defaults():
 
 def test_a_finetune_spec_refuses_generation_parameters():
     """Sampling parameters are not finetune fields: refused by name under the finetune kind."""
-    assert refused({**BASE, "kind": "finetune", "temperature": 0.5}) == "invalid finetune spec: unknown field 'temperature'"
+    assert (
+        refused({**BASE, "kind": "finetune", "temperature": 0.5})
+        == "invalid finetune spec: unknown field 'temperature'"
+    )
     assert refused({**BASE, "kind": "finetune", "validation_split": 1}) == (
         "invalid finetune spec: validation_split: Input should be less than 1"
     )

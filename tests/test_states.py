@@ -25,8 +25,17 @@ KINDS = {
 
 
 def _make_job(session, state: str = JobState.queued.value) -> Job:
-    job = Job(id=new_id("job"), kind="generate", state=state, owner="alice", spec={"model": "m", "input": "f"},
-              queue="gpu", gpus=1, rows_total=2, created_at=now())
+    job = Job(
+        id=new_id("job"),
+        kind="generate",
+        state=state,
+        owner="alice",
+        spec={"model": "m", "input": "f"},
+        queue="gpu",
+        gpus=1,
+        rows_total=2,
+        created_at=now(),
+    )
     session.add(job)
     session.flush()
     return job
@@ -49,8 +58,11 @@ def _make(kind: str) -> tuple[str, int | str]:
 
 
 def _state_events(session, job_id: str) -> list[JobEvent]:
-    return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "state")
-                                .order_by(JobEvent.id)).all())
+    return list(
+        session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "state").order_by(JobEvent.id)
+        ).all()
+    )
 
 
 def _allowed(table, source, target) -> bool:
@@ -125,15 +137,17 @@ def test_a_where_condition_that_does_not_hold_refuses_and_changes_nothing(any_jo
     """A legal move whose extra condition (the lease owner) does not match raises and writes neither state, values nor event."""
     with session_scope() as session:
         job = _make_job(session, JobState.running.value)
-        shard = _make_shard(session, job, ShardState.running.value, lease_owner="w1", lease_expires_at=now() + 60,
-                            attempts=1)
+        shard = _make_shard(
+            session, job, ShardState.running.value, lease_owner="w1", lease_expires_at=now() + 60, attempts=1
+        )
         job_id, shard_id = job.id, shard.id
 
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
         with pytest.raises(IllegalTransition, match=f"^shard {shard_id} cannot move from running to queued$"):
-            transition(session, shard, ShardState.queued, where=[Shard.lease_owner == "w2"], lease_owner=None,
-                       attempts=0)
+            transition(
+                session, shard, ShardState.queued, where=[Shard.lease_owner == "w2"], lease_owner=None, attempts=0
+            )
 
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
@@ -141,8 +155,13 @@ def test_a_where_condition_that_does_not_hold_refuses_and_changes_nothing(any_jo
         assert _state_events(session, job_id) == []
 
     with session_scope() as session:  # the same move with the right owner goes through
-        transition(session, session.get(Shard, shard_id), ShardState.queued, where=[Shard.lease_owner == "w1"],
-                   lease_owner=None)
+        transition(
+            session,
+            session.get(Shard, shard_id),
+            ShardState.queued,
+            where=[Shard.lease_owner == "w1"],
+            lease_owner=None,
+        )
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
         assert (shard.state, shard.lease_owner) == ("queued", None)
@@ -174,8 +193,14 @@ def test_sessions_racing_the_same_transition_only_one_wins(any_jobs_env, kind):
     def attempt(session, i):
         if kind == "job":
             return transition(session, session.get(Job, job_id), JobState.finalizing, reason=f"by {i}").state
-        return transition(session, session.get(Shard, shard_id), ShardState.running, reason=f"by w{i}",
-                          lease_owner=f"w{i}", attempts=Shard.attempts + 1).state
+        return transition(
+            session,
+            session.get(Shard, shard_id),
+            ShardState.running,
+            reason=f"by w{i}",
+            lease_owner=f"w{i}",
+            attempts=Shard.attempts + 1,
+        ).state
 
     results = race(4, attempt)
     winners = [r for r in results if not isinstance(r, Exception)]
@@ -206,7 +231,13 @@ def test_events_record_the_run_they_were_written_in(any_jobs_env):
         transition(session, job, JobState.queued, reason="retry", retries=Job.retries + 1)
         add_event(session, job.id, "in run 2")
     with session_scope() as session:
-        found = session.execute(select(JobEvent.message, JobEvent.run, JobEvent.superseded)
-                                .where(JobEvent.job_id == job.id).order_by(JobEvent.id)).all()
-    assert [tuple(f) for f in found] == [("in run 1", 1, False), ("job → queued: retry", 2, False),
-                                         ("in run 2", 2, False)]
+        found = session.execute(
+            select(JobEvent.message, JobEvent.run, JobEvent.superseded)
+            .where(JobEvent.job_id == job.id)
+            .order_by(JobEvent.id)
+        ).all()
+    assert [tuple(f) for f in found] == [
+        ("in run 1", 1, False),
+        ("job → queued: retry", 2, False),
+        ("in run 2", 2, False),
+    ]

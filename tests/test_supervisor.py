@@ -52,8 +52,9 @@ def test_the_limit_th_exit_within_the_window_keeps_the_slot_down_with_the_reason
     assert delay is not None and outcome == "restarting in 8 s"
     delay, outcome = decide(70, [700.0, 750.0, 800.0, 900.0, 1000.0], 1000.0, policy, HINT)
     assert delay is None
-    assert outcome == ("exited 5 times in 10 min, last exit 70 (engine stalled): stays down; fix the cause, then "
-                       "restart it")
+    assert outcome == (
+        "exited 5 times in 10 min, last exit 70 (engine stalled): stays down; fix the cause, then restart it"
+    )
 
 
 @pytest.mark.parametrize("code", [2, 5, 6])
@@ -112,8 +113,9 @@ def test_a_worker_exiting_with_the_missing_slice_code_is_not_restarted(tmp_path,
     assert sup.slots[0].restarts == 0 and sup.slots[0].proc is None
     [worker] = views.workers(all=True)
     assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 6, 0)
-    assert worker["reason"] == ("its GPU slice is not present; a configuration error, not restarted: fix it, then "
-                                f"{HINT}")
+    assert worker["reason"] == (
+        f"its GPU slice is not present; a configuration error, not restarted: fix it, then {HINT}"
+    )
 
 
 def test_a_worker_that_keeps_stalling_stays_down_after_the_cap_and_says_why(tmp_path, supervise):
@@ -122,8 +124,9 @@ def test_a_worker_that_keeps_stalling_stays_down_after_the_cap_and_says_why(tmp_
     the default list shows only the last worker (the others were replaced), with the reason."""
     sup = supervise(Policy(limit=3, window=600, backoff=0.2, backoff_max=1), JOBS_TEST_FAULTS="exit_70@start")
     reason = until_down(sup, 360, tmp_path)
-    assert reason.startswith("exit 70 (engine stalled): exited 3 times in 10 min, last exit 70 (engine stalled): "
-                             "stays down")
+    assert reason.startswith(
+        "exit 70 (engine stalled): exited 3 times in 10 min, last exit 70 (engine stalled): stays down"
+    )
     every = sorted(views.workers(all=True), key=lambda w: w["restarts"])
     assert [(w["state"], w["exit_code"], w["restarts"]) for w in every] == [("offline", 70, n) for n in range(3)]
     assert [w["reason"] for w in every[:2]] == ["engine stalled"] * 2
@@ -139,8 +142,10 @@ def test_a_worker_that_dies_before_registering_still_leaves_a_row_that_says_why(
     reason = until_down(sup, 120, tmp_path)
     assert reason.startswith("exit 1 (crashed: see its log): exited 2 times in 10 min")
     rows = sorted(views.workers(all=True), key=lambda w: w["restarts"])
-    assert [(w["state"], w["exit_code"], w["restarts"], w["queues"]) for w in rows] == \
-        [("offline", 1, 0, []), ("offline", 1, 1, [])]
+    assert [(w["state"], w["exit_code"], w["restarts"], w["queues"]) for w in rows] == [
+        ("offline", 1, 0, []),
+        ("offline", 1, 1, []),
+    ]
     assert rows[-1]["name"].startswith("w") and rows[-1]["name"].endswith("-cpu@" + rows[-1]["host"])
     assert "stays down" in rows[-1]["reason"]
 
@@ -193,15 +198,21 @@ def test_up_detach_restarts_a_killed_worker_and_down_stops_every_process(tmp_pat
         assert [w["pid"] for w in workers_json(env)] == [new["pid"]]
         killed = {w["pid"]: w for w in workers_json(env, "--all")}[old]
         assert (killed["state"], killed["exit_code"], killed["reason"]) == ("offline", -9, "killed by SIGKILL")
-        assert read_stack(tmp_path)["slots"] == [{"slice": "", "pid": new["pid"], "restarts": 1, "state": "running",
-                                                  "reason": None}]
+        assert read_stack(tmp_path)["slots"] == [
+            {"slice": "", "pid": new["pid"], "restarts": 1, "state": "running", "reason": None}
+        ]
         token = (tmp_path / "home" / "token").read_text().strip()
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"},
-                         timeout=30).text
-        assert [(labels["slice"], value) for labels, value in parse(text)["gpujobs_worker_restarts_total"]] == \
-            [("", 1.0)]
-        assert dict((labels["state"], value) for labels, value in parse(text)["gpujobs_workers"]) == \
-            {"online": 1.0, "lost": 0.0, "offline": 1.0}
+        text = httpx.get(
+            f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30
+        ).text
+        assert [(labels["slice"], value) for labels, value in parse(text)["gpujobs_worker_restarts_total"]] == [
+            ("", 1.0)
+        ]
+        assert dict((labels["state"], value) for labels, value in parse(text)["gpujobs_workers"]) == {
+            "online": 1.0,
+            "lost": 0.0,
+            "offline": 1.0,
+        }
         table = jobs(env, "workers", "--all", check=True).stdout
         assert "restarts=1" in table and "exit -9" in table and "killed by SIGKILL" in table
     finally:
@@ -215,8 +226,7 @@ def test_up_detach_restarts_a_killed_worker_and_down_stops_every_process(tmp_pat
     assert again.returncode == 0 and "nothing to stop: no stack is running" in again.stderr
 
 
-def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_workers_offline(tmp_path,
-                                                                                                redis_server):
+def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_workers_offline(tmp_path, redis_server):
     """A `gpujobs worker` started beside `up` exits 69 within seconds of `gpujobs down` (not after Celery's 100
     reconnects), and its registration says why. After `up` again, the workers of the first stack are `offline`
     (never `lost`) with --all, and the default list shows only the new stack's worker."""
@@ -225,11 +235,19 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
     assert jobs(env, "up", "--detach", "--port", port).returncode == 0
     log = tmp_path / "hand.log"
     with open(log, "wb") as out:
-        hand = subprocess.Popen([sys.executable, "-m", "api", "worker", "--gpus", "none"], env=env, cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
+        hand = subprocess.Popen(
+            [sys.executable, "-m", "api", "worker", "--gpus", "none"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        wait_for(lambda: hand.pid in {w["pid"] for w in workers_json(env) if w["state"] == "online"}, 180,
-                 "the hand-started worker")
+        wait_for(
+            lambda: hand.pid in {w["pid"] for w in workers_json(env) if w["state"] == "online"},
+            180,
+            "the hand-started worker",
+        )
         first = read_stack(tmp_path)
         down = jobs(env, "down")
         assert down.returncode == 0, down.stderr
@@ -247,8 +265,11 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
         assert every[hand.pid]["reason"].startswith("the local stack in ")
         assert "this worker exits (69)" in every[hand.pid]["reason"]
         [old] = first["workers"]
-        assert (every[old]["state"], every[old]["exit_code"], every[old]["reason"]) == \
-            ("offline", 0, "stopped on request")
+        assert (every[old]["state"], every[old]["exit_code"], every[old]["reason"]) == (
+            "offline",
+            0,
+            "stopped on request",
+        )
         assert "lost" not in {w["state"] for w in every.values()}
         assert [w["pid"] for w in workers_json(env)] == read_stack(tmp_path)["workers"]
     finally:
@@ -274,11 +295,13 @@ def test_a_stopped_worker_is_offline_everywhere_long_after_its_last_heartbeat(jo
 
     def register(name: str, pid: int, slice_: str, age: float) -> None:
         with session_scope() as session:
-            registry.register(session, name=name, host="h", pid=pid, slice=slice_, queues=["gpu1"], gpus=[],
-                              capabilities={})
+            registry.register(
+                session, name=name, host="h", pid=pid, slice=slice_, queues=["gpu1"], gpus=[], capabilities={}
+            )
         with session_scope() as session:
-            session.execute(update(Worker).where(Worker.name == name).values(started_at=now() - age,
-                                                                            heartbeat_at=now() - age))
+            session.execute(
+                update(Worker).where(Worker.name == name).values(started_at=now() - age, heartbeat_at=now() - age)
+            )
 
     register("stopped", 1, "0", 7200)
     register("killed", 2, "1", 600)
@@ -306,13 +329,23 @@ def test_a_stack_file_from_before_a_reboot_is_not_running_and_down_kills_none_of
     reset()
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        stack.write_stack({"home": str(tmp_path / "home"), "boot_id": "an-earlier-boot", "redis": bystander.pid,
-                           "api": bystander.pid, "workers": [bystander.pid], "supervisor": bystander.pid})
+        stack.write_stack(
+            {
+                "home": str(tmp_path / "home"),
+                "boot_id": "an-earlier-boot",
+                "redis": bystander.pid,
+                "api": bystander.pid,
+                "workers": [bystander.pid],
+                "supervisor": bystander.pid,
+            }
+        )
         assert stack.prepare([[]]) == [[]]
         said = []
         assert stack.down(log=said.append) is True
-        assert said == [f"the stack in {tmp_path / 'home'} was not running (its processes had exited, or the machine "
-                        "restarted since): removed its stack.json"]
+        assert said == [
+            f"the stack in {tmp_path / 'home'} was not running (its processes had exited, or the machine "
+            "restarted since): removed its stack.json"
+        ]
         assert bystander.poll() is None and not (tmp_path / "home" / "run" / "stack.json").exists()
     finally:
         bystander.kill()
@@ -327,16 +360,22 @@ def test_a_stalled_worker_under_up_exits_70_and_a_fresh_one_finishes_the_job(tmp
     job; every row ran once and the rows committed before the stall were kept."""
     import sqlite3
 
-    env = dict(stack_env(tmp_path), JOBS_TEST_FAULTS="once_hang_after_40@decode_step", JOBS_STALL_SECONDS="6",
-               JOBS_BATCH_ROWS="2")
+    env = dict(
+        stack_env(tmp_path),
+        JOBS_TEST_FAULTS="once_hang_after_40@decode_step",
+        JOBS_STALL_SECONDS="6",
+        JOBS_BATCH_ROWS="2",
+    )
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"hello {i}", "max_new_tokens": 8, "ignore_eos": True}) + "\n"
-                            for i in range(24)))
+    rows.write_text(
+        "".join(json.dumps({"prompt": f"hello {i}", "max_new_tokens": 8, "ignore_eos": True}) + "\n" for i in range(24))
+    )
     assert jobs(env, "up", "--detach", "--port", str(free_port())).returncode == 0
     try:
         [first] = read_stack(tmp_path)["workers"]
-        job_id = jobs(env, "submit", "generate", "--model", str(tiny_model), "--input", str(rows),
-                      check=True).stdout.strip()
+        job_id = jobs(
+            env, "submit", "generate", "--model", str(tiny_model), "--input", str(rows), check=True
+        ).stdout.strip()
         wait = jobs(env, "wait", job_id, "--timeout", "170")
         assert wait.returncode == 0, wait.stderr
         every = {w["pid"]: w for w in workers_json(env, "--all")}

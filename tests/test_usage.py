@@ -23,23 +23,72 @@ from tests.test_e2e import jobs
 DAY = 86400.0
 
 
-def add_job(session, job_id: str, owner: str, state: str, *, age: float = 0.0, metrics: dict | None = None,
-            rows: tuple[int, int] = (0, 0), tokens: tuple[int, int] = (0, 0)) -> None:
+def add_job(
+    session,
+    job_id: str,
+    owner: str,
+    state: str,
+    *,
+    age: float = 0.0,
+    metrics: dict | None = None,
+    rows: tuple[int, int] = (0, 0),
+    tokens: tuple[int, int] = (0, 0),
+) -> None:
     """A job as the store holds it; finished jobs carry the totals and metrics that finalize wrote."""
-    session.add(Job(id=job_id, kind="generate", state=state, owner=owner, spec={"model": "m"}, queue="gpu1", gpus=1,
-                    created_at=time.time() - age, rows_total=sum(rows), rows_succeeded=rows[0], rows_failed=rows[1],
-                    prompt_tokens=tokens[0], completion_tokens=tokens[1], metrics=metrics, retries=0))
+    session.add(
+        Job(
+            id=job_id,
+            kind="generate",
+            state=state,
+            owner=owner,
+            spec={"model": "m"},
+            queue="gpu1",
+            gpus=1,
+            created_at=time.time() - age,
+            rows_total=sum(rows),
+            rows_succeeded=rows[0],
+            rows_failed=rows[1],
+            prompt_tokens=tokens[0],
+            completion_tokens=tokens[1],
+            metrics=metrics,
+            retries=0,
+        )
+    )
     session.flush()
 
 
 def add_row(session, job_id: str, idx: int, state: str, prompt: int | None = None, completion: int | None = None):
-    session.add(JobRow(job_id=job_id, idx=idx, custom_id=f"r{idx}", line=idx + 1, state=state, input={"prompt": "p"},
-                       prompt_tokens=prompt, completion_tokens=completion, executions=int(state != "pending")))
+    session.add(
+        JobRow(
+            job_id=job_id,
+            idx=idx,
+            custom_id=f"r{idx}",
+            line=idx + 1,
+            state=state,
+            input={"prompt": "p"},
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            executions=int(state != "pending"),
+        )
+    )
 
 
 def add_shard(session, job_id: str, idx: int, state: str, metrics: dict | None) -> None:
-    session.add(Shard(job_id=job_id, idx=idx, row_start=idx, row_end=idx + 1, state=state, attempts=1,
-                      max_attempts=3, rows_done=0, rows_failed=0, completion_tokens=0, metrics=metrics))
+    session.add(
+        Shard(
+            job_id=job_id,
+            idx=idx,
+            row_start=idx,
+            row_end=idx + 1,
+            state=state,
+            attempts=1,
+            max_attempts=3,
+            rows_done=0,
+            rows_failed=0,
+            completion_tokens=0,
+            metrics=metrics,
+        )
+    )
 
 
 @pytest.fixture
@@ -47,8 +96,15 @@ def ledger(any_jobs_env) -> None:
     """Finished and live jobs of three owners, one of them older than a week."""
     with session_scope() as session:
         # alice: a finished job (its totals were written at finalize; its shards' metrics are already in them)
-        add_job(session, "job_a_done", "alice", "succeeded", rows=(3, 1), tokens=(30, 12),
-                metrics={"gpu_seconds": 8.5, "engine_seconds": 2.25, "duration_s": 5.0})
+        add_job(
+            session,
+            "job_a_done",
+            "alice",
+            "succeeded",
+            rows=(3, 1),
+            tokens=(30, 12),
+            metrics={"gpu_seconds": 8.5, "engine_seconds": 2.25, "duration_s": 5.0},
+        )
         add_shard(session, "job_a_done", 0, "succeeded", {"gpu_seconds": 8.5, "engine_seconds": 2.25})
         # alice: a running job: rows so far, and the metrics of its finished shard only
         add_job(session, "job_a_live", "alice", "running")
@@ -59,20 +115,59 @@ def ledger(any_jobs_env) -> None:
         add_shard(session, "job_a_live", 0, "succeeded", {"gpu_seconds": 4.0, "engine_seconds": 1.5})
         add_shard(session, "job_a_live", 1, "running", None)
         # alice: ten days old, finished
-        add_job(session, "job_a_old", "alice", "succeeded", age=10 * DAY, rows=(100, 0), tokens=(1000, 500),
-                metrics={"gpu_seconds": 60.0, "engine_seconds": 40.0})
+        add_job(
+            session,
+            "job_a_old",
+            "alice",
+            "succeeded",
+            age=10 * DAY,
+            rows=(100, 0),
+            tokens=(1000, 500),
+            metrics={"gpu_seconds": 60.0, "engine_seconds": 40.0},
+        )
         # bob: every row invalid at submit (no metrics at all); carol: cancelled with what ran before the cancel
         add_job(session, "job_b_bad", "bob", "failed", rows=(0, 2))
-        add_job(session, "job_c_cancel", "carol", "cancelled", rows=(1, 0), tokens=(4, 2),
-                metrics={"gpu_seconds": 0.75, "engine_seconds": 0.5})
+        add_job(
+            session,
+            "job_c_cancel",
+            "carol",
+            "cancelled",
+            rows=(1, 0),
+            tokens=(4, 2),
+            metrics={"gpu_seconds": 0.75, "engine_seconds": 0.5},
+        )
 
 
-ALICE_WEEK = {"owner": "alice", "jobs": 2, "rows_succeeded": 5, "rows_failed": 2, "prompt_tokens": 41,
-              "completion_tokens": 27, "gpu_seconds": 12.5, "engine_seconds": 3.75}
-BOB = {"owner": "bob", "jobs": 1, "rows_succeeded": 0, "rows_failed": 2, "prompt_tokens": 0, "completion_tokens": 0,
-       "gpu_seconds": 0.0, "engine_seconds": 0.0}
-CAROL = {"owner": "carol", "jobs": 1, "rows_succeeded": 1, "rows_failed": 0, "prompt_tokens": 4,
-         "completion_tokens": 2, "gpu_seconds": 0.75, "engine_seconds": 0.5}
+ALICE_WEEK = {
+    "owner": "alice",
+    "jobs": 2,
+    "rows_succeeded": 5,
+    "rows_failed": 2,
+    "prompt_tokens": 41,
+    "completion_tokens": 27,
+    "gpu_seconds": 12.5,
+    "engine_seconds": 3.75,
+}
+BOB = {
+    "owner": "bob",
+    "jobs": 1,
+    "rows_succeeded": 0,
+    "rows_failed": 2,
+    "prompt_tokens": 0,
+    "completion_tokens": 0,
+    "gpu_seconds": 0.0,
+    "engine_seconds": 0.0,
+}
+CAROL = {
+    "owner": "carol",
+    "jobs": 1,
+    "rows_succeeded": 1,
+    "rows_failed": 0,
+    "prompt_tokens": 4,
+    "completion_tokens": 2,
+    "gpu_seconds": 0.75,
+    "engine_seconds": 0.5,
+}
 
 
 def test_usage_sums_finished_totals_and_live_rows_and_shards_per_owner(ledger):
@@ -80,18 +175,33 @@ def test_usage_sums_finished_totals_and_live_rows_and_shards_per_owner(ledger):
     GPU- and engine seconds; `since` drops older jobs; the total adds the owners up (SQLite and Postgres)."""
     week = views.usage(owner=None, since="7d")
     assert week["owners"] == [ALICE_WEEK, BOB, CAROL]
-    assert week["total"] == {"jobs": 4, "rows_succeeded": 6, "rows_failed": 4, "prompt_tokens": 45,
-                             "completion_tokens": 29, "gpu_seconds": 13.25, "engine_seconds": 4.25}
+    assert week["total"] == {
+        "jobs": 4,
+        "rows_succeeded": 6,
+        "rows_failed": 4,
+        "prompt_tokens": 45,
+        "completion_tokens": 29,
+        "gpu_seconds": 13.25,
+        "engine_seconds": 4.25,
+    }
     assert week["since"] == pytest.approx(time.time() - 7 * DAY, abs=60)
 
     alice = views.usage(owner="alice")["owners"]
-    assert alice == [{**ALICE_WEEK, "jobs": 3, "rows_succeeded": 105, "prompt_tokens": 1041,
-                      "completion_tokens": 527, "gpu_seconds": 72.5, "engine_seconds": 43.75}]
+    assert alice == [
+        {
+            **ALICE_WEEK,
+            "jobs": 3,
+            "rows_succeeded": 105,
+            "prompt_tokens": 1041,
+            "completion_tokens": 527,
+            "gpu_seconds": 72.5,
+            "engine_seconds": 43.75,
+        }
+    ]
     assert views.usage(owner="nobody")["owners"] == [{**BOB, "owner": "nobody", "jobs": 0, "rows_failed": 0}]
 
 
-@pytest.mark.parametrize("since, days_ago", [("7d", 7), ("36h", 1.5), ("2w", 14), ("90m", 90 / 1440),
-                                             ("1.5d", 1.5)])
+@pytest.mark.parametrize("since, days_ago", [("7d", 7), ("36h", 1.5), ("2w", 14), ("90m", 90 / 1440), ("1.5d", 1.5)])
 def test_since_takes_durations(since, days_ago):
     """`--since 7d` (s, m, h, d, w) means that long before now."""
     assert views.usage_since(since) == pytest.approx(time.time() - days_ago * DAY, abs=5)
@@ -129,15 +239,17 @@ def test_a_user_sees_only_their_own_usage_and_an_admin_sees_every_owner(ledger):
 
 
 def test_a_real_job_run_by_a_worker_shows_tokens_and_engine_seconds_in_gpujobs_usage(
-        tmp_path, jobs_env, api_server, spawn_worker, tiny_model):
+    tmp_path, jobs_env, api_server, spawn_worker, tiny_model
+):
     """A job run by a real CPU worker: `gpujobs usage --json` shows its rows, prompt and completion tokens and
     engine seconds. GPU-seconds are wall time × slice size, so 0 on a CPU worker (slice size 0)."""
     url, token, _ = api_server  # an admin token of "alice"
     spawn_worker([])
     data = "".join(json.dumps({"prompt": q}) + "\n" for q in ("What is the capital of France?", "2+2?")).encode()
     file_id = service.store_upload(owner="dana", filename="d.jsonl", stream=io.BytesIO(data))["id"]
-    job = service.submit(owner="dana", spec_data={"model": str(tiny_model), "input": file_id, "gpus": 0,
-                                                  "max_new_tokens": 6})
+    job = service.submit(
+        owner="dana", spec_data={"model": str(tiny_model), "input": file_id, "gpus": 0, "max_new_tokens": 6}
+    )
 
     def finished() -> dict[str, Any] | None:
         view = views.get(job["id"], owner=None)

@@ -64,8 +64,9 @@ def test_a_stall_is_reported_past_the_bound_with_what_the_engine_was_doing():
     stall = p.stalled(3.0, 1800)
     assert stall is not None and stall.seconds == pytest.approx(3.5) and stall.bound == 3.0
     assert stall.phase is None and stall.beats == 1
-    assert stall.describe() == ("no progress for 3.5 s (bound 3 s) since the last decode step "
-                                "(1 progress report so far)")
+    assert stall.describe() == (
+        "no progress for 3.5 s (bound 3 s) since the last decode step (1 progress report so far)"
+    )
 
 
 def test_phases_count_as_progress_under_their_own_bound_and_are_not_steps():
@@ -112,11 +113,13 @@ def test_stuck_at_names_the_innermost_frame_and_the_innermost_of_ours():
     """The stall event's one-line place: the innermost frame, and the innermost frame of this project's code."""
     from worker.runtime import stuck_at
 
-    stack = (f'  File "{ROOT}/worker/runtime.py", line 10, in run_shard\n    x()\n'
-             f'  File "{ROOT}/worker/faults.py", line 71, in _hang\n    threading.Event().wait()\n'
-             '  File "/usr/lib/python3.12/threading.py", line 359, in wait\n    waiter.acquire()\n')
+    stack = (
+        f'  File "{ROOT}/worker/runtime.py", line 10, in run_shard\n    x()\n'
+        f'  File "{ROOT}/worker/faults.py", line 71, in _hang\n    threading.Event().wait()\n'
+        '  File "/usr/lib/python3.12/threading.py", line 359, in wait\n    waiter.acquire()\n'
+    )
     assert stuck_at(stack) == "threading.py:359 in wait, from worker/faults.py:71 in _hang"
-    assert stuck_at(stack.split("  File \"/usr")[0]) == "worker/faults.py:71 in _hang"
+    assert stuck_at(stack.split('  File "/usr')[0]) == "worker/faults.py:71 in _hang"
 
 
 def test_exit_codes_say_whether_a_supervisor_restarts_the_worker():
@@ -157,8 +160,9 @@ def test_every_generation_engine_reports_each_decode_step(loaded, tiny_model, en
     decodes in its own thread, at least one step seen moving, after its warm-up phase."""
     from worker.generate import generate
 
-    spec = GenerateSpec.model_validate({"model": str(tiny_model), "input": "file_x", "max_new_tokens": 8,
-                                        "ignore_eos": True, "engine": engine})
+    spec = GenerateSpec.model_validate(
+        {"model": str(tiny_model), "input": "file_x", "max_new_tokens": 8, "ignore_eos": True, "engine": engine}
+    )
     rows = [(i, {"prompt": q, "params": {}, "extra": {}}) for i, (q, _) in enumerate(qa_pairs()[:2])]
     recorder = Recorder()
     results = [r for batch in generate(loaded, spec, rows, batch_rows=2, progress=recorder) for r in batch]
@@ -221,15 +225,17 @@ def assert_stalled_and_exited(victim, job_id: str, stuck_in: str) -> JobEvent:
     return event
 
 
-def test_a_generation_step_that_never_returns_is_given_back_and_finished_by_another_worker(tmp_path, any_jobs_env,
-                                                                                          spawn_worker, tiny_model):
+def test_a_generation_step_that_never_returns_is_given_back_and_finished_by_another_worker(
+    tmp_path, any_jobs_env, spawn_worker, tiny_model
+):
     """Worker A's decode step hangs after 3 committed micro-batches (12 rows) while its heartbeat thread goes on.
     Within the bound A writes a stall event naming the step and its stack, stops renewing, hands the shard back
     (an attempt counted), records why on its registration and exits 70; worker B finishes the shard. A's 12 rows are
     kept, B runs only the others, and every row was executed exactly once. On SQLite and on Postgres."""
     victim = spawn_worker([], JOBS_TEST_FAULTS="hang_after_144@decode_step", JOBS_STALL_SECONDS=str(STALL_S))
-    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 48),
-                                                        shard_rows=48))
+    job = service.submit(
+        owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 48), shard_rows=48)
+    )
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 12, 120, "A's committed rows", procs=[victim])
     rescuer = spawn_worker([])  # its stall bound is the default (auto)
     event = assert_stalled_and_exited(victim, job["id"], "in __call__")  # StopFlag.__call__: a decode step
@@ -245,9 +251,9 @@ def test_a_generation_step_that_never_returns_is_given_back_and_finished_by_anot
     assert shard.attempts == 2  # the stall counted as A's attempt
 
 
-def test_a_shard_that_stalls_on_its_last_attempt_fails_with_the_stall_as_its_reason(tmp_path, jobs_env,
-                                                                                   spawn_worker, tiny_model,
-                                                                                   monkeypatch):
+def test_a_shard_that_stalls_on_its_last_attempt_fails_with_the_stall_as_its_reason(
+    tmp_path, jobs_env, spawn_worker, tiny_model, monkeypatch
+):
     """With one attempt per shard, a stall at the first decode step fails the shard and the job, saying it stalled;
     nothing was committed."""
     from core.settings import reset
@@ -262,8 +268,9 @@ def test_a_shard_that_stalls_on_its_last_attempt_fails_with_the_stall_as_its_rea
     assert row_counts(job["id"]) == {"failed": 4}
 
 
-def test_a_job_cancelled_while_its_engine_hangs_ends_cancelled_at_the_stall(tmp_path, jobs_env, spawn_worker,
-                                                                            tiny_model):
+def test_a_job_cancelled_while_its_engine_hangs_ends_cancelled_at_the_stall(
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
     """A cancel cannot reach an engine that never returns between steps; at the stall the worker cancels the shard
     (instead of queueing it again), the job ends cancelled, and the worker exits 70."""
     victim = spawn_worker([], JOBS_TEST_FAULTS="hang@decode_step", JOBS_STALL_SECONDS=str(STALL_S))
@@ -282,13 +289,15 @@ def test_a_job_cancelled_while_its_engine_hangs_ends_cancelled_at_the_stall(tmp_
 
 
 def test_a_training_step_that_never_returns_is_resumed_by_another_worker_from_its_checkpoint(
-        tmp_path, jobs_env, spawn_worker, base_model):
+    tmp_path, jobs_env, spawn_worker, base_model
+):
     """Worker A's training hangs after step 12 (checkpoints every 5 steps): A writes the stall event and exits 70; B
     resumes from checkpoint-10 and finishes the job; the fine-tune's rows are committed once."""
     victim = spawn_worker([], JOBS_TEST_FAULTS="hang_after_12@train_step", JOBS_STALL_SECONDS=str(STALL_S))
     ft = service.submit(owner="t", spec_data=ft_spec(base_model, max_steps=20, checkpoint_steps=5))
-    wait_for(lambda: any(e.message.startswith("step 12/") for e in metric_events(ft["id"])), 180, "step 12",
-             procs=[victim])
+    wait_for(
+        lambda: any(e.message.startswith("step 12/") for e in metric_events(ft["id"])), 180, "step 12", procs=[victim]
+    )
     rescuer = spawn_worker([])
     event = assert_stalled_and_exited(victim, ft["id"], "in on_log")
     assert event.data["doing"].startswith("since the last training step")
@@ -305,16 +314,18 @@ def metric_events(job_id: str) -> list[JobEvent]:
         return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metric")))
 
 
-def test_out_of_memory_while_loading_is_a_failed_attempt_with_a_clear_event(tmp_path, jobs_env, spawn_worker,
-                                                                            tiny_model):
+def test_out_of_memory_while_loading_is_a_failed_attempt_with_a_clear_event(
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
     """A model load that runs out of memory fails the attempt with an event naming the model and the memory free;
     after its attempts the job fails with that reason, and the worker stays up for the next job."""
     worker = spawn_worker([], JOBS_TEST_FAULTS="oom@load")
     job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 4)))
     wait_for(lambda: job_state(job["id"]) == "failed", 120, "the job to fail", procs=[worker])
     messages = [e["message"] for e in views.events(job["id"], owner=None) if e["level"] == "error"]
-    assert any(f"out of memory loading {tiny_model} (on the CPU)" in m and "(attempt 1 of 3)" in m
-               for m in messages), messages
+    assert any(f"out of memory loading {tiny_model} (on the CPU)" in m and "(attempt 1 of 3)" in m for m in messages), (
+        messages
+    )
     assert "out of memory loading" in views.get(job["id"], owner=None)["error"]
     assert worker.alive()
 
@@ -329,8 +340,14 @@ def test_a_worker_whose_gpus_are_not_there_refuses_to_start_with_exit_6(tmp_path
 
     if {"0", "2"} <= set(detect_gpus()):
         pytest.skip("this host has GPUs 0 and 2")
-    result = subprocess.run([sys.executable, "-m", "api", "worker", "--gpus", "2,0"], env=jobs_env.env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "api", "worker", "--gpus", "2,0"],
+        env=jobs_env.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == exits.SLICE_MISSING, result.stderr
     assert "refusing to start (exit 6): the slice 2,0 asks for 2 GPU(s)" in result.stderr
     assert "--gpus naming GPUs that `nvidia-smi` lists" in result.stderr

@@ -22,8 +22,13 @@ def environ_of(pid: int) -> dict[str, str]:
 
 def start_jobs_worker(env: dict[str, str], gpus: str, log: Path) -> Proc:
     with open(log, "wb") as out:
-        popen = subprocess.Popen([sys.executable, "-m", "api", "worker", "--gpus", gpus], env=env, cwd=ROOT,
-                                 stdout=out, stderr=subprocess.STDOUT)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "api", "worker", "--gpus", gpus],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     return Proc(popen, log)
 
 
@@ -82,8 +87,14 @@ def test_contradicting_inherited_cuda_visible_devices_exits_5(tmp_path, jobs_env
     """An inherited CUDA_VISIBLE_DEVICES=1 with --gpus 0 is refused with exit code 5 and a message saying how to
     fix it; no worker starts."""
     env = dict(jobs_env.env, CUDA_VISIBLE_DEVICES="1")
-    result = subprocess.run([sys.executable, "-m", "api", "worker", "--gpus", "0"], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "api", "worker", "--gpus", "0"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 5
     assert "CUDA_VISIBLE_DEVICES='1'" in result.stderr and "unset CUDA_VISIBLE_DEVICES" in result.stderr
 

@@ -21,9 +21,17 @@ NAME = "sdpa_gqa"
 _registered = False
 
 
-def sdpa_gqa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def sdpa_gqa_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Same contract as transformers' `sdpa_attention_forward` (query/key/value as (batch, heads, seq, dim),
     output as (batch, seq, heads, dim)), with `enable_gqa=True` instead of `repeat_kv`."""
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
@@ -35,8 +43,15 @@ def sdpa_gqa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     gqa = query.shape[1] != key.shape[1]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
-        enable_gqa=gqa)
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
+        enable_gqa=gqa,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -17,8 +17,19 @@ from typing import Any
 
 from core.slices import NVLINK_MULTICAST_OFF
 
-PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "torchao", "flash-attn", "kernels",
-            "liger-kernel", "triton", "deepspeed")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "torchao",
+    "flash-attn",
+    "kernels",
+    "liger-kernel",
+    "triton",
+    "deepspeed",
+)
 
 
 @cache
@@ -41,13 +52,15 @@ def gpus() -> list[dict[str, Any]]:
     found = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        found.append({
-            "index": i,
-            "name": p.name,
-            "uuid": f"GPU-{p.uuid}" if getattr(p, "uuid", None) else None,
-            "memory_bytes": p.total_memory,
-            "compute_capability": f"{p.major}.{p.minor}",
-        })
+        found.append(
+            {
+                "index": i,
+                "name": p.name,
+                "uuid": f"GPU-{p.uuid}" if getattr(p, "uuid", None) else None,
+                "memory_bytes": p.total_memory,
+                "compute_capability": f"{p.major}.{p.minor}",
+            }
+        )
     return found
 
 
@@ -83,15 +96,21 @@ def slice_problem(devices: list[str]) -> str | None:
     import torch
 
     wanted = ",".join(devices)
-    fix = ("start it with --gpus naming GPUs that `nvidia-smi` lists on this host (indices or UUIDs), or --gpus "
-           "none for a CPU worker")
+    fix = (
+        "start it with --gpus naming GPUs that `nvidia-smi` lists on this host (indices or UUIDs), or --gpus "
+        "none for a CPU worker"
+    )
     if not torch.cuda.is_available():
-        return (f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA is not available in this process (no "
-                f"NVIDIA driver or GPU here, or none of those GPUs exists): {fix}")
+        return (
+            f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA is not available in this process (no "
+            f"NVIDIA driver or GPU here, or none of those GPUs exists): {fix}"
+        )
     seen = torch.cuda.device_count()
     if seen < len(devices):
-        return (f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA sees {seen} of them (a GPU of the "
-                f"slice does not exist on this host, and CUDA hides it and every one after it): {fix}")
+        return (
+            f"the slice {wanted} asks for {len(devices)} GPU(s) but CUDA sees {seen} of them (a GPU of the "
+            f"slice does not exist on this host, and CUDA hides it and every one after it): {fix}"
+        )
     return None
 
 
@@ -102,8 +121,12 @@ def hub_settings() -> dict[str, Any]:
 
     settings = get_settings()
     value, source = hub.token()
-    return {"offline": settings.hub_offline, "endpoint": hub.endpoint(), "cache": str(settings.hub_cache),
-            "token": source if value else None}
+    return {
+        "offline": settings.hub_offline,
+        "endpoint": hub.endpoint(),
+        "cache": str(settings.hub_cache),
+        "token": source if value else None,
+    }
 
 
 def causal_lm_types() -> list[str]:
@@ -118,7 +141,11 @@ def causal_lm_types() -> list[str]:
 def attention_backends(devices: list[dict[str, Any]]) -> list[str]:
     """Backends this process could load. flash-attn needs its package and an Ampere+ GPU."""
     backends = ["sdpa", "eager", "flex_attention"]
-    if devices and importlib.util.find_spec("flash_attn") and min(float(d["compute_capability"]) for d in devices) >= 8.0:
+    if (
+        devices
+        and importlib.util.find_spec("flash_attn")
+        and min(float(d["compute_capability"]) for d in devices) >= 8.0
+    ):
         backends.append("flash_attention_2")
     return backends
 
@@ -126,8 +153,11 @@ def attention_backends(devices: list[dict[str, Any]]) -> list[str]:
 def varlen_attention(devices: list[dict[str, Any]]) -> bool:
     """Can packed fine-tunes use torch's flash-attention varlen kernel here (`packed_attention: varlen`)? It needs
     torch.nn.attention.varlen (torch 2.10+) and an Ampere or newer GPU. finetune() checks its numbers on first use."""
-    return bool(devices and importlib.util.find_spec("torch.nn.attention.varlen")
-                and min(float(d["compute_capability"]) for d in devices) >= 8.0)
+    return bool(
+        devices
+        and importlib.util.find_spec("torch.nn.attention.varlen")
+        and min(float(d["compute_capability"]) for d in devices) >= 8.0
+    )
 
 
 def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,15 +179,19 @@ def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
         if out.shape != (2, 64) or not torch.isfinite(out).all():
             raise RuntimeError("4-bit matmul gave a wrong result")
     except Exception as exc:  # noqa: BLE001  any failure means: no QLoRA here, and why
-        return {"ok": False, "reason": f"bitsandbytes 4-bit does not run on this worker's {device}: "
-                                       f"{type(exc).__name__}: {exc}"}
+        return {
+            "ok": False,
+            "reason": f"bitsandbytes 4-bit does not run on this worker's {device}: {type(exc).__name__}: {exc}",
+        }
     return {"ok": True, "reason": None, "device": device}
 
 
 # the child of probe_flex_isolated: the lowest CPU priority first (the compiler it starts inherits it, and a
 # job never competes with it), then one JSON line on stdout
-FLEX_CHILD = ("import json, os; os.nice(19); from worker import capabilities as c; "
-              "print(json.dumps(c.probe_flex(c.gpus())), flush=True)")
+FLEX_CHILD = (
+    "import json, os; os.nice(19); from worker import capabilities as c; "
+    "print(json.dumps(c.probe_flex(c.gpus())), flush=True)"
+)
 FLEX_PENDING = {"ok": None, "reason": "the probe runs just after the worker starts"}
 
 
@@ -196,8 +230,12 @@ def probe_flex(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ok": True, "reason": None, "device": device}
 
 
-def probe_flex_isolated(devices: list[dict[str, Any]], *, started: Callable[[subprocess.Popen], None] = lambda p: None,
-                        timeout: float = 900.0) -> dict[str, Any]:
+def probe_flex_isolated(
+    devices: list[dict[str, Any]],
+    *,
+    started: Callable[[subprocess.Popen], None] = lambda p: None,
+    timeout: float = 900.0,
+) -> dict[str, Any]:
     """`probe_flex` in a child process at the lowest CPU priority (FLEX_CHILD).
 
     Not in the worker's own interpreter: the compile leaves threads that abort the interpreter at exit
@@ -207,8 +245,13 @@ def probe_flex_isolated(devices: list[dict[str, Any]], *, started: Callable[[sub
     marker = _flex_marker("cuda" if devices else "cpu", devices)
     if marker is not None and marker.is_file():
         return {"ok": True, "reason": None, "device": "cuda" if devices else "cpu", "remembered": True}
-    proc = subprocess.Popen([sys.executable, "-c", FLEX_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLEX_CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     started(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -229,7 +272,13 @@ def _flex_marker(device: str, devices: list[dict[str, Any]]) -> Path | None:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
     except ImportError:
         return None
-    key = json.dumps([versions().get("torch"), versions().get("triton"), device,
-                      [d.get("name") for d in devices], os.environ.get("CXX")])
+    key = json.dumps(
+        [
+            versions().get("torch"),
+            versions().get("triton"),
+            device,
+            [d.get("name") for d in devices],
+            os.environ.get("CXX"),
+        ]
+    )
     return Path(cache_dir()) / "gpujobs-probes" / f"flex-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-

@@ -65,14 +65,17 @@ TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exit
 
 def strategy_for(spec: FinetuneSpec, gpus: int) -> tuple[str, int]:
     """(strategy, processes) for this worker's slice; InvalidInput (the job fails, no retry) when it cannot run."""
-    strategy, world = plan(spec.strategy, spec.nproc, gpus=gpus, device_map=spec.device_map,
-                           quantized=spec.quantization is not None)
+    strategy, world = plan(
+        spec.strategy, spec.nproc, gpus=gpus, device_map=spec.device_map, quantized=spec.quantization is not None
+    )
     if strategy.startswith("deepspeed"):
         import importlib.util
 
         if importlib.util.find_spec("deepspeed") is None:
-            raise InvalidInput(f"strategy {strategy} needs the deepspeed package on the worker (pip install "
-                               "deepspeed), and it is missing: use ddp or fsdp2")
+            raise InvalidInput(
+                f"strategy {strategy} needs the deepspeed package on the worker (pip install "
+                "deepspeed), and it is missing: use ddp or fsdp2"
+            )
     return strategy, world
 
 
@@ -94,8 +97,17 @@ def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def launch_command(nproc: int, module: str, *args: str) -> list[str]:
     """torchrun for one host (`--standalone`: its own rendezvous on a free local port), no restarts."""
-    return [sys.executable, "-m", "worker.distributed", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "-m", module, *args]
+    return [
+        sys.executable,
+        "-m",
+        "worker.distributed",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        module,
+        *args,
+    ]
 
 
 def die_with_parent(sig: int) -> None:
@@ -115,9 +127,15 @@ def die_with_parent(sig: int) -> None:
 # --- the parent: launch, watch, end -------------------------------------------------------------------------------
 
 
-def launch(nproc: int, module: str, run_dir: Path, *, should_stop: Callable[[], bool] = lambda: False,
-           on_record: Callable[[dict[str, Any]], None] = lambda record: None,
-           env: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+def launch(
+    nproc: int,
+    module: str,
+    run_dir: Path,
+    *,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_record: Callable[[dict[str, Any]], None] = lambda record: None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any] | None:
     """Run `module RUN_DIR` on `nproc` processes and wait; return rank 0's result.json (None: stopped before one).
 
     Each line rank 0 appends to progress.jsonl goes to `on_record` as it comes. Raises ChildFailed (or InvalidInput,
@@ -125,8 +143,15 @@ def launch(nproc: int, module: str, run_dir: Path, *, should_stop: Callable[[], 
     """
     log_path = run_dir / "children.log"
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(launch_command(nproc, module, str(run_dir)), env=child_env(env), cwd=ROOT,
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            launch_command(nproc, module, str(run_dir)),
+            env=child_env(env),
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     log.info("launched %d processes (torchrun pid %d) for %s", nproc, proc.pid, run_dir)
     try:
         stopped = _watch(proc, run_dir, should_stop, on_record)
@@ -140,8 +165,9 @@ def launch(nproc: int, module: str, run_dir: Path, *, should_stop: Callable[[], 
     raise _failure(run_dir, proc.returncode)
 
 
-def _watch(proc: subprocess.Popen, run_dir: Path, should_stop: Callable[[], bool],
-           on_record: Callable[[dict[str, Any]], None]) -> bool:
+def _watch(
+    proc: subprocess.Popen, run_dir: Path, should_stop: Callable[[], bool], on_record: Callable[[dict[str, Any]], None]
+) -> bool:
     """Forward progress until torchrun exits; create `stop` when asked. True when a stop was asked."""
     offset, stop_at = 0, None
     while proc.poll() is None:
@@ -150,8 +176,9 @@ def _watch(proc: subprocess.Popen, run_dir: Path, should_stop: Callable[[], bool
             (run_dir / "stop").touch()
             stop_at = time.monotonic()
         elif stop_at is not None and time.monotonic() - stop_at > STOP_GRACE_S:
-            log.warning("the processes of %s did not stop within %.0f s of the request: ending them", run_dir,
-                        STOP_GRACE_S)
+            log.warning(
+                "the processes of %s did not stop within %.0f s of the request: ending them", run_dir, STOP_GRACE_S
+            )
             break
         time.sleep(POLL_S)
     _forward(run_dir / "progress.jsonl", offset, on_record)
@@ -195,29 +222,46 @@ def _failure(run_dir: Path, returncode: int | None) -> Exception:
     output = (run_dir / "children.log").read_text(errors="replace")
     tail = "\n".join(output.splitlines()[-30:])
     errors = {e["rank"]: e for e in (json.loads(p.read_text()) for p in run_dir.glob("error-rank*.json"))}
-    killed = [(int(rank), int(code)) for rank, code in TORCHRUN_FAILURE.findall(output)
-              if int(code) < 0 and int(code) != -signal.SIGTERM and int(rank) not in errors]
+    killed = [
+        (int(rank), int(code))
+        for rank, code in TORCHRUN_FAILURE.findall(output)
+        if int(code) < 0 and int(code) != -signal.SIGTERM and int(rank) not in errors
+    ]
     if killed:
         rank, code = killed[0]
-        return ChildFailed(f"{tail}\ndistributed run failed: rank {rank} was killed by "
-                           f"{signal.Signals(-code).name} (out of host memory? see dmesg); its peers then failed; "
-                           f"output in {run_dir / 'children.log'}")
+        return ChildFailed(
+            f"{tail}\ndistributed run failed: rank {rank} was killed by "
+            f"{signal.Signals(-code).name} (out of host memory? see dmesg); its peers then failed; "
+            f"output in {run_dir / 'children.log'}"
+        )
     if errors:
         first = min(errors.values(), key=lambda e: e["time"])
         if first["invalid_input"]:
             return InvalidInput(first["message"])
-        return ChildFailed(f"{first['traceback'].rstrip()}\ndistributed run failed: rank {first['rank']} failed "
-                           f"first: {first['type']}: {first['message']}")
-    return ChildFailed(f"{tail}\ndistributed run failed: torchrun exited with status {returncode} and no rank "
-                       f"recorded an error; output in {run_dir / 'children.log'}")
+        return ChildFailed(
+            f"{first['traceback'].rstrip()}\ndistributed run failed: rank {first['rank']} failed "
+            f"first: {first['type']}: {first['message']}"
+        )
+    return ChildFailed(
+        f"{tail}\ndistributed run failed: torchrun exited with status {returncode} and no rank "
+        f"recorded an error; output in {run_dir / 'children.log'}"
+    )
 
 
 # --- the fine-tune ------------------------------------------------------------------------------------------------
 
 
-def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[str, Any]]], workdir: Path, *,
-             gpus: int = 0, should_stop: Callable[[], bool] = lambda: False,
-             on_log: Callable[[dict[str, Any]], None] = lambda record: None, progress: Progress | None = None):
+def finetune(
+    base: LoadOptions,
+    spec: FinetuneSpec,
+    rows: list[tuple[int, dict[str, Any]]],
+    workdir: Path,
+    *,
+    gpus: int = 0,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_log: Callable[[dict[str, Any]], None] = lambda record: None,
+    progress: Progress | None = None,
+):
     """`worker.finetune.finetune`, in this process or over the slice as the spec's strategy says. `progress` gets
     each step (in this process, or rank 0's as it reports them) for the stall watchdog."""
     from worker import finetune as single  # not at the top: `python -m worker.distributed` needs no fine-tune code
@@ -225,16 +269,25 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     progress = Progress() if progress is None else progress
     strategy, world = strategy_for(spec, gpus)
     if strategy == "single":
-        result = single.finetune(base, spec, rows, workdir, gpus=gpus, should_stop=should_stop, on_log=on_log,
-                                 progress=progress)
+        result = single.finetune(
+            base, spec, rows, workdir, gpus=gpus, should_stop=should_stop, on_log=on_log, progress=progress
+        )
         result.metrics.update(strategy="single", processes=1)
         return result
     run_dir = Path(workdir) / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    (run_dir / "request.json").write_text(json.dumps({
-        "base": base.model_dump(mode="json"), "spec": spec.model_dump(mode="json"), "rows": rows,
-        "workdir": str(Path(workdir).resolve()), "strategy": strategy}))
+    (run_dir / "request.json").write_text(
+        json.dumps(
+            {
+                "base": base.model_dump(mode="json"),
+                "spec": spec.model_dump(mode="json"),
+                "rows": rows,
+                "workdir": str(Path(workdir).resolve()),
+                "strategy": strategy,
+            }
+        )
+    )
     t0, last = time.perf_counter(), {}
 
     def forward(record: dict[str, Any]) -> None:
@@ -254,11 +307,15 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     done = launch(world, "worker.finetune_dist", run_dir, should_stop=should_stop, on_record=forward)
     progress.end()
     if done is None:  # stopped before rank 0 wrote a result: the last complete checkpoint is where to resume
-        return single.FinetuneResult(Path(workdir) / "adapter", {"steps": last.get("step"), "strategy": strategy,
-                                                                 "processes": world, "load": None}, stopped=True)
+        return single.FinetuneResult(
+            Path(workdir) / "adapter",
+            {"steps": last.get("step"), "strategy": strategy, "processes": world, "load": None},
+            stopped=True,
+        )
     done["metrics"].update(strategy=strategy, processes=world, launch_seconds=round(time.perf_counter() - t0, 3))
-    return single.FinetuneResult(Path(done["adapter_dir"]), done["metrics"], done["resumed_from"], done["stopped"],
-                                 done["lora_config"])
+    return single.FinetuneResult(
+        Path(done["adapter_dir"]), done["metrics"], done["resumed_from"], done["stopped"], done["lora_config"]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

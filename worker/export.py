@@ -17,8 +17,9 @@ def export_merged(base: str | Path, adapter: str | Path, out: str | Path, *, rev
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), revision=revision, dtype=torch.float32,
-                                                 local_files_only=True, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base), revision=revision, dtype=torch.float32, local_files_only=True, use_safetensors=True
+    )
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

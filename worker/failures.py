@@ -14,12 +14,24 @@ from core.leases import RowResult
 
 # torch.compile's errors (Dynamo, Inductor, the C++/Triton compilers it runs): the same code on the same worker
 # fails to compile the same way again
-COMPILE_ERRORS = ("BackendCompilerFailed", "InductorError", "CppCompileError", "InvalidCxxCompiler",
-                  "CUDACompileError", "LoweringException")
+COMPILE_ERRORS = (
+    "BackendCompilerFailed",
+    "InductorError",
+    "CppCompileError",
+    "InvalidCxxCompiler",
+    "CUDACompileError",
+    "LoweringException",
+)
 # a parameter or a value the code refuses: the same input is refused again
 BAD_VALUE_ERRORS = (ValueError, TypeError, NotImplementedError)
-NOISE = ("Set TORCHDYNAMO_VERBOSE", "You can suppress this exception", "For even more developer context",
-         "Traceback", "Command:", "Output:")
+NOISE = (
+    "Set TORCHDYNAMO_VERBOSE",
+    "You can suppress this exception",
+    "For even more developer context",
+    "Traceback",
+    "Command:",
+    "Output:",
+)
 COMPILER_ERROR = re.compile(r"\b(fatal )?error:", re.IGNORECASE)  # `x.cpp:1:10: fatal error: Python.h: No such file`
 MAX_CAUSE = 400  # characters of the one-line cause
 
@@ -67,4 +79,4 @@ def _message(exc: BaseException) -> str:
 
 def _one_line(text: Any) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= MAX_CAUSE else text[:MAX_CAUSE - 1] + "…"
+    return text if len(text) <= MAX_CAUSE else text[: MAX_CAUSE - 1] + "…"

@@ -92,6 +92,10 @@ def _hang(fault: str, after: int) -> None:
     _hits[fault] += 1
     if _hits[fault] <= after:
         return
-    log.warning("JOBS_TEST_FAULTS %s: hit %d, blocking this thread (%s) forever", fault, _hits[fault],
-                threading.current_thread().name)
+    log.warning(
+        "JOBS_TEST_FAULTS %s: hit %d, blocking this thread (%s) forever",
+        fault,
+        _hits[fault],
+        threading.current_thread().name,
+    )
     threading.Event().wait()

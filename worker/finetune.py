@@ -104,12 +104,20 @@ def latest_checkpoint(checkpoints: Path) -> Path | None:
 def _memory(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}
-    return {"gpu_memory_bytes": int(torch.cuda.memory_allocated(device)),
-            "gpu_peak_memory_bytes": int(torch.cuda.max_memory_allocated(device))}
+    return {
+        "gpu_memory_bytes": int(torch.cuda.memory_allocated(device)),
+        "gpu_peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)),
+    }
 
 
-def _callback(*, should_stop: Callable[[], bool], on_log: Callable[[dict[str, Any]], None], device: torch.device,
-              tokens_per_step: float, progress: Progress):
+def _callback(
+    *,
+    should_stop: Callable[[], bool],
+    on_log: Callable[[dict[str, Any]], None],
+    device: torch.device,
+    tokens_per_step: float,
+    progress: Progress,
+):
     from transformers import TrainerCallback
 
     class Reporter(TrainerCallback):
@@ -137,8 +145,12 @@ def _callback(*, should_stop: Callable[[], bool], on_log: Callable[[dict[str, An
             logs = dict(logs or {})
             t = time.perf_counter()
             steps = state.global_step - (self.step_last or 0)
-            record = {"step": state.global_step, "max_steps": state.max_steps,
-                      "epoch": round(state.epoch or 0.0, 4), **_memory(device)}
+            record = {
+                "step": state.global_step,
+                "max_steps": state.max_steps,
+                "epoch": round(state.epoch or 0.0, 4),
+                **_memory(device),
+            }
             for key in ("loss", "learning_rate", "grad_norm", "eval_loss", "train_loss"):
                 if key in logs:
                     record[key] = float(logs[key])
@@ -181,10 +193,19 @@ def save_adapter(trainer, model, tok, adapter_dir: Path) -> None:
         tok.save_pretrained(adapter_dir)
 
 
-def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[str, Any]]], workdir: Path, *,
-             gpus: int = 0, should_stop: Callable[[], bool] = lambda: False,
-             on_log: Callable[[dict[str, Any]], None] = lambda record: None,
-             resume: bool = True, strategy: str = "single", progress: Progress | None = None) -> FinetuneResult:
+def finetune(
+    base: LoadOptions,
+    spec: FinetuneSpec,
+    rows: list[tuple[int, dict[str, Any]]],
+    workdir: Path,
+    *,
+    gpus: int = 0,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_log: Callable[[dict[str, Any]], None] = lambda record: None,
+    resume: bool = True,
+    strategy: str = "single",
+    progress: Progress | None = None,
+) -> FinetuneResult:
     """Train a LoRA adapter on `rows` ((line, row) pairs) and save it under `workdir/adapter`.
 
     Checkpoints go to `workdir/checkpoints`; with `resume`, the newest complete one is picked up. Raises
@@ -211,8 +232,10 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         examples, valid = pack(examples, spec.max_seq_length, pad), pack(valid, spec.max_seq_length, pad)
         if not examples:
-            raise InvalidInput("no training row has a token to learn after its first one (a row's first token is "
-                               "never a target): give rows longer completions")
+            raise InvalidInput(
+                "no training row has a token to learn after its first one (a row's first token is "
+                "never a target): give rows longer completions"
+            )
     model = wrap_lora(loaded.model, spec)
     trainable, total = model.get_nb_trainable_parameters()
     mixed = precision(device)
@@ -223,33 +246,65 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     tokens_per_step = real_tokens / len(examples) * spec.batch_size * spec.gradient_accumulation
     eval_every = spec.checkpoint_steps if valid else None
     args = TrainingArguments(
-        output_dir=str(checkpoints), per_device_train_batch_size=spec.batch_size,
-        per_device_eval_batch_size=spec.batch_size, gradient_accumulation_steps=spec.gradient_accumulation,
-        learning_rate=spec.learning_rate, lr_scheduler_type=spec.lr_scheduler, warmup_steps=spec.warmup_steps,
-        num_train_epochs=spec.epochs, max_steps=spec.max_steps or -1, seed=spec.seed, data_seed=spec.seed,
-        bf16=mixed == "bf16", fp16=mixed == "fp16", use_cpu=device.type == "cpu",
+        output_dir=str(checkpoints),
+        per_device_train_batch_size=spec.batch_size,
+        per_device_eval_batch_size=spec.batch_size,
+        gradient_accumulation_steps=spec.gradient_accumulation,
+        learning_rate=spec.learning_rate,
+        lr_scheduler_type=spec.lr_scheduler,
+        warmup_steps=spec.warmup_steps,
+        num_train_epochs=spec.epochs,
+        max_steps=spec.max_steps or -1,
+        seed=spec.seed,
+        data_seed=spec.seed,
+        bf16=mixed == "bf16",
+        fp16=mixed == "fp16",
+        use_cpu=device.type == "cpu",
         gradient_checkpointing=spec.gradient_checkpointing and spec.quantization is None,
-        logging_steps=1, save_strategy="steps", save_steps=spec.checkpoint_steps,
-        eval_strategy="steps" if valid else "no", eval_steps=eval_every,
-        report_to="none", disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
-        weight_decay=0.0, prediction_loss_only=True, **fast_args(strategy, device),
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=spec.checkpoint_steps,
+        eval_strategy="steps" if valid else "no",
+        eval_steps=eval_every,
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
+        weight_decay=0.0,
+        prediction_loss_only=True,
+        **fast_args(strategy, device),
         **training_args(strategy, device.type),
     )
     tokens_per_step *= args.world_size  # every process trains on its own batches
-    reporter = _callback(should_stop=should_stop, on_log=on_log, device=device, tokens_per_step=tokens_per_step,
-                         progress=progress)
+    reporter = _callback(
+        should_stop=should_stop, on_log=on_log, device=device, tokens_per_step=tokens_per_step, progress=progress
+    )
     collate = packed_collate(speed.packed_attention == "varlen") if spec.packing else padded_collate(tok.pad_token_id)
     trainer = (lean_trainer(speed) if speed.loss != "model" else Trainer)(
-        model=model, args=args, train_dataset=ExampleDataset(examples),
-        eval_dataset=ExampleDataset(valid) if valid else None, data_collator=collate, callbacks=[reporter])
+        model=model,
+        args=args,
+        train_dataset=ExampleDataset(examples),
+        eval_dataset=ExampleDataset(valid) if valid else None,
+        data_collator=collate,
+        callbacks=[reporter],
+    )
     if strategy == "fsdp2" and not trainer.is_fsdp_enabled:  # never a quiet fallback to plain data parallel
         raise InvalidInput("strategy fsdp2 did not enable FSDP in this process (accelerate shards only on GPUs)")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     first = collate([ExampleDataset(examples)[i] for i in range(min(spec.batch_size, len(examples)))])
     compile_s = compile_model(speed, spec, trainer, model, first, device, progress)
-    log.info("%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s", spec.model,
-             len(examples), len(valid), trainable, total, mixed, resume_from, speed_record(speed, compile_s))
+    log.info(
+        "%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s",
+        spec.model,
+        len(examples),
+        len(valid),
+        trainable,
+        total,
+        mixed,
+        resume_from,
+        speed_record(speed, compile_s),
+    )
     t0 = time.perf_counter()
     output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     seconds = time.perf_counter() - t0
@@ -258,14 +313,27 @@ def finetune(base: LoadOptions, spec: FinetuneSpec, rows: list[tuple[int, dict[s
     trained_steps = steps - (resumed_step or 0)
     stopped = should_stop() or (trainer.state.max_steps and steps < trainer.state.max_steps)
     metrics = {
-        "steps": steps, "max_steps": trainer.state.max_steps, "epoch": round(trainer.state.epoch or 0.0, 4),
+        "steps": steps,
+        "max_steps": trainer.state.max_steps,
+        "epoch": round(trainer.state.epoch or 0.0, 4),
         "train_loss": round(float(output.training_loss), 6) if not math.isnan(output.training_loss) else None,
-        "final_loss": _last(trainer, "loss"), "eval_loss": _last(trainer, "eval_loss"),
-        "train_seconds": round(seconds, 3), "examples": len(examples), "validation_examples": len(valid),
-        "truncated_rows": truncated, "trainable_parameters": trainable, "parameters": total,
-        "precision": mixed, "device": str(device), "load": loaded.resolved, "packing": spec.packing,
-        "speed": {**speed_record(speed, compile_s), "tokens_per_step": round(tokens_per_step, 1),
-                  **({"fill": round(real_tokens / (len(examples) * spec.max_seq_length), 4)} if spec.packing else {})},
+        "final_loss": _last(trainer, "loss"),
+        "eval_loss": _last(trainer, "eval_loss"),
+        "train_seconds": round(seconds, 3),
+        "examples": len(examples),
+        "validation_examples": len(valid),
+        "truncated_rows": truncated,
+        "trainable_parameters": trainable,
+        "parameters": total,
+        "precision": mixed,
+        "device": str(device),
+        "load": loaded.resolved,
+        "packing": spec.packing,
+        "speed": {
+            **speed_record(speed, compile_s),
+            "tokens_per_step": round(tokens_per_step, 1),
+            **({"fill": round(real_tokens / (len(examples) * spec.max_seq_length), 4)} if spec.packing else {}),
+        },
         "train_tokens_per_s": round(trained_steps * tokens_per_step / seconds, 1) if seconds > 0 else None,
         **({"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device))} if device.type == "cuda" else {}),
     }

@@ -52,17 +52,19 @@ def tokenize_row(tok, row: dict[str, Any]) -> Example:
         prompt, completion = _encode(tok, row["prompt"]), _encode(tok, row["completion"]) + eos
         return Example(prompt + completion, [IGNORE] * len(prompt) + completion)
     if not getattr(tok, "chat_template", None):
-        raise InvalidInput("the dataset has chat `messages` rows but the model's tokenizer has no chat template: "
-                           "use prompt/completion rows, or a model whose tokenizer_config.json has one")
+        raise InvalidInput(
+            "the dataset has chat `messages` rows but the model's tokenizer has no chat template: "
+            "use prompt/completion rows, or a model whose tokenizer_config.json has one"
+        )
     # Turn by turn: an assistant turn's tokens are what follows the generation prompt of the turns before it.
     messages, ids, labels, done = row["messages"], [], [], ""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             head = _chat_text(tok, messages[:i], generation_prompt=True)
-            part = _encode(tok, head[len(done):])
+            part = _encode(tok, head[len(done) :])
             ids, labels, done = ids + part, labels + [IGNORE] * len(part), head
         text = _chat_text(tok, messages[: i + 1])
-        part = _encode(tok, text[len(done):])
+        part = _encode(tok, text[len(done) :])
         ids += part
         labels += part if message["role"] == "assistant" else [IGNORE] * len(part)
         done = text
@@ -86,11 +88,15 @@ def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSp
     if too_long and spec.truncation == "refuse":
         shown = ", ".join(f"line {line} ({n} tokens)" for line, n in too_long[:5])
         more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
-        raise InvalidInput(f"{len(too_long)} row(s) are longer than max_seq_length={spec.max_seq_length} tokens: "
-                           f"{shown}{more}. Raise max_seq_length, shorten the rows, or set truncation: truncate")
+        raise InvalidInput(
+            f"{len(too_long)} row(s) are longer than max_seq_length={spec.max_seq_length} tokens: "
+            f"{shown}{more}. Raise max_seq_length, shorten the rows, or set truncation: truncate"
+        )
     if not examples:
-        raise InvalidInput("no training row has a token to learn (every completion/assistant turn was empty or cut "
-                           "off by max_seq_length)")
+        raise InvalidInput(
+            "no training row has a token to learn (every completion/assistant turn was empty or cut "
+            "off by max_seq_length)"
+        )
     return examples, len(too_long)
 
 
@@ -106,9 +112,9 @@ def pack(examples: list[Example], length: int, pad_id: int = 0) -> list[Example]
     pieces = []
     for ex in examples:
         for i in range(0, len(ex.input_ids), length):
-            labels = [IGNORE] + ex.labels[i + 1:i + length]
+            labels = [IGNORE] + ex.labels[i + 1 : i + length]
             if any(label != IGNORE for label in labels):
-                pieces.append((ex.input_ids[i:i + length], labels))
+                pieces.append((ex.input_ids[i : i + length], labels))
     blocks: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, block index), sorted: the first with room >= n is the best fit
     for i in sorted(range(len(pieces)), key=lambda j: -len(pieces[j][0])):
@@ -159,24 +165,30 @@ def padded_collate(pad_id: int):
         labels[:, 0] = IGNORE  # never a target (nothing precedes it); so every way of counting targets agrees
         return {  # right padding: positions start at 0, as after left padding in generation
             "input_ids": torch.tensor([b["input_ids"] + [pad_id] * (width - len(b["input_ids"])) for b in batch]),
-            "attention_mask": torch.tensor([[1] * len(b["input_ids"]) + [0] * (width - len(b["input_ids"]))
-                                            for b in batch]),
+            "attention_mask": torch.tensor(
+                [[1] * len(b["input_ids"]) + [0] * (width - len(b["input_ids"])) for b in batch]
+            ),
             "labels": labels,
         }
+
     return collate
 
 
 def packed_collate(varlen: bool):
     """Packed blocks (all the same length): no attention_mask, per-row position_ids; with `varlen`, the rows'
     cumulative lengths over the flattened batch for the packed_varlen attention (worker/packed_attention.py)."""
+
     def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
-        out = {"input_ids": torch.tensor([b["input_ids"] for b in batch]),
-               "position_ids": torch.tensor([b["position_ids"] for b in batch]),
-               "labels": torch.tensor([b["labels"] for b in batch])}
+        out = {
+            "input_ids": torch.tensor([b["input_ids"] for b in batch]),
+            "position_ids": torch.tensor([b["position_ids"] for b in batch]),
+            "labels": torch.tensor([b["labels"] for b in batch]),
+        }
         if varlen:  # keys only need cu_seq_lens_q (no _k: one tensor less for a compiled layer to guard on)
             cu = torch.tensor([0] + [n for b in batch for n in b["segments"]]).cumsum(0).to(torch.int32)
             out.update(cu_seq_lens_q=cu, max_length_q=out["input_ids"].shape[1])
         return out
+
     return collate
 
 

@@ -54,6 +54,7 @@ def progress_writer(path: Path, world: int) -> Callable[[dict[str, Any]], None]:
     def write(record: dict[str, Any]) -> None:
         with open(path, "a") as f:  # one complete line per write: the parent reads only whole lines
             f.write(json.dumps({**record, "rank": 0, "world_size": world}) + "\n")
+
     return write
 
 
@@ -95,13 +96,23 @@ def train(run_dir: Path, rank: int, local_rank: int, world: int) -> dict[str, An
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     write = progress_writer(run_dir / "progress.jsonl", world)
     result = finetune.finetune(
-        LoadOptions.model_validate(request["base"]), FinetuneSpec.model_validate(request["spec"]),
-        [(line, row) for line, row in request["rows"]], Path(request["workdir"]), gpus=1 if on_gpu else 0,
+        LoadOptions.model_validate(request["base"]),
+        FinetuneSpec.model_validate(request["spec"]),
+        [(line, row) for line, row in request["rows"]],
+        Path(request["workdir"]),
+        gpus=1 if on_gpu else 0,
         should_stop=synced_stop(run_dir / "stop", device, rank),
-        on_log=write if rank == 0 else lambda record: None, strategy=request["strategy"],
-        progress=RankProgress(write) if rank == 0 else Progress())
-    return {"adapter_dir": str(result.adapter_dir), "metrics": result.metrics, "resumed_from": result.resumed_from,
-            "stopped": result.stopped, "lora_config": result.lora_config}
+        on_log=write if rank == 0 else lambda record: None,
+        strategy=request["strategy"],
+        progress=RankProgress(write) if rank == 0 else Progress(),
+    )
+    return {
+        "adapter_dir": str(result.adapter_dir),
+        "metrics": result.metrics,
+        "resumed_from": result.resumed_from,
+        "stopped": result.stopped,
+        "lora_config": result.lora_config,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,9 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = train(run_dir, rank, local_rank, world)
     except BaseException as exc:
-        write_json(run_dir / f"error-rank{rank}.json", {
-            "rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
-            "invalid_input": isinstance(exc, InvalidInput), "traceback": traceback.format_exc()})
+        write_json(
+            run_dir / f"error-rank{rank}.json",
+            {
+                "rank": rank,
+                "time": time.time(),
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "invalid_input": isinstance(exc, InvalidInput),
+                "traceback": traceback.format_exc(),
+            },
+        )
         raise
     if rank == 0:
         write_json(run_dir / "result.json", result)

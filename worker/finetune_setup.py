@@ -53,8 +53,11 @@ def linear_module_names(model) -> set[str]:
     """Last name parts of the model's Linear-like layers (4-bit bitsandbytes layers included), lm_head excluded."""
     names = set()
     for name, module in model.named_modules():
-        if name and "lm_head" not in name and (isinstance(module, torch.nn.Linear)
-                                              or type(module).__name__ in ("Linear4bit", "Linear8bitLt")):
+        if (
+            name
+            and "lm_head" not in name
+            and (isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"))
+        ):
             names.add(name.rsplit(".", 1)[-1])
     return names
 
@@ -65,8 +68,10 @@ def check_target_modules(model, spec: FinetuneSpec) -> None:
     if spec.target_modules != "all-linear":
         missing = [m for m in spec.target_modules if m not in leaf_names]
         if missing:
-            raise InvalidInput(f"target_modules {missing} do not exist in {spec.model}: its linear layers are "
-                               f"{sorted(linear_module_names(model))} (or use 'all-linear')")
+            raise InvalidInput(
+                f"target_modules {missing} do not exist in {spec.model}: its linear layers are "
+                f"{sorted(linear_module_names(model))} (or use 'all-linear')"
+            )
     missing = [m for m in spec.modules_to_save or [] if m not in leaf_names]
     if missing:
         raise InvalidInput(f"modules_to_save {missing} do not exist in {spec.model}; e.g. embed_tokens or lm_head")
@@ -75,8 +80,14 @@ def check_target_modules(model, spec: FinetuneSpec) -> None:
 def lora_config(spec: FinetuneSpec):
     from peft import LoraConfig
 
-    return LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                      target_modules=spec.target_modules, modules_to_save=spec.modules_to_save, task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=spec.lora_r,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=spec.target_modules,
+        modules_to_save=spec.modules_to_save,
+        task_type="CAUSAL_LM",
+    )
 
 
 def load_base(opts: LoadOptions, gpus: int):
@@ -108,6 +119,7 @@ def wrap_lora(model, spec: FinetuneSpec):
 @dataclass
 class Speed:
     """The speed levers a fine-tune runs with, resolved from the spec's auto/on/off; recorded in its metrics."""
+
     loss: str = "model"  # chunked | liger: from the hidden states, logits never held; model: the model's own loss
     packed_attention: str | None = None  # varlen | mask (packed rows only)
     compile: bool = False
@@ -124,16 +136,18 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
     speed = Speed()
     if strategy != "single":
         if spec.liger == "on" or spec.compile == "on":
-            raise InvalidInput(f"liger=on and compile=on run with strategy single only (this job runs {strategy}): "
-                               "use auto or off")
+            raise InvalidInput(
+                f"liger=on and compile=on run with strategy single only (this job runs {strategy}): use auto or off"
+            )
         speed.notes.append(f"strategy {strategy}: the model's own loss, not compiled")
     else:
         speed.loss = _choose_loss(spec, device, model, speed.notes)
     if spec.packing:
         speed.packed_attention = _choose_attention(spec, device, model, speed.notes)
     cuda = device.type == "cuda"
-    speed.compile = strategy == "single" and (spec.compile == "on" or (
-        spec.compile == "auto" and cuda and spec.packing and spec.quantization is None))
+    speed.compile = strategy == "single" and (
+        spec.compile == "on" or (spec.compile == "auto" and cuda and spec.packing and spec.quantization is None)
+    )
     if spec.compile == "auto" and cuda and strategy == "single" and not speed.compile:
         speed.notes.append("compile auto: off (it compiles packed training without quantization only: fixed shapes)")
     return speed
@@ -141,8 +155,12 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
 
 def speed_record(speed: Speed, compile_s: float | None) -> dict[str, Any]:
     """What ran, for the job's metrics: loss kernel, packed attention, compile (and its seconds), auto's notes."""
-    record = {"loss": speed.loss, "packed_attention": speed.packed_attention, "compile": speed.compile,
-              "compile_seconds": None if compile_s is None else round(compile_s, 2)}
+    record = {
+        "loss": speed.loss,
+        "packed_attention": speed.packed_attention,
+        "compile": speed.compile,
+        "compile_seconds": None if compile_s is None else round(compile_s, 2),
+    }
     return {**record, "notes": speed.notes} if speed.notes else record
 
 
@@ -163,8 +181,9 @@ def fast_args(strategy: str, device: torch.device) -> dict[str, Any]:
     return {"optim": "adamw_torch_fused", "tf32": torch.cuda.get_device_capability(device)[0] >= 8}
 
 
-def compile_model(speed: Speed, spec: FinetuneSpec, trainer, model, batch: dict[str, Any],
-             device: torch.device, progress: Progress) -> float | None:
+def compile_model(
+    speed: Speed, spec: FinetuneSpec, trainer, model, batch: dict[str, Any], device: torch.device, progress: Progress
+) -> float | None:
     """Compile the decoder layers and run the warm-up step (compile time, returned); None when not compiling. With
     compile auto a failure falls back to eager (noted); with compile on it fails the job."""
     if not speed.compile:
@@ -178,8 +197,9 @@ def compile_model(speed: Speed, spec: FinetuneSpec, trainer, model, batch: dict[
     except Exception as exc:  # torch.compile raises many kinds; the message says which
         _uncompile_layers(model)
         if spec.compile == "on":
-            raise RuntimeError(f"compile=on: torch.compile failed on this model ({type(exc).__name__}: {exc}); "
-                               "use compile auto or off") from exc
+            raise RuntimeError(
+                f"compile=on: torch.compile failed on this model ({type(exc).__name__}: {exc}); use compile auto or off"
+            ) from exc
         speed.compile = False
         speed.notes.append(f"compile auto: off, torch.compile failed ({type(exc).__name__}: {str(exc)[:300]})")
         log.warning("%s: torch.compile failed, training eagerly: %s", spec.model, exc)
@@ -189,8 +209,11 @@ def compile_model(speed: Speed, spec: FinetuneSpec, trainer, model, batch: dict[
 def _lean_loss_problem(model) -> str | None:
     """Why the loss cannot be computed from the decoder's hidden states and lm_head's weight, if it cannot."""
     config = model.config
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) \
-            or getattr(config, "logits_scaling", None):
+    if (
+        getattr(config, "final_logit_softcapping", None)
+        or getattr(config, "logit_scale", None)
+        or getattr(config, "logits_scaling", None)
+    ):
         return f"{type(model).__name__} scales or caps its logits"
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
@@ -229,8 +252,9 @@ def _choose_attention(spec: FinetuneSpec, device: torch.device, model, notes: li
     problem = None
     if spec.attn_implementation not in ("sdpa", "sdpa_gqa"):
         problem = f"it replaces attn_implementation {spec.attn_implementation}"
-    elif getattr(config, "attention_dropout", 0.0) or set(getattr(config, "layer_types", None) or ["full_attention"]) \
-            != {"full_attention"}:
+    elif getattr(config, "attention_dropout", 0.0) or set(
+        getattr(config, "layer_types", None) or ["full_attention"]
+    ) != {"full_attention"}:
         problem = "the model has attention dropout or sliding-window layers"
     problem = problem or packed_attention.problem(device)
     if problem and spec.packed_attention == "varlen":
@@ -294,8 +318,9 @@ def lean_trainer(speed: Speed):
             causal = self.accelerator.unwrap_model(model).get_base_model()
             with self.accelerator.autocast():
                 hidden = causal.get_decoder()(**inputs, use_cache=False).last_hidden_state
-                total, count = linear_ce.causal_lm_loss(hidden, causal.get_output_embeddings().weight, labels,
-                                                        kernel=speed.loss, compiled=speed.compile)
+                total, count = linear_ce.causal_lm_loss(
+                    hidden, causal.get_output_embeddings().weight, labels, kernel=speed.loss, compiled=speed.compile
+                )
             loss = total / (num_items_in_batch if num_items_in_batch is not None else count.clamp_min(1))
             return (loss, {"loss": loss}) if return_outputs else loss
 
@@ -330,8 +355,11 @@ def training_args(strategy: str, device_type: str) -> dict[str, Any]:
     through a config dict whose batch sizes and precision the Trainer fills in ("auto")."""
     if strategy == "single":
         return {}
-    args: dict[str, Any] = {"ddp_backend": "nccl" if device_type == "cuda" else "gloo",
-                            "ddp_timeout": COLLECTIVE_TIMEOUT_S, "ddp_find_unused_parameters": False}
+    args: dict[str, Any] = {
+        "ddp_backend": "nccl" if device_type == "cuda" else "gloo",
+        "ddp_timeout": COLLECTIVE_TIMEOUT_S,
+        "ddp_find_unused_parameters": False,
+    }
     if strategy == "fsdp2":
         from transformers import TrainingArguments
 
@@ -339,7 +367,12 @@ def training_args(strategy: str, device_type: str) -> dict[str, Any]:
         modern = hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config")
         args.update(fsdp=True if modern else "full_shard", fsdp_config={"version": 2})
     elif strategy.startswith("deepspeed"):
-        args["deepspeed"] = {"zero_optimization": {"stage": int(strategy[-1])}, "bf16": {"enabled": "auto"},
-                             "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+        args["deepspeed"] = {
+            "zero_optimization": {"stage": int(strategy[-1])},
+            "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": "auto"},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+        }
     return args

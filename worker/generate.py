@@ -66,13 +66,31 @@ def generate(
     progress = Progress() if progress is None else progress
     engine, reason = choose_engine(spec, loaded)
     info.update(engine=engine, engine_reason=reason)
-    yield from run_engine(engine, loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                          on_event=on_event, info=info, progress=progress)
+    yield from run_engine(
+        engine,
+        loaded,
+        spec,
+        rows,
+        batch_rows=batch_rows,
+        should_stop=should_stop,
+        on_event=on_event,
+        info=info,
+        progress=progress,
+    )
 
 
-def run_engine(name: str, loaded: Loaded, spec: GenerateSpec, rows: list[tuple[int, dict[str, Any]]], *,
-               batch_rows: int, should_stop: Callable[[], bool], on_event: Callable[[str], None],
-               info: dict[str, Any], progress: Progress) -> Iterator[list[RowResult]]:
+def run_engine(
+    name: str,
+    loaded: Loaded,
+    spec: GenerateSpec,
+    rows: list[tuple[int, dict[str, Any]]],
+    *,
+    batch_rows: int,
+    should_stop: Callable[[], bool],
+    on_event: Callable[[str], None],
+    info: dict[str, Any],
+    progress: Progress,
+) -> Iterator[list[RowResult]]:
     """`rows` through engine `name` (worker/engines/__init__.py: the interface). The rows the fast engine returns
     (those it cannot run under `auto`) run on the padded engine after it."""
     kwargs = dict(batch_rows=batch_rows, should_stop=should_stop, on_event=on_event, progress=progress)
@@ -111,13 +129,17 @@ def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
     attn = loaded.model.config._attn_implementation
     if spec.engine == "static":
         if attn.startswith("paged|") or attn not in static.ATTENTION:
-            raise InvalidInput(f"engine static cannot run attention {attn!r}: use one of "
-                               f"{', '.join(static.ATTENTION)}, or engine padded")
+            raise InvalidInput(
+                f"engine static cannot run attention {attn!r}: use one of "
+                f"{', '.join(static.ATTENTION)}, or engine padded"
+            )
         return "static", "asked for"
     attn = attn.removeprefix("paged|")
     if attn not in continuous.ATTENTION:
-        raise InvalidInput(f"engine continuous cannot run attention {attn!r}: use one of "
-                           f"{', '.join(continuous.ATTENTION)}, or engine padded")
+        raise InvalidInput(
+            f"engine continuous cannot run attention {attn!r}: use one of "
+            f"{', '.join(continuous.ATTENTION)}, or engine padded"
+        )
     if spec.engine == "auto":
         return "continuous", f"auto: continuous, the engine that runs {spec.attn_implementation}"
     return "continuous", "asked for"

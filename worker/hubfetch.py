@@ -59,22 +59,46 @@ class Progress(hub.Listener):
                 add_event(session, self.job_id, message, **kwargs)
 
     def waiting(self, snap: hub.Snapshot) -> None:
-        self._event(f"{self.worker} waits for {snap.repo}@{hub.short(snap.commit)}: another process on host "
-                    f"{self.host} is downloading it into {self.cache}")
+        self._event(
+            f"{self.worker} waits for {snap.repo}@{hub.short(snap.commit)}: another process on host "
+            f"{self.host} is downloading it into {self.cache}"
+        )
 
     def started(self, snap: hub.Snapshot, *, files: int, total: int, done: int) -> None:
         resumed = f", resuming after {hub.human_bytes(done)} already there" if done else ""
-        self._event(f"download of {snap.repo}@{hub.short(snap.commit)} started on host {self.host} by {self.worker}: "
-                    f"{files} files, {hub.human_bytes(total)}{resumed}",
-                    data={"download": {"repo": snap.repo, "commit": snap.commit, "host": self.host, "files": files,
-                                       "bytes_total": total, "bytes_done": done}})
+        self._event(
+            f"download of {snap.repo}@{hub.short(snap.commit)} started on host {self.host} by {self.worker}: "
+            f"{files} files, {hub.human_bytes(total)}{resumed}",
+            data={
+                "download": {
+                    "repo": snap.repo,
+                    "commit": snap.commit,
+                    "host": self.host,
+                    "files": files,
+                    "bytes_total": total,
+                    "bytes_done": done,
+                }
+            },
+        )
         self.done, self.total = done, total
         self.samples.append((time.monotonic(), done))
         with session_scope() as session:
-            row = model_cache.upsert(session, host=self.host, cache_dir=self.cache, repo=snap.repo,
-                                     commit=snap.commit, kind=snap.kind, state="downloading", worker=self.worker,
-                                     bytes_total=total, bytes_done=done, rate=None, started_at=now(), error=None,
-                                     finished_at=None)
+            row = model_cache.upsert(
+                session,
+                host=self.host,
+                cache_dir=self.cache,
+                repo=snap.repo,
+                commit=snap.commit,
+                kind=snap.kind,
+                state="downloading",
+                worker=self.worker,
+                bytes_total=total,
+                bytes_done=done,
+                rate=None,
+                started_at=now(),
+                error=None,
+                finished_at=None,
+            )
             self.row_id = row.id
         threading.Thread(target=self._flush_loop, name="download-progress", daemon=True).start()
 
@@ -101,11 +125,20 @@ class Progress(hub.Listener):
     def finished(self, snap: hub.Snapshot, *, downloaded: int, seconds: float) -> None:
         self.stopped.set()
         rate = downloaded / seconds if seconds > 0 else 0.0
-        self._event(f"download of {snap.repo}@{hub.short(snap.commit)} finished on host {self.host}: "
-                    f"{hub.human_bytes(downloaded)} in {seconds:.1f} s ({hub.human_bytes(int(rate))}/s), every file "
-                    "verified",
-                    data={"download": {"repo": snap.repo, "commit": snap.commit, "host": self.host,
-                                       "bytes": downloaded, "seconds": round(seconds, 3)}})
+        self._event(
+            f"download of {snap.repo}@{hub.short(snap.commit)} finished on host {self.host}: "
+            f"{hub.human_bytes(downloaded)} in {seconds:.1f} s ({hub.human_bytes(int(rate))}/s), every file "
+            "verified",
+            data={
+                "download": {
+                    "repo": snap.repo,
+                    "commit": snap.commit,
+                    "host": self.host,
+                    "bytes": downloaded,
+                    "seconds": round(seconds, 3),
+                }
+            },
+        )
 
     def failed(self, error: str) -> None:
         self.stopped.set()
@@ -134,14 +167,28 @@ def _prepare(opts: LoadOptions, job_id: str, *, worker: str, should_stop: Callab
     pinned = _job_pins(job_id)
     if hub.is_hub_id(opts.model):
         asked = pinned.get("model") or {}
-        fetched = ensure(opts.model, asked.get("commit") or opts.revision, kind="model", worker=worker,
-                         job_id=job_id, should_stop=should_stop, ref=asked.get("revision"))
+        fetched = ensure(
+            opts.model,
+            asked.get("commit") or opts.revision,
+            kind="model",
+            worker=worker,
+            job_id=job_id,
+            should_stop=should_stop,
+            ref=asked.get("revision"),
+        )
         updates["revision"] = fetched.commit
         _pin(job_id, opts, fetched)
     if opts.adapter and hub.is_hub_id(opts.adapter):
         asked = pinned.get("adapter") or {}
-        fetched = ensure(opts.adapter, asked.get("commit") or opts.adapter_revision, kind="adapter", worker=worker,
-                         job_id=job_id, should_stop=should_stop, ref=asked.get("revision"))
+        fetched = ensure(
+            opts.adapter,
+            asked.get("commit") or opts.adapter_revision,
+            kind="adapter",
+            worker=worker,
+            job_id=job_id,
+            should_stop=should_stop,
+            ref=asked.get("revision"),
+        )
         updates["adapter_revision"] = fetched.commit
     return opts.model_copy(update=updates) if updates else opts
 
@@ -152,8 +199,16 @@ def _hand_over(job_id: str, worker: str) -> None:
     leases.hand_over(job_id, worker, "worker stopping: the model's download is handed back")
 
 
-def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: str | None = None,
-           should_stop: Callable[[], bool] = lambda: False, ref: str | None = None) -> hub.Fetched:
+def ensure(
+    repo: str,
+    revision: str | None,
+    *,
+    kind: str,
+    worker: str,
+    job_id: str | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    ref: str | None = None,
+) -> hub.Fetched:
     """core.hub.ensure with this worker's progress row and job events; the row records a failure too. `ref`: the
     branch or tag the API resolved `revision` from, written to the cache's refs (an offline submit matches it)."""
     progress = Progress(worker=worker, job_id=job_id)
@@ -173,9 +228,16 @@ def ensure(repo: str, revision: str | None, *, kind: str, worker: str, job_id: s
     with session_scope() as session:
         snapshot = hub.record(repo, fetched.commit)
         if snapshot is not None:
-            model_cache.record(session, host=host, cache_dir=cache, snapshot=snapshot, last_used_at=now(),
-                               worker=worker, error=None,
-                               **({"finished_at": now()} if progress.row_id is not None else {}))
+            model_cache.record(
+                session,
+                host=host,
+                cache_dir=cache,
+                snapshot=snapshot,
+                last_used_at=now(),
+                worker=worker,
+                error=None,
+                **({"finished_at": now()} if progress.row_id is not None else {}),
+            )
         for note in fetched.notes:
             if job_id:
                 add_event(session, job_id, note, level="warning")
@@ -198,11 +260,24 @@ def _pin(job_id: str, opts: LoadOptions, fetched: hub.Fetched) -> None:
         model = (job.metrics or {}).get("model") or {}
         if model.get("commit"):
             return
-        job.metrics = {**(job.metrics or {}), "model": {
-            **model, "repo": opts.model, "revision": opts.revision or "main", "commit": fetched.commit,
-            "files": fetched.files, "bytes": fetched.bytes, "resolved_by": "worker"}}
-        add_event(session, job_id, f"{opts.model}@{opts.revision or 'main'} resolved to commit {fetched.commit}: "
-                                   "every shard of this job loads that commit")
+        job.metrics = {
+            **(job.metrics or {}),
+            "model": {
+                **model,
+                "repo": opts.model,
+                "revision": opts.revision or "main",
+                "commit": fetched.commit,
+                "files": fetched.files,
+                "bytes": fetched.bytes,
+                "resolved_by": "worker",
+            },
+        }
+        add_event(
+            session,
+            job_id,
+            f"{opts.model}@{opts.revision or 'main'} resolved to commit {fetched.commit}: "
+            "every shard of this job loads that commit",
+        )
 
 
 # --- what the loader reads --------------------------------------------------------------------------------------
@@ -219,8 +294,13 @@ def model_path(opts: LoadOptions) -> str:
 def hub_record(opts: LoadOptions) -> dict[str, Any] | None:
     if not hub.is_hub_id(opts.model):
         return None
-    return {"repo": opts.model, "commit": opts.revision, "endpoint": hub.endpoint(), "host": hub.host(),
-            "cache": str(get_settings().hub_cache)}
+    return {
+        "repo": opts.model,
+        "commit": opts.revision,
+        "endpoint": hub.endpoint(),
+        "host": hub.host(),
+        "cache": str(get_settings().hub_cache),
+    }
 
 
 # --- the models thread --------------------------------------------------------------------------------------------
@@ -254,8 +334,16 @@ def serve(worker: str, closed: threading.Event) -> None:
             log.exception("%s: the models thread failed; retrying", worker)
 
 
-def carry_out(worker: str, row_id: int, repo: str, commit: str, revision: str | None, state: str, *,
-              should_stop: Callable[[], bool]) -> None:
+def carry_out(
+    worker: str,
+    row_id: int,
+    repo: str,
+    commit: str,
+    revision: str | None,
+    state: str,
+    *,
+    should_stop: Callable[[], bool],
+) -> None:
     """One claimed request: a pull (fetch into this cache) or a removal (delete from it)."""
     host, cache = place()
     try:
@@ -283,8 +371,10 @@ def _adopt(row_id: int, repo: str, revision: str | None, *, host: str, cache: st
     if get_settings().hub_offline:
         commit = hub.cached_commit(repo, revision)
         if commit is None:
-            raise InvalidInput(f"{hub.describe(repo, revision)} is not in this host's cache ({cache}) and this host is "
-                               "offline (HF_HUB_OFFLINE=1): pull it on a host with network access")
+            raise InvalidInput(
+                f"{hub.describe(repo, revision)} is not in this host's cache ({cache}) and this host is "
+                "offline (HF_HUB_OFFLINE=1): pull it on a host with network access"
+            )
     else:
         commit, _, _ = hub.listing(repo, revision)
     with session_scope() as session:

@@ -63,15 +63,16 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, rows: int, compiled: bool):
         step = _compiled_chunk() if compiled else chunk_loss_and_grad
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if weight.requires_grad else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight.requires_grad else None
+        )
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
-            h = hidden[start:start + rows]
-            loss, grad_logits = step(h @ weight.t(), targets[start:start + rows])
+            h = hidden[start : start + rows]
+            loss, grad_logits = step(h @ weight.t(), targets[start : start + rows])
             total += loss
             if grad_hidden is not None:
-                grad_hidden[start:start + rows] = grad_logits.to(h.dtype) @ weight.to(h.dtype)
+                grad_hidden[start : start + rows] = grad_logits.to(h.dtype) @ weight.to(h.dtype)
             if grad_weight is not None:
                 grad_weight += (grad_logits.t().to(h.dtype) @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -81,13 +82,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
-                (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
-                None, None, None)
+        return (
+            grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
+            (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
+            None,
+            None,
+            None,
+        )
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, kernel: str = "chunked",
-                   compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, kernel: str = "chunked", compiled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of next-token losses, number of target tokens) for `hidden` (batch, seq, dim) under `lm_head` weight.
 
     `kernel`: "chunked" (ours) or "liger". Same targets as transformers' causal LM loss (labels shifted left by one,
@@ -138,9 +144,12 @@ def _liger_problem(device: str) -> str | None:
         (grad_got,) = torch.autograd.grad(got, hidden)
         want = reference_loss(hidden, weight, labels)
         (grad_want,) = torch.autograd.grad(want, hidden)
-        if not torch.allclose(got.float(), want, rtol=2e-2) or \
-                not torch.allclose(grad_got.float(), grad_want.float(), rtol=5e-2, atol=5e-3):
-            return f"liger's fused cross-entropy disagrees with the plain one here ({got.item():.4f} vs {want.item():.4f})"
+        if not torch.allclose(got.float(), want, rtol=2e-2) or not torch.allclose(
+            grad_got.float(), grad_want.float(), rtol=5e-2, atol=5e-3
+        ):
+            return (
+                f"liger's fused cross-entropy disagrees with the plain one here ({got.item():.4f} vs {want.item():.4f})"
+            )
     except Exception as exc:  # noqa: BLE001  any failure means: not usable here, and why
         return f"liger's fused cross-entropy fails here: {type(exc).__name__}: {exc}"
     return None

@@ -44,8 +44,10 @@ def resolve_dtype(name: str, on_gpu: bool) -> torch.dtype:
 def resolve_device_map(opts: LoadOptions, gpus: int) -> str:
     on_gpu = gpus > 0 and torch.cuda.is_available()
     if gpus > 0 and not torch.cuda.is_available():
-        raise InvalidInput(f"the job asks for {gpus} GPU(s) but this worker sees no CUDA device "
-                           "(check the worker's --gpus and CUDA_VISIBLE_DEVICES)")
+        raise InvalidInput(
+            f"the job asks for {gpus} GPU(s) but this worker sees no CUDA device "
+            "(check the worker's --gpus and CUDA_VISIBLE_DEVICES)"
+        )
     wanted = opts.device_map or ("cuda" if on_gpu else "cpu")
     if wanted in ("cuda", "auto") and not on_gpu:
         raise InvalidInput(f"device_map={wanted!r} needs a GPU slice: submit with --gpus 1 or device_map cpu")
@@ -62,14 +64,21 @@ def quantization_config(opts: LoadOptions, dtype: torch.dtype):
 
         if q.method == "bnb-8bit":
             return BitsAndBytesConfig(load_in_8bit=True)
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
-                                  bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=compute)
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=q.quant_type,
+            bnb_4bit_use_double_quant=q.double_quant,
+            bnb_4bit_compute_dtype=compute,
+        )
     if q.method.startswith("torchao-"):
         from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
         from transformers import TorchAoConfig
 
-        config = {"torchao-int8": Int8WeightOnlyConfig, "torchao-int4": Int4WeightOnlyConfig,
-                  "torchao-float8": Float8WeightOnlyConfig}[q.method]()
+        config = {
+            "torchao-int8": Int8WeightOnlyConfig,
+            "torchao-int4": Int4WeightOnlyConfig,
+            "torchao-float8": Float8WeightOnlyConfig,
+        }[q.method]()
         return TorchAoConfig(quant_type=config)
     from transformers import FineGrainedFP8Config
 
@@ -97,7 +106,8 @@ def load(opts: LoadOptions, *, gpus: int) -> Loaded:
         adapter = f" with adapter {opts.adapter}" if opts.adapter else ""
         raise torch.OutOfMemoryError(
             f"out of memory loading {opts.model}{adapter} ({_free_memory()}): a smaller model, quantization, or a "
-            f"slice with more GPU memory (device_map auto) would fit. {exc}") from exc
+            f"slice with more GPU memory (device_map auto) would fit. {exc}"
+        ) from exc
 
 
 def _free_memory() -> str:
@@ -118,9 +128,12 @@ def _load(opts: LoadOptions, *, gpus: int) -> Loaded:
     dtype = resolve_dtype(opts.dtype, on_gpu)
     source = hubfetch.model_path(opts)  # a Hub id's verified snapshot folder, or the local directory
     kwargs: dict[str, Any] = dict(
-        revision=None if source != opts.model else opts.revision, dtype=dtype,
+        revision=None if source != opts.model else opts.revision,
+        dtype=dtype,
         attn_implementation=opts.attn_implementation,
-        device_map=device_map, trust_remote_code=opts.trust_remote_code, use_safetensors=True,
+        device_map=device_map,
+        trust_remote_code=opts.trust_remote_code,
+        use_safetensors=True,
         local_files_only=True,
     )
     quant = quantization_config(opts, dtype)
@@ -132,8 +145,9 @@ def _load(opts: LoadOptions, *, gpus: int) -> Loaded:
         attention.register()  # our AttentionInterface entry (worker/attention.py) must exist before loading
     try:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, revision=kwargs["revision"], local_files_only=True,
-                                                  trust_remote_code=opts.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=kwargs["revision"], local_files_only=True, trust_remote_code=opts.trust_remote_code
+        )
     except OSError as exc:
         raise InvalidInput(f"cannot load model {opts.model!r}: {exc}") from exc
     adapter = apply_adapter(model, opts) if opts.adapter else None
@@ -189,8 +203,10 @@ def adapter_path(ref: str, revision: str | None = None) -> Path:
             return adapters.extract_file(file)
         row = session.get(Adapter, ref)
         if row is None:
-            raise InvalidInput(f"adapter {ref!r} is not registered (its fine-tune has not succeeded): list adapters "
-                               "with `gpujobs adapters list`")
+            raise InvalidInput(
+                f"adapter {ref!r} is not registered (its fine-tune has not succeeded): list adapters "
+                "with `gpujobs adapters list`"
+            )
         return adapters.absolute(row)
 
 
@@ -213,9 +229,15 @@ def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
     _check_complete(peft_model, path, opts)
     merged = opts.quantization is None
     source = "file" if adapters.is_file_ref(opts.adapter) else "finetune" if opts.adapter.startswith("job_") else "hub"
-    return {"id": opts.adapter, "source": source, "path": str(path), "sha256": adapters.digest(path)[1],
-            "merged": merged, **({"revision": opts.adapter_revision} if source == "hub" else {}),
-            "model": peft_model.merge_and_unload() if merged else peft_model}
+    return {
+        "id": opts.adapter,
+        "source": source,
+        "path": str(path),
+        "sha256": adapters.digest(path)[1],
+        "merged": merged,
+        **({"revision": opts.adapter_revision} if source == "hub" else {}),
+        "model": peft_model.merge_and_unload() if merged else peft_model,
+    }
 
 
 def _check_complete(peft_model: Any, path: Path, opts: LoadOptions) -> None:
@@ -226,6 +248,8 @@ def _check_complete(peft_model: Any, path: Path, opts: LoadOptions) -> None:
     expected = set(get_peft_model_state_dict(peft_model))
     missing = sorted(expected - set(load_peft_weights(str(path), device="cpu")))
     if missing:
-        raise InvalidInput(f"adapter {opts.adapter} does not fit {opts.model}: its weights lack {len(missing)} of the "
-                           f"{len(expected)} LoRA tensors its config asks for (e.g. {missing[0]}); it was trained on "
-                           "another model: use that base, or train an adapter on this one")
+        raise InvalidInput(
+            f"adapter {opts.adapter} does not fit {opts.model}: its weights lack {len(missing)} of the "
+            f"{len(expected)} LoRA tensors its config asks for (e.g. {missing[0]}); it was trained on "
+            "another model: use that base, or train an adapter on this one"
+        )

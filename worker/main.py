@@ -61,7 +61,7 @@ def survive_broker_loss_with_unacked_messages() -> None:
     def maybe_close_channel(self, channel):
         try:
             channel.close()
-        except (self.connection_errors + self.channel_errors + (AttributeError,)):
+        except self.connection_errors + self.channel_errors + (AttributeError,):
             pass
 
     Connection.maybe_close_channel = maybe_close_channel
@@ -102,10 +102,15 @@ def main(argv: list[str] | None = None) -> int:
 
     runtime = rt.Runtime(name=name, host=host, slice=args.slice, queues=[queue], gpus=len(devices))
     if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
-        return refuse(runtime, exits.ENV_MISMATCH, (
-            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} / CUDA_DEVICE_ORDER="
-            f"{os.environ.get('CUDA_DEVICE_ORDER')!r} do not match --slice {args.slice!r}: start workers with "
-            "`gpujobs worker --gpus ...`"))
+        return refuse(
+            runtime,
+            exits.ENV_MISMATCH,
+            (
+                f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} / CUDA_DEVICE_ORDER="
+                f"{os.environ.get('CUDA_DEVICE_ORDER')!r} do not match --slice {args.slice!r}: start workers with "
+                "`gpujobs worker --gpus ...`"
+            ),
+        )
     problem = capabilities.slice_problem(devices)
     if problem and os.environ.get(MISSING_GPUS_OK) == "1":
         log.error("%s=1 (tests only): starting although %s", MISSING_GPUS_OK, problem)
@@ -125,10 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     controllers = []  # Celery's WorkController: worker_main() drops its exit status (stackwatch's 69), we keep it
     signals.worker_init.connect(lambda sender, **_: controllers.append(sender), weak=False)
     try:
-        tasks.app.worker_main([
-            "worker", "--pool=solo", f"--queues={queue}", f"--hostname={name}", f"--loglevel={args.loglevel}",
-            "--without-gossip", "--without-mingle", "--task-events",
-        ])
+        tasks.app.worker_main(
+            [
+                "worker",
+                "--pool=solo",
+                f"--queues={queue}",
+                f"--hostname={name}",
+                f"--loglevel={args.loglevel}",
+                "--without-gossip",
+                "--without-mingle",
+                "--task-events",
+            ]
+        )
     finally:
         runtime.stop()
     return (controllers[0].exitcode if controllers else None) or 0

@@ -42,15 +42,24 @@ def register() -> str:
     return NAME
 
 
-def packed_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                          **kwargs) -> tuple[torch.Tensor, None]:
+def packed_varlen_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention contract (query/key/value as (batch, heads, seq, dim), output (batch, seq, heads,
     dim)); causal attention inside each row given by `cu_seq_lens_q` over the flattened batch."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or attention_mask is not None:
-        raise ValueError("packed_varlen attention needs cu_seq_lens_q and no attention mask (the fine-tune collator "
-                         "of packed rows passes them): use attn_implementation sdpa for other inputs")
+        raise ValueError(
+            "packed_varlen attention needs cu_seq_lens_q and no attention mask (the fine-tune collator "
+            "of packed rows passes them): use attn_implementation sdpa for other inputs"
+        )
     if dropout:
         raise ValueError("packed_varlen attention has no attention dropout: set the model's attention_dropout to 0")
     b, heads, s, d = query.shape
@@ -61,8 +70,9 @@ def packed_varlen_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     return out.reshape(b, s, heads, d), None
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-           scaling: float | None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scaling: float | None
+) -> torch.Tensor:
     """Causal attention within each segment [cu[i], cu[i+1]) of (tokens, heads, dim) tensors."""
     flash = _flash
     if flash is None or not q.is_cuda:
@@ -88,7 +98,8 @@ def _per_row_sdpa(q, k, v, cu, scaling):
         if end > start:
             rows = [t[start:end].transpose(0, 1) for t in (q, k, v)]
             out[start:end] = torch.nn.functional.scaled_dot_product_attention(
-                *rows, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1)
+                *rows, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            ).transpose(0, 1)
     return out
 
 
@@ -103,8 +114,13 @@ def _flash_call() -> dict | None:
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    return {"fn": varlen_attn, "causal": {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True},
-            "scale": "scale" in params, "gqa_keyword": "enable_gqa" in params, "native_gqa": True}
+    return {
+        "fn": varlen_attn,
+        "causal": {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True},
+        "scale": "scale" in params,
+        "gqa_keyword": "enable_gqa" in params,
+        "native_gqa": True,
+    }
 
 
 def problem(device: torch.device) -> str | None:
@@ -139,8 +155,12 @@ def _check(device: str) -> str | None:
     try:
         gen = torch.Generator(device=device).manual_seed(0)
         shape = {"q": (300, 8, 64), "kv": (300, 2, 64)}
-        q, k, v = (torch.randn(shape["q" if n == "q" else "kv"], device=device, dtype=torch.bfloat16,
-                               generator=gen, requires_grad=True) for n in ("q", "k", "v"))
+        q, k, v = (
+            torch.randn(
+                shape["q" if n == "q" else "kv"], device=device, dtype=torch.bfloat16, generator=gen, requires_grad=True
+            )
+            for n in ("q", "k", "v")
+        )
         cu = torch.tensor([0, 100, 130, 300], device=device, dtype=torch.int32)
         got = attend(q, k, v, cu, 256, None)
         want = _per_row_sdpa(q, k, v, cu, None)

@@ -137,12 +137,22 @@ class Progress:
         seconds = self._clock() - self.last
         if seconds <= bound:
             return None
-        return Stall(doing=self.doing(), seconds=seconds, bound=bound, phase=phase, beats=self.beats,
-                     median_step_s=self.median_step())
+        return Stall(
+            doing=self.doing(),
+            seconds=seconds,
+            bound=bound,
+            phase=phase,
+            beats=self.beats,
+            median_step_s=self.median_step(),
+        )
 
     def report(self, stall_seconds: float | None, phase_seconds: float) -> dict:
         """What the worker's registration shows while it runs a shard (`gpujobs workers --json`)."""
         median = self.median_step()
-        return {"doing": self.doing(), "idle_s": round(self._clock() - self.last, 1), "beats": self.beats,
-                "median_step_s": median and round(median, 4),
-                "stall_bound_s": round(self.bound(stall_seconds, phase_seconds), 1)}
+        return {
+            "doing": self.doing(),
+            "idle_s": round(self._clock() - self.last, 1),
+            "beats": self.beats,
+            "median_step_s": median and round(median, 4),
+            "stall_bound_s": round(self.bound(stall_seconds, phase_seconds), 1),
+        }

@@ -66,18 +66,39 @@ class Runtime:
     def register(self, pid: int) -> None:
         caps = capabilities.probe()
         with session_scope() as session:
-            registry.register(session, name=self.name, host=self.host, pid=pid, slice=self.slice,
-                              queues=self.queues, gpus=capabilities.gpus(), capabilities=caps,
-                              restarts=get_settings().worker_restarts)
-        log.info("worker %s registered: slice %r, queues %s, %d CUDA device(s)", self.name, self.slice,
-                 self.queues, caps["device_count"])
+            registry.register(
+                session,
+                name=self.name,
+                host=self.host,
+                pid=pid,
+                slice=self.slice,
+                queues=self.queues,
+                gpus=capabilities.gpus(),
+                capabilities=caps,
+                restarts=get_settings().worker_restarts,
+            )
+        log.info(
+            "worker %s registered: slice %r, queues %s, %d CUDA device(s)",
+            self.name,
+            self.slice,
+            self.queues,
+            caps["device_count"],
+        )
 
     def refuse(self, pid: int, exit_code: int, reason: str) -> None:
         """Register as a worker that did not start: offline, with why and its exit code (never on a queue)."""
         caps = capabilities.probe()
         with session_scope() as session:
-            registry.register(session, name=self.name, host=self.host, pid=pid, slice=self.slice,
-                              queues=self.queues, gpus=capabilities.gpus(), capabilities=caps)
+            registry.register(
+                session,
+                name=self.name,
+                host=self.host,
+                pid=pid,
+                slice=self.slice,
+                queues=self.queues,
+                gpus=capabilities.gpus(),
+                capabilities=caps,
+            )
             registry.stopped(session, self.name, exit_code=exit_code, reason=f"refused to start: {reason}")
 
     def start_heartbeat(self) -> None:
@@ -104,11 +125,14 @@ class Runtime:
             result = capabilities.probe_flex_isolated(devices, started=self._probes.append)
             if self.shutting_down.is_set():
                 return  # the probe was ended with the worker: no answer
-            backends = [b for b in capabilities.attention_backends(devices)
-                        if result["ok"] or b != "flex_attention"]
+            backends = [b for b in capabilities.attention_backends(devices) if result["ok"] or b != "flex_attention"]
             with session_scope() as session:
-                registry.heartbeat(session, self.name, current_shard_id=self.current,
-                                   extra={"flex_attention": result, "attention": backends})
+                registry.heartbeat(
+                    session,
+                    self.name,
+                    current_shard_id=self.current,
+                    extra={"flex_attention": result, "attention": backends},
+                )
             log.info("worker %s: flex_attention probe %s", self.name, result)
         except Exception:
             log.exception("flex_attention probe of %s failed to record", self.name)
@@ -133,8 +157,9 @@ class Runtime:
                 if time.time() - last_beat >= settings.heartbeat_seconds:
                     last_beat = time.time()
                     with session_scope() as session:
-                        registry.heartbeat(session, self.name, current_shard_id=self.current,
-                                           extra=self._activity(settings))
+                        registry.heartbeat(
+                            session, self.name, current_shard_id=self.current, extra=self._activity(settings)
+                        )
                     jobs.reap()
             except Exception:  # the beat must survive database or broker outages; the lease covers the gap
                 log.exception("heartbeat of %s failed; retrying", self.name)
@@ -184,18 +209,34 @@ class Runtime:
         where = f"job {job_id}, shard id {shard_id}"
         try:
             idx = leases.give_back_stalled(
-                shard_id, self.name, stall=stall.describe(), stuck_in=stuck_at(stack), exit_code=exits.STALLED,
-                data={"doing": stall.doing, "seconds": round(stall.seconds, 3), "bound_s": round(stall.bound, 3),
-                      "phase": stall.phase, "progress_count": stall.beats, "median_step_s": stall.median_step_s,
-                      "stack": stack})
+                shard_id,
+                self.name,
+                stall=stall.describe(),
+                stuck_in=stuck_at(stack),
+                exit_code=exits.STALLED,
+                data={
+                    "doing": stall.doing,
+                    "seconds": round(stall.seconds, 3),
+                    "bound_s": round(stall.bound, 3),
+                    "phase": stall.phase,
+                    "progress_count": stall.beats,
+                    "median_step_s": stall.median_step_s,
+                    "stack": stack,
+                },
+            )
             where = f"job {job_id}, shard {idx}"
         except Exception:
-            log.exception("%s could not give back shard %s after the stall: its lease expires unrenewed and the "
-                          "reaper re-queues it", job_id, shard_id)
+            log.exception(
+                "%s could not give back shard %s after the stall: its lease expires unrenewed and the "
+                "reaper re-queues it",
+                job_id,
+                shard_id,
+            )
         try:
             with session_scope() as session:
-                registry.stopped(session, self.name, exit_code=exits.STALLED,
-                                 reason=f"{reason} ({where}); exit code {exits.STALLED}")
+                registry.stopped(
+                    session, self.name, exit_code=exits.STALLED, reason=f"{reason} ({where}); exit code {exits.STALLED}"
+                )
         except Exception:
             log.exception("could not record the stall on the registration of %s", self.name)
         _flush_output()
@@ -242,8 +283,10 @@ class Runtime:
         settings = get_settings()
         spec = GenerateSpec.model_validate(job.spec)
         if spec.tp_plan:  # refused at submit too; a job queued while no worker was live reaches this
-            raise InvalidInput("tp_plan auto (tensor parallel under torchrun) is not supported by the workers yet: "
-                               "use device_map auto to split the model over the slice")
+            raise InvalidInput(
+                "tp_plan auto (tensor parallel under torchrun) is not supported by the workers yet: "
+                "use device_map auto to split the model over the slice"
+            )
         started, t0 = time.time(), time.perf_counter()
         loaded = self.model_for(spec, job.id)
         jobs.record_load(job.id, loaded.resolved, capabilities.versions)
@@ -252,14 +295,23 @@ class Runtime:
         _reset_peak_memory()
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
         t_engine = time.perf_counter()
+
         def on_event(message: str) -> None:
             jobs.event(job.id, f"shard {shard.idx}: {message}", level="warning", shard_id=shard.id)
 
         where = formats.location(spec.input_format)
         engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
         first_result: float | None = None
-        for results in generate.generate(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                         on_event=on_event, info=engine_info, progress=self.progress):
+        for results in generate.generate(
+            loaded,
+            spec,
+            rows,
+            batch_rows=batch_rows,
+            should_stop=should_stop,
+            on_event=on_event,
+            info=engine_info,
+            progress=self.progress,
+        ):
             engine_s += time.perf_counter() - t_engine
             faults.hit("batch")
             failures.name_rows(results, lines, where)  # every row error names its line (or row)
@@ -269,15 +321,22 @@ class Runtime:
             first_result = first_result or time.time()  # time to first result: first commit after the claim
             t_engine = time.perf_counter()
         # a cancelled job's shard is cancelled; on shutdown or a lost lease the unfinished rows are handed back
-        if leases.end_early(shard.id, self.name, hand_back="worker stopping: unfinished rows handed back"
-                            if should_stop() else None):
+        if leases.end_early(
+            shard.id, self.name, hand_back="worker stopping: unfinished rows handed back" if should_stop() else None
+        ):
             return
         wall = time.perf_counter() - t0
-        metrics = {"wall_seconds": round(wall, 3), "engine_seconds": round(engine_s, 3),
-                   "gpu_seconds": round(wall * max(self.gpus, 0), 3), "rows": len(rows),
-                   "peak_memory_bytes": _peak_memory(), "worker": self.name, "started_at": started,
-                   "engine": engine_info, "time_to_first_result_s":
-                       round(first_result - (shard.started_at or started), 3) if first_result else None}
+        metrics = {
+            "wall_seconds": round(wall, 3),
+            "engine_seconds": round(engine_s, 3),
+            "gpu_seconds": round(wall * max(self.gpus, 0), 3),
+            "rows": len(rows),
+            "peak_memory_bytes": _peak_memory(),
+            "worker": self.name,
+            "started_at": started,
+            "engine": engine_info,
+            "time_to_first_result_s": round(first_result - (shard.started_at or started), 3) if first_result else None,
+        }
         leases.complete(shard.id, self.name, metrics)
         jobs.record_engine(job.id, engine_info)
 
@@ -299,10 +358,12 @@ class Runtime:
         workdir = adapters.workdir(job.id)
         checkpoint = finetune.latest_checkpoint(workdir / "checkpoints")
         # steps an interrupted attempt logged after this checkpoint run again: their events leave the current view
-        jobs.supersede_steps(job.id, after_step=int(finetune.CHECKPOINT.match(checkpoint.name)[1]) if checkpoint
-                             else 0)
-        jobs.event(job.id, f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint
-                                                             else ""), shard_id=shard.id)
+        jobs.supersede_steps(job.id, after_step=int(finetune.CHECKPOINT.match(checkpoint.name)[1]) if checkpoint else 0)
+        jobs.event(
+            job.id,
+            f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint else ""),
+            shard_id=shard.id,
+        )
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
 
         def on_log(record: dict[str, Any]) -> None:
@@ -311,13 +372,26 @@ class Runtime:
 
         t0 = time.perf_counter()
         # one process, or one per GPU of the slice under torchrun (worker/distributed.py); this process writes SQL
-        result = distributed.finetune(opts, spec, [(lines[i], row) for i, row in rows], workdir, gpus=self.gpus,
-                                      should_stop=should_stop, on_log=on_log, progress=self.progress)
+        result = distributed.finetune(
+            opts,
+            spec,
+            [(lines[i], row) for i, row in rows],
+            workdir,
+            gpus=self.gpus,
+            should_stop=should_stop,
+            on_log=on_log,
+            progress=self.progress,
+        )
         jobs.record_load(job.id, result.metrics["load"], capabilities.versions)
         # a cancelled job's shard is cancelled; on shutdown or a lost lease the next worker resumes from the last
         # checkpoint
-        if leases.end_early(shard.id, self.name, hand_back="worker stopping: training handed back at step "
-                            f"{result.metrics['steps']}" if result.stopped else None):
+        if leases.end_early(
+            shard.id,
+            self.name,
+            hand_back=f"worker stopping: training handed back at step {result.metrics['steps']}"
+            if result.stopped
+            else None,
+        ):
             return
         folder = adapters.adapter_dir(job.id)
         with self.progress.phase("publishing and verifying the adapter"):
@@ -326,15 +400,28 @@ class Runtime:
             try:
                 finetune.verify_adapter(opts, folder, gpus=self.gpus)
             except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
-                raise RegistryError(f"registry error: the adapter saved at {folder} does not load onto "
-                                    f"{spec.model} and generate ({type(exc).__name__}: {exc})") from exc
+                raise RegistryError(
+                    f"registry error: the adapter saved at {folder} does not load onto "
+                    f"{spec.model} and generate ({type(exc).__name__}: {exc})"
+                ) from exc
         wall = time.perf_counter() - t0
-        metrics = {**{k: v for k, v in result.metrics.items() if k != "load"}, "wall_seconds": round(wall, 3),
-                   "gpu_seconds": round(wall * max(self.gpus, 0), 3), "worker": self.name,
-                   "resumed_from_step": result.resumed_from}
-        leases.complete_training(shard.id, self.name, rows=[i for i, _ in rows], folder=folder,
-                                 lora_config=result.lora_config, load_options=result.metrics["load"],
-                                 metrics=metrics, lease_seconds=settings.lease_seconds)
+        metrics = {
+            **{k: v for k, v in result.metrics.items() if k != "load"},
+            "wall_seconds": round(wall, 3),
+            "gpu_seconds": round(wall * max(self.gpus, 0), 3),
+            "worker": self.name,
+            "resumed_from_step": result.resumed_from,
+        }
+        leases.complete_training(
+            shard.id,
+            self.name,
+            rows=[i for i, _ in rows],
+            folder=folder,
+            lora_config=result.lora_config,
+            load_options=result.metrics["load"],
+            metrics=metrics,
+            lease_seconds=settings.lease_seconds,
+        )
 
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
         """The resident model if the load options match, else load (and free the previous one first)."""
@@ -355,8 +442,9 @@ class Runtime:
         # compiled layers, CUDA graphs
         if prepared:
             loaded.resolved["prepared"] = {**prepared, "seconds": round(time.perf_counter() - t0, 3)}
-        jobs.event(job_id, f"{self.name} loaded {opts.model} in {loaded.resolved['load_seconds']} s",
-                   data=loaded.resolved)
+        jobs.event(
+            job_id, f"{self.name} loaded {opts.model} in {loaded.resolved['load_seconds']} s", data=loaded.resolved
+        )
         self.resident = (key, loaded)
         return loaded
 
@@ -367,9 +455,14 @@ class Runtime:
 def finetune_line(record: dict[str, Any]) -> str:
     """One readable line per training log: `step 12/60 epoch 2.00 loss 0.4123 lr 1.0e-02 …`."""
     parts = [f"step {record['step']}/{record['max_steps']}", f"epoch {record['epoch']:.2f}"]
-    for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("learning_rate", "lr {:.1e}"),
-                     ("grad_norm", "grad_norm {:.3f}"), ("tokens_per_s", "{:.0f} tok/s"),
-                     ("gpu_peak_memory_bytes", "peak {:.0f} MiB")):
+    for key, fmt in (
+        ("loss", "loss {:.4f}"),
+        ("eval_loss", "eval_loss {:.4f}"),
+        ("learning_rate", "lr {:.1e}"),
+        ("grad_norm", "grad_norm {:.3f}"),
+        ("tokens_per_s", "{:.0f} tok/s"),
+        ("gpu_peak_memory_bytes", "peak {:.0f} MiB"),
+    ):
         if record.get(key) is not None:
             value = record[key] / 2**20 if key == "gpu_peak_memory_bytes" else record[key]
             parts.append(fmt.format(value))
@@ -410,8 +503,14 @@ def _gpu_memory() -> list[dict[str, int]]:
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return []
-    return [{"index": i, "allocated_bytes": int(torch.cuda.memory_allocated(i)),
-             "reserved_bytes": int(torch.cuda.memory_reserved(i))} for i in range(torch.cuda.device_count())]
+    return [
+        {
+            "index": i,
+            "allocated_bytes": int(torch.cuda.memory_allocated(i)),
+            "reserved_bytes": int(torch.cuda.memory_reserved(i)),
+        }
+        for i in range(torch.cuda.device_count())
+    ]
 
 
 def _free_memory() -> None:

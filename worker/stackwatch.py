@@ -43,8 +43,9 @@ def gone(joined: dict, now: dict) -> str | None:
     if now.get("redis_url") != joined.get("redis_url"):
         return f"the local stack in {joined.get('home')} was stopped and another one started (its Redis moved)"
     if not _alive(joined["redis"]):
-        return (f"the local stack in {joined.get('home')} is stopping or stopped: its Redis (pid {joined['redis']}) "
-                "exited")
+        return (
+            f"the local stack in {joined.get('home')} is stopping or stopped: its Redis (pid {joined['redis']}) exited"
+        )
     return None
 
 

@@ -26,8 +26,10 @@ def use(runtime: Runtime) -> None:
 
 def current() -> Runtime:
     if _runtime is None:
-        raise RuntimeError("no worker runtime in this process: tasks run in a worker started by `python -m "
-                           "worker.main` (gpujobs worker)")
+        raise RuntimeError(
+            "no worker runtime in this process: tasks run in a worker started by `python -m "
+            "worker.main` (gpujobs worker)"
+        )
     return _runtime
 
 

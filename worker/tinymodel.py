@@ -78,9 +78,7 @@ def build_tokenizer(texts: list[str], vocab_size: int = 640) -> PreTrainedTokeni
 
 def chat_prompt(tok: PreTrainedTokenizerFast, question: str) -> str:
     # tokenize=False sidesteps the v5 change where tokenize=True returns a BatchEncoding.
-    return tok.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
+    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
 
 
 def _examples(tok: PreTrainedTokenizerFast, qa: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
@@ -106,17 +104,21 @@ def _train_batch(tok: PreTrainedTokenizerFast, examples: list[tuple[str, str, st
 
 
 @torch.no_grad()
-def generate_answers(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, prompts: list[str], max_new_tokens: int = 24) -> list[str]:
+def generate_answers(
+    model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, prompts: list[str], max_new_tokens: int = 24
+) -> list[str]:
     """Batched, left-padded greedy decoding: the same path the worker takes."""
     was_training = model.training
     model.eval()
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
     model.train(was_training)
-    return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def _train(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, qa: list[tuple[str, str]], steps: int | None) -> tuple[int, float]:
+def _train(
+    model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, qa: list[tuple[str, str]], steps: int | None
+) -> tuple[int, float]:
     """Train all parameters until every answer is reproduced; returns (steps, accuracy)."""
     examples = _examples(tok, qa)
     batch = _train_batch(tok, examples)
@@ -139,8 +141,14 @@ def _train(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, qa: list[tuple
     return step, accuracy
 
 
-def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None, seed: int = 0, steps: int | None = None,
-                memorize: bool = True) -> Path:
+def build_model(
+    out_dir: str | Path,
+    *,
+    qa: list[tuple[str, str]] | None = None,
+    seed: int = 0,
+    steps: int | None = None,
+    memorize: bool = True,
+) -> Path:
     """Build (and optionally memorize ``qa`` into) a tiny Qwen3 model saved at ``out_dir``.
 
     ``memorize=False`` builds a *base* model: the tokenizer knows the words of ``qa`` but the random weights have
@@ -152,10 +160,19 @@ def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None,
     tok = build_tokenizer([t for pair in qa or [] for t in pair])
     eos, im_end = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(IM_END)
     config = Qwen3Config(
-        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=512,
-        tie_word_embeddings=True, initializer_range=0.3,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
     model = Qwen3ForCausalLM(config)
     if not memorize:
@@ -172,8 +189,12 @@ def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None,
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     meta = {
-        "seed": seed, "steps": trained, "qa_pairs": len(qa or []) if memorize else 0, "memorized": accuracy == 1.0,
-        "accuracy": accuracy, "params": sum(p.numel() for p in model.parameters()),
+        "seed": seed,
+        "steps": trained,
+        "qa_pairs": len(qa or []) if memorize else 0,
+        "memorized": accuracy == 1.0,
+        "accuracy": accuracy,
+        "params": sum(p.numel() for p in model.parameters()),
         "build_seconds": round(time.monotonic() - t0, 2),
     }
     (out / "gpujobs_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -182,8 +203,17 @@ def build_model(out_dir: str | Path, *, qa: list[tuple[str, str]] | None = None,
 
 
 # Workload G1's architecture (DESIGN.md): Qwen3-0.6B shapes with random bf16 weights, for GPU checks and benchmarks.
-QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=True)
+QWEN3_06B = dict(
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+)
 
 
 def build_random(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -192,8 +222,9 @@ def build_random(out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = tor
     torch.manual_seed(seed)
     tok = build_tokenizer([])
     eos = tok.convert_tokens_to_ids(EOS)
-    config = Qwen3Config(**QWEN3_06B, initializer_range=0.02, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                         dtype=dtype)
+    config = Qwen3Config(
+        **QWEN3_06B, initializer_range=0.02, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, dtype=dtype
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = Qwen3ForCausalLM(config).to(dtype)
@@ -215,10 +246,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qa", type=Path, help="jsonl with {'question', 'answer'} rows to memorize")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps")
-    parser.add_argument("--base", action="store_true",
-                        help="a base model: tokenizer from --qa's words, weights untrained (for fine-tunes)")
-    parser.add_argument("--arch", choices=["tiny", "qwen3-0.6b"], default="tiny",
-                        help="qwen3-0.6b: random bf16 weights of that shape (GPU checks, benchmarks)")
+    parser.add_argument(
+        "--base",
+        action="store_true",
+        help="a base model: tokenizer from --qa's words, weights untrained (for fine-tunes)",
+    )
+    parser.add_argument(
+        "--arch",
+        choices=["tiny", "qwen3-0.6b"],
+        default="tiny",
+        help="qwen3-0.6b: random bf16 weights of that shape (GPU checks, benchmarks)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     if args.arch == "qwen3-0.6b":

@@ -67,7 +67,7 @@ def main() -> int:
     from worker.engines import decode_attention as da
 
     args = harness.parser(__doc__, out=harness.RESULTS / "decode-kernel.json").parse_args()
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     torch.manual_seed(0)
     q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
     configs = []
@@ -86,25 +86,49 @@ def main() -> int:
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
         diff = (ours.float() - ref[:, :, 0].float()).abs().max().item()
         t_ours = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, splits))
-        t_sdpa = timed(torch, partial(torch.nn.functional.scaled_dot_product_attention, q[:, :, None], k, v,
-                                      scale=scale, enable_gqa=True))
+        t_sdpa = timed(
+            torch,
+            partial(
+                torch.nn.functional.scaled_dot_product_attention, q[:, :, None], k, v, scale=scale, enable_gqa=True
+            ),
+        )
         read = 2 * batch * KV_HEADS * ctx * DIM * 2
-        row = {"batch": batch, "context": ctx, "splits": splits, "max_abs_diff": diff,
-               "ours_ms": round(t_ours, 4), "sdpa_gqa_ms": round(t_sdpa, 4),
-               "ours_tb_s": round(read / t_ours / 1e9, 2), "sdpa_tb_s": round(read / t_sdpa / 1e9, 2),
-               "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4)}
+        row = {
+            "batch": batch,
+            "context": ctx,
+            "splits": splits,
+            "max_abs_diff": diff,
+            "ours_ms": round(t_ours, 4),
+            "sdpa_gqa_ms": round(t_sdpa, 4),
+            "ours_tb_s": round(read / t_ours / 1e9, 2),
+            "sdpa_tb_s": round(read / t_sdpa / 1e9, 2),
+            "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4),
+        }
         results.append(row)
         print(row, flush=True)
         del q, k, v, kp, vp
         torch.cuda.empty_cache()
-    harness.write_json(args.out, {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                  **harness.commit_info(), "configs": configs, "best": best, "results": results})
+    harness.write_json(
+        args.out,
+        {
+            "device": torch.cuda.get_device_name(0),
+            "torch": torch.__version__,
+            **harness.commit_info(),
+            "configs": configs,
+            "best": best,
+            "results": results,
+        },
+    )
     print(f"best config: {best}")
-    print(f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
-          f"{'max diff':>10}")
+    print(
+        f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
+        f"{'max diff':>10}"
+    )
     for r in results:
-        print(f"{r['batch']:>6}{r['context']:>6}{r['splits']:>7}{r['ours_ms']:>9.3f}{r['sdpa_gqa_ms']:>9.3f}"
-              f"{r['ours_tb_s']:>10.2f}{r['sdpa_tb_s']:>10.2f}{r['max_abs_diff']:>10.4f}")
+        print(
+            f"{r['batch']:>6}{r['context']:>6}{r['splits']:>7}{r['ours_ms']:>9.3f}{r['sdpa_gqa_ms']:>9.3f}"
+            f"{r['ours_tb_s']:>10.2f}{r['sdpa_tb_s']:>10.2f}{r['max_abs_diff']:>10.4f}"
+        )
     return 0
 
 

@@ -106,11 +106,26 @@ def corpus(tok, tokens: int, *, words: int, branch: int, min_words: int, max_wor
 
 def bench_spec(args: argparse.Namespace, steps: int, **overrides) -> dict:
     """The fine-tune spec of every run of ours (the baseline mirrors its training settings)."""
-    spec = {"kind": "finetune", "model": str(args.model), "max_steps": steps, "batch_size": args.batch,
-            "gradient_accumulation": args.grad_accum, "max_seq_length": args.seq, "packing": True, "lora_r": 16,
-            "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": "all-linear", "learning_rate": args.lr,
-            "lr_scheduler": "constant", "warmup_steps": 0, "checkpoint_steps": 100, "seed": 0,
-            "gpus": 1 if args.cuda else 0, "name": "f1"}
+    spec = {
+        "kind": "finetune",
+        "model": str(args.model),
+        "max_steps": steps,
+        "batch_size": args.batch,
+        "gradient_accumulation": args.grad_accum,
+        "max_seq_length": args.seq,
+        "packing": True,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.0,
+        "target_modules": "all-linear",
+        "learning_rate": args.lr,
+        "lr_scheduler": "constant",
+        "warmup_steps": 0,
+        "checkpoint_steps": 100,
+        "seed": 0,
+        "gpus": 1 if args.cuda else 0,
+        "name": "f1",
+    }
     return {**spec, **overrides}
 
 
@@ -129,10 +144,15 @@ def summarize(records: list[dict], warm: int) -> dict:
     tokens = sum(r["tokens_per_s"] * r["step_seconds"] for r in steady)
     seconds = sum(r["step_seconds"] for r in steady)
     first = [r for r in steps if r["step"] <= warm]
-    return {"steps_logged": len(steps), "train_tok_s": round(tokens / seconds, 1) if seconds else None,
-            "train_tok_s_median": round(statistics.median(r["tokens_per_s"] for r in steady), 1) if steady else None,
-            "first_steps_s": round(sum(r["step_seconds"] for r in first), 2), "warm_steps": warm,
-            "steady_steps": len(steady), "loss": curve}
+    return {
+        "steps_logged": len(steps),
+        "train_tok_s": round(tokens / seconds, 1) if seconds else None,
+        "train_tok_s_median": round(statistics.median(r["tokens_per_s"] for r in steady), 1) if steady else None,
+        "first_steps_s": round(sum(r["step_seconds"] for r in first), 2),
+        "warm_steps": warm,
+        "steady_steps": len(steady),
+        "loss": curve,
+    }
 
 
 def agreement(ours: dict[int, float], plain: dict[int, float]) -> dict:
@@ -141,17 +161,27 @@ def agreement(ours: dict[int, float], plain: dict[int, float]) -> dict:
         return {"passed": False, "steps_compared": 0, "tolerance": AGREEMENT}
     diffs = {s: abs(ours[s] - plain[s]) / abs(plain[s]) for s in common}
     worst = max(diffs, key=diffs.get)
-    return {"passed": diffs[worst] <= AGREEMENT, "max_rel_diff": round(diffs[worst], 5), "worst_step": worst,
-            "mean_rel_diff": round(sum(diffs.values()) / len(diffs), 5), "steps_compared": len(common),
-            "tolerance": AGREEMENT}
+    return {
+        "passed": diffs[worst] <= AGREEMENT,
+        "max_rel_diff": round(diffs[worst], 5),
+        "worst_step": worst,
+        "mean_rel_diff": round(sum(diffs.values()) / len(diffs), 5),
+        "steps_compared": len(common),
+        "tolerance": AGREEMENT,
+    }
 
 
 def fall(curve: dict[int, float]) -> dict | None:
     if len(curve) < 2:
         return None
     first, last = curve[min(curve)], curve[max(curve)]
-    return {"first": round(first, 4), "last": round(last, 4), "steps": max(curve), "fraction": round(1 - last / first, 4),
-            "passed": 1 - last / first >= FALL}
+    return {
+        "first": round(first, 4),
+        "last": round(last, 4),
+        "steps": max(curve),
+        "fraction": round(1 - last / first, 4),
+        "passed": 1 - last / first >= FALL,
+    }
 
 
 # --- children: engine and baseline ----------------------------------------------------------------------------------
@@ -177,8 +207,15 @@ def child_engine(args: argparse.Namespace) -> dict:
             harness.write_json(args.child_out, {**out, "records": records, "partial": True}, indent=None)
 
     with tempfile.TemporaryDirectory() as work:
-        result = finetune(opts, spec, rows, Path(work), gpus=1 if torch.cuda.is_available() else 0, on_log=on_log,
-                          should_stop=lambda: time.monotonic() > deadline)
+        result = finetune(
+            opts,
+            spec,
+            rows,
+            Path(work),
+            gpus=1 if torch.cuda.is_available() else 0,
+            on_log=on_log,
+            should_stop=lambda: time.monotonic() > deadline,
+        )
     out.update(records=records, metrics=result.metrics, partial=result.stopped)
     if torch.cuda.is_available():
         out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
@@ -201,11 +238,20 @@ def child_baseline(args: argparse.Namespace) -> dict:
     blocks = pack(build_examples(tok, read_rows(args.data), spec)[0], spec.max_seq_length, tok.pad_token_id or 0)
     per_step = spec.batch_size * spec.gradient_accumulation
     order = trainer_order(spec, len(blocks), spec.max_steps * per_step)
-    base = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.bfloat16 if cuda else torch.float32,
-                                                attn_implementation="sdpa").to(device)
+    base = AutoModelForCausalLM.from_pretrained(
+        spec.model, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
+    ).to(device)
     set_seed(spec.seed)
-    net = get_peft_model(base, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                                          target_modules=spec.target_modules, task_type="CAUSAL_LM"))
+    net = get_peft_model(
+        base,
+        LoraConfig(
+            r=spec.lora_r,
+            lora_alpha=spec.lora_alpha,
+            lora_dropout=spec.lora_dropout,
+            target_modules=spec.target_modules,
+            task_type="CAUSAL_LM",
+        ),
+    )
     params = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.learning_rate, weight_decay=0.0)
     net.train()
@@ -215,7 +261,7 @@ def child_baseline(args: argparse.Namespace) -> dict:
     out = {"blocks": len(blocks), "rows_per_step": per_step}
     step = 0
     while step < spec.max_steps and time.monotonic() < deadline:
-        idx = order[step * per_step:(step + 1) * per_step]
+        idx = order[step * per_step : (step + 1) * per_step]
         t0 = time.perf_counter()
         oom = False
         try:
@@ -237,12 +283,15 @@ def child_baseline(args: argparse.Namespace) -> dict:
         step += 1
         records.append({"step": step, "loss": loss, "tokens_per_s": tokens / seconds, "step_seconds": seconds})
         if step % 10 == 0:
-            harness.write_json(args.child_out, {**out, "records": records, "partial": True, "micro_batch": micro},
-                               indent=None)
+            harness.write_json(
+                args.child_out, {**out, "records": records, "partial": True, "micro_batch": micro}, indent=None
+            )
     out.update(records=records, micro_batch=micro, partial=step < spec.max_steps)
     if cuda:
-        out.update(peak_memory_bytes=int(torch.cuda.max_memory_allocated()),
-                   peak_reserved_bytes=int(torch.cuda.max_memory_reserved()))
+        out.update(
+            peak_memory_bytes=int(torch.cuda.max_memory_allocated()),
+            peak_reserved_bytes=int(torch.cuda.max_memory_reserved()),
+        )
     return out
 
 
@@ -284,10 +333,18 @@ def trainer_order(spec, n_blocks: int, wanted: int) -> list[int]:
             return i
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=1, seed=spec.seed, data_seed=spec.seed,
-                                 report_to="none", dataloader_num_workers=0, use_cpu=not torch.cuda.is_available())
-        loader = Trainer(model=torch.nn.Linear(1, 1), args=args, train_dataset=Index(),
-                         data_collator=lambda batch: batch).get_train_dataloader()
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=1,
+            seed=spec.seed,
+            data_seed=spec.seed,
+            report_to="none",
+            dataloader_num_workers=0,
+            use_cpu=not torch.cuda.is_available(),
+        )
+        loader = Trainer(
+            model=torch.nn.Linear(1, 1), args=args, train_dataset=Index(), data_collator=lambda batch: batch
+        ).get_train_dataloader()
         order, epoch = [], 0
         while len(order) < wanted:
             if hasattr(loader, "set_epoch"):
@@ -303,9 +360,22 @@ def trainer_order(spec, n_blocks: int, wanted: int) -> list[int]:
 def run_child(args: argparse.Namespace, phase: str, spec: dict, budget_s: float) -> dict:
     """Run `phase` (engine or baseline) in a fresh process; what it wrote comes back even if it was cut short."""
     out = args.work / f"{phase}-{int(time.time() * 1000)}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--spec-json", json.dumps(spec),
-           "--data", str(args.data), "--child-out", str(out), "--child-budget-s", str(max(budget_s - 30, 10)),
-           "--baseline-batch", str(args.baseline_batch)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        phase,
+        "--spec-json",
+        json.dumps(spec),
+        "--data",
+        str(args.data),
+        "--child-out",
+        str(out),
+        "--child-budget-s",
+        str(max(budget_s - 30, 10)),
+        "--baseline-batch",
+        str(args.baseline_batch),
+    ]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True, check=False)
@@ -324,8 +394,23 @@ def run_service(args: argparse.Namespace, spec: dict, budget_s: float) -> dict:
     """Ours as a fine-tune job: start the stack, upload, submit, wait; read the loss and step times back."""
     deadline = time.monotonic() + budget_s
     t = time.monotonic()
-    up = subprocess.run([sys.executable, "-m", "api", "up", "--detach", "--gpus", "0" if args.cuda else "none",
-                         "--port", str(args.port)], capture_output=True, text=True, cwd=ROOT, check=False)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "api",
+            "up",
+            "--detach",
+            "--gpus",
+            "0" if args.cuda else "none",
+            "--port",
+            str(args.port),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     report: dict = {"up_s": round(time.monotonic() - t, 2)}
     if up.returncode != 0:
         return {**report, "error": f"gpujobs up failed: {(up.stderr or up.stdout)[-2000:]}"}
@@ -361,9 +446,13 @@ def _service_job(args: argparse.Namespace, spec: dict, deadline: float, report: 
     while batch := client.events(job["id"], after=after):
         events += batch
         after = batch[-1]["id"]
-    report.update(state=job["state"], error=job.get("error"), job_wall_s=round(
-        (job.get("finished_at") or time.time()) - (job.get("started_at") or job["created_at"]), 1),
-        training=(job.get("metrics") or {}).get("training"), load_options=job.get("load_options"))
+    report.update(
+        state=job["state"],
+        error=job.get("error"),
+        job_wall_s=round((job.get("finished_at") or time.time()) - (job.get("started_at") or job["created_at"]), 1),
+        training=(job.get("metrics") or {}).get("training"),
+        load_options=job.get("load_options"),
+    )
     report["records"] = [e["data"] for e in events if e["kind"] == "metric" and e.get("data")]
     report["messages"] = [e["message"] for e in events if e["kind"] != "metric"][-12:]
 
@@ -375,11 +464,17 @@ def ours_summary(result: dict, warm: int) -> dict:
     """Throughput, loss, memory and the speed levers that ran, from an engine child's or the service's result."""
     metrics = result.get("metrics") or result.get("training") or {}
     peak = metrics.get("peak_memory_bytes")
-    summary = {**summarize(result.get("records") or [], warm), "peak_gib": round(peak / 2**30, 2) if peak else None,
-               "peak_reserved_gib": round(result["peak_reserved_bytes"] / 2**30, 2)
-               if result.get("peak_reserved_bytes") else None,
-               "speed": metrics.get("speed"), "train_seconds": metrics.get("train_seconds"),
-               "wall_s": result.get("wall_s"), "partial": bool(result.get("partial"))}
+    summary = {
+        **summarize(result.get("records") or [], warm),
+        "peak_gib": round(peak / 2**30, 2) if peak else None,
+        "peak_reserved_gib": round(result["peak_reserved_bytes"] / 2**30, 2)
+        if result.get("peak_reserved_bytes")
+        else None,
+        "speed": metrics.get("speed"),
+        "train_seconds": metrics.get("train_seconds"),
+        "wall_s": result.get("wall_s"),
+        "partial": bool(result.get("partial")),
+    }
     for key in ("job_id", "state", "error", "up_s", "submit_s", "job_wall_s", "messages"):
         if result.get(key) is not None:
             summary[key] = result[key]
@@ -387,9 +482,13 @@ def ours_summary(result: dict, warm: int) -> dict:
 
 
 def baseline_summary(result: dict, warm: int) -> dict:
-    summary = {**summarize(result.get("records") or [], warm), "micro_batch": result.get("micro_batch"),
-               "rows_per_step": result.get("rows_per_step"), "wall_s": result.get("wall_s"),
-               "partial": bool(result.get("partial"))}
+    summary = {
+        **summarize(result.get("records") or [], warm),
+        "micro_batch": result.get("micro_batch"),
+        "rows_per_step": result.get("rows_per_step"),
+        "wall_s": result.get("wall_s"),
+        "partial": bool(result.get("partial")),
+    }
     for key, name in (("peak_memory_bytes", "peak_gib"), ("peak_reserved_bytes", "peak_reserved_gib")):
         if result.get(key):
             summary[name] = round(result[key] / 2**30, 2)
@@ -412,11 +511,23 @@ def prepare(args: argparse.Namespace) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model)
     rows_per_step = max(args.batch * args.grad_accum, args.baseline_batch)
     needed = max(args.steps, args.variant_steps) * rows_per_step * args.seq
-    rows = corpus(tok, int(needed * 1.12), words=args.words, branch=args.branch, min_words=args.min_words,
-                  max_words=args.max_words)
+    rows = corpus(
+        tok,
+        int(needed * 1.12),
+        words=args.words,
+        branch=args.branch,
+        min_words=args.min_words,
+        max_words=args.max_words,
+    )
     args.data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"model": str(args.model), "model_build_s": built_s, "corpus_rows": len(rows), "words": args.words,
-            "branch": args.branch, "row_words": [args.min_words, args.max_words]}
+    return {
+        "model": str(args.model),
+        "model_build_s": built_s,
+        "corpus_rows": len(rows),
+        "words": args.words,
+        "branch": args.branch,
+        "row_words": [args.min_words, args.max_words],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,10 +546,19 @@ def main(argv: list[str] | None = None) -> int:
     args.data = args.work / "f1-corpus.jsonl"
     os.environ.setdefault("JOBS_HOME", str(args.work / "jobs-home"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = {"f1": {}, "started": time.time(), "machine": harness.machine(), "device": capabilities.gpus() or "cpu",
-              "versions": capabilities.versions(), **harness.commit_info(),
-              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                           if k not in ("child", "spec_json", "child_out", "child_budget_s")}}
+    report = {
+        "f1": {},
+        "started": time.time(),
+        "machine": harness.machine(),
+        "device": capabilities.gpus() or "cpu",
+        "versions": capabilities.versions(),
+        **harness.commit_info(),
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("child", "spec_json", "child_out", "child_budget_s")
+        },
+    }
     box = harness.TimeBox(args.budget_s, report, log=log)
     report["corpus"] = prepare(args)
     log(f"model and corpus ready ({report['corpus']})")
@@ -450,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             f1["variants"] = run_variants(args, left)
             continue
         steps_s = args.steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s[phase]
-        keep = sum(RESERVE_S[later] for later in args.phases[i + 1:]) * args.estimate_scale + 5
+        keep = sum(RESERVE_S[later] for later in args.phases[i + 1 :]) * args.estimate_scale + 5
         if not box.fits(phase, OVERHEAD_S[phase] * args.estimate_scale + 0.3 * steps_s, keep_s=keep):
             continue
         budget = left() - keep
@@ -478,8 +598,10 @@ def run_variants(args: argparse.Namespace, left) -> dict:
             continue
         log(f"variant {name}: {args.variant_steps} steps, {left():.0f} s left")
         spec = bench_spec(args, args.variant_steps, **VARIANTS[name], checkpoint_steps=10**6)
-        results[name] = {"overrides": VARIANTS[name], **ours_summary(run_child(args, "engine", spec, left() - 5),
-                                                                      min(args.warm_steps, args.variant_steps // 3))}
+        results[name] = {
+            "overrides": VARIANTS[name],
+            **ours_summary(run_child(args, "engine", spec, left() - 5), min(args.warm_steps, args.variant_steps // 3)),
+        }
     return results
 
 
@@ -499,23 +621,30 @@ def _finish(report: dict, args: argparse.Namespace) -> None:
         if ours.get("peak_gib") and base.get("peak_gib"):
             f1["ratios"]["peak_memory_ours_vs_baseline"] = round(ours["peak_gib"] / base["peak_gib"], 3)
     if ours:
-        met = {"train_tok_s": (ours.get("train_tok_s") or 0) >= TARGET_TOK_S,
-               "peak_gib": ours.get("peak_gib") is not None and ours["peak_gib"] <= TARGET_GIB,
-               "loss_agreement": (f1.get("loss_agreement") or {}).get("passed", False),
-               "loss_fall": ((f1.get("loss_fall") or {}).get("ours") or {}).get("passed", False),
-               "steps": (ours.get("steps_logged") or 0) >= 200}
+        met = {
+            "train_tok_s": (ours.get("train_tok_s") or 0) >= TARGET_TOK_S,
+            "peak_gib": ours.get("peak_gib") is not None and ours["peak_gib"] <= TARGET_GIB,
+            "loss_agreement": (f1.get("loss_agreement") or {}).get("passed", False),
+            "loss_fall": ((f1.get("loss_fall") or {}).get("ours") or {}).get("passed", False),
+            "steps": (ours.get("steps_logged") or 0) >= 200,
+        }
         f1["targets"] = {"train_tok_s": TARGET_TOK_S, "peak_gib": TARGET_GIB, "checks": met, "met": all(met.values())}
     report["finished"] = time.time()
     harness.write_json(args.out, report, indent=1)
 
 
 def print_table(f1: dict) -> None:
-    runs = [("plain PEFT + AdamW", f1.get("baseline")), ("ours, service job", f1.get("service")),
-            ("ours, finetune()", f1.get("engine"))]
+    runs = [
+        ("plain PEFT + AdamW", f1.get("baseline")),
+        ("ours, service job", f1.get("service")),
+        ("ours, finetune()", f1.get("engine")),
+    ]
     runs += [(f"variant {k}", v) for k, v in (f1.get("variants") or {}).items()]
     base = (f1.get("baseline") or {}).get("train_tok_s")
-    print(f"{'run':<30} {'steps':>5} {'tok/s':>9} {'median':>9} {'x plain':>7} {'peak GiB':>8} {'resv GiB':>8} "
-          f"{'compile s':>9} {'first s':>7} {'last loss':>9}  levers")
+    print(
+        f"{'run':<30} {'steps':>5} {'tok/s':>9} {'median':>9} {'x plain':>7} {'peak GiB':>8} {'resv GiB':>8} "
+        f"{'compile s':>9} {'first s':>7} {'last loss':>9}  levers"
+    )
     for label, r in runs:
         if not r or r.get("skipped"):
             if r:
@@ -525,11 +654,14 @@ def print_table(f1: dict) -> None:
         levers = ",".join(str(speed.get(k)) for k in ("loss", "packed_attention", "compile")) if speed else "-"
         tok_s = r.get("train_tok_s")
         last = r["loss"][max(r["loss"])] if r.get("loss") else None
-        print(f"{label:<30} {r.get('steps_logged', 0):>5} {tok_s!s:>9} {r.get('train_tok_s_median')!s:>9} "
-              f"{(round(tok_s / base, 2) if tok_s and base else '-')!s:>7} {r.get('peak_gib', '-')!s:>8} "
-              f"{r.get('peak_reserved_gib', '-')!s:>8} {speed.get('compile_seconds', '-')!s:>9} "
-              f"{r.get('first_steps_s', '-')!s:>7} {(round(last, 4) if last else '-')!s:>9}  {levers}"
-              + ("  ERROR" if r.get("error") else "") + ("  (partial)" if r.get("partial") else ""))
+        print(
+            f"{label:<30} {r.get('steps_logged', 0):>5} {tok_s!s:>9} {r.get('train_tok_s_median')!s:>9} "
+            f"{(round(tok_s / base, 2) if tok_s and base else '-')!s:>7} {r.get('peak_gib', '-')!s:>8} "
+            f"{r.get('peak_reserved_gib', '-')!s:>8} {speed.get('compile_seconds', '-')!s:>9} "
+            f"{r.get('first_steps_s', '-')!s:>7} {(round(last, 4) if last else '-')!s:>9}  {levers}"
+            + ("  ERROR" if r.get("error") else "")
+            + ("  (partial)" if r.get("partial") else "")
+        )
     for key in ("loss_agreement", "loss_fall", "ratios", "targets"):
         if f1.get(key):
             print(f"{key}: {json.dumps(f1[key])}")
@@ -537,11 +669,18 @@ def print_table(f1: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = harness.parser(__doc__, out=harness.RESULTS / "f1.json")
-    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "f1-work",
-                   help="model, corpus, the stack's JOBS_HOME (unless set) and the children's files")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "f1-work",
+        help="model, corpus, the stack's JOBS_HOME (unless set) and the children's files",
+    )
     p.add_argument("--model", type=Path, help="the model folder (built there if missing; default WORK/model)")
-    p.add_argument("--phases", help="comma list, run in this order, of: service, engine, baseline, variants "
-                   "(default service,baseline; with --smoke all but engine)")
+    p.add_argument(
+        "--phases",
+        help="comma list, run in this order, of: service, engine, baseline, variants "
+        "(default service,baseline; with --smoke all but engine)",
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of ours and of the baseline")
     p.add_argument("--warm-steps", type=int, default=5, help="first steps left out of the steady throughput")
     p.add_argument("--seq", type=int, default=2048, help="tokens per packed block")
@@ -555,8 +694,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-words", type=int, default=1024)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--variant-steps", type=int, default=30)
-    p.add_argument("--budget-s", type=float, default=410, help="wall-clock budget of the whole script; a phase is "
-                   "skipped if it cannot fit, cut (keeping what it logged) if it runs over")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=410,
+        help="wall-clock budget of the whole script; a phase is "
+        "skipped if it cannot fit, cut (keeping what it logged) if it runs over",
+    )
     p.add_argument("--estimate-scale", type=float, default=1.0, help="scale of the per-phase overhead estimates")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny model, short blocks, few steps")
@@ -571,8 +715,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps, args.warm_steps, args.variant_steps, args.min_words, args.max_words = 12, 2, 4, 8, 60
         args.estimate_scale, args.variants = 0.0, "auto"
     args.model = args.model or args.work / ("model-tiny" if args.smoke else "model")
-    args.phases = [x for x in (args.phases or ("service,baseline,variants" if args.smoke else "service,baseline"))
-                   .split(",") if x]
+    args.phases = [
+        x for x in (args.phases or ("service,baseline,variants" if args.smoke else "service,baseline")).split(",") if x
+    ]
     if set(args.phases) - {"service", "engine", "baseline", "variants"}:
         p.error(f"unknown phases in {args.phases}: use service, engine, baseline, variants")
     args.variants = [x for x in args.variants.split(",") if x]
@@ -580,8 +725,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown variants {unknown}: use {', '.join(VARIANTS)}")
     # steady tok/s assumed when checking whether a phase fits the budget (H200 guesses; CPU runs are tiny)
-    args.expect_tok_s = {"service": 90_000, "engine": 90_000, "baseline": 36_000} if not args.smoke else \
-        {"service": 1e9, "engine": 1e9, "baseline": 1e9}
+    args.expect_tok_s = (
+        {"service": 90_000, "engine": 90_000, "baseline": 36_000}
+        if not args.smoke
+        else {"service": 1e9, "engine": 1e9, "baseline": 1e9}
+    )
     return args
 
 

@@ -30,8 +30,9 @@ def engine_runs(torch, args, out: dict) -> None:
     from worker.engines.common import Prepared
     from worker.loader import Loaded
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, device_map="cuda",
-                                                 attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16, device_map="cuda", attn_implementation="sdpa"
+    ).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     loaded = Loaded(model, tok, model.device, {})
     import random
@@ -56,8 +57,14 @@ def engine_runs(torch, args, out: dict) -> None:
         wall = time.perf_counter() - t
         stats: dict = {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0}
         eng.record(stats)
-        row = {"compiled": compiled, "tokens": n, "wall_s": round(wall, 3), "tok_s": round(n / wall, 1),
-               "decode_ms_per_step": round(1000 * eng.decode_s / max(eng.steps, 1), 3), **stats}
+        row = {
+            "compiled": compiled,
+            "tokens": n,
+            "wall_s": round(wall, 3),
+            "tok_s": round(n / wall, 1),
+            "decode_ms_per_step": round(1000 * eng.decode_s / max(eng.steps, 1), 3),
+            **stats,
+        }
         out["engine"].append(row)
         print(row, flush=True)
         if compiled:

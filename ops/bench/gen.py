@@ -65,8 +65,10 @@ def workload(name: str, tok, smoke: bool) -> list[tuple[str, int]]:
         n, lengths = (24, [(16, 16)]) if smoke else (1024, [(256, 256)])
         return [("".join(rng.choice(words) for _ in range(i)), o) for i, o in lengths * n]
     n, (lo_in, hi_in), (lo_out, hi_out) = (32, (4, 40), (2, 24)) if smoke else (2048, (32, 1024), (16, 512))
-    return [("".join(rng.choice(words) for _ in range(rng.randint(lo_in, hi_in))), rng.randint(lo_out, hi_out))
-            for _ in range(n)]
+    return [
+        ("".join(rng.choice(words) for _ in range(rng.randint(lo_in, hi_in))), rng.randint(lo_out, hi_out))
+        for _ in range(n)
+    ]
 
 
 def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
@@ -80,10 +82,16 @@ def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
     steps = outputs / min(len(rows), FULL_BATCH)
     weights = params * dtype_bytes * steps
     seconds = (kv + weights) / BANDWIDTH
-    return {"bound_tok_s": round(outputs / seconds, 1), "kv_bytes": kv, "weight_bytes": weights,
-            "kv_bytes_per_token": per_token, "params": params, "output_tokens": outputs,
-            "definition": "sum over rows and steps of context x KV bytes/token, plus weights once per step of a "
-                          f"full batch of {FULL_BATCH}, at {BANDWIDTH / 1e12} TB/s"}
+    return {
+        "bound_tok_s": round(outputs / seconds, 1),
+        "kv_bytes": kv,
+        "weight_bytes": weights,
+        "kv_bytes_per_token": per_token,
+        "params": params,
+        "output_tokens": outputs,
+        "definition": "sum over rows and steps of context x KV bytes/token, plus weights once per step of a "
+        f"full batch of {FULL_BATCH}, at {BANDWIDTH / 1e12} TB/s",
+    }
 
 
 def _param_count(config) -> int:
@@ -112,9 +120,16 @@ def run_inproc(args: argparse.Namespace) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    out: dict = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
-                 "transformers": transformers.__version__, "engine": {}, "baselines": {}, "correctness": {},
-                 "errors": {}, "skipped": []}
+    out: dict = {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "engine": {},
+        "baselines": {},
+        "correctness": {},
+        "errors": {},
+        "skipped": [],
+    }
     box = harness.TimeBox(args.budget_s, out, save=lambda: harness.write_json(args.child_out, out), log=log)
     step = box.run
 
@@ -140,15 +155,25 @@ def run_inproc(args: argparse.Namespace) -> int:
             harness.reset_peak()
             harness.sync()
             t = time.perf_counter()
-            tokens = sum(r.completion_tokens or 0 for b in engine.generate(loaded, spec, rows, batch_rows=256,
-                                                                           info=info) for r in b)
+            tokens = sum(
+                r.completion_tokens or 0
+                for b in engine.generate(loaded, spec, rows, batch_rows=256, info=info)
+                for r in b
+            )
             harness.sync()
             seconds = time.perf_counter() - t
-            out["engine"][name] = {"rows": len(rows), "output_tokens": tokens, "seconds": round(seconds, 3),
-                                   "output_tok_s": round(tokens / seconds, 1), "peak_memory_bytes":
-                                   harness.peak(), "info": info}
-            log(f"engine fast ({name}): {tokens / seconds:,.0f} output tok/s, {seconds:.2f} s, "
-                f"{info.get('fast', {}).get('steps')} steps, capture {info.get('fast', {}).get('capture_s')} s")
+            out["engine"][name] = {
+                "rows": len(rows),
+                "output_tokens": tokens,
+                "seconds": round(seconds, 3),
+                "output_tok_s": round(tokens / seconds, 1),
+                "peak_memory_bytes": harness.peak(),
+                "info": info,
+            }
+            log(
+                f"engine fast ({name}): {tokens / seconds:,.0f} output tok/s, {seconds:.2f} s, "
+                f"{info.get('fast', {}).get('steps')} steps, capture {info.get('fast', {}).get('capture_s')} s"
+            )
         out["engine"]["output_tok_s"] = out["engine"]["warm"]["output_tok_s"]
 
     step("engine", 40, engine_runs)
@@ -161,29 +186,43 @@ def run_inproc(args: argparse.Namespace) -> int:
         other_data = workload(other, tok, args.smoke)
         other_rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(other_data)]
         runs, outputs = [], {}
-        for name, these, fresh in ((other, other_rows, False), (args.workload, rows, False),
-                                   (other, other_rows, True), (args.workload, rows, True)):
+        for name, these, fresh in (
+            (other, other_rows, False),
+            (args.workload, rows, False),
+            (other, other_rows, True),
+            (args.workload, rows, True),
+        ):
             if fresh:
                 fastgen.release(model)
             info: dict = {}
             harness.sync()
             t = time.perf_counter()
-            got = {r.idx: r.output for b in engine.generate(loaded, spec, these, batch_rows=256, info=info)
-                   for r in b}
+            got = {r.idx: r.output for b in engine.generate(loaded, spec, these, batch_rows=256, info=info) for r in b}
             harness.sync()
             seconds = time.perf_counter() - t
             tokens = sum(o for _, o in (other_data if name == other else data))
-            runs.append({"workload": name, "state": "fresh" if fresh else "resident", "seconds": round(seconds, 3),
-                         "output_tok_s": round(tokens / seconds, 1), "slots": info.get("fast", {}).get("slots"),
-                         "pages": info.get("fast", {}).get("pages"), "steps": info.get("fast", {}).get("steps")})
+            runs.append(
+                {
+                    "workload": name,
+                    "state": "fresh" if fresh else "resident",
+                    "seconds": round(seconds, 3),
+                    "output_tok_s": round(tokens / seconds, 1),
+                    "slots": info.get("fast", {}).get("slots"),
+                    "pages": info.get("fast", {}).get("pages"),
+                    "steps": info.get("fast", {}).get("steps"),
+                }
+            )
             log(f"sequence: {name} on a {runs[-1]['state']} state: {seconds:.2f} s, {tokens / seconds:,.0f} tok/s")
             if fresh:
                 same = sum(outputs[name][i] == got[i] for i in got)
                 runs[-1]["equal_to_resident"] = f"{same}/{len(got)}"
             else:
                 outputs[name] = got
-        equal = all(r["equal_to_resident"].split("/")[0] == r["equal_to_resident"].split("/")[1]
-                    for r in runs if "equal_to_resident" in r)
+        equal = all(
+            r["equal_to_resident"].split("/")[0] == r["equal_to_resident"].split("/")[1]
+            for r in runs
+            if "equal_to_resident" in r
+        )
         out["engine"]["sequence"] = runs
         out["correctness"]["resident_equals_fresh"] = {"passed": equal, "runs": runs}
 
@@ -193,8 +232,10 @@ def run_inproc(args: argparse.Namespace) -> int:
     def logits() -> None:
         out["correctness"]["logits_fast_vs_generate"] = _logits_check(torch, fastgen, loaded, rows, device, dtype)
         c = out["correctness"]["logits_fast_vs_generate"]
-        log(f"logits fast vs generate: max |diff| {c['max_abs_diff']:.4f} (|logit| up to {c['max_abs_logit']:.1f}, "
-            f"tolerance {c['tolerance']:.3f}) over {c['steps']} steps at batch {c['batch']}; passed {c['passed']}")
+        log(
+            f"logits fast vs generate: max |diff| {c['max_abs_diff']:.4f} (|logit| up to {c['max_abs_logit']:.1f}, "
+            f"tolerance {c['tolerance']:.3f}) over {c['steps']} steps at batch {c['batch']}; passed {c['passed']}"
+        )
 
     step("logits", 20, logits)
     fastgen.release(model)
@@ -211,16 +252,27 @@ def run_inproc(args: argparse.Namespace) -> int:
             new = max(data[i][1] for i in part)
             enc = tok.pad({"input_ids": [ids[i] for i in part]}, padding=True, return_tensors="pt").to(device)
             with torch.inference_mode():
-                model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False, temperature=None,
-                               top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+                model.generate(
+                    **enc,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    pad_token_id=tok.pad_token_id,
+                )
             useful += sum(data[i][1] for i in part)
         harness.sync()
         seconds = time.perf_counter() - t
         out["baselines"][f"generate_padded_{args.padded_batch}"] = {
-            "rows": n, "output_tokens": useful, "seconds": round(seconds, 3),
+            "rows": n,
+            "output_tokens": useful,
+            "seconds": round(seconds, 3),
             "output_tok_s": round(useful / seconds, 1),
             "note": "rows sorted by prompt length, each call runs to its longest max_new_tokens; only each row's "
-                    "own max_new_tokens count"}
+            "own max_new_tokens count",
+        }
         log(f"baseline padded generate: {useful / seconds:,.0f} output tok/s ({n} rows)")
 
     step("baseline_padded", 20 if args.smoke else 60, padded)
@@ -242,9 +294,14 @@ def run_inproc(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - t
         tokens = n * data[0][1]
         out["baselines"]["static_generate_1024"] = {
-            "rows": n, "output_tokens": tokens, "compile_s": round(compile_s, 3), "seconds": round(seconds, 3),
-            "output_tok_s": round(tokens / seconds, 1), "attn_implementation": "sdpa",
-            "note": "compile_s: a 4-token call at the same batch and cache length (transformers compiles it)"}
+            "rows": n,
+            "output_tokens": tokens,
+            "compile_s": round(compile_s, 3),
+            "seconds": round(seconds, 3),
+            "output_tok_s": round(tokens / seconds, 1),
+            "attn_implementation": "sdpa",
+            "note": "compile_s: a 4-token call at the same batch and cache length (transformers compiles it)",
+        }
         log(f"baseline static-cache generate: {tokens / seconds:,.0f} output tok/s (compile {compile_s:.1f} s)")
 
     if args.workload == "g1":
@@ -255,13 +312,21 @@ def run_inproc(args: argparse.Namespace) -> int:
         with torch.inference_mode():
             harness.sync()
             t = time.perf_counter()
-            model.generate_batch(inputs=ids[:n], generation_config=transformers.GenerationConfig(
-                max_new_tokens=data[0][1], min_new_tokens=data[0][1], do_sample=False, eos_token_id=-1))
+            model.generate_batch(
+                inputs=ids[:n],
+                generation_config=transformers.GenerationConfig(
+                    max_new_tokens=data[0][1], min_new_tokens=data[0][1], do_sample=False, eos_token_id=-1
+                ),
+            )
             harness.sync()
         seconds = time.perf_counter() - t
         tokens = sum(o for _, o in data[:n])
-        out["baselines"]["generate_batch_defaults"] = {"rows": n, "output_tokens": tokens, "seconds":
-                                                       round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
+        out["baselines"]["generate_batch_defaults"] = {
+            "rows": n,
+            "output_tokens": tokens,
+            "seconds": round(seconds, 3),
+            "output_tok_s": round(tokens / seconds, 1),
+        }
         log(f"baseline generate_batch defaults: {tokens / seconds:,.0f} output tok/s ({n} rows)")
 
     if args.slow:
@@ -282,10 +347,19 @@ def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, step
     n = min(n, slots)
     enc = tok.pad({"input_ids": ids[:n]}, padding=True, return_tensors="pt").to(device)
     with torch.inference_mode():
-        want = model.generate(**enc, max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False,
-                              temperature=None, top_p=None, top_k=None, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
-    forced = want.sequences[:, enc["input_ids"].shape[1]:]  # (n, steps + 1)
+        want = model.generate(
+            **enc,
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.pad_token_id,
+        )
+    forced = want.sequences[:, enc["input_ids"].shape[1] :]  # (n, steps + 1)
     from worker.engines.common import Prepared
 
     eng = fastgen.Engine(loaded, state, set(), slots=slots, graphs=False)
@@ -317,9 +391,18 @@ def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, step
             state.pos[:batch] += state.active[:batch]
     fastgen.release(model)
     tol = 0.05 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-3 * max(scale, 1.0)
-    return {"rows": n, "batch": batch, "steps": steps, "max_abs_diff": max(diffs), "per_step_max_abs_diff":
-            [round(d, 4) for d in diffs], "max_abs_logit": scale, "tolerance": tol,
-            "greedy_tokens_equal": agree, "of_tokens": n * (steps + 1), "passed": max(diffs) <= tol}
+    return {
+        "rows": n,
+        "batch": batch,
+        "steps": steps,
+        "max_abs_diff": max(diffs),
+        "per_step_max_abs_diff": [round(d, 4) for d in diffs],
+        "max_abs_logit": scale,
+        "tolerance": tol,
+        "greedy_tokens_equal": agree,
+        "of_tokens": n * (steps + 1),
+        "passed": max(diffs) <= tol,
+    }
 
 
 # --- the service ---------------------------------------------------------------------------------------------
@@ -333,20 +416,31 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     data = workload(args.workload, tok, args.smoke)
     main = work / f"{args.workload}.jsonl"
-    main.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"}) + "\n"
-                            for i, (p, o) in enumerate(data)))
+    main.write_text(
+        "".join(
+            json.dumps({"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"}) + "\n" for i, (p, o) in enumerate(data)
+        )
+    )
     small = work / "small.jsonl"
     small.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 16}) + "\n" for p, _ in data[:16]))
     t = time.monotonic()
-    up = subprocess.run([sys.executable, "-m", "api", "up", "--detach", "--gpus", args.up_gpus, "--port",
-                         str(args.port)], capture_output=True, text=True)
+    up = subprocess.run(
+        [sys.executable, "-m", "api", "up", "--detach", "--gpus", args.up_gpus, "--port", str(args.port)],
+        capture_output=True,
+        text=True,
+    )
     if up.returncode != 0:
         raise RuntimeError(f"gpujobs up failed: {up.stderr[-2000:]}")
     report["up_s"] = round(time.monotonic() - t, 2)
     try:
         client = Client()
-        base = {"model": str(args.model), "ignore_eos": True, "batch_rows": args.batch_rows,
-                "shard_rows": len(data), "gpus": args.spec_gpus}
+        base = {
+            "model": str(args.model),
+            "ignore_eos": True,
+            "batch_rows": args.batch_rows,
+            "shard_rows": len(data),
+            "gpus": args.spec_gpus,
+        }
         small_id = client.upload(small)["id"]
         for name in ("warm_up", "warm_start"):
             t = time.monotonic()
@@ -354,11 +448,17 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             job = client.wait(job["id"], poll=0.2, timeout=300)
             numbers = harness.sql_numbers(job["id"])
             first = min(numbers["commit_times_s"]) if numbers["commit_times_s"] else None
-            report[name] = {"id": job["id"], "state": job["state"], "wall_s": round(time.monotonic() - t, 2),
-                            "first_row_after_shard_start_s": first, "engine": (job.get("load_options") or {})
-                            .get("engine"), "error": job["error"]}
-            log(f"{name} job {job['state']} in {report[name]['wall_s']} s (first row {first} s after its shard "
-                "started)")
+            report[name] = {
+                "id": job["id"],
+                "state": job["state"],
+                "wall_s": round(time.monotonic() - t, 2),
+                "first_row_after_shard_start_s": first,
+                "engine": (job.get("load_options") or {}).get("engine"),
+                "error": job["error"],
+            }
+            log(
+                f"{name} job {job['state']} in {report[name]['wall_s']} s (first row {first} s after its shard started)"
+            )
             if job["state"] != "succeeded":
                 raise RuntimeError(f"{name} job {job['state']}: {job['error']}")
         job = client.submit({**base, "input": client.upload(main)["id"], "name": args.workload})
@@ -414,19 +514,33 @@ def ratios(r: dict) -> dict:
 
 
 def print_table(name: str, r: dict) -> None:
-    print(f"\n{name.upper()} on {r.get('device')}: {r['workload']}; torch {r.get('torch')}, transformers "
-          f"{r.get('transformers')}; commit {r.get('commit')}")
+    print(
+        f"\n{name.upper()} on {r.get('device')}: {r['workload']}; torch {r.get('torch')}, transformers "
+        f"{r.get('transformers')}; commit {r.get('commit')}"
+    )
     print(f"{'':44}{'tok/s':>10}{'peak GiB':>10}{'compile s':>11}")
-    lines = [("ours: service (fast engine, SQL)", r["service"].get("output_tok_s"), None, None),
-             ("ours: engine alone (warm)", r["engine"].get("output_tok_s"),
-              r["engine"].get("warm", {}).get("peak_memory_bytes"), None),
-             ("ours: engine alone (cold)", r["engine"].get("cold", {}).get("output_tok_s"), None,
-              r["engine"].get("cold", {}).get("info", {}).get("fast", {}).get("capture_s"))]
+    lines = [
+        ("ours: service (fast engine, SQL)", r["service"].get("output_tok_s"), None, None),
+        (
+            "ours: engine alone (warm)",
+            r["engine"].get("output_tok_s"),
+            r["engine"].get("warm", {}).get("peak_memory_bytes"),
+            None,
+        ),
+        (
+            "ours: engine alone (cold)",
+            r["engine"].get("cold", {}).get("output_tok_s"),
+            None,
+            r["engine"].get("cold", {}).get("info", {}).get("fast", {}).get("capture_s"),
+        ),
+    ]
     lines += [(f"baseline: {k}", b.get("output_tok_s"), None, b.get("compile_s")) for k, b in r["baselines"].items()]
     lines.append(("bound (from the dataset)", r.get("bound_tok_s"), None, None))
     for label, tps, peak, comp in lines:
-        print(f"{label:44}{(f'{tps:,.0f}' if tps else '-'):>10}{(f'{peak / 2**30:.1f}' if peak else ''):>10}"
-              f"{(f'{comp:.1f}' if comp else ''):>11}")
+        print(
+            f"{label:44}{(f'{tps:,.0f}' if tps else '-'):>10}{(f'{peak / 2**30:.1f}' if peak else ''):>10}"
+            f"{(f'{comp:.1f}' if comp else ''):>11}"
+        )
     for k, v in r["ratios"].items():
         print(f"  {k} = {v}")
     for k, c in r["correctness"].items():
@@ -436,8 +550,15 @@ def print_table(name: str, r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = harness.parser(__doc__, out=None, out_help="the JSON written (default: ops/bench/results/<workload>.json)",
-                       model=Path("/tmp/g1-model"), smoke=True, port=8765, work=Path("/tmp/gen-work"))
+    p = harness.parser(
+        __doc__,
+        out=None,
+        out_help="the JSON written (default: ops/bench/results/<workload>.json)",
+        model=Path("/tmp/g1-model"),
+        smoke=True,
+        port=8765,
+        work=Path("/tmp/gen-work"),
+    )
     p.add_argument("workload", choices=["g1", "g2"])
     p.add_argument("--qa-model", type=Path, default=Path("/tmp/g1-qa-model"), help="built there if missing")
     p.add_argument("--slow", action="store_true", help="also transformers' generate_batch with its defaults")
@@ -465,9 +586,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     harness.ensure_model(args.model, *(["--steps", "1"] if args.smoke else ["--arch", "qwen3-0.6b"]))
     harness.ensure_model(args.qa_model, "--qa", str(ROOT / "examples" / "qa.jsonl"))
-    r: dict = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **harness.commit_info(),
-               "workload": args.workload, "engine": {}, "baselines": {}, "correctness": {}, "service": {},
-               "skipped": [], "errors": {}, "model_build_s": round(time.monotonic() - t0, 1)}
+    r: dict = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **harness.commit_info(),
+        "workload": args.workload,
+        "engine": {},
+        "baselines": {},
+        "correctness": {},
+        "service": {},
+        "skipped": [],
+        "errors": {},
+        "model_build_s": round(time.monotonic() - t0, 1),
+    }
 
     def save() -> None:
         harness.write_json(args.out, {args.workload: r})
@@ -476,19 +606,41 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    r["bound"] = bound(AutoConfig.from_pretrained(args.model), [(len(tok(p)["input_ids"]), o) for p, o in
-                                                                workload(args.workload, tok, args.smoke)])
+    r["bound"] = bound(
+        AutoConfig.from_pretrained(args.model),
+        [(len(tok(p)["input_ids"]), o) for p, o in workload(args.workload, tok, args.smoke)],
+    )
     r["bound_tok_s"] = r["bound"]["bound_tok_s"]
     log(f"bound of {args.workload}: {r['bound_tok_s']:,.0f} output tok/s ({r['bound']['output_tokens']:,} tokens)")
     save()
     if "inproc" not in skip:
         child_out = args.work / "child.json"
         child_out.unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), args.workload, "--phase", "inproc", "--child-out",
-               str(child_out), "--model", str(args.model), "--qa-model", str(args.qa_model), "--budget-s",
-               str(args.inproc_s - 10), "--padded-batch", str(args.padded_batch), "--padded-rows",
-               str(args.padded_rows), "--slow-rows", str(args.slow_rows)] + ["--smoke"] * args.smoke + \
-            ["--slow"] * args.slow
+        cmd = (
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                args.workload,
+                "--phase",
+                "inproc",
+                "--child-out",
+                str(child_out),
+                "--model",
+                str(args.model),
+                "--qa-model",
+                str(args.qa_model),
+                "--budget-s",
+                str(args.inproc_s - 10),
+                "--padded-batch",
+                str(args.padded_batch),
+                "--padded-rows",
+                str(args.padded_rows),
+                "--slow-rows",
+                str(args.slow_rows),
+            ]
+            + ["--smoke"] * args.smoke
+            + ["--slow"] * args.slow
+        )
         try:
             rc = subprocess.run(cmd, timeout=args.inproc_s).returncode
         except subprocess.TimeoutExpired:

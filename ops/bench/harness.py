@@ -29,8 +29,10 @@ SEED = 0
 
 def logger(name: str, stream=None) -> Callable[[str], None]:
     """`log(message)`: one timestamped line `[name HH:MM:SS] message`, flushed (stdout unless `stream`)."""
+
     def log(message: str) -> None:
         print(f"[{name} {time.strftime('%H:%M:%S')}] {message}", file=stream or sys.stdout, flush=True)
+
     return log
 
 
@@ -44,8 +46,9 @@ def commit_info() -> dict[str, Any]:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         info["commit"] = head.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                               check=False).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout
         info["modified"] = [ln[3:] for ln in dirty.splitlines() if ln[:2].strip() and not ln.startswith("??")]
         info["dirty"] = bool(info["modified"])
     except (OSError, subprocess.CalledProcessError):
@@ -62,15 +65,29 @@ def machine() -> dict[str, Any]:
                 mem = int(line.split()[1]) * 1024
     except OSError:
         pass
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"host": platform.node(), "nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-            "memory_bytes": mem, "cpu": cpu, "platform": platform.platform(), "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return {
+        "host": platform.node(),
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "memory_bytes": mem,
+        "cpu": cpu,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
-def versions(names: tuple[str, ...] = ("torch", "transformers", "sqlalchemy", "celery", "fastapi", "uvicorn", "redis",
-                                       "httpx")) -> dict[str, str]:
+def versions(
+    names: tuple[str, ...] = ("torch", "transformers", "sqlalchemy", "celery", "fastapi", "uvicorn", "redis", "httpx"),
+) -> dict[str, str]:
     """Installed versions of `names` (those installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -93,17 +110,22 @@ def _read(path: str) -> str:
 # --- arguments, output, the model ---------------------------------------------------------------------------------
 
 
-def parser(doc: str, *, out: Path | None, out_help: str = "the JSON written",
-           **options: Any) -> argparse.ArgumentParser:
+def parser(
+    doc: str, *, out: Path | None, out_help: str = "the JSON written", **options: Any
+) -> argparse.ArgumentParser:
     """The script's parser (its description: the docstring's first line) with `--out` and, for each keyword given,
     the option every script spells and explains the same way: model=PATH (built there if missing), work=PATH,
     port=N, budget_s=SECONDS, smoke=True."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", type=Path, default=out, help=out_help + (f" (default {out})" if out else ""))
-    helps = {"model": "the model folder (built there if missing)", "work": "folder for scratch files",
-             "port": "port of the API the benchmark starts", "budget_s": "wall-clock seconds for the whole run: "
-             "a phase that would not fit is skipped and listed in `skipped`",
-             "smoke": "CPU smoke run: tiny model, a few rows"}
+    helps = {
+        "model": "the model folder (built there if missing)",
+        "work": "folder for scratch files",
+        "port": "port of the API the benchmark starts",
+        "budget_s": "wall-clock seconds for the whole run: "
+        "a phase that would not fit is skipped and listed in `skipped`",
+        "smoke": "CPU smoke run: tiny model, a few rows",
+    }
     types = {"model": Path, "work": Path, "port": int, "budget_s": float}
     for name, default in options.items():
         flag = "--" + name.replace("_", "-")
@@ -130,8 +152,12 @@ def ensure_model(path: Path, *build_args: str) -> float:
     if (path / "model.safetensors").exists():
         return 0.0
     t = time.monotonic()
-    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(path), *build_args], check=True,
-                   stdout=subprocess.DEVNULL, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "worker.tinymodel", str(path), *build_args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     return round(time.monotonic() - t, 1)
 
 
@@ -143,8 +169,14 @@ class TimeBox:
     skipped and listed in `report["skipped"]`; one that raises is recorded in `report["errors"][name]` (its
     traceback logged) and the later phases still run; `save()` writes the report after each phase that ran."""
 
-    def __init__(self, budget_s: float, report: dict[str, Any], *, save: Callable[[], None] = lambda: None,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        budget_s: float,
+        report: dict[str, Any],
+        *,
+        save: Callable[[], None] = lambda: None,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.deadline = time.monotonic() + budget_s
         self.report, self.save, self.log = report, save, log
 
@@ -238,27 +270,54 @@ def sql_numbers(job_id: str) -> dict[str, Any]:
     from core.models import JobRow, Shard
 
     with session_scope() as s:
-        r = s.execute(select(
-            func.count(), func.sum(JobRow.completion_tokens), func.sum(JobRow.prompt_tokens),
-            func.min(JobRow.prompt_tokens), func.max(JobRow.prompt_tokens), func.min(JobRow.completion_tokens),
-            func.max(JobRow.completion_tokens), func.max(JobRow.executions), func.min(JobRow.started_at),
-            func.max(JobRow.finished_at),
-        ).where(JobRow.job_id == job_id, JobRow.state == "succeeded")).one()
-        commits = sorted(t for (t,) in s.execute(select(JobRow.finished_at).where(
-            JobRow.job_id == job_id, JobRow.finished_at.is_not(None)).distinct()))
+        r = s.execute(
+            select(
+                func.count(),
+                func.sum(JobRow.completion_tokens),
+                func.sum(JobRow.prompt_tokens),
+                func.min(JobRow.prompt_tokens),
+                func.max(JobRow.prompt_tokens),
+                func.min(JobRow.completion_tokens),
+                func.max(JobRow.completion_tokens),
+                func.max(JobRow.executions),
+                func.min(JobRow.started_at),
+                func.max(JobRow.finished_at),
+            ).where(JobRow.job_id == job_id, JobRow.state == "succeeded")
+        ).one()
+        commits = sorted(
+            t
+            for (t,) in s.execute(
+                select(JobRow.finished_at).where(JobRow.job_id == job_id, JobRow.finished_at.is_not(None)).distinct()
+            )
+        )
         shards = s.scalars(select(Shard).where(Shard.job_id == job_id).order_by(Shard.idx)).all()
-        shard_info = [{"idx": sh.idx, "state": sh.state, "attempts": sh.attempts, "started_at": sh.started_at,
-                       "finished_at": sh.finished_at, "metrics": sh.metrics} for sh in shards]
+        shard_info = [
+            {
+                "idx": sh.idx,
+                "state": sh.state,
+                "attempts": sh.attempts,
+                "started_at": sh.started_at,
+                "finished_at": sh.finished_at,
+                "metrics": sh.metrics,
+            }
+            for sh in shards
+        ]
     rows, completion, prompt, pmin, pmax, cmin, cmax, execs, _row_start, row_end = r
     first_shard = min((sh["started_at"] for sh in shard_info if sh["started_at"]), default=None)
     window = (row_end - first_shard) if (row_end and first_shard) else None
     out = {
-        "rows_succeeded": rows, "completion_tokens": completion, "prompt_tokens": prompt,
-        "prompt_tokens_min_max": [pmin, pmax], "completion_tokens_min_max": [cmin, cmax], "max_executions": execs,
-        "first_shard_started_at": first_shard, "last_row_finished_at": row_end, "window_s": window and round(window, 3),
+        "rows_succeeded": rows,
+        "completion_tokens": completion,
+        "prompt_tokens": prompt,
+        "prompt_tokens_min_max": [pmin, pmax],
+        "completion_tokens_min_max": [cmin, cmax],
+        "max_executions": execs,
+        "first_shard_started_at": first_shard,
+        "last_row_finished_at": row_end,
+        "window_s": window and round(window, 3),
         "output_tok_s": round(completion / window, 1) if (window and completion) else None,
         "throughput_definition": "sum(job_rows.completion_tokens) / (max(job_rows.finished_at) - "
-                                 "min(shards.started_at)), read with core.db.session_scope from JOBS_HOME's SQLite",
+        "min(shards.started_at)), read with core.db.session_scope from JOBS_HOME's SQLite",
         # each micro-batch commits its rows with one finished_at: the gaps are the per-batch times
         "commit_times_s": [round(c - first_shard, 3) for c in commits] if first_shard else commits,
         "output_tok_s_after_first_micro_batch": _after_first(rows, completion, commits, first_shard),
@@ -281,15 +340,17 @@ def load_plain(path: Path, device: str, dtype):
     """A model as plain transformers loads it (sdpa, on `device`) and its tokenizer, padding on the left."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device,
-                                                 attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, device_map=device, attn_implementation="sdpa"
+    ).eval()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     return model, tok
 
 
-def greedy_check(qa_model: Path, engine: str, device: str, dtype, *, copies: int = 16,
-                 new_tokens: int = 16) -> dict[str, Any]:
+def greedy_check(
+    qa_model: Path, engine: str, device: str, dtype, *, copies: int = 16, new_tokens: int = 16
+) -> dict[str, Any]:
     """Greedy outputs of our `engine` (worker/generate.py) against plain `generate` on the model that memorized
     examples/qa.jsonl, each question `copies` times (96 rows): passed when ≥ 99 % of rows are equal. `engine`
     records what ran. The fast engine's resident state is released afterwards."""
@@ -303,19 +364,37 @@ def greedy_check(qa_model: Path, engine: str, device: str, dtype, *, copies: int
     qa = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line]
     model, tok = load_plain(qa_model, device, dtype)
     rows = [(i, {"prompt": d["question"], "params": {}}) for i, d in enumerate(qa * copies)]
-    enc = tok.pad({"input_ids": [tok(r["prompt"])["input_ids"] for _, r in rows]}, padding=True,
-                  return_tensors="pt").to(device)
+    enc = tok.pad(
+        {"input_ids": [tok(r["prompt"])["input_ids"] for _, r in rows]}, padding=True, return_tensors="pt"
+    ).to(device)
     with torch.inference_mode():
-        y = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, temperature=None, top_p=None,
-                           top_k=None, pad_token_id=tok.pad_token_id)
+        y = model.generate(
+            **enc,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+        )
     eos = tok.eos_token_id
-    want = [tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True)
-            for t in y[:, enc["input_ids"].shape[1]:].tolist()]
+    want = [
+        tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True)
+        for t in y[:, enc["input_ids"].shape[1] :].tolist()
+    ]
     spec = GenerateSpec(model=str(qa_model), input="x", max_new_tokens=new_tokens, engine=engine)
     info: dict = {}
-    got = {r.idx: r.output for b in generate.generate(Loaded(model, tok, model.device, {}), spec, rows,
-                                                       batch_rows=len(rows), info=info) for r in b}
+    got = {
+        r.idx: r.output
+        for b in generate.generate(Loaded(model, tok, model.device, {}), spec, rows, batch_rows=len(rows), info=info)
+        for r in b
+    }
     equal = sum(got[i] == want[i] for i in range(len(rows)))
     fastgen.release(model)  # its cache would take the memory the next model's needs
-    return {"rows": len(rows), "equal": equal, "share": round(equal / len(rows), 4),
-            "passed": equal >= 0.99 * len(rows), "engine": info}
+    return {
+        "rows": len(rows),
+        "equal": equal,
+        "share": round(equal / len(rows), 4),
+        "passed": equal >= 0.99 * len(rows),
+        "engine": info,
+    }

@@ -69,8 +69,12 @@ def percentile(values: list[float], q: float) -> float | None:
 def summary(values: list[float]) -> dict[str, float | int | None]:
     """Count, p50, p99 and max of latencies (seconds), rounded to the millisecond's tenth."""
     r = lambda v: None if v is None else round(v, 4)  # noqa: E731
-    return {"n": len(values), "p50": r(percentile(values, 50)), "p99": r(percentile(values, 99)),
-            "max": r(max(values) if values else None)}
+    return {
+        "n": len(values),
+        "p50": r(percentile(values, 50)),
+        "p99": r(percentile(values, 99)),
+        "max": r(max(values) if values else None),
+    }
 
 
 def memory(pid: int) -> dict[str, int]:
@@ -175,8 +179,18 @@ class Burst:
     submitted: float = 0.0  # Unix time the last submission answered
 
 
-def burst(url: str, token: str, spec: dict, data_dir: Path, *, jobs: int, connections: int,
-          poller: StatusPoller | None = None, rows_per_job: tuple[int, int] = (1, 2), seed: int = 0) -> Burst:
+def burst(
+    url: str,
+    token: str,
+    spec: dict,
+    data_dir: Path,
+    *,
+    jobs: int,
+    connections: int,
+    poller: StatusPoller | None = None,
+    rows_per_job: tuple[int, int] = (1, 2),
+    seed: int = 0,
+) -> Burst:
     """Submit `jobs` jobs of 1-2 rows at once over `connections` HTTP connections (one thread and one keep-alive
     connection each): upload the dataset (POST /files), then POST /jobs with `spec` + the file id."""
     connections = min(connections, jobs)  # every connection's thread waits at the gate for the others
@@ -191,8 +205,9 @@ def burst(url: str, token: str, spec: dict, data_dir: Path, *, jobs: int, connec
 
     def client() -> httpx.Client:
         if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=url, headers=headers, timeout=120,
-                                        limits=httpx.Limits(max_connections=1))
+            local.client = httpx.Client(
+                base_url=url, headers=headers, timeout=120, limits=httpx.Limits(max_connections=1)
+            )
             local.client.get("/healthz")  # open the connection before the clock starts
             gate.wait(60)  # every connection is open before the first submission
         return local.client
@@ -225,8 +240,13 @@ def burst(url: str, token: str, spec: dict, data_dir: Path, *, jobs: int, connec
     return result
 
 
-def wait_terminal(database_url: str, job_ids: list[str], timeout: float,
-                  alive: Callable[[], str | None] = lambda: None, interval: float = 0.5) -> dict[str, int]:
+def wait_terminal(
+    database_url: str,
+    job_ids: list[str],
+    timeout: float,
+    alive: Callable[[], str | None] = lambda: None,
+    interval: float = 0.5,
+) -> dict[str, int]:
     """Wait until every job is terminal; returns {state: count}. `alive` names a dead process, if any."""
     from sqlalchemy import func, select
 
@@ -236,8 +256,9 @@ def wait_terminal(database_url: str, job_ids: list[str], timeout: float,
     deadline = time.monotonic() + timeout
     while True:
         with session_scope(database_url) as session:
-            states = dict(session.execute(select(Job.state, func.count()).where(Job.id.in_(job_ids))
-                                          .group_by(Job.state)).all())
+            states = dict(
+                session.execute(select(Job.state, func.count()).where(Job.id.in_(job_ids)).group_by(Job.state)).all()
+            )
         if sum(states.get(s, 0) for s in TERMINAL) == len(job_ids):
             return states
         dead = alive()
@@ -258,20 +279,40 @@ def audit(database_url: str, job_ids: list[str]) -> dict:
     with session_scope(database_url) as session:
         rows = select(JobRow).where(JobRow.job_id.in_(job_ids)).subquery()
         one = lambda cond: func.sum(case((cond, 1), else_=0))  # noqa: E731
-        total, succeeded, ex_min, ex_max, ex_not_one, first_start, last_finish = session.execute(select(
-            func.count(), one(rows.c.state == "succeeded"), func.min(rows.c.executions), func.max(rows.c.executions),
-            one(rows.c.executions != 1), func.min(rows.c.started_at), func.max(rows.c.finished_at),
-        )).one()
-        jobs = session.execute(select(Job.id, Job.state, Job.rows_total, Job.rows_succeeded, Job.created_at,
-                                      Job.started_at, Job.finished_at).where(Job.id.in_(job_ids))).all()
-        finals = dict(session.execute(
-            select(JobEvent.job_id, func.count()).where(JobEvent.job_id.in_(job_ids), JobEvent.kind == "state",
-                                                        JobEvent.message.like("job → finalizing%"))
-            .group_by(JobEvent.job_id)).all())
-        ends = dict(session.execute(
-            select(JobEvent.job_id, func.count()).where(JobEvent.job_id.in_(job_ids), JobEvent.kind == "state",
-                                                        JobEvent.message.like("job → succeeded%"))
-            .group_by(JobEvent.job_id)).all())
+        total, succeeded, ex_min, ex_max, ex_not_one, first_start, last_finish = session.execute(
+            select(
+                func.count(),
+                one(rows.c.state == "succeeded"),
+                func.min(rows.c.executions),
+                func.max(rows.c.executions),
+                one(rows.c.executions != 1),
+                func.min(rows.c.started_at),
+                func.max(rows.c.finished_at),
+            )
+        ).one()
+        jobs = session.execute(
+            select(
+                Job.id, Job.state, Job.rows_total, Job.rows_succeeded, Job.created_at, Job.started_at, Job.finished_at
+            ).where(Job.id.in_(job_ids))
+        ).all()
+        finals = dict(
+            session.execute(
+                select(JobEvent.job_id, func.count())
+                .where(
+                    JobEvent.job_id.in_(job_ids), JobEvent.kind == "state", JobEvent.message.like("job → finalizing%")
+                )
+                .group_by(JobEvent.job_id)
+            ).all()
+        )
+        ends = dict(
+            session.execute(
+                select(JobEvent.job_id, func.count())
+                .where(
+                    JobEvent.job_id.in_(job_ids), JobEvent.kind == "state", JobEvent.message.like("job → succeeded%")
+                )
+                .group_by(JobEvent.job_id)
+            ).all()
+        )
     states: dict[str, int] = {}
     for j in jobs:
         states[j.state] = states.get(j.state, 0) + 1
@@ -299,15 +340,24 @@ def burst_report(b: Burst, a: dict, poller: StatusPoller) -> dict:
     span = (a["last_row_finished_at"] or b.started) - b.started
     done = (a["last_job_finished_at"] or b.started) - b.started
     return {
-        "jobs": b.jobs, "connections": b.connections, "rows": b.rows, "codes": b.codes, "failures": b.failures[:20],
-        "upload_s": summary(b.upload_s), "submit_s": summary(b.submit_s),
+        "jobs": b.jobs,
+        "connections": b.connections,
+        "rows": b.rows,
+        "codes": b.codes,
+        "failures": b.failures[:20],
+        "upload_s": summary(b.upload_s),
+        "submit_s": summary(b.submit_s),
         "submit_phase_s": round(b.submitted - b.started, 3),
         "status_s": summary(poller.latencies),
-        "status_while_submitting_s": summary([lat for t, lat in zip(poller.times, poller.latencies)
-                                              if t < b.submitted]),
-        "status_codes": {str(k): v for k, v in poller.codes.items()}, "status_errors": poller.errors[:20],
-        "rows_written_span_s": round(span, 3), "rows_per_s": round(a["rows"] / span, 1) if span > 0 else None,
-        "all_jobs_finished_s": round(done, 3), "jobs_per_s": round(b.jobs / done, 2) if done > 0 else None,
+        "status_while_submitting_s": summary(
+            [lat for t, lat in zip(poller.times, poller.latencies) if t < b.submitted]
+        ),
+        "status_codes": {str(k): v for k, v in poller.codes.items()},
+        "status_errors": poller.errors[:20],
+        "rows_written_span_s": round(span, 3),
+        "rows_per_s": round(a["rows"] / span, 1) if span > 0 else None,
+        "all_jobs_finished_s": round(done, 3),
+        "jobs_per_s": round(b.jobs / done, 2) if done > 0 else None,
         "audit": a,
     }
 
@@ -322,8 +372,17 @@ class BigJob:
     submitted: float  # Unix time POST /jobs answered
 
 
-def warm_up(url: str, token: str, spec: dict, data_dir: Path, database_url: str, *, workers: int,
-            timeout: float = 300, alive: Callable[[], str | None] = lambda: None) -> list[float]:
+def warm_up(
+    url: str,
+    token: str,
+    spec: dict,
+    data_dir: Path,
+    database_url: str,
+    *,
+    workers: int,
+    timeout: float = 300,
+    alive: Callable[[], str | None] = lambda: None,
+) -> list[float]:
     """Run 1-row jobs, `workers` at a time, until every worker has loaded the model (its "loaded" event), so the
     measurements that follow see warm workers. Returns the seconds each round took (the first includes the load)."""
     from sqlalchemy import select
@@ -342,8 +401,9 @@ def warm_up(url: str, token: str, spec: dict, data_dir: Path, database_url: str,
         wait_terminal(database_url, job_ids, timeout, alive=alive, interval=0.1)
         rounds.append(round(time.perf_counter() - t0, 3))
         with session_scope(database_url) as session:
-            messages = session.scalars(select(JobEvent.message).where(JobEvent.job_id.in_(job_ids),
-                                                                      JobEvent.message.like("% loaded %"))).all()
+            messages = session.scalars(
+                select(JobEvent.message).where(JobEvent.job_id.in_(job_ids), JobEvent.message.like("% loaded %"))
+            ).all()
         loaded = {m.split(" loaded ", 1)[0] for m in messages}
     return rounds
 
@@ -369,21 +429,25 @@ def big_report(big: BigJob, a: dict, poller: StatusPoller, spec: dict, workers: 
     run = (a["last_row_finished_at"] or 0) - (a["first_job_started_at"] or 0)
     end_to_end = (a["last_job_finished_at"] or big.started) - big.started
     return {
-        "rows": big.rows, "workers": workers, "shard_rows": spec.get("shard_rows"),
+        "rows": big.rows,
+        "workers": workers,
+        "shard_rows": spec.get("shard_rows"),
         "batch_rows": spec.get("batch_rows"),
-        "upload_s": big.upload_s, "submit_s": big.submit_s,
-        "run_s": round(run, 3), "rows_per_s": round(a["rows"] / run, 1) if run > 0 else None,
+        "upload_s": big.upload_s,
+        "submit_s": big.submit_s,
+        "run_s": round(run, 3),
+        "rows_per_s": round(a["rows"] / run, 1) if run > 0 else None,
         "end_to_end_s": round(end_to_end, 3),
         "end_to_end_rows_per_s": round(a["rows"] / end_to_end, 1) if end_to_end > 0 else None,
-        "status_s": summary(poller.latencies), "status_codes": {str(k): v for k, v in poller.codes.items()},
+        "status_s": summary(poller.latencies),
+        "status_codes": {str(k): v for k, v in poller.codes.items()},
         "audit": a,
     }
 
 
 def cpu_delta(before: dict[str, float | None], after: dict[str, float | None]) -> dict[str, float | None]:
     """CPU seconds each process used between two readings."""
-    return {k: None if before.get(k) is None or after.get(k) is None else round(after[k] - before[k], 2)
-            for k in after}
+    return {k: None if before.get(k) is None or after.get(k) is None else round(after[k] - before[k], 2) for k in after}
 
 
 def mib(n: int | None) -> str:
@@ -407,15 +471,21 @@ def table(report: dict) -> str:
         add("burst: jobs / rows / connections", f"{b['jobs']} / {b['rows']} / {b['connections']}")
         add("burst: HTTP codes of POST /jobs", b["codes"])
         add("burst: upload latency p50 / p99", f"{ms(b['upload_s']['p50'])} / {ms(b['upload_s']['p99'])}")
-        add("burst: submit latency p50 / p99 / max",
-            f"{ms(b['submit_s']['p50'])} / {ms(b['submit_s']['p99'])} / {ms(b['submit_s']['max'])}")
+        add(
+            "burst: submit latency p50 / p99 / max",
+            f"{ms(b['submit_s']['p50'])} / {ms(b['submit_s']['p99'])} / {ms(b['submit_s']['max'])}",
+        )
         add("burst: all submitted in", f"{b['submit_phase_s']:.1f} s")
-        add(f"burst: status latency p50 / p99 / max (n={b['status_s']['n']})",
-            f"{ms(b['status_s']['p50'])} / {ms(b['status_s']['p99'])} / {ms(b['status_s']['max'])}")
+        add(
+            f"burst: status latency p50 / p99 / max (n={b['status_s']['n']})",
+            f"{ms(b['status_s']['p50'])} / {ms(b['status_s']['p99'])} / {ms(b['status_s']['max'])}",
+        )
         w = b["status_while_submitting_s"]
         add(f"  of which while submitting (n={w['n']})", f"{ms(w['p50'])} / {ms(w['p99'])} / {ms(w['max'])}")
-        add("burst: rows written per s",
-            f"{b['rows_per_s']} ({b['audit']['rows']} rows in {b['rows_written_span_s']} s)")
+        add(
+            "burst: rows written per s",
+            f"{b['rows_per_s']} ({b['audit']['rows']} rows in {b['rows_written_span_s']} s)",
+        )
         add("burst: jobs finished per s", f"{b['jobs_per_s']} (all in {b['all_jobs_finished_s']} s)")
         if b.get("cpu_s"):
             add("burst: CPU seconds (api / workers)", cpu_text(b["cpu_s"]))
@@ -425,21 +495,29 @@ def table(report: dict) -> str:
         add("mixed: small jobs / big job's shards", f"{m['jobs']} / {m['big_shards']}")
         for cls, e in m["by_owner_priority"].items():
             w, r = e["wait_s"], e["turnaround_s"]
-            add(f"mixed: {cls} wait p50 / p99 (n={w['n']})", f"{ms(w['p50'])} / {ms(w['p99'])}; turnaround p50 "
-                f"{ms(r['p50'])}")
+            add(
+                f"mixed: {cls} wait p50 / p99 (n={w['n']})",
+                f"{ms(w['p50'])} / {ms(w['p99'])}; turnaround p50 {ms(r['p50'])}",
+            )
         add("mixed: rows with executions != 1", m["audit"]["rows_not_executed_once"])
     for c in report.get("claims", []):
-        add(f"claim: ms at {c['queued_jobs']} jobs / {c['queued_shards']} shards",
+        add(
+            f"claim: ms at {c['queued_jobs']} jobs / {c['queued_shards']} shards",
             f"mean {c['claim_ms']['mean']}, p50 {c['claim_ms']['p50']}, p99 {c['claim_ms']['p99']} "
-            f"(n={c['claim_ms']['n']})")
+            f"(n={c['claim_ms']['n']})",
+        )
     if g := report.get("big"):
-        add("big: rows / workers / shard / batch",
-            f"{g['rows']} / {g['workers']} / {g['shard_rows']} / {g['batch_rows']}")
+        add(
+            "big: rows / workers / shard / batch",
+            f"{g['rows']} / {g['workers']} / {g['shard_rows']} / {g['batch_rows']}",
+        )
         add("big: upload / POST /jobs", f"{g['upload_s']:.2f} s / {g['submit_s']:.2f} s")
         add("big: rows written per s (first claim → last row)", f"{g['rows_per_s']} ({g['run_s']} s)")
         add("big: end to end (upload → finalized)", f"{g['end_to_end_s']} s ({g['end_to_end_rows_per_s']} rows/s)")
-        add(f"big: status latency p50 / p99 / max (n={g['status_s']['n']})",
-            f"{ms(g['status_s']['p50'])} / {ms(g['status_s']['p99'])} / {ms(g['status_s']['max'])}")
+        add(
+            f"big: status latency p50 / p99 / max (n={g['status_s']['n']})",
+            f"{ms(g['status_s']['p50'])} / {ms(g['status_s']['p99'])} / {ms(g['status_s']['max'])}",
+        )
         if g.get("cpu_s"):
             add("big: CPU seconds (api / workers)", cpu_text(g["cpu_s"]))
         add("big: rows with executions != 1", g["audit"]["rows_not_executed_once"])
@@ -455,8 +533,9 @@ def table(report: dict) -> str:
 class Stack:
     """Redis, a migrated store, the API and N CPU workers, all in `tmp`; stopped on exit."""
 
-    def __init__(self, tmp: Path, *, database_url: str | None = None, workers: int = 1, torch_threads: int = 0,
-                 log=print):
+    def __init__(
+        self, tmp: Path, *, database_url: str | None = None, workers: int = 1, torch_threads: int = 0, log=print
+    ):
         self.tmp, self.n_workers, self.torch_threads, self.log = tmp, workers, torch_threads, log
         self.database_url = database_url or f"sqlite:///{tmp / 'jobs.db'}"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -480,9 +559,15 @@ class Stack:
 
         self.redis = start_redis(self.tmp / "redis")
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
-        env.update(JOBS_HOME=str(self.tmp / "home"), JOBS_DATABASE_URL=self.database_url,
-                   JOBS_REDIS_URL=self.redis.url, JOBS_ARTIFACTS=str(self.tmp / "artifacts"), HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+        env.update(
+            JOBS_HOME=str(self.tmp / "home"),
+            JOBS_DATABASE_URL=self.database_url,
+            JOBS_REDIS_URL=self.redis.url,
+            JOBS_ARTIFACTS=str(self.tmp / "artifacts"),
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONPATH=str(ROOT),
+        )
         self.env = env
         os.environ.update(env)
         for key in [k for k in os.environ if k.startswith("JOBS_") and k not in env]:
@@ -495,8 +580,9 @@ class Stack:
             self.token = auth.create_token(session, owner="bench", scopes=["admin", "user"], name="load bench")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self._spawn("api", [sys.executable, "-m", "uvicorn", "api.app:app", "--port", str(port),
-                            "--log-level", "warning"], env)
+        self._spawn(
+            "api", [sys.executable, "-m", "uvicorn", "api.app:app", "--port", str(port), "--log-level", "warning"], env
+        )
         threads = {"OMP_NUM_THREADS": str(self.torch_threads)} if self.torch_threads else {}
         for i in range(self.n_workers):
             self._spawn(f"worker{i}", worker_command([]), worker_env([], {**env, **threads}))
@@ -508,8 +594,9 @@ class Stack:
 
     def _spawn(self, name: str, cmd: list[str], env: dict) -> None:
         with open(self.tmp / f"{name}.log", "wb") as out:
-            self.procs[name] = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL)
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
 
     def dead(self) -> str | None:
         for name, p in self.procs.items():
@@ -575,8 +662,10 @@ def mixed(stack: Stack, model: Path, data_dir: Path, *, jobs: int, big_shards: i
     from core.scheduling import name
 
     with session_scope(stack.database_url) as session:
-        tokens = {o: auth.create_token(session, owner=o, scopes=["user", "priority"]) for o in
-                  ("big", *[o for o, _ in MIXED_OWNERS])}
+        tokens = {
+            o: auth.create_token(session, owner=o, scopes=["user", "priority"])
+            for o in ("big", *[o for o, _ in MIXED_OWNERS])
+        }
     spec = job_spec(model, shard_rows=2, batch_rows=2)
     with Client(stack.url, tokens["big"]) as c:
         ids = [c.submit(spec, input=write_rows(data_dir / "mixed-big.jsonl", 2 * big_shards))["id"]]
@@ -592,9 +681,12 @@ def mixed(stack: Stack, model: Path, data_dir: Path, *, jobs: int, big_shards: i
         ids += list(pool.map(submit_one, range(jobs)))
     wait_terminal(stack.database_url, ids, timeout, alive=stack.dead)
     with session_scope(stack.database_url) as session:
-        rows = session.execute(select(Job.owner, Job.priority, Job.created_at, Job.finished_at,
-                                      func.min(Shard.started_at))
-                               .join(Shard, Shard.job_id == Job.id).where(Job.id.in_(ids)).group_by(Job.id)).all()
+        rows = session.execute(
+            select(Job.owner, Job.priority, Job.created_at, Job.finished_at, func.min(Shard.started_at))
+            .join(Shard, Shard.job_id == Job.id)
+            .where(Job.id.in_(ids))
+            .group_by(Job.id)
+        ).all()
     by_class: dict[str, dict[str, list[float]]] = {}
     for owner, priority, created, finished, started in rows:
         entry = by_class.setdefault(f"{owner}/{name(priority)}", {"wait_s": [], "turnaround_s": []})
@@ -602,8 +694,12 @@ def mixed(stack: Stack, model: Path, data_dir: Path, *, jobs: int, big_shards: i
             entry["wait_s"].append(started - created)
         if finished is not None:
             entry["turnaround_s"].append(finished - created)
-    return {"jobs": jobs, "big_shards": big_shards, "audit": audit(stack.database_url, ids),
-            "by_owner_priority": {k: {m: summary(v) for m, v in e.items()} for k, e in sorted(by_class.items())}}
+    return {
+        "jobs": jobs,
+        "big_shards": big_shards,
+        "audit": audit(stack.database_url, ids),
+        "by_owner_priority": {k: {m: summary(v) for m, v in e.items()} for k, e in sorted(by_class.items())},
+    }
 
 
 # --- the claim's cost --------------------------------------------------------------------------------------------
@@ -611,8 +707,9 @@ def mixed(stack: Stack, model: Path, data_dir: Path, *, jobs: int, big_shards: i
 CLAIM_QUEUE = "bench-claims"  # no worker consumes it
 
 
-def claim_cost(database_url: str, *, jobs: int, shards_per_job: int, claims: int = 200, owners: int = 8,
-               history: int = 2000) -> dict:
+def claim_cost(
+    database_url: str, *, jobs: int, shards_per_job: int, claims: int = 200, owners: int = 8, history: int = 2000
+) -> dict:
     """ms per `core.leases.claim` on a queue holding `jobs` x `shards_per_job` queued shards of `owners` owners
     and three priorities, after `history` shards ran within the fair-share window. Its rows are deleted after."""
     from sqlalchemy import delete, insert
@@ -623,21 +720,64 @@ def claim_cost(database_url: str, *, jobs: int, shards_per_job: int, claims: int
     from core.store import now
 
     t, rng = now(), random.Random(1)
-    job_rows = [{"id": f"job_claims{i:06d}", "kind": "generate", "state": "running", "owner": f"owner{i % owners}",
-                 "spec": {}, "queue": CLAIM_QUEUE, "gpus": 1, "rows_total": shards_per_job, "rows_succeeded": 0,
-                 "rows_failed": 0, "prompt_tokens": 0, "completion_tokens": 0, "created_at": t - 3600 + i,
-                 "retries": 0, "priority": rng.choice((0, 1, 1, 2))} for i in range(jobs)]
-    shard_rows = [{"job_id": j["id"], "idx": k, "row_start": k, "row_end": k + 1, "state": "queued", "attempts": 0,
-                   "max_attempts": 3, "rows_done": 0, "rows_failed": 0, "completion_tokens": 0, "enqueued_at": t}
-                  for j in job_rows for k in range(shards_per_job)]
-    ran = [{"job_id": job_rows[i % jobs]["id"], "idx": shards_per_job + i, "row_start": 0, "row_end": 1,
-            "state": "succeeded", "attempts": 1, "max_attempts": 3, "rows_done": 1, "rows_failed": 0,
-            "completion_tokens": 0, "started_at": t - rng.uniform(60, 3000), "finished_at": t - rng.uniform(0, 50)}
-           for i in range(history)]
+    job_rows = [
+        {
+            "id": f"job_claims{i:06d}",
+            "kind": "generate",
+            "state": "running",
+            "owner": f"owner{i % owners}",
+            "spec": {},
+            "queue": CLAIM_QUEUE,
+            "gpus": 1,
+            "rows_total": shards_per_job,
+            "rows_succeeded": 0,
+            "rows_failed": 0,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "created_at": t - 3600 + i,
+            "retries": 0,
+            "priority": rng.choice((0, 1, 1, 2)),
+        }
+        for i in range(jobs)
+    ]
+    shard_rows = [
+        {
+            "job_id": j["id"],
+            "idx": k,
+            "row_start": k,
+            "row_end": k + 1,
+            "state": "queued",
+            "attempts": 0,
+            "max_attempts": 3,
+            "rows_done": 0,
+            "rows_failed": 0,
+            "completion_tokens": 0,
+            "enqueued_at": t,
+        }
+        for j in job_rows
+        for k in range(shards_per_job)
+    ]
+    ran = [
+        {
+            "job_id": job_rows[i % jobs]["id"],
+            "idx": shards_per_job + i,
+            "row_start": 0,
+            "row_end": 1,
+            "state": "succeeded",
+            "attempts": 1,
+            "max_attempts": 3,
+            "rows_done": 1,
+            "rows_failed": 0,
+            "completion_tokens": 0,
+            "started_at": t - rng.uniform(60, 3000),
+            "finished_at": t - rng.uniform(0, 50),
+        }
+        for i in range(history)
+    ]
     with session_scope(database_url) as session:
         session.execute(insert(Job), job_rows)
         for chunk in range(0, len(shard_rows) + len(ran), 5000):
-            session.execute(insert(Shard), (shard_rows + ran)[chunk:chunk + 5000])
+            session.execute(insert(Shard), (shard_rows + ran)[chunk : chunk + 5000])
         hint = session.scalar(select_first_shard(CLAIM_QUEUE))
     if database_url.startswith("postgresql"):  # fresh planner statistics, as autovacuum keeps them on a live store:
         from sqlalchemy import text  # without, a plan made for 100 shards scans 10,000 (80 ms a claim instead of 9)
@@ -658,9 +798,14 @@ def claim_cost(database_url: str, *, jobs: int, shards_per_job: int, claims: int
     finally:
         with session_scope(database_url) as session:
             session.execute(delete(Job).where(Job.queue == CLAIM_QUEUE))
-    return {"queued_jobs": jobs, "queued_shards": len(shard_rows), "owners": owners, "history_shards": history,
-            "claim_ms": {k: (None if v is None else round(v * 1000, 2)) for k, v in summary(times).items()
-                         if k != "n"} | {"n": len(times), "mean": round(1000 * sum(times) / len(times), 2)}}
+    return {
+        "queued_jobs": jobs,
+        "queued_shards": len(shard_rows),
+        "owners": owners,
+        "history_shards": history,
+        "claim_ms": {k: (None if v is None else round(v * 1000, 2)) for k, v in summary(times).items() if k != "n"}
+        | {"n": len(times), "mean": round(1000 * sum(times) / len(times), 2)},
+    }
 
 
 def select_first_shard(queue: str):
@@ -673,8 +818,13 @@ def select_first_shard(queue: str):
 
 def build_model(out: Path) -> Path:
     """The tests' tiny Qwen3 architecture with random weights (nothing memorized: answers do not matter here)."""
-    subprocess.run([sys.executable, "-m", "worker.tinymodel", str(out)], check=True, cwd=ROOT, capture_output=True,
-                   env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    subprocess.run(
+        [sys.executable, "-m", "worker.tinymodel", str(out)],
+        check=True,
+        cwd=ROOT,
+        capture_output=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     return out
 
 
@@ -684,25 +834,38 @@ def job_spec(model: Path, **extra) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    report: dict = {"bench": "load", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                    **harness.commit_info(), "machine": harness.machine(), "versions": harness.versions(),
-                    "settings": settings}
+    report: dict = {
+        "bench": "load",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **harness.commit_info(),
+        "machine": harness.machine(),
+        "versions": harness.versions(),
+        "settings": settings,
+    }
     database_url = args.database_url or os.environ.get("JOBS_BENCH_DATABASE_URL") or None
     with tempfile.TemporaryDirectory(prefix="gpujobs-load-") as tmp_name:
         tmp = Path(tmp_name)
         model = Path(args.model) if args.model else build_model(tmp / "model")
         with Stack(tmp, database_url=database_url, workers=args.workers, torch_threads=args.torch_threads) as stack:
             report["settings"]["database"] = stack.database_url.split("://")[0]
-            report["warm_up_s"] = warm_up(stack.url, stack.token, job_spec(model), tmp, stack.database_url,
-                                          workers=args.workers, alive=stack.dead)
+            report["warm_up_s"] = warm_up(
+                stack.url, stack.token, job_spec(model), tmp, stack.database_url, workers=args.workers, alive=stack.dead
+            )
             if args.submissions:
                 print(f"burst: {args.submissions} submissions over {args.connections} connections ...", flush=True)
                 data = tmp / "burst"
                 data.mkdir()
                 cpu = stack.cpu()
                 with polling(stack.url, stack.token, pause=0.02) as poller:
-                    b = burst(stack.url, stack.token, job_spec(model), data, jobs=args.submissions,
-                              connections=args.connections, poller=poller)
+                    b = burst(
+                        stack.url,
+                        stack.token,
+                        job_spec(model),
+                        data,
+                        jobs=args.submissions,
+                        connections=args.connections,
+                        poller=poller,
+                    )
                     if b.job_ids:
                         wait_terminal(stack.database_url, b.job_ids, args.timeout, alive=stack.dead)
                 report["burst"] = burst_report(b, audit(stack.database_url, b.job_ids), poller)
@@ -720,12 +883,15 @@ def run(args: argparse.Namespace) -> dict:
                 report["big"] = big_report(big, audit(stack.database_url, [big.job_id]), poller, spec, args.workers)
                 report["big"]["cpu_s"] = cpu_delta(cpu, stack.cpu())
             if args.mixed:
-                print(f"mixed: one job of {args.mixed_big_shards} shards, then {args.mixed} small jobs of 5 owners "
-                      "...", flush=True)
+                print(
+                    f"mixed: one job of {args.mixed_big_shards} shards, then {args.mixed} small jobs of 5 owners ...",
+                    flush=True,
+                )
                 data = tmp / "mixed"
                 data.mkdir()
-                report["mixed"] = mixed(stack, model, data, jobs=args.mixed, big_shards=args.mixed_big_shards,
-                                        timeout=args.timeout)
+                report["mixed"] = mixed(
+                    stack, model, data, jobs=args.mixed, big_shards=args.mixed_big_shards, timeout=args.timeout
+                )
             report["memory"] = stack.memory()
             database_url = stack.database_url
         if args.claims:
@@ -744,24 +910,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-rows", type=int, default=2000, help="rows per shard of the big job")
     parser.add_argument("--batch-rows", type=int, default=256, help="rows per committed micro-batch of the big job")
     parser.add_argument("--workers", type=int, default=2, help="CPU worker processes")
-    parser.add_argument("--torch-threads", type=int, default=1,
-                        help="OMP_NUM_THREADS of each worker (0: torch's default, one thread per core)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of each worker (0: torch's default, one thread per core)",
+    )
     parser.add_argument("--model", help="model directory (default: a tiny random Qwen3 built on the spot)")
     parser.add_argument("--database-url", help="a Postgres URL (also JOBS_BENCH_DATABASE_URL); default SQLite")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait for each phase's jobs")
-    parser.add_argument("--mixed", type=int, default=0, help="small jobs of 5 owners and 3 priorities submitted "
-                        "behind one big job (0: skip)")
+    parser.add_argument(
+        "--mixed",
+        type=int,
+        default=0,
+        help="small jobs of 5 owners and 3 priorities submitted behind one big job (0: skip)",
+    )
     parser.add_argument("--mixed-big-shards", type=int, default=100, help="2-row shards of the mixed phase's big job")
-    parser.add_argument("--claims", action="store_true", help="measure the claim's cost (ms per claim at 100 "
-                        "queued jobs and at 10,000 queued shards)")
+    parser.add_argument(
+        "--claims",
+        action="store_true",
+        help="measure the claim's cost (ms per claim at 100 queued jobs and at 10,000 queued shards)",
+    )
     args = parser.parse_args(argv)
     report = run(args)
     out = args.out or harness.RESULTS / f"load-{dt.date.today().isoformat()}.json"
     harness.write_json(out, report)
     print(table(report))
     print(f"wrote {out}")
-    ok = all(report.get(k, {}).get("audit", {}).get("rows_not_executed_once", 0) == 0
-             for k in ("burst", "big", "mixed"))
+    ok = all(
+        report.get(k, {}).get("audit", {}).get("rows_not_executed_once", 0) == 0 for k in ("burst", "big", "mixed")
+    )
     return 0 if ok else 1
 
 

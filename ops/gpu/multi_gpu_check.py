@@ -55,8 +55,9 @@ def smi_gpus(text: str | None = None) -> dict[str, str]:
     if text is None:
         if not shutil.which("nvidia-smi"):
             return {}
-        text = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv"], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv"], capture_output=True, text=True, check=True
+        ).stdout
     rows = [line.split(",") for line in text.strip().splitlines()[1:] if line.strip()]
     return {index.strip(): uuid.strip() for index, uuid in rows}
 
@@ -68,8 +69,16 @@ def compare_uuids(workers: list[dict], smi: dict[str, str]) -> list[dict]:
         devices = [d for d in w["slice"].split(",") if d]
         expected = [smi.get(d, d if d.startswith(("GPU-", "MIG-")) else None) for d in devices]
         got = [g.get("uuid") for g in w.get("gpus") or []]
-        rows.append({"worker": w["name"], "slice": w["slice"], "queues": w["queues"], "registered": got,
-                     "nvidia_smi": expected, "match": got == expected})
+        rows.append(
+            {
+                "worker": w["name"],
+                "slice": w["slice"],
+                "queues": w["queues"],
+                "registered": got,
+                "nvidia_smi": expected,
+                "match": got == expected,
+            }
+        )
     return rows
 
 
@@ -91,8 +100,11 @@ class Stack:
         from core import settings
 
         t = time.monotonic()
-        up = subprocess.run([sys.executable, "-m", "api", "up", "--detach", "--gpus", self.gpus, "--port",
-                             str(self.port)], capture_output=True, text=True)
+        up = subprocess.run(
+            [sys.executable, "-m", "api", "up", "--detach", "--gpus", self.gpus, "--port", str(self.port)],
+            capture_output=True,
+            text=True,
+        )
         if up.returncode != 0:
             raise RuntimeError(f"jobs up --gpus {self.gpus!r} failed: {up.stderr[-3000:]}")
         settings.reset()
@@ -115,8 +127,13 @@ class Stack:
         except JobsError as exc:
             self.client.cancel(job["id"])
             return {"id": job["id"], "state": "timeout", "error": str(exc)}
-        return {**{k: job.get(k) for k in ("id", "state", "error", "queue", "gpus", "rows", "tokens", "metrics",
-                                           "load_options")}, "wall_s": round(time.monotonic() - t, 2)}
+        return {
+            **{
+                k: job.get(k)
+                for k in ("id", "state", "error", "queue", "gpus", "rows", "tokens", "metrics", "load_options")
+            },
+            "wall_s": round(time.monotonic() - t, 2),
+        }
 
     def upload_rows(self, rows: list[dict], name: str, work: Path) -> str:
         path = work / name
@@ -129,14 +146,23 @@ class Stack:
 
 def build(work: Path, smoke: bool) -> dict[str, Path]:
     """tiny-base (knows no answer), tiny-qa, and the Qwen3-0.6B shape with random weights (tiny-qa on --smoke)."""
-    models = {"tiny-base": work / "tiny-base", "tiny-qa": work / "tiny-qa",
-              "big": work / ("tiny-qa" if smoke else "qwen3-0.6b")}
-    args = {"tiny-base": ["--qa", str(ROOT / "examples" / "qa.jsonl"), "--base"],
-            "tiny-qa": ["--qa", str(ROOT / "examples" / "qa.jsonl")], "big": ["--arch", "qwen3-0.6b"]}
+    models = {
+        "tiny-base": work / "tiny-base",
+        "tiny-qa": work / "tiny-qa",
+        "big": work / ("tiny-qa" if smoke else "qwen3-0.6b"),
+    }
+    args = {
+        "tiny-base": ["--qa", str(ROOT / "examples" / "qa.jsonl"), "--base"],
+        "tiny-qa": ["--qa", str(ROOT / "examples" / "qa.jsonl")],
+        "big": ["--arch", "qwen3-0.6b"],
+    }
     for name, path in models.items():
         if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
-            subprocess.run([sys.executable, "-m", "worker.tinymodel", str(path), *args[name]], check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "worker.tinymodel", str(path), *args[name]],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
     return models
 
 
@@ -159,8 +185,11 @@ def training_rate(stack: Stack, job_id: str) -> float | None:
     """Median tokens/s of the logged steps after the first few (warm-up) from the job's metric events."""
     import statistics
 
-    rates = [e["data"]["tokens_per_s"] for e in stack.client.events(job_id)
-             if (e.get("data") or {}).get("tokens_per_s") and e["data"].get("step", 0) > 3]
+    rates = [
+        e["data"]["tokens_per_s"]
+        for e in stack.client.events(job_id)
+        if (e.get("data") or {}).get("tokens_per_s") and e["data"].get("step", 0) > 3
+    ]
     return round(statistics.median(rates), 1) if rates else None
 
 
@@ -179,23 +208,35 @@ def part_slices(args, models: dict[str, Path], work: Path) -> dict:
         workers = stack.client.workers()
         report["workers"] = compare_uuids(workers, gpus)
         report["uuids_match"] = all(r["match"] for r in report["workers"])
-        qa = stack.upload_rows([{"prompt": r["question"], "custom_id": f"q{i}"} for i, r in enumerate(QA)], "qa.jsonl",
-                               work)
+        qa = stack.upload_rows(
+            [{"prompt": r["question"], "custom_id": f"q{i}"} for i, r in enumerate(QA)], "qa.jsonl", work
+        )
         report["routing"] = {}
         for size in sorted({two, one}):
             job = stack.run({"model": str(models["tiny-qa"]), "input": qa, "gpus": size, "max_new_tokens": 8}, 180)
             ran_on = ran_on_slices(job["id"], workers)
             report["routing"][f"gpus={size}"] = {
-                "state": job["state"], "queue": job.get("queue"), "error": job.get("error"), "slices": ran_on,
-                "ok": job["state"] == "succeeded" and all(len([d for d in s.split(",") if d]) == size
-                                                          for s in ran_on)}
-        bulk = stack.upload_rows([{"prompt": p} for p in prompts(models["big"], args.gen_rows, 64)], "bulk.jsonl",
-                                 work)
-        gen = {"model": str(models["big"]), "input": bulk, "max_new_tokens": args.new_tokens, "ignore_eos": True,
-               "engine": "padded", "batch_rows": 64, "shard_rows": args.gen_rows}
+                "state": job["state"],
+                "queue": job.get("queue"),
+                "error": job.get("error"),
+                "slices": ran_on,
+                "ok": job["state"] == "succeeded" and all(len([d for d in s.split(",") if d]) == size for s in ran_on),
+            }
+        bulk = stack.upload_rows([{"prompt": p} for p in prompts(models["big"], args.gen_rows, 64)], "bulk.jsonl", work)
+        gen = {
+            "model": str(models["big"]),
+            "input": bulk,
+            "max_new_tokens": args.new_tokens,
+            "ignore_eos": True,
+            "engine": "padded",
+            "batch_rows": 64,
+            "shard_rows": args.gen_rows,
+        }
         report["generate"] = {}
-        for label, extra in (("one GPU", {"gpus": one, **({} if cpu else {"device_map": "cuda"})}),
-                             ("device_map auto over 2", {"gpus": two, "device_map": "auto"})):
+        for label, extra in (
+            ("one GPU", {"gpus": one, **({} if cpu else {"device_map": "cuda"})}),
+            ("device_map auto over 2", {"gpus": two, "device_map": "auto"}),
+        ):
             if cpu and "auto" in label:
                 continue  # device_map auto needs GPUs
             job = stack.run({**gen, **extra}, args.job_timeout)
@@ -216,52 +257,92 @@ def ran_on_slices(job_id: str, workers: list[dict]) -> list[str]:
 def _gen_summary(job: dict) -> dict:
     load = job.get("load_options") or {}
     tokens = (job.get("tokens") or {}).get("completion")
-    return {"state": job["state"], "error": job.get("error"), "device_map": load.get("device_map"),
-            "devices": load.get("devices"), "completion_tokens": tokens, "wall_s": job.get("wall_s"),
-            "output_tok_s_wall": round(tokens / job["wall_s"], 1) if tokens and job.get("wall_s") else None}
+    return {
+        "state": job["state"],
+        "error": job.get("error"),
+        "device_map": load.get("device_map"),
+        "devices": load.get("devices"),
+        "completion_tokens": tokens,
+        "wall_s": job.get("wall_s"),
+        "output_tok_s_wall": round(tokens / job["wall_s"], 1) if tokens and job.get("wall_s") else None,
+    }
 
 
 def part_finetune(args, stack: Stack, models: dict[str, Path], work: Path, *, one: int, two: int) -> dict:
     """F1-like LoRA on the big model: 1 GPU single vs 2 GPUs ddp and fsdp2; then the tiny base learns the answers
     under ddp and a chained generation job answers with the adapter."""
     data = stack.upload_rows(text_rows(args.ft_rows, args.ft_words), "ft.jsonl", work)
-    base = {"kind": "finetune", "model": str(models["big"]), "input": data, "max_steps": args.ft_steps,
-            "packing": True, "max_seq_length": args.seq, "batch_size": args.batch, "lora_r": 16, "lora_alpha": 32,
-            "lora_dropout": 0.0, "learning_rate": 1e-4, "lr_scheduler": "constant", "checkpoint_steps": 10**6}
-    runs = [("single, 1 GPU", {"gpus": one, "strategy": "single"}),
-            ("ddp, 2 GPUs", {"gpus": two, "strategy": "ddp", **({"nproc": 2} if args.smoke else {})}),
-            ("fsdp2, 2 GPUs", {"gpus": two, "strategy": "fsdp2"})]
+    base = {
+        "kind": "finetune",
+        "model": str(models["big"]),
+        "input": data,
+        "max_steps": args.ft_steps,
+        "packing": True,
+        "max_seq_length": args.seq,
+        "batch_size": args.batch,
+        "lora_r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.0,
+        "learning_rate": 1e-4,
+        "lr_scheduler": "constant",
+        "checkpoint_steps": 10**6,
+    }
+    runs = [
+        ("single, 1 GPU", {"gpus": one, "strategy": "single"}),
+        ("ddp, 2 GPUs", {"gpus": two, "strategy": "ddp", **({"nproc": 2} if args.smoke else {})}),
+        ("fsdp2, 2 GPUs", {"gpus": two, "strategy": "fsdp2"}),
+    ]
     out: dict = {}
     for label, extra in runs:
         if args.smoke and "fsdp2" in label:
             continue  # accelerate shards only on GPUs: refused on the CPU
         job = stack.run({**base, **extra, "name": label}, args.job_timeout)
         training = (job.get("metrics") or {}).get("training") or {}
-        out[label] = {"state": job["state"], "error": job.get("error"), "strategy": training.get("strategy"),
-                      "processes": training.get("processes"), "train_tokens_per_s": training.get("train_tokens_per_s"),
-                      "median_tokens_per_s": training_rate(stack, job["id"]), "final_loss": training.get("final_loss"),
-                      "wall_s": job.get("wall_s")}
+        out[label] = {
+            "state": job["state"],
+            "error": job.get("error"),
+            "strategy": training.get("strategy"),
+            "processes": training.get("processes"),
+            "train_tokens_per_s": training.get("train_tokens_per_s"),
+            "median_tokens_per_s": training_rate(stack, job["id"]),
+            "final_loss": training.get("final_loss"),
+            "wall_s": job.get("wall_s"),
+        }
         log(f"fine-tune {label}: {out[label]}")
     single = (out.get("single, 1 GPU") or {}).get("median_tokens_per_s")
     for row in out.values():
-        row["speedup_vs_1_gpu"] = round(row["median_tokens_per_s"] / single, 2) if single and row.get(
-            "median_tokens_per_s") else None
-    qa = stack.upload_rows([{"prompt": r["question"], "custom_id": f"q{i}"} for i, r in enumerate(QA)], "qa2.jsonl",
-                           work)
-    memorize = {"kind": "finetune", "model": str(models["tiny-base"]), "gpus": two, "strategy": "ddp",
-                "input": stack.client.upload(ROOT / "examples" / "finetune_qa.jsonl")["id"], "max_steps": 60,
-                "learning_rate": 1e-2, "lr_scheduler": "constant", "batch_size": 6, "lora_dropout": 0.0,
-                "then_generate": {"input": qa, "max_new_tokens": 16, "gpus": two},
-                **({"nproc": 2} if args.smoke else {})}
+        row["speedup_vs_1_gpu"] = (
+            round(row["median_tokens_per_s"] / single, 2) if single and row.get("median_tokens_per_s") else None
+        )
+    qa = stack.upload_rows(
+        [{"prompt": r["question"], "custom_id": f"q{i}"} for i, r in enumerate(QA)], "qa2.jsonl", work
+    )
+    memorize = {
+        "kind": "finetune",
+        "model": str(models["tiny-base"]),
+        "gpus": two,
+        "strategy": "ddp",
+        "input": stack.client.upload(ROOT / "examples" / "finetune_qa.jsonl")["id"],
+        "max_steps": 60,
+        "learning_rate": 1e-2,
+        "lr_scheduler": "constant",
+        "batch_size": 6,
+        "lora_dropout": 0.0,
+        "then_generate": {"input": qa, "max_new_tokens": 16, "gpus": two},
+        **({"nproc": 2} if args.smoke else {}),
+    }
     job = stack.run(memorize, args.job_timeout)
     gen_id = (job.get("metrics") or {}).get("then_generate_job")
     answers = {}
     if gen_id:
         stack.client.wait(gen_id, poll=0.5, timeout=args.job_timeout)
         answers = {r["custom_id"]: r["output"] for r in stack.client.results(gen_id)}
-    out["ddp memorizes the answers"] = {"state": job["state"], "error": job.get("error"),
-                                        "correct": sum(answers.get(f"q{i}") == r["answer"] for i, r in enumerate(QA)),
-                                        "of": len(QA)}
+    out["ddp memorizes the answers"] = {
+        "state": job["state"],
+        "error": job.get("error"),
+        "correct": sum(answers.get(f"q{i}") == r["answer"] for i, r in enumerate(QA)),
+        "of": len(QA),
+    }
     return out
 
 
@@ -275,24 +356,42 @@ def part_dp(args, models: dict[str, Path], work: Path) -> dict:
     n = len(smi_gpus())
     counts = [1, 2] if args.smoke else sorted({1, min(2, n), n})
     texts = prompts(models["big"], args.dp_prompts, args.input_len)
-    report: dict = {"prompts": args.dp_prompts, "input_len": args.input_len, "new_tokens": args.dp_new_tokens,
-                    "runs": {}}
+    report: dict = {
+        "prompts": args.dp_prompts,
+        "input_len": args.input_len,
+        "new_tokens": args.dp_new_tokens,
+        "runs": {},
+    }
     for k in counts:
         up = ";".join(["none"] * k) if args.smoke else ";".join(map(str, range(k)))
         with Stack(up, args.port) as stack:
             per = args.dp_prompts // k
             base = {"model": str(models["big"]), "ignore_eos": True, "gpus": 0 if args.smoke else 1}
-            warm = stack.upload_rows([{"prompt": p} for p in texts[:8 * k]], f"warm{k}.jsonl", work)
+            warm = stack.upload_rows([{"prompt": p} for p in texts[: 8 * k]], f"warm{k}.jsonl", work)
             stack.run({**base, "input": warm, "max_new_tokens": 8, "shard_rows": 8}, args.job_timeout)
-            data = stack.upload_rows([{"prompt": p, "custom_id": f"g1-{i}"} for i, p in enumerate(texts)],
-                                     f"g1-{k}.jsonl", work)
-            job = stack.run({**base, "input": data, "max_new_tokens": args.dp_new_tokens, "shard_rows": per,
-                             "batch_rows": min(per, 256)}, args.job_timeout)
+            data = stack.upload_rows(
+                [{"prompt": p, "custom_id": f"g1-{i}"} for i, p in enumerate(texts)], f"g1-{k}.jsonl", work
+            )
+            job = stack.run(
+                {
+                    **base,
+                    "input": data,
+                    "max_new_tokens": args.dp_new_tokens,
+                    "shard_rows": per,
+                    "batch_rows": min(per, 256),
+                },
+                args.job_timeout,
+            )
             numbers = harness.sql_numbers(job["id"]) if job["state"] == "succeeded" else {}
             workers = sorted({s["metrics"].get("worker") for s in numbers.get("shards", []) if s.get("metrics")})
-            report["runs"][k] = {"state": job["state"], "error": job.get("error"), "output_tok_s":
-                                 numbers.get("output_tok_s"), "window_s": numbers.get("window_s"),
-                                 "workers_used": workers, "up_s": stack.up_s}
+            report["runs"][k] = {
+                "state": job["state"],
+                "error": job.get("error"),
+                "output_tok_s": numbers.get("output_tok_s"),
+                "window_s": numbers.get("window_s"),
+                "workers_used": workers,
+                "up_s": stack.up_s,
+            }
             log(f"G1 over {k} worker(s): {report['runs'][k]}")
     one = (report["runs"].get(1) or {}).get("output_tok_s")
     for k, row in report["runs"].items():
@@ -331,23 +430,31 @@ def tp_child(args) -> int:
     device = model.device  # the first layer's: cuda:LOCAL_RANK under tp, the slice's first GPU under auto
     tokens, t0 = 0, None
     for i in range(0, len(texts), args.tp_batch):
-        batch = tok(texts[i:i + args.tp_batch], return_tensors="pt", padding=True).to(device)
+        batch = tok(texts[i : i + args.tp_batch], return_tensors="pt", padding=True).to(device)
         if t0 is None:  # the first batch warms up (kernels, allocator); the clock starts after it
             model.generate(**batch, max_new_tokens=4, do_sample=False)
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-        out = model.generate(**batch, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                             do_sample=False)
+        out = model.generate(**batch, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
         tokens += (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     if rank == 0:
-        Path(args.child_out).write_text(json.dumps({
-            "mode": args.mode, "processes": int(os.environ.get("WORLD_SIZE", "1")), "load_s": round(load_s, 2),
-            "output_tokens": tokens, "seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1),
-            "devices": sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()})}))
+        Path(args.child_out).write_text(
+            json.dumps(
+                {
+                    "mode": args.mode,
+                    "processes": int(os.environ.get("WORLD_SIZE", "1")),
+                    "load_s": round(load_s, 2),
+                    "output_tokens": tokens,
+                    "seconds": round(seconds, 3),
+                    "output_tok_s": round(tokens / seconds, 1),
+                    "devices": sorted({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}),
+                }
+            )
+        )
     return 0
 
 
@@ -355,8 +462,9 @@ def part_tp(args, models: dict[str, Path], work: Path) -> dict:
     from worker.distributed import child_env
 
     n = 2 if args.smoke else len(smi_gpus())
-    plans = [("one", 1, "0"), ("auto", 1, "0,1"), ("tp", 2, "0,1")] + ([("tp", n, ",".join(map(str, range(n))))]
-                                                                      if n > 2 else [])
+    plans = [("one", 1, "0"), ("auto", 1, "0,1"), ("tp", 2, "0,1")] + (
+        [("tp", n, ",".join(map(str, range(n))))] if n > 2 else []
+    )
     report: dict = {}
     for mode, procs, devices in plans:
         if args.smoke and mode == "auto":
@@ -364,23 +472,44 @@ def part_tp(args, models: dict[str, Path], work: Path) -> dict:
         label = f"{mode} x{procs} on {devices}"
         out = work / f"tp-{mode}-{procs}.json"
         out.unlink(missing_ok=True)
-        child = [__file__, "--tp-child", "--mode", mode, "--model", str(models["big"]), "--child-out", str(out),
-                 *_shared_flags(args)]
-        cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *child]
-               if procs > 1 else [sys.executable, *child])
+        child = [
+            __file__,
+            "--tp-child",
+            "--mode",
+            mode,
+            "--model",
+            str(models["big"]),
+            "--child-out",
+            str(out),
+            *_shared_flags(args),
+        ]
+        cmd = (
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}", *child]
+            if procs > 1
+            else [sys.executable, *child]
+        )
         env = child_env({**os.environ, "CUDA_VISIBLE_DEVICES": "" if args.smoke else devices})
         t = time.monotonic()
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.job_timeout)
-        report[label] = json.loads(out.read_text()) if out.exists() else {
-            "error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
+        report[label] = (
+            json.loads(out.read_text()) if out.exists() else {"error": f"exit {done.returncode}: {done.stderr[-2000:]}"}
+        )
         report[label]["wall_s"] = round(time.monotonic() - t, 1)
         log(f"tp part {label}: {report[label]}")
     return report
 
 
 def _shared_flags(args) -> list[str]:
-    return ["--tp-prompts", str(args.tp_prompts), "--tp-batch", str(args.tp_batch), "--input-len",
-            str(args.input_len), "--new-tokens", str(args.new_tokens)]
+    return [
+        "--tp-prompts",
+        str(args.tp_prompts),
+        "--tp-batch",
+        str(args.tp_batch),
+        "--input-len",
+        str(args.input_len),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
 
 
 # --- main ------------------------------------------------------------------------------------------------------------
@@ -412,9 +541,21 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:  # tiny sizes: every piece runs on two CPU cores in a few minutes
-        for name, value in dict(gen_rows=16, new_tokens=8, ft_rows=24, ft_words=60, ft_steps=6, seq=64, batch=2,
-                                dp_prompts=32, input_len=16, dp_new_tokens=8, tp_prompts=8, tp_batch=4,
-                                job_timeout=240).items():
+        for name, value in dict(
+            gen_rows=16,
+            new_tokens=8,
+            ft_rows=24,
+            ft_words=60,
+            ft_steps=6,
+            seq=64,
+            batch=2,
+            dp_prompts=32,
+            input_len=16,
+            dp_new_tokens=8,
+            tp_prompts=8,
+            tp_batch=4,
+            job_timeout=240,
+        ).items():
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
     return args
@@ -434,8 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     chosen = list(parts) if args.part == "all" else args.part.split(",")
     rc = 0
     for name in chosen:
-        report = {"part": name, "smoke": args.smoke, "host": platform.node(), "date": time.strftime("%F %T"),
-                  "versions": _versions()}
+        report = {
+            "part": name,
+            "smoke": args.smoke,
+            "host": platform.node(),
+            "date": time.strftime("%F %T"),
+            "versions": _versions(),
+        }
         t = time.monotonic()
         try:
             report["result"] = parts[name](args, models, args.work)

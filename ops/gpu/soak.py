@@ -114,20 +114,93 @@ G2 = Rows(2048, (32, 1024), (16, 512))
 G1 = Rows(1024, (256, 256), (256, 256))
 OOM = Rows(2048, (768, 768), (4, 4))
 MODES = {
-    "full": Mode("full", 540, "qwen3-0.6b", "0", 1, 256, 8, G2, G1, Rows(2048, (16, 128), (8, 64)),
-                 Rows(1024, (32, 256), (64, 1024)), 16, 15, OOM,
-                 dict(setup=150, engines=180, g2_first=150, g2_second=90, g1=90, mixed=120, cancel_retry=120,
-                      oom=60, finetune_chain=150, adapter=60)),
-    "quick": Mode("quick", 240, "qwen3-0.6b", "0", 1, 256, 4, Rows(512, G2.words, G2.new), Rows(256, (256, 256),
-                  (256, 256)), Rows(512, (16, 128), (8, 64)), Rows(512, (32, 256), (64, 512)), 16, 15, OOM,
-                  dict(setup=120, engines=150, g2_first=120, g2_second=60, g1=60, mixed=60, cancel_retry=60,
-                       oom=60, finetune_chain=120, adapter=45)),
+    "full": Mode(
+        "full",
+        540,
+        "qwen3-0.6b",
+        "0",
+        1,
+        256,
+        8,
+        G2,
+        G1,
+        Rows(2048, (16, 128), (8, 64)),
+        Rows(1024, (32, 256), (64, 1024)),
+        16,
+        15,
+        OOM,
+        dict(
+            setup=150,
+            engines=180,
+            g2_first=150,
+            g2_second=90,
+            g1=90,
+            mixed=120,
+            cancel_retry=120,
+            oom=60,
+            finetune_chain=150,
+            adapter=60,
+        ),
+    ),
+    "quick": Mode(
+        "quick",
+        240,
+        "qwen3-0.6b",
+        "0",
+        1,
+        256,
+        4,
+        Rows(512, G2.words, G2.new),
+        Rows(256, (256, 256), (256, 256)),
+        Rows(512, (16, 128), (8, 64)),
+        Rows(512, (32, 256), (64, 512)),
+        16,
+        15,
+        OOM,
+        dict(
+            setup=120,
+            engines=150,
+            g2_first=120,
+            g2_second=60,
+            g1=60,
+            mixed=60,
+            cancel_retry=60,
+            oom=60,
+            finetune_chain=120,
+            adapter=45,
+        ),
+    ),
     # CPU: every model tiny, every padded call at most 64 rows except the OOM step's, whose fault fires above 64
-    "smoke": Mode("smoke", 1500, "tiny", "none", 0, 32, 2, Rows(64, (4, 40), (2, 24)), Rows(32, (16, 16), (16, 16)),
-                  Rows(96, (4, 24), (4, 12)), Rows(128, (4, 24), (24, 24)), 8, 60, Rows(256, (8, 8), (4, 4)),
-                  dict(setup=400, engines=300, g2_first=180, g2_second=180, g1=180, mixed=240, cancel_retry=300,
-                       oom=240, finetune_chain=400, adapter=180),
-                  worker_env={"JOBS_TEST_FAULTS": "oom_over_64@generate", "OMP_NUM_THREADS": "1"}, poll_s=0.2),
+    "smoke": Mode(
+        "smoke",
+        1500,
+        "tiny",
+        "none",
+        0,
+        32,
+        2,
+        Rows(64, (4, 40), (2, 24)),
+        Rows(32, (16, 16), (16, 16)),
+        Rows(96, (4, 24), (4, 12)),
+        Rows(128, (4, 24), (24, 24)),
+        8,
+        60,
+        Rows(256, (8, 8), (4, 4)),
+        dict(
+            setup=400,
+            engines=300,
+            g2_first=180,
+            g2_second=180,
+            g1=180,
+            mixed=240,
+            cancel_retry=300,
+            oom=240,
+            finetune_chain=400,
+            adapter=180,
+        ),
+        worker_env={"JOBS_TEST_FAULTS": "oom_over_64@generate", "OMP_NUM_THREADS": "1"},
+        poll_s=0.2,
+    ),
 }
 
 
@@ -177,8 +250,7 @@ class Stack:
         return workers[0] if workers else None
 
     def down(self) -> None:
-        subprocess.run([sys.executable, "-m", "api", "down"], env=self.env, cwd=ROOT, capture_output=True,
-                       timeout=120)
+        subprocess.run([sys.executable, "-m", "api", "down"], env=self.env, cwd=ROOT, capture_output=True, timeout=120)
 
     def dump_stacks(self, label: str) -> str:
         """Every thread's stack of the worker (SIGUSR2 → faulthandler → its log), appended to stacks.txt."""
@@ -208,8 +280,9 @@ class Stack:
         self.deliberate_restarts += 1
 
         def another() -> int | None:
-            return next((w["pid"] for w in registry() if w["state"] == "online" and w["pid"] != pid
-                         and _alive(w["pid"])), None)
+            return next(
+                (w["pid"] for w in registry() if w["state"] == "online" and w["pid"] != pid and _alive(w["pid"])), None
+            )
 
         if _wait_until(lambda: another() is not None, 15):  # a supervisor started one
             return another()
@@ -217,9 +290,15 @@ class Stack:
         stack = self.read()
         env = dict(self.env, JOBS_REDIS_URL=stack.get("redis_url", ""))
         with open(self.worker_log, "ab") as out:
-            proc = subprocess.Popen(worker_command(devices), env=worker_env(devices, env), cwd=ROOT,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                worker_command(devices),
+                env=worker_env(devices, env),
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         stack["workers"] = [p for p in stack.get("workers", []) if p != pid] + [proc.pid]
         (self.home / "run" / "stack.json").write_text(json.dumps(stack, indent=2))
         _wait_until(lambda: any(w["pid"] == proc.pid and w["state"] == "online" for w in registry()), 180)
@@ -258,10 +337,21 @@ def registry() -> list[dict[str, Any]]:
 
     try:
         with session_scope() as s:
-            return [{"name": w.name, "pid": w.pid, "state": w.state, "restarts": w.restarts,
-                     "exit_code": w.exit_code, "reason": w.reason, "started_at": w.started_at,
-                     "stopped_at": w.stopped_at, "heartbeat_at": w.heartbeat_at, "slice": w.slice}
-                    for w in all_workers(s)]
+            return [
+                {
+                    "name": w.name,
+                    "pid": w.pid,
+                    "state": w.state,
+                    "restarts": w.restarts,
+                    "exit_code": w.exit_code,
+                    "reason": w.reason,
+                    "started_at": w.started_at,
+                    "stopped_at": w.stopped_at,
+                    "heartbeat_at": w.heartbeat_at,
+                    "slice": w.slice,
+                }
+                for w in all_workers(s)
+            ]
     except JobsError as exc:  # no database yet, or no tables
         log(f"worker registry not readable: {exc}")
         return []
@@ -283,8 +373,9 @@ def stall_evidence() -> list[str]:
     from core.models import JobEvent, Worker
 
     with session_scope() as s:
-        events = s.execute(select(JobEvent.job_id, JobEvent.message).where(
-            func.lower(JobEvent.message).like("%stall%"))).all()
+        events = s.execute(
+            select(JobEvent.job_id, JobEvent.message).where(func.lower(JobEvent.message).like("%stall%"))
+        ).all()
         reasons = s.execute(select(Worker.name, Worker.reason).where(func.lower(Worker.reason).like("%stall%"))).all()
     found = [f"{job}: {msg}" for job, msg in events] + [f"worker {name}: {reason}" for name, reason in reasons]
     return [line for line in found if re.search(r"\bstall", line, re.IGNORECASE)]
@@ -299,23 +390,40 @@ def rows_report(job_id: str, expected: dict[int, tuple[int, int]] | None = None)
     from core.models import JobRow
 
     with session_scope() as s:
-        rows = s.execute(select(JobRow.idx, JobRow.state, JobRow.executions, JobRow.prompt_tokens,
-                                JobRow.completion_tokens, JobRow.error).where(JobRow.job_id == job_id)).all()
+        rows = s.execute(
+            select(
+                JobRow.idx,
+                JobRow.state,
+                JobRow.executions,
+                JobRow.prompt_tokens,
+                JobRow.completion_tokens,
+                JobRow.error,
+            ).where(JobRow.job_id == job_id)
+        ).all()
     states: dict[str, int] = {}
     for r in rows:
         states[r.state] = states.get(r.state, 0) + 1
     done = [r for r in rows if r.state == "succeeded"]
     wrong = [r.idx for r in done if expected and (r.prompt_tokens, r.completion_tokens) != expected.get(r.idx)]
-    report = {"total": len(rows), "succeeded": states.get("succeeded", 0), "failed": states.get("failed", 0),
-              "other": {k: v for k, v in states.items() if k not in ("succeeded", "failed")},
-              "executions_min": min((r.executions for r in rows), default=None),
-              "executions_max": max((r.executions for r in rows), default=None),
-              "completion_tokens": sum(r.completion_tokens or 0 for r in done)}
+    report = {
+        "total": len(rows),
+        "succeeded": states.get("succeeded", 0),
+        "failed": states.get("failed", 0),
+        "other": {k: v for k, v in states.items() if k not in ("succeeded", "failed")},
+        "executions_min": min((r.executions for r in rows), default=None),
+        "executions_max": max((r.executions for r in rows), default=None),
+        "completion_tokens": sum(r.completion_tokens or 0 for r in done),
+    }
     if expected is not None:
         report["wrong_token_counts"] = len(wrong)
-        report["wrong_token_examples"] = [(i, *next((r.prompt_tokens, r.completion_tokens) for r in done
-                                                    if r.idx == i), *expected.get(i, (None, None)))
-                                          for i in wrong[:5]]
+        report["wrong_token_examples"] = [
+            (
+                i,
+                *next((r.prompt_tokens, r.completion_tokens) for r in done if r.idx == i),
+                *expected.get(i, (None, None)),
+            )
+            for i in wrong[:5]
+        ]
     errors = [r.error for r in rows if r.error]
     if errors:
         report["first_error"] = errors[0][-500:]
@@ -324,8 +432,13 @@ def rows_report(job_id: str, expected: dict[int, tuple[int, int]] | None = None)
 
 def once_ok(report: dict[str, Any], total: int) -> bool:
     """Every one of `total` rows succeeded, and was written exactly once."""
-    return (report["total"] == total and report["succeeded"] == total and report["executions_min"] == 1
-            and report["executions_max"] == 1 and not report.get("wrong_token_counts"))
+    return (
+        report["total"] == total
+        and report["succeeded"] == total
+        and report["executions_min"] == 1
+        and report["executions_max"] == 1
+        and not report.get("wrong_token_counts")
+    )
 
 
 def throughput(job_id: str) -> dict[str, Any]:
@@ -336,12 +449,18 @@ def throughput(job_id: str) -> dict[str, Any]:
     from core.models import JobRow, Shard
 
     with session_scope() as s:
-        tokens, last = s.execute(select(func.sum(JobRow.completion_tokens), func.max(JobRow.finished_at))
-                                 .where(JobRow.job_id == job_id, JobRow.state == "succeeded")).one()
+        tokens, last = s.execute(
+            select(func.sum(JobRow.completion_tokens), func.max(JobRow.finished_at)).where(
+                JobRow.job_id == job_id, JobRow.state == "succeeded"
+            )
+        ).one()
         first = s.execute(select(func.min(Shard.started_at)).where(Shard.job_id == job_id)).scalar()
     window = (last - first) if (last and first) else None
-    return {"output_tokens": tokens, "window_s": window and round(window, 3),
-            "output_tok_s": round(tokens / window, 1) if (tokens and window) else None}
+    return {
+        "output_tokens": tokens,
+        "window_s": window and round(window, 3),
+        "output_tok_s": round(tokens / window, 1) if (tokens and window) else None,
+    }
 
 
 # --- inputs ------------------------------------------------------------------------------------------------------
@@ -406,8 +525,15 @@ class Step:
         self.soak, self.name, self.bound = soak, name, bound
         self.t0 = time.monotonic()
         self.deadline = self.t0 + bound
-        self.record: dict[str, Any] = {"name": name, "bound_s": round(bound, 1), "job_ids": [], "state": None,
-                                       "checks": {}, "rows": None, "restarts": 0}
+        self.record: dict[str, Any] = {
+            "name": name,
+            "bound_s": round(bound, 1),
+            "job_ids": [],
+            "state": None,
+            "checks": {},
+            "rows": None,
+            "restarts": 0,
+        }
 
     def check(self, name: str, ok: bool, **detail: Any) -> bool:
         self.record["checks"][name] = {"ok": bool(ok), **detail}
@@ -433,8 +559,13 @@ class Step:
 
     def finish(self, job: dict, expected_state: str = "succeeded") -> bool:
         self.record["state"] = job["state"]
-        return self.check("state", job["state"] == expected_state, want=expected_state, got=job["state"],
-                          error=(job.get("error") or "")[-500:] or None)
+        return self.check(
+            "state",
+            job["state"] == expected_state,
+            want=expected_state,
+            got=job["state"],
+            error=(job.get("error") or "")[-500:] or None,
+        )
 
     def rows(self, job_id: str, total: int, expected: dict[int, tuple[int, int]] | None = None) -> dict:
         report = rows_report(job_id, expected)
@@ -457,8 +588,11 @@ class Soak:
         self.steps: list[dict[str, Any]] = []
         self.state: dict[str, Any] = {}  # what later steps need from earlier ones (file ids, the adapter)
         self.words: list[str] = []  # one-token words of the G1/G2 model's tokenizer
-        self.paths = {"tiny_qa": models / "tiny-qa", "tiny_base": models / "tiny-base",
-                      "big": models / ("tiny-random" if mode.big_arch == "tiny" else "qwen3-0.6b")}
+        self.paths = {
+            "tiny_qa": models / "tiny-qa",
+            "tiny_base": models / "tiny-base",
+            "big": models / ("tiny-random" if mode.big_arch == "tiny" else "qwen3-0.6b"),
+        }
 
     # --- running steps ---
 
@@ -517,8 +651,9 @@ class Soak:
         evidence["stopped_after_cancel"] = stopped
         if not stopped:
             evidence["worker_killed"] = True
-            evidence["new_worker_pid"] = self.stack.restart_worker(f"step {step.name}: jobs {live} did not stop "
-                                                                   f"within {STUCK_GRACE_S} s of their cancel")
+            evidence["new_worker_pid"] = self.stack.restart_worker(
+                f"step {step.name}: jobs {live} did not stop within {STUCK_GRACE_S} s of their cancel"
+            )
         return evidence
 
     # --- the steps ---
@@ -526,17 +661,32 @@ class Soak:
     def engines(self, step: Step) -> None:
         records = qa_records(self.mode.qa_copies)
         file_id = self.client.upload(write_jsonl(self.work / "qa.jsonl", records))["id"]
-        jobs = {e: step.submit({"model": str(self.paths["tiny_qa"]), "input": file_id, "max_new_tokens": 16,
-                                "engine": e, "batch_rows": len(records), "name": f"soak engines: {e}"})
-                for e in ENGINES}
+        jobs = {
+            e: step.submit(
+                {
+                    "model": str(self.paths["tiny_qa"]),
+                    "input": file_id,
+                    "max_new_tokens": 16,
+                    "engine": e,
+                    "batch_rows": len(records),
+                    "name": f"soak engines: {e}",
+                }
+            )
+            for e in ENGINES
+        }
         outputs: dict[str, dict[str, str]] = {}
         states = {}
         for engine, job_id in jobs.items():
             job = step.wait(job_id)
             states[engine] = job["state"]
             report = rows_report(job_id)
-            step.check(f"{engine}_succeeded_once", job["state"] == "succeeded" and once_ok(report, len(records)),
-                       state=job["state"], rows=report, error=(job.get("error") or "")[-300:] or None)
+            step.check(
+                f"{engine}_succeeded_once",
+                job["state"] == "succeeded" and once_ok(report, len(records)),
+                state=job["state"],
+                rows=report,
+                error=(job.get("error") or "")[-300:] or None,
+            )
             if job["state"] == "succeeded":
                 outputs[engine] = {r["custom_id"]: r["output"] for r in self.client.results(job_id)}
         step.record["state"] = "succeeded" if set(states.values()) == {"succeeded"} else json.dumps(states)
@@ -544,8 +694,12 @@ class Soak:
         for engine in ENGINES[1:]:
             got = outputs.get(engine, {})
             differ = sorted(cid for cid in reference if got.get(cid) != reference[cid])
-            step.check(f"{engine}_equals_padded", bool(reference) and bool(got) and not differ,
-                       differ=len(differ), examples={c: [reference[c], got.get(c)] for c in differ[:3]})
+            step.check(
+                f"{engine}_equals_padded",
+                bool(reference) and bool(got) and not differ,
+                differ=len(differ),
+                examples={c: [reference[c], got.get(c)] for c in differ[:3]},
+            )
         right = memorized(reference)
         step.check("memorized_answers", right >= 0.95 * len(records), right=right, of=len(records))
         step.record["rows"] = {"total": len(records) * len(ENGINES), "per_engine": len(records)}
@@ -554,13 +708,22 @@ class Soak:
         data = self.state.get("g2")
         if data is None:
             data = synthetic(self.words, self.mode.g2)
-            path = write_jsonl(self.work / "g2.jsonl", [{"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"}
-                                                        for i, (p, _, o) in enumerate(data)])
+            path = write_jsonl(
+                self.work / "g2.jsonl",
+                [{"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"} for i, (p, _, o) in enumerate(data)],
+            )
             self.state["g2"] = data
             self.state["g2_file"] = self.client.upload(path)["id"]
-        job_id = step.submit({"model": str(self.paths["big"]), "input": self.state["g2_file"], "ignore_eos": True,
-                              "batch_rows": self.mode.batch_rows, "shard_rows": len(data),
-                              "name": f"soak g2 ({'second' if second else 'first'})"})
+        job_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.state["g2_file"],
+                "ignore_eos": True,
+                "batch_rows": self.mode.batch_rows,
+                "shard_rows": len(data),
+                "name": f"soak g2 ({'second' if second else 'first'})",
+            }
+        )
         step.finish(step.wait(job_id))
         step.rows(job_id, len(data), {i: (n, o) for i, (_, n, o) in enumerate(data)})
         step.record["throughput"] = throughput(job_id)
@@ -572,12 +735,21 @@ class Soak:
 
     def g1(self, step: Step) -> None:
         data = synthetic(self.words, self.mode.g1)
-        path = write_jsonl(self.work / "g1.jsonl", [{"prompt": p, "custom_id": f"r{i}"}
-                                                    for i, (p, _, _) in enumerate(data)])
+        path = write_jsonl(
+            self.work / "g1.jsonl", [{"prompt": p, "custom_id": f"r{i}"} for i, (p, _, _) in enumerate(data)]
+        )
         new = self.mode.g1.new[0]
-        job_id = step.submit({"model": str(self.paths["big"]), "input": self.client.upload(path)["id"],
-                              "max_new_tokens": new, "ignore_eos": True, "batch_rows": self.mode.batch_rows,
-                              "shard_rows": len(data), "name": "soak g1"})
+        job_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.client.upload(path)["id"],
+                "max_new_tokens": new,
+                "ignore_eos": True,
+                "batch_rows": self.mode.batch_rows,
+                "shard_rows": len(data),
+                "name": "soak g1",
+            }
+        )
         step.finish(step.wait(job_id))
         step.rows(job_id, len(data), {i: (n, new) for i, (_, n, _) in enumerate(data)})
         step.record["throughput"] = throughput(job_id)
@@ -585,18 +757,30 @@ class Soak:
     def mixed(self, step: Step) -> None:
         """Half greedy rows (fast engine on CUDA), a sixth each with top_p, top_k, repetition_penalty (padded)."""
         data = synthetic(self.words, self.mode.mixed, seed=SEED + 1)
-        kinds = [{}, {}, {}, {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 32},
-                 {"temperature": 0.8, "top_k": 40, "max_new_tokens": 32}, {"repetition_penalty": 1.3,
-                                                                            "max_new_tokens": 32}]
+        kinds = [
+            {},
+            {},
+            {},
+            {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 32},
+            {"temperature": 0.8, "top_k": 40, "max_new_tokens": 32},
+            {"repetition_penalty": 1.3, "max_new_tokens": 32},
+        ]
         records, expected = [], {}
         for i, (prompt, n, new) in enumerate(data):
             params = {"max_new_tokens": new, **kinds[i % len(kinds)]}
             records.append({"prompt": prompt, "custom_id": f"m{i}", **params})
             expected[i] = (n, params["max_new_tokens"])
         path = write_jsonl(self.work / "mixed.jsonl", records)
-        job_id = step.submit({"model": str(self.paths["big"]), "input": self.client.upload(path)["id"],
-                              "ignore_eos": True, "batch_rows": self.mode.batch_rows,
-                              "shard_rows": max(1, len(data) // 4), "name": "soak mixed sampling"})
+        job_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.client.upload(path)["id"],
+                "ignore_eos": True,
+                "batch_rows": self.mode.batch_rows,
+                "shard_rows": max(1, len(data) // 4),
+                "name": "soak mixed sampling",
+            }
+        )
         job = step.wait(job_id)
         step.finish(job)
         step.rows(job_id, len(data), expected)
@@ -604,22 +788,40 @@ class Soak:
 
     def cancel_retry(self, step: Step) -> None:
         data = synthetic(self.words, self.mode.cancel, seed=SEED + 2)
-        path = write_jsonl(self.work / "cancel.jsonl", [{"prompt": p, "max_new_tokens": o, "custom_id": f"k{i}"}
-                                                        for i, (p, _, o) in enumerate(data)])
-        job_id = step.submit({"model": str(self.paths["big"]), "input": self.client.upload(path)["id"],
-                              "ignore_eos": True, "batch_rows": self.mode.cancel_batch_rows,
-                              "shard_rows": len(data), "name": "soak cancel then retry"})
+        path = write_jsonl(
+            self.work / "cancel.jsonl",
+            [{"prompt": p, "max_new_tokens": o, "custom_id": f"k{i}"} for i, (p, _, o) in enumerate(data)],
+        )
+        job_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.client.upload(path)["id"],
+                "ignore_eos": True,
+                "batch_rows": self.mode.cancel_batch_rows,
+                "shard_rows": len(data),
+                "name": "soak cancel then retry",
+            }
+        )
         job = step.wait(job_id, until=lambda j: j["state"] == "running" and j["rows"]["succeeded"] > 0)
-        if not step.check("running_with_rows_committed", job["state"] == "running", state=job["state"],
-                          note="the job must still run once rows are committed: make it longer if it ended"):
+        if not step.check(
+            "running_with_rows_committed",
+            job["state"] == "running",
+            state=job["state"],
+            note="the job must still run once rows are committed: make it longer if it ended",
+        ):
             return
         t = time.monotonic()
         self.client.cancel(job_id)
         job = step.wait(job_id)
         cancel_s = time.monotonic() - t
         kept = job["rows"]["succeeded"]
-        step.check("cancelled_promptly", job["state"] == "cancelled" and cancel_s <= self.mode.cancel_s,
-                   state=job["state"], seconds=round(cancel_s, 2), bound_s=self.mode.cancel_s)
+        step.check(
+            "cancelled_promptly",
+            job["state"] == "cancelled" and cancel_s <= self.mode.cancel_s,
+            state=job["state"],
+            seconds=round(cancel_s, 2),
+            bound_s=self.mode.cancel_s,
+        )
         step.check("rows_kept", 0 < kept < len(data), kept=kept, of=len(data))
         self.client.retry(job_id)
         step.finish(step.wait(job_id))
@@ -628,32 +830,51 @@ class Soak:
 
     def oom(self, step: Step) -> None:
         data = synthetic(self.words, self.mode.oom, seed=SEED + 3)
-        path = write_jsonl(self.work / "oom.jsonl", [{"prompt": p, "custom_id": f"o{i}"}
-                                                     for i, (p, _, _) in enumerate(data)])
+        path = write_jsonl(
+            self.work / "oom.jsonl", [{"prompt": p, "custom_id": f"o{i}"} for i, (p, _, _) in enumerate(data)]
+        )
         new = self.mode.oom.new[0]
-        job_id = step.submit({"model": str(self.paths["big"]), "input": self.client.upload(path)["id"],
-                              "max_new_tokens": new, "ignore_eos": True, "engine": "padded",
-                              "batch_rows": len(data), "shard_rows": len(data), "name": "soak forced OOM"})
+        job_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.client.upload(path)["id"],
+                "max_new_tokens": new,
+                "ignore_eos": True,
+                "engine": "padded",
+                "batch_rows": len(data),
+                "shard_rows": len(data),
+                "name": "soak forced OOM",
+            }
+        )
         step.finish(step.wait(job_id))
         step.rows(job_id, len(data), {i: (n, new) for i, (_, n, _) in enumerate(data)})
         splits = [e["message"] for e in self.client.events(job_id) if "out of memory" in e["message"]]
-        step.check("out_of_memory_split", bool(splits), events=splits[:8],
-                   injected="JOBS_TEST_FAULTS" in self.mode.worker_env)
+        step.check(
+            "out_of_memory_split", bool(splits), events=splits[:8], injected="JOBS_TEST_FAULTS" in self.mode.worker_env
+        )
 
     def finetune_chain(self, step: Step) -> None:
         import yaml
 
         spec = yaml.safe_load((ROOT / "examples" / "finetune.yaml").read_text())
-        qa_file = self.client.upload(write_jsonl(self.work / "qa-plain.jsonl", [r for r in qa_records(1)
-                                                                                  if "prompt" in r]))["id"]
-        spec.update(model=str(self.paths["tiny_base"]), name="soak fine-tune",
-                    input=self.client.upload(ROOT / "examples" / "finetune_qa.jsonl")["id"],
-                    then_generate={"input": qa_file, "max_new_tokens": 16, "name": "soak chained generation"})
+        qa_file = self.client.upload(
+            write_jsonl(self.work / "qa-plain.jsonl", [r for r in qa_records(1) if "prompt" in r])
+        )["id"]
+        spec.update(
+            model=str(self.paths["tiny_base"]),
+            name="soak fine-tune",
+            input=self.client.upload(ROOT / "examples" / "finetune_qa.jsonl")["id"],
+            then_generate={"input": qa_file, "max_new_tokens": 16, "name": "soak chained generation"},
+        )
         tune_id = step.submit(spec)
         tune = step.wait(tune_id)
-        step.check("finetune_succeeded", tune["state"] == "succeeded", state=tune["state"],
-                   error=(tune.get("error") or "")[-500:] or None,
-                   final_loss=((tune.get("metrics") or {}).get("training") or {}).get("final_loss"))
+        step.check(
+            "finetune_succeeded",
+            tune["state"] == "succeeded",
+            state=tune["state"],
+            error=(tune.get("error") or "")[-500:] or None,
+            final_loss=((tune.get("metrics") or {}).get("training") or {}).get("final_loss"),
+        )
         gen_id = (tune.get("metrics") or {}).get("then_generate_job")
         if not step.check("chained_job_created", bool(gen_id)):
             step.record["state"] = tune["state"]
@@ -662,8 +883,13 @@ class Soak:
         step.finish(step.wait(gen_id))
         step.rows(gen_id, len(QA))
         outputs = {r["custom_id"]: r["output"] for r in self.client.results(gen_id)}
-        step.check("memorized_after_finetune", memorized(outputs) >= len(QA) - 1, right=memorized(outputs),
-                   of=len(QA), outputs=outputs)
+        step.check(
+            "memorized_after_finetune",
+            memorized(outputs) >= len(QA) - 1,
+            right=memorized(outputs),
+            of=len(QA),
+            outputs=outputs,
+        )
         if tune["state"] == "succeeded":
             self.state["adapter"], self.state["chained_outputs"] = tune_id, outputs
 
@@ -672,15 +898,23 @@ class Soak:
         if not step.check("adapter_available", bool(adapter), note="from the finetune_chain step"):
             return
         records = qa_records(2)
-        job_id = step.submit({"model": str(self.paths["tiny_base"]), "adapter": adapter, "max_new_tokens": 16,
-                              "input": self.client.upload(write_jsonl(self.work / "qa-adapter.jsonl", records))["id"],
-                              "batch_rows": len(records), "name": "soak generation with the adapter"})
+        job_id = step.submit(
+            {
+                "model": str(self.paths["tiny_base"]),
+                "adapter": adapter,
+                "max_new_tokens": 16,
+                "input": self.client.upload(write_jsonl(self.work / "qa-adapter.jsonl", records))["id"],
+                "batch_rows": len(records),
+                "name": "soak generation with the adapter",
+            }
+        )
         job = step.wait(job_id)
         step.finish(job)
         step.rows(job_id, len(records))
         outputs = {r["custom_id"]: r["output"] for r in self.client.results(job_id)}
-        step.check("memorized_with_adapter", memorized(outputs) >= len(records) - 2, right=memorized(outputs),
-                   of=len(records))
+        step.check(
+            "memorized_with_adapter", memorized(outputs) >= len(records) - 2, right=memorized(outputs), of=len(records)
+        )
         chained = self.state.get("chained_outputs", {})
         differ = [cid for cid, out in chained.items() if outputs.get(cid) != out]
         step.check("equals_chained_job", not differ, differ=differ)
@@ -693,16 +927,23 @@ class Soak:
 def build_models(soak: Soak) -> dict[str, subprocess.Popen]:
     """Start building what is missing, each in its own process (the 0.6B shape on the GPU takes ~25 s)."""
     qa = str(ROOT / "examples" / "qa.jsonl")
-    wanted = {"tiny_qa": ["--qa", qa], "tiny_base": ["--base", "--qa", qa],
-              "big": ["--arch", "tiny", "--steps", "1"] if soak.mode.big_arch == "tiny" else ["--arch", "qwen3-0.6b"]}
+    wanted = {
+        "tiny_qa": ["--qa", qa],
+        "tiny_base": ["--base", "--qa", qa],
+        "big": ["--arch", "tiny", "--steps", "1"] if soak.mode.big_arch == "tiny" else ["--arch", "qwen3-0.6b"],
+    }
     procs = {}
     soak.models.mkdir(parents=True, exist_ok=True)
     for key, extra in wanted.items():
         path = soak.paths[key]
         if not (path / "model.safetensors").exists():
             out = open(soak.work / f"build-{key}.log", "wb")
-            procs[f"build_{key}"] = subprocess.Popen([sys.executable, "-m", "worker.tinymodel", str(path), *extra],
-                                                     cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            procs[f"build_{key}"] = subprocess.Popen(
+                [sys.executable, "-m", "worker.tinymodel", str(path), *extra],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
     return procs
 
 
@@ -721,9 +962,13 @@ def setup(soak: Soak, step: Step) -> None:
             proc.kill()
             raise Stuck(f"{name} (pid {proc.pid})", "running", step.bound) from None
         output = soak.work / ("up.log" if name == "up" else f"{name.replace('build_', 'build-')}.log")
-        step.check(f"{name}_exit_0", proc.returncode == 0, command=" ".join(map(str, proc.args[1:])),
-                   returncode=proc.returncode,
-                   output=None if proc.returncode == 0 else output.read_text(errors="replace")[-3000:])
+        step.check(
+            f"{name}_exit_0",
+            proc.returncode == 0,
+            command=" ".join(map(str, proc.args[1:])),
+            returncode=proc.returncode,
+            output=None if proc.returncode == 0 else output.read_text(errors="replace")[-3000:],
+        )
     if up.returncode != 0:
         raise RuntimeError(f"gpujobs up failed: {(soak.work / 'up.log').read_text(errors='replace')[-3000:]}")
     from api.client import Client
@@ -744,15 +989,31 @@ def final_checks(soak: Soak) -> dict[str, Any]:
     stalls = stall_evidence()
     checks = {
         "one_worker_registered": {"ok": len(workers) == 1, "workers": len(workers)},
-        "no_restart": {"ok": restart_count(workers) == 0 and soak.stack.deliberate_restarts == 0,
-                       "registry_restarts": restart_count(workers), "restarts_by_soak": soak.stack.deliberate_restarts},
-        "same_worker_process": {"ok": pid == soak.stack.started_pid and bool(pid) and _alive(pid),
-                                "started": soak.stack.started_pid, "now": pid},
-        "worker_online_no_exit": {"ok": all(w["state"] == "online" and time.time() - w["heartbeat_at"] < 30
-                                            and w["exit_code"] is None and not w["reason"] for w in workers),
-                                  "workers": workers},
-        "no_stall": {"ok": not stalls, "evidence": stalls[:20],
-                     "note": "matches 'stall' in job events and worker reasons (the stall watchdog's error events)"},
+        "no_restart": {
+            "ok": restart_count(workers) == 0 and soak.stack.deliberate_restarts == 0,
+            "registry_restarts": restart_count(workers),
+            "restarts_by_soak": soak.stack.deliberate_restarts,
+        },
+        "same_worker_process": {
+            "ok": pid == soak.stack.started_pid and bool(pid) and _alive(pid),
+            "started": soak.stack.started_pid,
+            "now": pid,
+        },
+        "worker_online_no_exit": {
+            "ok": all(
+                w["state"] == "online"
+                and time.time() - w["heartbeat_at"] < 30
+                and w["exit_code"] is None
+                and not w["reason"]
+                for w in workers
+            ),
+            "workers": workers,
+        },
+        "no_stall": {
+            "ok": not stalls,
+            "evidence": stalls[:20],
+            "note": "matches 'stall' in job events and worker reasons (the stall watchdog's error events)",
+        },
     }
     return checks
 
@@ -776,15 +1037,20 @@ def worker_info() -> dict[str, Any]:
         w = next(iter(all_workers(s)), None)
         if w is None:
             return {}
-        return {"name": w.name, "gpus": w.gpus, "versions": (w.capabilities or {}).get("versions"),
-                "torch_cuda": (w.capabilities or {}).get("torch_cuda")}
+        return {
+            "name": w.name,
+            "gpus": w.gpus,
+            "versions": (w.capabilities or {}).get("versions"),
+            "torch_cuda": (w.capabilities or {}).get("torch_cuda"),
+        }
 
 
 def commit_info() -> dict[str, Any]:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout
         return {"commit": head.stdout.strip(), "modified": [ln[3:] for ln in dirty.splitlines()]}
     except (OSError, subprocess.CalledProcessError):
         return {"commit": os.environ.get("SOAK_COMMIT")}
@@ -794,28 +1060,38 @@ def nvidia_smi() -> str | None:
     smi = shutil.which("nvidia-smi")
     if not smi:
         return None
-    return subprocess.run([smi, "--query-gpu=index,name,uuid,memory.total,memory.used", "--format=csv"],
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        [smi, "--query-gpu=index,name,uuid,memory.total,memory.used", "--format=csv"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def print_table(report: dict[str, Any]) -> None:
     print()
-    print(f"SOAK {report['mode']}: {'PASSED' if report['passed'] else 'FAILED'} in {report['total_s']} s "
-          f"(budget {report['budget_s']} s); commit {report.get('commit')}")
-    print(f"{'step':<16}{'result':<8}{'state':<12}{'seconds':>9}{'bound':>7}{'rows ok/total':>15}{'exec':>6}"
-          f"{'restarts':>10}  notes")
+    print(
+        f"SOAK {report['mode']}: {'PASSED' if report['passed'] else 'FAILED'} in {report['total_s']} s "
+        f"(budget {report['budget_s']} s); commit {report.get('commit')}"
+    )
+    print(
+        f"{'step':<16}{'result':<8}{'state':<12}{'seconds':>9}{'bound':>7}{'rows ok/total':>15}{'exec':>6}"
+        f"{'restarts':>10}  notes"
+    )
     for s in report["steps"]:
         rows = s.get("rows") or {}
-        ok_rows = f"{rows.get('succeeded', '-')}/{rows.get('total', '-')}" if "succeeded" in rows else \
-            str(rows.get("total", "-"))
+        ok_rows = (
+            f"{rows.get('succeeded', '-')}/{rows.get('total', '-')}"
+            if "succeeded" in rows
+            else str(rows.get("total", "-"))
+        )
         execs = f"{rows.get('executions_max', '-')}" if rows else "-"
         failed = [k for k, c in s.get("checks", {}).items() if not c["ok"]]
         notes = s.get("skipped") or s.get("error") or (("failed: " + ", ".join(failed)) if failed else "")
         if not notes and s.get("throughput", {}).get("output_tok_s"):
             notes = f"{s['throughput']['output_tok_s']:,.0f} output tok/s"
         result = "skip" if s.get("skipped") else ("pass" if s.get("passed") else "FAIL")
-        print(f"{s['name']:<16}{result:<8}{str(s.get('state') or '-'):<12.12}{s.get('seconds', 0):>9.1f}"
-              f"{s.get('bound_s', 0):>7.0f}{ok_rows:>15}{execs:>6}{s.get('restarts', 0):>10}  {notes[:90]}")
+        print(
+            f"{s['name']:<16}{result:<8}{str(s.get('state') or '-'):<12.12}{s.get('seconds', 0):>9.1f}"
+            f"{s.get('bound_s', 0):>7.0f}{ok_rows:>15}{execs:>6}{s.get('restarts', 0):>10}  {notes[:90]}"
+        )
     for name, c in report["final_checks"].items():
         print(f"{'final':<16}{'pass' if c['ok'] else 'FAIL':<8}{name}")
 
@@ -825,13 +1101,26 @@ def main(argv: list[str] | None = None) -> int:
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--quick", action="store_true", help="smaller G1/G2/mixed/cancel jobs: at most 4 minutes")
     kind.add_argument("--smoke", action="store_true", help="CPU: the tiny model for every step, small sizes")
-    p.add_argument("--work", type=Path, default=Path("/tmp/gpujobs-soak"),
-                   help="models (kept between runs), inputs, and the stack's JOBS_HOME (<work>/home, made afresh)")
-    p.add_argument("--out", type=Path, help="the JSON (default: ops/gpu/results/soak-<mode>.json; --smoke: in --work);"
-                   " a copy, with the logs, also goes to $OUT when it is set")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/gpujobs-soak"),
+        help="models (kept between runs), inputs, and the stack's JOBS_HOME (<work>/home, made afresh)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="the JSON (default: ops/gpu/results/soak-<mode>.json; --smoke: in --work);"
+        " a copy, with the logs, also goes to $OUT when it is set",
+    )
     p.add_argument("--budget-s", type=float, help="the whole run's time (default: full 540, quick 240, smoke 1500)")
-    p.add_argument("--bound", action="append", default=[], metavar="STEP=SECONDS",
-                   help="another bound for one step (repeatable); e.g. to see a stuck step's evidence")
+    p.add_argument(
+        "--bound",
+        action="append",
+        default=[],
+        metavar="STEP=SECONDS",
+        help="another bound for one step (repeatable); e.g. to see a stuck step's evidence",
+    )
     p.add_argument("--faults", help="more JOBS_TEST_FAULTS for the worker (worker/faults.py), e.g. sleep_60@train_step")
     args = p.parse_args(argv)
     mode = MODES["quick" if args.quick else "smoke" if args.smoke else "full"]
@@ -839,8 +1128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.faults:
         faults = ",".join(f for f in (mode.worker_env.get("JOBS_TEST_FAULTS"), args.faults) if f)
         mode = replace(mode, worker_env={**mode.worker_env, "JOBS_TEST_FAULTS": faults})
-    out = args.out or (args.work / "soak-smoke.json" if args.smoke else
-                       ROOT / "ops" / "gpu" / "results" / f"soak-{mode.name}.json")
+    out = args.out or (
+        args.work / "soak-smoke.json" if args.smoke else ROOT / "ops" / "gpu" / "results" / f"soak-{mode.name}.json"
+    )
     args.work.mkdir(parents=True, exist_ok=True)
     home = args.work / "home"
     for key in [k for k in os.environ if k.startswith("JOBS_")]:  # this run owns its stack
@@ -858,9 +1148,16 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     soak = Soak(mode, args.work, args.work / "models")
     soak.stack = Stack(home, mode, env)
-    report: dict[str, Any] = {"mode": mode.name, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                              **commit_info(), "budget_s": mode.budget_s, "passed": False, "steps": soak.steps,
-                              "final_checks": {}, "nvidia_smi": nvidia_smi()}
+    report: dict[str, Any] = {
+        "mode": mode.name,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **commit_info(),
+        "budget_s": mode.budget_s,
+        "passed": False,
+        "steps": soak.steps,
+        "final_checks": {},
+        "nvidia_smi": nvidia_smi(),
+    }
 
     def save() -> None:
         report["total_s"] = round(time.monotonic() - t0, 1)
@@ -868,9 +1165,16 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({"soak": report}, indent=2, default=str))
 
     plan: list[tuple[str, Callable[[Step], None]]] = [
-        ("engines", soak.engines), ("g2_first", lambda s: soak.g2(s, False)), ("g2_second", lambda s: soak.g2(s, True)),
-        ("g1", soak.g1), ("mixed", soak.mixed), ("cancel_retry", soak.cancel_retry), ("oom", soak.oom),
-        ("finetune_chain", soak.finetune_chain), ("adapter", soak.adapter)]
+        ("engines", soak.engines),
+        ("g2_first", lambda s: soak.g2(s, False)),
+        ("g2_second", lambda s: soak.g2(s, True)),
+        ("g1", soak.g1),
+        ("mixed", soak.mixed),
+        ("cancel_retry", soak.cancel_retry),
+        ("oom", soak.oom),
+        ("finetune_chain", soak.finetune_chain),
+        ("adapter", soak.adapter),
+    ]
     try:
         record = soak.run("setup", lambda step: setup(soak, step), worker=False)
         save()
@@ -885,8 +1189,12 @@ def main(argv: list[str] | None = None) -> int:
         report["interrupted"] = str(exc)
         log(f"interrupted: {exc}")
     finally:
-        report["passed"] = (all(s.get("passed") for s in soak.steps) and len(soak.steps) == len(plan) + 1
-                            and bool(report["final_checks"]) and all(c["ok"] for c in report["final_checks"].values()))
+        report["passed"] = (
+            all(s.get("passed") for s in soak.steps)
+            and len(soak.steps) == len(plan) + 1
+            and bool(report["final_checks"])
+            and all(c["ok"] for c in report["final_checks"].values())
+        )
         try:
             soak.stack.down()
             report["worker_after_down"] = registry()
@@ -916,9 +1224,13 @@ def copy_out(out: Path, home: Path) -> None:
     if not target:
         return
     Path(target).mkdir(parents=True, exist_ok=True)
-    for src, name in ((out, out.name), (home / "logs" / "worker-0.log", "worker-0.log"),
-                      (home / "logs" / "api.log", "api.log"), (home / "stacks.txt", "stacks.txt"),
-                      (home.parent / "up.log", "up.log")):
+    for src, name in (
+        (out, out.name),
+        (home / "logs" / "worker-0.log", "worker-0.log"),
+        (home / "logs" / "api.log", "api.log"),
+        (home / "stacks.txt", "stacks.txt"),
+        (home.parent / "up.log", "up.log"),
+    ):
         if src.exists() and src.resolve() != (Path(target) / name).resolve():
             shutil.copyfile(src, Path(target) / name)
 

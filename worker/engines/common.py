@@ -111,22 +111,30 @@ def prepare(loaded: Loaded, spec: GenerateSpec, rows, started: float) -> Iterato
     limit = context_limit(loaded)
     rows = list(rows)
     for start in range(0, len(rows), RENDER_BATCH):
-        chunk = rows[start:start + RENDER_BATCH]
+        chunk = rows[start : start + RENDER_BATCH]
         for (idx, row_input), ids in zip(chunk, render_many(loaded, [r for _, r in chunk])):
             yield _prepared(idx, row_input, ids, spec, limit, started)
 
 
-def _prepared(idx: int, row_input: dict[str, Any], ids: list[int] | Exception, spec: GenerateSpec,
-              limit: int | None, started: float) -> Prepared | RowResult:
+def _prepared(
+    idx: int,
+    row_input: dict[str, Any],
+    ids: list[int] | Exception,
+    spec: GenerateSpec,
+    limit: int | None,
+    started: float,
+) -> Prepared | RowResult:
     params = sampling_of(spec, row_input.get("params"))
     if isinstance(ids, Exception):  # e.g. a chat template that refuses these messages: this row fails alone
         return RowResult(idx, started_at=started, error=f"cannot build the prompt: {ids}")
     if limit and len(ids) + params["max_new_tokens"] > limit:
-        return RowResult(idx, prompt_tokens=len(ids), started_at=started,
-                         error=too_long(len(ids), params["max_new_tokens"], limit))
+        return RowResult(
+            idx, prompt_tokens=len(ids), started_at=started, error=too_long(len(ids), params["max_new_tokens"], limit)
+        )
     if (params.get("num_return_sequences") or 1) > 1 and not params["do_sample"]:
-        return RowResult(idx, prompt_tokens=len(ids), started_at=started,
-                         error=several_greedy(params["num_return_sequences"]))
+        return RowResult(
+            idx, prompt_tokens=len(ids), started_at=started, error=several_greedy(params["num_return_sequences"])
+        )
     return Prepared(idx, params, ids)
 
 
@@ -140,8 +148,12 @@ def free_cuda_cache() -> None:
 
 def generate_kwargs(tok, params: dict[str, Any], criteria: list[StoppingCriteria]) -> dict[str, Any]:
     """`model.generate` keyword arguments for one group's sampling parameters (padded and static engines)."""
-    kwargs = dict(max_new_tokens=params["max_new_tokens"], do_sample=params["do_sample"],
-                  pad_token_id=tok.pad_token_id, stopping_criteria=StoppingCriteriaList(criteria))
+    kwargs = dict(
+        max_new_tokens=params["max_new_tokens"],
+        do_sample=params["do_sample"],
+        pad_token_id=tok.pad_token_id,
+        stopping_criteria=StoppingCriteriaList(criteria),
+    )
     if params["do_sample"]:
         kwargs.update({k: params[k] for k in ("temperature", "top_p", "top_k") if params[k] is not None})
     else:
@@ -181,10 +193,22 @@ def row_result(tok, row: Prepared, sequences: list[tuple[str, str, int]], starte
     """A row's result: one sequence stores plain text; n > 1 store a list of texts and a list of finish reasons."""
     texts, finishes, counts = zip(*sequences)
     if len(sequences) == 1:
-        return RowResult(row.idx, output=texts[0], finish_reason=finishes[0], prompt_tokens=len(row.ids),
-                         completion_tokens=counts[0], started_at=started)
-    return RowResult(row.idx, output=list(texts), finish_reason=list(finishes), prompt_tokens=len(row.ids),
-                     completion_tokens=sum(counts), started_at=started)
+        return RowResult(
+            row.idx,
+            output=texts[0],
+            finish_reason=finishes[0],
+            prompt_tokens=len(row.ids),
+            completion_tokens=counts[0],
+            started_at=started,
+        )
+    return RowResult(
+        row.idx,
+        output=list(texts),
+        finish_reason=list(finishes),
+        prompt_tokens=len(row.ids),
+        completion_tokens=sum(counts),
+        started_at=started,
+    )
 
 
 def _tokens_through(tok, tokens: list[int], stop: str) -> int:

@@ -42,8 +42,17 @@ CPU_MAX_BATCH_TOKENS = 512
 GPU_WINDOW = 8192  # requests queued in the manager at once on a GPU (transformers picks how many run together)
 
 
-def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event, info: dict[str, Any],
-        progress: Progress) -> Iterator[list[RowResult]]:
+def run(
+    loaded: Loaded,
+    spec: GenerateSpec,
+    rows,
+    *,
+    batch_rows: int,
+    should_stop,
+    on_event,
+    info: dict[str, Any],
+    progress: Progress,
+) -> Iterator[list[RowResult]]:
     """The engine's entry (worker/engines/__init__.py): `rows` through one manager per group of manager-wide
     sampling parameters; a CUDA out-of-memory reruns the unfinished rows with half the concurrent requests."""
     started = time.time()
@@ -53,8 +62,14 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
         if isinstance(item, RowResult):
             ready.append(item)
         elif item.params["repetition_penalty"] is not None:
-            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started,
-                                   error=engine_problem("continuous", item.params)))
+            ready.append(
+                RowResult(
+                    item.idx,
+                    prompt_tokens=len(item.ids),
+                    started_at=started,
+                    error=engine_problem("continuous", item.params),
+                )
+            )
         else:
             groups.setdefault(repr([item.params[k] for k in MANAGER_WIDE]), []).append(item)
     for group in groups.values():
@@ -62,8 +77,9 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
         concurrency = None if loaded.device.type == "cuda" else min(CPU_MAX_REQUESTS, sum(g.n for g in group))
         while pending:
             try:
-                with contextlib.closing(_drive(loaded, spec, list(pending.values()), concurrency, should_stop,
-                                                info, progress)) as it:
+                with contextlib.closing(
+                    _drive(loaded, spec, list(pending.values()), concurrency, should_stop, info, progress)
+                ) as it:
                     for result in it:
                         pending.pop(result.idx, None)
                         ready.append(result)
@@ -78,14 +94,23 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
                     raise
                 free_cuda_cache()
                 concurrency = max(1, was // 2)
-                on_event(f"out of memory in continuous batching with up to {was} concurrent requests: retrying "
-                         f"the {len(pending)} unfinished rows with up to {concurrency}")
+                on_event(
+                    f"out of memory in continuous batching with up to {was} concurrent requests: retrying "
+                    f"the {len(pending)} unfinished rows with up to {concurrency}"
+                )
     if ready and not should_stop():
         yield idx_sorted(ready)
 
 
-def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrency: int | None, should_stop,
-           info: dict[str, Any], progress: Progress) -> Iterator[RowResult]:
+def _drive(
+    loaded: Loaded,
+    spec: GenerateSpec,
+    group: list[Prepared],
+    concurrency: int | None,
+    should_stop,
+    info: dict[str, Any],
+    progress: Progress,
+) -> Iterator[RowResult]:
     """Run `group` through one continuous-batching manager; yield each row's result once all its n sequences are
     done. Raises torch.OutOfMemoryError (after stopping the manager) when the engine ran out of memory.
 
@@ -96,8 +121,9 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
     requests = sum(g.n for g in group)
     faults.hit("generate", rows=concurrency or requests)
     config = _cb_config(loaded, spec, group, concurrency)
-    manager = model.init_continuous_batching(generation_config=_manager_generation_config(loaded, group[0].params),
-                                             continuous_batching_config=config)
+    manager = model.init_continuous_batching(
+        generation_config=_manager_generation_config(loaded, group[0].params), continuous_batching_config=config
+    )
     eos = eos_ids(loaded)
     done: dict[int, list] = {g.idx: [None] * g.n for g in group}
     by_idx = {g.idx: g for g in group}
@@ -116,8 +142,11 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
                 while todo and in_flight < window:
                     g, k = todo.popleft()
                     added = manager.add_request(
-                        g.ids, request_id=f"{g.idx}#{k}", max_new_tokens=g.params["max_new_tokens"],
-                        eos_token_id=-1 if g.params["ignore_eos"] else sorted(eos))
+                        g.ids,
+                        request_id=f"{g.idx}#{k}",
+                        max_new_tokens=g.params["max_new_tokens"],
+                        eos_token_id=-1 if g.params["ignore_eos"] else sorted(eos),
+                    )
                     if added is None:
                         raise RuntimeError("the continuous-batching manager refused a request (it is stopping)")
                     in_flight += 1
@@ -157,11 +186,16 @@ def _drive(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concurrenc
 def _continuous_result(tok, row: Prepared, outputs: list, eos: set[int], started: float) -> RowResult:
     errors = [str(o.error) for o in outputs if o.error is not None]
     if errors:
-        return RowResult(row.idx, prompt_tokens=len(row.ids), started_at=started,
-                         error=f"failed inside the continuous engine: {errors[0]}")
+        return RowResult(
+            row.idx,
+            prompt_tokens=len(row.ids),
+            started_at=started,
+            error=f"failed inside the continuous engine: {errors[0]}",
+        )
     eos = set() if row.params["ignore_eos"] else eos
-    return row_result(tok, row, [sequence(tok, list(o.generated_tokens), eos, row.params["stop"]) for o in outputs],
-                       started)
+    return row_result(
+        tok, row, [sequence(tok, list(o.generated_tokens), eos, row.params["stop"]) for o in outputs], started
+    )
 
 
 def _manager_generation_config(loaded: Loaded, params: dict[str, Any]) -> GenerationConfig:
@@ -197,8 +231,13 @@ def _cb_config(loaded: Loaded, spec: GenerateSpec, group: list[Prepared], concur
     else:
         longest = max(len(g.ids) + g.params["max_new_tokens"] for g in group)
         pages = math.ceil(longest / CPU_PAGE_TOKENS)
-        kwargs.update(use_cuda_graph=False, use_async_batching=False, num_blocks=pages * concurrency + 1,
-                      max_batch_tokens=CPU_MAX_BATCH_TOKENS, max_requests_per_batch=concurrency)
+        kwargs.update(
+            use_cuda_graph=False,
+            use_async_batching=False,
+            num_blocks=pages * concurrency + 1,
+            max_batch_tokens=CPU_MAX_BATCH_TOKENS,
+            max_requests_per_batch=concurrency,
+        )
         kwargs["page_size" if "page_size" in accepted else "block_size"] = CPU_PAGE_TOKENS  # 5.24 / 5.17 name
     return ContinuousBatchingConfig(**kwargs)
 
@@ -210,9 +249,14 @@ def _record_runtime(manager, config, info: dict[str, Any]) -> None:
         return
     runner = getattr(processor, "model_runner", None)
     cache = getattr(processor, "cache", None)
-    info["cuda_graphs"] = {"varlen": getattr(runner, "use_cuda_graph_varlen", None),
-                           "decode": getattr(runner, "use_cuda_graph_decode", None)}
+    info["cuda_graphs"] = {
+        "varlen": getattr(runner, "use_cuda_graph_varlen", None),
+        "decode": getattr(runner, "use_cuda_graph_decode", None),
+    }
     info["async_batching"] = getattr(processor, "use_async_batching", None)
-    info["cache"] = {k: getattr(cache, k, None) for k in ("num_blocks", "max_batch_tokens", "block_size", "page_size")
-                     if getattr(cache, k, None) is not None}
+    info["cache"] = {
+        k: getattr(cache, k, None)
+        for k in ("num_blocks", "max_batch_tokens", "block_size", "page_size")
+        if getattr(cache, k, None) is not None
+    }
     info["max_requests_per_batch"] = getattr(config, "max_requests_per_batch", None)

@@ -51,8 +51,15 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
-           lengths: torch.Tensor, scale: float, splits: int = 1) -> torch.Tensor:
+def decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    splits: int = 1,
+) -> torch.Tensor:
     """Attention of one query token per slot. q: (B, H, D); k_pages, v_pages: (pages, KVH, PAGE, D) (last dim
     contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
     positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`). Returns
@@ -70,21 +77,29 @@ def gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, w, kvh, page, dim).permute(0, 2, 1, 3, 4).reshape(b, kvh, w * page, dim)
 
 
-def reference_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
-                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """`decode` with the pages gathered and SDPA with a length mask (zeros where length 0)."""
     return masked_decode(q, gather(k_pages, table), gather(v_pages, table), lengths, scale)
 
 
-def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+def masked_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Attention of q (B, H, D) over a contiguous cache k, v (B, KVH, L, D), each row up to its length."""
     longest = k.shape[2]
     mask = torch.arange(longest, device=q.device)[None, :] < lengths[:, None].to(q.device)  # (B, L)
     empty = ~mask.any(dim=1)
     mask = mask | empty[:, None]  # SDPA gives NaN on an all-masked row; such rows are zeroed below
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        q[:, :, None], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out[:, :, 0].masked_fill(empty[:, None, None], 0)
 
 
@@ -109,12 +124,31 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)  # running max, sum
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_pages, v_pages, table, lengths, acc, stats,
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), v_pages.stride(0),
-        v_pages.stride(1), v_pages.stride(2), table.stride(0),
+        q,
+        k_pages,
+        v_pages,
+        table,
+        lengths,
+        acc,
+        stats,
+        q.stride(0),
+        q.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        v_pages.stride(2),
+        table.stride(0),
         scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim, BLOCK=PAGE,
-        DIRECT=direct, num_warps=CONFIG["warps"], num_stages=CONFIG["stages"])
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=dim,
+        BLOCK=PAGE,
+        DIRECT=direct,
+        num_warps=CONFIG["warps"],
+        num_stages=CONFIG["stages"],
+    )
     if direct:
         return acc[:, :, 0]
     return _merge(acc, stats).to(q.dtype)
@@ -134,11 +168,30 @@ def _merge(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, K, V, Table, Lengths, Acc, Stats,
-                       stride_qb, stride_qh, stride_kp, stride_kh, stride_kn, stride_vp, stride_vh, stride_vn,
-                       stride_tb, scale_log2,
-                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                       DIRECT: tl.constexpr):
+    def _decode_kernel(
+        Q,
+        K,
+        V,
+        Table,
+        Lengths,
+        Acc,
+        Stats,
+        stride_qb,
+        stride_qh,
+        stride_kp,
+        stride_kh,
+        stride_kn,
+        stride_vp,
+        stride_vh,
+        stride_vn,
+        stride_tb,
+        scale_log2,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
+        DIRECT: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -156,16 +209,22 @@ if triton is not None:
         for block in range(split, tl.cdiv(length, BLOCK), splits):  # this part's pages: split, split + splits, ...
             page = tl.load(Table + b * stride_tb + block).to(tl.int64)
             valid = block * BLOCK + offs < length
-            k = tl.load(K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
-                        mask=valid[:, None], other=0.0)
+            k = tl.load(
+                K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
             s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :],
-                        mask=valid[:, None], other=0.0)
+            v = tl.load(
+                V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :],
+                mask=valid[:, None],
+                other=0.0,
+            )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 

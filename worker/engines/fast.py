@@ -27,8 +27,17 @@ from worker.progress import Progress
 Rows = list[tuple[int, dict[str, Any]]]
 
 
-def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event, info: dict[str, Any],
-        progress: Progress) -> Generator[list[RowResult], None, Rows]:
+def run(
+    loaded: Loaded,
+    spec: GenerateSpec,
+    rows,
+    *,
+    batch_rows: int,
+    should_stop,
+    on_event,
+    info: dict[str, Any],
+    progress: Progress,
+) -> Generator[list[RowResult], None, Rows]:
     """Rows through `fastgen.Engine`, one run per distinct seed; finished rows are yielded once at least
     `batch_rows` are ready, in finishing order (sorted within a micro-batch): rows that finish in the same decode
     step share a micro-batch, however many (G1's 1024 rows all end at its last step: one commit, not 64). Rows
@@ -49,14 +58,25 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
         elif (unsupported := fastgen.row_problem(item.params) or _too_long(state, item)) and spec.engine == "auto":
             others.append((item.idx, inputs[item.idx]))
         elif unsupported:
-            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started, error=(
-                f"{unsupported} is not supported by the fast engine: use engine auto (which runs such rows "
-                "padded) or padded")))
+            ready.append(
+                RowResult(
+                    item.idx,
+                    prompt_tokens=len(item.ids),
+                    started_at=started,
+                    error=(
+                        f"{unsupported} is not supported by the fast engine: use engine auto (which runs such rows "
+                        "padded) or padded"
+                    ),
+                )
+            )
         else:
             groups.setdefault(item.params["seed"], []).extend(fastgen.Seq(item, k) for k in range(item.n))
     stats = info.setdefault("fast", {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
-    info["attn_implementation"] = f"{fastgen.NAME} (decode: " + (
-        "triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference") + ")"
+    info["attn_implementation"] = (
+        f"{fastgen.NAME} (decode: "
+        + ("triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference")
+        + ")"
+    )
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
         for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats, progress):
@@ -65,8 +85,10 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
                 got[seq.k] = seq
                 if len(got) == seq.row.n:
                     row_eos = set() if seq.row.params["ignore_eos"] else eos
-                    sequences = [sequence(loaded.tokenizer, got[k].tokens, row_eos, seq.row.params["stop"])
-                                 for k in range(seq.row.n)]
+                    sequences = [
+                        sequence(loaded.tokenizer, got[k].tokens, row_eos, seq.row.params["stop"])
+                        for k in range(seq.row.n)
+                    ]
                     ready.append(row_result(loaded.tokenizer, seq.row, sequences, started))
                     del done[seq.row.idx]
             if len(ready) >= batch_rows:  # rows that finished in one step are committed together
@@ -79,14 +101,21 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_sto
     return others
 
 
-def prepared_state(loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0,
-                   progress: Progress | None = None) -> fastgen.SlotState:
+def prepared_state(
+    loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0, progress: Progress | None = None
+) -> fastgen.SlotState:
     """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs: see
     `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run (through
     `generate.prepare_engine`), so that cost is load time, not a job's."""
     graphs = _fast_graphs(loaded)
-    return fastgen.prepare(loaded, eos_ids(loaded) if eos is None else eos, graphs=graphs,
-                           compiled=graphs and fastgen.COMPILE, fraction=fraction, progress=progress)
+    return fastgen.prepare(
+        loaded,
+        eos_ids(loaded) if eos is None else eos,
+        graphs=graphs,
+        compiled=graphs and fastgen.COMPILE,
+        fraction=fraction,
+        progress=progress,
+    )
 
 
 def _fast_graphs(loaded: Loaded) -> bool:
@@ -98,12 +127,22 @@ def _too_long(state: fastgen.SlotState, item: Prepared) -> str | None:
     if need <= state.max_len and math.ceil(need / fastgen.PAGE) < state.pages:
         return None
     room = min(state.max_len, (state.pages - 1) * fastgen.PAGE)
-    return (f"a sequence of {need} tokens (prompt {len(item.ids)} + max_new_tokens "
-            f"{item.params['max_new_tokens']}, more than the {room} the fast engine holds here)")
+    return (
+        f"a sequence of {need} tokens (prompt {len(item.ids)} + max_new_tokens "
+        f"{item.params['max_new_tokens']}, more than the {room} the fast engine holds here)"
+    )
 
 
-def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], should_stop, on_event,
-              stats: dict[str, Any], progress: Progress) -> Iterator[list[fastgen.Seq]]:
+def _run_fast(
+    loaded: Loaded,
+    group: list[fastgen.Seq],
+    seed,
+    eos: set[int],
+    should_stop,
+    on_event,
+    stats: dict[str, Any],
+    progress: Progress,
+) -> Iterator[list[fastgen.Seq]]:
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
     slots and the cache and reruns the unfinished sequences."""
     model = loaded.model
@@ -119,8 +158,14 @@ def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], sho
         try:
             state = prepared_state(loaded, eos, fraction, progress)
             graphs = _fast_graphs(loaded)
-            engine = fastgen.Engine(loaded, state, eos, slots=min(state.slots, len(todo), cap), graphs=graphs,
-                                    compiled=graphs and fastgen.COMPILE)
+            engine = fastgen.Engine(
+                loaded,
+                state,
+                eos,
+                slots=min(state.slots, len(todo), cap),
+                graphs=graphs,
+                compiled=graphs and fastgen.COMPILE,
+            )
             with torch.inference_mode():
                 for seqs in engine.run(todo, should_stop, progress):
                     finished.update(id(seq) for seq in seqs)
@@ -132,8 +177,10 @@ def _run_fast(loaded: Loaded, group: list[fastgen.Seq], seed, eos: set[int], sho
             fastgen.release(model)
             free_cuda_cache()
             cap, fraction = was // 2, fraction / 2
-            on_event(f"out of memory in the fast engine with {was} slots: retrying the "
-                     f"{len(todo) - len(finished)} unfinished sequences with at most {cap}")
+            on_event(
+                f"out of memory in the fast engine with {was} slots: retrying the "
+                f"{len(todo) - len(finished)} unfinished sequences with at most {cap}"
+            )
         finally:
             if engine is not None:
                 engine.record(stats)

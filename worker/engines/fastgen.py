@@ -86,9 +86,16 @@ class _Step:
     splits: int = 1
 
 
-def fast_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                   **kwargs) -> tuple[torch.Tensor, None]:
+def fast_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention contract (q/k/v as (batch, heads, seq, dim), output (batch, seq, heads, dim)),
     reading and writing the paged cache of the running step."""
     step = _step
@@ -103,14 +110,16 @@ def fast_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
         v_cache[pages, :, offsets] = value.transpose(1, 2)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+        )
         return out.transpose(1, 2), None
     batch = query.shape[0]
     page, offset = state.write_page[:batch], state.write_offset[:batch]
     k_cache[page, :, offset] = key[:, :, 0]
     v_cache[page, :, offset] = value[:, :, 0]
-    out = decode_attention.decode(query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch],
-                                  scale, step.splits)
+    out = decode_attention.decode(
+        query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits
+    )
     return out[:, None], None
 
 
@@ -137,8 +146,10 @@ def model_problem(model) -> str | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     attn = config._attn_implementation
     if attn not in REPLACEABLE_ATTENTION:
-        return (f"engine fast replaces the attention and cannot honour attn_implementation {attn!r}: use sdpa, or "
-                "engine padded/continuous for that kernel")
+        return (
+            f"engine fast replaces the attention and cannot honour attn_implementation {attn!r}: use sdpa, or "
+            "engine padded/continuous for that kernel"
+        )
     layer_types = getattr(text, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or getattr(text, "use_sliding_window", False):
         return "engine fast supports full-attention models only (this one has sliding-window layers)"
@@ -146,8 +157,10 @@ def model_problem(model) -> str | None:
         return "engine fast runs decoder-only models"
     placed = set((getattr(model, "hf_device_map", None) or {}).values())
     if len(placed) > 1:
-        return ("engine fast runs a model on one device (device_map auto split this one over "
-                f"{len(placed)}): use engine padded")
+        return (
+            "engine fast runs a model on one device (device_map auto split this one over "
+            f"{len(placed)}): use engine padded"
+        )
     if any(getattr(text, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale")):
         return "engine fast applies the output layer alone (this model post-processes its logits): use engine padded"
     return None
@@ -272,7 +285,8 @@ def size(model, device: torch.device, vocab: int, fraction: float = 1.0) -> tupl
     if pages < 2:
         raise torch.OutOfMemoryError(
             f"the fast engine has no room for its KV cache: {free / 2**30:.1f} GiB free after the model, "
-            f"{reserve(model) / 2**30:.1f} GiB kept for activations: use a GPU with more memory or engine padded")
+            f"{reserve(model) / 2**30:.1f} GiB kept for activations: use a GPU with more memory or engine padded"
+        )
     return slots, int(pages)
 
 
@@ -299,13 +313,28 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) ->
         return torch.zeros(slots, dtype=dtype, device=device)
 
     state = SlotState(
-        cache=cache, table=torch.zeros((slots, width), dtype=torch.long, device=device), tok=zeros(torch.long),
-        pos=zeros(torch.long), active=zeros(torch.long), temp=zeros(torch.float32), no_eos=zeros(torch.bool),
-        lengths=zeros(torch.int32), write_page=zeros(torch.long), write_offset=zeros(torch.long),
-        positions=positions, offsets=positions % PAGE)
+        cache=cache,
+        table=torch.zeros((slots, width), dtype=torch.long, device=device),
+        tok=zeros(torch.long),
+        pos=zeros(torch.long),
+        active=zeros(torch.long),
+        temp=zeros(torch.float32),
+        no_eos=zeros(torch.bool),
+        lengths=zeros(torch.int32),
+        write_page=zeros(torch.long),
+        write_offset=zeros(torch.long),
+        positions=positions,
+        offsets=positions % PAGE,
+    )
     model.__dict__["_gpujobs_fast"] = state
-    log.info("fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
-             slots, pages, PAGE, state.bytes() / 2**30, state.max_len)
+    log.info(
+        "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
+        slots,
+        pages,
+        PAGE,
+        state.bytes() / 2**30,
+        state.max_len,
+    )
     return state
 
 
@@ -320,8 +349,9 @@ def bucket(sizes: list[int], n: int) -> int:
     return next(b for b in sizes if b >= n)
 
 
-def prepare(loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0,
-            progress: Progress | None = None) -> SlotState:
+def prepare(
+    loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0, progress: Progress | None = None
+) -> SlotState:
     """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
     decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
     The work is done once per state (`state.prepare_s`); `summary` says what it cost. Compiling and capturing are
@@ -341,10 +371,17 @@ def prepare(loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: fl
 
 def summary(state: SlotState) -> dict[str, Any]:
     """The state's size and what preparing it cost (for the load event and the job's engine record)."""
-    return {"slots": state.slots, "pages": state.pages, "page": PAGE, "max_len": state.max_len,
-            "cache_gib": round(state.bytes() / 2**30, 3), "graphs": len(state.graphs),
-            "compile_s": round(state.compile_s, 3), "capture_s": round(state.capture_s, 3),
-            "prepare_s": state.prepare_s and round(state.prepare_s, 3)}
+    return {
+        "slots": state.slots,
+        "pages": state.pages,
+        "page": PAGE,
+        "max_len": state.max_len,
+        "cache_gib": round(state.bytes() / 2**30, 3),
+        "graphs": len(state.graphs),
+        "compile_s": round(state.compile_s, 3),
+        "capture_s": round(state.capture_s, 3),
+        "prepare_s": state.prepare_s and round(state.prepare_s, 3),
+    }
 
 
 def _sync(state: SlotState) -> None:
@@ -381,8 +418,7 @@ class Seq:
 class Engine:
     """Runs sequences to completion on one model; `run` yields the sequences that finish together."""
 
-    def __init__(self, loaded, state: SlotState, eos: set[int], *, slots: int, graphs: bool,
-                 compiled: bool = False):
+    def __init__(self, loaded, state: SlotState, eos: set[int], *, slots: int, graphs: bool, compiled: bool = False):
         register()
         self.loaded = loaded
         self.slots = slots  # this run uses slots 0..slots-1 of the state's
@@ -395,8 +431,9 @@ class Engine:
         self.use_graphs = graphs
         if compiled and state.compiled is None:
             _raise_recompile_limit()
-            state.compiled = [torch.compile(layer._call_impl, dynamic=True, backend=COMPILE_BACKEND)
-                              for layer in self.decoder.layers]
+            state.compiled = [
+                torch.compile(layer._call_impl, dynamic=True, backend=COMPILE_BACKEND) for layer in self.decoder.layers
+            ]
         self.compiled = state.compiled if compiled else None
         self.sizes = buckets(state.slots)
         self.pad = loaded.tokenizer.pad_token_id or 0
@@ -496,8 +533,9 @@ class Engine:
         st.write_offset[:batch] = pos % PAGE
         splits = decode_attention.splits_for(batch, st.cache.shape[3])
         with self._mode("decode", splits=splits):
-            hidden = self.decoder(input_ids=st.tok[:batch, None], position_ids=pos[:, None],
-                                  use_cache=False).last_hidden_state[:, 0]
+            hidden = self.decoder(
+                input_ids=st.tok[:batch, None], position_ids=pos[:, None], use_cache=False
+            ).last_hidden_state[:, 0]
         return self.head(hidden)
 
     def _decode(self, batch: int, sample: bool) -> None:
@@ -539,8 +577,12 @@ class Engine:
         st.graphs[(batch, sample)] = graph
         seconds = time.perf_counter() - t
         st.capture_s += seconds
-        log.info("fast engine: captured the decode step for %d slots%s in %.2f s", batch,
-                 " (sampling)" if sample else "", seconds)
+        log.info(
+            "fast engine: captured the decode step for %d slots%s in %.2f s",
+            batch,
+            " (sampling)" if sample else "",
+            seconds,
+        )
         return graph
 
     def warm_up(self) -> None:
@@ -554,8 +596,9 @@ class Engine:
         params = {"max_new_tokens": 1, "do_sample": False, "temperature": None, "ignore_eos": True}
         with self.progress.phase("compiling") if self.compiled else contextlib.nullcontext():
             for rows in sorted({min(2, st.slots), 1}, reverse=True):
-                dummy = [Seq(_Dummy(params, [self.pad] * min(PAGE + 1, st.max_len - 1)), 0, slot=i)
-                         for i in range(rows)]
+                dummy = [
+                    Seq(_Dummy(params, [self.pad] * min(PAGE + 1, st.max_len - 1)), 0, slot=i) for i in range(rows)
+                ]
                 self.prefill(dummy)
             self._deactivate(dummy)
             if self.compiled:  # the decode variants (batch 1 is specialized apart)
@@ -583,11 +626,19 @@ class Engine:
     def record(self, stats: dict[str, Any]) -> None:
         """Add this run's figures to the job's `info["fast"]`."""
         st = self.state
-        stats.update(slots=self.slots, pages=st.pages, page=PAGE, max_len=st.max_len, cuda_graphs=self.use_graphs,
-                     compiled=self.compiled is not None, graphs=len(st.graphs), capture_s=round(st.capture_s, 3),
-                     compile_s=round(st.compile_s, 3),
-                     first_prefill_s=st.first_prefill_s and round(st.first_prefill_s, 3),
-                     cache_gib=round(st.bytes() / 2**30, 3))
+        stats.update(
+            slots=self.slots,
+            pages=st.pages,
+            page=PAGE,
+            max_len=st.max_len,
+            cuda_graphs=self.use_graphs,
+            compiled=self.compiled is not None,
+            graphs=len(st.graphs),
+            capture_s=round(st.capture_s, 3),
+            compile_s=round(st.compile_s, 3),
+            first_prefill_s=st.first_prefill_s and round(st.first_prefill_s, 3),
+            cache_gib=round(st.bytes() / 2**30, 3),
+        )
         stats["runs"] += 1
         stats["steps"] += self.steps
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
@@ -595,8 +646,9 @@ class Engine:
 
     # -- the loop --
 
-    def run(self, seqs: list[Seq], should_stop: Callable[[], bool],
-            progress: Progress | None = None) -> Iterator[list[Seq]]:
+    def run(
+        self, seqs: list[Seq], should_stop: Callable[[], bool], progress: Progress | None = None
+    ) -> Iterator[list[Seq]]:
         """Run every sequence to the end; yield the ones that finish, as a list per decode step (or prefill chunk)
         that finished any (not yielded: those cut off by `should_stop`). Every sequence must fit in the cache
         (`pages_needed` < the state's pages, `need` <= its max_len). Each decode step and prefill chunk is reported
@@ -681,8 +733,9 @@ class Engine:
 
         return tokens
 
-    def _book(self, tokens: Callable[[], list[int]], stepped: list[tuple[int, Seq]], running: dict[int, Seq],
-              free: list[int]) -> Iterator[list[Seq]]:
+    def _book(
+        self, tokens: Callable[[], list[int]], stepped: list[tuple[int, Seq]], running: dict[int, Seq], free: list[int]
+    ) -> Iterator[list[Seq]]:
         """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
         compaction since may have moved it); free and yield the ones that finish."""
         by_slot = tokens()
@@ -703,8 +756,10 @@ class Engine:
         """Prefill queued sequences into free slots and pages, in chunks of about PREFILL_TOKENS padded tokens.
         Takes the queue's head while it fits: a long row is never passed over by shorter ones."""
         if not running and queue[0].pages_needed > len(self.free_pages):
-            raise RuntimeError(f"a sequence of {queue[0].need} positions needs {queue[0].pages_needed} pages of "
-                               f"the fast engine's cache, which has {len(self.free_pages)}")
+            raise RuntimeError(
+                f"a sequence of {queue[0].need} positions needs {queue[0].pages_needed} pages of "
+                f"the fast engine's cache, which has {len(self.free_pages)}"
+            )
         take = []
         while queue and free and queue[0].pages_needed <= len(self.free_pages):
             seq = queue.popleft()
@@ -756,8 +811,9 @@ class Engine:
         at its position: pointed at the trash page it never writes into pages handed to another row, nor past its
         own (a row filling its pages exactly ends at pos = need after its extra step)."""
         st = self.state
-        slots = torch.tensor([s.slot for s in seqs], pin_memory=st.active.is_cuda).to(st.active.device,
-                                                                                       non_blocking=True)
+        slots = torch.tensor([s.slot for s in seqs], pin_memory=st.active.is_cuda).to(
+            st.active.device, non_blocking=True
+        )
         st.active.index_fill_(0, slots, 0)
         st.pos.index_fill_(0, slots, 0)
         st.table.index_fill_(0, slots, 0)

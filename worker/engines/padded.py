@@ -33,17 +33,28 @@ from worker.loader import Loaded
 from worker.progress import Progress
 
 
-def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event, info: dict[str, Any],
-        progress: Progress) -> Iterator[list[RowResult]]:
+def run(
+    loaded: Loaded,
+    spec: GenerateSpec,
+    rows,
+    *,
+    batch_rows: int,
+    should_stop,
+    on_event,
+    info: dict[str, Any],
+    progress: Progress,
+) -> Iterator[list[RowResult]]:
     """The engine's entry (worker/engines/__init__.py): `rows` under the padded attention, recorded in `info`."""
     with padded_attention(loaded, on_cuda=loaded.device.type == "cuda") as attn:
         info["attn_implementation"] = attn
-        yield from _generate_padded(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                    on_event=on_event, progress=progress)
+        yield from _generate_padded(
+            loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop, on_event=on_event, progress=progress
+        )
 
 
-def _generate_padded(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
-                     progress: Progress) -> Iterator[list[RowResult]]:
+def _generate_padded(
+    loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event, progress: Progress
+) -> Iterator[list[RowResult]]:
     for start in range(0, len(rows), batch_rows):
         if should_stop():
             return
@@ -63,8 +74,7 @@ def _generate_padded(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: in
         yield results
 
 
-def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event,
-                   progress: Progress) -> list[RowResult]:
+def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event, progress: Progress) -> list[RowResult]:
     try:
         return _run_group(loaded, group, started, should_stop, progress)
     except torch.OutOfMemoryError:
@@ -75,12 +85,14 @@ def _run_splitting(loaded: Loaded, group, started: float, should_stop, on_event,
     free_cuda_cache()
     half = len(group) // 2
     on_event(f"out of memory generating {len(group)} rows together: retrying as {half} + {len(group) - half}")
-    return (_run_splitting(loaded, group[:half], started, should_stop, on_event, progress)
-            + _run_splitting(loaded, group[half:], started, should_stop, on_event, progress))
+    return _run_splitting(loaded, group[:half], started, should_stop, on_event, progress) + _run_splitting(
+        loaded, group[half:], started, should_stop, on_event, progress
+    )
 
 
-def _run_group(loaded: Loaded, group: list[Prepared], started: float, should_stop,
-               progress: Progress) -> list[RowResult]:
+def _run_group(
+    loaded: Loaded, group: list[Prepared], started: float, should_stop, progress: Progress
+) -> list[RowResult]:
     faults.hit("generate", rows=len(group))
     tok, model = loaded.tokenizer, loaded.model
     params = group[0].params
@@ -95,5 +107,7 @@ def _run_group(loaded: Loaded, group: list[Prepared], started: float, should_sto
         out = model.generate(**enc, **kwargs)
     new = out[:, enc["input_ids"].shape[1] :].tolist()
     eos = set() if params["ignore_eos"] else eos_ids(loaded)
-    return [row_result(tok, g, [sequence(tok, t, eos, g.params["stop"]) for t in new[i * n : (i + 1) * n]],
-                       started) for i, g in enumerate(group)]
+    return [
+        row_result(tok, g, [sequence(tok, t, eos, g.params["stop"]) for t in new[i * n : (i + 1) * n]], started)
+        for i, g in enumerate(group)
+    ]

@@ -74,18 +74,44 @@ class DummyRows(StoppingCriteria):
         return done
 
 
-def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event, info: dict[str, Any],
-        progress: Progress) -> Iterator[list[RowResult]]:
+def run(
+    loaded: Loaded,
+    spec: GenerateSpec,
+    rows,
+    *,
+    batch_rows: int,
+    should_stop,
+    on_event,
+    info: dict[str, Any],
+    progress: Progress,
+) -> Iterator[list[RowResult]]:
     """The engine's entry (worker/engines/__init__.py): `rows` on `sdpa_gqa`, recorded in `info`."""
     # sdpa_gqa on every device here (not only CUDA): the CPU tests then run the attention the GPU runs
     with padded_attention(loaded, on_cuda=True) as attn:
         info["attn_implementation"] = attn
-        yield from _generate_static(loaded, spec, rows, batch_rows=batch_rows, should_stop=should_stop,
-                                    on_event=on_event, info=info, progress=progress)
+        yield from _generate_static(
+            loaded,
+            spec,
+            rows,
+            batch_rows=batch_rows,
+            should_stop=should_stop,
+            on_event=on_event,
+            info=info,
+            progress=progress,
+        )
 
 
-def _generate_static(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int, should_stop, on_event,
-                     info: dict[str, Any], progress: Progress) -> Iterator[list[RowResult]]:
+def _generate_static(
+    loaded: Loaded,
+    spec: GenerateSpec,
+    rows,
+    *,
+    batch_rows: int,
+    should_stop,
+    on_event,
+    info: dict[str, Any],
+    progress: Progress,
+) -> Iterator[list[RowResult]]:
     """Static KV cache + torch.compile through `model.generate`, shapes fixed so compiling happens once per shape.
 
     Rows are grouped over the whole shard by their sampling parameters (as the padded engine groups a micro-batch),
@@ -105,9 +131,19 @@ def _generate_static(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: in
         else:
             groups.setdefault(repr(sorted(item.params.items())), []).append(item)
     compile_config, compile_reason = _compile_config(loaded)
-    stats = info.setdefault("static", {"slots": batch_rows, "compiled": compile_config is not None,
-                                       "compile_reason": compile_reason, "compile_s": 0.0, "compiles": [],
-                                       "calls": 0, "dummy_rows": 0, "shapes": []})
+    stats = info.setdefault(
+        "static",
+        {
+            "slots": batch_rows,
+            "compiled": compile_config is not None,
+            "compile_reason": compile_reason,
+            "compile_s": 0.0,
+            "compiles": [],
+            "calls": 0,
+            "dummy_rows": 0,
+            "shapes": [],
+        },
+    )
     slots = batch_rows
     for group in groups.values():
         todo = collections.deque(sorted(group, key=lambda g: len(g.ids)))
@@ -126,8 +162,9 @@ def _generate_static(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: in
                 free_cuda_cache()
                 slots = width // 2
                 stats["slots"] = slots
-                on_event(f"out of memory generating {width} sequences together (static engine): retrying as "
-                         f"calls of {slots}")
+                on_event(
+                    f"out of memory generating {width} sequences together (static engine): retrying as calls of {slots}"
+                )
                 todo.extendleft(reversed(call))
                 continue
             if should_stop():
@@ -165,8 +202,16 @@ def _raise_recompile_limit() -> None:
         setattr(config, name, RECOMPILE_LIMIT)
 
 
-def _call(loaded: Loaded, call: list[Prepared], slots: int, started: float, should_stop, compile_config,
-                 stats: dict[str, Any], progress: Progress) -> list[RowResult]:
+def _call(
+    loaded: Loaded,
+    call: list[Prepared],
+    slots: int,
+    started: float,
+    should_stop,
+    compile_config,
+    stats: dict[str, Any],
+    progress: Progress,
+) -> list[RowResult]:
     """One `model.generate` over `slots` sequences (the call's rows, each n times, then dummy rows)."""
     faults.hit("generate", rows=slots)
     tok, model = loaded.tokenizer, loaded.model
@@ -207,8 +252,9 @@ def _call(loaded: Loaded, call: list[Prepared], slots: int, started: float, shou
     eos = set() if params["ignore_eos"] else eos_ids(loaded)
     results, at = [], 0
     for g in call:
-        results.append(row_result(tok, g, [sequence(tok, t, eos, g.params["stop"]) for t in new[at : at + g.n]],
-                                   started))
+        results.append(
+            row_result(tok, g, [sequence(tok, t, eos, g.params["stop"]) for t in new[at : at + g.n]], started)
+        )
         at += g.n
     return results
 
@@ -222,13 +268,26 @@ def _warm_up(loaded: Loaded, slots: int, token: int, fixed: dict[str, Any]) -> f
     t = time.perf_counter()
     model._previous_max_cache_length = fixed["max_cache_len"]
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=WARM_UP_STEPS,
-                       min_new_tokens=WARM_UP_STEPS, do_sample=False, temperature=None, top_p=None, top_k=None,
-                       pad_token_id=loaded.tokenizer.pad_token_id, **fixed)
+        model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=WARM_UP_STEPS,
+            min_new_tokens=WARM_UP_STEPS,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=loaded.tokenizer.pad_token_id,
+            **fixed,
+        )
     _sync(loaded.device)
     seconds = time.perf_counter() - t
-    log.info("static engine: compiled and captured %d slots × %d cache tokens in %.1f s", slots,
-             fixed["max_cache_len"], seconds)
+    log.info(
+        "static engine: compiled and captured %d slots × %d cache tokens in %.1f s",
+        slots,
+        fixed["max_cache_len"],
+        seconds,
+    )
     return seconds
 
 
@@ -243,5 +302,9 @@ def _cache_size(model, slots: int, cache_len: int) -> dict[str, Any]:
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
-    return {"slots": slots, "cache_len": cache_len, "bytes": slots * cache_len * per_token,
-            "bytes_per_token": per_token}
+    return {
+        "slots": slots,
+        "cache_len": cache_len,
+        "bytes": slots * cache_len * per_token,
+        "bytes_per_token": per_token,
+    }
