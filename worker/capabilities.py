@@ -241,10 +241,21 @@ def probe_flex_isolated(
     Not in the worker's own interpreter: the compile leaves threads that abort the interpreter at exit
     ("terminate called without an active exception"), which would turn a clean stop into a crash, and a compiler
     that crashes must not take the worker with it. `started` receives the child (the runtime ends it when the
-    worker stops); a remembered success answers without one."""
-    marker = _flex_marker("cuda" if devices else "cpu", devices)
+    worker stops); a remembered success answers without one.
+
+    GPU workers are not probed by compiling: the child's CUDA context (~0.5 GiB) would sit on the worker's GPU while
+    the first job loads and sizes its KV cache from free memory (worker/engines/fastgen.py). There flex_attention
+    compiles with Triton, so its presence is the answer; a compile that still fails fails its shard once, naming
+    the cause (worker/failures.py)."""
+    if devices:
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return {"ok": False, "reason": "flex_attention needs Triton on CUDA, and it is not installed"}
+        return {"ok": True, "reason": None, "device": "cuda", "probed": False}
+    marker = _flex_marker("cpu", devices)
     if marker is not None and marker.is_file():
-        return {"ok": True, "reason": None, "device": "cuda" if devices else "cpu", "remembered": True}
+        return {"ok": True, "reason": None, "device": "cpu", "remembered": True}
     proc = subprocess.Popen(
         [sys.executable, "-c", FLEX_CHILD],
         stdout=subprocess.PIPE,
