@@ -290,27 +290,29 @@ def test_message_popped_by_a_host_that_drops_off_is_sent_again(cluster, tiny_mod
     # This Redis has been in use: a reaper claimed its epoch long ago (else the first reaper to start would re-send
     # every queued shard, this one included, as after a Redis restart).
     r.set("gpujobs:broker-epoch", str(time.time()))
-    job_id = service.submit(
-        owner="t", spec_data={"model": str(tiny_model), "input": str(data), "gpus": 0, "max_new_tokens": 4}
-    )["id"]
-    assert r.llen("cpu") == 1
-    r.rename("cpu", "gpujobs-test:parked")  # the product's own message, held back until A is waiting for it
+    spec = {"model": str(tiny_model), "input": str(data), "gpus": 0, "max_new_tokens": 4}
 
     # A's BRPOP waits 10 s in Redis (not 1 s): the push below follows MONITOR's report of it, which came 1.7 s late on
-    # a loaded machine, after a 1 s BRPOP had already timed out.
+    # a loaded machine, after a 1 s BRPOP had already timed out. The job is submitted only then (its send is the
+    # push): a message held back while A started would be re-sent by a reaper once a lease passed with its queue
+    # empty (seen on CI, where A's start outlasts the 6 s lease), and the scenario would not happen.
     proc_a = c.spawn_worker("a", **fast, JOBS_BROKER_WAIT_SECONDS="10")
     pusher = redis.Redis.from_url(c.redis_url, socket_timeout=10)  # its own connection, open before it counts
     pusher.ping()
+    job_id = None
     # Up to 3 tries: on a loaded machine A's pending BRPOP was sometimes gone (it timed out or A's connection was
     # reset) when the push landed, and the message stayed in the list; the scenario then did not happen, so it is
-    # put back, A's network restored, and the next BRPOP of A is used.
+    # parked, A's network restored, and the next BRPOP of A is used.
     for attempt in range(3):
         deadline = time.monotonic() + 60
         with redis.Redis.from_url(c.redis_url, socket_timeout=10).monitor() as monitor:
             for command in monitor.listen():  # the instant A sends BRPOP (it then waits up to 10 s server-side)
                 if command["client_address"] == c.addr("a") and command["command"].upper().startswith("BRPOP"):
                     c.cut("a", "switch")
-                    pusher.lmove("gpujobs-test:parked", "cpu", "LEFT", "RIGHT")
+                    if job_id is None:
+                        job_id = service.submit(owner="t", spec_data=spec)["id"]
+                    else:
+                        pusher.lmove("gpujobs-test:parked", "cpu", "LEFT", "RIGHT")
                     pushed = time.time() - float(command["time"])
                     break
                 assert time.monotonic() < deadline and proc_a.alive(), f"A never waited in BRPOP:\n{proc_a.tail()}"
@@ -322,6 +324,7 @@ def test_message_popped_by_a_host_that_drops_off_is_sent_again(cluster, tiny_mod
                 f"Redis never handed the message to A's pending BRPOP in 3 tries (the last pushed "
                 f"{pushed:.3f} s after A sent it; it waits 10 s)"
             )
+            assert r.llen("cpu") == 1, f"{r.llen('cpu')} messages in the queue: a reaper sent the shard again"
             pusher.lmove("cpu", "gpujobs-test:parked", "RIGHT", "LEFT")
             c.restore("a", "switch")
     assert r.hlen("unacked") == 0  # kombu would only record it once A read the reply
