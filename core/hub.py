@@ -959,7 +959,9 @@ def record(repo: str, commit: str) -> dict[str, Any] | None:
 def _refs(root: Path) -> dict[str, list[str]]:
     refs: dict[str, list[str]] = {}
     for ref in (root / "refs").rglob("*") if (root / "refs").is_dir() else []:
-        if ref.is_file():
+        # `.name.<hex>.tmp`: another process's ref being written (_atomic_write), or left by a crash; a ref never
+        # starts with a dot (REF)
+        if ref.is_file() and not ref.name.startswith("."):
             try:
                 refs.setdefault(ref.read_text().strip(), []).append(ref.relative_to(root / "refs").as_posix())
             except OSError:

@@ -633,3 +633,16 @@ def test_the_cache_record_claims_each_request_once_and_follows_scans_on_sqlite_a
     with session_scope() as session:
         left = {(r.host, r.commit, r.state) for r in model_cache.listing(session, REPO)}
     assert left == {("h1", "", "downloading"), ("h1", "a" * 40, "ready"), ("h2", "", "pull_requested")}
+
+
+def test_a_cache_scan_names_refs_only_never_a_ref_being_written(tmp_path):
+    """refs/main and refs/v1 name the snapshot; `.main.<hex>.tmp` (another worker's ref mid-write, or one a crash
+    left) is not a ref. Seen on CI: two workers of one host, one listing its cache while the other wrote the ref."""
+    commit = "a" * 40
+    root = tmp_path / "models--acme--tiny"
+    (root / "snapshots" / commit).mkdir(parents=True)
+    (root / "refs").mkdir()
+    for name in ("main", "v1", ".main.39cc7d83.tmp"):
+        (root / "refs" / name).write_text(commit)
+    (found,) = hub.scan(tmp_path)
+    assert (found["repo"], found["refs"]) == ("acme/tiny", ["main", "v1"])
