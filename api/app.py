@@ -277,14 +277,20 @@ class QuotaRequest(BaseModel):
 
     owner: str = Field(min_length=1, max_length=128, description="the owner the quota holds for")
     max_running_shards: int | None = Field(
-        description="shards of the owner that run at once at most (0 holds new work); null: no cap", ge=0
+        None, description="shards of the owner that run at once at most (0 holds new work); null: no cap", ge=0
+    )
+    max_gpu_seconds_per_day: float | None = Field(
+        None,
+        description="GPU-seconds the owner's shards use over the last 24 hours at most (a CPU shard counts 1 a "
+        "second); past it new shards wait, running ones finish; null: no cap",
+        ge=0,
     )
 
 
 @app.get(
     "/quotas",
-    summary="Owners' quotas (the cap on their running shards), their running and queued shards and "
-    "recent GPU-seconds: every owner with a quota or with work queued or running (admins)",
+    summary="Owners' quotas (caps on their running shards and on their GPU-seconds per day), their running and "
+    "queued shards and GPU-seconds: every owner with a quota or with work queued or running (admins)",
 )
 def list_quotas(caller: Caller) -> list[dict[str, Any]]:
     _admin_only(caller, "read owners' quotas")
@@ -292,11 +298,15 @@ def list_quotas(caller: Caller) -> list[dict[str, Any]]:
         return scheduling.quotas(session)
 
 
-@app.put("/quotas", summary="Set an owner's quota (admins)")
+@app.put(
+    "/quotas",
+    summary="Set an owner's quota (admins): the caps given change (null removes one), the others stay",
+)
 def set_quota(caller: Caller, body: QuotaRequest) -> dict[str, Any]:
     _admin_only(caller, "set quotas")
+    limits = body.model_dump(include=body.model_fields_set & set(scheduling.LIMITS))
     with session_scope() as session:
-        scheduling.set_quota(session, body.owner, max_running_shards=body.max_running_shards, by=caller.owner)
+        scheduling.set_quota(session, body.owner, by=caller.owner, **limits)
     with session_scope() as session:
         return scheduling.quota_view(session, body.owner)
 

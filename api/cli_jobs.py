@@ -699,7 +699,8 @@ def usage(owner: str | None, since: str | None, as_json: bool) -> None:
 
 @cli.group()
 def quota() -> None:
-    """Owners' quotas (admins): a cap on the shards an owner runs at once; work over it waits queued."""
+    """Owners' quotas (admins): caps on the shards an owner runs at once and on its GPU-seconds per day; work over
+    a cap waits queued."""
 
 
 @quota.command("set")
@@ -710,36 +711,59 @@ def quota() -> None:
     metavar="N",
     help="at most N of the owner's shards run at once (0 holds new work)",
 )
-@click.option("--no-cap", is_flag=True, help="remove the owner's cap")
+@click.option(
+    "--max-gpu-seconds-per-day",
+    type=click.FloatRange(0),
+    metavar="S",
+    help="at most S GPU-seconds over the last 24 hours (a CPU shard counts 1 a second); past it new shards wait, "
+    "running ones finish",
+)
+@click.option("--no-cap", is_flag=True, help="remove both of the owner's caps")
 @click.option("--json", "as_json", is_flag=True, help="print the quota as JSON")
-def quota_set(owner: str, max_running_shards: int | None, no_cap: bool, as_json: bool) -> None:
-    """Set OWNER's quota: `--max-running-shards N`, or `--no-cap`."""
-    if (max_running_shards is None) == (not no_cap):
-        raise InvalidInput("give exactly one of --max-running-shards N or --no-cap")
-    emit(
-        client().set_quota(owner, max_running_shards=None if no_cap else max_running_shards),
-        as_json,
-        lambda q: click.echo(quota_line(q)),
-    )
+def quota_set(
+    owner: str, max_running_shards: int | None, max_gpu_seconds_per_day: float | None, no_cap: bool, as_json: bool
+) -> None:
+    """Set OWNER's quota: `--max-running-shards N` and/or `--max-gpu-seconds-per-day S` (a cap not given stays as it
+    is), or `--no-cap`."""
+    limits = {
+        k: v
+        for k, v in (("max_running_shards", max_running_shards), ("max_gpu_seconds_per_day", max_gpu_seconds_per_day))
+        if v is not None
+    }
+    if bool(limits) == no_cap:
+        raise InvalidInput("give --max-running-shards N and/or --max-gpu-seconds-per-day S, or --no-cap alone")
+    if no_cap:
+        limits = {"max_running_shards": None, "max_gpu_seconds_per_day": None}
+    emit(client().set_quota(owner, **limits), as_json, lambda q: click.echo(quota_line(q)))
 
 
 @quota.command("show")
 @click.argument("owner", required=False)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def quota_show(owner: str | None, as_json: bool) -> None:
-    """Every owner with a quota or with work queued or running (or only OWNER): cap, running and queued shards,
-    GPU-seconds over the fair-share window."""
+    """Every owner with a quota or with work queued or running (or only OWNER): caps, running and queued shards,
+    GPU-seconds over the fair-share window and over the last 24 hours."""
     rows = [q for q in client().quotas() if owner is None or q["owner"] == owner]
     if owner is not None and not rows:
         rows = [
-            {"owner": owner, "max_running_shards": None, "running_shards": 0, "queued_shards": 0, "gpu_seconds": 0.0}
+            {
+                "owner": owner,
+                "max_running_shards": None,
+                "max_gpu_seconds_per_day": None,
+                "running_shards": 0,
+                "queued_shards": 0,
+                "gpu_seconds": 0.0,
+                "gpu_seconds_day": 0.0,
+            }
         ]
     emit(rows, as_json, lambda qs: [click.echo(quota_line(q)) for q in qs])
 
 
 def quota_line(q: dict[str, Any]) -> str:
     cap = "no cap" if q["max_running_shards"] is None else f"max {q['max_running_shards']} running shards"
+    day = q.get("max_gpu_seconds_per_day")
+    daily = f"{q.get('gpu_seconds_day', 0.0):.1f}" + (f" of {day:g}" if day is not None else "")
     return (
         f"{q['owner']:<20} {cap:<26} running {q['running_shards']:>4}  queued {q['queued_shards']:>6}  "
-        f"{q['gpu_seconds']:>10.1f} GPU-s recently"
+        f"{q['gpu_seconds']:>10.1f} GPU-s recently  {daily} GPU-s in 24 h"
     )

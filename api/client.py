@@ -203,9 +203,10 @@ class Client:
         """Owners' quotas, running and queued shards and recent GPU-seconds (admins)."""
         return self._json("GET", "/quotas")
 
-    def set_quota(self, owner: str, *, max_running_shards: int | None) -> dict[str, Any]:
-        """Cap the shards `owner` runs at once (None: no cap); admins only."""
-        return self._json("PUT", "/quotas", json={"owner": owner, "max_running_shards": max_running_shards})
+    def set_quota(self, owner: str, **limits: int | float | None) -> dict[str, Any]:
+        """Set `owner`'s caps (admins only): `max_running_shards` (shards run at once) and/or
+        `max_gpu_seconds_per_day`; None removes a cap, a cap not given stays as it is."""
+        return self._json("PUT", "/quotas", json={"owner": owner, **limits})
 
     def workers(self, *, all: bool = False) -> list[dict[str, Any]]:
         """Registered workers; `all`: also those stopped long ago or replaced on their host and slice."""

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, scheduling
 from core.db import session_scope
 from core.errors import IllegalTransition, LeaseLost
 from core.jobs import maybe_finalize
-from core.models import Job, JobRow, Shard
+from core.models import Job, JobRow, Shard, ShardRun
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, fail_pending_rows, now, transition
 
@@ -237,7 +237,27 @@ def commit_rows(session: Session, shard: Shard, worker: str, results: list[RowRe
 
 def finish(session: Session, shard: Shard, worker: str, metrics: dict[str, Any]) -> None:
     mine = [Shard.lease_owner == worker]
+    metrics = {**metrics, **_earlier_attempts(session, shard, metrics)}
     transition(session, shard, ShardState.succeeded, where=mine, lease_owner=None, finished_at=now(), metrics=metrics)
+
+
+def _earlier_attempts(session: Session, shard: Shard, metrics: dict[str, Any]) -> dict[str, Any]:
+    """This run's attempts of `shard` that ended before the one finishing (yielded, handed back, lost): how many,
+    their seconds, and the shard's `gpu_seconds` with theirs added, so a job's GPU-seconds count every attempt.
+    Nothing when there were none."""
+    started, gpus = session.execute(select(Job.started_at, Job.gpus).where(Job.id == shard.job_id)).one()
+    count, seconds = session.execute(
+        select(func.count(), func.coalesce(func.sum(ShardRun.ended_at - ShardRun.started_at), 0.0)).where(
+            ShardRun.shard_id == shard.id, ShardRun.started_at >= (started or 0.0)
+        )
+    ).one()
+    if not count:
+        return {}
+    return {
+        "earlier_attempts": count,
+        "earlier_seconds": round(float(seconds), 3),
+        "gpu_seconds": round(metrics.get("gpu_seconds", 0.0) + float(seconds) * max(gpus, 0), 3),
+    }
 
 
 def hand_back(session: Session, shard: Shard, worker: str, reason: str, *, count_attempt: bool = True) -> None:
@@ -330,6 +350,34 @@ def _end_early(session: Session, shard: Shard, worker: str, hand_back_reason: st
         return False, False
     hand_back(session, shard, worker, hand_back_reason, count_attempt=False)
     return True, True
+
+
+def yield_reason(shard_id: int, after: float) -> str | None:
+    """Why the running shard should yield to waiting work now (core.scheduling.yield_reason), or None."""
+    with session_scope() as session:
+        return scheduling.yield_reason(session, shard_id, after)
+
+
+def yield_shard(shard_id: int, worker: str, *, reason: str, requested_at: float, at: str) -> None:
+    """The shard yields on this worker: back to the queue without counting the attempt, `yielded_at` set, a `yield`
+    event (why, when it was asked, where the run stopped: `at`), and sent again. What it committed stays (rows,
+    counts, checkpoints); the next attempt runs only what is left. Cancelled instead when its job is stopping."""
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        if job_stopping(session, shard.job_id):
+            stop_cancelled(session, shard, worker)
+            return
+        hand_back(session, shard, worker, f"yielded: {reason}", count_attempt=False)
+        session.execute(update(Shard).where(Shard.id == shard_id).values(yielded_at=now()))
+        add_event(
+            session,
+            shard.job_id,
+            f"shard {shard.idx} yielded on {worker} {at}: {reason}; it goes back to the queue and goes on from there",
+            kind="yield",
+            shard_id=shard_id,
+            data={"worker": worker, "reason": reason, "requested_at": requested_at, "at": at},
+        )
+    dispatch.resend(shard_id)
 
 
 def complete(shard_id: int, worker: str, metrics: dict[str, Any]) -> None:

@@ -80,6 +80,8 @@ class Shard(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
     enqueued_at: Mapped[float | None] = mapped_column(Float)
+    queued_at: Mapped[float | None] = mapped_column(Float)  # when it last became queued (0009): how long it waits
+    yielded_at: Mapped[float | None] = mapped_column(Float)  # when it last yielded to waiting work (0009)
     started_at: Mapped[float | None] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float)
     rows_done: Mapped[int] = mapped_column(Integer, default=0)
@@ -166,14 +168,37 @@ class Worker(Base):
     restarts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
+class ShardRun(Base):
+    """One ended attempt of a shard (0009): who ran it, on how many GPUs (`weight`: a CPU shard counts 1), from when
+    to when, and how it ended (the shard's next state: succeeded, failed, cancelled, or queued when it was handed
+    back, yielded or its lease expired). Owners' GPU-seconds are summed from these and the shards running now."""
+
+    __tablename__ = "shard_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    shard_id: Mapped[int] = mapped_column(ForeignKey("shards.id", ondelete="CASCADE"))
+    owner: Mapped[str] = mapped_column(String(128))
+    weight: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float] = mapped_column(Float)
+    ended_at: Mapped[float] = mapped_column(Float)
+    ended_as: Mapped[str] = mapped_column(String(16))
+
+    __table_args__ = (
+        Index("ix_shard_runs_owner_ended", "owner", "ended_at"),
+        Index("ix_shard_runs_shard", "shard_id"),
+    )
+
+
 class Quota(Base):
-    """An owner's limits (0008; core/scheduling.py): at most `max_running_shards` of its shards run at once (None: no
-    cap). Set by an admin (`gpujobs quota set`); an owner without a row has no limits."""
+    """An owner's limits (0008, 0009; core/scheduling.py): at most `max_running_shards` of its shards run at once,
+    and at most `max_gpu_seconds_per_day` GPU-seconds over the last 24 hours (None: no cap). Set by an admin
+    (`gpujobs quota set`); an owner without a row has no limits."""
 
     __tablename__ = "quotas"
 
     owner: Mapped[str] = mapped_column(String(128), primary_key=True)
     max_running_shards: Mapped[int | None] = mapped_column(Integer)
+    max_gpu_seconds_per_day: Mapped[float | None] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     updated_by: Mapped[str | None] = mapped_column(String(128))
 

@@ -1,11 +1,13 @@
-"""Which queued shard a free worker takes next: priorities, fair share between owners, per-owner quotas.
+"""Which queued shard a free worker takes next: priorities, fair share between owners, per-owner quotas; and when a
+running shard yields to waiting work (`yield_reason`, at the end of this docstring).
 
 The rule. A worker that receives a message from queue Q takes, in the claim's transaction (`core.leases.claim`):
 
 1. the highest priority (high > normal > low) among Q's queued shards whose owner is under quota;
 2. among the owners with work at that priority, the owner with the fewest GPU-seconds over the last
-   JOBS_FAIR_SHARE_WINDOW_SECONDS (1 h; a shard that runs now counts up to now; a slice of g GPUs counts g per
-   second, a CPU shard 1); ties go to the owner whose oldest queued job is oldest;
+   JOBS_FAIR_SHARE_WINDOW_SECONDS (1 h; every ended attempt, from `shard_runs`, and the shards that run now, up to
+   now; a slice of g GPUs counts g per second, a CPU shard 1); ties go to the owner whose oldest queued job is
+   oldest;
 3. within that owner and priority, first in first out: the oldest job first, its shards in order, whichever shard
    the message was sent for (a shard handed back by a stopping worker goes before its job's later shards).
 
@@ -24,15 +26,22 @@ while shards are queued on Q there are at least as many messages on their way to
 takes one. Duplicate messages take nothing once the queue is empty. The reaper still sends a shard that stays
 queued a lease after its send while Q has no message left (`core.dispatch.reap`), as before.
 
-Quotas: an owner with `max_running_shards` set runs at most that many shards at once. The claim's UPDATE counts the
+Quotas: an owner with `max_running_shards` set runs at most that many shards at once, and one with
+`max_gpu_seconds_per_day` set starts no shard once its GPU-seconds over the last 24 hours reach it (checked when a
+claim picks; a shard that runs finishes). The claim's UPDATE counts the
 owner's running shards in its WHERE, after locking the owner's quota row on Postgres (so two claims of one capped
 owner are serialized; SQLite serializes every write), so a cap holds under concurrent claims. An owner at its cap
 is skipped: its queued jobs wait (`gpujobs status` says "waiting: owner quota"). A message that found nothing to
 take is gone; the reaper sends such a shard again once it has been queued a lease since its send, the queue has no
 message left and its owner is under quota again (`core.dispatch.reap`), so a freed quota is used within a beat.
 
-The cost: per claim one grouped query over Q's queued shards, one over the candidates' recently run shards
-(indexed by `finished_at`), and one or two single-row reads; ops/bench/load.py measures it (`--claims`).
+The cost: per claim one grouped query over Q's queued shards, two over the candidates' recent runs (`shard_runs`
+by owner and end, the running shards by state), and one or two single-row reads; ops/bench/load.py measures it
+(`--claims`).
+
+Yields: a running shard is interrupted only at a boundary where nothing is lost (a committed micro-batch, a
+fine-tune's checkpointed step), when waiting work outranks it and waited JOBS_YIELD_AFTER_SECONDS; the rule and why
+it does not thrash: `yield_reason`, docs/design.md.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from core.errors import InvalidInput
-from core.models import Job, Quota, Shard
+from core.models import Job, Quota, Shard, ShardRun
 from core.settings import get_settings
 from core.states import JobState, ShardState
 from core.store import now
@@ -120,22 +129,28 @@ def waiting(session: Session, queue: str, *, count_shards: bool = False) -> list
 
 
 def gpu_seconds(session: Session, owners: set[str], window: float | None = None) -> dict[str, float]:
-    """GPU-seconds each owner's shards used over the last `window` seconds (the fair-share window)."""
+    """GPU-seconds each owner's shards used over the last `window` seconds (default: the fair-share window): every
+    ended attempt (`shard_runs`: a yielded or handed-back one too) and the shards running now, up to now."""
     t = now()
     since = t - (window if window is not None else get_settings().fair_share_window)
+    used: dict[str, float] = {}
+    start = case((ShardRun.started_at > since, ShardRun.started_at), else_=since)
+    ended = (
+        select(ShardRun.owner, func.sum((ShardRun.ended_at - start) * ShardRun.weight))
+        .where(ShardRun.owner.in_(owners), ShardRun.ended_at > since)
+        .group_by(ShardRun.owner)
+    )
     start = case((Shard.started_at > since, Shard.started_at), else_=since)
     weight = case((Job.gpus > 0, Job.gpus), else_=1)
-    used: dict[str, float] = {}
-    # two queries, each on its own index (running shards by state, finished ones by finished_at), not one OR
-    for end, which in ((t, Shard.state == RUNNING), (Shard.finished_at, Shard.finished_at > since)):
-        rows = session.execute(
-            select(Job.owner, func.sum((end - start) * weight))
-            .select_from(Shard)
-            .join(Job, Job.id == Shard.job_id)
-            .where(which, Job.owner.in_(owners), Shard.started_at.is_not(None))
-            .group_by(Job.owner)
-        ).all()
-        for owner, seconds in rows:
+    running = (
+        select(Job.owner, func.sum((t - start) * weight))
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(Shard.state == RUNNING, Job.owner.in_(owners), Shard.started_at.is_not(None))
+        .group_by(Job.owner)
+    )
+    for stmt in (ended, running):
+        for owner, seconds in session.execute(stmt).all():
             used[owner] = used.get(owner, 0.0) + float(seconds or 0.0)
     return used
 
@@ -162,12 +177,34 @@ def caps(session: Session, owners: set[str]) -> dict[str, int]:
     return dict(rows)
 
 
-def at_quota(session: Session, owners: set[str]) -> set[str]:
-    limits = caps(session, owners)
+DAY = 24 * 3600.0
+
+
+def daily_caps(session: Session, owners: set[str]) -> dict[str, float]:
+    rows = session.execute(
+        select(Quota.owner, Quota.max_gpu_seconds_per_day).where(
+            Quota.owner.in_(owners), Quota.max_gpu_seconds_per_day.is_not(None)
+        )
+    ).all()
+    return dict(rows)
+
+
+def over_daily(session: Session, owners: set[str]) -> set[str]:
+    """Owners whose GPU-seconds over the last 24 hours reached their daily cap."""
+    limits = daily_caps(session, owners)
     if not limits:
         return set()
-    running = running_shards(session, set(limits))
-    return {o for o, cap in limits.items() if running.get(o, 0) >= cap}
+    used = gpu_seconds(session, set(limits), window=DAY)
+    return {o for o, cap in limits.items() if used.get(o, 0.0) >= cap}
+
+
+def at_quota(session: Session, owners: set[str]) -> set[str]:
+    """Owners that may not start another shard now: at their cap of running shards, or over their daily
+    GPU-seconds."""
+    limits = caps(session, owners)
+    running = running_shards(session, set(limits)) if limits else {}
+    full = {o for o, cap in limits.items() if running.get(o, 0) >= cap}
+    return full | over_daily(session, owners - full)
 
 
 def next_shard(session: Session, queue: str) -> tuple[Shard, Job] | None:
@@ -225,6 +262,94 @@ def held_by_quota(session: Session, job_ids: set[str]) -> set[str]:
     return {job_id for job_id, owner in owners.items() if owner in full}
 
 
+# --- yields: a running shard hands its GPU to work that outranks it ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Running:
+    shard_id: int
+    priority: int
+    owner: str
+    started_at: float
+
+
+def yield_reason(session: Session, shard_id: int, after: float) -> str | None:
+    """Why the running shard `shard_id` should yield now (its worker saves and hands it back at the next step or
+    micro-batch boundary; core.leases.yield_shard), or None. The rule, on the shard's queue Q:
+
+    - Work that outranks a running shard: a queued shard of higher priority, or of equal priority and another owner
+      whose GPU-seconds over the fair-share window are fewer by more than `after` (so two owners' long jobs swap at
+      most every 2 x `after` seconds, not at every crossing), whose owner is under quota, and that has been queued
+      for `after` seconds. Only a shard that has itself run `after` seconds yields.
+    - Each such waiting shard takes one victim, the worst running shard on Q it outranks (lowest priority, then the
+      owner with the most GPU-seconds, then the latest started), in the claim's order; shards that yielded within
+      the last `after` seconds and are still queued count as victims already taken (their workers are taking the
+      waiting work), so two workers do not both yield for one shard.
+    """
+    t = now()
+    shard = session.get(Shard, shard_id)
+    if after <= 0 or shard is None or shard.state != RUNNING or not shard.started_at or t - shard.started_at < after:
+        return None
+    queue = session.scalar(select(Job.queue).where(Job.id == shard.job_id))
+    waited = session.execute(
+        select(Job.priority, Job.owner, func.count(), func.min(Shard.queued_at))
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(*_queued_on(queue), Shard.queued_at <= t - after)
+        .group_by(Job.priority, Job.owner)
+    ).all()
+    if not waited:
+        return None
+    running = [
+        Running(*row)
+        for row in session.execute(
+            select(Shard.id, Job.priority, Job.owner, Shard.started_at)
+            .select_from(Shard)
+            .join(Job, Job.id == Shard.job_id)
+            .where(Shard.state == RUNNING, Job.queue == queue, Shard.started_at <= t - after)
+        ).all()
+    ]
+    owners = {o for _, o, _, _ in waited} | {r.owner for r in running}
+    full = at_quota(session, owners)
+    used = gpu_seconds(session, owners)
+
+    def outranks(priority: int, owner: str, r: Running) -> bool:
+        if priority != r.priority:
+            return priority > r.priority
+        return owner != r.owner and used.get(owner, 0.0) + after < used.get(r.owner, 0.0)
+
+    victims = sorted(running, key=lambda r: (r.priority, -used.get(r.owner, 0.0), -r.started_at, r.shard_id))
+    taken = session.scalar(
+        select(func.count())
+        .select_from(Shard)
+        .join(Job, Job.id == Shard.job_id)
+        .where(*_queued_on(queue), Shard.yielded_at > t - after)
+    )
+    claimants = sorted((w for w in waited if w[1] not in full), key=lambda w: (-w[0], used.get(w[1], 0.0), w[3], w[1]))
+    for priority, owner, count, since in claimants:
+        for _ in range(count):
+            victim = next((r for r in victims if outranks(priority, owner, r)), None)
+            if victim is None:
+                break
+            victims.remove(victim)
+            if taken:  # a shard that yielded a moment ago frees a worker for this one
+                taken -= 1
+                continue
+            if victim.shard_id == shard_id:
+                return _why(priority, owner, t - since, shard, used, session)
+    return None
+
+
+def _why(priority: int, owner: str, waited: float, shard: Shard, used: dict[str, float], session: Session) -> str:
+    mine = session.execute(select(Job.priority, Job.owner).where(Job.id == shard.job_id)).one()
+    if priority > mine.priority:
+        return f"{name(priority)}-priority work of {owner} waited {waited:.0f} s"
+    return (
+        f"fair share: {owner}'s work waited {waited:.0f} s ({used.get(owner, 0.0):.0f} GPU-seconds in the fair-share "
+        f"window; {mine.owner} {used.get(mine.owner, 0.0):.0f})"
+    )
+
+
 # --- what users see: a queued job's place, the queues' depth --------------------------------------------------
 
 
@@ -252,8 +377,11 @@ def place(session: Session, job: Job) -> dict[str, Any] | None:
         )
     )
     if own.at_quota:
-        cap = caps(session, {job.owner}).get(job.owner)
-        reason = f"waiting: owner quota ({cap} running shards at most)"
+        daily = daily_caps(session, {job.owner}).get(job.owner)
+        if job.owner in over_daily(session, {job.owner}):
+            reason = f"waiting: owner quota ({daily:g} GPU-seconds per day used; it frees as runs leave the 24 h)"
+        else:
+            reason = f"waiting: owner quota ({caps(session, {job.owner}).get(job.owner)} running shards at most)"
     elif any(w.priority > job.priority and not w.at_quota for w in classes):
         reason = "waiting: higher-priority work"
     elif ahead:
@@ -278,19 +406,29 @@ def queue_depth(session: Session) -> list[tuple[str, str, str, int]]:
 # --- quotas (`gpujobs quota set/show`, admin only) --------------------------------------------------------------
 
 
-def set_quota(session: Session, owner: str, *, max_running_shards: int | None, by: str) -> Quota:
-    if max_running_shards is not None and (
-        isinstance(max_running_shards, bool) or not isinstance(max_running_shards, int) or max_running_shards < 0
-    ):
-        raise InvalidInput(
-            f"max_running_shards {max_running_shards!r}: give a whole number >= 0 (0 holds every new "
-            "shard of the owner), or null for no cap"
-        )
+LIMITS = ("max_running_shards", "max_gpu_seconds_per_day")  # a quota's fields: a value caps, None removes the cap
+
+
+def set_quota(session: Session, owner: str, *, by: str, **limits: int | float | None) -> Quota:
+    """Set the `limits` given (a subset of LIMITS) of `owner`'s quota; the others stay as they are."""
+    unknown = set(limits) - set(LIMITS)
+    if unknown or not limits:
+        raise InvalidInput(f"give one or more of {', '.join(LIMITS)} (null removes a cap); got {sorted(limits)}")
+    for field, value in limits.items():
+        whole = field == "max_running_shards"
+        number = isinstance(value, int) if whole else isinstance(value, int | float)
+        if value is not None and (isinstance(value, bool) or not number or value < 0):
+            raise InvalidInput(
+                f"{field} {value!r}: give a {'whole number' if whole else 'number'} >= 0 (0 holds every new shard "
+                "of the owner), or null for no cap"
+            )
     quota = session.get(Quota, owner)
     if quota is None:
         quota = Quota(owner=owner)
         session.add(quota)
-    quota.max_running_shards, quota.updated_at, quota.updated_by = max_running_shards, now(), by
+    for field, value in limits.items():
+        setattr(quota, field, value)
+    quota.updated_at, quota.updated_by = now(), by
     session.flush()
     return quota
 
@@ -306,9 +444,11 @@ def quota_view(session: Session, owner: str) -> dict[str, Any]:
     return {
         "owner": owner,
         "max_running_shards": quota.max_running_shards if quota else None,
+        "max_gpu_seconds_per_day": quota.max_gpu_seconds_per_day if quota else None,
         "running_shards": running_shards(session, {owner}).get(owner, 0),
         "queued_shards": queued,
         "gpu_seconds": round(gpu_seconds(session, {owner}).get(owner, 0.0), 3),
+        "gpu_seconds_day": round(gpu_seconds(session, {owner}, window=DAY).get(owner, 0.0), 3),
         "updated_at": quota.updated_at if quota else None,
         "updated_by": quota.updated_by if quota else None,
     }

@@ -87,6 +87,7 @@ class Settings:
     lease_seconds: float = 20.0
     max_attempts: int = 3
     fair_share_window: float = 3600.0  # owners' GPU-seconds are counted over this many seconds (core/scheduling.py)
+    yield_after: float = 120.0  # a running shard yields to work that outranks it and waited this long (0: never)
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
     broker_wait_seconds: float | None = None  # a worker's BRPOP wait in Redis; None = kombu's 1 s (core/queue.py)
@@ -175,6 +176,7 @@ _NUMBERS = {
     "lease_seconds": "JOBS_LEASE_SECONDS",
     "max_attempts": "JOBS_MAX_ATTEMPTS",
     "fair_share_window": "JOBS_FAIR_SHARE_WINDOW_SECONDS",
+    "yield_after": "JOBS_YIELD_AFTER_SECONDS",
     "worker_timeout": "JOBS_WORKER_TIMEOUT",
     "visibility_timeout": "JOBS_VISIBILITY_TIMEOUT",
     "batch_window_seconds": "JOBS_BATCH_WINDOW_SECONDS",

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from core.dataset import ParsedRow
 from core.errors import IllegalTransition, NotFound
-from core.models import Job, JobEvent, JobRow, Shard
+from core.models import Job, JobEvent, JobRow, Shard, ShardRun
 from core.states import JobState, RowState, ShardState, allowed_sources
 
 INSERT_CHUNK = 2000
@@ -76,6 +76,18 @@ def transition(
     sources = allowed_sources(kind, to.value)
     if not sources:
         raise IllegalTransition(f"no {kind} may move to {to.value}")
+    run = None  # a shard's attempt that this change ends: (started_at, lease_expires_at)
+    if kind == "shard":
+        if to is ShardState.queued:
+            values.setdefault("queued_at", now())
+        if ShardState.running.value in sources:
+            before = session.execute(
+                select(Shard.state, Shard.started_at, Shard.lease_expires_at).where(Shard.id == obj.id)
+            ).one_or_none()
+            if before is not None:
+                where = [*where, Shard.state == before.state]  # the state read is the state changed
+                if before.state == ShardState.running.value and before.started_at is not None:
+                    run = (before.started_at, before.lease_expires_at)
     stmt = (
         update(model)
         .where(model.id == obj.id, model.state.in_(sources), *where)
@@ -87,6 +99,8 @@ def transition(
     if not changed:
         current = fresh.state if fresh is not None else "deleted"
         raise IllegalTransition(f"{kind} {obj.id} cannot move from {current} to {to.value}")
+    if run is not None:
+        _record_run(session, fresh, *run)
     job_id, shard_id = (fresh.id, None) if kind == "job" else (fresh.job_id, fresh.id)
     label = kind if kind == "job" else f"shard {fresh.idx}"
     add_event(
@@ -98,6 +112,23 @@ def transition(
         shard_id=shard_id,
     )
     return fresh
+
+
+def _record_run(session: Session, shard: Shard, started_at: float, lease_expires_at: float | None) -> None:
+    """The attempt of `shard` that just ended, as a `shard_runs` row (owners' GPU-seconds: core/scheduling.py). An
+    attempt whose lease expired ended, as far as anyone knows, when its lease did."""
+    owner, gpus = session.execute(select(Job.owner, Job.gpus).where(Job.id == shard.job_id)).one()
+    ended = now() if lease_expires_at is None else min(now(), lease_expires_at)
+    session.add(
+        ShardRun(
+            shard_id=shard.id,
+            owner=owner,
+            weight=float(gpus) if gpus > 0 else 1.0,
+            started_at=started_at,
+            ended_at=max(ended, started_at),
+            ended_as=shard.state,
+        )
+    )
 
 
 def get_job(session: Session, job_id: str, *, owner: str | None = None) -> Job:
@@ -148,6 +179,7 @@ def create_shards(session: Session, job: Job, *, shard_rows: int, max_attempts: 
             row_start=start,
             row_end=min(start + shard_rows, job.rows_total),
             state=ShardState.queued.value,
+            queued_at=job.created_at,
             attempts=0,
             max_attempts=max_attempts,
             rows_done=0,

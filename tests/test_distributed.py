@@ -340,6 +340,37 @@ def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, b
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_a_yielding_ddp_run_saves_a_checkpoint_at_one_step_on_both_ranks_and_resumes_from_it(
+    tmp_path, base_model, monkeypatch
+):
+    """Through the launcher the worker calls: a yield request after step 5 (the scheduler's, worker/runtime.py)
+    makes both ranks save a complete checkpoint of the same step N (6 or 7: rank 0 sleeps 1 s before each step's
+    check, as in the stop test) and stop with no adapter; the next run resumes from N and finishes at step 8."""
+    from core.spec import FinetuneSpec, LoadOptions
+    from worker import distributed
+
+    spec = FinetuneSpec.model_validate(ft_spec(base_model))
+    seen: list[dict] = []
+    monkeypatch.setenv("JOBS_TEST_FAULTS", "sleep_1@rank0_step")
+    yielded = distributed.finetune(
+        LoadOptions(model=spec.model),
+        spec,
+        rows(),
+        tmp_path,
+        on_log=seen.append,
+        should_yield=lambda: any(r["step"] >= 5 for r in seen),
+    )
+    monkeypatch.delenv("JOBS_TEST_FAULTS")
+    step = yielded.metrics["steps"]
+    assert yielded.stopped and 5 < step < 8 and not (tmp_path / "adapter").exists(), yielded.metrics
+    checkpoint = tmp_path / "checkpoints" / f"checkpoint-{step}"
+    assert {"COMPLETE", "rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in checkpoint.iterdir()}
+    resumed: list[dict] = []
+    done = distributed.finetune(LoadOptions(model=spec.model), spec, rows(), tmp_path, on_log=resumed.append)
+    assert not done.stopped and done.resumed_from == step and done.metrics["steps"] == 8
+    assert [r["step"] for r in resumed if "loss" in r] == list(range(step + 1, 9))
+
+
 def test_rank_zero_reports_its_phases_and_steps_to_the_parents_stall_watchdog(tmp_path, base_model):
     """The parent's progress (what the worker's stall watchdog reads) sees the launch as a phase, then rank 0's own
     phases (loading, preparing) and each of its 8 training steps: a long load in a child is no stall, and a hung

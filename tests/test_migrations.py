@@ -53,6 +53,7 @@ def test_models_define_the_expected_tables():
         "adapters",
         "cached_models",
         "quotas",
+        "shard_runs",
     }
 
 

@@ -16,7 +16,7 @@ from core import leases, scheduling
 from core.dataset import ParsedRow
 from core.db import session_scope
 from core.errors import Forbidden, InvalidInput
-from core.models import Job, Shard
+from core.models import Job, Shard, ShardRun
 from core.states import JobState
 from core.store import create_shards, insert_rows, new_id, now
 from tests.conftest import wait_for
@@ -65,6 +65,17 @@ def ran(job_id: str, seconds: float) -> None:
     with session_scope() as session:
         shard = session.scalar(select(Shard).where(Shard.job_id == job_id).limit(1))
         shard.state, shard.started_at, shard.finished_at = "succeeded", now() - seconds - 1, now() - 1
+        owner = session.scalar(select(Job.owner).where(Job.id == job_id))
+        session.add(
+            ShardRun(
+                shard_id=shard.id,
+                owner=owner,
+                weight=1.0,
+                started_at=shard.started_at,
+                ended_at=shard.finished_at,
+                ended_as="succeeded",
+            )
+        )
 
 
 # --- the rule, in SQL --------------------------------------------------------------------------------------------

@@ -133,10 +133,13 @@ def launch(
     run_dir: Path,
     *,
     should_stop: Callable[[], bool] = lambda: False,
+    should_yield: Callable[[], bool] = lambda: False,
     on_record: Callable[[dict[str, Any]], None] = lambda record: None,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """Run `module RUN_DIR` on `nproc` processes and wait; return rank 0's result.json (None: stopped before one).
+    `should_stop()` creates RUN_DIR/stop, `should_yield()` RUN_DIR/yield (the children save a checkpoint first; no
+    grace limit then: a save takes what it takes, and the stall watchdog watches it).
 
     Each line rank 0 appends to progress.jsonl goes to `on_record` as it comes. Raises ChildFailed (or InvalidInput,
     when a rank refused the input) with the failing rank's error text.
@@ -154,7 +157,7 @@ def launch(
         )
     log.info("launched %d processes (torchrun pid %d) for %s", nproc, proc.pid, run_dir)
     try:
-        stopped = _watch(proc, run_dir, should_stop, on_record)
+        stopped = _watch(proc, run_dir, should_stop, should_yield, on_record)
     finally:
         end(proc)
     result = run_dir / "result.json"
@@ -166,12 +169,18 @@ def launch(
 
 
 def _watch(
-    proc: subprocess.Popen, run_dir: Path, should_stop: Callable[[], bool], on_record: Callable[[dict[str, Any]], None]
+    proc: subprocess.Popen,
+    run_dir: Path,
+    should_stop: Callable[[], bool],
+    should_yield: Callable[[], bool],
+    on_record: Callable[[dict[str, Any]], None],
 ) -> bool:
-    """Forward progress until torchrun exits; create `stop` when asked. True when a stop was asked."""
+    """Forward progress until torchrun exits; create `stop` or `yield` when asked. True when a stop was asked."""
     offset, stop_at = 0, None
     while proc.poll() is None:
         offset = _forward(run_dir / "progress.jsonl", offset, on_record)
+        if should_yield() and not (run_dir / "yield").exists():
+            (run_dir / "yield").touch()
         if stop_at is None and should_stop():
             (run_dir / "stop").touch()
             stop_at = time.monotonic()
@@ -259,6 +268,7 @@ def finetune(
     *,
     gpus: int = 0,
     should_stop: Callable[[], bool] = lambda: False,
+    should_yield: Callable[[], bool] = lambda: False,
     on_log: Callable[[dict[str, Any]], None] = lambda record: None,
     progress: Progress | None = None,
 ):
@@ -270,7 +280,15 @@ def finetune(
     strategy, world = strategy_for(spec, gpus)
     if strategy == "single":
         result = single.finetune(
-            base, spec, rows, workdir, gpus=gpus, should_stop=should_stop, on_log=on_log, progress=progress
+            base,
+            spec,
+            rows,
+            workdir,
+            gpus=gpus,
+            should_stop=should_stop,
+            should_yield=should_yield,
+            on_log=on_log,
+            progress=progress,
         )
         result.metrics.update(strategy="single", processes=1)
         return result
@@ -304,7 +322,9 @@ def finetune(
         on_log(record)
 
     progress.begin(f"starting {world} training processes")  # until rank 0 reports its first phase or step
-    done = launch(world, "worker.finetune_dist", run_dir, should_stop=should_stop, on_record=forward)
+    done = launch(
+        world, "worker.finetune_dist", run_dir, should_stop=should_stop, should_yield=should_yield, on_record=forward
+    )
     progress.end()
     if done is None:  # stopped before rank 0 wrote a result: the last complete checkpoint is where to resume
         return single.FinetuneResult(

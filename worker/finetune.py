@@ -113,6 +113,7 @@ def _memory(device: torch.device) -> dict[str, int]:
 def _callback(
     *,
     should_stop: Callable[[], bool],
+    should_yield: Callable[[], bool],
     on_log: Callable[[dict[str, Any]], None],
     device: torch.device,
     tokens_per_step: float,
@@ -137,7 +138,10 @@ def _callback(
 
         def on_step_end(self, args, state, control, **kwargs):
             progress.beat("training step")
-            if should_stop():
+            if should_yield():  # a complete checkpoint of this step, then stop: the next attempt resumes from it
+                control.should_training_stop = True
+                control.should_save = True
+            elif should_stop():
                 control.should_training_stop = True
                 control.should_save = False
 
@@ -201,6 +205,7 @@ def finetune(
     *,
     gpus: int = 0,
     should_stop: Callable[[], bool] = lambda: False,
+    should_yield: Callable[[], bool] = lambda: False,
     on_log: Callable[[dict[str, Any]], None] = lambda record: None,
     resume: bool = True,
     strategy: str = "single",
@@ -210,7 +215,9 @@ def finetune(
 
     Checkpoints go to `workdir/checkpoints`; with `resume`, the newest complete one is picked up. Raises
     InvalidInput for data or settings that cannot train (before any step runs). `result.stopped` is True when
-    `should_stop()` ended training early (cancel, shutdown, lost lease): no adapter is saved then. `strategy` is
+    `should_stop()` ended training early (cancel, shutdown, lost lease), or `should_yield()` did (the scheduler gives
+    the GPU to other work: a complete checkpoint of the step that just ended is saved first): no adapter is saved
+    then. Both are asked at each step's end, on every process at the same step. `strategy` is
     `single`, or the distributed strategy of the process group this process is a rank of (worker/distributed.py).
     `progress` receives each step (and the loading and preparing phases) for the stall watchdog.
     """
@@ -277,7 +284,12 @@ def finetune(
     )
     tokens_per_step *= args.world_size  # every process trains on its own batches
     reporter = _callback(
-        should_stop=should_stop, on_log=on_log, device=device, tokens_per_step=tokens_per_step, progress=progress
+        should_stop=should_stop,
+        should_yield=should_yield,
+        on_log=on_log,
+        device=device,
+        tokens_per_step=tokens_per_step,
+        progress=progress,
     )
     collate = packed_collate(speed.packed_attention == "varlen") if spec.packing else padded_collate(tok.pad_token_id)
     trainer = (lean_trainer(speed) if speed.loss != "model" else Trainer)(

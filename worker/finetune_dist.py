@@ -28,9 +28,11 @@ from worker.progress import Progress
 log = logging.getLogger("worker.finetune_dist")
 
 
-def synced_stop(stop_file: Path, device, rank: int) -> Callable[[], bool]:
-    """True on every rank at the same step once the parent created `stop_file`: the ranks' answers are all-reduced
-    (MAX), so no rank leaves a collective that the others still wait in. Called at each step's end on every rank."""
+def synced_flag(flag_file: Path, device, rank: int, *, step_fault: bool = True) -> Callable[[], bool]:
+    """True on every rank at the same step once the parent created `flag_file` (`stop`, `yield`): the ranks' answers
+    are all-reduced (MAX), so no rank leaves a collective that the others still wait in, and a yield's checkpoint is
+    saved by all of them at one step. Called at each step's end on every rank; `step_fault`: the test fault point
+    rankR_step is hit here (once per step: by the `stop` flag)."""
     import torch
     import torch.distributed as dist
 
@@ -40,8 +42,9 @@ def synced_stop(stop_file: Path, device, rank: int) -> Callable[[], bool]:
         nonlocal decided
         if decided:
             return True
-        faults.hit(f"rank{rank}_step")
-        flag = torch.tensor([1.0 if stop_file.exists() else 0.0], device=device)
+        if step_fault:
+            faults.hit(f"rank{rank}_step")
+        flag = torch.tensor([1.0 if flag_file.exists() else 0.0], device=device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         decided = bool(flag.item())
@@ -101,7 +104,8 @@ def train(run_dir: Path, rank: int, local_rank: int, world: int) -> dict[str, An
         [(line, row) for line, row in request["rows"]],
         Path(request["workdir"]),
         gpus=1 if on_gpu else 0,
-        should_stop=synced_stop(run_dir / "stop", device, rank),
+        should_stop=synced_flag(run_dir / "stop", device, rank),
+        should_yield=synced_flag(run_dir / "yield", device, rank, step_fault=False),
         on_log=write if rank == 0 else lambda record: None,
         strategy=request["strategy"],
         progress=RankProgress(write) if rank == 0 else Progress(),

@@ -52,6 +52,8 @@ class Runtime:
     current: int | None = None  # shard id under lease
     current_job: str | None = None
     stop_current: threading.Event = field(default_factory=threading.Event)
+    yielding: threading.Event = field(default_factory=threading.Event)  # the scheduler asked the shard to yield
+    yield_why: tuple[str, float] | None = None  # (why, when asked) of that request
     shutting_down: threading.Event = field(default_factory=threading.Event)
     closed: threading.Event = field(default_factory=threading.Event)
     resident: tuple[str, loader.Loaded] | None = None
@@ -191,6 +193,10 @@ class Runtime:
             log.warning("%s lost the lease of shard %s: stopping it", job_id, shard_id)
         if why is not None:
             self.stop_current.set()
+        elif renew and not self.yielding.is_set() and (reason := leases.yield_reason(shard_id, settings.yield_after)):
+            log.info("%s shard %s yields at its next boundary: %s", job_id, shard_id, reason)
+            self.yield_why = (reason, time.time())
+            self.yielding.set()
 
     def _on_stall(self, shard_id: int, job_id: str, stall: Stall) -> None:
         """The engine made no progress within the bound: write a `stall` event with the engine thread's stack, give
@@ -255,6 +261,7 @@ class Runtime:
         self._engine_thread = threading.get_ident()
         self.current, self.current_job = shard.id, job.id
         self.stop_current.clear()
+        self.yielding.clear()
         log.info("%s shard %s: %d pending rows", job.id, shard.idx, len(rows))
         try:
             if job.kind == "finetune":
@@ -293,6 +300,7 @@ class Runtime:
         batch_rows = spec.batch_rows or settings.batch_rows
         engine_s = 0.0
         _reset_peak_memory()
+        boundary = threading.Event()  # a yield was asked and a micro-batch is committed: the engine stops here
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
         t_engine = time.perf_counter()
 
@@ -302,12 +310,13 @@ class Runtime:
         where = formats.location(spec.input_format)
         engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
         first_result: float | None = None
+        committed = 0
         for results in generate.generate(
             loaded,
             spec,
             rows,
             batch_rows=batch_rows,
-            should_stop=should_stop,
+            should_stop=lambda: should_stop() or boundary.is_set(),
             on_event=on_event,
             info=engine_info,
             progress=self.progress,
@@ -317,9 +326,15 @@ class Runtime:
             failures.name_rows(results, lines, where)  # every row error names its line (or row)
             if not leases.record(shard, self.name, results, settings.lease_seconds):
                 break  # the job is stopping
+            committed += len(results)
             self.progress.beat("committed micro-batch")
             first_result = first_result or time.time()  # time to first result: first commit after the claim
+            if self.yielding.is_set():
+                boundary.set()  # rows the engine still returns are committed too; it starts no other
             t_engine = time.perf_counter()
+        if boundary.is_set() and committed < len(rows) and not should_stop():
+            self._yield(shard.id, f"after {committed} of the shard's {len(rows)} pending rows")
+            return
         # a cancelled job's shard is cancelled; on shutdown or a lost lease the unfinished rows are handed back
         if leases.end_early(
             shard.id, self.name, hand_back="worker stopping: unfinished rows handed back" if should_stop() else None
@@ -379,10 +394,15 @@ class Runtime:
             workdir,
             gpus=self.gpus,
             should_stop=should_stop,
+            should_yield=self.yielding.is_set,
             on_log=on_log,
             progress=self.progress,
         )
         jobs.record_load(job.id, result.metrics["load"], capabilities.versions)
+        if result.stopped and self.yielding.is_set() and not should_stop():
+            step = result.metrics["steps"]
+            self._yield(shard.id, f"at step {step}, its checkpoint saved (checkpoint-{step})")
+            return
         # a cancelled job's shard is cancelled; on shutdown or a lost lease the next worker resumes from the last
         # checkpoint
         if leases.end_early(
@@ -422,6 +442,11 @@ class Runtime:
             metrics=metrics,
             lease_seconds=settings.lease_seconds,
         )
+
+    def _yield(self, shard_id: int, at: str) -> None:
+        reason, requested_at = self.yield_why
+        log.info("shard %s yields %s: %s", shard_id, at, reason)
+        leases.yield_shard(shard_id, self.name, reason=reason, requested_at=requested_at, at=at)
 
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
         """The resident model if the load options match, else load (and free the previous one first)."""

@@ -19,7 +19,8 @@ Three phases on the stack, each checked for "nothing lost, nothing run twice" in
    (a job's first shard started − submitted) and turnaround percentiles per owner and priority.
 4. claims (`--claims`, after the stack stopped, on its store): the claim's cost in ms (core/leases.claim, the
    scheduling rule's queries included) with 100 queued jobs of one shard, and with 100 jobs of 100 shards (10,000
-   queued shards), 8 owners, 3 priorities and 2,000 shards run within the fair-share window.
+   queued shards), 8 owners, 3 priorities and 2,000 shards run within the fair-share window; and the cost of a
+   worker's heartbeat question "should my shard yield?" (core/scheduling.yield_reason) with the claimed shards running.
 
 It prints a table and writes JSON (commit, machine, settings, numbers) to ops/bench/results/load-<date>.json.
 `tests/test_load.py` runs the same functions at CI size (200 submissions, 20,000 rows).
@@ -506,6 +507,11 @@ def table(report: dict) -> str:
             f"mean {c['claim_ms']['mean']}, p50 {c['claim_ms']['p50']}, p99 {c['claim_ms']['p99']} "
             f"(n={c['claim_ms']['n']})",
         )
+        y = c["yield_check_ms"]
+        add(
+            f"yield check: ms at {c['queued_shards']} queued / {c['running_shards']} running shards",
+            f"mean {y['mean']}, p50 {y['p50']}, p99 {y['p99']} (n={y['n']})",
+        )
     if g := report.get("big"):
         add(
             "big: rows / workers / shard / batch",
@@ -712,11 +718,11 @@ def claim_cost(
 ) -> dict:
     """ms per `core.leases.claim` on a queue holding `jobs` x `shards_per_job` queued shards of `owners` owners
     and three priorities, after `history` shards ran within the fair-share window. Its rows are deleted after."""
-    from sqlalchemy import delete, insert
+    from sqlalchemy import delete, insert, select
 
-    from core import leases
+    from core import leases, scheduling
     from core.db import session_scope
-    from core.models import Job, Shard
+    from core.models import Job, Shard, ShardRun
     from core.store import now
 
     t, rng = now(), random.Random(1)
@@ -753,6 +759,7 @@ def claim_cost(
             "rows_failed": 0,
             "completion_tokens": 0,
             "enqueued_at": t,
+            "queued_at": j["created_at"],
         }
         for j in job_rows
         for k in range(shards_per_job)
@@ -778,6 +785,16 @@ def claim_cost(
         session.execute(insert(Job), job_rows)
         for chunk in range(0, len(shard_rows) + len(ran), 5000):
             session.execute(insert(Shard), (shard_rows + ran)[chunk : chunk + 5000])
+        runs = session.execute(  # each shard that ran is one ended attempt (what owners' GPU-seconds sum)
+            select(Shard.id, Job.owner, Shard.started_at, Shard.finished_at)
+            .join(Job, Job.id == Shard.job_id)
+            .where(Job.queue == CLAIM_QUEUE, Shard.state == "succeeded")
+        ).all()
+        run_rows = [
+            {"shard_id": i, "owner": o, "weight": 1.0, "started_at": s, "ended_at": e, "ended_as": "succeeded"}
+            for i, o, s, e in runs
+        ]
+        session.execute(insert(ShardRun), run_rows)
         hint = session.scalar(select_first_shard(CLAIM_QUEUE))
     if database_url.startswith("postgresql"):  # fresh planner statistics, as autovacuum keeps them on a live store:
         from sqlalchemy import text  # without, a plan made for 100 shards scans 10,000 (80 ms a claim instead of 9)
@@ -785,9 +802,10 @@ def claim_cost(
         from core.db import get_engine
 
         with get_engine(database_url).connect() as conn:
-            conn.execute(text("ANALYZE jobs")), conn.execute(text("ANALYZE shards"))
+            for table in ("jobs", "shards", "shard_runs"):
+                conn.execute(text(f"ANALYZE {table}"))
             conn.commit()
-    times = []
+    times, claimed, checks = [], [], []
     try:
         for i in range(min(claims, len(shard_rows))):
             t0 = time.perf_counter()
@@ -795,16 +813,32 @@ def claim_cost(
                 got = leases.claim(session, hint, f"bench{i}", 60.0)
             times.append(time.perf_counter() - t0)
             assert got is not None, "a claim found nothing on a queue with queued shards"
+            claimed.append(got.shard.id)
+        for shard_id in claimed[:100]:  # a worker's heartbeat question: yield to waiting work? (as after 1 s)
+            t0 = time.perf_counter()
+            with session_scope(database_url) as session:
+                scheduling.yield_reason(session, shard_id, 1.0)
+            checks.append(time.perf_counter() - t0)
     finally:
         with session_scope(database_url) as session:
+            bench_shards = select(Shard.id).join(Job, Job.id == Shard.job_id).where(Job.queue == CLAIM_QUEUE)
+            session.execute(delete(ShardRun).where(ShardRun.shard_id.in_(bench_shards)))
             session.execute(delete(Job).where(Job.queue == CLAIM_QUEUE))
     return {
         "queued_jobs": jobs,
         "queued_shards": len(shard_rows),
         "owners": owners,
         "history_shards": history,
-        "claim_ms": {k: (None if v is None else round(v * 1000, 2)) for k, v in summary(times).items() if k != "n"}
-        | {"n": len(times), "mean": round(1000 * sum(times) / len(times), 2)},
+        "claim_ms": milliseconds(times),
+        "running_shards": len(claimed),
+        "yield_check_ms": milliseconds(checks),
+    }
+
+
+def milliseconds(times: list[float]) -> dict:
+    return {k: (None if v is None else round(v * 1000, 2)) for k, v in summary(times).items() if k != "n"} | {
+        "n": len(times),
+        "mean": round(1000 * sum(times) / len(times), 2),
     }
 
 
