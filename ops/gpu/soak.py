@@ -78,6 +78,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 ENGINES = ("padded", "fast", "static", "continuous")  # padded first: plain model.generate is the reference
 SEED = 0  # the G1/G2 rows of ops/bench/gen.py
 STUCK_GRACE_S = 30  # a stuck step's jobs get this long to stop after their cancel before the worker is killed
+YIELD_AFTER_S = "3"  # the stack's JOBS_YIELD_AFTER_SECONDS: the yield step's high job waits this long
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Mode:
     bounds: dict[str, float]
     worker_env: dict[str, str] = field(default_factory=dict)
     poll_s: float = 0.25
+    yield_low: Rows | None = None  # the yield step's low job (None: no yield step, as in --smoke)
 
 
 G2 = Rows(2048, (32, 1024), (16, 512))
@@ -116,7 +118,7 @@ OOM = Rows(2048, (768, 768), (4, 4))
 MODES = {
     "full": Mode(
         "full",
-        540,
+        570,
         "qwen3-0.6b",
         "0",
         1,
@@ -140,11 +142,13 @@ MODES = {
             oom=60,
             finetune_chain=150,
             adapter=60,
+            **{"yield": 90},
         ),
+        yield_low=Rows(1024, (32, 256), (512, 512)),
     ),
     "quick": Mode(
         "quick",
-        240,
+        330,
         "qwen3-0.6b",
         "0",
         1,
@@ -168,7 +172,9 @@ MODES = {
             oom=60,
             finetune_chain=120,
             adapter=45,
+            **{"yield": 90},
         ),
+        yield_low=Rows(1024, (32, 256), (512, 512)),
     ),
     # CPU: every model tiny, every padded call at most 64 rows except the OOM step's, whose fault fires above 64
     "smoke": Mode(
@@ -893,6 +899,65 @@ class Soak:
         if tune["state"] == "succeeded":
             self.state["adapter"], self.state["chained_outputs"] = tune_id, outputs
 
+    def yield_(self, step: Step) -> None:
+        """A low-priority job of one long shard runs on the fast engine; a high-priority job submitted then waits
+        JOBS_YIELD_AFTER_SECONDS (YIELD_AFTER_S here), the low shard yields after its micro-batch, the high job runs,
+        then the low one goes on and finishes: one yield event, every row of both exactly once with its tokens."""
+        data = synthetic(self.words, self.mode.yield_low, seed=SEED + 4)
+        low_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.client.upload(
+                    write_jsonl(
+                        self.work / "yield-low.jsonl",
+                        [{"prompt": p, "max_new_tokens": o, "custom_id": f"y{i}"} for i, (p, _, o) in enumerate(data)],
+                    )
+                )["id"],
+                "ignore_eos": True,
+                "batch_rows": self.mode.batch_rows,
+                "shard_rows": len(data),
+                "priority": "low",
+                "name": "soak yield: the low job",
+            }
+        )
+        step.wait(low_id, until=lambda j: j["state"] == "running" and j["rows"]["succeeded"] > 0)
+        urgent = synthetic(self.words, Rows(64, (16, 64), (32, 32)), seed=SEED + 5)
+        high_id = step.submit(
+            {
+                "model": str(self.paths["big"]),
+                "input": self.client.upload(
+                    write_jsonl(
+                        self.work / "yield-high.jsonl",
+                        [
+                            {"prompt": p, "max_new_tokens": o, "custom_id": f"h{i}"}
+                            for i, (p, _, o) in enumerate(urgent)
+                        ],
+                    )
+                )["id"],
+                "ignore_eos": True,
+                "priority": "high",
+                "name": "soak yield: the high job",
+            }
+        )
+        high = step.wait(high_id)
+        step.finish(high)
+        step.rows(high_id, len(urgent), {i: (n, o) for i, (_, n, o) in enumerate(urgent)})
+        low = step.wait(low_id)
+        step.check("low_succeeded", low["state"] == "succeeded", state=low["state"], error=low.get("error"))
+        low_rows = rows_report(low_id, {i: (n, o) for i, (_, n, o) in enumerate(data)})
+        step.check("low_rows_once", once_ok(low_rows, len(data)), **low_rows)
+        yields = [e for e in self.client.events(low_id) if e["kind"] == "yield"]
+        step.check("low_yielded_once", len(yields) == 1, events=[e["message"] for e in yields])
+        step.check("high_finished_first", (high["finished_at"] or 0) < (low["finished_at"] or 0))
+        if yields:
+            asked = yields[0]["data"]["requested_at"]
+            step.record["yield"] = {
+                "asked_after_high_submit_s": round(asked - high["created_at"], 2),
+                "high_start_after_ask_s": round(high["started_at"] - asked, 2),
+                "at": yields[0]["data"]["at"],
+                "low_rows": len(data),
+            }
+
     def adapter(self, step: Step) -> None:
         adapter = self.state.get("adapter")
         if not step.check("adapter_available", bool(adapter), note="from the finetune_chain step"):
@@ -1113,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the JSON (default: ops/gpu/results/soak-<mode>.json; --smoke: in --work);"
         " a copy, with the logs, also goes to $OUT when it is set",
     )
-    p.add_argument("--budget-s", type=float, help="the whole run's time (default: full 540, quick 240, smoke 1500)")
+    p.add_argument("--budget-s", type=float, help="the whole run's time (default: full 570, quick 330, smoke 1500)")
     p.add_argument(
         "--bound",
         action="append",
@@ -1137,7 +1202,13 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ[key]
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     os.environ.update(JOBS_HOME=str(home), HF_HUB_OFFLINE="1")
-    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1", **mode.worker_env)
+    env = dict(
+        os.environ,
+        PYTHONFAULTHANDLER="1",
+        PYTHONUNBUFFERED="1",
+        JOBS_YIELD_AFTER_SECONDS=YIELD_AFTER_S,
+        **mode.worker_env,
+    )
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]  # env.sh's: /tmp/site, then the repo
     env["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [*paths, str(ROOT)])
 
@@ -1174,6 +1245,7 @@ def main(argv: list[str] | None = None) -> int:
         ("oom", soak.oom),
         ("finetune_chain", soak.finetune_chain),
         ("adapter", soak.adapter),
+        *([("yield", soak.yield_)] if mode.yield_low else []),
     ]
     try:
         record = soak.run("setup", lambda step: setup(soak, step), worker=False)

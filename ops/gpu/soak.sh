@@ -2,8 +2,8 @@
 # The soak run (issue 12, ops/gpu/soak.py) as one device call: the carried wheels installed (ops/gpu/env.sh), the
 # soak under a hard limit, the stack stopped whatever happened, the JSON and the logs in $OUT.
 #
-#   bash ops/gpu/soak.sh              # full: one H200, at most 9 minutes of soak (hard limit SOAK_S, 560)
-#   bash ops/gpu/soak.sh --quick      # at most 4 minutes: after every engine change
+#   bash ops/gpu/soak.sh              # full: one H200, at most 9.5 minutes of soak (hard limit SOAK_S, 590)
+#   bash ops/gpu/soak.sh --quick      # at most 6 minutes: after every engine change
 #   bash ops/gpu/soak.sh --smoke      # CPU (NO_WHEELS=1 where the service is installed): the same steps, tiny
 #
 # $OUT gets soak.log (this output), soak-<mode>.json, worker-0.log, api.log, up.log and, if a step passed its
@@ -13,8 +13,8 @@ cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 case " $* " in
     *" --smoke "*) limit=${SOAK_S:-1560} ;;
-    *" --quick "*) limit=${SOAK_S:-270} ;;
-    *) limit=${SOAK_S:-560} ;;
+    *" --quick "*) limit=${SOAK_S:-360} ;;
+    *) limit=${SOAK_S:-590} ;;
 esac
 WORK=${SOAK_WORK:-/tmp/gpujobs-soak}
 command -v nvidia-smi > /dev/null && nvidia-smi -L
