@@ -109,7 +109,9 @@ class Mode:
     bounds: dict[str, float]
     worker_env: dict[str, str] = field(default_factory=dict)
     poll_s: float = 0.25
-    yield_low: Rows | None = None  # the yield step's low job (None: no yield step, as in --smoke)
+    # the yield step's low job (None: no yield step, as in --smoke): more rows than the fast engine's slots and
+    # outputs of many lengths, so rows finish, and are committed, all along (uniform lengths commit only at the end)
+    yield_low: Rows | None = None
 
 
 G2 = Rows(2048, (32, 1024), (16, 512))
@@ -142,13 +144,13 @@ MODES = {
             oom=60,
             finetune_chain=150,
             adapter=60,
-            **{"yield": 90},
+            **{"yield": 120},
         ),
-        yield_low=Rows(1024, (32, 256), (512, 512)),
+        yield_low=Rows(4096, (32, 256), (16, 512)),
     ),
     "quick": Mode(
         "quick",
-        330,
+        360,
         "qwen3-0.6b",
         "0",
         1,
@@ -172,9 +174,9 @@ MODES = {
             oom=60,
             finetune_chain=120,
             adapter=45,
-            **{"yield": 90},
+            **{"yield": 120},
         ),
-        yield_low=Rows(1024, (32, 256), (512, 512)),
+        yield_low=Rows(4096, (32, 256), (16, 512)),
     ),
     # CPU: every model tiny, every padded call at most 64 rows except the OOM step's, whose fault fires above 64
     "smoke": Mode(
@@ -1164,7 +1166,7 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     kind = p.add_mutually_exclusive_group()
-    kind.add_argument("--quick", action="store_true", help="smaller G1/G2/mixed/cancel jobs: at most 4 minutes")
+    kind.add_argument("--quick", action="store_true", help="smaller G1/G2/mixed/cancel jobs: at most 6 minutes")
     kind.add_argument("--smoke", action="store_true", help="CPU: the tiny model for every step, small sizes")
     p.add_argument(
         "--work",
@@ -1178,7 +1180,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the JSON (default: ops/gpu/results/soak-<mode>.json; --smoke: in --work);"
         " a copy, with the logs, also goes to $OUT when it is set",
     )
-    p.add_argument("--budget-s", type=float, help="the whole run's time (default: full 570, quick 330, smoke 1500)")
+    p.add_argument("--budget-s", type=float, help="the whole run's time (default: full 570, quick 360, smoke 1500)")
+    p.add_argument(
+        "--only",
+        metavar="STEP[,STEP]",
+        help="run only these steps after setup (e.g. --only yield: one check on a scarce GPU), in the usual order",
+    )
     p.add_argument(
         "--bound",
         action="append",
@@ -1224,6 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         **commit_info(),
         "budget_s": mode.budget_s,
+        "only": args.only,  # a partial run: only these steps after setup
         "passed": False,
         "steps": soak.steps,
         "final_checks": {},
@@ -1247,6 +1255,11 @@ def main(argv: list[str] | None = None) -> int:
         ("adapter", soak.adapter),
         *([("yield", soak.yield_)] if mode.yield_low else []),
     ]
+    if args.only:
+        wanted = set(args.only.split(","))
+        if unknown := wanted - {name for name, _ in plan}:
+            raise SystemExit(f"--only {args.only}: no step {', '.join(sorted(unknown))} in {mode.name} mode")
+        plan = [(name, fn) for name, fn in plan if name in wanted]
     try:
         record = soak.run("setup", lambda step: setup(soak, step), worker=False)
         save()

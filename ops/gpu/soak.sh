@@ -3,7 +3,7 @@
 # soak under a hard limit, the stack stopped whatever happened, the JSON and the logs in $OUT.
 #
 #   bash ops/gpu/soak.sh              # full: one H200, at most 9.5 minutes of soak (hard limit SOAK_S, 590)
-#   bash ops/gpu/soak.sh --quick      # at most 6 minutes: after every engine change
+#   bash ops/gpu/soak.sh --quick      # at most 6.5 minutes: after every engine change
 #   bash ops/gpu/soak.sh --smoke      # CPU (NO_WHEELS=1 where the service is installed): the same steps, tiny
 #
 # $OUT gets soak.log (this output), soak-<mode>.json, worker-0.log, api.log, up.log and, if a step passed its
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 case " $* " in
     *" --smoke "*) limit=${SOAK_S:-1560} ;;
-    *" --quick "*) limit=${SOAK_S:-360} ;;
+    *" --quick "*) limit=${SOAK_S:-390} ;;
     *) limit=${SOAK_S:-590} ;;
 esac
 WORK=${SOAK_WORK:-/tmp/gpujobs-soak}
