@@ -333,7 +333,7 @@ class Runtime:
                 boundary.set()  # rows the engine still returns are committed too; it starts no other
             t_engine = time.perf_counter()
         if boundary.is_set() and committed < len(rows) and not should_stop():
-            self._yield(shard.id, f"after {committed} of the shard's {len(rows)} pending rows")
+            self._yield(shard, f"after {committed} of the shard's {len(rows)} pending rows")
             return
         # a cancelled job's shard is cancelled; on shutdown or a lost lease the unfinished rows are handed back
         if leases.end_early(
@@ -401,7 +401,7 @@ class Runtime:
         jobs.record_load(job.id, result.metrics["load"], capabilities.versions)
         if result.stopped and self.yielding.is_set() and not should_stop():
             step = result.metrics["steps"]
-            self._yield(shard.id, f"at step {step}, its checkpoint saved (checkpoint-{step})")
+            self._yield(shard, f"at step {step}, its checkpoint saved (checkpoint-{step})")
             return
         # a cancelled job's shard is cancelled; on shutdown or a lost lease the next worker resumes from the last
         # checkpoint
@@ -443,10 +443,10 @@ class Runtime:
             lease_seconds=settings.lease_seconds,
         )
 
-    def _yield(self, shard_id: int, at: str) -> None:
+    def _yield(self, shard, at: str) -> None:
         reason, requested_at = self.yield_why
-        log.info("shard %s yields %s: %s", shard_id, at, reason)
-        leases.yield_shard(shard_id, self.name, reason=reason, requested_at=requested_at, at=at)
+        log.info("%s shard %s yields %s: %s", shard.job_id, shard.idx, at, reason)
+        leases.yield_shard(shard.id, self.name, reason=reason, requested_at=requested_at, at=at)
 
     def model_for(self, spec: GenerateSpec, job_id: str) -> loader.Loaded:
         """The resident model if the load options match, else load (and free the previous one first)."""
