@@ -112,8 +112,11 @@ def expired_shards(session: Session) -> list[Shard]:
     )
 
 
-def requeue_expired(session: Session, shard: Shard) -> bool:
-    """Reaper step for one shard whose lease expired. True if this process won and must send the message."""
+def requeue_expired(session: Session, shard: Shard, *, by: str = "the reaper") -> bool:
+    """Back to the queue, unsent, for a shard whose lease expired, with an event naming `by`. True if this process
+    won: the reaper then sends its message; a claim (`core.leases`) sends none, it goes on to pick a shard, and the
+    reaper sends this one if that claim took another. False when the lease was renewed or another process
+    re-queued it first."""
     try:
         transition(
             session,
@@ -126,7 +129,7 @@ def requeue_expired(session: Session, shard: Shard) -> bool:
         )
     except IllegalTransition:
         return False
-    add_event(session, shard.job_id, f"shard {shard.idx} re-enqueued by the reaper", shard_id=shard.id)
+    add_event(session, shard.job_id, f"shard {shard.idx} re-enqueued by {by}", shard_id=shard.id)
     return True
 
 

@@ -107,18 +107,8 @@ def _tidy(session: Session, shard: Shard, job: Job) -> str:
             shard.lease_owner,
         )
     elif shard.state == ShardState.running.value:
-        try:
-            transition(
-                session,
-                shard,
-                ShardState.queued,
-                reason=f"lease of {shard.lease_owner} expired",
-                where=[Shard.lease_expires_at == shard.lease_expires_at],
-                lease_owner=None,
-                enqueued_at=None,
-            )
-        except IllegalTransition:
-            pass  # the reaper or another message re-queued it first
+        # the reaper's step, its message left unsent; False when the reaper or another message re-queued it first
+        dispatch.requeue_expired(session, shard, by="a claim")
     return job.queue
 
 

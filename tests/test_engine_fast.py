@@ -48,6 +48,26 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int = 4, info: 
     return out
 
 
+def run_auto(loaded: Loaded, model, rows) -> dict:
+    """`rows` under engine auto as the worker runs it on CUDA (`run_engine` with the fast engine chosen), by index:
+    the rows the fast engine cannot run go to the padded one."""
+    out: dict = {}
+    for batch in engine.run_engine(
+        "fast",
+        loaded,
+        make_spec(model),
+        rows,
+        batch_rows=4,
+        should_stop=lambda: False,
+        on_event=print,
+        info={},
+        progress=Progress(),
+    ):
+        for r in batch:
+            out[r.idx] = r
+    return out
+
+
 def fields(results: dict) -> dict:
     return {i: (r.output, r.finish_reason, r.prompt_tokens, r.completion_tokens, r.error) for i, r in results.items()}
 
@@ -206,21 +226,7 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     assert r[0].output is None and "repetition_penalty is not supported by the fast engine" in r[0].error
     assert "top_p is not supported by the fast engine" in r[2].error
     assert r[1].output == a
-    out = {
-        x.idx: x
-        for b in engine.run_engine(
-            "fast",
-            loaded,
-            make_spec(tiny_model),
-            rows,
-            batch_rows=4,
-            should_stop=lambda: False,
-            on_event=print,
-            info={},
-            progress=Progress(),
-        )
-        for x in b
-    }
+    out = run_auto(loaded, tiny_model, rows)
     assert out[0].error is None and out[0].output and out[2].error is None and out[1].output == a
 
 
@@ -522,20 +528,6 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     r = run(loaded, make_spec(tiny_model, engine="fast"), long)
     assert r[0].output is None and "more than the 384 the fast engine holds here" in r[0].error
     assert r[1].output == qa_pairs()[0][1]
-    out = {
-        x.idx: x
-        for b in engine.run_engine(
-            "fast",
-            loaded,
-            make_spec(tiny_model),
-            long,
-            batch_rows=4,
-            should_stop=lambda: False,
-            on_event=print,
-            info={},
-            progress=Progress(),
-        )
-        for x in b
-    }
+    out = run_auto(loaded, tiny_model, long)
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
     fastgen.release(loaded.model)

@@ -221,9 +221,10 @@ def test_a_claim_after_the_lease_expired_requeues_then_claims():
     assert shard.lease_expires_at > now()
     assert messages(job_id, "state") == [
         "shard 0 → running: claimed by w1 (attempt 1 of 3)",
-        "shard 0 → queued: lease of w1 expired",
+        "shard 0 → queued: lease of w1 expired (worker lost?)",
         "shard 0 → running: claimed by w2 (attempt 2 of 3)",
     ]
+    assert messages(job_id).count("shard 0 re-enqueued by a claim") == 1
 
 
 def test_concurrent_claims_of_one_queued_shard_lease_it_once():

@@ -1,6 +1,6 @@
 """Fair scheduling (core/scheduling.py): priorities, fair share between owners, FIFO within an owner, quotas; the
 claim's choice under concurrent claims on SQLite and Postgres; real workers taking high-priority and small jobs
-first; bad input refused with nothing created."""
+first and holding an owner's quota under 50 concurrent submissions; bad input refused with nothing created."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from core import leases, scheduling
 from core.dataset import ParsedRow
 from core.db import session_scope
 from core.errors import Forbidden, InvalidInput
-from core.models import Job, Shard, ShardRun
+from core.models import Job, JobEvent, JobRow, Shard, ShardRun
 from core.states import JobState
 from core.store import create_shards, insert_rows, new_id, now
-from tests.conftest import wait_for
+from tests.conftest import started, wait_for
 from tests.test_e2e import jobs as cli
 from tests.test_recovery import write_dataset
 
@@ -289,6 +289,94 @@ def test_two_owners_the_small_job_finishes_before_the_huge_one_is_ten_percent_do
     assert huge_done < 4, huge_done  # 10 % of 40 shards
     service.cancel(huge["id"], owner=None, by="test")
     finished(huge["id"], [worker])
+
+
+CAPPED_JOBS, FREE_JOBS = 50, 4
+
+
+def test_a_quota_of_2_holds_under_50_concurrent_submissions_on_3_workers(
+    any_jobs_env, spawn_worker, tiny_model, tmp_path
+):
+    """ann (max_running_shards=2) submits 50 one-shard jobs from 50 threads at once while bob (no cap) submits 4;
+    3 real workers drain them: every job succeeds and every row runs once, never more than 2 of ann's shards run at
+    once (from the shards' state events in SQL), and bob's jobs end while ann still has shards queued."""
+    with session_scope() as session:
+        scheduling.set_quota(session, "ann", max_running_shards=2, by="root")
+    # Each shard is one micro-batch, slowed to >= 0.5 s so that ann's shards overlap. A claim that finds ann at
+    # quota takes nothing and its message is gone: the reaper sends her queued shards again a lease after their
+    # send, on its beat (a third of the lease, in whole seconds): a lease of 6 s (not 20) beats every 2 s. Shorter
+    # leases expired on SQLite during the burst of submissions (a heartbeat waits for the write lock behind them).
+    workers = [spawn_worker(wait=False, JOBS_TEST_FAULTS="sleep_0.5@batch", JOBS_LEASE_SECONDS="6") for _ in range(3)]
+    url = any_jobs_env.database_url
+    wait_for(lambda: all(started(url, w.pid) for w in workers), 240, "3 workers to start", procs=workers)
+    owners = ["ann"] * CAPPED_JOBS + ["bob"] * FREE_JOBS
+    specs = [gen_spec(tiny_model, write_dataset(tmp_path / f"{i}.jsonl", 2)) for i in range(len(owners))]
+    barrier = threading.Barrier(len(owners))
+    submitted: dict[str, list[str]] = {"ann": [], "bob": []}
+    errors: list[BaseException] = []
+
+    def submit(owner: str, spec: dict) -> None:
+        barrier.wait()
+        try:
+            submitted[owner].append(service.submit(owner=owner, spec_data=spec)["id"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=submit, args=args) for args in zip(owners, specs, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    ids = submitted["ann"] + submitted["bob"]
+    wait_for(lambda: ended(ids) == len(ids), 300, f"{len(ids)} jobs to end", interval=1, procs=workers)
+
+    with session_scope() as session:
+        assert dict(
+            session.execute(select(Job.state, func.count()).where(Job.id.in_(ids)).group_by(Job.state)).all()
+        ) == {"succeeded": len(ids)}
+        rows = session.execute(select(JobRow.state, JobRow.executions).where(JobRow.job_id.in_(ids))).all()
+        assert len(rows) == 2 * len(ids) and set(rows) == {("succeeded", 1)}, "a row failed or ran twice"
+        events = session.execute(
+            select(JobEvent.shard_id, JobEvent.ts, JobEvent.data)
+            .where(JobEvent.job_id.in_(submitted["ann"]), JobEvent.kind == "state", JobEvent.shard_id.is_not(None))
+            .order_by(JobEvent.id)
+        ).all()
+        bob_ended = session.scalar(select(func.max(Job.finished_at)).where(Job.id.in_(submitted["bob"])))
+    runs = running_spans(events)
+    assert len({shard_id for shard_id, _, _ in events}) == CAPPED_JOBS and len(runs) >= CAPPED_JOBS
+    assert most_at_once(runs) == 2  # at most the cap, and the cap was reached: it held, it was not idle
+    assert bob_ended < max(start for start, _ in runs), "bob's jobs waited until ann had nothing queued"
+
+
+def running_spans(events) -> list[tuple[float, float]]:
+    """[start, end) of each time a shard was running, from its state events (shard id, ts, data) in order: from its
+    move to running to its next move (succeeded, or back to the queue: a lease that expired, a hand-back), so a
+    shard that ran twice counts right, whatever its `attempts` say (a hand-back does not count one)."""
+    spans, since = [], {}
+    for shard_id, ts, data in events:
+        if data["state"] == "running":
+            since[shard_id] = ts
+        elif shard_id in since:
+            spans.append((since.pop(shard_id), ts))
+    return spans
+
+
+def ended(job_ids: list[str]) -> int:
+    with session_scope() as session:
+        return session.scalar(select(func.count()).where(Job.id.in_(job_ids), Job.state.in_(TERMINAL)))
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most spans [start, end) open at one instant. The times are the state events' (written after each
+    conditional UPDATE, in its transaction), not the shards' started_at and finished_at (read from the clock before
+    it): a claim that waited for the quota row lock while a shard finished would seem to overlap it. An end and a
+    start at the same time do not overlap."""
+    running = most = 0
+    for _, step in sorted([(end, -1) for _, end in spans] + [(start, 1) for start, _ in spans]):
+        running += step
+        most = max(most, running)
+    return most
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------
