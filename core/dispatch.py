@@ -27,7 +27,7 @@ from core.models import Job, Shard
 from core.queue import TASK_RUN_SHARD, waiting_messages
 from core.queue import send as send_task
 from core.settings import get_settings
-from core.states import ShardState
+from core.states import JobState, ShardState
 from core.store import add_event, now, transition
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,25 @@ def send(shard_ids: list[int], queue: str) -> None:
 def resend(shard_id: int) -> None:
     """Send a shard that went back to the queue (handed back, or its attempt failed) to its job's queue again."""
     send([shard_id], queue_of(shard_id))
+
+
+def wake(owner: str) -> None:
+    """A shard of `owner` ended. When she has a cap on running shards, the messages of her queued shards may have
+    found her at it and been dropped (core/scheduling.py): one message now for her next queued shard lets a capped
+    owner run at the pace of her shards, not of the reaper's pass (a lease after the send). Nothing for an owner
+    without a cap; a message that finds nothing it may take does nothing."""
+    with session_scope() as session:
+        if not scheduling.caps(session, {owner}):
+            return
+        nxt = session.execute(
+            select(Shard.id, Job.queue)
+            .join(Job, Job.id == Shard.job_id)
+            .where(Job.owner == owner, Job.state == JobState.running.value, Shard.state == ShardState.queued.value)
+            .order_by(Job.priority.desc(), Job.created_at, Job.id, Shard.idx)
+            .limit(1)
+        ).first()
+    if nxt is not None:
+        send_task(TASK_RUN_SHARD, [nxt.id], nxt.queue)
 
 
 def queue_of(shard_id: int) -> str:

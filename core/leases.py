@@ -115,14 +115,15 @@ def _tidy(session: Session, shard: Shard, job: Job) -> str:
 def _take(session: Session, shard: Shard, job: Job, worker: str, lease_seconds: float) -> Claim | None:
     """The conditional update queued → running under this worker's lease (and its owner's quota); None when
     another claim took the shard first or the owner reached its quota meanwhile."""
-    t = now()
+    guard = scheduling.quota_guard(session, job.owner)  # on Postgres it waits for the owner's quota row first
+    t = now()  # after that wait: time spent waiting for a lock does not shorten the lease
     try:
         shard = transition(
             session,
             shard,
             ShardState.running,
             reason=f"claimed by {worker} (attempt {shard.attempts + 1} of {shard.max_attempts})",
-            where=scheduling.quota_guard(session, job.owner),
+            where=guard,
             lease_owner=worker,
             lease_expires_at=t + lease_seconds,
             attempts=Shard.attempts + 1,

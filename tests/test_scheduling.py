@@ -349,6 +349,34 @@ def test_a_quota_of_2_holds_under_50_concurrent_submissions_on_3_workers(
     assert bob_ended < max(start for start, _ in runs), "bob's jobs waited until ann had nothing queued"
 
 
+def test_a_capped_owners_next_shard_starts_when_her_running_one_ends_not_on_the_reapers_pass(
+    jobs_env, spawn_worker, tiny_model, tmp_path
+):
+    """ann (cap 1) runs a 6-row job on worker A; her two jobs submitted then are claimed by idle worker B, which finds
+    her at her cap and drops both messages. The reaper would send them again only a lease (600 s here) after their
+    send: the end of each of her shards sends one message for her next (dispatch.wake), so all three succeed."""
+    with session_scope() as session:
+        scheduling.set_quota(session, "ann", max_running_shards=1, by="root")
+    slow = dict(JOBS_TEST_FAULTS="sleep_1@batch", JOBS_LEASE_SECONDS="600", JOBS_WORKER_TIMEOUT="1800")
+    workers = [spawn_worker(**slow) for _ in range(2)]
+    first = service.submit(owner="ann", spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "first.jsonl", 6)))
+    wait_for(lambda: started_shards(first["id"]), 120, "ann's first shard to start", procs=workers)
+    more = [
+        service.submit(owner="ann", spec_data=gen_spec(tiny_model, write_dataset(tmp_path / f"{i}.jsonl", 2)))["id"]
+        for i in range(2)
+    ]
+    dropped = "nothing queued on cpu may run now"
+    wait_for(
+        lambda: sum(w.log.read_text(errors="replace").count(dropped) for w in workers) >= 2,
+        120,
+        "both messages to find ann at her cap",
+        procs=workers,
+    )
+    ids = [first["id"], *more]
+    wait_for(lambda: ended(ids) == 3, 240, "ann's three jobs to end", procs=workers)
+    assert [views.get(i, owner=None)["state"] for i in ids] == ["succeeded"] * 3
+
+
 def running_spans(events) -> list[tuple[float, float]]:
     """[start, end) of each time a shard was running, from its state events (shard id, ts, data) in order: from its
     move to running to its next move (succeeded, or back to the queue: a lease that expired, a hand-back), so a

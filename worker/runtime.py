@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import adapters, exits, formats, jobs, leases, registry
+from core import adapters, dispatch, exits, formats, jobs, leases, registry
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryError
 from core.models import Job
@@ -54,6 +54,9 @@ class Runtime:
     stop_current: threading.Event = field(default_factory=threading.Event)
     yielding: threading.Event = field(default_factory=threading.Event)  # the scheduler asked the shard to yield
     yield_why: tuple[str, float] | None = None  # (why, when asked) of that request
+    # held while the runner switches shards and while the heartbeat flags one: a flag meant for a shard that ended
+    # meanwhile (its renew was slow) must not stop the next one
+    _switch: threading.Lock = field(default_factory=threading.Lock)
     shutting_down: threading.Event = field(default_factory=threading.Event)
     closed: threading.Event = field(default_factory=threading.Event)
     resident: tuple[str, loader.Loaded] | None = None
@@ -189,14 +192,20 @@ class Runtime:
         if stall is not None:
             self._on_stall(shard_id, job_id, stall)  # never returns
         why = leases.watch(shard_id, job_id, self.name, renew_for=settings.lease_seconds if renew else None)
-        if why == leases.LEASE_LOST:
-            log.warning("%s lost the lease of shard %s: stopping it", job_id, shard_id)
-        if why is not None:
-            self.stop_current.set()
-        elif renew and not self.yielding.is_set() and (reason := leases.yield_reason(shard_id, settings.yield_after)):
-            log.info("%s shard %s yields at its next boundary: %s", job_id, shard_id, reason)
-            self.yield_why = (reason, time.time())
-            self.yielding.set()
+        reason = None
+        if why is None and renew and not self.yielding.is_set():
+            reason = leases.yield_reason(shard_id, settings.yield_after)
+        with self._switch:
+            if self.current != shard_id:
+                return  # that shard ended while we looked: what we saw is not about the one running now
+            if why is not None:
+                if why == leases.LEASE_LOST:
+                    log.warning("%s lost the lease of shard %s: stopping it", job_id, shard_id)
+                self.stop_current.set()
+            elif reason:
+                log.info("%s shard %s yields at its next boundary: %s", job_id, shard_id, reason)
+                self.yield_why = (reason, time.time())
+                self.yielding.set()
 
     def _on_stall(self, shard_id: int, job_id: str, stall: Stall) -> None:
         """The engine made no progress within the bound: write a `stall` event with the engine thread's stack, give
@@ -259,9 +268,10 @@ class Runtime:
         lines = {r.idx: r.line for r in claim.rows}
         self.progress.start("the shard was claimed")  # before `current`: the watchdog never sees an old clock
         self._engine_thread = threading.get_ident()
-        self.current, self.current_job = shard.id, job.id
-        self.stop_current.clear()
-        self.yielding.clear()
+        with self._switch:
+            self.current, self.current_job = shard.id, job.id
+            self.stop_current.clear()
+            self.yielding.clear()
         log.info("%s shard %s: %d pending rows", job.id, shard.idx, len(rows))
         try:
             if job.kind == "finetune":
@@ -281,8 +291,10 @@ class Runtime:
             else:
                 leases.fail_attempt(shard.id, self.name, error)
         finally:
-            self.current = self.current_job = None
+            with self._switch:
+                self.current = self.current_job = None
         jobs.finalize(job.id)
+        dispatch.wake(job.owner)  # a capped owner's next shard, whose message found her at her cap
         if job.kind == "finetune":
             jobs.release_waiting(job.id)
 
