@@ -1113,6 +1113,10 @@ def worker_info() -> dict[str, Any]:
 
 
 def commit_info() -> dict[str, Any]:
+    """The commit the soak ran: SOAK_COMMIT when the caller names it (a device call's copy of .git can be older than
+    the working tree it carries: git then names that older commit and lists the changed files as modified)."""
+    if os.environ.get("SOAK_COMMIT"):
+        return {"commit": os.environ["SOAK_COMMIT"]}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(
