@@ -21,7 +21,7 @@ from core.store import now
 from tests.conftest import wait_for
 from tests.test_finetune import FT_DATA, ROOT, UNBROKEN, ft_spec, metric_events
 from tests.test_recovery import write_dataset
-from tests.test_scheduling import claim, finished, gen_spec, make_job, ran
+from tests.test_scheduling import claim, gen_spec, make_job, ran
 
 AFTER = 30.0
 
@@ -164,6 +164,17 @@ def test_an_owner_over_its_daily_gpu_seconds_waits_with_a_reason_and_others_run(
 YIELDING = dict(JOBS_YIELD_AFTER_SECONDS="2", JOBS_LEASE_SECONDS="3")  # a yield asked within a beat (1 s) of 2 s
 
 
+def finished(job_id: str, procs) -> dict:
+    """The job once it ended. The bound only catches a hang: a loaded CI machine takes minutes to reload a model
+    and train the steps left after a yield."""
+    return wait_for(
+        lambda: (j := views.get(job_id, owner=None))["state"] in ("succeeded", "failed", "cancelled") and j,
+        600,
+        f"job {job_id} to finish",
+        procs=procs,
+    )
+
+
 def yield_events(job_id: str) -> list[JobEvent]:
     with session_scope() as session:
         return session.scalars(
@@ -220,15 +231,15 @@ def test_a_generation_shard_yields_between_micro_batches_and_its_rest_runs_after
 def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_an_unbroken_run(
     tmp_path, jobs_env, spawn_worker, base_model, tiny_model
 ):
-    """ann's low fine-tune (no periodic checkpoint within its 20 steps) runs on the only worker; bob's high
-    generation job waits 2 s: the fine-tune saves a complete checkpoint at its step's end, yields, bob's job runs,
-    then the fine-tune resumes from that checkpoint and succeeds; every step is logged once in the current view and
+    """ann's low fine-tune (no periodic checkpoint within its 12 steps) runs on the only worker; bob's high
+    generation job waits 2 s: the fine-tune saves a complete checkpoint at the end of the step it is in, yields, bob's job
+    runs, then the fine-tune resumes from that checkpoint and succeeds; every step is logged once in the current view and
     the resumed steps' losses are within 5 % of an unbroken run's."""
     from core import adapters
     from core.spec import FinetuneSpec
     from worker import finetune
 
-    spec_data = ft_spec(base_model, max_steps=20, learning_rate=2e-3, checkpoint_steps=100, priority="low")
+    spec_data = ft_spec(base_model, max_steps=12, learning_rate=2e-3, checkpoint_steps=100, priority="low")
     worker = spawn_worker([], JOBS_TEST_FAULTS="sleep_1@train_step", **YIELDING)
     ft = service.submit(owner="ann", spec_data=spec_data)
     wait_for(lambda: any(e.get("step", 0) >= 2 for e in metric_events(ft["id"])), 180, "step 2", procs=[worker])
@@ -242,7 +253,7 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
     assert done["state"] == "succeeded", done["error"]
     (event,) = yield_events(ft["id"])
     step = int(event.data["at"].split()[2].rstrip(","))
-    assert 2 <= step < 20 and f"checkpoint-{step}" in event.data["at"], event.data
+    assert 2 <= step < 12 and f"checkpoint-{step}" in event.data["at"], event.data
     checkpoints = adapters.workdir(ft["id"]) / "checkpoints"
     assert step in [s for s, _ in finetune.complete_checkpoints(checkpoints)]
     assert done["metrics"]["training"]["resumed_from_step"] == step
@@ -252,7 +263,11 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
         assert session.scalar(select(func.max(Shard.attempts)).where(Shard.job_id == ft["id"])) == 1
     current = [e for e in views.events(ft["id"], owner=None, run="current", limit=5000) if e["kind"] == "metric"]
     logged = {e["data"]["step"]: e["data"]["loss"] for e in current if "loss" in e["data"]}
-    assert sorted(logged) == list(range(1, 21))
+    assert sorted(logged) == list(range(1, 13))
+    # the step in flight when asked is the last; a step whose end was checked just before the ask may be logged
+    # just after it, so at most 2 of the first attempt's logged steps are later than the request
+    after_ask = [e for e in current if "loss" in e["data"] and e["ts"] > event.data["requested_at"]]
+    assert len([e for e in after_ask if e["data"]["step"] <= step]) <= 2, "training went on after the request"
 
     spec = FinetuneSpec.model_validate({**spec_data, "model": str(base_model)})
     reference = tmp_path / "unbroken.json"
@@ -265,7 +280,7 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
         stderr=subprocess.DEVNULL,
     )
     unbroken = {int(s): loss for s, loss in json.loads(reference.read_text()).items()}
-    for s in range(step + 1, 21):
+    for s in range(step + 1, 13):
         assert logged[s] == pytest.approx(unbroken[s], rel=0.05), (s, logged[s], unbroken[s])
 
 
