@@ -756,7 +756,13 @@ def quota_show(owner: str | None, as_json: bool) -> None:
                 "gpu_seconds_day": 0.0,
             }
         ]
-    emit(rows, as_json, lambda qs: [click.echo(quota_line(q)) for q in qs])
+    emit(
+        rows,
+        as_json,
+        lambda qs: (
+            [click.echo(quota_line(q)) for q in qs] or click.echo("no owner has a quota or work queued or running")
+        ),
+    )
 
 
 def quota_line(q: dict[str, Any]) -> str:

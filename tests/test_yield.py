@@ -296,6 +296,7 @@ def test_cli_sets_each_cap_alone_keeps_the_other_and_refuses_bad_ones_with_exit_
     def shown() -> dict:
         return json.loads(cli(env, "quota", "show", "ann", "--json", check=True).stdout)[0]
 
+    assert "no owner has a quota" in cli(env, "quota", "show", check=True).stdout
     cli(env, "quota", "set", "ann", "--max-gpu-seconds-per-day", "3600", check=True)
     cli(env, "quota", "set", "ann", "--max-running-shards", "2", check=True)
     assert (shown()["max_gpu_seconds_per_day"], shown()["max_running_shards"]) == (3600, 2)
