@@ -3,7 +3,10 @@
 One worker process owns one GPU slice and runs one shard at a time (Celery solo pool, in the main thread).
 A daemon thread beats every second: it renews the current shard's lease, notices a cancel or a lost lease
 (the engine checks `should_stop()` between decode steps), refreshes the worker's registration, and runs the
-reaper, which any number of workers may run at once.
+reaper, which any number of workers may run at once. Every third of a lease it also asks whether the shard should
+yield to waiting work that outranks it (core/scheduling.py `yield_reason`): a generation shard then stops after
+the micro-batch it is in, a fine-tune after saving a checkpoint at its step's end, and the shard goes back to the
+queue (`leases.yield_shard`) to go on later from there.
 
 The stall watchdog: progress, not liveness, renews a lease. The engines report every decode step, prefill chunk
 and training step, and the runner every committed micro-batch, to `Runtime.progress` (worker/progress.py). The
