@@ -168,25 +168,20 @@ def running_shards(session: Session, owners: set[str] | None = None) -> dict[str
     return dict(session.execute(stmt).all())
 
 
+def _set_caps(session: Session, owners: set[str], column) -> dict[str, Any]:
+    """{owner: cap} of the owners whose quota sets `column` (a Quota limit)."""
+    return dict(session.execute(select(Quota.owner, column).where(Quota.owner.in_(owners), column.is_not(None))).all())
+
+
 def caps(session: Session, owners: set[str]) -> dict[str, int]:
-    rows = session.execute(
-        select(Quota.owner, Quota.max_running_shards).where(
-            Quota.owner.in_(owners), Quota.max_running_shards.is_not(None)
-        )
-    ).all()
-    return dict(rows)
+    return _set_caps(session, owners, Quota.max_running_shards)
 
 
 DAY = 24 * 3600.0
 
 
 def daily_caps(session: Session, owners: set[str]) -> dict[str, float]:
-    rows = session.execute(
-        select(Quota.owner, Quota.max_gpu_seconds_per_day).where(
-            Quota.owner.in_(owners), Quota.max_gpu_seconds_per_day.is_not(None)
-        )
-    ).all()
-    return dict(rows)
+    return _set_caps(session, owners, Quota.max_gpu_seconds_per_day)
 
 
 def over_daily(session: Session, owners: set[str]) -> set[str]:
@@ -336,12 +331,11 @@ def yield_reason(session: Session, shard_id: int, after: float) -> str | None:
                 taken -= 1
                 continue
             if victim.shard_id == shard_id:
-                return _why(priority, owner, t - since, shard, used, session)
+                return _why(priority, owner, t - since, victim, used)
     return None
 
 
-def _why(priority: int, owner: str, waited: float, shard: Shard, used: dict[str, float], session: Session) -> str:
-    mine = session.execute(select(Job.priority, Job.owner).where(Job.id == shard.job_id)).one()
+def _why(priority: int, owner: str, waited: float, mine: Running, used: dict[str, float]) -> str:
     if priority > mine.priority:
         return f"{name(priority)}-priority work of {owner} waited {waited:.0f} s"
     return (

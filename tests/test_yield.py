@@ -175,6 +175,12 @@ def finished(job_id: str, procs) -> dict:
     )
 
 
+def submit_high(model, tmp_path) -> dict:
+    """bob's high-priority 2-row generation job (his token has the priority scope)."""
+    spec = gen_spec(model, write_dataset(tmp_path / "high.jsonl", 2), priority="high")
+    return service.submit(owner="bob", may_prioritize=True, spec_data=spec)
+
+
 def yield_events(job_id: str) -> list[JobEvent]:
     with session_scope() as session:
         return session.scalars(
@@ -200,11 +206,7 @@ def test_a_generation_shard_yields_between_micro_batches_and_its_rest_runs_after
         "ann's first micro-batch",
         procs=[worker],
     )
-    high = service.submit(
-        owner="bob",
-        may_prioritize=True,
-        spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "high.jsonl", 2), priority="high"),
-    )
+    high = submit_high(tiny_model, tmp_path)
     assert finished(high["id"], [worker])["state"] == "succeeded"
     done = finished(low["id"], [worker])
     assert done["state"] == "succeeded" and done["rows"]["succeeded"] == 40, done
@@ -232,9 +234,9 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
     tmp_path, jobs_env, spawn_worker, base_model, tiny_model
 ):
     """ann's low fine-tune (no periodic checkpoint within its 12 steps) runs on the only worker; bob's high
-    generation job waits 2 s: the fine-tune saves a complete checkpoint at the end of the step it is in, yields, bob's job
-    runs, then the fine-tune resumes from that checkpoint and succeeds; every step is logged once in the current view and
-    the resumed steps' losses are within 5 % of an unbroken run's."""
+    generation job waits 2 s: the fine-tune saves a complete checkpoint at the end of the step it is in, yields,
+    bob's job runs, then the fine-tune resumes from that checkpoint and succeeds; every step is logged once in the
+    current view and the resumed steps' losses are within 5 % of an unbroken run's."""
     from core import adapters
     from core.spec import FinetuneSpec
     from worker import finetune
@@ -243,11 +245,7 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
     worker = spawn_worker([], JOBS_TEST_FAULTS="sleep_1@train_step", **YIELDING)
     ft = service.submit(owner="ann", spec_data=spec_data)
     wait_for(lambda: any(e.get("step", 0) >= 2 for e in metric_events(ft["id"])), 180, "step 2", procs=[worker])
-    high = service.submit(
-        owner="bob",
-        may_prioritize=True,
-        spec_data=gen_spec(tiny_model, write_dataset(tmp_path / "high.jsonl", 2), priority="high"),
-    )
+    high = submit_high(tiny_model, tmp_path)
     assert finished(high["id"], [worker])["state"] == "succeeded"
     done = finished(ft["id"], [worker])
     assert done["state"] == "succeeded", done["error"]
