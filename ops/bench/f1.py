@@ -206,6 +206,8 @@ def child_engine(args: argparse.Namespace) -> dict:
         if len(records) % 10 == 0:
             harness.write_json(args.child_out, {**out, "records": records, "partial": True}, indent=None)
 
+    if args.profile_steps:
+        _profile_training(args, torch)
     with tempfile.TemporaryDirectory() as work:
         result = finetune(
             opts,
@@ -220,6 +222,42 @@ def child_engine(args: argparse.Namespace) -> dict:
     if torch.cuda.is_available():
         out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
     return out
+
+
+def _profile_training(args: argparse.Namespace, torch) -> None:
+    """Profile `--profile-steps` optimizer steps after the warm ones (torch.profiler, CPU + CUDA): the device time
+    per kernel, grouped by name, goes to `--profile-out` (a table). Patches Trainer.training_step, which the Trainer
+    calls once per micro-batch; the optimizer steps between them are inside the profiled window."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Trainer
+
+    spec = json.loads(args.spec_json)
+    micro = spec.get("gradient_accumulation", 1)
+    first, last = args.warm_steps * micro + 1, (args.warm_steps + args.profile_steps) * micro
+    original, calls, holder = Trainer.training_step, [0], {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def training_step(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == first:
+            holder["prof"] = profile(activities=activities).__enter__()
+            holder["t"] = time.perf_counter()
+        out = original(self, *a, **k)
+        if calls[0] == last and "prof" in holder:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - holder["t"]
+            prof = holder.pop("prof")
+            prof.__exit__(None, None, None)
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
+            Path(args.profile_out).write_text(
+                f"{args.profile_steps} optimizer steps ({last - first + 1} micro-batches, the optimizer steps between "
+                f"them included) in {seconds:.3f} s wall\n{table}"
+            )
+        return out
+
+    Trainer.training_step = training_step
 
 
 def child_baseline(args: argparse.Namespace) -> dict:
@@ -375,7 +413,12 @@ def run_child(args: argparse.Namespace, phase: str, spec: dict, budget_s: float)
         str(max(budget_s - 30, 10)),
         "--baseline-batch",
         str(args.baseline_batch),
+        "--warm-steps",
+        str(args.warm_steps),
     ]
+    if args.profile_steps and phase == "engine":
+        profile_out = args.out.with_name(f"{args.out.stem}-profile-{spec.get('name', 'f1')}.txt")
+        cmd += ["--profile-steps", str(args.profile_steps), "--profile-out", str(profile_out)]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True, check=False)
@@ -597,7 +640,7 @@ def run_variants(args: argparse.Namespace, left) -> dict:
             results[name] = {"skipped": f"{left():.0f} s left"}
             continue
         log(f"variant {name}: {args.variant_steps} steps, {left():.0f} s left")
-        spec = bench_spec(args, args.variant_steps, **VARIANTS[name], checkpoint_steps=10**6)
+        spec = bench_spec(args, args.variant_steps, **VARIANTS[name], checkpoint_steps=10**6, name=f"f1-{name}")
         results[name] = {
             "overrides": VARIANTS[name],
             **ours_summary(run_child(args, "engine", spec, left() - 5), min(args.warm_steps, args.variant_steps // 3)),
@@ -704,6 +747,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--estimate-scale", type=float, default=1.0, help="scale of the per-phase overhead estimates")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny model, short blocks, few steps")
+    p.add_argument(
+        "--profile-steps", type=int, default=0, help="profile this many steps after the warm ones (engine runs)"
+    )
+    p.add_argument("--profile-out", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
     p.add_argument("--spec-json", help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
