@@ -20,7 +20,7 @@ import torch
 from core.leases import RowResult
 from core.spec import GenerateSpec
 from worker.engines import fastgen
-from worker.engines.common import Prepared, eos_ids, free_cuda_cache, idx_sorted, prepare, row_result, sequence
+from worker.engines.common import Prepared, eos_ids, free_cuda_cache, idx_sorted, prepare, row_result, sequences
 from worker.loader import Loaded
 from worker.progress import Progress
 
@@ -80,17 +80,22 @@ def run(
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
         for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats, progress):
+            complete = []  # rows whose every sample finished: their texts are decoded in one batch
             for seq in finished:
                 got = done.setdefault(seq.row.idx, {})
                 got[seq.k] = seq
                 if len(got) == seq.row.n:
-                    row_eos = set() if seq.row.params["ignore_eos"] else eos
-                    sequences = [
-                        sequence(loaded.tokenizer, got[k].tokens, row_eos, seq.row.params["stop"])
-                        for k in range(seq.row.n)
-                    ]
-                    ready.append(row_result(loaded.tokenizer, seq.row, sequences, started))
+                    complete.append([got[k] for k in range(seq.row.n)])
                     del done[seq.row.idx]
+            row_eos = lambda row: set() if row.params["ignore_eos"] else eos  # noqa: E731
+            texts = iter(
+                sequences(
+                    loaded.tokenizer,
+                    [(s.tokens, row_eos(s.row), s.row.params["stop"]) for row in complete for s in row],
+                )
+            )
+            for row in complete:
+                ready.append(row_result(loaded.tokenizer, row[0].row, [next(texts) for _ in row], started))
             if len(ready) >= batch_rows:  # rows that finished in one step are committed together
                 yield idx_sorted(ready)
                 ready = []
