@@ -251,9 +251,10 @@ def _profile_training(args: argparse.Namespace, torch) -> None:
             prof.__exit__(None, None, None)
             key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
+            host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90)
             Path(args.profile_out).write_text(
                 f"{args.profile_steps} optimizer steps ({last - first + 1} micro-batches, the optimizer steps between "
-                f"them included) in {seconds:.3f} s wall\n{table}"
+                f"them included) in {seconds:.3f} s wall\n{table}\nBy host time:\n{host}"
             )
         return out
 

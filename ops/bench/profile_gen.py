@@ -19,6 +19,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--smoke", action="store_true", help="CPU: tiny model, a few rows")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--repeat", type=int, default=3, help="warm runs timed plainly (median and spread reported)")
+    p.add_argument("--profile", action="store_true", help="also a warm run under torch.profiler and one under cProfile")
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -74,16 +77,33 @@ def main(argv: list[str] | None = None) -> int:
             harness.sync()
             return time.perf_counter() - t, tokens
 
-        result: dict = {"rows": len(rows)}
-        for label in ("cold", "warm"):
+        result: dict = {"rows": len(rows), "warm": []}
+        for i in range(1 + args.repeat):
             info: dict = {}
             seconds, tokens = run(info)
-            result[label] = {
+            fast = info.get("fast", {})
+            one = {
                 "seconds": round(seconds, 3),
                 "output_tok_s": round(tokens / seconds, 1),
-                "fast": info.get("fast"),
+                "prefill_s": fast.get("prefill_s"),
+                "decode_s": fast.get("decode_s"),
+                "steps": fast.get("steps"),
             }
-            log(f"{name} {label}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {info.get('fast')}")
+            if i == 0:
+                result["cold"] = {**one, "fast": fast}
+            else:
+                result["warm"].append(one)
+            log(f"{name} {'cold' if i == 0 else 'warm'}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
+        if result["warm"]:
+            rates = sorted(r["output_tok_s"] for r in result["warm"])
+            result["warm_median_tok_s"] = statistics.median(rates)
+            result["warm_spread"] = round((rates[-1] - rates[0]) / statistics.median(rates), 4)
+            log(f"{name} warm: median {result['warm_median_tok_s']:,.0f} tok/s, spread {result['warm_spread']:.1%}")
+        if not args.profile:
+            report[name] = result
+            harness.write_json(args.out, report)
+            fastgen.release(model)
+            continue
 
         # host only: tokenizing and detokenizing the workload, as the engine does them
         from worker.engines.common import render_many
