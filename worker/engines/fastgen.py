@@ -109,9 +109,10 @@ def fast_attention(
         pages, offsets = step.pages[:, :length], state.offsets[:length]
         k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
         v_cache[pages, :, offsets] = value.transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-        )
+        with _prefill_backend(query):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+            )
         return out.transpose(1, 2), None
     batch = query.shape[0]
     page, offset = state.write_page[:batch], state.write_offset[:batch]
@@ -121,6 +122,18 @@ def fast_attention(
         query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits
     )
     return out[:, None], None
+
+
+def _prefill_backend(query: torch.Tensor):
+    """The prefill's attention runs FlashAttention on CUDA in half precision. SDPA's default there is cuDNN, which
+    builds an execution plan on the host for every new shape: a prefill chunk's width is its longest prompt, so a
+    job of mixed lengths met a new shape per chunk and paid ~2 s of plan building on G2 (py-spy in the worker,
+    ops/bench/results/2026-12-04-h200-diagnose; a warm engine rerun on the same shapes did not)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return contextlib.nullcontext()
 
 
 def register() -> str:
