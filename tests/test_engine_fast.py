@@ -487,27 +487,46 @@ def test_consecutive_runs_of_different_shapes_on_one_resident_state_equal_a_fres
 
 
 def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny_model, monkeypatch):
-    """The pages of a new state come from the device memory free after the model (simulated: a 'GPU' whose driver
-    reports a budget minus what is allocated, the resident cache included). The resident cache counts as free, since
-    a new state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it
-    (a handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
+    """The pages of a new state come from the device's memory (simulated: a 'GPU' whose driver reports its total
+    and what is free, the model and the resident cache allocated). The resident cache counts as free, since a new
+    state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it (a
+    handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
     per_page = fastgen.page_bytes(loaded.model)
-    budget = (
-        fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 32 + int(40.5 * per_page / fastgen.CACHE_FRACTION)
-    )
+    working = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * fastgen.GRAPH_BYTES_PER_VOCAB
+    model_bytes = 10 * per_page
+    total = int((40.5 * per_page + model_bytes + working) / 0.9)  # JOBS_GPU_MEMORY_UTILIZATION's default
 
-    def driver_free(device):  # what mem_get_info would report: the resident cache is allocated
-        return budget - fastgen.resident_bytes(loaded.model)
+    def driver_memory(device):  # what mem_get_info would report: the model and the resident cache are allocated
+        return total - model_bytes - fastgen.resident_bytes(loaded.model), total
 
-    monkeypatch.setattr(fastgen, "device_free", driver_free)
+    monkeypatch.setattr(fastgen, "device_memory", driver_memory)
     fastgen.release(loaded.model)
     try:
         assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
         state = fastgen.state_for(loaded.model, loaded.device, 640)
         assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
         assert fastgen.state_for(loaded.model, loaded.device, 640) is state
+        smaller = 0.9 - 20 * per_page / total  # the setting takes 20 pages' worth away
+        assert fastgen.size(loaded.model, loaded.device, 640, utilization=smaller) == (fastgen.MAX_SLOTS, 20)
     finally:
         fastgen.release(loaded.model)
+
+
+def test_the_cache_takes_the_configured_share_of_the_gpu_less_what_is_in_use():
+    """cache_budget: JOBS_GPU_MEMORY_UTILIZATION x the GPU's total memory, less what is in use (this model, another
+    process's memory) and the engine's working memory; never negative."""
+    gib = 2**30
+    assert fastgen.cache_budget(100 * gib, 90 * gib, 5 * gib, 0.9) == 75 * gib  # 10 GiB of model
+    assert fastgen.cache_budget(100 * gib, 70 * gib, 5 * gib, 0.9) == 55 * gib  # another process holds 20 GiB
+    assert fastgen.cache_budget(100 * gib, 90 * gib, 5 * gib, 1.0) == 85 * gib
+    assert fastgen.cache_budget(100 * gib, 40 * gib, 5 * gib, 0.5) == 0
+
+
+def test_no_room_for_the_cache_names_the_setting(loaded, monkeypatch):
+    """A share too small for any page fails with a message that names JOBS_GPU_MEMORY_UTILIZATION and what to do."""
+    monkeypatch.setattr(fastgen, "device_memory", lambda device: (90 * 2**30, 100 * 2**30))
+    with pytest.raises(torch.OutOfMemoryError, match="JOBS_GPU_MEMORY_UTILIZATION=0.1 allows 10.0 GiB.*raise the"):
+        fastgen.size(loaded.model, loaded.device, 640, utilization=0.1)
 
 
 def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fails(
@@ -531,3 +550,20 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     out = run_auto(loaded, tiny_model, long)
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
     fastgen.release(loaded.model)
+
+
+def test_gpu_memory_utilization_setting_is_a_share_of_the_gpu(monkeypatch):
+    """JOBS_GPU_MEMORY_UTILIZATION: unset is 0.9, a number above 0 and at most 1 is taken, anything else is refused
+    with the variable's name and what to give."""
+    from core.settings import get_settings, reset
+
+    for value, expected in (("", 0.9), ("0.5", 0.5), ("1", 1.0)):
+        monkeypatch.setenv("JOBS_GPU_MEMORY_UTILIZATION", value)
+        reset()
+        assert get_settings().gpu_memory_utilization == expected
+    for value in ("0", "1.5", "most"):
+        monkeypatch.setenv("JOBS_GPU_MEMORY_UTILIZATION", value)
+        reset()
+        with pytest.raises(ValueError, match=f"JOBS_GPU_MEMORY_UTILIZATION='{value}': give a number above 0 and at"):
+            get_settings()
+    reset()

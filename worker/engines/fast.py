@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from core.leases import RowResult
+from core.settings import get_settings
 from core.spec import GenerateSpec
 from worker.engines import fastgen
 from worker.engines.common import Prepared, eos_ids, free_cuda_cache, idx_sorted, prepare, row_result, sequences
@@ -119,6 +120,7 @@ def prepared_state(
         graphs=graphs,
         compiled=graphs and fastgen.COMPILE,
         fraction=fraction,
+        utilization=get_settings().gpu_memory_utilization,
         progress=progress,
     )
 

@@ -66,7 +66,7 @@ CPU_PAGES: int | None = None  # on CPU: pages in the cache (None: enough for eve
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
-CACHE_FRACTION = 0.92  # of what is left after the reserve: an H200 still holds ~1M tokens of a 0.6B model's KV
+GRAPH_BYTES_PER_VOCAB = 32  # per slot and vocabulary entry: the CUDA graphs' logits and fp32 sampling temporaries
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
 # which fuses the norms, RoPE and activations that eager mode launches as dozens of small kernels per layer. Once
@@ -221,6 +221,7 @@ class SlotState:
     eos: tuple[int, ...] | None = None  # the EOS ids the captured graphs mask (`eos_index`, on the device)
     eos_index: torch.Tensor | None = None
     first_prefill_s: float | None = None  # the first prefill of this state
+    utilization: float | None = None  # JOBS_GPU_MEMORY_UTILIZATION the cache was sized with (None on CPU)
 
     @property
     def slots(self) -> int:
@@ -260,17 +261,17 @@ def page_bytes(model) -> int:
     return 2 * layers * kv_heads * PAGE * head_dim * model.dtype.itemsize
 
 
-def device_free(device: torch.device) -> int | None:
-    """Bytes the engine could allocate on `device` now: what the driver has free once torch's allocator gave back
-    the blocks it holds unused (blocks of CUDA-graph pools stay taken: no other allocation can use them). None on
-    CPU (the cache size is CPU_SLOTS / CPU_PAGES there)."""
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of `device`: free is what the driver has free once torch's allocator gave back the blocks
+    it holds unused (blocks of CUDA-graph pools stay taken: no other allocation can use them). None on CPU (the
+    cache size is CPU_SLOTS / CPU_PAGES there)."""
     if device.type != "cuda":
         return None
     import gc
 
     gc.collect()  # tensors of an earlier failed call held in reference cycles
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
+    return torch.cuda.mem_get_info(device)
 
 
 def resident_bytes(model) -> int:
@@ -279,28 +280,40 @@ def resident_bytes(model) -> int:
     return 0 if state is None else state.bytes()
 
 
-def size(model, device: torch.device, vocab: int, fraction: float = 1.0) -> tuple[int, int]:
-    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as fit in CACHE_FRACTION
-    (times `fraction`) of the memory free after the model, `reserve` and each slot's share of the CUDA graphs'
-    memory (logits, fp32 sampling temporaries: measured 4.3 GiB for 1024 slots at a 152k vocabulary).
+def size(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> tuple[int, int]:
+    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as `cache_budget` gives
+    (times `fraction`, which an out-of-memory retry halves).
 
     The resident cache of an earlier run counts as free: `state_for` frees it before allocating. (Counted as taken,
     a second large run on a resident engine saw only the slack beside it: a handful of slots, or none.)"""
     width = max_len(model) // PAGE
-    free = device_free(device)
-    if free is None:
+    memory = device_memory(device)
+    if memory is None:
         slots = CPU_SLOTS
         return slots, CPU_PAGES or slots * width + 1
     slots = MAX_SLOTS
+    free, total = memory
     free += resident_bytes(model)
-    budget = int((free - reserve(model) - slots * vocab * 32) * CACHE_FRACTION * fraction)
+    budget = int(
+        cache_budget(total, free, reserve(model) + slots * vocab * GRAPH_BYTES_PER_VOCAB, utilization) * fraction
+    )
     pages = budget // page_bytes(model)
     if pages < 2:
         raise torch.OutOfMemoryError(
-            f"the fast engine has no room for its KV cache: {free / 2**30:.1f} GiB free after the model, "
-            f"{reserve(model) / 2**30:.1f} GiB kept for activations: use a GPU with more memory or engine padded"
+            f"the fast engine has no room for its KV cache: JOBS_GPU_MEMORY_UTILIZATION={utilization} allows "
+            f"{utilization * total / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, "
+            f"{(total - free) / 2**30:.1f} GiB are in use and {reserve(model) / 2**30:.1f} GiB are kept for "
+            "activations: raise the setting, use a GPU with more memory, or engine padded"
         )
     return slots, int(pages)
+
+
+def cache_budget(total: int, free: int, working: int, utilization: float) -> int:
+    """Bytes for the KV cache on a GPU of `total` bytes with `free` bytes free now: the worker's share
+    (`utilization` × total) less what is in use (the model, the CUDA context, other processes) and the `working`
+    memory the engine needs beside the cache (activations, the CUDA graphs' logits). Memory another process holds
+    counts as in use: the share is of the whole GPU, not of what this worker found free."""
+    return max(0, int(utilization * total) - (total - free) - working)
 
 
 def reserve(model) -> int:
@@ -311,12 +324,12 @@ def reserve(model) -> int:
     return RESERVE_BYTES + PREFILL_TOKENS * per_token * model.dtype.itemsize
 
 
-def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) -> SlotState:
+def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> SlotState:
     """The resident state, or a new one sized by `size` (an old one freed first)."""
     state = model.__dict__.get("_gpujobs_fast")
     if state is not None:
         return state
-    slots, pages = size(model, device, vocab, fraction)
+    slots, pages = size(model, device, vocab, fraction, utilization)
     layers, kv_heads, head_dim = _shape(model)
     width = max_len(model) // PAGE
     cache = torch.zeros((2, layers, pages, kv_heads, PAGE, head_dim), dtype=model.dtype, device=device)
@@ -339,6 +352,7 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) ->
         positions=positions,
         offsets=positions % PAGE,
     )
+    state.utilization = utilization if device.type == "cuda" else None
     model.__dict__["_gpujobs_fast"] = state
     log.info(
         "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
@@ -363,14 +377,21 @@ def bucket(sizes: list[int], n: int) -> int:
 
 
 def prepare(
-    loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0, progress: Progress | None = None
+    loaded,
+    eos: set[int],
+    *,
+    graphs: bool,
+    compiled: bool,
+    fraction: float = 1.0,
+    utilization: float = 0.9,
+    progress: Progress | None = None,
 ) -> SlotState:
     """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
     decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
     The work is done once per state (`state.prepare_s`); `summary` says what it cost. Compiling and capturing are
     phases of `progress` (the stall watchdog's clock)."""
     model = loaded.model
-    state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction)
+    state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization)
     if state.prepare_s is None:
         t = time.perf_counter()
         engine = Engine(loaded, state, eos, slots=state.slots, graphs=graphs, compiled=compiled)
@@ -390,6 +411,7 @@ def summary(state: SlotState) -> dict[str, Any]:
         "page": PAGE,
         "max_len": state.max_len,
         "cache_gib": round(state.bytes() / 2**30, 3),
+        "gpu_memory_utilization": state.utilization,
         "graphs": len(state.graphs),
         "compile_s": round(state.compile_s, 3),
         "capture_s": round(state.capture_s, 3),
@@ -652,6 +674,7 @@ class Engine:
             compile_s=round(st.compile_s, 3),
             first_prefill_s=st.first_prefill_s and round(st.first_prefill_s, 3),
             cache_gib=round(st.bytes() / 2**30, 3),
+            gpu_memory_utilization=st.utilization,
         )
         stats["runs"] += 1
         stats["steps"] += self.steps
