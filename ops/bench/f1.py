@@ -776,8 +776,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--repeat",
         type=int,
-        default=3,
-        help="runs of each phase and variant, interleaved, while the budget allows (median and spread reported)",
+        help="runs of each phase and variant, interleaved, while the budget allows (median and spread reported; "
+        "default 3, 1 with --smoke)",
     )
     p.add_argument(
         "--budget-s",
@@ -803,6 +803,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seq, args.batch, args.grad_accum, args.baseline_batch = 128, 2, 2, 4
         args.steps, args.warm_steps, args.variant_steps, args.min_words, args.max_words = 12, 2, 4, 8, 60
         args.estimate_scale, args.variants = 0.0, "auto"
+    args.repeat = args.repeat or (1 if args.smoke else 3)
     args.model = args.model or args.work / ("model-tiny" if args.smoke else "model")
     args.phases = [
         x for x in (args.phases or ("service,baseline,variants" if args.smoke else "service,baseline")).split(",") if x
