@@ -567,3 +567,101 @@ def test_gpu_memory_utilization_setting_is_a_share_of_the_gpu(monkeypatch):
         with pytest.raises(ValueError, match=f"JOBS_GPU_MEMORY_UTILIZATION='{value}': give a number above 0 and at"):
             get_settings()
     reset()
+
+
+# --- a shared prompt prefix computed once (worker/engines/pages.py; issue 26) --------------------------------------
+
+INSTRUCTION = "Answer the question in one word, the way the sky is blue and the water is wet: " * 12
+
+
+def prefixed_rows(n: int, instruction: str = INSTRUCTION) -> list[tuple[int, dict]]:
+    """`n` rows that share a long instruction (several full pages) and differ after it."""
+    questions = [q for q, _ in qa_pairs()] + ["hello", "What is", "water city sky", "the the the"]
+    return [(i, row(instruction + questions[i % len(questions)] + " #" * (i % 5), max_new_tokens=12)) for i in range(n)]
+
+
+def test_rows_sharing_a_prefix_prefill_only_the_rest_and_give_the_outputs_of_a_whole_prefill(loaded, tiny_model, slots):
+    """Rows whose prompts start with one instruction of several full pages: with the prefix cache the first row
+    prefills it and the others (admitted in the same round) prefill only their own tokens after it, reading the
+    instruction's cached pages; every greedy output equals the run without reuse (prefix_cache off), and the engine
+    counts the prompt tokens it read from the cache."""
+    slots(16)
+    rows = prefixed_rows(12)
+    tok = loaded.tokenizer
+    shared_pages = len(tok(INSTRUCTION)["input_ids"]) // fastgen.PAGE
+    assert shared_pages >= 2
+    off_info: dict = {}
+    off = run(loaded, make_spec(tiny_model, engine="fast", prefix_cache="off"), rows, info=off_info)
+    fastgen.release(loaded.model)
+    info: dict = {}
+    cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(cached) == fields(off)
+    assert off_info["fast"]["prefix_tokens_reused"] == 0 and off_info["fast"]["prefix_cache"] is False
+    stats = info["fast"]
+    assert stats["prompt_tokens"] == sum(r.prompt_tokens for r in cached.values())
+    assert stats["prefix_tokens_reused"] >= (len(rows) - 1) * shared_pages * fastgen.PAGE
+
+
+def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_model, slots):
+    """The cached pages outlive the run: a second job with the same instruction reads it from the cache for every
+    row, its first included, and gives the same outputs; rows with another instruction prefill it whole."""
+    slots(16)
+    rows = prefixed_rows(8)
+    first = run(loaded, make_spec(tiny_model, engine="fast"), rows)
+    info: dict = {}
+    second = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(second) == fields(first)
+    pages = len(loaded.tokenizer(INSTRUCTION)["input_ids"]) // fastgen.PAGE
+    assert info["fast"]["prefix_tokens_reused"] >= len(rows) * pages * fastgen.PAGE
+    other: dict = {}
+    run(loaded, make_spec(tiny_model, engine="fast"), prefixed_rows(2, "Say it backwards: " * 30), info=other)
+    assert other["fast"]["prefix_tokens_reused"] < 2 * fastgen.PAGE * pages
+
+
+def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
+    loaded, tiny_model, slots, monkeypatch
+):
+    """A cache of few pages and rows of three instructions one after another: cached prefix pages are evicted
+    (least recently used first) to make room, and every output still equals the run without reuse."""
+    slots(4)
+    monkeypatch.setattr(fastgen, "CPU_PAGES", 16)
+    fastgen.release(loaded.model)
+    rows = []
+    for k, text in enumerate(("First tell: ", "Then say: ", "Now write: ")):
+        rows += [(10 * k + i, r) for i, (_, r) in enumerate(prefixed_rows(5, text * 25))]
+    off = run(loaded, make_spec(tiny_model, engine="fast", prefix_cache="off"), rows)
+    fastgen.release(loaded.model)
+    info: dict = {}
+    cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(cached) == fields(off)
+    assert info["fast"]["prefix_tokens_reused"] > 0
+
+
+def test_the_page_pool_counts_references_and_evicts_the_least_recently_used_prefix():
+    """pages.Pool: shared pages are reference-counted; a registered page no sequence uses stays cached (idle) and
+    is evicted least recently used first, which unregisters it (and makes the blocks after it unreachable); a
+    registration whose prefill never launched is forgotten; a new run keeps the cache."""
+    from worker.engines.pages import Pool
+
+    a, b, c = (1,) * 4, (2,) * 4, (3,) * 4
+    pool = Pool(7)  # pages 1..6
+    first = pool.take([], 3)
+    assert pool.register(first, [a, b]) == first[:2]  # only full prompt pages are blocks
+    assert pool.match([a, b, c]) == first[:2] and pool.match([b]) == []
+    second = pool.take(pool.match([a, b]), pool.cost(first[:2], 3))
+    assert second[:2] == first[:2] and pool.refs[first[0]] == 2 and pool.reused == 2
+    pool.give_back(first)
+    assert pool.refs[first[0]] == 1 and first[0] not in pool.idle and first[2] in pool.free
+    pool.give_back(second)
+    assert list(pool.idle) == first[:2] and pool.available() == 6
+    assert pool.cost(first[:2], 7) is None and pool.cost(first[:2], 6) == 4
+    other = pool.take([], 5)  # 4 free pages, then the least recently used cached one
+    assert first[0] in other and pool.match([a, b]) == []
+    pool.give_back(other)
+    pending = pool.take([], 1)
+    pool.register(pending, [c])
+    pool.forget(pending)  # its sequence still holds it: free once given back, not cached
+    pool.give_back(pending)
+    assert pool.match([c]) == [] and pending[0] in pool.free and pending[0] not in pool.idle
+    pool.start_run()
+    assert pool.refs == {} and set(pool.idle) == {first[1]} and pool.available() == 6

@@ -9,6 +9,8 @@ its correctness, and plain-transformers baselines, all in one run so the ratios 
 Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
 - G1: 1024 prompts × 256 input tokens, 256 output tokens each.
 - G2: 2048 prompts, input lengths uniform in 32–1024, outputs uniform in 16–512 (per-row `max_new_tokens`).
+- G3: 1024 prompts of one shared 1,024-token instruction and a unique 64-token part, 128 output tokens: the engine
+  with its prefix cache on and off, interleaved `--repeat` times (rows/s, outputs equal: `prefix_cache`).
 
 Steps (each in its own time box; a step that would not fit is listed under `skipped`):
 1. In a child process (it releases the GPU before the service starts):
@@ -70,6 +72,10 @@ def workload(name: str, tok, smoke: bool) -> list[tuple[str, int]]:
     if name == "g1":
         n, lengths = (24, [(16, 16)]) if smoke else (1024, [(256, 256)])
         return [("".join(rng.choice(words) for _ in range(i)), o) for i, o in lengths * n]
+    if name == "g3":  # one shared instruction, then a unique part (issue 26: a shared prefix computed once)
+        n, shared, unique, out = (16, 130, 8, 8) if smoke else (1024, 1024, 64, 128)
+        instruction = "".join(rng.choice(words) for _ in range(shared))
+        return [(instruction + "".join(rng.choice(words) for _ in range(unique)), out) for _ in range(n)]
     n, (lo_in, hi_in), (lo_out, hi_out) = (32, (4, 40), (2, 24)) if smoke else (2048, (32, 1024), (16, 512))
     return [
         ("".join(rng.choice(words) for _ in range(rng.randint(lo_in, hi_in))), rng.randint(lo_out, hi_out))
@@ -196,11 +202,46 @@ def run_inproc(args: argparse.Namespace) -> int:
 
     step("engine", 20 + 20 * args.repeat, engine_runs)
 
+    # b1. G3: the prefix cache on and off, interleaved, on the resident engine; outputs must be equal
+    def prefix_compare() -> None:
+        off_spec = spec.model_copy(update={"prefix_cache": "off"})
+        rates: dict[str, list[float]] = {"auto": [], "off": []}
+        outputs: dict[str, dict] = {}
+        reused = {}
+        for _ in range(args.repeat):
+            for mode, s in (("off", off_spec), ("auto", spec)):
+                info: dict = {}
+                harness.sync()
+                t = time.perf_counter()
+                got = {r.idx: r.output for b in engine.generate(loaded, s, rows, batch_rows=256, info=info) for r in b}
+                harness.sync()
+                rates[mode].append(round(len(rows) / (time.perf_counter() - t), 2))
+                outputs.setdefault(mode, got)
+                reused[mode] = info.get("fast", {}).get("prefix_tokens_reused")
+        on, off = harness.repeated(rates["auto"]), harness.repeated(rates["off"])
+        same = sum(outputs["auto"][i] == outputs["off"][i] for i in outputs["off"])
+        out["prefix_cache"] = {
+            "rows_per_s_on": on,
+            "rows_per_s_off": off,
+            "ratio": round(on["median"] / off["median"], 3),
+            "prefix_tokens_reused_last_run": reused,
+            "outputs_equal": f"{same}/{len(rows)}",
+            "passed": same == len(rows),
+        }
+        out["correctness"]["prefix_cache_equals_whole_prefill"] = out["prefix_cache"]
+        log(
+            f"prefix cache: {on['median']:,.1f} rows/s on, {off['median']:,.1f} off "
+            f"({out['prefix_cache']['ratio']}x); outputs equal {same}/{len(rows)}"
+        )
+
+    if args.workload == "g3":
+        step("prefix_cache", 30 + 30 * args.repeat, prefix_compare)
+
     # b2. a resident engine across jobs of other shapes (issue 12: the second large run once stalled): G1, then
     # this workload again, on the same state; then each on a fresh state (released and prepared again). Outputs
     # of the resident runs must equal the fresh ones, row for row.
     def sequence() -> None:
-        other = "g1" if args.workload == "g2" else "g2"
+        other = "g1" if args.workload != "g1" else "g2"
         other_data = workload(other, tok, args.smoke)
         other_rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(other_data)]
         runs, outputs = [], {}
@@ -664,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         port=8765,
         work=Path("/tmp/gen-work"),
     )
-    p.add_argument("workload", choices=["g1", "g2"])
+    p.add_argument("workload", choices=["g1", "g2", "g3"])
     p.add_argument(
         "--repeat", type=int, default=3, help="warm engine runs and service jobs of the workload (median, spread)"
     )

@@ -72,7 +72,10 @@ def run(
             )
         else:
             groups.setdefault(item.params["seed"], []).extend(fastgen.Seq(item, k) for k in range(item.n))
-    stats = info.setdefault("fast", {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
+    stats = info.setdefault(
+        "fast",
+        {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prefix_tokens_reused": 0},
+    )
     info["attn_implementation"] = (
         f"{fastgen.NAME} (decode: "
         + ("triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference")
@@ -80,7 +83,9 @@ def run(
     )
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
-        for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats, progress):
+        for finished in _run_fast(
+            loaded, group, seed, eos, should_stop, on_event, stats, progress, spec.prefix_cache != "off"
+        ):
             complete = []  # rows whose every sample finished: their texts are decoded in one batch
             for seq in finished:
                 got = done.setdefault(seq.row.idx, {})
@@ -149,9 +154,10 @@ def _run_fast(
     on_event,
     stats: dict[str, Any],
     progress: Progress,
+    prefix_cache: bool = True,
 ) -> Iterator[list[fastgen.Seq]]:
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
-    slots and the cache and reruns the unfinished sequences."""
+    slots and the cache and reruns the unfinished sequences. `prefix_cache`: prompts share cached prefix pages."""
     model = loaded.model
     cap, fraction = fastgen.MAX_SLOTS, 1.0
     todo = list(group)
@@ -159,7 +165,7 @@ def _run_fast(
         if seed is not None:
             torch.manual_seed(seed)
         for seq in todo:
-            seq.tokens, seq.slot, seq.pages, seq.done = [], -1, [], False
+            seq.tokens, seq.slot, seq.pages, seq.done, seq.prefix = [], -1, [], False, 0
         finished: set[int] = set()
         engine = None
         try:
@@ -173,6 +179,7 @@ def _run_fast(
                 graphs=graphs,
                 compiled=graphs and fastgen.COMPILE,
             )
+            engine.reuse = prefix_cache
             with torch.inference_mode():
                 for seqs in engine.run(todo, should_stop, progress):
                     finished.update(id(seq) for seq in seqs)

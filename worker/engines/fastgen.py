@@ -53,6 +53,7 @@ import torch
 from core.dataset import fast_unsupported
 from worker import faults
 from worker.engines import decode_attention
+from worker.engines import pages as pages_mod
 from worker.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ MAX_LEN = 16384  # the longest sequence (prompt + max_new_tokens) the page table
 CPU_SLOTS = 16  # on CPU (tests): a small batch
 CPU_PAGES: int | None = None  # on CPU: pages in the cache (None: enough for every slot to hold the longest sequence)
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
+PREFIX_TOKENS = 4 * PREFILL_TOKENS  # cached prefix positions a prefill chunk reads (their K/V gathered per layer)
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
 GRAPH_BYTES_PER_VOCAB = 32  # per slot and vocabulary entry: the CUDA graphs' logits and fp32 sampling temporaries
@@ -84,6 +86,7 @@ class _Step:
     state: SlotState
     pages: torch.Tensor | None = None  # prefill: (rows, width) the page of each position of each row
     splits: int = 1
+    prefix: torch.Tensor | None = None  # prefill after a shared prefix: (rows, prefix pages) of each row's table
 
 
 def fast_attention(
@@ -109,9 +112,20 @@ def fast_attention(
         pages, offsets = step.pages[:, :length], state.offsets[:length]
         k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
         v_cache[pages, :, offsets] = value.transpose(1, 2)
+        causal: Any = True
+        if step.prefix is not None:  # the rows' shared prefix pages come first: (rows, kv_heads, prefix, dim)
+            key = torch.cat((_gather(k_cache, step.prefix), key), dim=2)
+            value = torch.cat((_gather(v_cache, step.prefix), value), dim=2)
+            causal = causal_lower_right(query.shape[2], key.shape[2])  # query i sees keys up to prefix + i
         with _prefill_backend(query):
             out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+                query,
+                key,
+                value,
+                attn_mask=None if causal is True else causal,
+                is_causal=causal is True,
+                scale=scale,
+                enable_gqa=query.shape[1] != key.shape[1],
             )
         return out.transpose(1, 2), None
     batch = query.shape[0]
@@ -122,6 +136,20 @@ def fast_attention(
         query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits
     )
     return out[:, None], None
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The K or V of `pages` (rows, n) of one layer's cache (pages, kv_heads, PAGE, dim) as (rows, kv_heads,
+    n * PAGE, dim), positions in order."""
+    rows, n = pages.shape
+    got = cache[pages]  # (rows, n, kv_heads, PAGE, dim)
+    return got.permute(0, 2, 1, 3, 4).reshape(rows, got.shape[2], n * PAGE, got.shape[4])
+
+
+def causal_lower_right(queries: int, keys: int):
+    from torch.nn.attention.bias import causal_lower_right as bias
+
+    return bias(queries, keys)
 
 
 def _prefill_backend(query: torch.Tensor):
@@ -222,6 +250,7 @@ class SlotState:
     eos_index: torch.Tensor | None = None
     first_prefill_s: float | None = None  # the first prefill of this state
     utilization: float | None = None  # JOBS_GPU_MEMORY_UTILIZATION the cache was sized with (None on CPU)
+    pool: pages_mod.Pool | None = None  # which pages are free, in use, or cached prompt prefixes (kept across runs)
 
     @property
     def slots(self) -> int:
@@ -353,6 +382,7 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, ut
         offsets=positions % PAGE,
     )
     state.utilization = utilization if device.type == "cuda" else None
+    state.pool = pages_mod.Pool(pages)
     model.__dict__["_gpujobs_fast"] = state
     log.info(
         "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
@@ -437,6 +467,22 @@ class Seq:
     pages: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    prefix: int = 0  # pages shared with earlier prompts: the prefill starts at prefix * PAGE
+    wave: int = 0  # its prefill runs after the prefills that write the shared pages it reads (Engine._admit)
+    _blocks: list | None = None
+
+    @property
+    def blocks(self) -> list[tuple]:
+        """Its prompt's full pages (the keys of the prefix cache)."""
+        if self._blocks is None:
+            self._blocks = pages_mod.blocks(self.row.ids, PAGE)
+        return self._blocks
+
+    @property
+    def reusable(self) -> int:
+        """At most this many pages can come from the cache: its prompt's last token is always prefilled (its logits
+        give the first new token)."""
+        return (len(self.row.ids) - 1) // PAGE
 
     @property
     def need(self) -> int:
@@ -477,7 +523,11 @@ class Engine:
             state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
             state.graphs.clear()
         self.eos_index = state.eos_index
-        self.free_pages: list[int] = []
+        self.pool = state.pool
+        self.reuse = True  # share cached prompt prefixes (spec prefix_cache; `off` prefills every prompt whole)
+        self._unlaunched: set[int] = set()  # pages registered whose prefill is not launched yet
+        self.prompt_tokens = 0  # prompt tokens of this run's sequences, and those read from cached prefixes
+        self.reused_tokens = 0
         self._host: torch.Tensor | None = None  # pinned buffers the decode steps' tokens are copied into
         self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
@@ -487,12 +537,12 @@ class Engine:
     # -- model calls --
 
     @contextlib.contextmanager
-    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1):
+    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1, prefix: torch.Tensor | None = None):
         global _step
         model = self.loaded.model
         before = model.config._attn_implementation
         model.config._attn_implementation = NAME  # every layer reads the config at call time
-        _step = _Step(mode, self.state, pages, splits)
+        _step = _Step(mode, self.state, pages, splits, prefix)
         layers = self.decoder.layers
         if self.compiled:
             for layer, fn in zip(layers, self.compiled):
@@ -530,19 +580,22 @@ class Engine:
         per G1 run, during which the GPU waited) and copies it without waiting."""
         st = self.state
         device = st.cache.device
-        lengths = [len(s.row.ids) for s in seqs]
+        shared = seqs[0].prefix  # every row of a chunk shares as many cached pages (Engine._admit)
+        start = shared * PAGE
+        lengths = [len(s.row.ids) - start for s in seqs]
         width, cols = max(lengths), st.table.shape[1]
-        ids = _to(device, [s.row.ids + [self.pad] * (width - n) for s, n in zip(seqs, lengths)], torch.long)
+        ids = _to(device, [s.row.ids[start:] + [self.pad] * (width - n) for s, n in zip(seqs, lengths)], torch.long)
         # unused blocks of a row's table: the trash page
         table = _to(device, [s.pages + [0] * (cols - len(s.pages)) for s in seqs], torch.long)
         slots_last = _to(device, [[s.slot for s in seqs], [n - 1 for n in lengths]], torch.long)
         slots, last = slots_last[0], slots_last[1]
         temps = _to(device, [_temperature(s.row.params, self.loaded) for s in seqs], torch.float32)
         no_eos = _to(device, [bool(s.row.params["ignore_eos"]) for s in seqs], torch.bool)
-        positions = st.positions[None, :width].expand(len(seqs), width)
-        pages = table[:, st.positions[:width] // PAGE]  # (rows, width): padding past a row's pages goes to trash
+        positions = st.positions[None, start : start + width].expand(len(seqs), width)
+        # (rows, width): the page of each position; padding past a row's pages goes to the trash page
+        pages = table[:, st.positions[start : start + width] // PAGE]
         t = time.perf_counter()
-        with self._mode("prefill", pages):
+        with self._mode("prefill", pages, prefix=table[:, :shared] if shared else None):
             hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         if st.first_prefill_s is None:
             _sync(st)
@@ -552,7 +605,7 @@ class Engine:
         first = self._pick(self._mask_eos(logits, no_eos), temps, sample)
         st.table[slots] = table
         st.tok[slots] = first
-        st.pos[slots] = last + 1
+        st.pos[slots] = start + last + 1
         st.active[slots] = 1
         st.temp[slots] = temps
         st.no_eos[slots] = no_eos
@@ -678,6 +731,9 @@ class Engine:
         )
         stats["runs"] += 1
         stats["steps"] += self.steps
+        stats["prompt_tokens"] = stats.get("prompt_tokens", 0) + self.prompt_tokens
+        stats["prefix_tokens_reused"] = stats.get("prefix_tokens_reused", 0) + self.reused_tokens
+        stats["prefix_cache"] = self.reuse
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
 
@@ -702,7 +758,14 @@ class Engine:
         st.table.zero_()
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
         free = list(range(self.slots))
-        self.free_pages = list(range(st.pages - 1, 0, -1))  # page 0 is the trash page
+        self.pool.start_run()
+        try:
+            yield from self._loop(queue, free, should_stop)
+        finally:  # pages registered for a prefill that never launched (an error, a stop) hold no K/V: forget them
+            self.pool.forget(self._unlaunched)
+            self._unlaunched.clear()
+
+    def _loop(self, queue, free: list[int], should_stop: Callable[[], bool]) -> Iterator[list[Seq]]:
         running: dict[int, Seq] = {}
         admit_min = max(1, self.slots // ADMIT_DIVISOR)
         pending: tuple[Callable[[], list[int]], list[tuple[int, Seq]]] | None = None  # launched, not yet booked
@@ -732,14 +795,21 @@ class Engine:
 
     def _admissible(self, queue, free: list[int]) -> int:
         """How many sequences at the head of the queue fit in the free slots and pages now (counted up to the
-        admission group size)."""
-        pages, n = len(self.free_pages), 0
+        admission group size; pages a cached prefix gives are not needed again)."""
+        pages, n = self.pool.available(), 0
         for seq in queue:
-            if n == len(free) or seq.pages_needed > pages or n >= self.slots // ADMIT_DIVISOR:
+            if n == len(free) or n >= self.slots // ADMIT_DIVISOR:
                 break
-            pages -= seq.pages_needed
+            new = seq.pages_needed - len(self._shared(seq))
+            if new > pages:
+                break
+            pages -= new
             n += 1
         return n
+
+    def _shared(self, seq: Seq) -> list[int]:
+        """The cached pages `seq`'s prompt can start from (none when reuse is off)."""
+        return self.pool.match(seq.blocks[: seq.reusable]) if self.reuse and seq.reusable else []
 
     def _launch(self, batch: int, sample: bool) -> Callable[[], list[int]]:
         """Launch one decode step; returns a function that waits for the step and gives its tokens by slot (CUDA:
@@ -791,25 +861,49 @@ class Engine:
 
     def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[list[Seq]]:
         """Prefill queued sequences into free slots and pages, in chunks of about PREFILL_TOKENS padded tokens.
-        Takes the queue's head while it fits: a long row is never passed over by shorter ones."""
-        if not running and queue[0].pages_needed > len(self.free_pages):
+        Takes the queue's head while it fits: a long row is never passed over by shorter ones.
+
+        A sequence whose prompt starts with cached pages shares them and prefills only the rest; its full prompt
+        pages are registered for the rows after it. A row that shares a page a row of this same round registers
+        goes in a later *wave*: its chunk is launched after the chunk that writes that page (one CUDA stream, so
+        the write comes first). Chunks hold rows of one wave and one shared length."""
+        if not running and self.pool.cost(self._shared(queue[0]), queue[0].pages_needed) is None:
             raise RuntimeError(
                 f"a sequence of {queue[0].need} positions needs {queue[0].pages_needed} pages of "
-                f"the fast engine's cache, which has {len(self.free_pages)}"
+                f"the fast engine's cache, which has {self.pool.available()}"
             )
-        take = []
-        while queue and free and queue[0].pages_needed <= len(self.free_pages):
-            seq = queue.popleft()
+        take, written_in = [], {}  # pages registered in this round -> the wave whose prefill writes them
+        while queue and free:
+            seq = queue[0]
+            shared = self._shared(seq)
+            new = self.pool.cost(shared, seq.pages_needed)
+            if new is None:
+                break
+            queue.popleft()
             seq.slot = heapq.heappop(free)
-            seq.pages = [self.free_pages.pop() for _ in range(seq.pages_needed)]
+            seq.pages = self.pool.take(shared, new)
+            seq.prefix = len(shared)
+            seq.wave = 1 + max((written_in[p] for p in shared if p in written_in), default=-1)
+            if self.reuse:
+                for page in self.pool.register(seq.pages, seq.blocks):
+                    written_in[page] = seq.wave
+                    self._unlaunched.add(page)
+            self.prompt_tokens += len(seq.row.ids)
+            self.reused_tokens += seq.prefix * PAGE
             take.append(seq)
-        take.sort(key=lambda s: len(s.row.ids))  # similar lengths share a chunk: little padding
+        # similar lengths share a chunk: little padding
+        take.sort(key=lambda s: (s.wave, s.prefix, len(s.row.ids) - s.prefix * PAGE))
         t = time.perf_counter()
         # every chunk is launched before the first one's tokens are read: the host prepares chunk k+1 while the
         # GPU runs chunk k (reading each chunk's tokens as it was launched left the GPU idle in between)
         launched, chunk = [], []
         for seq in take:
-            if chunk and (len(chunk) + 1) * len(seq.row.ids) > PREFILL_TOKENS:
+            width = len(seq.row.ids) - seq.prefix * PAGE
+            if chunk and (
+                (chunk[0].wave, chunk[0].prefix) != (seq.wave, seq.prefix)
+                or (len(chunk) + 1) * width > PREFILL_TOKENS
+                or (len(chunk) + 1) * seq.prefix * PAGE > PREFIX_TOKENS
+            ):
                 launched.append(self._launch_prefill(chunk))
                 chunk = []
             chunk.append(seq)
@@ -823,6 +917,8 @@ class Engine:
         """Launch the prefill of `chunk`; returns it with a function that waits for its first tokens."""
         faults.hit("generate", rows=len(chunk))
         first = self.prefill(chunk)
+        for seq in chunk:
+            self._unlaunched.difference_update(seq.pages)
         if not first.is_cuda:
             tokens = first.tolist()
             return chunk, lambda: tokens
@@ -860,7 +956,7 @@ class Engine:
         trash page on the device before any later step or prefill)."""
         seq.done = True
         heapq.heappush(free, seq.slot)
-        self.free_pages.extend(seq.pages)
+        self.pool.give_back(seq.pages)  # its registered prompt pages stay cached for later rows
         seq.pages = []
 
     def _deactivate(self, seqs: list[Seq]) -> None:
