@@ -9,6 +9,8 @@ Embedded default (no configuration): everything lives under `JOBS_HOME` (default
     logs/            one log file per process started by `gpujobs up`
     run/stack.json   what `gpujobs up` started: Redis URL, API URL, pids (the supervisor's and its workers')
     token            the local admin token written by `gpujobs up` (mode 0600)
+    compile-cache/   what workers compiled (torch.compile, Triton), per torch/triton/transformers/Python versions
+                     (worker/compile_cache.py)
 
 Cluster: set `JOBS_REDIS_URL`, `JOBS_DATABASE_URL`, `JOBS_API_URL`, `JOBS_ARTIFACTS` (a path every host mounts).
 

@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     lease_ms = int(get_settings().lease_seconds * 1000)
     os.environ.setdefault("PGOPTIONS", f"-c idle_in_transaction_session_timeout={lease_ms} -c lock_timeout=5000")
 
+    from worker import compile_cache
+
+    compile_cache.use(get_settings().home)  # before torch compiles anything: compiled code kept under JOBS_HOME
+
     devices = [d for d in args.slice.split(",") if d]
     host = get_settings().hostname or socket.gethostname()
     name = args.name or f"w{os.getpid()}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
