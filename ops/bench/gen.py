@@ -31,7 +31,10 @@ Steps (each in its own time box; a step that would not fit is listed under `skip
    (warm start: seconds from submit to its first committed row), then the workload `--repeat` times, each as one
    job of one shard (while the next fits the `--service-s` box): `service.output_tok_s` is the median,
    `service.runs` each run, the median and the spread. Throughput of a job = Σ completion_tokens ÷ (last row
-   committed − first shard started), read from SQL.
+   committed − first shard started), read from SQL. Unless `--no-restart`, the stack is then restarted and the small
+   job sent again: `restart_warm_up` is a fresh worker's first job on a model it compiled before (the compile cache
+   under JOBS_HOME); `warm_up` is the first ever (cold, unless JOBS_HOME's cache already had it), `warm_start` the
+   resident model. Each records `prepared` (compile and capture seconds, the compile cache's hits and misses).
 
 The bound is computed from the dataset alone: Σ over rows and decode steps of the row's real context × the KV
 bytes per token (112 KiB for this model), plus the weight bytes once per decode step of a full batch of 1024, at
@@ -573,7 +576,8 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             "gpus": args.spec_gpus,
         }
         small_id = client.upload(small)["id"]
-        for name in ("warm_up", "warm_start"):
+
+        def small_job(name: str) -> None:
             t = time.monotonic()
             job = client.submit({**base, "input": small_id, "max_new_tokens": 16, "name": name})
             job = client.wait(job["id"], poll=0.2, timeout=300)
@@ -585,6 +589,7 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
                 "wall_s": round(time.monotonic() - t, 2),
                 "first_row_after_shard_start_s": first,
                 "engine": (job.get("load_options") or {}).get("engine"),
+                "prepared": (job.get("load_options") or {}).get("prepared"),  # compile, capture, compile cache
                 "error": job["error"],
             }
             log(
@@ -592,6 +597,9 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             )
             if job["state"] != "succeeded":
                 raise RuntimeError(f"{name} job {job['state']}: {job['error']}")
+
+        small_job("warm_up")  # a fresh worker: cold, or warm-cache when JOBS_HOME's compile cache has this model
+        small_job("warm_start")  # the model resident
         main_id, runs = client.upload(main)["id"], []
         for i in range(args.repeat):  # the workload --repeat times, one job each: median and spread
             if runs and time.monotonic() + 1.5 * runs[-1]["window_s"] > deadline:
@@ -609,6 +617,20 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
         report["runs"] = stats
         report["output_tok_s"] = stats["median"]
         log(f"service: median {stats['median']} output tok/s over {len(runs)} runs, spread {stats['spread']}")
+        if args.restart and time.monotonic() + 90 < deadline:  # a fresh worker on a model it compiled before
+            subprocess.run([sys.executable, "-m", "api", "down"], capture_output=True, text=True)
+            up = subprocess.run(
+                [sys.executable, "-m", "api", "up", "--detach", "--gpus", args.up_gpus, "--port", str(args.port)],
+                capture_output=True,
+                text=True,
+            )
+            if up.returncode != 0:
+                raise RuntimeError(f"gpujobs up (restart) failed: {up.stderr[-2000:]}")
+            from core.settings import reset
+
+            reset()  # the new stack's file: its URL and token
+            client = Client()
+            small_job("restart_warm_up")  # warm-cache: compiled code read from JOBS_HOME/compile-cache
     except Exception:
         dump_worker_stacks()
         raise
@@ -719,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
         help="skip transformers' continuous batching sized for the GPU (run by default, in its own time box)",
     )
     p.add_argument("--peer-s", type=float, default=90, help="time box of the transformers continuous-batching run")
+    p.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="skip restarting the stack after the service runs (a fresh worker's first job on a compiled model)",
+    )
     p.add_argument("--padded-batch", type=int, default=256)
     p.add_argument("--padded-rows", type=int, default=512, help="rows of the padded-generate baseline")
     p.add_argument("--batch-rows", type=int, default=256, help="service: rows per micro-batch commit")
