@@ -14,18 +14,14 @@ another meaning.
 | 6    | SLICE_MISSING | the slice's GPUs are not visible (no CUDA, or fewer devices)          | no       |
 | 69   | STACK_GONE    | its local stack was stopped (`gpujobs down`: its Redis is gone)       | yes (b)  |
 | 70   | STALLED       | no engine progress within the stall bound; the shard was handed back | yes      |
-| 71   | BROKEN        | its process cannot import the engine or training code; the shard was  | yes (c)  |
-|      |               | handed back without counting the job's attempt                        |          |
 
 (a) `gpujobs up`'s supervisor restarts a worker that exited 0 without being asked to stop.
 (b) under `gpujobs up` the whole stack stops with it (api/supervisor.py).
-(c) a fresh process imports afresh (worker/startup.py); a package that is missing or broken on the host fails every
-    restart the same way, and the supervisor's restart limit then keeps the slot down with this reason.
 
 Why 70 for a stall: it is sysexits' EX_SOFTWARE (an internal error), far from the small codes of the CLI. A stalled
 worker exits instead of going on: a CUDA context that hung once is not trusted again, and only a fresh process
 gets a fresh one. Restart a stalled worker at once (with backoff if it stalls again). 69 is sysexits'
-EX_UNAVAILABLE, 71 EX_OSERR (the process, not the job, is at fault). Codes 2, 5 and 6 are start refusals: the same command on the same host fails the same way, so restarting it only loops; fix the host or the
+EX_UNAVAILABLE. Codes 2, 5 and 6 are start refusals: the same command on the same host fails the same way, so restarting it only loops; fix the host or the
 launcher. A process killed by a signal has no code of its own (the shell shows 128 + the signal: 137 for SIGKILL,
 e.g. the kernel's out-of-memory killer); restart it.
 """
@@ -39,7 +35,6 @@ ENV_MISMATCH = 5
 SLICE_MISSING = 6
 STACK_GONE = 69
 STALLED = 70
-BROKEN = 71
 
 MEANINGS = {
     OK: "stopped",
@@ -49,7 +44,6 @@ MEANINGS = {
     SLICE_MISSING: "its GPU slice is not present",
     STACK_GONE: "its stack's Redis is gone",
     STALLED: "engine stalled",
-    BROKEN: "cannot import its code",
 }
 CONFIGURATION = frozenset({USAGE, ENV_MISMATCH, SLICE_MISSING})  # restarting cannot fix these
 

@@ -17,8 +17,6 @@
     hang_after_N@POINT   stall the watchdog must catch (worker/progress.py). hang_after_N lets N hits pass first.
                          Points: decode_step (every decode step of every engine), prefill (a prefill chunk of the
                          fast engine), train_step (each logged training step), rankR_step.
-    break@import         raise an ImportError as a partially initialized module does (a broken process) where a
-                         claimed shard imports its engine or training code (worker/startup.py `import_for`)
     once_ACTION@POINT    ACTION in the first process of the stack (same JOBS_HOME) to reach it, and in no other:
                          e.g. once_hang_after_30@decode_step stalls one worker and not the one restarted after it
 
@@ -57,11 +55,6 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
             continue
         if action == "raise":
             raise RuntimeError(f"injected failure (JOBS_TEST_FAULTS {fault})")
-        if action == "break":
-            raise ImportError(
-                "cannot import name 'utils' from partially initialized module 'torch._dynamo' (most likely due to a "
-                f"circular import) (injected by JOBS_TEST_FAULTS {fault})"
-            )
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action.startswith("exit_"):

@@ -37,7 +37,7 @@ from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryErro
 from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from worker import capabilities, failures, faults, generate, hubfetch, loader, startup
+from worker import capabilities, failures, faults, generate, hubfetch, loader
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ class Runtime:
     closed: threading.Event = field(default_factory=threading.Event)
     resident: tuple[str, loader.Loaded] | None = None
     progress: Progress = field(default_factory=Progress)  # the engine's progress on the current shard
-    ready: threading.Event = field(default_factory=threading.Event)  # start-up imports and QLoRA probe done
     _engine_thread: int | None = None  # the thread that runs shards (Celery's solo pool: the main thread)
     _reported_progress: bool = False  # the registration shows a shard's progress (cleared once it ended)
     _beat: threading.Thread | None = None
@@ -111,22 +110,10 @@ class Runtime:
             registry.stopped(session, self.name, exit_code=exit_code, reason=f"refused to start: {reason}")
 
     def start_heartbeat(self) -> None:
-        """The heartbeat thread, and the start-up thread (worker/startup.py: the heavy imports and the QLoRA probe,
-        then `ready`, then the flex_attention probe). The runner takes no shard before `ready`: two threads that
-        import torch's compiler stack at once can leave it half-initialized for the whole process."""
         self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._beat.start()
-        threading.Thread(target=self._start_up, name="start-up", daemon=True).start()
-
-    def _start_up(self) -> None:
-        try:
-            problem = startup.import_heavy()
-            if problem:
-                self._leave_broken(None, None, problem)  # never returns
-            self._probe_qlora()
-        finally:
-            self.ready.set()
-        self._probe_flex()
+        threading.Thread(target=self._probe_qlora, name="qlora-probe", daemon=True).start()
+        threading.Thread(target=self._probe_flex, name="flex-probe", daemon=True).start()
 
     def _probe_qlora(self) -> None:
         """Merge the (slow) bitsandbytes 4-bit probe into this worker's registration once it has run."""
@@ -223,37 +210,6 @@ class Runtime:
                 self.yield_why = (reason, time.time())
                 self.yielding.set()
 
-    def _leave_broken(self, shard, job_id: str | None, problem: str) -> None:
-        """This process cannot import the code a job needs (worker/startup.py): hand the shard back without counting
-        the job's attempt and send it again, say so on the job and on the registration, and exit with
-        exits.BROKEN for the supervisor to start a fresh process. Never returns."""
-        reason = f"cannot import its code: {problem}"
-        log.error(
-            "%s%s on %s; leaving with exit code %d", f"{job_id} " if job_id else "", reason, self.name, exits.BROKEN
-        )
-        if shard is not None:
-            try:
-                jobs.event(
-                    job_id,
-                    f"shard {shard.idx}: {self.name} {reason}; handed back, the attempt not counted",
-                    level="warning",
-                    shard_id=shard.id,
-                )
-                leases.end_early(shard.id, self.name, hand_back=f"worker {self.name} {reason}")
-            except Exception:
-                log.exception(
-                    "%s could not hand back shard %s: its lease expires and the reaper re-queues it", job_id, shard.id
-                )
-        try:
-            with session_scope() as session:
-                registry.stopped(
-                    session, self.name, exit_code=exits.BROKEN, reason=f"{reason}; exit code {exits.BROKEN}"
-                )
-        except Exception:
-            log.exception("could not record why %s leaves on its registration", self.name)
-        _flush_output()
-        os._exit(exits.BROKEN)
-
     def _on_stall(self, shard_id: int, job_id: str, stall: Stall) -> None:
         """The engine made no progress within the bound: write a `stall` event with the engine thread's stack, give
         the shard back and send it again, record why on the registration, and end the process with
@@ -307,8 +263,6 @@ class Runtime:
     # --- the shard runner --------------------------------------------------------------------------------
 
     def run_shard(self, shard_id: int) -> None:
-        if not self.ready.wait(get_settings().stall_phase_seconds):  # the start-up thread's imports and probe
-            self._leave_broken(None, None, "the start-up imports did not finish within JOBS_STALL_PHASE_SECONDS")
         claim = leases.take(shard_id, self.name, get_settings().lease_seconds)
         if claim is None:
             return
@@ -323,11 +277,6 @@ class Runtime:
             self.yielding.clear()
         log.info("%s shard %s: %d pending rows", job.id, shard.idx, len(rows))
         try:
-            try:
-                with self.progress.phase("importing the engine and training code"):
-                    startup.import_for(job.kind)
-            except startup.BrokenImport as exc:
-                self._leave_broken(shard, job.id, str(exc))  # never returns
             if job.kind == "finetune":
                 self._run_finetune(shard, job, rows, lines)
             else:
@@ -426,7 +375,8 @@ class Runtime:
 
         The resident model is dropped first: training wraps a model in place, so it is never shared with jobs.
         """
-        from worker import distributed, finetune  # imported by startup.import_for already (a watched phase)
+        with self.progress.phase("importing the training code"):  # peft, the trainer: seconds, more on a busy host
+            from worker import distributed, finetune
 
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
