@@ -76,12 +76,15 @@ def test_a_worker_whose_start_up_imports_would_race_starts_whole_and_runs_a_job(
 
 
 def test_check_names_a_required_module_that_no_longer_imports(monkeypatch):
-    """check() is None while the process's engine and training modules import, and names the first that does not
-    (None in sys.modules: what a failed import of a half-imported module leaves), with the error."""
+    """check() is None while every required module imports, and names the first that does not (None in sys.modules:
+    what a failed import of a half-imported module leaves), with the error. (Light modules stand in for REQUIRED:
+    the worker tests import the real ones.)"""
+    monkeypatch.setattr(preload, "REQUIRED", ("json", "email.mime.text"))
     assert preload.check() is None
-    monkeypatch.setitem(sys.modules, "peft", None)
+    monkeypatch.setitem(sys.modules, "email.mime.text", None)
     assert preload.check() == (
-        "this process cannot import peft: ModuleNotFoundError: import of peft halted; None in sys.modules"
+        "this process cannot import email.mime.text: ModuleNotFoundError: import of email.mime.text halted; None in "
+        "sys.modules"
     )
 
 
