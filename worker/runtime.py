@@ -257,7 +257,7 @@ class Runtime:
         exit_timer.daemon = True
         exit_timer.start()
         log.error(
-            "%s shard %s: %s is broken (%s): it hands the shard back and exits", job_id, shard_id, self.name, cause
+            "%s shard id %s: %s is broken (%s): it hands the shard back and exits", job_id, shard_id, self.name, cause
         )
         where = f"job {job_id}, shard id {shard_id}"
         try:
