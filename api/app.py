@@ -141,11 +141,18 @@ def results(
     order: Annotated[
         Literal["input", "finished"], Query(description="input order, or the order rows finished")
     ] = "input",
+    with_input: Annotated[
+        bool,
+        Query(
+            description="put each row's prompt (or chat messages) beside its output, in every format (off by "
+            "default: prompts are often far longer than outputs)"
+        ),
+    ] = False,
 ) -> StreamingResponse:
     views.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
     name = f"{job_id}{'-errors' if errors else ''}.{'jsonl' if format == 'openai' else format}"
     return StreamingResponse(
-        export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order),
+        export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order, with_input=with_input),
         media_type=formats.MEDIA_TYPES[format],
         headers={"Content-Disposition": f'attachment; filename="{name}"'},
     )

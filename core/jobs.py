@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, files, scheduling
-from core.dataset import InputCheck, parse_dataset, retry_can_change
+from core.dataset import InputCheck, nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
@@ -118,8 +118,9 @@ def _create(session: Session, new: NewJob, file: File, **values: Any) -> Job:
 
 def _open_generation(session: Session, new: NewJob) -> _Opened:
     """Create a generation job from its stored input: every row checked (token checks where the API can read the
-    tokenizer), then validating, then its shards and running. It stops at `queued` while it waits for a fine-tune,
-    and ends `failed` when every row is invalid."""
+    tokenizer), then validating, then its shards and running. It stops at `queued` while it waits for a fine-tune.
+    A dataset whose every row is invalid (malformed, without a prompt, too long for the model) is refused with
+    InvalidInput and nothing is stored: a failed job would only tell a script later what submit can tell now."""
     (
         spec,
         (ref, _),
@@ -129,19 +130,18 @@ def _open_generation(session: Session, new: NewJob) -> _Opened:
     checked = InputCheck(spec, model_dir=new.model_dir)
     rows = checked.rows(parse_dataset(files.absolute(file), spec.input_format, spec=spec, columns=spec.input_columns))
     total, failed, first_error = insert_rows(session, job.id, rows)
+    if failed == total:  # nothing could run: refused, and the transaction (job, rows, a copied input) rolls back
+        raise nothing_runs(total, first_error, checked.extra_keys, spec.input_format)
     job.rows_total = total
     job.metrics = {"input": checked.summary(), **new.metrics}
     add_event(session, job.id, f"submitted by {new.owner}: {total} rows, {failed} invalid, queue {job.queue}")
     for note in new.notes:
         add_event(session, job.id, note)
-    if new.waits and failed < total:  # queued, no shards: released when the fine-tune ends
+    if new.waits:  # queued, no shards: released when the fine-tune ends
         add_event(session, job.id, f"waiting for fine-tune {spec.adapter} to register its adapter")
         return _Opened(job.id, job.queue, [])
     transition(session, job, JobState.validating, reason="structural checks done")
     add_event(session, job.id, checked.token_note())
-    if failed == total:
-        fail(session, job, f"every row is invalid; the first: {first_error}", rows_failed=failed)
-        return _Opened(job.id, job.queue, [])
     shard_ids = start(session, job, shard_rows=spec.shard_rows or get_settings().shard_rows)
     return _Opened(job.id, job.queue, shard_ids)
 
