@@ -18,6 +18,7 @@ import yaml
 from api.cli_base import cli, client, emit, job_exit_code, json_option
 from core.errors import Forbidden, InvalidInput, JobsError
 from core.hub import HUB_ID, human_bytes
+from core.text import counted
 
 
 def _size(n: Any) -> str:
@@ -306,7 +307,9 @@ def submit() -> None:
     help="map a column of a CSV/Parquet/dataset input, e.g. prompt=question, custom_id=id (repeatable)",
 )
 def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
-    """Generate text for every row of a JSONL dataset (`prompt` or `messages` per line)."""
+    """Generate text for every row of a dataset: JSONL (`prompt` or `messages` per line), OpenAI batch lines,
+    CSV, Parquet or a save_to_disk directory (`--column prompt=COLUMN` names the column that holds the prompt).
+    A dataset in which no row can run is refused (exit 2) and nothing is created."""
     flags["input"] = input_
     if flags.get("stop"):
         flags["stop"] = list(flags["stop"])
@@ -393,8 +396,8 @@ def describe(job: dict[str, Any]) -> None:
     place = job.get("scheduling")
     if place:
         click.echo(
-            f"  queued   {place['shards_queued']} shards, position {place['position']} "
-            f"({place['shards_ahead']} shards ahead); {place['waiting']}"
+            f"  queued   {counted(place['shards_queued'], 'shard')}, position {place['position']} "
+            f"({counted(place['shards_ahead'], 'shard')} ahead); {place['waiting']}"
         )
     click.echo(
         f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
@@ -445,7 +448,10 @@ def _describe_generation(job: dict[str, Any]) -> None:
     if metrics.get("time_to_first_result_s") is not None:
         per_shard = metrics.get("shard_time_to_first_result_s")
         shards = (
-            (f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim ({per_shard['shards']} shards)")
+            (
+                f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim "
+                f"({counted(per_shard['shards'], 'shard')})"
+            )
             if per_shard
             else ""
         )
@@ -500,12 +506,16 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
 
     def table(jobs):
+        if not jobs:
+            click.echo(f"no jobs{f' in state {state}' if state else ''}", err=True)
+            return
+        click.echo(f"{'job':<16}  {'state':<10} {'priority':<8} {'done':>7}/{'rows':<7} {'kind':<9} model")
         for j in jobs:
             done = j["rows"]["succeeded"] + j["rows"]["failed"]
             place = j.get("scheduling")
             waits = f"  [#{place['position']}, {place['waiting']}]" if place else ""
             click.echo(
-                f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/"
+                f"{j['id']:<16}  {j['state']:<10} {j.get('priority', 'normal'):<8} {done:>7}/"
                 f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}"
             )
 
@@ -559,16 +569,17 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str,
         raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")
     chunks = client().download(job_id, format=fmt, errors=errors, order=order, with_input=with_input)
     out = open(output, "wb") if output else click.get_binary_stream("stdout")
-    counted = RecordCount(fmt)
+    records = RecordCount(fmt)
     try:
         for chunk in chunks:
             out.write(chunk)
-            counted.feed(chunk)
+            records.feed(chunk)
     finally:
         if output:
             out.close()
-    rows = counted.records(output)
-    what = f"{counted.size} bytes of Parquet" if rows is None else f"{rows} {'failed' if errors else 'finished'} rows"
+    rows = records.records(output)
+    noun = "failed row" if errors else "finished row"
+    what = f"{records.size} bytes of Parquet" if rows is None else counted(rows, noun)
     click.echo(what + (f" written to {output}" if output else ""), err=True)
 
 

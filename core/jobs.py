@@ -38,6 +38,7 @@ from core.settings import get_settings
 from core.spec import GenerateSpec, Spec
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, insert_rows, new_id, now, open_shards, progress, transition
+from core.text import counted
 from core.training_data import parse_training_file
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,10 @@ def start(session: Session, job: Job, *, shard_rows: int, reason: str | None = N
     once the transaction has committed."""
     shards = create_shards(session, job, shard_rows=shard_rows, max_attempts=get_settings().max_attempts)
     transition(
-        session, job, JobState.running, reason=reason or f"{len(shards)} shards of up to {shard_rows} rows queued"
+        session,
+        job,
+        JobState.running,
+        reason=reason or f"{counted(len(shards), 'shard')} of up to {shard_rows} rows queued",
     )
     return [s.id for s in shards]
 
@@ -267,7 +271,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             session,
             job,
             JobState.queued,
-            reason=f"retry of {len(rerun)} rows requested by {by}",
+            reason=f"retry of {counted(len(rerun), 'row')} requested by {by}",
             retries=Job.retries + 1,
             error=None,
             finished_at=None,
@@ -276,7 +280,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
         )
         transition(session, job, JobState.validating, reason="rows reset")
         shard_ids = _reopen_shards(session, job, {r.idx for r in rerun})
-        transition(session, job, JobState.running, reason=f"{len(shard_ids)} shards re-queued")
+        transition(session, job, JobState.running, reason=f"{counted(len(shard_ids), 'shard')} re-queued")
         queue = job.queue
     dispatch.send(shard_ids, queue)
 
@@ -546,7 +550,7 @@ def _summary(totals: dict[str, Any]) -> str:
     if m.get("output_tok_s") is None:  # a fine-tune: its rows are training rows, it generated nothing
         return f"{totals['rows_succeeded']} training rows in {m['duration_s']:.1f} s"
     return (
-        f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
+        f"{counted(totals['rows_succeeded'], 'row')} succeeded, {totals['rows_failed']} failed, "
         f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"
     )
 

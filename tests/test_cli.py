@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import pytest
 
 from core.embedded import free_port
+from tests.conftest import ROOT
 from tests.test_e2e import jobs, write_rows
 
 
@@ -288,9 +290,9 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     )
     assert len(rest.json()) == 7 and rest.headers["X-Has-More"] == "false"
     cut = jobs(cli_env, "list", "--limit", "1", check=True)
-    assert cut.stdout.split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
+    assert cut.stdout.splitlines()[1].split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
     whole = jobs(cli_env, "list", "--limit", "2", check=True)
-    assert len(whole.stdout.splitlines()) == 2 and "older jobs exist" not in whole.stderr
+    assert len(whole.stdout.splitlines()) == 1 + 2 and "older jobs exist" not in whole.stderr
 
 
 def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(
@@ -341,3 +343,69 @@ def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old
     assert done["metrics"]["duration_s"] <= done["finished_at"] - retried_at
     history = jobs(cli_env, "status", job_id, "--all-runs", check=True).stdout
     assert "done in" in history and "run 1    cancelled" in history, history
+
+
+def test_read_commands_say_what_they_show(tmp_path, cli_env):
+    """`results` says on stderr how many rows it gave ("0 failed rows", "1 failed row"), also for CSV (a quoted
+    line break is one row); `list` has a header row; counts agree in number ("1 shard"); `submit generate --help`
+    names every input format; a path that is neither here nor on the API's host says where each was looked for."""
+    from tests.test_bad_input import fake_model
+
+    model = fake_model(tmp_path / "model")
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": 'hi\nthere, "you"'}, "{broken"])
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()  # no worker: row 1 stays pending, row 2 failed at submit
+    for args, stdout_lines, said in (
+        ([], 0, "0 finished rows"),
+        (["--errors"], 1, "1 failed row"),
+        (["--errors", "--format", "csv"], None, "1 failed row"),
+        (["--format", "csv", "--with-input"], 1, "0 finished rows"),
+    ):
+        result = jobs(cli_env, "results", job_id, *args, check=True)
+        assert result.stderr == said + "\n", args
+        assert stdout_lines is None or len(result.stdout.splitlines()) == stdout_lines, (args, result.stdout)
+    assert jobs(cli_env, "results", job_id, "--format", "csv", "--with-input", check=True).stdout.startswith(
+        "custom_id,line,prompt,output,"
+    )
+    out = tmp_path / "errors.csv"
+    written = jobs(cli_env, "results", job_id, "--errors", "--format", "csv", "-o", str(out), check=True)
+    assert written.stderr == f"1 failed row written to {out}\n"
+
+    listed = jobs(cli_env, "list", check=True).stdout.splitlines()
+    assert listed[0].split() == ["job", "state", "priority", "done/rows", "kind", "model"]
+    assert listed[1].split()[:4] == [job_id, "running", "normal", "1/2"]
+    assert "1 shard of up to 256 rows queued" in jobs(cli_env, "events", job_id, check=True).stdout
+    status = jobs(cli_env, "status", job_id, check=True).stdout
+    assert "queued   1 shard, position 1 (0 shards ahead)" in status
+
+    helped = " ".join(jobs(cli_env, "submit", "generate", "--help", check=True).stdout.split())
+    assert "JSONL" in helped and "CSV, Parquet or a save_to_disk directory" in helped and "JSONL dataset" not in helped
+
+    missing = jobs(cli_env, "submit", "generate", "--model", str(model), "--input", "nosuch.csv", "--gpus", "0")
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.startswith(
+        f"Error: --input nosuch.csv: no such file or directory in the CLI's working folder ({ROOT}), so it was "
+        "sent as a path on the API's host; there: dataset path 'nosuch.csv' does not exist on the API's host "
+        "(looked for "
+    )
+
+
+def test_the_readmes_tables_have_as_many_cells_as_their_headers():
+    """Every row of every table in README.md has the cells its header names (the exit-code table's row for 6 had a
+    stray third cell)."""
+    table: list[str] = []
+    bad = []
+    for line in [*(ROOT / "README.md").read_text().splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            width = _cells(table[0])
+            bad += [row for row in table[2:] if _cells(row) != width]
+            table = []
+    assert not bad, bad
+
+
+def _cells(row: str) -> int:
+    return len(re.split(r"(?<!\\)\|", row.strip().strip("|")))  # `\|` inside a cell is not a border
