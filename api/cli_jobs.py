@@ -1,5 +1,5 @@
-"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|usage|quota`: commands that talk to the HTTP
-API."""
+"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|dashboard|usage|quota`: commands that talk to
+the HTTP API."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import sys
 import tempfile
 import time
+import webbrowser
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -393,6 +394,9 @@ def describe(job: dict[str, Any]) -> None:
     rows = job["rows"]
     click.echo(f"{job['id']}  {job['state']}  {job.get('name') or ''}".rstrip())
     click.echo(f"  model    {job['model']}  (queue {job['queue']}, priority {job.get('priority', 'normal')})")
+    adapter = adapter_text(job)
+    if adapter:
+        click.echo(f"  adapter  {adapter}")
     place = job.get("scheduling")
     if place:
         click.echo(
@@ -426,6 +430,31 @@ def describe(job: dict[str, Any]) -> None:
         click.echo(f"  error    {job['error']}")
 
 
+def adapter_text(job: dict[str, Any]) -> str | None:
+    """The job's LoRA adapter for people: what the spec names and where it comes from, and once a worker loaded it,
+    how (merged into the base or not) and its weights' hash; a fine-tune's own adapter is the job's id."""
+    spec = job.get("spec") or {}
+    if job["kind"] == "finetune":
+        use = "use it: --adapter " + job["id"] if job["state"] == "succeeded" else "registered once this job succeeds"
+        return f"{job['id']} (trained by this fine-tune; {use})"
+    ref = spec.get("adapter")
+    if not ref:
+        return None
+    source = (
+        "a fine-tune's"
+        if ref.startswith("job_")
+        else "an uploaded file"
+        if ref.startswith("file_")
+        else f"a Hub repo, revision {spec.get('adapter_revision') or 'main'}"
+    )
+    loaded = (job.get("load_options") or {}).get("adapter") or {}
+    how = ""
+    if loaded:
+        merged = "merged into the base" if loaded.get("merged") else "unmerged"
+        how = f"; loaded {merged}, sha256 {loaded.get('sha256', '?')[:12]}"
+    return f"{ref} ({source}{how})"
+
+
 def describe_runs(job: dict[str, Any]) -> None:
     """The job, then one line per earlier run (metrics.runs): how it ended, its duration, rate and rows."""
     describe(job)
@@ -457,7 +486,8 @@ def _describe_generation(job: dict[str, Any]) -> None:
         )
         click.echo(f"  first    result {metrics['time_to_first_result_s']} s after the start{shards}")
     if metrics.get("output_tok_s") is not None:
-        click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s")
+        rows = f", {metrics['rows_per_s']} rows/s" if metrics.get("rows_per_s") is not None else ""
+        click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s{rows}")
 
 
 def _describe_training(job: dict[str, Any]) -> None:
@@ -709,6 +739,19 @@ def worker_line(w: dict) -> str:
     stopped = time.time() - (w.get("stopped_at") or w["heartbeat_at"])
     code = f"exit {w['exit_code']}" if w.get("exit_code") is not None else "stopped"
     return f"{line}  {code} {stopped:.0f}s ago" + (f": {w['reason']}" if w.get("reason") else "")
+
+
+@cli.command()
+@click.option("--open", "open_", is_flag=True, help="also open it in this machine's web browser")
+def dashboard(open_: bool) -> None:
+    """Print a URL that opens the web dashboard signed in as your token's owner. It works once, within 60 s, and
+    carries a one-time code, never the token: neither the server's access log nor the browser's history keeps
+    anything that signs in again (README, "Dashboard and monitoring")."""
+    url = client().dashboard_url()
+    click.echo(url)
+    click.echo("(this link signs in once, within 60 s; run `gpujobs dashboard` again for another)", err=True)
+    if open_ and not webbrowser.open(url):
+        click.echo("no web browser could be started here: open the link above yourself", err=True)
 
 
 @cli.command()

@@ -250,6 +250,12 @@ class Client:
     def retry(self, job_id: str, *, failed_only: bool = False) -> Job:
         return self._json("POST", f"/jobs/{job_id}/retry", params={"failed_only": failed_only})
 
+    def dashboard_url(self) -> str:
+        """A URL that opens the dashboard signed in with this client's token, once, within a minute: it carries a
+        one-time code in its fragment, never the token (api/dashboard.py says why)."""
+        code = self._json("POST", "/dashboard/codes")["code"]
+        return f"{self.url}/dashboard#code={code}"
+
     def quotas(self) -> list[dict[str, Any]]:
         """Owners' quotas, running and queued shards and recent GPU-seconds (admins)."""
         return self._json("GET", "/quotas")

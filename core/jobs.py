@@ -306,7 +306,12 @@ def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
     )
 
 
-RUN_METRICS = ("duration_s", "output_tok_s", "time_to_first_result_s")  # a run's own; the rest are the job's
+RUN_METRICS = (
+    "duration_s",
+    "output_tok_s",
+    "rows_per_s",
+    "time_to_first_result_s",
+)  # a run's own; the rest are the job's
 
 
 def close_run(job: Job) -> dict[str, Any]:
@@ -520,21 +525,23 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
     shards = session.scalars(select(Shard).where(Shard.job_id == job.id)).all()
     shard_metrics = [s.metrics or {} for s in shards]
     started = job.started_at or job.created_at  # this run's first claim (a retry resets it)
-    duration = max(now() - started, 1e-9)
-    run_tokens = session.scalar(
-        select(func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
+    duration = max(round(now() - started, 3), 0.001)  # whole ms: the rates below are of the duration shown
+    run_rows, run_tokens = session.execute(
+        select(func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
             JobRow.job_id == job.id, JobRow.finished_at >= started, JobRow.worker.is_not(None)
         )
-    )  # this run's rows
+    ).one()  # this run's rows
     metrics = dict(job.metrics or {})
     metrics.update(
-        duration_s=round(duration, 3),
+        duration_s=duration,
         output_tok_s=round(int(run_tokens) / duration, 2),
+        rows_per_s=round(int(run_rows) / duration, 3),
         gpu_seconds=round(sum(m.get("gpu_seconds", 0.0) for m in shard_metrics), 3),
         engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
         peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
     )
     if job.kind == "finetune":
+        metrics.pop("rows_per_s")
         metrics.pop("output_tok_s")  # it generated nothing: its rate is training's (metrics.training, events)
     return dict(
         rows_succeeded=p["succeeded"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import stat
 
 import pytest
@@ -37,6 +38,22 @@ def test_up_demo_down_on_a_fresh_home(tmp_path, redis_server):
         assert demo.returncode == 0, demo.stderr
         results = [json.loads(line) for line in open(demo.stdout.strip())]
         assert {r["custom_id"]: r["output"] for r in results}["france-plain"] == "Paris."
+        # the demo says where its model is and prints the exact command of a job on that model and its adapter
+        model = home / "models" / "tiny-base"
+        assert f"the demo's base model is {model} and its adapter is job_" in demo.stderr
+        [command] = [line.strip() for line in demo.stderr.splitlines() if line.startswith("  gpujobs submit")]
+        args = shlex.split(command)
+        assert args[:2] == ["gpujobs", "submit"] and args[args.index("--model") + 1] == str(model)
+        mine = jobs(env, *args[1:])
+        assert mine.returncode == 0 and mine.stdout.startswith("job_"), mine.stderr
+        adapter = args[args.index("--adapter") + 1]
+        job = json.loads(jobs(env, "status", mine.stdout.strip(), "--json", check=True).stdout)
+        assert job["spec"]["adapter"] == adapter and job["rows"]["failed"] == 0
+        # `status` (text) shows a job's adapter: the generation job's, and the fine-tune's own
+        shown = jobs(env, "status", mine.stdout.strip(), check=True).stdout
+        assert f"  adapter  {adapter} (a fine-tune's; loaded merged into the base, sha256 " in shown, shown
+        trained = jobs(env, "status", adapter, check=True).stdout
+        assert f"  adapter  {adapter} (trained by this fine-tune; use it: --adapter {adapter})" in trained, trained
     finally:
         down = jobs(env, "down")
     assert down.returncode == 0
@@ -54,7 +71,13 @@ def cli_env(jobs_env, api_server):
 
 def test_bad_submissions_exit_2_and_write_nothing(tmp_path, cli_env, spawn_worker, tiny_model):
     """An unknown spec field, a model path that does not exist, a pickle-only model and a missing token each
-    get one clear message and exit 2, and no job is created."""
+    get one clear line and exit 2, and no job is created and no upload is left behind (the CLI uploads the input
+    before the server checks the spec, and deletes it again when the submit is refused)."""
+    from sqlalchemy import func, select
+
+    from core.db import session_scope
+    from core.models import File
+
     spawn_worker([])
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
     cases = [
@@ -71,7 +94,9 @@ def test_bad_submissions_exit_2_and_write_nothing(tmp_path, cli_env, spawn_worke
     for args, message in cases:
         result = jobs(cli_env, "submit", "generate", "--input", data, *args)
         assert result.returncode == 2, (args, result.stderr)
-        assert message in result.stderr, (args, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(File)) == 0
     no_token = jobs({k: v for k, v in cli_env.items() if k != "JOBS_TOKEN"}, "list")
     assert no_token.returncode == 2 and "missing bearer token" in no_token.stderr
     assert json.loads(jobs(cli_env, "list", "--json", check=True).stdout) == []
