@@ -440,13 +440,12 @@ def adapter_text(job: dict[str, Any]) -> str | None:
     ref = spec.get("adapter")
     if not ref:
         return None
-    source = (
-        "a fine-tune's"
-        if ref.startswith("job_")
-        else "an uploaded file"
-        if ref.startswith("file_")
-        else f"a Hub repo, revision {spec.get('adapter_revision') or 'main'}"
-    )
+    if ref.startswith("job_"):
+        source = "a fine-tune's"
+    elif ref.startswith("file_"):
+        source = "an uploaded file"
+    else:
+        source = f"a Hub repo, revision {spec.get('adapter_revision') or 'main'}"
     loaded = (job.get("load_options") or {}).get("adapter") or {}
     how = ""
     if loaded:

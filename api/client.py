@@ -128,20 +128,18 @@ class Client:
         """Files uploaded inside the block are deleted again when the block raises a refusal (a 4xx: bad input,
         no worker can run it, no access), so a refused submit leaves no upload behind. Other errors keep them:
         after a lost connection or a server error the job may exist and read them."""
-        outer, self._fresh = self._fresh, []
+        self._fresh = fresh = []
         try:
             yield
         except errors.JobsError as exc:
             if 400 <= exc.http_status < 500:
-                for file_id in self._fresh:
+                for file_id in fresh:
                     # the refusal is what the caller must see; an upload that could not be removed is only clutter
                     with contextlib.suppress(errors.JobsError):
                         self.delete_file(file_id)
             raise
         finally:
-            fresh, self._fresh = self._fresh, outer
-            if outer is not None:
-                outer.extend(fresh)
+            self._fresh = None
 
     def submit(self, spec: dict[str, Any], *, input: str | Path | None = None, priority: str | None = None) -> Job:
         """Submit a job. `input` (optional) is a local dataset (JSONL, OpenAI batch lines, CSV, Parquet, or a

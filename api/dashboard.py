@@ -73,17 +73,19 @@ def root() -> RedirectResponse:
 
 def throughput(job_id: str, *, owner: str | None) -> dict[str, Any]:
     """Rows and output tokens per second over the job's current run (from its start: a retry starts a new one) in
-    at most 120 intervals of whole milliseconds (SQL-side), every interval from the start to the end (or now)
-    listed, empty ones as 0, and the last one only as long as the run went on. A finished run's span is its
-    `metrics.duration_s`, so the averages here are the very figures of its `output_tok_s` and `rows_per_s`, and
-    the intervals' time-weighted mean is that average. A run shorter than a second is one interval."""
+    at most 120 intervals of whole milliseconds (SQL-side), every interval from the start listed, empty ones as 0.
+    A finished run's span is its `metrics.duration_s`, its last interval only as long as the run went on, so the
+    averages here are the very figures of its `output_tok_s` and `rows_per_s` and the intervals' time-weighted mean
+    is that average; a run shorter than a second is one interval. A live run ends at its last whole interval: the
+    one under way would read as a drop to 0 until its rows come in."""
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
         start = job.started_at or job.created_at
         duration = (job.metrics or {}).get("duration_s") if job.finished_at is not None else None
         span_ms = max(1, round(duration * 1000 if duration else (max(job.finished_at or now(), start) - start) * 1000))
-        end = start + span_ms / 1000
         bucket_ms = max(1000, math.ceil(span_ms / MAX_BUCKETS))
+        if job.finished_at is None and span_ms >= bucket_ms:
+            span_ms -= span_ms % bucket_ms
         count = math.ceil(span_ms / bucket_ms)
         # whole milliseconds, then integer division: the same buckets on SQLite and Postgres (whose CAST rounds)
         slot = cast((JobRow.finished_at - start) * 1000, BigInteger) // bucket_ms
@@ -94,8 +96,11 @@ def throughput(job_id: str, *, owner: str | None) -> dict[str, Any]:
         )
         sums = [[0, 0] for _ in range(count)]
         for s, n, tok in session.execute(stmt).all():
+            if int(s) >= count and job.finished_at is None:
+                continue  # the interval under way
             bucket = sums[min(max(int(s), 0), count - 1)]  # a row committed as the run ended counts in the last
             bucket[0], bucket[1] = bucket[0] + n, bucket[1] + int(tok)
+    end = start + span_ms / 1000
     points = []
     for i, (n, tok) in enumerate(sums):
         seconds = (min(bucket_ms, span_ms - i * bucket_ms)) / 1000

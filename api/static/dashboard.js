@@ -93,10 +93,11 @@ function chart(title, points, xLabel, yLabel) {
     </svg></div>`;
 }
 
-// Throughput as the API gives it: consecutive intervals from the run's start to its end (or now), each drawn as a
-// flat step at its rate, and a dashed line at the run's average (the intervals' time-weighted mean): for a finished
-// job the very figure of its tokens/s card. A run of one interval (under a second or two) draws that one step.
-function throughputChart(tp) {
+// Throughput as the API gives it: consecutive intervals from the run's start to its end (a live run's to its last
+// whole interval), each drawn as a flat step at its rate, and a dashed line at the run's average (the intervals'
+// time-weighted mean): for a finished job the very figure of its tokens/s card. A run of one interval (under a
+// second or two) draws that one step.
+function throughputChart(tp, ended) {
   const title = "Throughput over time", w = 520, h = 200, pad = 40;
   if (!tp.rows) return `<div class="chart" id="throughput"><b>${title}</b><p class="muted">no rows finished in this run yet</p></div>`;
   const steps = tp.points.map(p => ({ x0: p.t - tp.start, x1: p.t - tp.start + p.seconds, y: p.tokens_per_s }));
@@ -116,7 +117,7 @@ function throughputChart(tp) {
       <text x="${pad}" y="${pad - 8}" font-size="10">output tokens/s</text>
       <path d="${path}" fill="none" stroke="#2f80ed" stroke-width="1.5"/>
       <line x1="${pad}" x2="${w - pad}" y1="${sy(average).toFixed(1)}" y2="${sy(average).toFixed(1)}" stroke="#6e7781" stroke-dasharray="4 3"/>
-    </svg><p class="muted">run average <b id="throughput-average">${esc(+average.toFixed(2))}</b> tok/s over ${esc(shown)} s</p>${note}</div>`;
+    </svg><p class="muted">${ended ? "run average" : "average so far"} <b id="throughput-average">${esc(+average.toFixed(2))}</b> tok/s over ${esc(shown)} s</p>${note}</div>`;
 }
 
 // --- views ---------------------------------------------------------------------------------------------------
@@ -183,7 +184,7 @@ async function jobView(v, id) {
   const live = job.live || {};
   const cards = job.kind === "finetune" ? trainingCards(job) : generationCards(job, live);
   const charts = job.kind === "finetune" ? chart("Training loss", loss, "step", "loss")
-    : throughputChart(jobState.throughput) + (loss.length ? chart("Training loss", loss, "step", "loss") : "");
+    : throughputChart(jobState.throughput, ended) + (loss.length ? chart("Training loss", loss, "step", "loss") : "");
   const adapter = adapterOf(job) ? ` · ${job.kind === "finetune" ? "trains adapter" : "adapter"} <span id="job-adapter">${esc(adapterOf(job))}</span>` : "";
   const runNote = job.run > 1 ? ` · run <span id="job-run">${esc(job.run)}</span> (earlier runs: <code>gpujobs status ${esc(job.id)} --all-runs</code>)` : "";
   main.innerHTML = `<h2>${esc(job.id)} <span class="state ${esc(job.state)}" id="job-state">${esc(job.state)}</span></h2>
