@@ -55,3 +55,4 @@ def principal(credentials: Annotated[HTTPAuthorizationCredentials | None, Depend
 
 
 Caller = Annotated[Principal, Depends(principal)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]  # the bearer token as sent

@@ -23,7 +23,7 @@ from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 
 from api import checks, dashboard, metrics, openai_api, service, service_models, views
-from api.access import Caller
+from api.access import Caller, Credentials
 from api.results import export
 from core import files, formats, scheduling
 from core.db import check_reachable, session_scope
@@ -141,19 +141,60 @@ def results(
     order: Annotated[
         Literal["input", "finished"], Query(description="input order, or the order rows finished")
     ] = "input",
+    with_input: Annotated[
+        bool,
+        Query(
+            description="put each row's prompt (or chat messages) beside its output, in every format (off by "
+            "default: prompts are often far longer than outputs)"
+        ),
+    ] = False,
 ) -> StreamingResponse:
     views.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
-    name = f"{job_id}{'-errors' if errors else ''}.{'jsonl' if format == 'openai' else format}"
+    kind = ("-errors" if errors else "") + ("-with-input" if with_input else "")
+    name = f"{job_id}{kind}.{'jsonl' if format == 'openai' else format}"
     return StreamingResponse(
-        export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order),
+        export(job_id, owner=caller.visible_owner, fmt=format, errors=errors, order=order, with_input=with_input),
         media_type=formats.MEDIA_TYPES[format],
         headers={"Content-Disposition": f'attachment; filename="{name}"'},
     )
 
 
-@app.get("/jobs/{job_id}/throughput", summary="Rows and output tokens per second over a job's run (time buckets)")
+@app.get(
+    "/jobs/{job_id}/throughput",
+    summary="Rows and output tokens per second over a job's run: every interval from its start to its end (or "
+    "now), with the run's averages",
+)
 def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
     return dashboard.throughput(job_id, owner=caller.visible_owner)
+
+
+# --- the dashboard's sign-in by a one-time code (`gpujobs dashboard`; why this shape: api/dashboard.py) ----------
+
+
+@app.post(
+    "/dashboard/codes",
+    status_code=201,
+    summary="A one-time code that signs the dashboard in with this token: open /dashboard#code=CODE within 60 s",
+    responses={401: {"description": "missing, invalid or revoked token"}, 503: {"description": "Redis is down"}},
+)
+def dashboard_code(caller: Caller, credentials: Credentials) -> dict[str, Any]:
+    assert credentials is not None  # `Caller` refused a request without one
+    return dashboard.signin_code(credentials.credentials)
+
+
+class SigninRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    code: str = Field(min_length=1, max_length=200, description="the code from POST /dashboard/codes")
+
+
+@app.post(
+    "/dashboard/session",
+    summary="Trade a one-time dashboard code for its token (no bearer token: the code is the credential; it works "
+    "once)",
+    responses={401: {"description": "the code was used, has expired or is unknown, or its token was revoked"}},
+)
+def dashboard_session(body: SigninRequest) -> dict[str, Any]:
+    return dashboard.redeem(body.code)
 
 
 @app.get(

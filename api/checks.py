@@ -17,7 +17,15 @@ from sqlalchemy.orm import Session
 
 from api import service_models
 from core import adapters, capability, files, formats, hub, registry
-from core.dataset import PARAMS, SAMPLE_AT_ZERO, count_rows, engine_problem, openai_models, too_many_rows
+from core.dataset import (
+    PARAMS,
+    SAMPLE_AT_ZERO,
+    check_prompt_columns,
+    count_rows,
+    engine_problem,
+    openai_models,
+    too_many_rows,
+)
 from core.db import session_scope
 from core.errors import Forbidden, InvalidInput, JobsError, Unschedulable
 from core.jobs import NewJob
@@ -53,7 +61,8 @@ def submission(owner: str, spec_data: Any, *, admin: bool = False, may_prioritiz
 
 def generation(owner: str, spec: GenerateSpec, *, admin: bool = False) -> NewJob:
     """A generation job: its sampling, model (a Hub model resolved and read), the slice that runs it, its adapter
-    (a fine-tune still running makes it wait), and its input (the owner's, within the row limit, format detected)."""
+    (a fine-tune still running makes it wait), and its input (the owner's, within the row limit, format detected,
+    and for a table a column that gives rows their prompt: `core.dataset.check_prompt_columns`)."""
     _check_sampling(spec)
     spec = model(spec)
     hub_check = service_models.check(spec)  # a Hub model or adapter: resolved to a commit, config and tokenizer read
@@ -66,7 +75,8 @@ def generation(owner: str, spec: GenerateSpec, *, admin: bool = False) -> NewJob
             session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision, notes=notes
         )
         fmt = dataset(session, owner, spec.input, fmt=spec.input_format)
-    spec = _with_input_format(spec, fmt)
+        spec = _with_input_format(spec, fmt)
+        check_prompt_columns(files.source(session, spec.input, owner=owner)[0], fmt, spec.input_columns)
     return NewJob(
         owner=owner,
         spec=spec,

@@ -50,7 +50,8 @@ def job_exit_code(job: dict[str, Any]) -> int:
 
 
 class Group(click.Group):
-    """Turns our errors into one clear line and the documented exit code."""
+    """Turns our errors, and click's own usage errors (a bad option value, a missing argument), into one clear line
+    and the documented exit code (2 for usage)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -58,6 +59,10 @@ class Group(click.Group):
         except errors.JobsError as exc:
             click.echo(f"Error: {exc}", err=True)
             ctx.exit(exit_code_for(exc))
+        except click.UsageError as exc:  # click would print its usage line and a help hint on three more lines
+            where = exc.ctx.command_path if exc.ctx else ctx.command_path
+            click.echo(f"Error: {exc.format_message().rstrip('.')} (see `{where} -h`)", err=True)
+            ctx.exit(EXIT_USAGE)
 
 
 def emit(data: Any, as_json: bool, human) -> None:

@@ -1,5 +1,5 @@
-"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|usage|quota`: commands that talk to the HTTP
-API."""
+"""`gpujobs submit|status|list|wait|results|events|cancel|retry|workers|dashboard|usage|quota`: commands that talk to
+the HTTP API."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import sys
 import tempfile
 import time
+import webbrowser
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ import click
 import yaml
 
 from api.cli_base import cli, client, emit, job_exit_code, json_option
-from core.errors import InvalidInput
+from core.errors import Forbidden, InvalidInput, JobsError
 from core.hub import HUB_ID, human_bytes
+from core.text import counted
 
 
 def _size(n: Any) -> str:
@@ -65,14 +67,15 @@ def parse_columns(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
-    """Upload a local input file (so it works against a remote server) and make a local model path absolute."""
+    """Upload the local datasets a spec names (its input; a fine-tune's validation input and chained input too) and
+    a local LoRA adapter, so they work against a remote server, and make a local model path absolute."""
     spec = dict(spec)
-    source = spec.get("input")
-    if source and not str(source).startswith("file_") and Path(source).expanduser().is_file():
-        spec["input"] = api.upload(Path(source).expanduser())["id"]
-    elif source and not str(source).startswith("file_") and Path(source).expanduser().is_dir():
-        with pack_saved_dataset(Path(source).expanduser()) as packed:
-            spec["input"] = api.upload(packed)["id"]
+    spec["input"] = _uploaded(spec.get("input"), api)
+    for key in ("validation_input", "then_generate"):
+        if key in spec:
+            spec[key] = _uploaded(spec[key], api)
+    if isinstance(spec.get("then_generate"), dict):
+        spec["then_generate"] = {**spec["then_generate"], "input": _uploaded(spec["then_generate"].get("input"), api)}
     model = spec.get("model")
     if model and Path(model).expanduser().exists():
         spec["model"] = str(Path(model).expanduser().resolve())
@@ -85,6 +88,32 @@ def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     ):
         spec["adapter"] = _upload_adapter(Path(adapter).expanduser(), api)  # a Hub repo id stays as it is
     return spec
+
+
+def _uploaded(source: Any, api) -> Any:
+    """A local file or save_to_disk directory (packed) uploaded, as its file id; anything else (a file id, a server
+    path, an object) unchanged."""
+    if isinstance(source, str) and not source.startswith("file_") and Path(source).expanduser().exists():
+        return api.upload(Path(source).expanduser())["id"]
+    return source
+
+
+def _server_path(source: Any) -> str | None:
+    """`source` when the CLI sends it as a path on the API's host: not a file id, and nothing of that name here."""
+    if isinstance(source, str) and source and not source.startswith("file_") and not Path(source).expanduser().exists():
+        return source
+    return None
+
+
+def _where_it_looked(source: str, exc: JobsError) -> JobsError:
+    """A server's refusal of a dataset path, said from the CLI's side too: where the CLI looked first, and why
+    the server then read the path as its own."""
+    here = (
+        "on this machine" if Path(source).expanduser().is_absolute() else f"in the CLI's working folder ({Path.cwd()})"
+    )
+    return type(exc)(
+        f"--input {source}: no such file or directory {here}, so it was sent as a path on the API's host; there: {exc}"
+    )
 
 
 def _upload_adapter(source: Path, api) -> str:
@@ -120,30 +149,6 @@ def pack_adapter(folder: Path):
         with zipfile.ZipFile(packed, "w", zipfile.ZIP_STORED) as archive:  # weights barely compress
             for name in (ADAPTER_CONFIG, WEIGHTS):
                 archive.write(folder / name, name)
-        yield packed
-
-
-@contextlib.contextmanager
-def pack_saved_dataset(folder: Path):
-    """A directory written by `Dataset.save_to_disk`, packed into one zip for upload (removed afterwards).
-
-    Only the files a saved dataset has at its top level are packed (state.json, dataset_info.json, *.arrow)."""
-    if (folder / "dataset_dict.json").is_file():
-        raise InvalidInput(
-            f"{folder} is a DatasetDict (it holds splits): save one split, e.g. "
-            "`ds['train'].save_to_disk(path)`, and pass that directory"
-        )
-    if not (folder / "state.json").is_file():
-        raise InvalidInput(
-            f"{folder} is a directory but not a dataset saved with save_to_disk (no state.json): "
-            "pass a JSONL, CSV or Parquet file, or a save_to_disk directory"
-        )
-    with tempfile.TemporaryDirectory(prefix="gpujobs-") as tmp:
-        packed = Path(tmp) / f"{folder.name or 'dataset'}.hf.zip"
-        with zipfile.ZipFile(packed, "w", zipfile.ZIP_STORED) as archive:  # Arrow files barely compress
-            for path in sorted(folder.iterdir()):
-                if path.is_file() and (path.suffix in (".arrow", ".json")):
-                    archive.write(path, path.name)
         yield packed
 
 
@@ -239,8 +244,14 @@ def _model_in_lines(kind: str, spec: dict[str, Any]) -> bool:
 def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
     """Submit and print the job's id. A fine-tune's chained job (`then_generate`) is named on stderr; with --wait
     both ids are printed (the fine-tune's first), both are waited for, and the exit code is the chain's."""
-    api = client()
-    job = api.submit(resolve_local_paths(spec, api))
+    api, server_path = client(), _server_path(spec.get("input"))
+    try:
+        with api.removed_if_refused():  # a refused submit leaves none of the files it uploaded behind
+            job = api.submit(resolve_local_paths(spec, api))
+    except (InvalidInput, Forbidden) as exc:
+        if server_path and "dataset path" in str(exc):
+            raise _where_it_looked(server_path, exc) from None
+        raise
     chained = (job.get("metrics") or {}).get("then_generate_job")
     if chained and not wait:
         click.echo(f"then-generate: {chained} runs once {job['id']} has trained its adapter", err=True)
@@ -297,7 +308,9 @@ def submit() -> None:
     help="map a column of a CSV/Parquet/dataset input, e.g. prompt=question, custom_id=id (repeatable)",
 )
 def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
-    """Generate text for every row of a JSONL dataset (`prompt` or `messages` per line)."""
+    """Generate text for every row of a dataset: JSONL (`prompt` or `messages` per line), OpenAI batch lines,
+    CSV, Parquet or a save_to_disk directory (`--column prompt=COLUMN` names the column that holds the prompt).
+    A dataset in which no row can run is refused (exit 2) and nothing is created."""
     flags["input"] = input_
     if flags.get("stop"):
         flags["stop"] = list(flags["stop"])
@@ -357,24 +370,7 @@ def submit_finetune(spec_file, sets, wait, as_json, input_, columns, **flags) ->
         flags["input_columns"] = parse_columns(columns)
     if flags.get("target_modules") and flags["target_modules"] != "all-linear":
         flags["target_modules"] = [m.strip() for m in flags["target_modules"].split(",") if m.strip()]
-    spec = submit_spec("finetune", spec_file, sets, flags)
-    api = client()
-    for key in ("validation_input", "then_generate"):
-        spec[key] = _uploaded(spec.get(key), api)
-    if isinstance(spec.get("then_generate"), dict):
-        spec["then_generate"] = {**spec["then_generate"], "input": _uploaded(spec["then_generate"].get("input"), api)}
-    finish_submit(spec, wait, as_json)
-
-
-def _uploaded(source: Any, api) -> Any:
-    """A local file (or save_to_disk directory, packed) named by a fine-tune option, uploaded (so it works against
-    a remote server); else unchanged."""
-    if isinstance(source, str) and not source.startswith("file_") and Path(source).expanduser().is_file():
-        return api.upload(Path(source).expanduser())["id"]
-    if isinstance(source, str) and not source.startswith("file_") and Path(source).expanduser().is_dir():
-        with pack_saved_dataset(Path(source).expanduser()) as packed:
-            return api.upload(packed)["id"]
-    return source
+    finish_submit(submit_spec("finetune", spec_file, sets, flags), wait, as_json)
 
 
 # --- read ---------------------------------------------------------------------------------------------------
@@ -398,11 +394,14 @@ def describe(job: dict[str, Any]) -> None:
     rows = job["rows"]
     click.echo(f"{job['id']}  {job['state']}  {job.get('name') or ''}".rstrip())
     click.echo(f"  model    {job['model']}  (queue {job['queue']}, priority {job.get('priority', 'normal')})")
+    adapter = adapter_text(job)
+    if adapter:
+        click.echo(f"  adapter  {adapter}")
     place = job.get("scheduling")
     if place:
         click.echo(
-            f"  queued   {place['shards_queued']} shards, position {place['position']} "
-            f"({place['shards_ahead']} shards ahead); {place['waiting']}"
+            f"  queued   {counted(place['shards_queued'], 'shard')}, position {place['position']} "
+            f"({counted(place['shards_ahead'], 'shard')} ahead); {place['waiting']}"
         )
     click.echo(
         f"  rows     {rows['succeeded']} succeeded, {rows['failed']} failed, {rows['pending']} pending "
@@ -431,6 +430,30 @@ def describe(job: dict[str, Any]) -> None:
         click.echo(f"  error    {job['error']}")
 
 
+def adapter_text(job: dict[str, Any]) -> str | None:
+    """The job's LoRA adapter for people: what the spec names and where it comes from, and once a worker loaded it,
+    how (merged into the base or not) and its weights' hash; a fine-tune's own adapter is the job's id."""
+    spec = job.get("spec") or {}
+    if job["kind"] == "finetune":
+        use = "use it: --adapter " + job["id"] if job["state"] == "succeeded" else "registered once this job succeeds"
+        return f"{job['id']} (trained by this fine-tune; {use})"
+    ref = spec.get("adapter")
+    if not ref:
+        return None
+    if ref.startswith("job_"):
+        source = "a fine-tune's"
+    elif ref.startswith("file_"):
+        source = "an uploaded file"
+    else:
+        source = f"a Hub repo, revision {spec.get('adapter_revision') or 'main'}"
+    loaded = (job.get("load_options") or {}).get("adapter") or {}
+    how = ""
+    if loaded:
+        merged = "merged into the base" if loaded.get("merged") else "unmerged"
+        how = f"; loaded {merged}, sha256 {loaded.get('sha256', '?')[:12]}"
+    return f"{ref} ({source}{how})"
+
+
 def describe_runs(job: dict[str, Any]) -> None:
     """The job, then one line per earlier run (metrics.runs): how it ended, its duration, rate and rows."""
     describe(job)
@@ -453,13 +476,17 @@ def _describe_generation(job: dict[str, Any]) -> None:
     if metrics.get("time_to_first_result_s") is not None:
         per_shard = metrics.get("shard_time_to_first_result_s")
         shards = (
-            (f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim ({per_shard['shards']} shards)")
+            (
+                f"; per shard {per_shard['min']}-{per_shard['max']} s after its claim "
+                f"({counted(per_shard['shards'], 'shard')})"
+            )
             if per_shard
             else ""
         )
         click.echo(f"  first    result {metrics['time_to_first_result_s']} s after the start{shards}")
     if metrics.get("output_tok_s") is not None:
-        click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s")
+        rows = f", {metrics['rows_per_s']} rows/s" if metrics.get("rows_per_s") is not None else ""
+        click.echo(f"  done in  {metrics['duration_s']} s, {metrics['output_tok_s']} tok/s{rows}")
 
 
 def _describe_training(job: dict[str, Any]) -> None:
@@ -508,12 +535,16 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
 
     def table(jobs):
+        if not jobs:
+            click.echo(f"no jobs{f' in state {state}' if state else ''}", err=True)
+            return
+        click.echo(f"{'job':<16}  {'state':<10} {'priority':<8} {'done':>7}/{'rows':<7} {'kind':<9} model")
         for j in jobs:
             done = j["rows"]["succeeded"] + j["rows"]["failed"]
             place = j.get("scheduling")
             waits = f"  [#{place['position']}, {place['waiting']}]" if place else ""
             click.echo(
-                f"{j['id']}  {j['state']:<10} {j.get('priority', 'normal'):<6} {done:>7}/"
+                f"{j['id']:<16}  {j['state']:<10} {j.get('priority', 'normal'):<8} {done:>7}/"
                 f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}"
             )
 
@@ -554,23 +585,57 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     show_default=True,
     help="input order, or the order rows finished",
 )
-def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str) -> None:
-    """Finished rows (or, with --errors, failed rows); works while the job still runs."""
+@click.option(
+    "--with-input",
+    is_flag=True,
+    help="put each row's prompt (or chat messages) beside its output, in every format (off by default: prompts are "
+    "often far longer than outputs)",
+)
+def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str, with_input: bool) -> None:
+    """Finished rows (or, with --errors, failed rows); works while the job still runs. How many is said on
+    stderr ("0 failed rows")."""
     if fmt == "parquet" and not output and sys.stdout.isatty():
         raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")
-    chunks = client().download(job_id, format=fmt, errors=errors, order=order)
+    chunks = client().download(job_id, format=fmt, errors=errors, order=order, with_input=with_input)
     out = open(output, "wb") if output else click.get_binary_stream("stdout")
-    size = lines = 0
+    records = RecordCount(fmt)
     try:
         for chunk in chunks:
             out.write(chunk)
-            size, lines = size + len(chunk), lines + chunk.count(b"\n")
+            records.feed(chunk)
     finally:
         if output:
             out.close()
-    if output:
-        what = f"{lines} rows" if fmt in ("jsonl", "openai") else f"{size} bytes"
-        click.echo(f"{what} written to {output}", err=True)
+    rows = records.records(output)
+    noun = "failed row" if errors else "finished row"
+    what = f"{records.size} bytes of Parquet" if rows is None else counted(rows, noun)
+    click.echo(what + (f" written to {output}" if output else ""), err=True)
+
+
+class RecordCount:
+    """The records of a results stream, counted as it passes: JSONL and OpenAI lines, CSV line ends outside quoted
+    cells (a cell may hold a line break) less the header, and a Parquet file's rows from its footer once written
+    to a file (None for Parquet on stdout)."""
+
+    def __init__(self, fmt: str):
+        self.fmt, self.size, self.ends, self.quoted = fmt, 0, 0, False
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.fmt != "csv":
+            self.ends += chunk.count(b"\n")
+            return
+        parts = chunk.split(b'"')  # between quotes, a doubled quote "" closes and reopens: the parity holds
+        outside = parts[::2] if not self.quoted else parts[1::2]
+        self.ends += sum(p.count(b"\n") for p in outside)
+        self.quoted ^= (len(parts) - 1) % 2 == 1
+
+    def records(self, path: str | None) -> int | None:
+        if self.fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows if path else None
+        return max(self.ends - 1, 0) if self.fmt == "csv" else self.ends
 
 
 @cli.command()
@@ -673,6 +738,19 @@ def worker_line(w: dict) -> str:
     stopped = time.time() - (w.get("stopped_at") or w["heartbeat_at"])
     code = f"exit {w['exit_code']}" if w.get("exit_code") is not None else "stopped"
     return f"{line}  {code} {stopped:.0f}s ago" + (f": {w['reason']}" if w.get("reason") else "")
+
+
+@cli.command()
+@click.option("--open", "open_", is_flag=True, help="also open it in this machine's web browser")
+def dashboard(open_: bool) -> None:
+    """Print a URL that opens the web dashboard signed in as your token's owner. It works once, within 60 s, and
+    carries a one-time code, never the token: neither the server's access log nor the browser's history keeps
+    anything that signs in again (README, "Dashboard and monitoring")."""
+    url = client().dashboard_url()
+    click.echo(url)
+    click.echo("(this link signs in once, within 60 s; run `gpujobs dashboard` again for another)", err=True)
+    if open_ and not webbrowser.open(url):
+        click.echo("no web browser could be started here: open the link above yourself", err=True)
 
 
 @cli.command()

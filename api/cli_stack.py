@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -308,6 +309,19 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
         stack.down(log=lambda m: click.echo(m, err=True))
     else:
         click.echo(
-            "the stack is still up: try `gpujobs list`, `gpujobs status ID`; stop it with `gpujobs down`", err=True
+            f"the demo's base model is {model} and its adapter is {finetune['id']}; a job of your own on them "
+            f"(a JSONL of prompts, or a CSV with --column prompt=COLUMN):\n  {next_command(model, finetune['id'], examples)}"
+            "\nthe stack is still up: try `gpujobs list`, `gpujobs status ID`, `gpujobs dashboard`; stop it with "
+            "`gpujobs down`",
+            err=True,
         )
     raise SystemExit(job_exit_code(job))
+
+
+def next_command(model: Path, adapter: str, examples: str) -> str:
+    """The command that runs a generation job on the demo's model and adapter, ready to paste."""
+    prompts = Path(examples).resolve() / "prompts.jsonl"
+    return shlex.join(
+        ["gpujobs", "submit", "generate", "--model", str(model), "--adapter", adapter, "--input", str(prompts)]
+        + ["--max-new-tokens", "24", "--wait"]
+    )

@@ -13,6 +13,7 @@ Every method returns the API's JSON (typed below as TypedDicts: `Job`, `Result`)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any, TypedDict
 
 import httpx
 
+from api.packing import pack_saved_dataset
 from core import errors
 from core.settings import get_settings
 
@@ -61,6 +63,7 @@ class Result(TypedDict, total=False):
 
     custom_id: str
     line: int
+    prompt: str  # with with_input=True (or messages: a list)
     output: str
     finish_reason: str
     prompt_tokens: int
@@ -75,6 +78,7 @@ class Client:
         self.token = token or settings.token
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._fresh: list[str] | None = None  # inside `removed_if_refused`: the file ids uploaded there
 
     def __enter__(self) -> Client:
         return self
@@ -103,24 +107,59 @@ class Client:
         return self._json("GET", "/healthz")
 
     def upload(self, path: str | Path) -> dict[str, Any]:
+        """Store a local file (or a `save_to_disk` directory, packed into one zip) on the server; its `id` names it
+        in a spec."""
+        path = Path(path)
+        if path.is_dir():
+            with pack_saved_dataset(path) as packed:
+                return self.upload(packed)
         with open(path, "rb") as stream:
-            return self._json("POST", "/files", files={"file": (Path(path).name, stream)}, timeout=LONG)
+            file = self._json("POST", "/files", files={"file": (path.name, stream)}, timeout=LONG)
+        if self._fresh is not None:
+            self._fresh.append(file["id"])
+        return file
+
+    def delete_file(self, file_id: str) -> dict[str, Any]:
+        """Delete a stored file of yours that no live job reads (the OpenAI-compatible `DELETE /v1/files/{id}`)."""
+        return self._json("DELETE", f"/v1/files/{file_id}")
+
+    @contextlib.contextmanager
+    def removed_if_refused(self) -> Iterator[None]:
+        """Files uploaded inside the block are deleted again when the block raises a refusal (a 4xx: bad input,
+        no worker can run it, no access), so a refused submit leaves no upload behind. Other errors keep them:
+        after a lost connection or a server error the job may exist and read them."""
+        self._fresh = fresh = []
+        try:
+            yield
+        except errors.JobsError as exc:
+            if 400 <= exc.http_status < 500:
+                for file_id in fresh:
+                    # the refusal is what the caller must see; an upload that could not be removed is only clutter
+                    with contextlib.suppress(errors.JobsError):
+                        self.delete_file(file_id)
+            raise
+        finally:
+            self._fresh = None
 
     def submit(self, spec: dict[str, Any], *, input: str | Path | None = None, priority: str | None = None) -> Job:
-        """Submit a job. `input` (optional) is a local JSONL file, uploaded first; otherwise `spec["input"]` names
-        a file id or a server path. `priority` (low, normal, high; or `spec["priority"]`) orders queued work; high
-        needs a token with the priority or admin scope."""
+        """Submit a job. `input` (optional) is a local dataset (JSONL, OpenAI batch lines, CSV, Parquet, or a
+        `save_to_disk` directory), uploaded first and deleted again if the submit is refused; otherwise
+        `spec["input"]` names a file id or a server path. `priority` (low, normal, high; or `spec["priority"]`)
+        orders queued work; high needs a token with the priority or admin scope. A dataset in which no row can run
+        is refused (InvalidInput), like any bad spec: no job is made."""
         if priority is not None:
             spec = {**spec, "priority": priority}
-        if input is not None:
-            if not Path(input).is_file():
-                raise errors.InvalidInput(
-                    f"input {str(input)!r} is not a local file: give the path of a JSONL "
-                    "dataset, or put a file id / server path in spec['input']"
-                )
-            spec = {**spec, "input": self.upload(input)["id"]}
-        # a submit parses and stores every row before it answers: minutes for millions of rows
-        return self._json("POST", "/jobs", json=spec, timeout=LONG)
+        with self.removed_if_refused():
+            if input is not None:
+                if not Path(input).exists():
+                    raise errors.InvalidInput(
+                        f"input {str(input)!r} is not a local file or directory: give the path of a dataset "
+                        "(JSONL, CSV, Parquet or a save_to_disk directory), or put a file id / server path in "
+                        "spec['input']"
+                    )
+                spec = {**spec, "input": self.upload(input)["id"]}
+            # a submit parses and stores every row before it answers: minutes for millions of rows
+            return self._json("POST", "/jobs", json=spec, timeout=LONG)
 
     def job(self, job_id: str) -> Job:
         return self._json("GET", f"/jobs/{job_id}")
@@ -140,9 +179,12 @@ class Client:
         response = self._request("GET", path, params=params)
         return response.json(), response.headers.get("X-Has-More") == "true"
 
-    def results(self, job_id: str, *, errors: bool = False) -> Iterator[Result]:
+    def results(self, job_id: str, *, errors: bool = False, with_input: bool = False) -> Iterator[Result]:
+        """Finished rows (failed rows with `errors`) in input order, also while the job runs; `with_input` puts
+        each row's `prompt` (or `messages`) beside its output."""
+        params = {"errors": errors} | ({"with_input": True} if with_input else {})
         try:
-            with self.http.stream("GET", f"/jobs/{job_id}/results", params={"errors": errors}) as response:
+            with self.http.stream("GET", f"/jobs/{job_id}/results", params=params) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise _error(response)
@@ -153,11 +195,18 @@ class Client:
             raise errors_unreachable(self.url, exc) from exc
 
     def download(
-        self, job_id: str, *, format: str = "jsonl", errors: bool = False, order: str = "input"
+        self,
+        job_id: str,
+        *,
+        format: str = "jsonl",
+        errors: bool = False,
+        order: str = "input",
+        with_input: bool = False,
     ) -> Iterator[bytes]:
         """The results file as bytes, chunk by chunk: `format` jsonl, openai (the OpenAI Batch output file, or
-        its error file with `errors`), csv or parquet; `order` input or finished."""
-        params = {"errors": errors, "format": format, "order": order}
+        its error file with `errors`), csv or parquet; `order` input or finished; `with_input` puts each row's
+        prompt (or messages) beside its output."""
+        params = {"errors": errors, "format": format, "order": order} | ({"with_input": True} if with_input else {})
         try:
             with self.http.stream("GET", f"/jobs/{job_id}/results", params=params, timeout=LONG) as response:
                 if response.status_code >= 400:
@@ -198,6 +247,12 @@ class Client:
 
     def retry(self, job_id: str, *, failed_only: bool = False) -> Job:
         return self._json("POST", f"/jobs/{job_id}/retry", params={"failed_only": failed_only})
+
+    def dashboard_url(self) -> str:
+        """A URL that opens the dashboard signed in with this client's token, once, within a minute: it carries a
+        one-time code in its fragment, never the token (api/dashboard.py says why)."""
+        code = self._json("POST", "/dashboard/codes")["code"]
+        return f"{self.url}/dashboard#code={code}"
 
     def quotas(self) -> list[dict[str, Any]]:
         """Owners' quotas, running and queued shards and recent GPU-seconds (admins)."""

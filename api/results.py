@@ -20,25 +20,43 @@ from core.store import get_job
 RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 
 
-def results(job_id: str, *, owner: str | None, errors: bool = False, order: str = "input") -> Iterator[dict[str, Any]]:
+INPUT_KEYS = ("prompt", "messages")  # what `with_input` puts beside a row's output
+
+
+def results(
+    job_id: str, *, owner: str | None, errors: bool = False, order: str = "input", with_input: bool = False
+) -> Iterator[dict[str, Any]]:
     """Finished rows (succeeded, or failed with `errors`) in input order or as they finished (`order`), as our
     JSONL records; works while the job still runs."""
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
         where = formats.location(job.spec.get("input_format") or "jsonl")
         for row in _finished_rows(session, job_id, errors=errors, order=order):
-            yield result_record(row, errors=errors, where=where)
+            yield result_record(row, errors=errors, where=where, with_input=with_input)
 
 
 def export(
-    job_id: str, *, owner: str | None, fmt: str = "jsonl", errors: bool = False, order: str = "input"
+    job_id: str,
+    *,
+    owner: str | None,
+    fmt: str = "jsonl",
+    errors: bool = False,
+    order: str = "input",
+    with_input: bool = False,
 ) -> Iterator[bytes]:
     """Finished rows as the bytes of a results file: `jsonl` (ours), `openai` (the OpenAI Batch output file, or
     its error file with `errors`), `csv` or `parquet`. Streams chunk by chunk; works while the job still runs.
 
     CSV and Parquet have the columns custom_id, line (or row), output, finish_reason, prompt_tokens,
     completion_tokens (error, with `errors`), then the rows' pass-through keys as text columns (lists and objects
-    JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet)."""
+    JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet).
+
+    `with_input` puts each row's `prompt` (text) or `messages` (a list; JSON text in CSV and Parquet) beside its
+    output: keys of our JSONL records and of the OpenAI lines (an extension their readers ignore), columns after
+    `line`/`row` in CSV and Parquet (the kinds the job's rows have; both for jobs stored before this was recorded).
+    Off by default: a prompt is often many times longer than its output, and results are downloaded again and
+    again while a job runs. A row refused at submit for its own text has no prompt to give (its `line` locates
+    it)."""
     if fmt not in formats.OUTPUT_FORMATS or order not in ("input", "finished"):
         raise InvalidInput(
             f"format {fmt!r} / order {order!r}: use a format of {', '.join(formats.OUTPUT_FORMATS)} "
@@ -52,17 +70,21 @@ def export(
         if fmt == "openai":
             model = spec.get("model") or ""
             yield from formats.jsonl_chunks(
-                formats.openai_error_record(r, job_id=job_id)
-                if errors
-                else formats.openai_output_record(r, job_id=job_id, model=model)
+                (
+                    formats.openai_error_record(r, job_id=job_id)
+                    if errors
+                    else formats.openai_output_record(r, job_id=job_id, model=model)
+                )
+                | (input_of(r) if with_input else {})
                 for r in rows
             )
             return
-        records = (result_record(r, errors=errors, where=where) for r in rows)
+        records = (result_record(r, errors=errors, where=where, with_input=with_input) for r in rows)
         if fmt == "jsonl":
             yield from formats.jsonl_chunks(records)
             return
-        fixed = ["custom_id", where] + (
+        given = [k for k in INPUT_KEYS if k in info.get("input_kinds", INPUT_KEYS)] if with_input else []
+        fixed = ["custom_id", where, *given] + (
             ["error"] if errors else ["output", "finish_reason", "prompt_tokens", "completion_tokens"]
         )
         keys = info.get("extra_keys") or []
@@ -93,13 +115,16 @@ def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -
     yield from session.scalars(stmt)
 
 
-def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str, Any]:
+def result_record(row: JobRow, *, errors: bool, where: str = "line", with_input: bool = False) -> dict[str, Any]:
     """A row as a line of our JSONL results: its pass-through keys, custom_id, `line` (or `row` for Parquet and
-    saved-dataset inputs), and output, finish_reason and token counts (or error). Several outputs are a list."""
+    saved-dataset inputs), with `with_input` its prompt or messages, and output, finish_reason and token counts
+    (or error). Several outputs are a list."""
     extra = (row.input or {}).get("extra", {})
     record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS and k != where}
     shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS or k == where}
     record.update({"custom_id": row.custom_id, where: row.line})
+    if with_input:
+        record.update(input_of(row))
     if errors:
         record["error"] = row.error
     else:
@@ -112,3 +137,9 @@ def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str
     if shadowed:
         record["extra"] = shadowed
     return record
+
+
+def input_of(row: JobRow) -> dict[str, Any]:
+    """The row's prompt or chat messages as it was stored (`{}` for a row refused before it had one)."""
+    stored = row.input or {}
+    return {k: stored[k] for k in INPUT_KEYS if k in stored}

@@ -49,6 +49,7 @@ SAMPLE_AT_ZERO = (
     "above 0; set one, or set do_sample false for greedy decoding"
 )
 NOT_PASSED_THROUGH = frozenset({"prompt", "messages", "custom_id", *PARAMS})  # what a row's `extra` never holds
+ONE_OF = "a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
 
 
 TOO_LONG = "exceeds the model's context"
@@ -229,6 +230,44 @@ def parse_records(
         if fmt in ("jsonl", "openai"):
             raise InvalidInput("the dataset is empty: expected one JSON object per line with 'prompt' or 'messages'")
         raise InvalidInput(f"the dataset has no rows: expected a {fmt} file with one record per row")
+
+
+def check_prompt_columns(path: Path, fmt: str, columns: dict[str, str] | None) -> None:
+    """Refuse a table input (CSV, Parquet, saved dataset) in which no row can run because no column gives a row its
+    `prompt` or `messages`, naming the columns it has and the mapping that would use one. Read from the header or
+    schema alone, before a single row is parsed. A file whose header the reader refuses, and a mapping to a column
+    the file lacks, are left to the reader, which names the problem."""
+    names = formats.columns_of(path, fmt)
+    if not names or not any(n.strip() for n in names) or len(set(names)) < len(names):
+        return  # no header, an empty one or a repeated name: the reader refuses the file with its own reason
+    if any(theirs not in names for theirs in (columns or {}).values()):
+        return
+    if {"prompt", "messages"} & set(formats.map_columns(dict.fromkeys(names), columns)):
+        return
+    raise InvalidInput(
+        f"the {formats.TABLE_NAMES[fmt]} has no 'prompt' or 'messages' column, so no row can run; its columns "
+        f"are {', '.join(map(repr, names)) or 'none'}: {_map_hint(names, columns)}"
+    )
+
+
+def nothing_runs(total: int, first_error: str | None, keys: Iterable[str], fmt: str) -> InvalidInput:
+    """The refusal of a dataset whose every row is invalid (at submit, or too long for the model): no job is made
+    of it. When rows lack a prompt, the keys the rows have and the mapping that would use one are named."""
+    message = f"no row of the dataset can run ({total} rows, every one invalid); the first: {first_error}"
+    names = [k for k in keys if k != "raw"]
+    if fmt != "openai" and first_error and ONE_OF in first_error and names:
+        return InvalidInput(f"{message}; the rows' keys are {', '.join(map(repr, names))}: {_map_hint(names, None)}")
+    return InvalidInput(f"{message}: fix the dataset and submit it again")
+
+
+def _map_hint(names: list[str], columns: dict[str, str] | None) -> str:
+    """How to map a column to `prompt`, with the first column that is not mapped or ours already as the example."""
+    used = set((columns or {}).values()) | NOT_PASSED_THROUGH | {"id"}
+    example = next((n for n in names if n not in used), names[0] if names else "COLUMN")
+    return (
+        f"map the column that holds the prompt with --column prompt={example} (spec: "
+        f'"input_columns": {{"prompt": {json.dumps(example)}}}), or messages=COLUMN for chat messages'
+    )
 
 
 def too_many_rows(max_rows: int) -> InvalidInput:
@@ -432,7 +471,7 @@ def _encodable(obj: Any) -> bool:
 def _row_input(obj: dict[str, Any], spec: Any = None) -> dict[str, Any]:
     prompt, messages = obj.pop("prompt", None), obj.pop("messages", None)
     if (prompt is None) == (messages is None):
-        raise ValueError("a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)")
+        raise ValueError(ONE_OF)
     params = _row_params({k: obj.pop(k) for k in PARAMS.intersection(obj)}, spec)
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
@@ -636,6 +675,7 @@ class InputCheck:
         model_dir = model_dir or Path(spec.model)
         self.tokens = TokenCheck.for_model(model_dir) if model_dir.is_absolute() and model_dir.is_dir() else None
         self.extra_keys: dict[str, None] = {}
+        self.kinds: set[str] = set()  # prompt and/or messages: the columns `results --with-input` gives tables
         self.too_long = 0
         self.several = (getattr(spec, "num_return_sequences", None) or 1) > 1  # some row has several outputs
 
@@ -652,6 +692,7 @@ class InputCheck:
         good = [r for r in rows if r.error is None]
         for row in good:
             self.several = self.several or (row.input["params"].get("num_return_sequences") or 1) > 1
+            self.kinds.add("prompt" if "prompt" in row.input else "messages")
         for row in rows:  # a failed row's error record carries its pass-through keys too
             if len(self.extra_keys) < EXTRA_KEYS_KEPT:
                 self.extra_keys.update(dict.fromkeys((row.input or {}).get("extra", {})))
@@ -668,6 +709,7 @@ class InputCheck:
             "format": self.spec.input_format,
             "extra_keys": list(self.extra_keys)[:EXTRA_KEYS_KEPT],
             "several_outputs": self.several,
+            "input_kinds": sorted(self.kinds, reverse=True),  # prompt before messages
             "token_check": self.tokens is not None,
             "too_long": self.too_long,
         }

@@ -135,7 +135,11 @@ def check_server_path(path: str, roots: list[Path], *, what: str) -> Path:
     elif not settings.is_loopback:
         raise Forbidden(f"server-side {what} paths are disabled: the API listens beyond loopback and no roots are set")
     if not real.exists():
-        raise InvalidInput(f"{what} path {path!r} does not exist on the server")
+        looked = f"looked for {real}" + (f"; the allowed roots: {os.pathsep.join(map(str, roots))}" if roots else "")
+        raise InvalidInput(
+            f"{what} path {path!r} does not exist on the API's host ({looked}): give a path that exists there, "
+            "or upload the file and give its id"
+        )
     return real
 
 

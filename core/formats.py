@@ -133,6 +133,36 @@ def check_columns(available: Iterable[str], columns: dict[str, str] | None, what
         )
 
 
+TABLE_NAMES = {"csv": "CSV file", "parquet": "Parquet file", "hf": "saved dataset"}
+
+
+def columns_of(path: Path, fmt: str) -> list[str] | None:
+    """The column names of a table input (csv: its header; parquet and hf: their schema), read without reading
+    any row; None for the line formats, whose keys may differ from row to row, or when the names cannot be read
+    (the reader then says what is wrong with the file)."""
+    try:
+        if fmt == "csv":
+            with open(path, encoding="utf-8-sig", errors="replace", newline="") as text:
+                return next(csv.reader(text), None)
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.ParquetFile(path).schema_arrow.names)
+        if fmt == "hf":
+            import pyarrow as pa
+
+            with zipfile.ZipFile(path) as archive:
+                prefix = _dataset_root(set(archive.namelist()))
+                first = _data_files(archive, prefix)[:1]
+                if not first:
+                    return None
+                with archive.open(prefix + first[0]) as stream:
+                    return list(pa.ipc.open_stream(stream).schema.names)
+    except Exception:  # a damaged file (pyarrow raises many types): the reader refuses it with its reason
+        return None
+    return None
+
+
 def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row_bytes: int) -> Iterator[Record]:
     """CSV records: the header names the columns. A record with a wrong number of fields, invalid UTF-8 or more
     than `max_row_bytes` is a failed record; a broken quote that swallows the rest of the file refuses it."""

@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, files, scheduling
-from core.dataset import InputCheck, parse_dataset, retry_can_change
+from core.dataset import InputCheck, nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
@@ -38,6 +38,7 @@ from core.settings import get_settings
 from core.spec import GenerateSpec, Spec
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, insert_rows, new_id, now, open_shards, progress, transition
+from core.text import counted
 from core.training_data import parse_training_file
 
 log = logging.getLogger(__name__)
@@ -118,8 +119,9 @@ def _create(session: Session, new: NewJob, file: File, **values: Any) -> Job:
 
 def _open_generation(session: Session, new: NewJob) -> _Opened:
     """Create a generation job from its stored input: every row checked (token checks where the API can read the
-    tokenizer), then validating, then its shards and running. It stops at `queued` while it waits for a fine-tune,
-    and ends `failed` when every row is invalid."""
+    tokenizer), then validating, then its shards and running. It stops at `queued` while it waits for a fine-tune.
+    A dataset whose every row is invalid (malformed, without a prompt, too long for the model) is refused with
+    InvalidInput and nothing is stored: a failed job would only tell a script later what submit can tell now."""
     (
         spec,
         (ref, _),
@@ -129,19 +131,18 @@ def _open_generation(session: Session, new: NewJob) -> _Opened:
     checked = InputCheck(spec, model_dir=new.model_dir)
     rows = checked.rows(parse_dataset(files.absolute(file), spec.input_format, spec=spec, columns=spec.input_columns))
     total, failed, first_error = insert_rows(session, job.id, rows)
+    if failed == total:  # nothing could run: refused, and the transaction (job, rows, a copied input) rolls back
+        raise nothing_runs(total, first_error, checked.extra_keys, spec.input_format)
     job.rows_total = total
     job.metrics = {"input": checked.summary(), **new.metrics}
     add_event(session, job.id, f"submitted by {new.owner}: {total} rows, {failed} invalid, queue {job.queue}")
     for note in new.notes:
         add_event(session, job.id, note)
-    if new.waits and failed < total:  # queued, no shards: released when the fine-tune ends
+    if new.waits:  # queued, no shards: released when the fine-tune ends
         add_event(session, job.id, f"waiting for fine-tune {spec.adapter} to register its adapter")
         return _Opened(job.id, job.queue, [])
     transition(session, job, JobState.validating, reason="structural checks done")
     add_event(session, job.id, checked.token_note())
-    if failed == total:
-        fail(session, job, f"every row is invalid; the first: {first_error}", rows_failed=failed)
-        return _Opened(job.id, job.queue, [])
     shard_ids = start(session, job, shard_rows=spec.shard_rows or get_settings().shard_rows)
     return _Opened(job.id, job.queue, shard_ids)
 
@@ -209,7 +210,10 @@ def start(session: Session, job: Job, *, shard_rows: int, reason: str | None = N
     once the transaction has committed."""
     shards = create_shards(session, job, shard_rows=shard_rows, max_attempts=get_settings().max_attempts)
     transition(
-        session, job, JobState.running, reason=reason or f"{len(shards)} shards of up to {shard_rows} rows queued"
+        session,
+        job,
+        JobState.running,
+        reason=reason or f"{counted(len(shards), 'shard')} of up to {shard_rows} rows queued",
     )
     return [s.id for s in shards]
 
@@ -267,7 +271,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             session,
             job,
             JobState.queued,
-            reason=f"retry of {len(rerun)} rows requested by {by}",
+            reason=f"retry of {counted(len(rerun), 'row')} requested by {by}",
             retries=Job.retries + 1,
             error=None,
             finished_at=None,
@@ -276,7 +280,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
         )
         transition(session, job, JobState.validating, reason="rows reset")
         shard_ids = _reopen_shards(session, job, {r.idx for r in rerun})
-        transition(session, job, JobState.running, reason=f"{len(shard_ids)} shards re-queued")
+        transition(session, job, JobState.running, reason=f"{counted(len(shard_ids), 'shard')} re-queued")
         queue = job.queue
     dispatch.send(shard_ids, queue)
 
@@ -302,7 +306,12 @@ def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
     )
 
 
-RUN_METRICS = ("duration_s", "output_tok_s", "time_to_first_result_s")  # a run's own; the rest are the job's
+RUN_METRICS = (
+    "duration_s",
+    "output_tok_s",
+    "rows_per_s",
+    "time_to_first_result_s",
+)  # a run's own; the rest are the job's
 
 
 def close_run(job: Job) -> dict[str, Any]:
@@ -516,21 +525,23 @@ def _totals(session: Session, job: Job) -> dict[str, Any]:
     shards = session.scalars(select(Shard).where(Shard.job_id == job.id)).all()
     shard_metrics = [s.metrics or {} for s in shards]
     started = job.started_at or job.created_at  # this run's first claim (a retry resets it)
-    duration = max(now() - started, 1e-9)
-    run_tokens = session.scalar(
-        select(func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
+    duration = max(round(now() - started, 3), 0.001)  # whole ms: the rates below are of the duration shown
+    run_rows, run_tokens = session.execute(
+        select(func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
             JobRow.job_id == job.id, JobRow.finished_at >= started, JobRow.worker.is_not(None)
         )
-    )  # this run's rows
+    ).one()  # this run's rows
     metrics = dict(job.metrics or {})
     metrics.update(
-        duration_s=round(duration, 3),
+        duration_s=duration,
         output_tok_s=round(int(run_tokens) / duration, 2),
+        rows_per_s=round(int(run_rows) / duration, 3),
         gpu_seconds=round(sum(m.get("gpu_seconds", 0.0) for m in shard_metrics), 3),
         engine_seconds=round(sum(m.get("engine_seconds", 0.0) for m in shard_metrics), 3),
         peak_memory_bytes=max((m.get("peak_memory_bytes", 0) for m in shard_metrics), default=0),
     )
     if job.kind == "finetune":
+        metrics.pop("rows_per_s")
         metrics.pop("output_tok_s")  # it generated nothing: its rate is training's (metrics.training, events)
     return dict(
         rows_succeeded=p["succeeded"],
@@ -546,7 +557,7 @@ def _summary(totals: dict[str, Any]) -> str:
     if m.get("output_tok_s") is None:  # a fine-tune: its rows are training rows, it generated nothing
         return f"{totals['rows_succeeded']} training rows in {m['duration_s']:.1f} s"
     return (
-        f"{totals['rows_succeeded']} rows succeeded, {totals['rows_failed']} failed, "
+        f"{counted(totals['rows_succeeded'], 'row')} succeeded, {totals['rows_failed']} failed, "
         f"{totals['completion_tokens']} tokens in {m['duration_s']:.1f} s ({m['output_tok_s']:.1f} tok/s)"
     )
 

@@ -29,8 +29,10 @@ from core.settings import get_settings
 from tests.conftest import ROOT
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")  # an OpenAPI path item's operations
-PUBLIC = {("GET", "/healthz")}  # the only operations that answer without a token
-GLOBAL = {("GET", "/workers"), ("GET", "/models")}  # operations that show no owner's data (shared by everyone)
+# the only operations that answer without a token (the dashboard's session takes a one-time code instead)
+PUBLIC = {("GET", "/healthz"), ("POST", "/dashboard/session")}
+# operations that show no owner's data (shared by everyone, or a code for the caller's own token)
+GLOBAL = {("GET", "/workers"), ("GET", "/models"), ("POST", "/dashboard/codes")}
 ADMIN_ONLY = {
     ("POST", "/models/pull"),
     ("POST", "/models/remove"),

@@ -304,7 +304,8 @@ SPEC_CASES = [
         "dataset server path missing",
         {"input": "{tmp}/nope.jsonl"},
         422,
-        "dataset path '{tmp}/nope.jsonl' does not exist on the server",
+        "dataset path '{tmp}/nope.jsonl' does not exist on the API's host (looked for {tmp}/nope.jsonl): give a "
+        "path that exists there, or upload the file and give its id",
     ),
     ("dataset server path a directory", {"input": "{tmp}"}, 422, "dataset path '{tmp}' is not a regular file"),
 ]
@@ -738,18 +739,30 @@ def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_row(api, model)
     assert job.json()["rows"] == {"total": 1, "succeeded": 0, "failed": 0, "pending": 1}
 
 
-def test_a_dataset_of_only_bad_rows_fails_before_any_shard_is_queued(api, model):
-    """Every row bad: the job ends `failed` with the first reason, its rows are failed rows, no shard exists."""
+def test_a_dataset_of_only_bad_rows_is_refused_and_stores_nothing(api, model):
+    """Every row bad: the submit is refused (422) with the first reason, and no job, row or shard is stored (the
+    upload stays the user's, to submit again with a fix); rows without a prompt name the keys the rows have and
+    the option that maps one."""
     data = lines("{broken", {"prompt": 7}, b"\xff\xfe")
-    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
-    assert job["state"] == "failed"
-    assert (
-        job["error"] == "every row is invalid; the first: line 1: invalid JSON: Expecting property name "
-        "enclosed in double quotes (column 2)"
+    refused(
+        api,
+        {"model": str(model), "input": api.upload(data), "gpus": 0},
+        422,
+        "no row of the dataset can run (3 rows, every one invalid); the first: line 1: invalid JSON: Expecting "
+        "property name enclosed in double quotes (column 2): fix the dataset and submit it again",
     )
-    assert [line for line, _, _ in row_errors(api, job["id"])] == [1, 2, 3]
-    with session_scope() as session:
-        assert session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job["id"])) == 0
+    refused(
+        api,
+        {
+            "model": str(model),
+            "input": api.upload(lines({"question": "q1", "tag": "a"}, {"question": "q2"})),
+            "gpus": 0,
+        },
+        422,
+        f"no row of the dataset can run (2 rows, every one invalid); the first: line 1: {ONE_OF}; the rows' keys "
+        "are 'question', 'tag': map the column that holds the prompt with --column prompt=question (spec: "
+        '"input_columns": {"prompt": "question"}), or messages=COLUMN for chat messages',
+    )
 
 
 def test_200000_tiny_rows_are_accepted(api, model):
@@ -771,13 +784,18 @@ def test_200000_tiny_rows_are_accepted(api, model):
 
 
 def test_the_cli_refuses_bad_input_with_its_exit_code_and_writes_nothing(tmp_path, jobs_env, api_server, model):
-    """Through `gpujobs submit` against a real server: a missing --model, an empty dataset and a missing server
-    path exit 2 with their message and create no job; a dataset whose rows all fail creates a failed job and
-    `--wait` exits 1."""
+    """Through `gpujobs submit` against a real server: a missing --model, an empty dataset, a missing server path
+    and a dataset whose rows all fail (with --wait too) exit 2 with their message and create no job and leave no
+    upload; a job with one good row is accepted."""
     url, token, _ = api_server
     env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
     empty = write_rows(tmp_path / "empty.jsonl", [])
     bad = write_rows(tmp_path / "bad.jsonl", ["{oops", {"prompt": ""}])
+    missing = tmp_path / "missing.jsonl"
+    all_bad = (
+        "Error: no row of the dataset can run (2 rows, every one invalid); the first: line 1: invalid JSON: "
+        "Expecting property name enclosed in double quotes (column 2): fix the dataset and submit it again"
+    )
     cases = [
         (
             ["--input", bad],
@@ -787,27 +805,35 @@ def test_the_cli_refuses_bad_input_with_its_exit_code_and_writes_nothing(tmp_pat
         ),
         (["--model", str(model), "--input", empty, "--gpus", "0"], 2, f"Error: {EMPTY}"),
         (
-            ["--model", str(model), "--input", str(tmp_path / "missing.jsonl"), "--gpus", "0"],
+            ["--model", str(model), "--input", str(missing), "--gpus", "0"],
             2,
-            f"Error: dataset path '{tmp_path / 'missing.jsonl'}' does not exist on the server",
+            f"Error: --input {missing}: no such file or directory on this machine, so it was sent as a path on the "
+            f"API's host; there: dataset path '{missing}' does not exist on the API's host (looked for {missing}): "
+            "give a path that exists there, or upload the file and give its id",
         ),
+        (["--model", str(model), "--input", bad, "--gpus", "0"], 2, all_bad),
+        (["--model", str(model), "--input", bad, "--gpus", "0", "--wait"], 2, all_bad),
     ]
     for args, code, message in cases:
         result = jobs(env, "submit", "generate", *args)
-        assert (result.returncode, result.stderr.strip()) == (code, message), args
+        assert (result.returncode, result.stderr.strip(), result.stdout) == (code, message, ""), args
     with session_scope() as session:
         assert session.scalar(select(func.count()).select_from(Job)) == 0
-    waited = jobs(env, "submit", "generate", "--model", str(model), "--input", bad, "--gpus", "0", "--wait")
-    assert waited.returncode == 1 and waited.stdout.startswith("job_"), waited.stderr
+        assert session.scalar(select(func.count()).select_from(File)) == 0
+    ok = jobs(
+        env,
+        "submit",
+        "generate",
+        "--model",
+        str(model),
+        "--input",
+        write_rows(tmp_path / "ok.jsonl", [{"prompt": "hi"}]),
+        "--gpus",
+        "0",
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith("job_"), ok.stderr
     with session_scope() as session:
-        [job] = session.scalars(select(Job)).all()
-        assert (job.state, job.rows_failed, job.error) == (
-            "failed",
-            2,
-            "every row is invalid; the first: line 1: "
-            "invalid JSON: Expecting property name enclosed in double "
-            "quotes (column 2)",
-        )
+        job = session.scalars(select(Job)).one()
     for args, message in (
         (["--run", "2"], f"Error: job {job.id} has only run 1 (each retry starts the next)"),
         (["--run", "1", "--all-runs"], "Error: give --run N or --all-runs, not both"),

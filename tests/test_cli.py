@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import stat
 
 import pytest
 
 from core.embedded import free_port
+from tests.conftest import ROOT
 from tests.test_e2e import jobs, write_rows
 
 
@@ -35,6 +38,22 @@ def test_up_demo_down_on_a_fresh_home(tmp_path, redis_server):
         assert demo.returncode == 0, demo.stderr
         results = [json.loads(line) for line in open(demo.stdout.strip())]
         assert {r["custom_id"]: r["output"] for r in results}["france-plain"] == "Paris."
+        # the demo says where its model is and prints the exact command of a job on that model and its adapter
+        model = home / "models" / "tiny-base"
+        assert f"the demo's base model is {model} and its adapter is job_" in demo.stderr
+        [command] = [line.strip() for line in demo.stderr.splitlines() if line.startswith("  gpujobs submit")]
+        args = shlex.split(command)
+        assert args[:2] == ["gpujobs", "submit"] and args[args.index("--model") + 1] == str(model)
+        mine = jobs(env, *args[1:])
+        assert mine.returncode == 0 and mine.stdout.startswith("job_"), mine.stderr
+        adapter = args[args.index("--adapter") + 1]
+        job = json.loads(jobs(env, "status", mine.stdout.strip(), "--json", check=True).stdout)
+        assert job["spec"]["adapter"] == adapter and job["rows"]["failed"] == 0
+        # `status` (text) shows a job's adapter: the generation job's, and the fine-tune's own
+        shown = jobs(env, "status", mine.stdout.strip(), check=True).stdout
+        assert f"  adapter  {adapter} (a fine-tune's; loaded merged into the base, sha256 " in shown, shown
+        trained = jobs(env, "status", adapter, check=True).stdout
+        assert f"  adapter  {adapter} (trained by this fine-tune; use it: --adapter {adapter})" in trained, trained
     finally:
         down = jobs(env, "down")
     assert down.returncode == 0
@@ -52,7 +71,13 @@ def cli_env(jobs_env, api_server):
 
 def test_bad_submissions_exit_2_and_write_nothing(tmp_path, cli_env, spawn_worker, tiny_model):
     """An unknown spec field, a model path that does not exist, a pickle-only model and a missing token each
-    get one clear message and exit 2, and no job is created."""
+    get one clear line and exit 2, and no job is created and no upload is left behind (the CLI uploads the input
+    before the server checks the spec, and deletes it again when the submit is refused)."""
+    from sqlalchemy import func, select
+
+    from core.db import session_scope
+    from core.models import File
+
     spawn_worker([])
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
     cases = [
@@ -69,7 +94,9 @@ def test_bad_submissions_exit_2_and_write_nothing(tmp_path, cli_env, spawn_worke
     for args, message in cases:
         result = jobs(cli_env, "submit", "generate", "--input", data, *args)
         assert result.returncode == 2, (args, result.stderr)
-        assert message in result.stderr, (args, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1, (args, result.stderr)
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(File)) == 0
     no_token = jobs({k: v for k, v in cli_env.items() if k != "JOBS_TOKEN"}, "list")
     assert no_token.returncode == 2 and "missing bearer token" in no_token.stderr
     assert json.loads(jobs(cli_env, "list", "--json", check=True).stdout) == []
@@ -288,9 +315,9 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     )
     assert len(rest.json()) == 7 and rest.headers["X-Has-More"] == "false"
     cut = jobs(cli_env, "list", "--limit", "1", check=True)
-    assert cut.stdout.split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
+    assert cut.stdout.splitlines()[1].split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
     whole = jobs(cli_env, "list", "--limit", "2", check=True)
-    assert len(whole.stdout.splitlines()) == 2 and "older jobs exist" not in whole.stderr
+    assert len(whole.stdout.splitlines()) == 1 + 2 and "older jobs exist" not in whole.stderr
 
 
 def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(
@@ -341,3 +368,69 @@ def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old
     assert done["metrics"]["duration_s"] <= done["finished_at"] - retried_at
     history = jobs(cli_env, "status", job_id, "--all-runs", check=True).stdout
     assert "done in" in history and "run 1    cancelled" in history, history
+
+
+def test_read_commands_say_what_they_show(tmp_path, cli_env):
+    """`results` says on stderr how many rows it gave ("0 failed rows", "1 failed row"), also for CSV (a quoted
+    line break is one row); `list` has a header row; counts agree in number ("1 shard"); `submit generate --help`
+    names every input format; a path that is neither here nor on the API's host says where each was looked for."""
+    from tests.test_bad_input import fake_model
+
+    model = fake_model(tmp_path / "model")
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": 'hi\nthere, "you"'}, "{broken"])
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()  # no worker: row 1 stays pending, row 2 failed at submit
+    for args, stdout_lines, said in (
+        ([], 0, "0 finished rows"),
+        (["--errors"], 1, "1 failed row"),
+        (["--errors", "--format", "csv"], None, "1 failed row"),
+        (["--format", "csv", "--with-input"], 1, "0 finished rows"),
+    ):
+        result = jobs(cli_env, "results", job_id, *args, check=True)
+        assert result.stderr == said + "\n", args
+        assert stdout_lines is None or len(result.stdout.splitlines()) == stdout_lines, (args, result.stdout)
+    assert jobs(cli_env, "results", job_id, "--format", "csv", "--with-input", check=True).stdout.startswith(
+        "custom_id,line,prompt,output,"
+    )
+    out = tmp_path / "errors.csv"
+    written = jobs(cli_env, "results", job_id, "--errors", "--format", "csv", "-o", str(out), check=True)
+    assert written.stderr == f"1 failed row written to {out}\n"
+
+    listed = jobs(cli_env, "list", check=True).stdout.splitlines()
+    assert listed[0].split() == ["job", "state", "priority", "done/rows", "kind", "model"]
+    assert listed[1].split()[:4] == [job_id, "running", "normal", "1/2"]
+    assert "1 shard of up to 256 rows queued" in jobs(cli_env, "events", job_id, check=True).stdout
+    status = jobs(cli_env, "status", job_id, check=True).stdout
+    assert "queued   1 shard, position 1 (0 shards ahead)" in status
+
+    helped = " ".join(jobs(cli_env, "submit", "generate", "--help", check=True).stdout.split())
+    assert "JSONL" in helped and "CSV, Parquet or a save_to_disk directory" in helped and "JSONL dataset" not in helped
+
+    missing = jobs(cli_env, "submit", "generate", "--model", str(model), "--input", "nosuch.csv", "--gpus", "0")
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.startswith(
+        f"Error: --input nosuch.csv: no such file or directory in the CLI's working folder ({ROOT}), so it was "
+        "sent as a path on the API's host; there: dataset path 'nosuch.csv' does not exist on the API's host "
+        "(looked for "
+    )
+
+
+def test_the_readmes_tables_have_as_many_cells_as_their_headers():
+    """Every row of every table in README.md has the cells its header names (the exit-code table's row for 6 had a
+    stray third cell)."""
+    table: list[str] = []
+    bad = []
+    for line in [*(ROOT / "README.md").read_text().splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            width = _cells(table[0])
+            bad += [row for row in table[2:] if _cells(row) != width]
+            table = []
+    assert not bad, bad
+
+
+def _cells(row: str) -> int:
+    return len(re.split(r"(?<!\\)\|", row.strip().strip("|")))  # `\|` inside a cell is not a border

@@ -24,7 +24,7 @@ from core import formats
 from core.dataset import ParsedRow, TokenCheck, parse_dataset
 from core.db import session_scope
 from core.errors import InvalidInput
-from core.models import JobRow, Shard
+from core.models import File, Job, JobRow
 from core.spec import parse_spec
 from tests.conftest import wait_for
 from tests.test_bad_input import api, error_of, fake_model, lines, model, refused  # noqa: F401  (fixtures)
@@ -80,7 +80,7 @@ def saved_dataset(folder: Path, *tables: pa.Table) -> Path:
 
 def packed(folder: Path, dest: Path) -> Path:
     """The zip `gpujobs submit --input DIR` uploads."""
-    from api.cli_jobs import pack_saved_dataset
+    from api.packing import pack_saved_dataset
 
     with pack_saved_dataset(folder) as path:
         dest.write_bytes(path.read_bytes())
@@ -406,7 +406,7 @@ def test_a_saved_dataset_is_packed_and_read_across_its_arrow_files(tmp_path):
         (1, "row-1", "b"),
         (2, "row-2", "c"),
     ]
-    from api.cli_jobs import pack_saved_dataset
+    from api.packing import pack_saved_dataset
 
     (tmp_path / "dd").mkdir()
     (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')
@@ -459,6 +459,88 @@ def test_table_inputs_through_the_api(api, model, tmp_path):
     )
 
 
+HINT = (
+    'map the column that holds the prompt with --column prompt=question (spec: "input_columns": {"prompt": '
+    '"question"}), or messages=COLUMN for chat messages'
+)
+NO_PROMPT = "the {what} has no 'prompt' or 'messages' column, so no row can run; its columns are 'question', 'tag': "
+WHAT = {"csv": "CSV file", "parquet": "Parquet file", "hf": "saved dataset"}
+
+
+def table_without_prompt(tmp_path: Path, fmt: str) -> Path:
+    """The issue's q.csv (columns question, tag) as CSV, Parquet or a save_to_disk directory."""
+    data = {"question": ["What is 2+2?", "Name a colour"], "tag": ['a, "quoted"', "b"]}
+    if fmt == "csv":
+        return write(tmp_path / "q.csv", 'question,tag\nWhat is 2+2?,"a, ""quoted"""\nName a colour,b\n')
+    if fmt == "parquet":
+        return parquet_file(tmp_path / "q.parquet", data)
+    return saved_dataset(tmp_path / "q_ds", pa.table(data))
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "hf"])
+def test_a_table_without_a_prompt_column_is_refused_at_submit_naming_its_columns(api, model, tmp_path, fmt):
+    """A CSV, Parquet file or saved dataset with columns question and tag: the HTTP submit is refused (422) naming
+    the columns and the mapping, with an uploaded file and with a server path (nothing copied into the store);
+    with input_columns {prompt: question} the same file is accepted."""
+    path = table_without_prompt(tmp_path, fmt)
+    if fmt == "hf":
+        path = packed(path, tmp_path / "q.hf.zip")
+    message = NO_PROMPT.format(what=WHAT[fmt]) + HINT
+    file_id = api.upload(path.read_bytes(), path.name)
+    refused(api, {"model": str(model), "input": file_id, "gpus": 0}, 422, message)
+    refused(api, {"model": str(model), "input": str(path), "gpus": 0}, 422, message)  # an admin's server path
+    ok = api.submit({"model": str(model), "input": file_id, "gpus": 0, "input_columns": {"prompt": "question"}})
+    assert ok.status_code == 201 and ok.json()["rows"] == {"total": 2, "succeeded": 0, "failed": 0, "pending": 2}
+
+
+def test_the_cli_and_the_client_refuse_a_dataset_no_row_can_run_and_leave_no_upload(
+    tmp_path, jobs_env, api_server, model
+):
+    """`gpujobs submit generate` (exit 2, one line, nothing on stdout) and `Client.submit` (InvalidInput) refuse a
+    CSV, a Parquet file and a saved dataset without a prompt column, naming the columns and `--column`, and a
+    JSONL whose rows all lack a prompt; no job is made and the files they uploaded are deleted again. The option
+    the message names makes the CSV run."""
+    from api.client import Client
+
+    url, token, _ = api_server
+    env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
+    jsonl = write(tmp_path / "q.jsonl", lines({"question": "q1", "tag": "a"}, {"question": "q2", "tag": "b"}))
+    cases = [(table_without_prompt(tmp_path, fmt), NO_PROMPT.format(what=WHAT[fmt]) + HINT) for fmt in WHAT]
+    cases.append(
+        (
+            jsonl,
+            "no row of the dataset can run (2 rows, every one invalid); the first: line 1: a row needs exactly one "
+            "of 'prompt' (a string) or 'messages' (a list of messages); the rows' keys are 'question', 'tag': " + HINT,
+        )
+    )
+    artifacts = Path(jobs_env.env["JOBS_ARTIFACTS"])
+    with Client(url, token) as client:
+        for path, message in cases:
+            result = jobs(env, "submit", "generate", "--model", str(model), "--input", str(path), "--gpus", "0")
+            assert (result.returncode, result.stderr, result.stdout) == (2, f"Error: {message}\n", ""), path
+            with pytest.raises(InvalidInput) as refusal:
+                client.submit({"model": str(model), "gpus": 0}, input=path)
+            assert str(refusal.value) == message
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+        assert session.scalar(select(func.count()).select_from(File)) == 0
+    assert not list(artifacts.glob("files/*"))
+    ok = jobs(
+        env,
+        "submit",
+        "generate",
+        "--model",
+        str(model),
+        "--input",
+        str(cases[0][0]),
+        "--column",
+        "prompt=question",
+        "--gpus",
+        "0",
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith("job_"), ok.stderr
+
+
 # --- the token pre-flight check -------------------------------------------------------------------------------
 
 
@@ -495,7 +577,7 @@ def test_the_token_check_counts_as_the_worker_does(tiny_model):
 
 def test_rows_too_long_fail_in_validating_and_all_too_long_fails_before_any_shard(api, tiny_model):
     """Rows whose prompt + max_new_tokens exceed the context become failed rows with their line; the others stay
-    pending. A dataset where every row is too long fails with no shard queued."""
+    pending. A dataset where every row is too long is refused at submit, and no job, row or shard is stored."""
     long = "What is the capital of France? " * 200
     job = api.submit(
         {
@@ -509,17 +591,24 @@ def test_rows_too_long_fail_in_validating_and_all_too_long_fails_before_any_shar
     errors = api.client.get(f"/jobs/{job['id']}/results", params={"errors": True}, headers=api.admin).text
     assert json.loads(errors)["error"].startswith("line 2: prompt of ")
     assert job["metrics"]["input"]["too_long"] == 1
-    job = api.submit(
+    before = api.stored()
+    response = api.submit(
         {
             "model": str(tiny_model),
             "gpus": 0,
             "max_new_tokens": 500,
             "input": api.upload(lines({"prompt": long}, {"prompt": long + "!"})),
         }
-    ).json()
-    assert job["state"] == "failed" and job["error"].startswith("every row is invalid; the first: line 1: prompt of")
-    with session_scope() as session:
-        assert session.scalar(select(func.count()).select_from(Shard).where(Shard.job_id == job["id"])) == 0
+    )
+    status, message = error_of(response)
+    assert status == 422 and message.startswith(
+        "no row of the dataset can run (2 rows, every one invalid); the first: line 1: prompt of"
+    )
+    assert message.endswith("shorten the prompt or lower max_new_tokens: fix the dataset and submit it again")
+    assert {k: v for k, v in api.stored().items() if k != "on disk"} == {
+        **{k: v for k, v in before.items() if k != "on disk"},
+        "files": before["files"] + 1,  # the upload, the user's to submit again
+    }
 
 
 # --- outputs --------------------------------------------------------------------------------------------------
@@ -608,6 +697,54 @@ def test_results_in_every_format_and_order(api, model):
 
     bad = api.client.get(f"/jobs/{job['id']}/results", params={"format": "xml"}, headers=api.admin)
     assert bad.status_code == 422 and "format" in error_of(bad)[1]
+
+
+def test_with_input_puts_the_prompt_or_messages_beside_the_output_in_every_format(api, model):
+    """`with_input=true` adds each row's prompt (or messages) to JSONL records, OpenAI output and error lines, and
+    as columns after `line` to CSV and Parquet (messages as JSON text); without it no format carries them."""
+    chat = [{"role": "user", "content": "Hi, there"}]
+    data = lines({"prompt": "p, one", "topic": "t"}, {"messages": chat}, {"prompt": "p3", "max_new_tokens": 2})
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "A", 1: "B"})
+    with session_scope() as session:  # row 2 failed in the engine: its error record carries its prompt too
+        session.execute(
+            update(JobRow)
+            .where(JobRow.job_id == job["id"], JobRow.idx == 2)
+            .values(state="failed", error="engine broke", worker="w1")
+        )
+
+    jsonl = [json.loads(x) for x in get(api, job["id"], with_input=True).text.splitlines()]
+    assert jsonl == [
+        {"topic": "t", "custom_id": "line-1", "line": 1, "prompt": "p, one", "output": "A", "finish_reason": "length",
+         "prompt_tokens": 3, "completion_tokens": 4},
+        {"custom_id": "line-2", "line": 2, "messages": chat, "output": "B", "finish_reason": "length",
+         "prompt_tokens": 3, "completion_tokens": 4},
+    ]  # fmt: skip
+    errors = [json.loads(x) for x in get(api, job["id"], errors=True, with_input=True).text.splitlines()]
+    assert errors == [{"custom_id": "line-3", "line": 3, "prompt": "p3", "error": "engine broke"}]
+    openai = [json.loads(x) for x in get(api, job["id"], format="openai", with_input=True).text.splitlines()]
+    assert [(r["custom_id"], r.get("prompt"), r.get("messages")) for r in openai] == [
+        ("line-1", "p, one", None),
+        ("line-2", None, chat),
+    ]
+    openai_errors = get(api, job["id"], format="openai", errors=True, with_input=True).text
+    assert json.loads(openai_errors)["prompt"] == "p3"
+    table = list(csv.reader(io.StringIO(get(api, job["id"], format="csv", with_input=True).text)))
+    assert table[0][:4] == ["custom_id", "line", "prompt", "messages"]
+    assert [r[:5] for r in table[1:]] == [
+        ["line-1", "1", "p, one", "", "A"],
+        ["line-2", "2", "", json.dumps(chat), "B"],
+    ]
+    parquet = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet", with_input=True).content)).to_pylist()
+    assert [(r["prompt"], r["messages"] and json.loads(r["messages"]), r["output"]) for r in parquet] == [
+        ("p, one", None, "A"),
+        (None, chat, "B"),
+    ]
+    for fmt in ("jsonl", "openai", "csv"):  # off by default: no prompt, no messages in any format
+        text = get(api, job["id"], format=fmt).text
+        assert "p, one" not in text and "Hi, there" not in text, fmt
+    plain = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet").content))
+    assert "prompt" not in plain.column_names and "messages" not in plain.column_names
 
 
 def test_table_results_keep_pass_through_columns_and_parquet_rows(api, model, tmp_path):

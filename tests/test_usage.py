@@ -125,7 +125,7 @@ def ledger(any_jobs_env) -> None:
             tokens=(1000, 500),
             metrics={"gpu_seconds": 60.0, "engine_seconds": 40.0},
         )
-        # bob: every row invalid at submit (no metrics at all); carol: cancelled with what ran before the cancel
+        # bob: every row failed before any ran (no metrics at all); carol: cancelled with what ran before the cancel
         add_job(session, "job_b_bad", "bob", "failed", rows=(0, 2))
         add_job(
             session,
