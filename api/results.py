@@ -17,7 +17,16 @@ from core.models import JobRow
 from core.states import RowState
 from core.store import get_job
 
-RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+RESULT_FIELDS = (
+    "custom_id",
+    "line",
+    "output",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "logprobs",
+    "error",
+)
 
 
 def results(job_id: str, *, owner: str | None, errors: bool = False, order: str = "input") -> Iterator[dict[str, Any]]:
@@ -37,7 +46,8 @@ def export(
     its error file with `errors`), `csv` or `parquet`. Streams chunk by chunk; works while the job still runs.
 
     CSV and Parquet have the columns custom_id, line (or row), output, finish_reason, prompt_tokens,
-    completion_tokens (error, with `errors`), then the rows' pass-through keys as text columns (lists and objects
+    completion_tokens (error, with `errors`), logprobs where the job or a row asked for them (JSON text: the
+    OpenAI chat shape, see `result_record`), then the rows' pass-through keys as text columns (lists and objects
     JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet)."""
     if fmt not in formats.OUTPUT_FORMATS or order not in ("input", "finished"):
         raise InvalidInput(
@@ -62,8 +72,11 @@ def export(
         if fmt == "jsonl":
             yield from formats.jsonl_chunks(records)
             return
+        asked = info.get("logprobs") or bool(spec.get("logprobs"))  # the job or some row asked for them
         fixed = ["custom_id", where] + (
-            ["error"] if errors else ["output", "finish_reason", "prompt_tokens", "completion_tokens"]
+            ["error"]
+            if errors
+            else ["output", "finish_reason", "prompt_tokens", "completion_tokens"] + ["logprobs"] * asked
         )
         keys = info.get("extra_keys") or []
         columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
@@ -95,7 +108,10 @@ def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -
 
 def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str, Any]:
     """A row as a line of our JSONL results: its pass-through keys, custom_id, `line` (or `row` for Parquet and
-    saved-dataset inputs), and output, finish_reason and token counts (or error). Several outputs are a list."""
+    saved-dataset inputs), and output, finish_reason and token counts (or error). Several outputs are a list.
+    A row that asked for log-probabilities has `logprobs`: per generated token {token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}, OpenAI's `choices[].logprobs.content` (a list of them per output with
+    several outputs)."""
     extra = (row.input or {}).get("extra", {})
     record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS and k != where}
     shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS or k == where}
@@ -109,6 +125,8 @@ def result_record(row: JobRow, *, errors: bool, where: str = "line") -> dict[str
             prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens,
         )
+        if row.logprobs is not None:
+            record["logprobs"] = row.logprobs
     if shadowed:
         record["extra"] = shadowed
     return record
