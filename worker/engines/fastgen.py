@@ -747,13 +747,13 @@ class Engine:
     def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
         """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
         st = self.state
-        if "bitmask" not in st.outputs:
+        if "bitmask" not in st.outputs:  # kept with the state (a captured graph reads it)
             st.outputs["bitmask"] = torch.full(
                 (st.slots, grammar.words(self.vocab)), -1, dtype=torch.int32, device=st.tok.device
             )
-            self._host_bits = torch.empty(
-                (st.slots, st.outputs["bitmask"].shape[1]), dtype=torch.int32, pin_memory=st.tok.is_cuda
-            )
+        if self._host_bits is None:
+            shape = st.outputs["bitmask"].shape
+            self._host_bits = torch.empty(shape, dtype=torch.int32, pin_memory=st.tok.is_cuda)
         host = self._host_bits[:batch]
         grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
         st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
