@@ -240,9 +240,9 @@ def test_nothing_extra_runs_when_no_row_asks(loaded, tiny_model, slots):
     calls = []
     real = fastgen.Engine._decode
 
-    def spy(self, batch, sample, extras=()):
+    def spy(self, batch, sample, extras=(), phase=None):
         calls.append(extras)
-        return real(self, batch, sample, extras)
+        return real(self, batch, sample, extras, phase)
 
     fastgen.Engine._decode = spy
     try:

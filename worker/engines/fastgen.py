@@ -552,12 +552,21 @@ class Engine:
             ).last_hidden_state[:, 0]
         return self.head(hidden)
 
-    def _decode(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> None:
-        """One decode step over slots 0..batch-1: the next token of every active slot fed back as its input. With
-        `extras` (only for a batch where some row asks): "grammar" masks the logits with the bitmask the host put
-        in `outputs["bitmask"]`, "logprobs" writes the unmasked logits' log-probabilities into `outputs`."""
+    def _decode(self, batch: int, sample: bool, extras: tuple[str, ...] = (), phase: str | None = None) -> None:
+        """One decode step over slots 0..batch-1: the next token of every active slot fed back as its input.
+
+        With `extras` (only for a batch where some row asks): "grammar" masks the logits with the bitmask the host
+        put in `outputs["bitmask"]`, "logprobs" writes the unmasked logits' log-probabilities into `outputs`. A
+        step with a grammar runs in two phases (`Engine.run`): "forward" (the logits, kept in `outputs["logits"]`),
+        then "choose" (mask, pick, logprobs) once the host has the masks: its grammar work overlaps the forward."""
         st = self.state
-        logits = self._mask_eos(self.logits(batch), st.no_eos[:batch])
+        if phase == "choose":
+            logits = st.outputs["logits"][:batch]
+        else:
+            logits = self._mask_eos(self.logits(batch), st.no_eos[:batch])
+            if phase == "forward":
+                st.outputs["logits"][:batch] = logits
+                return
         masked = grammar.apply(logits, st.outputs["bitmask"][:batch]) if "grammar" in extras else logits
         st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
         if "logprobs" in extras:
@@ -565,19 +574,21 @@ class Engine:
                 st.outputs[name][:batch] = value
         st.pos[:batch] += st.active[:batch]
 
-    def step(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> None:
+    def step(self, batch: int, sample: bool, extras: tuple[str, ...] = (), phase: str | None = None) -> None:
         if not self.use_graphs:
-            self._decode(batch, sample, extras)
+            self._decode(batch, sample, extras, phase)
             return
-        graph = self.state.graphs.get((batch, sample, *extras))
+        key = (batch, sample, *extras) if phase is None else (phase, batch, sample, *extras)
+        graph = self.state.graphs.get(key)
         if graph is None:
             with self.progress.phase("capturing CUDA graphs"):
-                graph = self._capture(batch, sample, extras)
+                graph = self._capture(batch, sample, extras, phase)
         graph.replay()
 
-    def _capture(self, batch: int, sample: bool, extras: tuple[str, ...] = ()):
-        """Capture the decode step for `batch` slots as a CUDA graph (after warm-up runs on a side stream, which
-        compile the Triton kernel); the slot inputs are restored afterwards, so capturing changes nothing."""
+    def _capture(self, batch: int, sample: bool, extras: tuple[str, ...] = (), phase: str | None = None):
+        """Capture the decode step (or a `phase` of it) for `batch` slots as a CUDA graph (after warm-up runs on a
+        side stream, which compile the Triton kernel); the slot inputs are restored afterwards, so capturing
+        changes nothing."""
         st = self.state
         t = time.perf_counter()
         saved = (st.tok.clone(), st.pos.clone())
@@ -585,20 +596,21 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode(batch, sample, extras)
+                self._decode(batch, sample, extras, phase)
         torch.cuda.current_stream().wait_stream(stream)
         st.pool = st.pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=st.pool):
-            self._decode(batch, sample, extras)
+            self._decode(batch, sample, extras, phase)
         st.tok.copy_(saved[0])
         st.pos.copy_(saved[1])
         torch.cuda.synchronize()
-        st.graphs[(batch, sample, *extras)] = graph
+        st.graphs[(batch, sample, *extras) if phase is None else (phase, batch, sample, *extras)] = graph
         seconds = time.perf_counter() - t
         st.capture_s += seconds
         log.info(
-            "fast engine: captured the decode step for %d slots%s%s in %.2f s",
+            "fast engine: captured the decode step%s for %d slots%s%s in %.2f s",
+            f" ({phase})" if phase else "",
             batch,
             " (sampling)" if sample else "",
             "".join(f" ({e})" for e in extras),
@@ -707,13 +719,14 @@ class Engine:
             batch = bucket(self.sizes, max(running) + 1)
             sample = any(s.row.params["do_sample"] for s in running.values())
             extras = self._extras(running)
-            if "grammar" in extras:  # the next mask needs the last token: book it first, then fill the masks
+            stepped = list(running.items())
+            if "grammar" in extras:  # the masks need the last tokens: the host books them while the forward runs
+                self._forward(batch)
                 if pending:
                     yield from self._book(*pending, running, free)
                     pending = None
-                    continue
                 self._fill_masks(running, batch)
-            launched = (self._launch(batch, sample, extras), list(running.items()))
+            launched = (self._launch(batch, sample, extras), stepped)
             if pending:
                 yield from self._book(*pending, running, free)
             pending = launched
@@ -758,6 +771,17 @@ class Engine:
         grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
         st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
 
+    def _forward(self, batch: int) -> None:
+        """Launch a grammar step's forward phase (its logits into `outputs["logits"]`, made on first use)."""
+        st = self.state
+        if "logits" not in st.outputs:
+            st.outputs["logits"] = torch.empty(
+                (st.slots, self.vocab), dtype=self.head.weight.dtype, device=st.tok.device
+            )
+        t = time.perf_counter()
+        self.step(batch, False, phase="forward")
+        self.decode_s += time.perf_counter() - t
+
     def _launch(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> Callable[[], tuple[list[int], Any]]:
         """Launch one decode step; returns a function that waits for the step and gives its tokens by slot, and
         with "logprobs" their log-probabilities (CUDA: copied into one of two pinned host buffers, so the host does
@@ -772,7 +796,7 @@ class Engine:
             }
             for name, (dtype, tail) in zeros.items():
                 st.outputs[name] = torch.zeros((st.slots, *tail), dtype=dtype, device=st.tok.device)
-        self.step(batch, sample, extras)
+        self.step(batch, sample, extras, "choose" if "grammar" in extras else None)
         self.steps += 1
         self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
         faults.hit("decode_step")
