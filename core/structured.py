@@ -163,7 +163,7 @@ def problem(params: dict[str, Any]) -> str | None:
         return f"ignore_eos cannot be combined with {name}: the grammar ends the output with EOS"
     try:
         text = grammar(params)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # whatever a fuzzed schema makes the converter raise (ValueError, RecursionError …)
         return f"{name} cannot be compiled: {exc}"
     error = compile_error(text)
     if error and not error.startswith("WARNING"):
