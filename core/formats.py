@@ -4,7 +4,8 @@ Inputs (`input_format` in the spec; `auto` picks one from the content, then the 
 
     jsonl     one JSON object per line: `prompt` or `messages`, optional `custom_id`, per-row sampling parameters
     openai    OpenAI Batch lines: `custom_id`, `method` (POST), `url` (/v1/chat/completions or /v1/completions),
-              `body` (messages or prompt, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, n …)
+              `body` (messages or prompt, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, n,
+              response_format, logprobs, top_logprobs; vLLM's guided_choice, guided_regex, guided_json …)
     csv       a header row, then one row per record (UTF-8, comma separated, RFC 4180 quoting)
     parquet   one record per row
     hf        a Hugging Face dataset saved with `Dataset.save_to_disk`, packed into one zip (the CLI packs the
@@ -19,7 +20,9 @@ Outputs: our JSONL, the OpenAI Batch output and error files, CSV and Parquet, al
 that a large result set is never held in memory and finished rows can be read while the job runs.
 
 The OpenAI Batch API (routes elsewhere) uses the plain functions here: `openai_request` for an input line, and
-`openai_output_record` / `openai_error_record` for the lines of the output and error files.
+`openai_output_record` / `openai_error_record` for the lines of the output and error files. A row's stored
+log-probabilities (OpenAI's chat shape, worker/engines/logprobs.py) become a chat choice's `logprobs.content` or a
+completion choice's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` (`completion_logprobs`).
 """
 
 from __future__ import annotations
