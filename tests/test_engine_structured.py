@@ -108,7 +108,7 @@ def test_constrained_outputs_validate_on_every_engine(loaded, tiny_model, slots,
     results = run(loaded, spec, constrained_rows())
     assert len(results) == 10
     assert check(results) >= 7
-    if engine == "fast":  # a second job on the resident state (its buffers kept, the engine new)
+    if engine == "fast" and not sampled:  # a second job on the resident state (its buffers kept, the engine new)
         assert check(run(loaded, spec, constrained_rows())) >= 7
 
 

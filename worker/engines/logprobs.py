@@ -17,7 +17,6 @@ engine runs its plain CUDA graph, and a variant that also writes `step`'s output
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -26,6 +25,9 @@ from transformers import LogitsProcessor
 from worker.engines import grammar
 
 TOP = 20  # the most top_logprobs a row may ask for (core/structured.py TOP_LOGPROBS_MAX)
+# JSON has no -inf: a token the model gave no probability at all (a masked EOS) is reported as -9999.0, as OpenAI's
+# API reports one
+NO_PROBABILITY = -9999.0
 
 
 def step(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,35 +79,44 @@ class Recorder(LogitsProcessor):
 
 
 class Tokens:
-    """Token texts and bytes for the entries, each token looked up once per job."""
+    """Token texts and bytes for the entries, each token looked up once per tokenizer (kept on the tokenizer
+    object: a random model's G1 touches most of a 150k vocabulary once)."""
 
     def __init__(self, tok, vocab: int, eos: set[int]):
         self.tok = tok
         self.lltok = grammar.lltokenizer(tok, vocab, eos)
-        self.cache: dict[int, tuple[str, list[int]]] = {}
+        self.cache: dict[int, tuple[str, list[int]]] = tok.__dict__.setdefault("_gpujobs_token_texts", {})
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
-        if token not in self.cache:
-            self.cache[token] = (self.tok.decode([token]), list(self.lltok.decode_bytes([token])))
-        return self.cache[token]
+        found = self.cache.get(token)
+        if found is None:
+            found = self.cache[token] = (self.tok.decode([token]), list(self.lltok.decode_bytes([token])))
+        return found
 
 
 def content(
     tokens: Tokens, ids: list[int], picked: list[float], values: list[list[float]], top_ids: list[list[int]], k: int
 ) -> list[dict[str, Any]]:
-    """The entries of one output (`ids` its kept completion tokens; the per-step lists may run longer)."""
+    """The entries of one output (`ids` its kept completion tokens; the per-step lists may run longer). Written for
+    speed: G1 with logprobs builds 1024 × 256 of them, with top-5 each, as its rows finish."""
     out = []
     for step_i, token in enumerate(ids):
         text, raw = tokens(token)
-        top = []
-        for value, alt in zip(values[step_i][:k], top_ids[step_i][:k]):
-            alt_text, alt_raw = tokens(alt)
-            top.append({"token": alt_text, "logprob": _finite(value), "bytes": alt_raw})
-        out.append({"token": text, "logprob": _finite(picked[step_i]), "bytes": raw, "top_logprobs": top})
+        top = (
+            [
+                {"token": alt[0], "logprob": value if value > NO_PROBABILITY else NO_PROBABILITY, "bytes": alt[1]}
+                for value, alt in zip(values[step_i][:k], map(tokens, top_ids[step_i][:k]))
+            ]
+            if k
+            else []
+        )
+        value = picked[step_i]
+        out.append(
+            {
+                "token": text,
+                "logprob": value if value > NO_PROBABILITY else NO_PROBABILITY,
+                "bytes": raw,
+                "top_logprobs": top,
+            }
+        )
     return out
-
-
-def _finite(value: float) -> float:
-    """JSON has no -inf: a token the model gave no probability at all (masked EOS) is -9999.0, as OpenAI's API
-    reports one."""
-    return value if math.isfinite(value) else -9999.0
