@@ -14,6 +14,8 @@ another meaning.
 | 6    | SLICE_MISSING | the slice's GPUs are not visible (no CUDA, or fewer devices)          | no       |
 | 69   | STACK_GONE    | its local stack was stopped (`gpujobs down`: its Redis is gone)       | yes (b)  |
 | 70   | STALLED       | no engine progress within the stall bound; the shard was handed back | yes      |
+| 72   | BROKEN        | its engine or training code does not import in this process; the     | yes      |
+|      |               | shard it held was handed back without counting the attempt           |          |
 
 (a) `gpujobs up`'s supervisor restarts a worker that exited 0 without being asked to stop.
 (b) under `gpujobs up` the whole stack stops with it (api/supervisor.py).
@@ -21,8 +23,13 @@ another meaning.
 Why 70 for a stall: it is sysexits' EX_SOFTWARE (an internal error), far from the small codes of the CLI. A stalled
 worker exits instead of going on: a CUDA context that hung once is not trusted again, and only a fresh process
 gets a fresh one. Restart a stalled worker at once (with backoff if it stalls again). 69 is sysexits'
-EX_UNAVAILABLE. Codes 2, 5 and 6 are start refusals: the same command on the same host fails the same way, so restarting it only loops; fix the host or the
-launcher. A process killed by a signal has no code of its own (the shell shows 128 + the signal: 137 for SIGKILL,
+EX_UNAVAILABLE. 72 (sysexits' EX_OSFILE: a file the program needs is missing or broken) is a process that cannot
+import its engine or training code (worker/preload.py): at start-up, or at job time when a shard failed and the
+modules no longer import (issue 27: two threads' imports raced and left sys.modules broken). The worker's fault,
+not the job's: the shard goes back without counting the attempt, and a fresh process usually imports them whole
+(an install that is broken for good exits 72 at every start, and the restart cap keeps its slot down). Codes 2, 5
+and 6 are start refusals: the same command on the same host fails the same way, so restarting it only loops; fix
+the host or the launcher. A process killed by a signal has no code of its own (the shell shows 128 + the signal: 137 for SIGKILL,
 e.g. the kernel's out-of-memory killer); restart it.
 """
 
@@ -35,6 +42,7 @@ ENV_MISMATCH = 5
 SLICE_MISSING = 6
 STACK_GONE = 69
 STALLED = 70
+BROKEN = 72
 
 MEANINGS = {
     OK: "stopped",
@@ -44,6 +52,7 @@ MEANINGS = {
     SLICE_MISSING: "its GPU slice is not present",
     STACK_GONE: "its stack's Redis is gone",
     STALLED: "engine stalled",
+    BROKEN: "its engine or training code does not import",
 }
 CONFIGURATION = frozenset({USAGE, ENV_MISMATCH, SLICE_MISSING})  # restarting cannot fix these
 

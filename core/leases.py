@@ -33,7 +33,7 @@ from core import adapters, dispatch, scheduling
 from core.db import session_scope
 from core.errors import IllegalTransition, LeaseLost
 from core.jobs import maybe_finalize
-from core.models import Job, JobRow, Shard, ShardRun
+from core.models import Job, JobEvent, JobRow, Shard, ShardRun
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, fail_pending_rows, now, transition
 
@@ -505,5 +505,62 @@ def give_back_stalled(
             give_up(session, shard, f"stalled on attempt {shard.attempts} of {shard.max_attempts} ({worker}): {stall}")
             return idx
         hand_back(session, shard, worker, f"stalled on {worker}: {stall}")
+    dispatch.resend(shard_id)
+    return idx
+
+
+BROKEN_EVENT = "worker_broken"  # the kind of give_back_broken's event
+
+
+def give_back_broken(shard_id: int, worker: str, *, cause: str, error: str, exit_code: int) -> int:
+    """The hand-back of a worker whose process can no longer import its engine or training code (worker/runtime.py,
+    worker/preload.py): the worker's fault, not the job's, so the attempt is not counted, and the shard goes back
+    to the queue and is sent again (cancelled with its stopping job). First a `worker_broken` event (level error:
+    `cause` in one line, the traceback `error` in its data, the worker's `exit_code`).
+
+    The attempt is free only the first `max_attempts` times in the job's run: a cause that followed the shard from
+    worker to worker would otherwise send it round for ever (and take each worker down on the way). From then on it
+    counts, and the shard fails once its attempts are used. Nothing changes when another process owns the shard
+    now. Returns the shard's index in its job."""
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        run = (session.scalar(select(Job.retries).where(Job.id == shard.job_id)) or 0) + 1
+        earlier = session.scalar(
+            select(func.count()).where(
+                JobEvent.shard_id == shard_id, JobEvent.kind == BROKEN_EVENT, JobEvent.run == run
+            )
+        )
+        free = earlier < shard.max_attempts
+        used = shard.attempts - 1 if free else shard.attempts
+        if job_stopping(session, shard.job_id):
+            outcome = "the job is stopping: the shard is cancelled"
+        elif used >= shard.max_attempts:
+            outcome = f"the shard fails: it used its last attempt (broken workers count after {earlier})"
+        else:
+            counted = "not counted" if free else f"counted: broken workers count after {earlier}"
+            outcome = f"the shard goes back to the queue, the attempt {counted} ({used} of {shard.max_attempts} used)"
+        add_event(
+            session,
+            shard.job_id,
+            f"shard {shard.idx} failed on {worker}, whose process can no longer import its code: {cause}; "
+            f"{outcome}; the worker exits with code {exit_code} and a fresh process takes its place",
+            kind=BROKEN_EVENT,
+            level="error",
+            shard_id=shard_id,
+            data={"worker": worker, "cause": cause, "traceback": error, "counted": not free, "exit_code": exit_code},
+        )
+    with session_scope() as session:
+        shard = session.get(Shard, shard_id)
+        idx = shard.idx
+        try:
+            if job_stopping(session, shard.job_id):
+                stop_cancelled(session, shard, worker)
+                return idx
+            if used >= shard.max_attempts:
+                give_up(session, shard, f"failed on attempt {used} of {shard.max_attempts} ({worker}): {cause}")
+                return idx
+            hand_back(session, shard, worker, f"{worker} cannot import its code: {cause}", count_attempt=not free)
+        except IllegalTransition:
+            return idx
     dispatch.resend(shard_id)
     return idx

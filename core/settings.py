@@ -9,6 +9,8 @@ Embedded default (no configuration): everything lives under `JOBS_HOME` (default
     logs/            one log file per process started by `gpujobs up`
     run/stack.json   what `gpujobs up` started: Redis URL, API URL, pids (the supervisor's and its workers')
     token            the local admin token written by `gpujobs up` (mode 0600)
+    compile-cache/   what workers compiled (torch.compile, Triton), per torch/triton/transformers/Python versions
+                     (worker/compile_cache.py)
 
 Cluster: set `JOBS_REDIS_URL`, `JOBS_DATABASE_URL`, `JOBS_API_URL`, `JOBS_ARTIFACTS` (a path every host mounts).
 
@@ -52,6 +54,20 @@ def _broker_wait() -> float | None:
             f"JOBS_BROKER_WAIT_SECONDS={value!r}: give seconds above 0 and below 15 (the broker socket's read timeout)"
         )
     return seconds
+
+
+def _share(name: str, default: float) -> float:
+    """A share above 0 and at most 1."""
+    value = _env(name)
+    if value is None:
+        return default
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{name}={value!r}: give a number above 0 and at most 1 (the default is {default})")
+    return share
 
 
 def _seconds_or_auto(name: str) -> float | None:
@@ -113,6 +129,9 @@ class Settings:
     hub_models: list[str] = field(default_factory=list)  # fnmatch patterns of Hub ids allowed beside the model roots
     hub_min_free_bytes: int = 1 << 30
     hub_timeout: float = 10.0
+    # the share of each GPU's memory a worker may hold: the model, the fast engine's KV cache and its working memory
+    # (vLLM's gpu_memory_utilization); the cache gets what is left of it (worker/engines/fastgen.py `cache_budget`)
+    gpu_memory_utilization: float = 0.9
 
     @property
     def files_dir(self) -> Path:
@@ -231,6 +250,7 @@ def get_settings() -> Settings:
         hostname=_env("JOBS_HOSTNAME"),
         broker_wait_seconds=_broker_wait(),
         stall_seconds=_seconds_or_auto("JOBS_STALL_SECONDS"),
+        gpu_memory_utilization=_share("JOBS_GPU_MEMORY_UTILIZATION", _default("gpu_memory_utilization")),
         hub_endpoint=_env("HF_ENDPOINT", _default("hub_endpoint")).rstrip("/"),
         hub_offline=_true(_env("HF_HUB_OFFLINE")) or _true(_env("TRANSFORMERS_OFFLINE")),
         hub_cache=Path(_env("HF_HUB_CACHE") or _env("HUGGINGFACE_HUB_CACHE") or str(_hf_home() / "hub"))

@@ -114,7 +114,10 @@ def parse_slices(text: str) -> list[list[str]]:
 
 def worker_env(devices: list[str], base: dict[str, str] | None = None) -> dict[str, str]:
     env = pinned_env(devices, os.environ if base is None else base)  # HF_HUB_OFFLINE only if the operator set it
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # a job's prompts are tokenized in one batch that the Rust tokenizer spreads over the host's cores: G2's 2,048
+    # prompts took 1.7 s single-threaded in an H200 worker, ~0.25 s in parallel (ops/bench/results/
+    # 2026-12-04-h200-diagnose). The worker forks nothing that tokenizes (its children exec), so no deadlock risk.
+    env.setdefault("TOKENIZERS_PARALLELISM", "true")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     return env
 

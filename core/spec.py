@@ -192,13 +192,19 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
     async_batching: Literal["auto", "on", "off"] = Field(
         "auto", description="continuous engine: overlap CPU scheduling with the GPU (double buffers)"
     )
+    prefix_cache: Literal["auto", "off"] = Field(
+        "auto",
+        description="fast engine: prompts that start with the same full pages (64 tokens) of an earlier prompt share "
+        "their KV cache and prefill only the rest, within a job and across jobs on a worker; off: every prompt is "
+        "prefilled whole",
+    )
     tp_plan: Literal["auto"] | None = Field(
         None,
         description="auto: tensor parallel over the slice (one process per GPU under torchrun); needs a slice "
         "of 2 or more GPUs, not with device_map auto. Refused at submit for now: docs/design.md 'Several GPUs'",
     )
 
-    @field_validator("cuda_graphs", "async_batching", mode="before")
+    @field_validator("cuda_graphs", "async_batching", "prefix_cache", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: Any) -> Any:
         # YAML 1.1 (and so `--set cuda_graphs=on` and spec files) reads on/off as booleans

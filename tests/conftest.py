@@ -278,9 +278,9 @@ def stop_all(procs: list[Proc], timeout: float = 20) -> None:
 
 
 def started(database_url: str, pid: int) -> bool:
-    """Registered online and done with its start-up: the worker records its QLoRA probe (importing bitsandbytes,
-    seconds of CPU) in a thread after registering, which on a loaded machine competed with the first job for long
-    enough to outlast waits meant for the job."""
+    """Registered online and done with its start-up: its registration has the QLoRA probe's answer (it runs before
+    the worker registers, after its heavy imports: worker/preload.py; a worker of an older layout recorded it
+    later, from a thread)."""
     from sqlalchemy import select
 
     from core.db import session_scope

@@ -513,6 +513,18 @@ def test_worker_unit_restarts_a_failed_worker_except_configuration_errors_within
     assert (unit_lines(unit, "StartLimitIntervalSec"), unit_lines(unit, "StartLimitBurst")) == (["600"], ["5"])
 
 
+def test_the_readme_lists_every_worker_exit_code_and_whether_it_is_restarted():
+    """README's "Worker exit codes" table has a row for each code of core/exits.py, and says "yes" to a restart
+    exactly where core.exits.restartable does (0: no, a clean stop)."""
+    from core import exits
+
+    text = (ROOT / "README.md").read_text().split("### Worker exit codes", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| \d+ \|", line)]
+    table = {int(code): restart.strip() for code, _, restart in rows}
+    assert set(table) == set(exits.MEANINGS)
+    assert {c for c, r in table.items() if r.startswith("yes")} == {c for c in table if exits.restartable(c)}
+
+
 def test_systemd_units_verify(tmp_path):
     """systemd-analyze verify accepts both units (a slice instance and the API), with their programs pointed at
     this environment."""

@@ -367,6 +367,23 @@ def test_prompts_tokenized_as_a_batch_equal_one_by_one(loaded):
     assert isinstance(mixed[0], Exception) and mixed[1] == alone[0]
 
 
+def test_texts_decoded_as_a_batch_equal_one_by_one(loaded):
+    """decode_many (one call to the Rust tokenizer for many rows) gives each row tok.decode's text, special tokens
+    skipped; `sequences` cuts each at its EOS and stop string as `sequence` does row by row."""
+    import random
+
+    tok = loaded.tokenizer
+    rng = random.Random(0)
+    specials = sorted(set(tok.all_special_ids))
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randint(0, 40))] + specials[:1] for _ in range(50)]
+    assert common.decode_many(tok, rows) == [tok.decode(r, skip_special_tokens=True) for r in rows]
+    eos = {tok.eos_token_id}
+    items = [
+        (r, eos, [tok.decode(r[3:5], skip_special_tokens=True)] if i % 3 == 0 else None) for i, r in enumerate(rows)
+    ]
+    assert common.sequences(tok, items) == [common.sequence(tok, *item) for item in items]
+
+
 # --- sdpa_gqa (worker/attention.py) --------------------------------------------------------------------------
 
 

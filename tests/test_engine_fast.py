@@ -487,27 +487,46 @@ def test_consecutive_runs_of_different_shapes_on_one_resident_state_equal_a_fres
 
 
 def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny_model, monkeypatch):
-    """The pages of a new state come from the device memory free after the model (simulated: a 'GPU' whose driver
-    reports a budget minus what is allocated, the resident cache included). The resident cache counts as free, since
-    a new state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it
-    (a handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
+    """The pages of a new state come from the device's memory (simulated: a 'GPU' whose driver reports its total
+    and what is free, the model and the resident cache allocated). The resident cache counts as free, since a new
+    state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it (a
+    handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
     per_page = fastgen.page_bytes(loaded.model)
-    budget = (
-        fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * 32 + int(40.5 * per_page / fastgen.CACHE_FRACTION)
-    )
+    working = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * fastgen.GRAPH_BYTES_PER_VOCAB
+    model_bytes = 10 * per_page
+    total = int((40.5 * per_page + model_bytes + working) / 0.9)  # JOBS_GPU_MEMORY_UTILIZATION's default
 
-    def driver_free(device):  # what mem_get_info would report: the resident cache is allocated
-        return budget - fastgen.resident_bytes(loaded.model)
+    def driver_memory(device):  # what mem_get_info would report: the model and the resident cache are allocated
+        return total - model_bytes - fastgen.resident_bytes(loaded.model), total
 
-    monkeypatch.setattr(fastgen, "device_free", driver_free)
+    monkeypatch.setattr(fastgen, "device_memory", driver_memory)
     fastgen.release(loaded.model)
     try:
         assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
         state = fastgen.state_for(loaded.model, loaded.device, 640)
         assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
         assert fastgen.state_for(loaded.model, loaded.device, 640) is state
+        smaller = 0.9 - 20 * per_page / total  # the setting takes 20 pages' worth away
+        assert fastgen.size(loaded.model, loaded.device, 640, utilization=smaller) == (fastgen.MAX_SLOTS, 20)
     finally:
         fastgen.release(loaded.model)
+
+
+def test_the_cache_takes_the_configured_share_of_the_gpu_less_what_is_in_use():
+    """cache_budget: JOBS_GPU_MEMORY_UTILIZATION x the GPU's total memory, less what is in use (this model, another
+    process's memory) and the engine's working memory; never negative."""
+    gib = 2**30
+    assert fastgen.cache_budget(100 * gib, 90 * gib, 5 * gib, 0.9) == 75 * gib  # 10 GiB of model
+    assert fastgen.cache_budget(100 * gib, 70 * gib, 5 * gib, 0.9) == 55 * gib  # another process holds 20 GiB
+    assert fastgen.cache_budget(100 * gib, 90 * gib, 5 * gib, 1.0) == 85 * gib
+    assert fastgen.cache_budget(100 * gib, 40 * gib, 5 * gib, 0.5) == 0
+
+
+def test_no_room_for_the_cache_names_the_setting(loaded, monkeypatch):
+    """A share too small for any page fails with a message that names JOBS_GPU_MEMORY_UTILIZATION and what to do."""
+    monkeypatch.setattr(fastgen, "device_memory", lambda device: (90 * 2**30, 100 * 2**30))
+    with pytest.raises(torch.OutOfMemoryError, match="JOBS_GPU_MEMORY_UTILIZATION=0.1 allows 10.0 GiB.*raise the"):
+        fastgen.size(loaded.model, loaded.device, 640, utilization=0.1)
 
 
 def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fails(
@@ -531,3 +550,118 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     out = run_auto(loaded, tiny_model, long)
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
     fastgen.release(loaded.model)
+
+
+def test_gpu_memory_utilization_setting_is_a_share_of_the_gpu(monkeypatch):
+    """JOBS_GPU_MEMORY_UTILIZATION: unset is 0.9, a number above 0 and at most 1 is taken, anything else is refused
+    with the variable's name and what to give."""
+    from core.settings import get_settings, reset
+
+    for value, expected in (("", 0.9), ("0.5", 0.5), ("1", 1.0)):
+        monkeypatch.setenv("JOBS_GPU_MEMORY_UTILIZATION", value)
+        reset()
+        assert get_settings().gpu_memory_utilization == expected
+    for value in ("0", "1.5", "most"):
+        monkeypatch.setenv("JOBS_GPU_MEMORY_UTILIZATION", value)
+        reset()
+        with pytest.raises(ValueError, match=f"JOBS_GPU_MEMORY_UTILIZATION='{value}': give a number above 0 and at"):
+            get_settings()
+    reset()
+
+
+# --- a shared prompt prefix computed once (worker/engines/pages.py; issue 26) --------------------------------------
+
+INSTRUCTION = "Answer the question in one word, the way the sky is blue and the water is wet: " * 12
+
+
+def prefixed_rows(n: int, instruction: str = INSTRUCTION) -> list[tuple[int, dict]]:
+    """`n` rows that share a long instruction (several full pages) and differ after it."""
+    questions = [q for q, _ in qa_pairs()] + ["hello", "What is", "water city sky", "the the the"]
+    return [(i, row(instruction + questions[i % len(questions)] + " #" * (i % 5), max_new_tokens=12)) for i in range(n)]
+
+
+def test_rows_sharing_a_prefix_prefill_only_the_rest_and_give_the_outputs_of_a_whole_prefill(loaded, tiny_model, slots):
+    """Rows whose prompts start with one instruction of several full pages: with the prefix cache the first row
+    prefills it and the others (admitted in the same round) prefill only their own tokens after it, reading the
+    instruction's cached pages; every greedy output equals the run without reuse (prefix_cache off), and the engine
+    counts the prompt tokens it read from the cache."""
+    slots(16)
+    rows = prefixed_rows(12)
+    tok = loaded.tokenizer
+    shared_pages = len(tok(INSTRUCTION)["input_ids"]) // fastgen.PAGE
+    assert shared_pages >= 2
+    off_info: dict = {}
+    off = run(loaded, make_spec(tiny_model, engine="fast", prefix_cache="off"), rows, info=off_info)
+    fastgen.release(loaded.model)
+    info: dict = {}
+    cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(cached) == fields(off)
+    assert off_info["fast"]["prefix_tokens_reused"] == 0 and off_info["fast"]["prefix_cache"] is False
+    stats = info["fast"]
+    assert stats["prompt_tokens"] == sum(r.prompt_tokens for r in cached.values())
+    assert stats["prefix_tokens_reused"] >= (len(rows) - 1) * shared_pages * fastgen.PAGE
+
+
+def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_model, slots):
+    """The cached pages outlive the run: a second job with the same instruction reads it from the cache for every
+    row, its first included, and gives the same outputs; rows with another instruction prefill it whole."""
+    slots(16)
+    rows = prefixed_rows(8)
+    first = run(loaded, make_spec(tiny_model, engine="fast"), rows)
+    info: dict = {}
+    second = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(second) == fields(first)
+    pages = len(loaded.tokenizer(INSTRUCTION)["input_ids"]) // fastgen.PAGE
+    assert info["fast"]["prefix_tokens_reused"] >= len(rows) * pages * fastgen.PAGE
+    other: dict = {}
+    run(loaded, make_spec(tiny_model, engine="fast"), prefixed_rows(2, "Say it backwards: " * 30), info=other)
+    assert other["fast"]["prefix_tokens_reused"] < 2 * fastgen.PAGE * pages
+
+
+def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
+    loaded, tiny_model, slots, monkeypatch
+):
+    """A cache of few pages and rows of three instructions one after another: cached prefix pages are evicted
+    (least recently used first) to make room, and every output still equals the run without reuse."""
+    slots(4)
+    monkeypatch.setattr(fastgen, "CPU_PAGES", 16)
+    fastgen.release(loaded.model)
+    rows = []
+    for k, text in enumerate(("First tell: ", "Then say: ", "Now write: ")):
+        rows += [(10 * k + i, r) for i, (_, r) in enumerate(prefixed_rows(5, text * 25))]
+    off = run(loaded, make_spec(tiny_model, engine="fast", prefix_cache="off"), rows)
+    fastgen.release(loaded.model)
+    info: dict = {}
+    cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(cached) == fields(off)
+    assert info["fast"]["prefix_tokens_reused"] > 0
+
+
+def test_the_page_pool_counts_references_and_evicts_the_least_recently_used_prefix():
+    """pages.Pool: shared pages are reference-counted; a registered page no sequence uses stays cached (idle) and
+    is evicted least recently used first, which unregisters it (and makes the blocks after it unreachable); a
+    registration whose prefill never launched is forgotten; a new run keeps the cache."""
+    from worker.engines.pages import Pool
+
+    a, b, c = (1,) * 4, (2,) * 4, (3,) * 4
+    pool = Pool(7)  # pages 1..6
+    first = pool.take([], 3)
+    assert pool.register(first, [a, b]) == first[:2]  # only full prompt pages are blocks
+    assert pool.match([a, b, c]) == first[:2] and pool.match([b]) == []
+    second = pool.take(pool.match([a, b]), pool.cost(first[:2], 3))
+    assert second[:2] == first[:2] and pool.refs[first[0]] == 2 and pool.reused == 2
+    pool.give_back(first)
+    assert pool.refs[first[0]] == 1 and first[0] not in pool.idle and first[2] in pool.free
+    pool.give_back(second)
+    assert list(pool.idle) == first[:2] and pool.available() == 6
+    assert pool.cost(first[:2], 7) is None and pool.cost(first[:2], 6) == 4
+    other = pool.take([], 5)  # 4 free pages, then the least recently used cached one
+    assert first[0] in other and pool.match([a, b]) == []
+    pool.give_back(other)
+    pending = pool.take([], 1)
+    pool.register(pending, [c])
+    pool.forget(pending)  # its sequence still holds it: free once given back, not cached
+    pool.give_back(pending)
+    assert pool.match([c]) == [] and pending[0] in pool.free and pending[0] not in pool.idle
+    pool.start_run()
+    assert pool.refs == {} and set(pool.idle) == {first[1]} and pool.available() == 6

@@ -34,6 +34,12 @@ PACKAGES = (
 
 @cache
 def versions() -> dict[str, str | None]:
+    """The versions of PACKAGES installed (None: not installed), read once per process (a copy each call)."""
+    return dict(_versions())
+
+
+@cache  # packages do not change under a running worker; reading their metadata cost ms per job
+def _versions() -> dict[str, str | None]:
     found = {}
     for name in PACKAGES:
         try:

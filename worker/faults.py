@@ -17,6 +17,10 @@
     hang_after_N@POINT   stall the watchdog must catch (worker/progress.py). hang_after_N lets N hits pass first.
                          Points: decode_step (every decode step of every engine), prefill (a prefill chunk of the
                          fast engine), train_step (each logged training step), rankR_step.
+    break_MODULE@POINT   make MODULE fail to import in this process from then on, and import it there (it raises
+                         ModuleNotFoundError): the state a race of two threads' imports left a worker in (issue 27),
+                         e.g. once_break_torch._dynamo@load (every model load) or once_break_peft@preload (a worker's
+                         start-up imports, worker/preload.py)
     once_ACTION@POINT    ACTION in the first process of the stack (same JOBS_HOME) to reach it, and in no other:
                          e.g. once_hang_after_30@decode_step stalls one worker and not the one restarted after it
 
@@ -57,6 +61,8 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
             raise RuntimeError(f"injected failure (JOBS_TEST_FAULTS {fault})")
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action.startswith("break_"):
+            _break(action.removeprefix("break_"))
         if action.startswith("exit_"):
             os._exit(int(action.removeprefix("exit_")))
         if action == "truncate" and path is not None:
@@ -73,6 +79,16 @@ def hit(point: str, *, rows: int = 0, path=None) -> None:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by JOBS_TEST_FAULTS at {point}, {rows} rows)")
 
 
+def _break(module: str) -> None:
+    """Every later import of `module` in this process fails (None in sys.modules), and so does this one."""
+    import importlib
+    import sys
+
+    log.warning("JOBS_TEST_FAULTS: %s no longer imports in this process", module)
+    sys.modules[module] = None
+    importlib.import_module(module)
+
+
 def _first(fault: str, action: str) -> bool:
     """Whether this process is the first of its stack to fire `fault` (a marker file under JOBS_HOME, created
     once). A hang_after_N counts its own hits first: only the hit that would block claims the marker."""
@@ -81,6 +97,7 @@ def _first(fault: str, action: str) -> bool:
     from core.settings import get_settings
 
     marker = get_settings().home / f"fault-fired-{fault.replace('@', '-at-')}"
+    marker.parent.mkdir(parents=True, exist_ok=True)  # a fault at start-up may come before anything made it
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:

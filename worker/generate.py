@@ -155,4 +155,10 @@ def prepare_engine(loaded: Loaded, spec: GenerateSpec, progress: Progress | None
         return None  # the job fails with that reason when it runs
     if name != "fast":
         return None
-    return fastgen.summary(fast.prepared_state(loaded, progress=progress))
+    state = fast.prepared_state(loaded, progress=progress)
+    summary = fastgen.summary(state)
+    if state.compiled:
+        from worker import compile_cache
+
+        summary["compile_cache"] = compile_cache.stats()  # hits: compiled code read from JOBS_HOME, not compiled
+    return summary

@@ -11,8 +11,13 @@ thread to come back to Python.
 
 The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state
 offline: it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
-(exits.ENV_MISMATCH, 5) or the slice's GPUs are not visible (exits.SLICE_MISSING, 6). A stalled engine ends the
+(exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), or its engine or training code
+does not import (exits.BROKEN, 72: restartable, a fresh process may import it whole). A stalled engine ends the
 process with exits.STALLED (70; worker/runtime.py).
+
+The start-up order, each step before the next: the checks and every heavy import in the main thread
+(worker/preload.py has the order and why), then the other threads (models, heartbeat, flex_attention probe, stack
+watch) with the QLoRA probe and the registration, then Celery's solo pool in the main thread.
 
 Tests only: JOBS_TEST_MISSING_GPUS_OK=1 starts a worker whose slice's GPUs are missing anyway (it registers its
 queue and fails GPU jobs at load), so CI on a CPU host can run the launchers' GPU-slice workers (tests/test_deploy.py).
@@ -27,6 +32,7 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 
 from celery import signals
 
@@ -92,18 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     lease_ms = int(get_settings().lease_seconds * 1000)
     os.environ.setdefault("PGOPTIONS", f"-c idle_in_transaction_session_timeout={lease_ms} -c lock_timeout=5000")
 
+    from worker import compile_cache
+
+    compile_cache.use(get_settings().home)  # before torch compiles anything: compiled code kept under JOBS_HOME
+
     devices = [d for d in args.slice.split(",") if d]
     host = get_settings().hostname or socket.gethostname()
     name = args.name or f"w{os.getpid()}-{'gpu' + '-'.join(devices) if devices else 'cpu'}@{host}"
     queue = queue_for(len(devices))
 
-    from worker import capabilities, faults, stackwatch
-    from worker import runtime as rt
+    from worker import capabilities, faults, preload, stackwatch  # light: the standard library and core
 
-    runtime = rt.Runtime(name=name, host=host, slice=args.slice, queues=[queue], gpus=len(devices))
+    where = Where(name=name, host=host, slice=args.slice, queues=[queue])
     if os.environ.get("CUDA_VISIBLE_DEVICES") != args.slice or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
         return refuse(
-            runtime,
+            where,
             exits.ENV_MISMATCH,
             (
                 f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} / CUDA_DEVICE_ORDER="
@@ -115,8 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     if problem and os.environ.get(MISSING_GPUS_OK) == "1":
         log.error("%s=1 (tests only): starting although %s", MISSING_GPUS_OK, problem)
     elif problem:
-        return refuse(runtime, exits.SLICE_MISSING, problem)
+        return refuse(where, exits.SLICE_MISSING, problem)
+    try:  # every heavy import, in this thread, before any other thread starts (worker/preload.py: the order, why)
+        preload.preload()
+    except preload.Broken as exc:
+        return refuse(where, exits.BROKEN, str(exc))
 
+    from worker import runtime as rt
+
+    runtime = rt.Runtime(name=name, host=host, slice=args.slice, queues=[queue], gpus=len(devices))
     from worker import tasks
 
     tasks.use(runtime)
@@ -147,15 +163,52 @@ def main(argv: list[str] | None = None) -> int:
     return (controllers[0].exitcode if controllers else None) or 0
 
 
-def refuse(runtime, code: int, reason: str) -> int:
+@dataclass(frozen=True)
+class Where:
+    """Who a worker is: what its registration is keyed and listed by."""
+
+    name: str
+    host: str
+    slice: str
+    queues: list[str]
+
+
+def refuse(where: Where, code: int, reason: str) -> int:
     """Do not start: say why on stderr and in the registration (offline, with the reason and exit code, so
     `gpujobs workers` shows it), and return the exit code."""
     log.error("refusing to start (exit %d): %s", code, reason)
     try:
-        runtime.refuse(os.getpid(), code, reason)
+        register_refusal(where, os.getpid(), code, reason)
     except Exception:  # noqa: BLE001  no database: the message and the exit code still say it
-        log.exception("could not record the refusal of %s in the database", runtime.name)
+        log.exception("could not record the refusal of %s in the database", where.name)
     return code
+
+
+def register_refusal(where: Where, pid: int, code: int, reason: str) -> None:
+    """Register as a worker that did not start: offline, with why and its exit code (never on a queue). What it can
+    run is left out when the process cannot tell (its imports are broken: exits.BROKEN)."""
+    from core import registry
+    from core.db import session_scope
+    from core.settings import get_settings
+    from worker import capabilities
+
+    try:
+        caps, gpus = capabilities.probe(), capabilities.gpus()
+    except Exception as exc:  # noqa: BLE001  the reason says why; the row is written all the same
+        caps, gpus = {"probe_error": f"{type(exc).__name__}: {exc}"}, []
+    with session_scope() as session:
+        registry.register(
+            session,
+            name=where.name,
+            host=where.host,
+            pid=pid,
+            slice=where.slice,
+            queues=where.queues,
+            gpus=gpus,
+            capabilities=caps,
+            restarts=get_settings().worker_restarts,
+        )
+        registry.stopped(session, where.name, exit_code=code, reason=f"refused to start: {reason}")
 
 
 if __name__ == "__main__":

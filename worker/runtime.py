@@ -16,6 +16,14 @@ shard back (the attempt counts: a shard that stalls on every attempt fails after
 reason; a cancelled job's shard is cancelled), sends it again for another worker, records the reason on its
 registration and exits with `core.exits.STALLED`: a CUDA context that hung is not trusted again. Committed rows
 stay; the next claim takes only pending rows.
+
+Threads and imports: the process imports its heavy modules once, in the main thread, before `start_heartbeat` starts
+the heartbeat and the flex_attention probe's thread (worker/preload.py has the whole start-up order and why: two
+threads' imports of torch raced and broke the process, issue 27). Neither thread imports anything heavy; the QLoRA
+probe runs in the main thread at registration. A shard that fails while the process's engine or training code no
+longer imports (`preload.check`) is the worker's fault (`_on_broken`): the shard goes back without counting the
+attempt (core/leases.py `give_back_broken`), the registration says why, and the process exits with
+`core.exits.BROKEN`.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryErro
 from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from worker import capabilities, failures, faults, generate, hubfetch, loader
+from worker import capabilities, failures, faults, generate, hubfetch, loader, preload
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
@@ -72,7 +80,10 @@ class Runtime:
     # --- lifecycle ---------------------------------------------------------------------------------------
 
     def register(self, pid: int) -> None:
+        """Register online with what this worker can run, the QLoRA probe's answer included (after
+        preload.preload(): bitsandbytes is imported, the probe is one small 4-bit matmul)."""
         caps = capabilities.probe()
+        caps["qlora"] = capabilities.probe_qlora(capabilities.gpus())
         with session_scope() as session:
             registry.register(
                 session,
@@ -86,44 +97,19 @@ class Runtime:
                 restarts=get_settings().worker_restarts,
             )
         log.info(
-            "worker %s registered: slice %r, queues %s, %d CUDA device(s)",
+            "worker %s registered: slice %r, queues %s, %d CUDA device(s); QLoRA %s",
             self.name,
             self.slice,
             self.queues,
             caps["device_count"],
+            caps["qlora"],
         )
 
-    def refuse(self, pid: int, exit_code: int, reason: str) -> None:
-        """Register as a worker that did not start: offline, with why and its exit code (never on a queue)."""
-        caps = capabilities.probe()
-        with session_scope() as session:
-            registry.register(
-                session,
-                name=self.name,
-                host=self.host,
-                pid=pid,
-                slice=self.slice,
-                queues=self.queues,
-                gpus=capabilities.gpus(),
-                capabilities=caps,
-            )
-            registry.stopped(session, self.name, exit_code=exit_code, reason=f"refused to start: {reason}")
-
     def start_heartbeat(self) -> None:
+        """Start the heartbeat and the flex_attention probe's thread: after preload.preload(), never before."""
         self._beat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._beat.start()
-        threading.Thread(target=self._probe_qlora, name="qlora-probe", daemon=True).start()
         threading.Thread(target=self._probe_flex, name="flex-probe", daemon=True).start()
-
-    def _probe_qlora(self) -> None:
-        """Merge the (slow) bitsandbytes 4-bit probe into this worker's registration once it has run."""
-        try:
-            result = capabilities.probe_qlora(capabilities.gpus())
-            with session_scope() as session:
-                registry.heartbeat(session, self.name, current_shard_id=self.current, extra={"qlora": result})
-            log.info("worker %s: QLoRA probe %s", self.name, result)
-        except Exception:
-            log.exception("QLoRA probe of %s failed to record", self.name)
 
     def _probe_flex(self) -> None:
         """Merge the flex_attention compile probe into this worker's registration (and drop flex_attention from
@@ -260,6 +246,43 @@ class Runtime:
         _flush_output()
         os._exit(exits.STALLED)
 
+    def _on_broken(self, shard_id: int, job_id: str, cause: str, error: str) -> None:
+        """A shard failed and this process can no longer import its engine or training code (worker/preload.py):
+        give the shard back without counting the attempt (core/leases.py `give_back_broken`), record why on the
+        registration and end the process with exits.BROKEN; its supervisor starts a fresh one, which imports them
+        whole. Never returns: nothing this process would run next imports either. As for a stall, the process
+        exits within STALL_EXIT_GRACE_S whatever cannot be written; the lease then expires and a reaper re-queues
+        the shard (that attempt counts)."""
+        exit_timer = threading.Timer(STALL_EXIT_GRACE_S, os._exit, [exits.BROKEN])
+        exit_timer.daemon = True
+        exit_timer.start()
+        log.error(
+            "%s shard id %s: %s is broken (%s): it hands the shard back and exits", job_id, shard_id, self.name, cause
+        )
+        where = f"job {job_id}, shard id {shard_id}"
+        try:
+            idx = leases.give_back_broken(shard_id, self.name, cause=cause, error=error, exit_code=exits.BROKEN)
+            where = f"job {job_id}, shard {idx}"
+        except Exception:
+            log.exception(
+                "%s could not give back shard %s: its lease expires and the reaper re-queues it", job_id, shard_id
+            )
+        try:
+            with session_scope() as session:
+                registry.stopped(
+                    session,
+                    self.name,
+                    exit_code=exits.BROKEN,
+                    reason=f"broken: {cause} ({where}); exit code {exits.BROKEN}",
+                )
+        except Exception:
+            log.exception("could not record on the registration of %s why it exits", self.name)
+        for proc in self._probes:  # os._exit ends no child
+            if proc.poll() is None:
+                proc.kill()
+        _flush_output()
+        os._exit(exits.BROKEN)
+
     # --- the shard runner --------------------------------------------------------------------------------
 
     def run_shard(self, shard_id: int) -> None:
@@ -288,6 +311,9 @@ class Runtime:
         except Exception as exc:
             error = traceback.format_exc()
             log.error("%s shard %s failed on %s:\n%s", shard.job_id, shard.idx, self.name, error)
+            broken = preload.check()  # the process's own code no longer imports: the worker's fault, not the job's
+            if broken is not None:
+                self._on_broken(shard.id, job.id, broken, error)  # never returns
             cause = failures.final_cause(exc)  # an error that fails the same way on every attempt, or None
             if cause is not None:
                 leases.fail_final(shard.id, self.name, cause, error)

@@ -29,9 +29,12 @@ Phases, each in its own process so each starts on an empty GPU (default `service
 Throughput counts real tokens (padding excluded) over the steps after the first `--warm-steps`, from each step's
 logged time: "steady" = tokens / seconds over those steps (checkpoint saves included), "median" = the median step.
 Compile time (ours compiles before step 1) and the first steps are reported apart. JSON: `f1.service.train_tok_s`,
-`f1.engine.train_tok_s`, `f1.baseline.train_tok_s`, `f1.peak_gib` (ours), `f1.loss_agreement` (|ours − plain| /
-plain at every step both logged, passes at ≤ 2 %), `f1.loss_fall` (passes at ≥ 50 %), `f1.variants.*`, ratios,
-settings, commit, device, versions. A phase cut by the budget keeps what it logged (`partial`).
+`f1.engine.train_tok_s`, `f1.baseline.train_tok_s`, `f1.peak_gib` (ours), `f1.loss_agreement` (the mean of
+|ours − plain| / plain over every step both logged and over the last half, each ≤ 1 %; the worst step reported),
+`f1.loss_fall` (passes at ≥ 50 %), `f1.variants.*`, ratios, settings, commit, device, versions. A phase cut by the
+budget keeps what it logged (`partial`). `--repeat N` runs each phase and variant N times, interleaved, while the
+budget allows: each reports its median run, with every run's throughput and the spread under `runs`.
+Targets (issue 25): ≥ 120,000 training tok/s at ≤ 40 GiB through the service, the curves agreeing as above.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from ops.bench import harness  # after the repository root is on sys.path
 
-TARGET_TOK_S, TARGET_GIB, AGREEMENT, FALL = 90_000, 40.0, 0.02, 0.5
+TARGET_TOK_S, TARGET_GIB, AGREEMENT, FALL = 120_000, 40.0, 0.01, 0.5  # issue 25's F1 targets
 VARIANTS = {  # name: spec overrides of one short engine run each
     "auto": {},
     "no-compile": {"compile": "off"},
@@ -156,18 +159,26 @@ def summarize(records: list[dict], warm: int) -> dict:
 
 
 def agreement(ours: dict[int, float], plain: dict[int, float]) -> dict:
+    """The learning curves agree (issue 25): the mean relative difference of the losses is within AGREEMENT over
+    every step both logged and over the last half of them; the worst step is reported (single steps of a noisy
+    curve can differ more, which is why the mean is judged)."""
     common = sorted(set(ours) & set(plain))
     if not common:
         return {"passed": False, "steps_compared": 0, "tolerance": AGREEMENT}
     diffs = {s: abs(ours[s] - plain[s]) / abs(plain[s]) for s in common}
     worst = max(diffs, key=diffs.get)
+    late = common[len(common) // 2 :]
+    mean_all = sum(diffs.values()) / len(diffs)
+    mean_late = sum(diffs[s] for s in late) / len(late)
     return {
-        "passed": diffs[worst] <= AGREEMENT,
+        "passed": mean_all <= AGREEMENT and mean_late <= AGREEMENT,
+        "mean_rel_diff": round(mean_all, 5),
+        "mean_rel_diff_last_half": round(mean_late, 5),
         "max_rel_diff": round(diffs[worst], 5),
         "worst_step": worst,
-        "mean_rel_diff": round(sum(diffs.values()) / len(diffs), 5),
         "steps_compared": len(common),
         "tolerance": AGREEMENT,
+        "definition": "mean |ours - plain| / plain over every step both logged, and over the last half; both <= tolerance",
     }
 
 
@@ -206,6 +217,8 @@ def child_engine(args: argparse.Namespace) -> dict:
         if len(records) % 10 == 0:
             harness.write_json(args.child_out, {**out, "records": records, "partial": True}, indent=None)
 
+    if args.profile_steps:
+        _profile_training(args, torch)
     with tempfile.TemporaryDirectory() as work:
         result = finetune(
             opts,
@@ -220,6 +233,43 @@ def child_engine(args: argparse.Namespace) -> dict:
     if torch.cuda.is_available():
         out["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
     return out
+
+
+def _profile_training(args: argparse.Namespace, torch) -> None:
+    """Profile `--profile-steps` optimizer steps after the warm ones (torch.profiler, CPU + CUDA): the device time
+    per kernel, grouped by name, goes to `--profile-out` (a table). Patches Trainer.training_step, which the Trainer
+    calls once per micro-batch; the optimizer steps between them are inside the profiled window."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Trainer
+
+    spec = json.loads(args.spec_json)
+    micro = spec.get("gradient_accumulation", 1)
+    first, last = args.warm_steps * micro + 1, (args.warm_steps + args.profile_steps) * micro
+    original, calls, holder = Trainer.training_step, [0], {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def training_step(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == first:
+            holder["prof"] = profile(activities=activities).__enter__()
+            holder["t"] = time.perf_counter()
+        out = original(self, *a, **k)
+        if calls[0] == last and "prof" in holder:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - holder["t"]
+            prof = holder.pop("prof")
+            prof.__exit__(None, None, None)
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
+            host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90)
+            Path(args.profile_out).write_text(
+                f"{args.profile_steps} optimizer steps ({last - first + 1} micro-batches, the optimizer steps between "
+                f"them included) in {seconds:.3f} s wall\n{table}\nBy host time:\n{host}"
+            )
+        return out
+
+    Trainer.training_step = training_step
 
 
 def child_baseline(args: argparse.Namespace) -> dict:
@@ -375,7 +425,12 @@ def run_child(args: argparse.Namespace, phase: str, spec: dict, budget_s: float)
         str(max(budget_s - 30, 10)),
         "--baseline-batch",
         str(args.baseline_batch),
+        "--warm-steps",
+        str(args.warm_steps),
     ]
+    if args.profile_steps and phase == "engine":
+        profile_out = args.out.with_name(f"{args.out.stem}-profile-{spec.get('name', 'f1')}.txt")
+        cmd += ["--profile-steps", str(args.profile_steps), "--profile-out", str(profile_out)]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True, check=False)
@@ -565,24 +620,30 @@ def main(argv: list[str] | None = None) -> int:
     f1, left = report["f1"], box.left
     main_spec = bench_spec(args, args.steps)
     report["spec"] = main_spec
-    for i, phase in enumerate(args.phases):
-        if phase == "variants":
-            f1["variants"] = run_variants(args, left)
-            continue
-        steps_s = args.steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s[phase]
-        keep = sum(RESERVE_S[later] for later in args.phases[i + 1 :]) * args.estimate_scale + 5
-        if not box.fits(phase, OVERHEAD_S[phase] * args.estimate_scale + 0.3 * steps_s, keep_s=keep):
-            continue
-        budget = left() - keep
-        log(f"{phase}: {args.steps} steps, {budget:.0f} s of {left():.0f} s left")
-        if phase == "service":
-            f1["service"] = ours_summary(run_service(args, main_spec, budget), args.warm_steps)
-        elif phase == "engine":
-            f1["engine"] = ours_summary(run_child(args, "engine", main_spec, budget), args.warm_steps)
-        else:
-            # same spec: the same blocks, 16 rows a step; --baseline-batch rows per forward
-            f1["baseline"] = baseline_summary(run_child(args, "baseline", main_spec, budget), args.warm_steps)
-        _finish(report, args)
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeat):  # the phases interleaved, --repeat times; a repeat that does not fit is skipped
+        for i, phase in enumerate(args.phases):
+            if phase == "variants":
+                if rep == 0:
+                    f1["variants"] = run_variants(args, left)
+                continue
+            steps_s = args.steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s[phase]
+            keep = sum(RESERVE_S[later] for later in args.phases[i + 1 :]) * args.estimate_scale + 5
+            name = phase if rep == 0 else f"{phase} (repeat {rep + 1})"
+            if not box.fits(name, OVERHEAD_S[phase] * args.estimate_scale + 0.3 * steps_s, keep_s=keep):
+                continue
+            budget = left() - keep
+            log(f"{name}: {args.steps} steps, {budget:.0f} s of {left():.0f} s left")
+            if phase == "service":
+                summary = ours_summary(run_service(args, main_spec, budget), args.warm_steps)
+            elif phase == "engine":
+                summary = ours_summary(run_child(args, "engine", main_spec, budget), args.warm_steps)
+            else:
+                # same spec: the same blocks, 16 rows a step; --baseline-batch rows per forward
+                summary = baseline_summary(run_child(args, "baseline", main_spec, budget), args.warm_steps)
+            runs.setdefault(phase, []).append(summary)
+            f1[phase] = median_run(runs[phase])
+            _finish(report, args)
     _finish(report, args)
     print_table(report["f1"])
     print(args.out)
@@ -590,19 +651,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_variants(args: argparse.Namespace, left) -> dict:
-    results = {}
-    for name in args.variants:
-        steps_s = args.variant_steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s["engine"]
-        if left() < OVERHEAD_S["variant"] * args.estimate_scale + steps_s:
-            results[name] = {"skipped": f"{left():.0f} s left"}
-            continue
-        log(f"variant {name}: {args.variant_steps} steps, {left():.0f} s left")
-        spec = bench_spec(args, args.variant_steps, **VARIANTS[name], checkpoint_steps=10**6)
-        results[name] = {
-            "overrides": VARIANTS[name],
-            **ours_summary(run_child(args, "engine", spec, left() - 5), min(args.warm_steps, args.variant_steps // 3)),
-        }
+    """Each variant --repeat times, interleaved (auto, batch16, auto, batch16, ...), so a drift of the machine
+    over the call spreads over all of them; each variant reports its median run and the spread."""
+    runs: dict[str, list[dict]] = {}
+    results: dict[str, dict] = {}
+    for rep in range(args.repeat):
+        for name in args.variants:
+            steps_s = args.variant_steps * args.seq * args.batch * args.grad_accum / args.expect_tok_s["engine"]
+            if left() < OVERHEAD_S["variant"] * args.estimate_scale + steps_s:
+                results.setdefault(name, {"skipped": f"{left():.0f} s left"})
+                continue
+            log(f"variant {name} (run {rep + 1} of {args.repeat}): {args.variant_steps} steps, {left():.0f} s left")
+            spec = bench_spec(args, args.variant_steps, **VARIANTS[name], checkpoint_steps=10**6, name=f"f1-{name}")
+            warm = min(args.warm_steps, args.variant_steps // 3)
+            runs.setdefault(name, []).append(
+                {"overrides": VARIANTS[name], **ours_summary(run_child(args, "engine", spec, left() - 5), warm)}
+            )
+            results[name] = median_run(runs[name])
     return results
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run at the median training throughput, with every run's throughput, the median and the spread under
+    `runs` (harness.repeated): a lever is kept only when its gain is outside the spread."""
+    stats = harness.repeated([r.get("train_tok_s") for r in runs])
+    if stats["median"] is None:
+        return {**runs[-1], "runs": stats}
+    middle = min(runs, key=lambda r: abs((r.get("train_tok_s") or 0) - stats["median"]))
+    return {**middle, "runs": stats}
 
 
 def _finish(report: dict, args: argparse.Namespace) -> None:
@@ -662,6 +738,9 @@ def print_table(f1: dict) -> None:
             + ("  ERROR" if r.get("error") else "")
             + ("  (partial)" if r.get("partial") else "")
         )
+        stats = r.get("runs") or {}
+        if len(stats.get("runs") or []) > 1:
+            print(f"{'':<30} runs {', '.join(f'{v:,.0f}' for v in stats['runs'])}: spread {stats['spread']:.1%}")
     for key in ("loss_agreement", "loss_fall", "ratios", "targets"):
         if f1.get(key):
             print(f"{key}: {json.dumps(f1[key])}")
@@ -695,6 +774,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--variant-steps", type=int, default=30)
     p.add_argument(
+        "--repeat",
+        type=int,
+        help="runs of each phase and variant, interleaved, while the budget allows (median and spread reported; "
+        "default 3, 1 with --smoke)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=410,
@@ -704,6 +789,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--estimate-scale", type=float, default=1.0, help="scale of the per-phase overhead estimates")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: tiny model, short blocks, few steps")
+    p.add_argument(
+        "--profile-steps", type=int, default=0, help="profile this many steps after the warm ones (engine runs)"
+    )
+    p.add_argument("--profile-out", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=["engine", "baseline"], help=argparse.SUPPRESS)
     p.add_argument("--spec-json", help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -714,6 +803,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seq, args.batch, args.grad_accum, args.baseline_batch = 128, 2, 2, 4
         args.steps, args.warm_steps, args.variant_steps, args.min_words, args.max_words = 12, 2, 4, 8, 60
         args.estimate_scale, args.variants = 0.0, "auto"
+    args.repeat = args.repeat or (1 if args.smoke else 3)
     args.model = args.model or args.work / ("model-tiny" if args.smoke else "model")
     args.phases = [
         x for x in (args.phases or ("service,baseline,variants" if args.smoke else "service,baseline")).split(",") if x

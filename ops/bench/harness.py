@@ -211,6 +211,18 @@ class TimeBox:
 # --- measuring -----------------------------------------------------------------------------------------------------
 
 
+def repeated(values: list[float]) -> dict[str, Any]:
+    """The median of repeated measurements of one thing and their spread ((max - min) / median): a change smaller
+    than the spread is not a measured change."""
+    import statistics
+
+    values = [v for v in values if v]
+    if not values:
+        return {"runs": [], "median": None, "spread": None}
+    median = statistics.median(values)
+    return {"runs": values, "median": median, "spread": round((max(values) - min(values)) / median, 4)}
+
+
 def sync() -> None:
     """Wait for the GPU's queued work (nothing on CPU): a timer read after it measures the work, not the launch."""
     import torch

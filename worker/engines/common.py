@@ -201,17 +201,36 @@ def eos_ids(loaded: Loaded) -> set[int]:
 
 def sequence(tok, tokens: list[int], eos: set[int], stop: list[str] | None) -> tuple[str, str, int]:
     """One generated sequence as (text, finish_reason, completion tokens): cut at EOS or before a stop string."""
-    end = next((i for i, t in enumerate(tokens) if t in eos), None)
-    finish = "stop" if end is not None else "length"
-    kept = tokens[: end + 1] if end is not None else tokens
-    text = tok.decode(kept, skip_special_tokens=True)
-    hits = [s for s in stop or [] if s in text]
-    if hits:
-        # `generate` ends a row on the token that completes a stop string and pads it after that (with a pad token
-        # that may be an EOS): count the tokens through the stop string, not the padding, whatever the batch.
-        kept = kept[: min(_tokens_through(tok, kept, s) for s in hits)]
-        text, finish = text[: min(text.index(s) for s in hits)], "stop"
-    return text, finish, len(kept)
+    return sequences(tok, [(tokens, eos, stop)])[0]
+
+
+def sequences(tok, items: list[tuple[list[int], set[int], list[str] | None]]) -> list[tuple[str, str, int]]:
+    """`sequence` for many (tokens, eos, stop) at once: the texts are decoded in one batch (`decode_many`)."""
+    cut = []
+    for tokens, eos, _ in items:
+        end = next((i for i, t in enumerate(tokens) if t in eos), None)
+        cut.append((tokens[: end + 1] if end is not None else tokens, "stop" if end is not None else "length"))
+    out = []
+    for (kept, finish), text, (_, _, stop) in zip(cut, decode_many(tok, [k for k, _ in cut]), items):
+        hits = [s for s in stop or [] if s in text]
+        if hits:
+            # `generate` ends a row on the token that completes a stop string and pads it after that (with a pad
+            # token that may be an EOS): count the tokens through the stop string, not the padding, whatever the
+            # batch.
+            kept = kept[: min(_tokens_through(tok, kept, s) for s in hits)]
+            text, finish = text[: min(text.index(s) for s in hits)], "stop"
+        out.append((text, finish, len(kept)))
+    return out
+
+
+def decode_many(tok, token_lists: list[list[int]]) -> list[str]:
+    """`tok.decode(tokens, skip_special_tokens=True)` of each list, in one call to the Rust tokenizer where that
+    gives the same text (a fast tokenizer that cleans up no spaces): it decodes in parallel and skips transformers'
+    per-token conversion, which cost 0.2 s of host time per 1,024 rows of 256 tokens (G1 on the H200)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or getattr(tok, "clean_up_tokenization_spaces", False) or len(token_lists) < 2:
+        return [tok.decode(tokens, skip_special_tokens=True) for tokens in token_lists]
+    return backend.decode_batch(token_lists, skip_special_tokens=True)
 
 
 def row_result(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from core.leases import RowResult
+from core.settings import get_settings
 from core.spec import GenerateSpec
 from worker.engines import fastgen, grammar, logprobs
 from worker.engines.common import (
@@ -27,7 +28,7 @@ from worker.engines.common import (
     idx_sorted,
     prepare,
     row_result,
-    sequence,
+    sequences,
     vocab_width,
 )
 from worker.loader import Loaded
@@ -80,7 +81,10 @@ def run(
             )
         else:
             groups.setdefault(item.params["seed"], []).extend(_seqs(loaded, item, eos))
-    stats = info.setdefault("fast", {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0})
+    stats = info.setdefault(
+        "fast",
+        {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prefix_tokens_reused": 0},
+    )
     info["attn_implementation"] = (
         f"{fastgen.NAME} (decode: "
         + ("triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference")
@@ -88,13 +92,25 @@ def run(
     )
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
-        for finished in _run_fast(loaded, group, seed, eos, should_stop, on_event, stats, progress):
+        for finished in _run_fast(
+            loaded, group, seed, eos, should_stop, on_event, stats, progress, spec.prefix_cache != "off"
+        ):
+            complete = []  # rows whose every sample finished: their texts are decoded in one batch
             for seq in finished:
                 got = done.setdefault(seq.row.idx, {})
                 got[seq.k] = seq
                 if len(got) == seq.row.n:
-                    ready.append(_result(loaded, [got[k] for k in range(seq.row.n)], eos, started))
+                    complete.append([got[k] for k in range(seq.row.n)])
                     del done[seq.row.idx]
+            row_eos = lambda row: set() if row.params["ignore_eos"] else eos  # noqa: E731
+            texts = iter(
+                sequences(
+                    loaded.tokenizer,
+                    [(s.tokens, row_eos(s.row), s.row.params["stop"]) for row in complete for s in row],
+                )
+            )
+            for row in complete:
+                ready.append(_result(loaded, row, [next(texts) for _ in row], eos, started))
             if len(ready) >= batch_rows:  # rows that finished in one step are committed together
                 yield idx_sorted(ready)
                 ready = []
@@ -115,14 +131,12 @@ def _seqs(loaded: Loaded, item: Prepared, eos: set[int]) -> list[fastgen.Seq]:
     return seqs
 
 
-def _result(loaded: Loaded, seqs: list[fastgen.Seq], eos: set[int], started: float) -> RowResult:
-    """A row's result from its finished sequences: text cut at EOS or a stop string, with its log-probabilities."""
+def _result(loaded: Loaded, seqs: list[fastgen.Seq], cut: list, eos: set[int], started: float) -> RowResult:
+    """A row's result from its finished sequences and their texts (`cut`: `sequences`), with its log-probabilities."""
     row, tok = seqs[0].row, loaded.tokenizer
     error = grammar.failure([s.guide for s in seqs])
     if error:
         return RowResult(row.idx, prompt_tokens=len(row.ids), started_at=started, error=error)
-    row_eos = set() if row.params["ignore_eos"] else eos
-    cut = [sequence(tok, s.tokens, row_eos, row.params["stop"]) for s in seqs]
     k = logprobs.wanted(row.params)
     lps = None
     if k is not None:
@@ -144,6 +158,7 @@ def prepared_state(
         graphs=graphs,
         compiled=graphs and fastgen.COMPILE,
         fraction=fraction,
+        utilization=get_settings().gpu_memory_utilization,
         progress=progress,
     )
 
@@ -172,9 +187,10 @@ def _run_fast(
     on_event,
     stats: dict[str, Any],
     progress: Progress,
+    prefix_cache: bool = True,
 ) -> Iterator[list[fastgen.Seq]]:
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
-    slots and the cache and reruns the unfinished sequences."""
+    slots and the cache and reruns the unfinished sequences. `prefix_cache`: prompts share cached prefix pages."""
     model = loaded.model
     cap, fraction = fastgen.MAX_SLOTS, 1.0
     todo = list(group)
@@ -182,7 +198,7 @@ def _run_fast(
         if seed is not None:
             torch.manual_seed(seed)
         for seq in todo:
-            seq.tokens, seq.slot, seq.pages, seq.done = [], -1, [], False
+            seq.tokens, seq.slot, seq.pages, seq.done, seq.prefix = [], -1, [], False, 0
             seq.lp = None if seq.lp is None else []
             if seq.guide is not None:
                 seq.guide.reset()
@@ -199,6 +215,7 @@ def _run_fast(
                 graphs=graphs,
                 compiled=graphs and fastgen.COMPILE,
             )
+            engine.reuse = prefix_cache
             with torch.inference_mode():
                 for seqs in engine.run(todo, should_stop, progress):
                     finished.update(id(seq) for seq in seqs)

@@ -53,6 +53,7 @@ import torch
 from core.dataset import fast_unsupported
 from worker import faults
 from worker.engines import decode_attention, grammar, logprobs
+from worker.engines import pages as pages_mod
 from worker.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,10 @@ MAX_LEN = 16384  # the longest sequence (prompt + max_new_tokens) the page table
 CPU_SLOTS = 16  # on CPU (tests): a small batch
 CPU_PAGES: int | None = None  # on CPU: pages in the cache (None: enough for every slot to hold the longest sequence)
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
+PREFIX_TOKENS = 4 * PREFILL_TOKENS  # cached prefix positions a prefill chunk reads (their K/V gathered per layer)
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
-CACHE_FRACTION = 0.92  # of what is left after the reserve: an H200 still holds ~1M tokens of a 0.6B model's KV
+GRAPH_BYTES_PER_VOCAB = 32  # per slot and vocabulary entry: the CUDA graphs' logits and fp32 sampling temporaries
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
 # which fuses the norms, RoPE and activations that eager mode launches as dozens of small kernels per layer. Once
@@ -84,6 +86,7 @@ class _Step:
     state: SlotState
     pages: torch.Tensor | None = None  # prefill: (rows, width) the page of each position of each row
     splits: int = 1
+    prefix: torch.Tensor | None = None  # prefill after a shared prefix: (rows, prefix pages) of each row's table
 
 
 def fast_attention(
@@ -109,9 +112,21 @@ def fast_attention(
         pages, offsets = step.pages[:, :length], state.offsets[:length]
         k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
         v_cache[pages, :, offsets] = value.transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-        )
+        causal: Any = True
+        if step.prefix is not None:  # the rows' shared prefix pages come first: (rows, kv_heads, prefix, dim)
+            key = torch.cat((_gather(k_cache, step.prefix), key), dim=2)
+            value = torch.cat((_gather(v_cache, step.prefix), value), dim=2)
+            causal = causal_lower_right(query.shape[2], key.shape[2])  # query i sees keys up to prefix + i
+        with _prefill_backend(query):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                attn_mask=None if causal is True else causal,
+                is_causal=causal is True,
+                scale=scale,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
         return out.transpose(1, 2), None
     batch = query.shape[0]
     page, offset = state.write_page[:batch], state.write_offset[:batch]
@@ -121,6 +136,32 @@ def fast_attention(
         query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits
     )
     return out[:, None], None
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The K or V of `pages` (rows, n) of one layer's cache (pages, kv_heads, PAGE, dim) as (rows, kv_heads,
+    n * PAGE, dim), positions in order."""
+    rows, n = pages.shape
+    got = cache[pages]  # (rows, n, kv_heads, PAGE, dim)
+    return got.permute(0, 2, 1, 3, 4).reshape(rows, got.shape[2], n * PAGE, got.shape[4])
+
+
+def causal_lower_right(queries: int, keys: int):
+    from torch.nn.attention.bias import causal_lower_right as bias
+
+    return bias(queries, keys)
+
+
+def _prefill_backend(query: torch.Tensor):
+    """The prefill's attention runs FlashAttention on CUDA in half precision. SDPA's default there is cuDNN, which
+    builds an execution plan on the host for every new shape: a prefill chunk's width is its longest prompt, so a
+    job of mixed lengths met a new shape per chunk and paid ~2 s of plan building on G2 (py-spy in the worker,
+    ops/bench/results/2026-12-04-h200-diagnose; a warm engine rerun on the same shapes did not)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return contextlib.nullcontext()
 
 
 def register() -> str:
@@ -209,6 +250,8 @@ class SlotState:
     eos: tuple[int, ...] | None = None  # the EOS ids the captured graphs mask (`eos_index`, on the device)
     eos_index: torch.Tensor | None = None
     first_prefill_s: float | None = None  # the first prefill of this state
+    utilization: float | None = None  # JOBS_GPU_MEMORY_UTILIZATION the cache was sized with (None on CPU)
+    pool: pages_mod.Pool | None = None  # which pages are free, in use, or cached prompt prefixes (kept across runs)
 
     @property
     def slots(self) -> int:
@@ -248,17 +291,17 @@ def page_bytes(model) -> int:
     return 2 * layers * kv_heads * PAGE * head_dim * model.dtype.itemsize
 
 
-def device_free(device: torch.device) -> int | None:
-    """Bytes the engine could allocate on `device` now: what the driver has free once torch's allocator gave back
-    the blocks it holds unused (blocks of CUDA-graph pools stay taken: no other allocation can use them). None on
-    CPU (the cache size is CPU_SLOTS / CPU_PAGES there)."""
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of `device`: free is what the driver has free once torch's allocator gave back the blocks
+    it holds unused (blocks of CUDA-graph pools stay taken: no other allocation can use them). None on CPU (the
+    cache size is CPU_SLOTS / CPU_PAGES there)."""
     if device.type != "cuda":
         return None
     import gc
 
     gc.collect()  # tensors of an earlier failed call held in reference cycles
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
+    return torch.cuda.mem_get_info(device)
 
 
 def resident_bytes(model) -> int:
@@ -267,28 +310,40 @@ def resident_bytes(model) -> int:
     return 0 if state is None else state.bytes()
 
 
-def size(model, device: torch.device, vocab: int, fraction: float = 1.0) -> tuple[int, int]:
-    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as fit in CACHE_FRACTION
-    (times `fraction`) of the memory free after the model, `reserve` and each slot's share of the CUDA graphs'
-    memory (logits, fp32 sampling temporaries: measured 4.3 GiB for 1024 slots at a 152k vocabulary).
+def size(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> tuple[int, int]:
+    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as `cache_budget` gives
+    (times `fraction`, which an out-of-memory retry halves).
 
     The resident cache of an earlier run counts as free: `state_for` frees it before allocating. (Counted as taken,
     a second large run on a resident engine saw only the slack beside it: a handful of slots, or none.)"""
     width = max_len(model) // PAGE
-    free = device_free(device)
-    if free is None:
+    memory = device_memory(device)
+    if memory is None:
         slots = CPU_SLOTS
         return slots, CPU_PAGES or slots * width + 1
     slots = MAX_SLOTS
+    free, total = memory
     free += resident_bytes(model)
-    budget = int((free - reserve(model) - slots * vocab * 32) * CACHE_FRACTION * fraction)
+    budget = int(
+        cache_budget(total, free, reserve(model) + slots * vocab * GRAPH_BYTES_PER_VOCAB, utilization) * fraction
+    )
     pages = budget // page_bytes(model)
     if pages < 2:
         raise torch.OutOfMemoryError(
-            f"the fast engine has no room for its KV cache: {free / 2**30:.1f} GiB free after the model, "
-            f"{reserve(model) / 2**30:.1f} GiB kept for activations: use a GPU with more memory or engine padded"
+            f"the fast engine has no room for its KV cache: JOBS_GPU_MEMORY_UTILIZATION={utilization} allows "
+            f"{utilization * total / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, "
+            f"{(total - free) / 2**30:.1f} GiB are in use and {reserve(model) / 2**30:.1f} GiB are kept for "
+            "activations: raise the setting, use a GPU with more memory, or engine padded"
         )
     return slots, int(pages)
+
+
+def cache_budget(total: int, free: int, working: int, utilization: float) -> int:
+    """Bytes for the KV cache on a GPU of `total` bytes with `free` bytes free now: the worker's share
+    (`utilization` × total) less what is in use (the model, the CUDA context, other processes) and the `working`
+    memory the engine needs beside the cache (activations, the CUDA graphs' logits). Memory another process holds
+    counts as in use: the share is of the whole GPU, not of what this worker found free."""
+    return max(0, int(utilization * total) - (total - free) - working)
 
 
 def reserve(model) -> int:
@@ -299,12 +354,12 @@ def reserve(model) -> int:
     return RESERVE_BYTES + PREFILL_TOKENS * per_token * model.dtype.itemsize
 
 
-def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) -> SlotState:
+def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> SlotState:
     """The resident state, or a new one sized by `size` (an old one freed first)."""
     state = model.__dict__.get("_gpujobs_fast")
     if state is not None:
         return state
-    slots, pages = size(model, device, vocab, fraction)
+    slots, pages = size(model, device, vocab, fraction, utilization)
     layers, kv_heads, head_dim = _shape(model)
     width = max_len(model) // PAGE
     cache = torch.zeros((2, layers, pages, kv_heads, PAGE, head_dim), dtype=model.dtype, device=device)
@@ -327,6 +382,8 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0) ->
         positions=positions,
         offsets=positions % PAGE,
     )
+    state.utilization = utilization if device.type == "cuda" else None
+    state.pool = pages_mod.Pool(pages)
     model.__dict__["_gpujobs_fast"] = state
     log.info(
         "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
@@ -351,14 +408,21 @@ def bucket(sizes: list[int], n: int) -> int:
 
 
 def prepare(
-    loaded, eos: set[int], *, graphs: bool, compiled: bool, fraction: float = 1.0, progress: Progress | None = None
+    loaded,
+    eos: set[int],
+    *,
+    graphs: bool,
+    compiled: bool,
+    fraction: float = 1.0,
+    utilization: float = 0.9,
+    progress: Progress | None = None,
 ) -> SlotState:
     """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
     decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
     The work is done once per state (`state.prepare_s`); `summary` says what it cost. Compiling and capturing are
     phases of `progress` (the stall watchdog's clock)."""
     model = loaded.model
-    state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction)
+    state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization)
     if state.prepare_s is None:
         t = time.perf_counter()
         engine = Engine(loaded, state, eos, slots=state.slots, graphs=graphs, compiled=compiled)
@@ -378,6 +442,7 @@ def summary(state: SlotState) -> dict[str, Any]:
         "page": PAGE,
         "max_len": state.max_len,
         "cache_gib": round(state.bytes() / 2**30, 3),
+        "gpu_memory_utilization": state.utilization,
         "graphs": len(state.graphs),
         "compile_s": round(state.compile_s, 3),
         "capture_s": round(state.capture_s, 3),
@@ -405,6 +470,22 @@ class Seq:
     done: bool = False
     guide: Any = None  # grammar.Guide of a constrained row (worker/engines/grammar.py)
     lp: list | None = None  # logprobs asked: (picked, top values, top ids) per token (worker/engines/logprobs.py)
+    prefix: int = 0  # pages shared with earlier prompts: the prefill starts at prefix * PAGE
+    wave: int = 0  # its prefill runs after the prefills that write the shared pages it reads (Engine._admit)
+    _blocks: list | None = None
+
+    @property
+    def blocks(self) -> list[tuple]:
+        """Its prompt's full pages (the keys of the prefix cache)."""
+        if self._blocks is None:
+            self._blocks = pages_mod.blocks(self.row.ids, PAGE)
+        return self._blocks
+
+    @property
+    def reusable(self) -> int:
+        """At most this many pages can come from the cache: its prompt's last token is always prefilled (its logits
+        give the first new token)."""
+        return (len(self.row.ids) - 1) // PAGE
 
     @property
     def need(self) -> int:
@@ -441,14 +522,18 @@ class Engine:
         self.sizes = buckets(state.slots)
         self.pad = loaded.tokenizer.pad_token_id or 0
         self.vocab = self.head.weight.shape[0]
-        self.prefill_lp: list | None = None  # the last prefill's log-probabilities, where a row of it asked
+        self.prefill_lp: Any = None  # the last prefill's log-probabilities (device tensors), where a row asked
         self._host_bits: torch.Tensor | None = None
         if state.eos != tuple(sorted(eos)):  # graphs read the state's tensors only: new EOS ids, new graphs
             state.eos = tuple(sorted(eos))
             state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
             state.graphs.clear()
         self.eos_index = state.eos_index
-        self.free_pages: list[int] = []
+        self.pool = state.pool
+        self.reuse = True  # share cached prompt prefixes (spec prefix_cache; `off` prefills every prompt whole)
+        self._unlaunched: set[int] = set()  # pages registered whose prefill is not launched yet
+        self.prompt_tokens = 0  # prompt tokens of this run's sequences, and those read from cached prefixes
+        self.reused_tokens = 0
         self._host: dict[str, torch.Tensor] | None = None  # pinned buffers the decode steps' outputs go into
         self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
@@ -458,12 +543,12 @@ class Engine:
     # -- model calls --
 
     @contextlib.contextmanager
-    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1):
+    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1, prefix: torch.Tensor | None = None):
         global _step
         model = self.loaded.model
         before = model.config._attn_implementation
         model.config._attn_implementation = NAME  # every layer reads the config at call time
-        _step = _Step(mode, self.state, pages, splits)
+        _step = _Step(mode, self.state, pages, splits, prefix)
         layers = self.decoder.layers
         if self.compiled:
             for layer, fn in zip(layers, self.compiled):
@@ -495,25 +580,28 @@ class Engine:
 
     def prefill(self, seqs: list[Seq]) -> torch.Tensor:
         """Run the prompts of `seqs` (slots and pages already assigned), fill their pages, page-table rows and
-        slot inputs; returns their first tokens (on the device)."""
+        slot inputs; returns their first tokens (on the device, not waited for).
+
+        The host builds each input as one tensor from padded lists (a tensor per row cost 0.26 s of host time
+        per G1 run, during which the GPU waited) and copies it without waiting."""
         st = self.state
         device = st.cache.device
-        lengths = [len(s.row.ids) for s in seqs]
-        width = max(lengths)
-        ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
-        table = torch.zeros((len(seqs), st.table.shape[1]), dtype=torch.long)  # unused blocks: the trash page
-        for i, s in enumerate(seqs):
-            ids[i, : lengths[i]] = torch.tensor(s.row.ids)
-            table[i, : len(s.pages)] = torch.tensor(s.pages)
-        ids, table = ids.to(device), table.to(device)
-        slots = torch.tensor([s.slot for s in seqs], device=device)
-        last = torch.tensor(lengths, device=device) - 1
-        temps = torch.tensor([_temperature(s.row.params, self.loaded) for s in seqs], device=device)
-        no_eos = torch.tensor([bool(s.row.params["ignore_eos"]) for s in seqs], device=device)
-        positions = st.positions[None, :width].expand(len(seqs), width)
-        pages = table[:, st.positions[:width] // PAGE]  # (rows, width): padding past a row's pages goes to trash
+        shared = seqs[0].prefix  # every row of a chunk shares as many cached pages (Engine._admit)
+        start = shared * PAGE
+        lengths = [len(s.row.ids) - start for s in seqs]
+        width, cols = max(lengths), st.table.shape[1]
+        ids = _to(device, [s.row.ids[start:] + [self.pad] * (width - n) for s, n in zip(seqs, lengths)], torch.long)
+        # unused blocks of a row's table: the trash page
+        table = _to(device, [s.pages + [0] * (cols - len(s.pages)) for s in seqs], torch.long)
+        slots_last = _to(device, [[s.slot for s in seqs], [n - 1 for n in lengths]], torch.long)
+        slots, last = slots_last[0], slots_last[1]
+        temps = _to(device, [_temperature(s.row.params, self.loaded) for s in seqs], torch.float32)
+        no_eos = _to(device, [bool(s.row.params["ignore_eos"]) for s in seqs], torch.bool)
+        positions = st.positions[None, start : start + width].expand(len(seqs), width)
+        # (rows, width): the page of each position; padding past a row's pages goes to the trash page
+        pages = table[:, st.positions[start : start + width] // PAGE]
         t = time.perf_counter()
-        with self._mode("prefill", pages):
+        with self._mode("prefill", pages, prefix=table[:, :shared] if shared else None):
             hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         if st.first_prefill_s is None:
             _sync(st)
@@ -524,13 +612,14 @@ class Engine:
             bits = torch.empty((len(seqs), grammar.words(logits.shape[1])), dtype=torch.int32)
             grammar.fill(bits, [(i, s.guide) for i, s in enumerate(seqs) if s.guide])
             masked = grammar.apply(logits, bits.to(device))
-        first = self._pick(masked, temps, bool((temps > 0).any()))
-        self.prefill_lp = None
+        sample = any(s.row.params["do_sample"] for s in seqs)
+        first = self._pick(masked, temps, sample)
+        self.prefill_lp = None  # read by _launch_prefill right after this call
         if any(s.lp is not None for s in seqs):
-            self.prefill_lp = [t.tolist() for t in logprobs.step(logits, first, logprobs.TOP)]
+            self.prefill_lp = logprobs.step(logits, first, logprobs.TOP)
         st.table[slots] = table
         st.tok[slots] = first
-        st.pos[slots] = last + 1
+        st.pos[slots] = start + last + 1
         st.active[slots] = 1
         st.temp[slots] = temps
         st.no_eos[slots] = no_eos
@@ -671,9 +760,13 @@ class Engine:
             compile_s=round(st.compile_s, 3),
             first_prefill_s=st.first_prefill_s and round(st.first_prefill_s, 3),
             cache_gib=round(st.bytes() / 2**30, 3),
+            gpu_memory_utilization=st.utilization,
         )
         stats["runs"] += 1
         stats["steps"] += self.steps
+        stats["prompt_tokens"] = stats.get("prompt_tokens", 0) + self.prompt_tokens
+        stats["prefix_tokens_reused"] = stats.get("prefix_tokens_reused", 0) + self.reused_tokens
+        stats["prefix_cache"] = self.reuse
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
 
@@ -698,7 +791,14 @@ class Engine:
         st.table.zero_()
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
         free = list(range(self.slots))
-        self.free_pages = list(range(st.pages - 1, 0, -1))  # page 0 is the trash page
+        self.pool.start_run()
+        try:
+            yield from self._loop(queue, free, should_stop)
+        finally:  # pages registered for a prefill that never launched (an error, a stop) hold no K/V: forget them
+            self.pool.forget(self._unlaunched)
+            self._unlaunched.clear()
+
+    def _loop(self, queue, free: list[int], should_stop: Callable[[], bool]) -> Iterator[list[Seq]]:
         running: dict[int, Seq] = {}
         admit_min = max(1, self.slots // ADMIT_DIVISOR)
         pending: tuple[Callable[[], list[int]], list[tuple[int, Seq]]] | None = None  # launched, not yet booked
@@ -736,14 +836,21 @@ class Engine:
 
     def _admissible(self, queue, free: list[int]) -> int:
         """How many sequences at the head of the queue fit in the free slots and pages now (counted up to the
-        admission group size)."""
-        pages, n = len(self.free_pages), 0
+        admission group size; pages a cached prefix gives are not needed again)."""
+        pages, n = self.pool.available(), 0
         for seq in queue:
-            if n == len(free) or seq.pages_needed > pages or n >= self.slots // ADMIT_DIVISOR:
+            if n == len(free) or n >= self.slots // ADMIT_DIVISOR:
                 break
-            pages -= seq.pages_needed
+            new = seq.pages_needed - len(self._shared(seq))
+            if new > pages:
+                break
+            pages -= new
             n += 1
         return n
+
+    def _shared(self, seq: Seq) -> list[int]:
+        """The cached pages `seq`'s prompt can start from (none when reuse is off)."""
+        return self.pool.match(seq.blocks[: seq.reusable]) if self.reuse and seq.reusable else []
 
     def _extras(self, running: dict[int, Seq]) -> tuple[str, ...]:
         """What the next step computes beyond tokens, for the rows it runs (nothing, mostly: the plain graph)."""
@@ -852,38 +959,89 @@ class Engine:
 
     def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[list[Seq]]:
         """Prefill queued sequences into free slots and pages, in chunks of about PREFILL_TOKENS padded tokens.
-        Takes the queue's head while it fits: a long row is never passed over by shorter ones."""
-        if not running and queue[0].pages_needed > len(self.free_pages):
+        Takes the queue's head while it fits: a long row is never passed over by shorter ones.
+
+        A sequence whose prompt starts with cached pages shares them and prefills only the rest; its full prompt
+        pages are registered for the rows after it. A row that shares a page a row of this same round registers
+        goes in a later *wave*: its chunk is launched after the chunk that writes that page (one CUDA stream, so
+        the write comes first). Chunks hold rows of one wave and one shared length."""
+        if not running and self.pool.cost(self._shared(queue[0]), queue[0].pages_needed) is None:
             raise RuntimeError(
                 f"a sequence of {queue[0].need} positions needs {queue[0].pages_needed} pages of "
-                f"the fast engine's cache, which has {len(self.free_pages)}"
+                f"the fast engine's cache, which has {self.pool.available()}"
             )
-        take = []
-        while queue and free and queue[0].pages_needed <= len(self.free_pages):
-            seq = queue.popleft()
+        take, written_in = [], {}  # pages registered in this round -> the wave whose prefill writes them
+        while queue and free:
+            seq = queue[0]
+            shared = self._shared(seq)
+            new = self.pool.cost(shared, seq.pages_needed)
+            if new is None:
+                break
+            queue.popleft()
             seq.slot = heapq.heappop(free)
-            seq.pages = [self.free_pages.pop() for _ in range(seq.pages_needed)]
+            seq.pages = self.pool.take(shared, new)
+            seq.prefix = len(shared)
+            seq.wave = 1 + max((written_in[p] for p in shared if p in written_in), default=-1)
+            if self.reuse:
+                for page in self.pool.register(seq.pages, seq.blocks):
+                    written_in[page] = seq.wave
+                    self._unlaunched.add(page)
+            self.prompt_tokens += len(seq.row.ids)
+            self.reused_tokens += seq.prefix * PAGE
             take.append(seq)
-        take.sort(key=lambda s: len(s.row.ids))  # similar lengths share a chunk: little padding
+        # similar lengths share a chunk: little padding
+        take.sort(key=lambda s: (s.wave, s.prefix, len(s.row.ids) - s.prefix * PAGE))
         t = time.perf_counter()
-        chunk: list[Seq] = []
+        # every chunk is launched before the first one's tokens are read: the host prepares chunk k+1 while the
+        # GPU runs chunk k (reading each chunk's tokens as it was launched left the GPU idle in between)
+        launched, chunk = [], []
         for seq in take:
-            if chunk and (len(chunk) + 1) * len(seq.row.ids) > PREFILL_TOKENS:
-                yield from self._start(chunk, running, free)
+            width = len(seq.row.ids) - seq.prefix * PAGE
+            if chunk and (
+                (chunk[0].wave, chunk[0].prefix) != (seq.wave, seq.prefix)
+                or (len(chunk) + 1) * width > PREFILL_TOKENS
+                or (len(chunk) + 1) * seq.prefix * PAGE > PREFIX_TOKENS
+            ):
+                launched.append(self._launch_prefill(chunk))
                 chunk = []
             chunk.append(seq)
         if chunk:
-            yield from self._start(chunk, running, free)
+            launched.append(self._launch_prefill(chunk))
+        for chunk, first in launched:
+            yield from self._start(chunk, *first(), running, free)
         self.prefill_s += time.perf_counter() - t
 
-    def _start(self, chunk: list[Seq], running: dict[int, Seq], free: list[int]) -> Iterator[list[Seq]]:
+    def _launch_prefill(self, chunk: list[Seq]) -> tuple[list[Seq], Callable[[], tuple[list[int], Any]]]:
+        """Launch the prefill of `chunk`; returns it with a function that waits for its first tokens (and their
+        log-probabilities, where a row of the chunk asked)."""
         faults.hit("generate", rows=len(chunk))
-        first = self.prefill(chunk).tolist()
+        first = self.prefill(chunk)
+        lp = self.prefill_lp
+        for seq in chunk:
+            self._unlaunched.difference_update(seq.pages)
+        if not first.is_cuda:
+            tokens = first.tolist(), lp and [t.tolist() for t in lp]
+            return chunk, lambda: tokens
+        host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
+        host.copy_(first, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def tokens() -> tuple[list[int], Any]:
+            done.synchronize()
+            return host.tolist(), lp and [t.tolist() for t in lp]
+
+        return chunk, tokens
+
+    def _start(
+        self, chunk: list[Seq], first: list[int], lp: list | None, running: dict[int, Seq], free: list[int]
+    ) -> Iterator[list[Seq]]:
+        """Book a prefilled chunk's first tokens; yield the sequences that already finished."""
         self.progress.beat("prefill chunk")
         faults.hit("prefill")
         finished = []
         for i, (seq, token) in enumerate(zip(chunk, first)):
-            self._take(seq, token, self.prefill_lp, i)
+            self._take(seq, token, lp, i)
             if self._finished(seq):
                 self._free(seq, free)
                 finished.append(seq)
@@ -906,7 +1064,7 @@ class Engine:
         trash page on the device before any later step or prefill)."""
         seq.done = True
         heapq.heappush(free, seq.slot)
-        self.free_pages.extend(seq.pages)
+        self.pool.give_back(seq.pages)  # its registered prompt pages stay cached for later rows
         seq.pages = []
 
     def _deactivate(self, seqs: list[Seq]) -> None:
@@ -943,6 +1101,14 @@ class Engine:
             seq.slot = dst
             running[dst] = seq
             heapq.heappush(free, src)
+
+
+def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """`values` (nested lists) as one tensor on `device`, copied from pinned memory without waiting on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

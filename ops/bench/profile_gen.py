@@ -1,0 +1,172 @@
+"""Where the fast engine's time goes on G1 and G2 (issue 25): the engine alone, warm, under torch.profiler and
+cProfile, one process.
+
+    python ops/bench/profile_gen.py g1 g2 --out $OUT/profile.json     # GPU host, repo root (~3 minutes)
+    python ops/bench/profile_gen.py g1 --smoke --out /tmp/prof.json   # CPU: tiny model, a few rows
+
+For each workload: one cold run (prepares the engine: compile, graph capture), one warm run timed plainly, one
+warm run under torch.profiler (CPU + CUDA activities) and one under cProfile. It writes the device time per kernel
+(the 40 largest, grouped by name), the device time split into prefill and decode by the profiler's record_function
+ranges, the host's cumulative time per Python function (the 40 largest), and the engine's own counters
+(prefill_s, decode_s, steps). What it answers: how far each part is from its floor (decode: KV bytes over
+bandwidth; prefill: FLOPs over the matrix rate), and how much of a run is the host's (tokenizing, detokenizing,
+result rows) rather than the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ops.bench import gen, harness  # after the repository root is on sys.path
+
+log = harness.logger("profile")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("workloads", nargs="+", choices=["g1", "g2"])
+    p.add_argument("--model", type=Path, default=Path("/tmp/g1-model"), help="built there if missing")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny model, a few rows")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--repeat", type=int, default=3, help="warm runs timed plainly (median and spread reported)")
+    p.add_argument("--profile", action="store_true", help="also a warm run under torch.profiler and one under cProfile")
+    args = p.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    from core.spec import GenerateSpec
+    from worker import generate as engine
+    from worker.engines import fastgen
+    from worker.loader import Loaded
+
+    cuda = torch.cuda.is_available()
+    build = ["--steps", "1"] if args.smoke else ["--arch", "qwen3-0.6b"]
+    built_s = harness.ensure_model(args.model, *build)
+    model, tok = harness.load_plain(args.model, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+    loaded = Loaded(model, tok, model.device, {})
+    spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, engine="fast")
+    report: dict = {"commit": harness.commit_info(), "machine": harness.machine(), "model_built_s": built_s}
+    if not cuda:
+        fastgen.COMPILE_BACKEND = "eager"
+
+    for name in args.workloads:
+        data = gen.workload(name, tok, args.smoke)
+        rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(data)]
+
+        def run(info: dict, rows=rows) -> tuple[float, int]:
+            harness.sync()
+            t = time.perf_counter()
+            tokens = sum(
+                r.completion_tokens or 0
+                for b in engine.generate(loaded, spec, rows, batch_rows=256, info=info)
+                for r in b
+            )
+            harness.sync()
+            return time.perf_counter() - t, tokens
+
+        result: dict = {"rows": len(rows), "warm": []}
+        for i in range(1 + args.repeat):
+            info: dict = {}
+            seconds, tokens = run(info)
+            fast = info.get("fast", {})
+            one = {
+                "seconds": round(seconds, 3),
+                "output_tok_s": round(tokens / seconds, 1),
+                "prefill_s": fast.get("prefill_s"),
+                "decode_s": fast.get("decode_s"),
+                "steps": fast.get("steps"),
+            }
+            if i == 0:
+                result["cold"] = {**one, "fast": fast}
+            else:
+                result["warm"].append(one)
+            log(f"{name} {'cold' if i == 0 else 'warm'}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
+        if result["warm"]:
+            rates = sorted(r["output_tok_s"] for r in result["warm"])
+            result["warm_median_tok_s"] = statistics.median(rates)
+            result["warm_spread"] = round((rates[-1] - rates[0]) / statistics.median(rates), 4)
+            log(f"{name} warm: median {result['warm_median_tok_s']:,.0f} tok/s, spread {result['warm_spread']:.1%}")
+        if not args.profile:
+            report[name] = result
+            harness.write_json(args.out, report)
+            fastgen.release(model)
+            continue
+
+        # host only: tokenizing and detokenizing the workload, as the engine does them
+        from worker.engines.common import render_many
+
+        t = time.perf_counter()
+        ids = render_many(loaded, [r for _, r in rows])
+        result["host_tokenize_s"] = round(time.perf_counter() - t, 3)
+        outs = [[7] * o for _, o in data]
+        t = time.perf_counter()
+        for o in outs:
+            tok.decode(o, skip_special_tokens=True)
+        result["host_decode_per_row_s"] = round(time.perf_counter() - t, 3)
+        t = time.perf_counter()
+        tok.batch_decode(outs, skip_special_tokens=True)
+        result["host_batch_decode_s"] = round(time.perf_counter() - t, 3)
+        del ids, outs
+
+        # the device's kernels, warm, grouped by name
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities, record_shapes=False) as prof:
+            info = {}
+            seconds, tokens = run(info)
+        result["profiled"] = {"seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
+        total = sum(getattr(e, key, 0) for e in events)
+        result["kernels"] = [
+            {
+                "name": e.key[:160],
+                "calls": e.count,
+                "ms": round(getattr(e, key, 0) / 1e3, 3),
+                "share": round(getattr(e, key, 0) / max(total, 1), 4),
+            }
+            for e in events[: args.top]
+        ]
+        result["device_ms_total"] = round(total / 1e3, 1)
+        table = prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=90)
+        args.out.with_name(f"{args.out.stem}-{name}-kernels.txt").write_text(table)
+
+        # the host, warm: cumulative time per function
+        profiler = cProfile.Profile()
+        profiler.enable()
+        seconds, _ = run({})
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
+        args.out.with_name(f"{args.out.stem}-{name}-host.txt").write_text(text.getvalue())
+        result["cprofiled_s"] = round(seconds, 3)
+        report[name] = result
+        harness.write_json(args.out, report)
+        log(f"{name}: device total {result['device_ms_total']} ms in {result['profiled']['seconds']} s")
+        for k in result["kernels"][:15]:
+            log(f"  {k['ms']:>9.1f} ms {k['share']:6.1%} {k['calls']:>7} × {k['name'][:100]}")
+        log(
+            f"  host: tokenize {result['host_tokenize_s']} s, decode per row {result['host_decode_per_row_s']} s, "
+            f"batch decode {result['host_batch_decode_s']} s"
+        )
+        fastgen.release(model)
+    harness.write_json(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

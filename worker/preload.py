@@ -1,0 +1,108 @@
+"""A worker process's heavy imports: all of them once, in the main thread, before any other thread starts; and the
+check that they are still whole.
+
+Why (issue 27): torch._dynamo and torch._inductor import each other, and bitsandbytes, transformers' modeling code
+and Trainer (through torchao), and Inductor's cache folder all start one of them. When two threads start them at
+about the same time (the QLoRA probe importing bitsandbytes, the flex_attention probe reading Inductor's cache
+folder, a task loading a model), each waits on a module lock the other holds; CPython breaks that deadlock by
+handing one thread a half-imported module, its import fails, and what it leaves in sys.modules makes every later
+import of transformers' modeling code or Trainer fail in that process. Such a worker stayed online and failed every
+attempt of every shard it took within a second. Once everything is imported in one thread, a later `import` of
+these modules is a dictionary lookup: nothing is left to race.
+
+The start-up order (worker/main.py runs it; each step ends before the next begins):
+
+1. main thread: settings, the environment and slice checks, then `preload()`: REQUIRED, then OPTIONAL (where
+   installed), then `check()`. A failure ends the process at once (`Broken`): its registration says why and it exits
+   with exits.BROKEN (72); a supervisor starts a fresh one.
+2. main thread: the Hugging Face cache scan, then the models thread (worker/hubfetch.py); the QLoRA probe
+   (bitsandbytes is imported: one small 4-bit matmul) and the registration; then the heartbeat and the
+   flex_attention probe's thread (worker/runtime.py; the compile runs in a child process) and the stack watch.
+   What these threads import, step 1 imported.
+3. Celery's solo pool in the main thread: tasks run there, and so do imports first made at job time (a model's own
+   modeling file, kernels, what a compile loads): in one thread, while the others import nothing.
+
+A thread added to a worker must keep to this: import its heavy modules here (REQUIRED or OPTIONAL), never from its
+own thread. tests/test_preload.py runs a worker under an import hook that makes any two threads' imports of
+torch._dynamo and torch._inductor race (tests/importrace.py).
+
+At job time, a shard that fails while `check()` finds these modules no longer import is the worker's fault, not the
+job's: worker/runtime.py gives the shard back without counting the attempt and exits 72 (core/leases.py
+`give_back_broken`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+from worker import faults
+
+log = logging.getLogger(__name__)
+
+# what a worker needs to run any job: generation and fine-tunes (their engines import these at job time)
+REQUIRED = (
+    "torch",
+    "torch._dynamo",
+    "torch._inductor.runtime.cache_dir_utils",  # the flex_attention probe's thread reads Inductor's cache folder
+    "transformers",
+    "transformers.modeling_utils",  # with transformers' quantizers (and torchao where installed)
+    "peft",
+    "transformers.trainer",
+    "httpx",  # the models thread's downloads (core/hub.py)
+    "worker.loader",
+    "worker.generate",
+    "worker.finetune",
+    "worker.finetune_setup",
+    "worker.distributed",
+    "worker.runtime",
+)
+# imported where installed; one that fails is what the probe that needs it reports (QLoRA: bitsandbytes)
+OPTIONAL = ("bitsandbytes", "filelock")
+
+
+class Broken(Exception):
+    """This process cannot import its engine or training code (a fresh process may)."""
+
+
+def preload() -> None:
+    """Import REQUIRED and, where installed, OPTIONAL, in this thread (call it before starting any other); raise
+    Broken naming the first module that does not import."""
+    try:
+        faults.hit("preload")  # test-only (worker/faults.py): break_MODULE@preload fails MODULE's import here
+    except ImportError as exc:
+        raise Broken(_cannot(exc.name, exc)) from exc
+    for name in REQUIRED:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  any error while importing: this process cannot run jobs
+            raise Broken(_cannot(name, exc)) from exc
+    for name in OPTIONAL:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  an optional backend: its probe says what it cannot do
+            log.warning("optional %s", _cannot(name, exc))
+    cause = check()
+    if cause is not None:
+        raise Broken(f"{cause} (after importing {', '.join(OPTIONAL)})")
+
+
+def check() -> str | None:
+    """None while every REQUIRED module imports (after `preload`, a dictionary lookup each) and none is half
+    imported; else what fails, in one line."""
+    for name in REQUIRED:
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001
+            return _cannot(name, exc)
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return f"this process cannot import {name}: it is left half imported"
+    return None
+
+
+def _cannot(name: str, exc: BaseException) -> str:
+    message = " ".join(str(exc).split())[:300]
+    return f"this process cannot import {name}: {type(exc).__name__}: {message}"
