@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api import service_models
-from core import adapters, capability, files, formats, hub, registry
+from core import adapters, capability, files, formats, hub, registry, structured
 from core.dataset import (
     PARAMS,
     SAMPLE_AT_ZERO,
@@ -138,7 +138,10 @@ def _check_sampling(spec: Spec) -> None:
     """Parameters that are each valid but cannot run together (the engine would fail every row)."""
     if getattr(spec, "do_sample", None) and spec.temperature == 0:
         raise InvalidInput(f"invalid {spec.kind} spec: {SAMPLE_AT_ZERO}")
-    if isinstance(spec, GenerateSpec) and (problem := engine_problem(spec.engine, sampling_of(spec, None))):
+    if not isinstance(spec, GenerateSpec):
+        return
+    params = sampling_of(spec, None)
+    if problem := structured.problem(params) or engine_problem(spec.engine, params):
         raise InvalidInput(f"invalid {spec.kind} spec: {problem}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import tempfile
 import time
@@ -292,6 +293,22 @@ def submit() -> None:
 )
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--repetition-penalty", type=float, help="repetition penalty (> 0)")
+@click.option(
+    "--json-schema",
+    "json_schema",
+    type=click.Path(exists=True, dir_okay=False),
+    help="constrain every output to JSON valid against this JSON Schema file (response_format json_schema)",
+)
+@click.option(
+    "--choice", "guided_choice", multiple=True, help="the output is exactly one of these strings (repeatable)"
+)
+@click.option("--regex", "guided_regex", help="the output matches this regular expression, e.g. '[0-9]{3}-[0-9]{4}'")
+@click.option("--logprobs", is_flag=True, default=None, help="return each generated token's log-probability")
+@click.option(
+    "--top-logprobs",
+    type=click.IntRange(0, 20),
+    help="and this many most likely tokens at each step (needs --logprobs)",
+)
 @click.option("--adapter-revision", help="revision of a Hub --adapter: branch, tag or commit")
 @click.option("--shard-rows", type=int, help="rows per shard (one task each)")
 @click.option("--batch-rows", type=int, help="rows per micro-batch commit")
@@ -307,16 +324,40 @@ def submit() -> None:
     metavar="OURS=THEIRS",
     help="map a column of a CSV/Parquet/dataset input, e.g. prompt=question, custom_id=id (repeatable)",
 )
-def submit_generate(spec_file, sets, wait, as_json, input_, columns, **flags) -> None:
+def submit_generate(spec_file, sets, wait, as_json, input_, columns, json_schema, **flags) -> None:
     """Generate text for every row of a dataset: JSONL (`prompt` or `messages` per line), OpenAI batch lines,
     CSV, Parquet or a save_to_disk directory (`--column prompt=COLUMN` names the column that holds the prompt).
-    A dataset in which no row can run is refused (exit 2) and nothing is created."""
+    A dataset in which no row can run is refused (exit 2) and nothing is created.
+
+    \b
+    Structured outputs and log-probabilities, e.g.:
+      gpujobs submit generate --model M --input rows.jsonl --json-schema person.schema.json
+      gpujobs submit generate --model M --input rows.jsonl --choice positive --choice negative --logprobs --top-logprobs 2
+      gpujobs submit generate --model M --input rows.jsonl --regex '[0-9]{4}-[0-9]{2}-[0-9]{2}'
+    """
     flags["input"] = input_
-    if flags.get("stop"):
-        flags["stop"] = list(flags["stop"])
+    for key in ("stop", "guided_choice"):
+        if flags.get(key):
+            flags[key] = list(flags[key])
+    if json_schema:
+        flags["response_format"] = schema_format(Path(json_schema))
     if columns:
         flags["input_columns"] = parse_columns(columns)
     finish_submit(submit_spec("generate", spec_file, sets, flags), wait, as_json)
+
+
+def schema_format(path: Path) -> dict[str, Any]:
+    """`--json-schema FILE` as OpenAI's response_format: the file holds one JSON Schema object."""
+    try:
+        schema = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidInput(f"--json-schema {path}: not a readable JSON file ({exc}): give a JSON Schema file") from None
+    if not isinstance(schema, dict):
+        raise InvalidInput(
+            f"--json-schema {path}: a JSON Schema is a JSON object, this file holds a {type(schema).__name__}"
+        )
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", path.name.split(".")[0])[:64] or "schema"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
 @submit.command("finetune")

@@ -17,7 +17,16 @@ from core.models import JobRow
 from core.states import RowState
 from core.store import get_job
 
-RESULT_FIELDS = ("custom_id", "line", "output", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+RESULT_FIELDS = (
+    "custom_id",
+    "line",
+    "output",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "logprobs",
+    "error",
+)
 
 
 INPUT_KEYS = ("prompt", "messages")  # what `with_input` puts beside a row's output
@@ -48,7 +57,8 @@ def export(
     its error file with `errors`), `csv` or `parquet`. Streams chunk by chunk; works while the job still runs.
 
     CSV and Parquet have the columns custom_id, line (or row), output, finish_reason, prompt_tokens,
-    completion_tokens (error, with `errors`), then the rows' pass-through keys as text columns (lists and objects
+    completion_tokens (error, with `errors`), logprobs where the job or a row asked for them (JSON text: the
+    OpenAI chat shape, see `result_record`), then the rows' pass-through keys as text columns (lists and objects
     JSON-encoded; several outputs of a row are a JSON list in CSV and a list column in Parquet).
 
     `with_input` puts each row's `prompt` (text) or `messages` (a list; JSON text in CSV and Parquet) beside its
@@ -84,8 +94,11 @@ def export(
             yield from formats.jsonl_chunks(records)
             return
         given = [k for k in INPUT_KEYS if k in info.get("input_kinds", INPUT_KEYS)] if with_input else []
+        asked = info.get("logprobs") or bool(spec.get("logprobs"))  # the job or some row asked for them
         fixed = ["custom_id", where, *given] + (
-            ["error"] if errors else ["output", "finish_reason", "prompt_tokens", "completion_tokens"]
+            ["error"]
+            if errors
+            else ["output", "finish_reason", "prompt_tokens", "completion_tokens"] + ["logprobs"] * asked
         )
         keys = info.get("extra_keys") or []
         columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
@@ -118,7 +131,9 @@ def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -
 def result_record(row: JobRow, *, errors: bool, where: str = "line", with_input: bool = False) -> dict[str, Any]:
     """A row as a line of our JSONL results: its pass-through keys, custom_id, `line` (or `row` for Parquet and
     saved-dataset inputs), with `with_input` its prompt or messages, and output, finish_reason and token counts
-    (or error). Several outputs are a list."""
+    (or error). Several outputs are a list. A row that asked for log-probabilities has `logprobs`: per generated
+    token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}, OpenAI's `choices[].logprobs.content`
+    (a list of them per output with several outputs)."""
     extra = (row.input or {}).get("extra", {})
     record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS and k != where}
     shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS or k == where}
@@ -134,6 +149,8 @@ def result_record(row: JobRow, *, errors: bool, where: str = "line", with_input:
             prompt_tokens=row.prompt_tokens,
             completion_tokens=row.completion_tokens,
         )
+        if row.logprobs is not None:
+            record["logprobs"] = row.logprobs
     if shadowed:
         record["extra"] = shadowed
     return record

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, get_args
 
 from pydantic import ValidationError
 
-from core import formats
+from core import formats, structured
 from core.errors import InvalidInput
 from core.formats import Record
 from core.settings import get_settings
@@ -92,6 +92,16 @@ def fast_unsupported(params: dict[str, Any]) -> str | None:
     return None
 
 
+def continuous_unsupported(params: dict[str, Any]) -> str | None:
+    """What the continuous engine cannot do for these effective parameters (docs/design.md "Structured outputs"):
+    its manager builds its logits processors itself, so no per-row grammar mask and no top-k log-probabilities."""
+    if structured.constraint(params) is not None:
+        return "a constrained output (response_format, guided_choice, guided_regex)"
+    if params.get("logprobs"):
+        return "logprobs"
+    return None
+
+
 def engine_problem(engine: str, params: dict[str, Any]) -> str | None:
     """Why the engine a job asked for refuses a row with these effective sampling parameters (`sampling_of`), or
     None. The workers' per-row refusals that need no model (worker/engines/fast.py, continuous.py), made at submit
@@ -100,6 +110,11 @@ def engine_problem(engine: str, params: dict[str, Any]) -> str | None:
         return (
             "repetition_penalty is not supported by the continuous engine (transformers drops it): use engine "
             "padded or auto"
+        )
+    if engine == "continuous" and (name := continuous_unsupported(params)):
+        return (
+            f"{name} is not supported by the continuous engine (transformers' continuous batching takes no "
+            "logits processor of ours): use engine auto, fast, padded or static"
         )
     if engine == "fast" and (name := fast_unsupported(params)):
         return f"{name} is not supported by the fast engine: use engine auto (which runs such rows padded) or padded"
@@ -501,7 +516,10 @@ def _row_params(params: dict[str, Any], spec: Any) -> dict[str, Any]:
     n = params.get("num_return_sequences") or (getattr(spec, "num_return_sequences", None) or 1)
     if n > 1 and not (do_sample if do_sample is not None else bool(temperature)):
         raise ValueError(several_greedy(n))  # the worker's check (worker/engines/common.py), made before GPU time
-    if spec is not None and (problem := engine_problem(getattr(spec, "engine", "auto"), sampling_of(spec, params))):
+    effective = sampling_of(spec, params) if spec is not None else params
+    if problem := structured.problem(effective):
+        raise ValueError(problem)
+    if spec is not None and (problem := engine_problem(getattr(spec, "engine", "auto"), effective)):
         raise ValueError(problem)
     return params
 
@@ -678,6 +696,7 @@ class InputCheck:
         self.kinds: set[str] = set()  # prompt and/or messages: the columns `results --with-input` gives tables
         self.too_long = 0
         self.several = (getattr(spec, "num_return_sequences", None) or 1) > 1  # some row has several outputs
+        self.logprobs = bool(getattr(spec, "logprobs", None))  # some row asks for log-probabilities
 
     def rows(self, rows: Iterable[ParsedRow]) -> Iterator[ParsedRow]:
         buffer: list[ParsedRow] = []
@@ -693,6 +712,7 @@ class InputCheck:
         for row in good:
             self.several = self.several or (row.input["params"].get("num_return_sequences") or 1) > 1
             self.kinds.add("prompt" if "prompt" in row.input else "messages")
+            self.logprobs = self.logprobs or bool(row.input["params"].get("logprobs"))
         for row in rows:  # a failed row's error record carries its pass-through keys too
             if len(self.extra_keys) < EXTRA_KEYS_KEPT:
                 self.extra_keys.update(dict.fromkeys((row.input or {}).get("extra", {})))
@@ -710,6 +730,7 @@ class InputCheck:
             "extra_keys": list(self.extra_keys)[:EXTRA_KEYS_KEPT],
             "several_outputs": self.several,
             "input_kinds": sorted(self.kinds, reverse=True),  # prompt before messages
+            "logprobs": self.logprobs,
             "token_check": self.tokens is not None,
             "too_long": self.too_long,
         }

@@ -4,7 +4,8 @@ Inputs (`input_format` in the spec; `auto` picks one from the content, then the 
 
     jsonl     one JSON object per line: `prompt` or `messages`, optional `custom_id`, per-row sampling parameters
     openai    OpenAI Batch lines: `custom_id`, `method` (POST), `url` (/v1/chat/completions or /v1/completions),
-              `body` (messages or prompt, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, n …)
+              `body` (messages or prompt, max_tokens, max_completion_tokens, temperature, top_p, stop, seed, n,
+              response_format, logprobs, top_logprobs; vLLM's guided_choice, guided_regex, guided_json …)
     csv       a header row, then one row per record (UTF-8, comma separated, RFC 4180 quoting)
     parquet   one record per row
     hf        a Hugging Face dataset saved with `Dataset.save_to_disk`, packed into one zip (the CLI packs the
@@ -19,7 +20,9 @@ Outputs: our JSONL, the OpenAI Batch output and error files, CSV and Parquet, al
 that a large result set is never held in memory and finished rows can be read while the job runs.
 
 The OpenAI Batch API (routes elsewhere) uses the plain functions here: `openai_request` for an input line, and
-`openai_output_record` / `openai_error_record` for the lines of the output and error files.
+`openai_output_record` / `openai_error_record` for the lines of the output and error files. A row's stored
+log-probabilities (OpenAI's chat shape, worker/engines/logprobs.py) become a chat choice's `logprobs.content` or a
+completion choice's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` (`completion_logprobs`).
 """
 
 from __future__ import annotations
@@ -390,14 +393,17 @@ _OPENAI_PARAMS = {
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
     "do_sample": "do_sample",
+    # structured outputs (core/structured.py): OpenAI's response_format, vLLM's guided_choice and guided_regex
+    "response_format": "response_format",
+    "guided_choice": "guided_choice",
+    "guided_regex": "guided_regex",
+    "top_logprobs": "top_logprobs",
 }
 # body keys that change nothing here when they hold these values
 _OPENAI_NEUTRAL = {
     "stream": (False, None),
-    "logprobs": (False, None),
     "frequency_penalty": (0, None),
     "presence_penalty": (0, None),
-    "response_format": ({"type": "text"}, None),
     "parallel_tool_calls": (True, False, None),
 }
 _OPENAI_IGNORED = (
@@ -411,6 +417,8 @@ _OPENAI_IGNORED = (
     "n",
     "messages",
     "prompt",
+    "logprobs",  # read by _openai_logprobs
+    "guided_json",  # vLLM's name for a JSON schema: read by _openai_params
 )
 
 
@@ -456,6 +464,7 @@ def openai_request(obj: dict[str, Any], *, n_param: str | None = "num_return_seq
     elif isinstance(content, list) and len(content) == 1 and isinstance(content[0], str):
         content = content[0]
     params = _openai_params(body, n_param)
+    params.update(_openai_logprobs(body, kind))
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
         raise ValueError("body.model must be a non-empty string")
@@ -481,8 +490,29 @@ def _openai_messages(messages: Any) -> Any:
     return out
 
 
+def _openai_logprobs(body: dict[str, Any], kind: str) -> dict[str, Any]:
+    """`logprobs`: chat's is true/false (with `top_logprobs` beside it); completions' is the number of most likely
+    tokens to return at each step (0-20), which is our logprobs true + top_logprobs."""
+    value = body.get("logprobs")
+    if value is None:
+        return {}
+    if kind == "messages":
+        if not isinstance(value, bool):
+            raise ValueError("body.logprobs on /v1/chat/completions is true or false (top_logprobs says how many)")
+        return {"logprobs": value}
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("body.logprobs on /v1/completions is the number of most likely tokens to return (0-20)")
+    return {"logprobs": True, "top_logprobs": value}
+
+
 def _openai_params(body: dict[str, Any], n_param: str | None) -> dict[str, Any]:
     params = {ours: body[theirs] for theirs, ours in _OPENAI_PARAMS.items() if theirs in body}
+    if body.get("guided_json") is not None:
+        if "response_format" in body:
+            raise ValueError("give body.response_format or body.guided_json, not both")
+        schema = body["guided_json"]
+        schema = json.loads(schema) if isinstance(schema, str) else schema
+        params["response_format"] = {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
     limits = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
     if len(set(map(json.dumps, limits.values()))) > 1:
         raise ValueError("body.max_tokens and body.max_completion_tokens differ: give one of them")
@@ -525,18 +555,19 @@ def openai_output_record(row: Any, *, job_id: str, model: str) -> dict[str, Any]
     texts = outputs_of(row.output)
     reasons = row.finish_reason
     reasons = reasons if isinstance(reasons, list) else [reasons] * len(texts)
+    logprobs = logprobs_of(row.logprobs, len(texts))
     choices = [
         (
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "logprobs": None if content is None else {"content": content, "refusal": None},
                 "finish_reason": reason,
             }
             if chat
-            else {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            else {"index": i, "text": text, "logprobs": completion_logprobs(content), "finish_reason": reason}
         )
-        for i, (text, reason) in enumerate(zip(texts, reasons))
+        for i, (text, reason, content) in enumerate(zip(texts, reasons, logprobs))
     ]
     prompt, completion = row.prompt_tokens or 0, row.completion_tokens or 0
     body = {
@@ -552,6 +583,34 @@ def openai_output_record(row: Any, *, job_id: str, model: str) -> dict[str, Any]
         "custom_id": row.custom_id,
         "response": {"status_code": 200, "request_id": _request_id(job_id, row.idx, "req"), "body": body},
         "error": None,
+    }
+
+
+def logprobs_of(value: Any, outputs: int) -> list[list[dict[str, Any]] | None]:
+    """A row's stored log-probabilities per output: one content list per output (the stored value is the list
+    itself for one output, a list of them for several), or None for each where the row asked for none."""
+    if value is None:
+        return [None] * outputs
+    return value if outputs > 1 else [value]
+
+
+def completion_logprobs(content: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """/v1/completions' shape of one output's log-probabilities (from the chat shape we store): tokens,
+    token_logprobs, top_logprobs (one {token: logprob} per step, or None when none were asked), text_offset."""
+    if content is None:
+        return None
+    offsets, at = [], 0
+    for entry in content:
+        offsets.append(at)
+        at += len(entry["token"])
+    asked = any(entry.get("top_logprobs") for entry in content)
+    return {
+        "tokens": [entry["token"] for entry in content],
+        "token_logprobs": [entry["logprob"] for entry in content],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in entry["top_logprobs"]} for entry in content]
+        if asked
+        else None,
+        "text_offset": offsets,
     }
 
 

@@ -265,6 +265,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
             raise InvalidInput(_nothing_to_retry(job_id, len(rows), failed_only))
         for row in rerun:
             row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
+            row.logprobs = None
         # a new run: the one that ended goes into metrics.runs, and the new one's clock starts at its first claim,
         # so its duration and rates leave out the idle time between the end and the retry
         transition(

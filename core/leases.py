@@ -59,6 +59,7 @@ class RowResult:
     error: str | None = None
     started_at: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[Any] | None = None  # a list per output with num_return_sequences > 1
 
 
 def claim(session: Session, shard_id: int, worker: str, lease_seconds: float) -> Claim | None:
@@ -198,6 +199,7 @@ def commit_rows(session: Session, shard: Shard, worker: str, results: list[RowRe
             "b_state": (RowState.failed if r.error else RowState.succeeded).value,
             "b_output": r.output,
             "b_finish_reason": r.finish_reason,
+            "b_logprobs": r.logprobs,
             "b_prompt_tokens": r.prompt_tokens,
             "b_completion_tokens": r.completion_tokens,
             "b_error": r.error,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core import structured
 from core.errors import InvalidInput
 from core.slices import DISTRIBUTED, plan
 
@@ -119,11 +120,38 @@ class SamplingParams(Strict):
     num_return_sequences: int | None = Field(
         None, ge=1, le=16, description="outputs per row (needs sampling); above 1 a row's output is a JSON list"
     )
+    # structured outputs (core/structured.py): one constraint per row, a row's replacing the job's
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='constrain the output, OpenAI\'s form: {"type": "json_schema", "json_schema": {"name": ..., '
+        '"schema": {...}, "strict": true}}, {"type": "json_object"} (any JSON object) or {"type": "text"} (none)',
+    )
+    guided_choice: list[str] | None = Field(None, description="the output is exactly one of these strings")
+    guided_regex: str | None = Field(None, description="the output matches this regular expression (no look-around)")
+    logprobs: bool | None = Field(None, description="return each generated token's log-probability")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=structured.TOP_LOGPROBS_MAX, description="and this many most likely tokens at each step"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        return structured.check_response_format(value)
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        return structured.check_choice(value)
+
+    @field_validator("guided_regex")
+    @classmethod
+    def _regex(cls, value: Any) -> Any:
+        return structured.check_regex(value)
 
 
 class JobSettings(Strict):
@@ -425,8 +453,7 @@ def describe(exc: ValidationError) -> str:
 
 def sampling_of(spec: GenerateSpec, overrides: dict[str, Any] | None) -> dict[str, Any]:
     """The row's effective generation parameters: the spec's, overridden by the row's."""
-    params = {k: getattr(spec, k) for k in SamplingParams.model_fields}
-    params.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    params = structured.override({k: getattr(spec, k) for k in SamplingParams.model_fields}, overrides or {})
     if params["do_sample"] is None:
         params["do_sample"] = bool(params["temperature"])
     return params

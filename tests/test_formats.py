@@ -443,8 +443,9 @@ def test_table_inputs_through_the_api(api, model, tmp_path):
         {"model": str(model), "input": csv_id, "gpus": 0, "input_columns": {"question": "prompt"}},
         422,
         "input_columns 'question': map one of prompt, messages, custom_id or a sampling parameter (do_sample, "
-        "ignore_eos, max_new_tokens, num_return_sequences, repetition_penalty, seed, stop, temperature, top_k, "
-        "top_p) to a column of the file",
+        "guided_choice, guided_regex, ignore_eos, logprobs, max_new_tokens, num_return_sequences, "
+        "repetition_penalty, response_format, seed, stop, temperature, top_k, top_logprobs, top_p) to a column of "
+        "the file",
     )
     refused(
         api,

@@ -5,12 +5,23 @@ its correctness, and plain-transformers baselines, all in one run so the ratios 
     python ops/bench/gen.py g2 --out ops/bench/results/g2.json
     python ops/bench/gen.py g1 --slow ...                          # also transformers' generate_batch defaults
     python ops/bench/gen.py g1 --smoke --out /tmp/g1-smoke.json    # CPU: tiny model, a few rows, every step
+    python ops/bench/gen.py g1json --out ops/bench/results/g1json.json  # structured outputs vs G1 (issue 26)
+    python ops/bench/gen.py g1lp --out ops/bench/results/g1lp.json      # logprobs (top 5) on vs off on G1
 
 Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
 - G1: 1024 prompts × 256 input tokens, 256 output tokens each.
 - G2: 2048 prompts, input lengths uniform in 32–1024, outputs uniform in 16–512 (per-row `max_new_tokens`).
 - G3: 1024 prompts of one shared 1,024-token instruction and a unique 64-token part, 128 output tokens: the engine
   with its prefix cache on and off, interleaved `--repeat` times (rows/s, outputs equal: `prefix_cache`).
+- G1-JSON (`g1json`): G1's rows, each constrained by SCHEMA_G1JSON (a string, an integer, an enum), EOS on (the
+  grammar ends each output), up to 256 tokens. Engine alone, in one child process, warm runs: unconstrained G1
+  (tok/s), the constrained run (its valid fraction of the outputs not cut by max_new_tokens, checked by
+  `valid_g1json`, and tok/s), and the same rows unconstrained with each row's max_new_tokens set to the length of
+  its constrained output (EOS off: same tokens, same prefill), whose seconds over the constrained run's isolate
+  what the grammar costs (`ratios.constrained/length_matched`); `ratios.constrained/g1` is the tok/s ratio the
+  issue names (shorter outputs make prefill weigh more there).
+- `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
+  These two run only step 1's engine runs (no baselines, no service).
 
 Steps (each in its own time box; a step that would not fit is listed under `skipped`):
 1. In a child process (it releases the GPU before the service starts):
@@ -60,6 +71,7 @@ if str(ROOT) not in sys.path:
 from ops.bench import harness  # after the repository root is on sys.path
 
 BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6)
+COMPARISONS = ("g1json", "g1lp")  # G1's rows in other settings, compared in one child process (issue 26)
 FULL_BATCH = 1024
 SEED = harness.SEED
 log = harness.logger("gen")
@@ -72,8 +84,8 @@ def workload(name: str, tok, smoke: bool) -> list[tuple[str, int]]:
     """(prompt text, max_new_tokens) per row; prompts are one-token words, so a prompt of n words is n tokens."""
     rng = random.Random(SEED)
     words = harness.one_token_words(tok)
-    if name == "g1":
-        n, lengths = (24, [(16, 16)]) if smoke else (1024, [(256, 256)])
+    if name in ("g1", *COMPARISONS):
+        n, lengths = (24, [(16, 96 if name == "g1json" else 16)]) if smoke else (1024, [(256, 256)])
         return [("".join(rng.choice(words) for _ in range(i)), o) for i, o in lengths * n]
     if name == "g3":  # one shared instruction, then a unique part (issue 26: a shared prefix computed once)
         n, shared, unique, out = (16, 130, 8, 8) if smoke else (1024, 1024, 64, 128)
@@ -118,6 +130,123 @@ def _param_count(config) -> int:
     return layers * per_layer + embed + h
 
 
+SCHEMA_G1JSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 48},
+        "count": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
+        "kind": {"enum": ["alpha", "beta", "gamma"]},
+    },
+    "required": ["name", "count", "kind"],
+    "additionalProperties": False,
+}
+
+
+def valid_g1json(text: str) -> bool:
+    """`text` is JSON valid against SCHEMA_G1JSON (checked by hand: the GPU image has no JSON Schema validator; the
+    CPU tests check the engines with jsonschema_rs)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "count", "kind"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 48
+        and isinstance(value["count"], int)
+        and not isinstance(value["count"], bool)
+        and 0 <= value["count"] <= 1_000_000
+        and value["kind"] in ("alpha", "beta", "gamma")
+    )
+
+
+def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -> None:
+    """g1json and g1lp (see the docstring): warm engine runs in this process, each timed alone."""
+    import torch  # noqa: F401  (the child's torch, already imported)
+
+    from core.spec import GenerateSpec
+    from worker import generate as engine
+
+    # prefix cache off: the runs repeat the same prompts on one resident engine, and later runs would read them
+    # from the cache (their prefill skipped), which is not what these ratios compare
+    base = {"model": str(args.model), "input": "x", "engine": "fast", "prefix_cache": "off"}
+
+    def timed(name: str, spec_fields: dict, these: list) -> dict:
+        spec = GenerateSpec.model_validate({**base, **spec_fields})
+        info: dict = {}
+        harness.sync()
+        t = time.perf_counter()
+        results = [r for b in engine.generate(loaded, spec, these, batch_rows=256, info=info) for r in b]
+        harness.sync()
+        seconds = time.perf_counter() - t
+        tokens = sum(r.completion_tokens or 0 for r in results)
+        run = {
+            "rows": len(these),
+            "output_tokens": tokens,
+            "seconds": round(seconds, 3),
+            "output_tok_s": round(tokens / seconds, 1),
+            "failed": sum(r.error is not None for r in results),
+            "steps": info.get("fast", {}).get("steps"),
+            "prefill_s": info.get("fast", {}).get("prefill_s"),
+            "decode_s": info.get("fast", {}).get("decode_s"),
+        }
+        out["engine"][name] = run
+        log(f"{name}: {run['output_tok_s']:,.0f} output tok/s, {seconds:.2f} s, {tokens} tokens")
+        run["_results"] = results
+        return run
+
+    plain = {"ignore_eos": True}
+    for name in ("g1_cold", "g1"):
+        box.run(name, 40, lambda name=name: timed(name, plain, rows))
+    if args.workload == "g1lp":
+        lp = {**plain, "logprobs": True, "top_logprobs": 5}
+        for name in ("logprobs_cold", "logprobs"):
+            box.run(name, 40, lambda name=name: timed(name, lp, rows))
+        box.run("g1_again", 40, lambda: timed("g1_again", plain, rows))
+        on, off = out["engine"].get("logprobs", {}), out["engine"].get("g1", {})
+        if on and off:
+            out["ratios"] = {"logprobs_on/off": round(on["output_tok_s"] / off["output_tok_s"], 3)}
+            entries = [len(r.logprobs or []) for r in on["_results"]]
+            out["correctness"]["logprobs_entries"] = {
+                "passed": entries == [r.completion_tokens for r in on["_results"]],
+                "rows": len(entries),
+            }
+    else:
+        fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+        constrained = {"response_format": fmt}
+        for name in ("constrained_cold", "constrained"):
+            box.run(name, 60, lambda name=name: timed(name, constrained, rows))
+        got = out["engine"].get("constrained")
+        if got:
+            results = sorted(got["_results"], key=lambda r: r.idx)
+            cut = [r for r in results if r.finish_reason == "length"]
+            ended = [r for r in results if r.error is None and r.finish_reason != "length"]
+            valid = sum(valid_g1json(r.output) for r in ended)
+            out["correctness"]["g1json_valid"] = {
+                "passed": bool(ended) and valid == len(ended) and not got["failed"],
+                "valid": valid,
+                "not_truncated": len(ended),
+                "truncated": len(cut),
+                "valid_fraction": round(valid / len(ended), 4) if ended else None,
+                "sample": [r.output for r in results[:3]],
+            }
+            log(f"g1json: {valid}/{len(ended)} valid outputs not cut by max_new_tokens ({len(cut)} cut)")
+            matched = [
+                (i, {**r, "params": {"max_new_tokens": max(1, res.completion_tokens or 1)}})
+                for (i, r), res in zip(rows, results)
+            ]
+            box.run("length_matched", 60, lambda: timed("length_matched", plain, matched))
+            same = out["engine"].get("length_matched")
+            g1 = out["engine"].get("g1")
+            out["ratios"] = {
+                "constrained/g1": g1 and round(got["output_tok_s"] / g1["output_tok_s"], 3),
+                "constrained/length_matched": same and round(same["seconds"] / got["seconds"], 3),
+            }
+    for run in out["engine"].values():
+        run.pop("_results", None)
+
+
 # --- in-process steps (child) -------------------------------------------------------------------------------
 
 
@@ -153,6 +282,15 @@ def run_inproc(args: argparse.Namespace) -> int:
         check = harness.greedy_check(args.qa_model, "fast", device, dtype)
         out["correctness"]["greedy_fast_vs_generate"] = check
         log(f"greedy fast engine vs generate: {check['equal']}/{check['rows']} equal")
+
+    if args.workload in COMPARISONS:
+        model, tok = harness.load_plain(args.model, device, dtype)
+        loaded = Loaded(model, tok, model.device, {})
+        data = workload(args.workload, tok, args.smoke)
+        rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(data)]
+        compare_runs(args, loaded, rows, out, box)
+        harness.write_json(args.child_out, out)
+        return 0
 
     step("greedy", 30, greedy)
 
@@ -698,6 +836,8 @@ def print_table(name: str, r: dict) -> None:
             r["engine"].get("cold", {}).get("info", {}).get("fast", {}).get("capture_s"),
         ),
     ]
+    if r["workload"] in COMPARISONS:  # warm and cold engine runs of G1's rows in other settings
+        lines = [(f"ours: engine, {k}", v.get("output_tok_s"), None, None) for k, v in r["engine"].items()]
     lines += [(f"baseline: {k}", b.get("output_tok_s"), None, b.get("compile_s")) for k, b in r["baselines"].items()]
     lines.append(("bound (from the dataset)", r.get("bound_tok_s"), None, None))
     for label, tps, peak, comp in lines:
@@ -727,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         port=8765,
         work=Path("/tmp/gen-work"),
     )
-    p.add_argument("workload", choices=["g1", "g2", "g3"])
+    p.add_argument("workload", choices=["g1", "g2", "g3", *COMPARISONS])
     p.add_argument(
         "--repeat", type=int, default=3, help="warm engine runs and service jobs of the workload (median, spread)"
     )
@@ -764,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out or harness.RESULTS / f"{args.workload}.json"
     if args.smoke and args.up_gpus == "0":
         args.up_gpus, args.spec_gpus = "none", 0
-    skip = set(args.skip.split(",")) - {""}
+    skip = set(args.skip.split(",")) - {""} | ({"service"} if args.workload in COMPARISONS else set())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -837,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         child = json.loads(child_out.read_text()) if child_out.exists() else {}
         if rc != 0:
             r["errors"]["inproc"] = f"exit {rc}"
-        for key in ("device", "torch", "transformers", "engine", "baselines", "correctness"):
+        for key in ("device", "torch", "transformers", "engine", "baselines", "correctness", "ratios"):
             r[key] = child.get(key, r.get(key))
         r["errors"].update(child.get("errors", {}))
         r["skipped"] += child.get("skipped", [])
@@ -848,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             r["errors"]["service"] = f"{type(exc).__name__}: {exc}"
             log(f"service failed: {exc!r}")
-    r["ratios"] = ratios(r)
+    r["ratios"] = {**(r.get("ratios") or {}), **ratios(r)}
     r["total_s"] = round(time.monotonic() - t0, 1)
     save()
     print_table(args.workload, r)

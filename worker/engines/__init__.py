@@ -8,6 +8,8 @@
     decode_attention.py  (Triton decode attention over the pages)
     common.py            what they share: rows rendered to token ids, results built from sequences, EOS ids, the
                          padded attention, `model.generate` arguments, the allocator's cache given back after OOM
+    grammar.py           structured outputs: grammars compiled per tokenizer, a matcher per sequence, the mask
+    logprobs.py          log-probabilities of the generated tokens (both add nothing to a step no row asks them of)
 
 The interface, the same in every engine module:
 

@@ -1,8 +1,9 @@
 """What every generation engine shares: rows rendered to token ids (`Prepared`, `prepare`, `render_many`), the
 `model.generate` pieces of the padded and static engines (`StopFlag`, `generate_kwargs`, `padded_attention`), a
-generated sequence cut and counted (`sequence`) and turned into the row's result (`row_result`), EOS ids, and the
-allocator's cache given back after an out-of-memory (`free_cuda_cache`). Engines import this module, never each
-other (worker/engines/__init__.py).
+generated sequence cut and counted (`sequence`) and turned into the row's result (`row_result`), what a batch asks
+beyond tokens (`Extras`: grammar masks and log-probabilities, worker/engines/grammar.py and logprobs.py), EOS ids,
+and the allocator's cache given back after an out-of-memory (`free_cuda_cache`). Engines import this module, never
+each other (worker/engines/__init__.py).
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from core import structured
 from core.dataset import several_greedy, too_long
 from core.leases import RowResult
 from core.spec import GenerateSpec, sampling_of
 from worker import attention, faults
+from worker.engines import grammar, logprobs
 from worker.loader import Loaded
 from worker.progress import Progress
 
@@ -113,7 +116,29 @@ def prepare(loaded: Loaded, spec: GenerateSpec, rows, started: float) -> Iterato
     for start in range(0, len(rows), RENDER_BATCH):
         chunk = rows[start : start + RENDER_BATCH]
         for (idx, row_input), ids in zip(chunk, render_many(loaded, [r for _, r in chunk])):
-            yield _prepared(idx, row_input, ids, spec, limit, started)
+            item = _prepared(idx, row_input, ids, spec, limit, started)
+            problem = isinstance(item, Prepared) and _grammar_problem(loaded, item.params)
+            yield RowResult(idx, prompt_tokens=len(ids), started_at=started, error=problem) if problem else item
+
+
+def _grammar_problem(loaded: Loaded, params: dict[str, Any]) -> str | None:
+    """Why the row's constraint does not compile against this model's tokenizer (it compiled without one at
+    submit), or None; the compiled grammar is kept for the engine (worker/engines/grammar.py)."""
+    text = structured.grammar(params)
+    if text is None:
+        return None
+    try:
+        grammar.compiled(loaded.tokenizer, vocab_width(loaded), eos_ids(loaded), text)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def vocab_width(loaded: Loaded) -> int:
+    """The width of the model's logits (its output layer may be padded past the tokenizer's vocabulary)."""
+    head = loaded.model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    return weight.shape[0] if weight is not None and weight.dim() == 2 else loaded.model.config.vocab_size
 
 
 def _prepared(
@@ -208,8 +233,11 @@ def decode_many(tok, token_lists: list[list[int]]) -> list[str]:
     return backend.decode_batch(token_lists, skip_special_tokens=True)
 
 
-def row_result(tok, row: Prepared, sequences: list[tuple[str, str, int]], started: float) -> RowResult:
-    """A row's result: one sequence stores plain text; n > 1 store a list of texts and a list of finish reasons."""
+def row_result(
+    tok, row: Prepared, sequences: list[tuple[str, str, int]], started: float, lps: list | None = None
+) -> RowResult:
+    """A row's result: one sequence stores plain text; n > 1 store a list of texts and a list of finish reasons
+    (and `lps`, one log-probability list per sequence, alike)."""
     texts, finishes, counts = zip(*sequences)
     if len(sequences) == 1:
         return RowResult(
@@ -219,6 +247,7 @@ def row_result(tok, row: Prepared, sequences: list[tuple[str, str, int]], starte
             prompt_tokens=len(row.ids),
             completion_tokens=counts[0],
             started_at=started,
+            logprobs=None if lps is None else lps[0],
         )
     return RowResult(
         row.idx,
@@ -227,7 +256,51 @@ def row_result(tok, row: Prepared, sequences: list[tuple[str, str, int]], starte
         prompt_tokens=len(row.ids),
         completion_tokens=sum(counts),
         started_at=started,
+        logprobs=lps,
     )
+
+
+class Extras:
+    """What a batch of sequences asks beyond its tokens, in the batch's row order (`params`: each sequence's
+    effective parameters): grammar masks (`guides`) and log-probabilities. Empty, and adds nothing to a step, when
+    no sequence asks. `processors()` go into `model.generate` (padded and static engines); the fast engine fills
+    `guides` and `lp` itself (worker/engines/fast.py)."""
+
+    def __init__(self, loaded: Loaded, params: list[dict[str, Any]]):
+        self.tok, self.eos, self.vocab = loaded.tokenizer, eos_ids(loaded), vocab_width(loaded)
+        self.k = [logprobs.wanted(p) for p in params]
+        constrained = any(structured.constraint(p) for p in params)
+        self.guides = grammar.guides(self.tok, self.vocab, self.eos, params) if constrained else [None] * len(params)
+        self.asked = any(k is not None for k in self.k)
+        self.tokens = logprobs.Tokens(self.tok, self.vocab, self.eos) if self.asked else None
+        self.lp: list[Any] = [None] * len(params)  # per sequence: (picked, top values, top ids) per step
+        self._recorder = logprobs.Recorder(max(k or 0 for k in self.k)) if self.asked else None
+        self._mask = grammar.Processor(self.guides, self.vocab) if constrained else None
+
+    def processors(self) -> list:
+        return [p for p in (self._recorder, self._mask) if p is not None]  # logprobs see the unmasked logits
+
+    def finish(self, new: list[list[int]], last: torch.Tensor) -> None:
+        """After `generate`: `new` the generated tokens per sequence, `last` the last step's tokens (a tensor)."""
+        if self._mask is not None:
+            self._mask.finish(new)
+        if self._recorder is not None:
+            self.lp = self._recorder.finish(last)
+
+    def result(self, row: Prepared, seqs: list[int], tokens: list[list[int]], eos: set[int], started: float):
+        """The RowResult of `row` from its sequences (`seqs`: their places in the batch, `tokens`: theirs)."""
+        error = grammar.failure([self.guides[i] for i in seqs])
+        if error:
+            return RowResult(row.idx, prompt_tokens=len(row.ids), started_at=started, error=error)
+        cut = [sequence(self.tok, t, eos, row.params["stop"]) for t in tokens]
+        k = self.k[seqs[0]]
+        lps = None
+        if k is not None:
+            lps = [
+                logprobs.content(self.tokens, t[:count], *self.lp[i], k)
+                for i, t, (_, _, count) in zip(seqs, tokens, cut)
+            ]
+        return row_result(self.tok, row, cut, started, lps)
 
 
 def _tokens_through(tok, tokens: list[int], stop: str) -> int:
@@ -240,6 +313,15 @@ def _tokens_through(tok, tokens: list[int], stop: str) -> int:
         else:
             lo = mid + 1
     return lo
+
+
+PER_SEQUENCE = (*structured.CONSTRAINT_KEYS, "logprobs", "top_logprobs")  # parameters a shared call runs per row
+
+
+def group_key(params: dict[str, Any]) -> str:
+    """Rows whose keys are equal can share one `model.generate` call: their parameters differ at most in what
+    runs per sequence (constraints, log-probabilities)."""
+    return repr(sorted((k, v) for k, v in params.items() if k not in PER_SEQUENCE))
 
 
 def idx_sorted(results: list[RowResult]) -> list[RowResult]:

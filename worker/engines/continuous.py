@@ -6,7 +6,9 @@ sampling parameters (do_sample, temperature, top_p, top_k, seed); `max_new_token
 micro-batch is yielded each time `batch_rows` rows have finished (in finishing order, sorted within the
 micro-batch). Every output's `error` is checked: a request that failed inside the engine is a failed row with that
 error, never an empty success. Stop strings are cut after the fact (the request runs to EOS or `max_new_tokens`).
-`repetition_penalty` is not supported there (transformers drops that processor silently): such a row fails. Its
+`repetition_penalty` is not supported there (transformers drops that processor silently), nor structured outputs
+or logprobs (its manager builds its own logits processors: none of ours can mask a row or read its distribution;
+docs/design.md "Structured outputs"): such a row fails, and is refused at submit. Its
 cache is sized by transformers from the GPU memory free after loading, and explicitly and small on CPU.
 """
 
@@ -61,15 +63,8 @@ def run(
     for item in prepare(loaded, spec, rows, started):
         if isinstance(item, RowResult):
             ready.append(item)
-        elif item.params["repetition_penalty"] is not None:
-            ready.append(
-                RowResult(
-                    item.idx,
-                    prompt_tokens=len(item.ids),
-                    started_at=started,
-                    error=engine_problem("continuous", item.params),
-                )
-            )
+        elif problem := engine_problem("continuous", item.params):
+            ready.append(RowResult(item.idx, prompt_tokens=len(item.ids), started_at=started, error=problem))
         else:
             groups.setdefault(repr([item.params[k] for k in MANAGER_WIDE]), []).append(item)
     for group in groups.values():

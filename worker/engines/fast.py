@@ -20,8 +20,17 @@ import torch
 from core.leases import RowResult
 from core.settings import get_settings
 from core.spec import GenerateSpec
-from worker.engines import fastgen
-from worker.engines.common import Prepared, eos_ids, free_cuda_cache, idx_sorted, prepare, row_result, sequences
+from worker.engines import fastgen, grammar, logprobs
+from worker.engines.common import (
+    Prepared,
+    eos_ids,
+    free_cuda_cache,
+    idx_sorted,
+    prepare,
+    row_result,
+    sequences,
+    vocab_width,
+)
 from worker.loader import Loaded
 from worker.progress import Progress
 
@@ -71,7 +80,7 @@ def run(
                 )
             )
         else:
-            groups.setdefault(item.params["seed"], []).extend(fastgen.Seq(item, k) for k in range(item.n))
+            groups.setdefault(item.params["seed"], []).extend(_seqs(loaded, item, eos))
     stats = info.setdefault(
         "fast",
         {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prefix_tokens_reused": 0},
@@ -101,7 +110,7 @@ def run(
                 )
             )
             for row in complete:
-                ready.append(row_result(loaded.tokenizer, row[0].row, [next(texts) for _ in row], started))
+                ready.append(_result(loaded, row, [next(texts) for _ in row], eos, started))
             if len(ready) >= batch_rows:  # rows that finished in one step are committed together
                 yield idx_sorted(ready)
                 ready = []
@@ -110,6 +119,30 @@ def run(
     if ready:
         yield idx_sorted(ready)
     return others
+
+
+def _seqs(loaded: Loaded, item: Prepared, eos: set[int]) -> list[fastgen.Seq]:
+    """The row's n sequences, each with its grammar (constrained rows) and a log-probability list (where asked)."""
+    seqs = [fastgen.Seq(item, k) for k in range(item.n)]
+    guides = grammar.guides(loaded.tokenizer, vocab_width(loaded), eos, [item.params] * item.n)
+    for seq, guide in zip(seqs, guides):
+        seq.guide = guide
+        seq.lp = [] if logprobs.wanted(item.params) is not None else None
+    return seqs
+
+
+def _result(loaded: Loaded, seqs: list[fastgen.Seq], cut: list, eos: set[int], started: float) -> RowResult:
+    """A row's result from its finished sequences and their texts (`cut`: `sequences`), with its log-probabilities."""
+    row, tok = seqs[0].row, loaded.tokenizer
+    error = grammar.failure([s.guide for s in seqs])
+    if error:
+        return RowResult(row.idx, prompt_tokens=len(row.ids), started_at=started, error=error)
+    k = logprobs.wanted(row.params)
+    lps = None
+    if k is not None:
+        names = logprobs.Tokens(tok, vocab_width(loaded), eos)
+        lps = [logprobs.content(names, s.tokens[:n], *zip(*s.lp), k) for s, (_, _, n) in zip(seqs, cut)]
+    return row_result(tok, row, cut, started, lps)
 
 
 def prepared_state(
@@ -166,6 +199,9 @@ def _run_fast(
             torch.manual_seed(seed)
         for seq in todo:
             seq.tokens, seq.slot, seq.pages, seq.done, seq.prefix = [], -1, [], False, 0
+            seq.lp = None if seq.lp is None else []
+            if seq.guide is not None:
+                seq.guide.reset()
         finished: set[int] = set()
         engine = None
         try:

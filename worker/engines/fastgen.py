@@ -52,7 +52,7 @@ import torch
 
 from core.dataset import fast_unsupported
 from worker import faults
-from worker.engines import decode_attention
+from worker.engines import decode_attention, grammar, logprobs
 from worker.engines import pages as pages_mod
 from worker.progress import Progress
 
@@ -240,7 +240,8 @@ class SlotState:
     positions: torch.Tensor  # (max_len,) 0..max_len-1, the prefill's position ids (views of one normal tensor,
     # like the decode step's `pos`, so compiled code sees one kind of tensor: no recompile between the two)
     offsets: torch.Tensor  # (max_len,) positions % PAGE
-    graphs: dict[tuple[int, bool], Any] = field(default_factory=dict)
+    graphs: dict[tuple, Any] = field(default_factory=dict)  # (batch, sample) or (batch, sample, extras)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot buffers of `extras`, made when asked
     pool: Any = None
     capture_s: float = 0.0
     compile_s: float = 0.0  # the first prefill and decode with compiled layers, mostly compiling
@@ -467,6 +468,8 @@ class Seq:
     pages: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    guide: Any = None  # grammar.Guide of a constrained row (worker/engines/grammar.py)
+    lp: list | None = None  # logprobs asked: (picked, top values, top ids) per token (worker/engines/logprobs.py)
     prefix: int = 0  # pages shared with earlier prompts: the prefill starts at prefix * PAGE
     wave: int = 0  # its prefill runs after the prefills that write the shared pages it reads (Engine._admit)
     _blocks: list | None = None
@@ -518,6 +521,9 @@ class Engine:
         self.compiled = state.compiled if compiled else None
         self.sizes = buckets(state.slots)
         self.pad = loaded.tokenizer.pad_token_id or 0
+        self.vocab = self.head.weight.shape[0]
+        self.prefill_lp: Any = None  # the last prefill's log-probabilities (device tensors), where a row asked
+        self._host_bits: torch.Tensor | None = None
         if state.eos != tuple(sorted(eos)):  # graphs read the state's tensors only: new EOS ids, new graphs
             state.eos = tuple(sorted(eos))
             state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
@@ -528,7 +534,7 @@ class Engine:
         self._unlaunched: set[int] = set()  # pages registered whose prefill is not launched yet
         self.prompt_tokens = 0  # prompt tokens of this run's sequences, and those read from cached prefixes
         self.reused_tokens = 0
-        self._host: torch.Tensor | None = None  # pinned buffers the decode steps' tokens are copied into
+        self._host: dict[str, torch.Tensor] | None = None  # pinned buffers the decode steps' outputs go into
         self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
         self.prefill_s = 0.0
@@ -600,9 +606,17 @@ class Engine:
         if st.first_prefill_s is None:
             _sync(st)
             st.first_prefill_s = time.perf_counter() - t
-        logits = self.head(hidden[torch.arange(len(seqs), device=device), last])
+        logits = self._mask_eos(self.head(hidden[torch.arange(len(seqs), device=device), last]), no_eos)
+        masked = logits
+        if any(s.guide for s in seqs):  # the first token's grammar mask, computed here for the chunk
+            bits = torch.empty((len(seqs), grammar.words(logits.shape[1])), dtype=torch.int32)
+            grammar.fill(bits, [(i, s.guide) for i, s in enumerate(seqs) if s.guide])
+            masked = grammar.apply(logits, bits.to(device))
         sample = any(s.row.params["do_sample"] for s in seqs)
-        first = self._pick(self._mask_eos(logits, no_eos), temps, sample)
+        first = self._pick(masked, temps, sample)
+        self.prefill_lp = None  # read by _launch_prefill right after this call
+        if any(s.lp is not None for s in seqs):
+            self.prefill_lp = logprobs.step(logits, first, logprobs.TOP)
         st.table[slots] = table
         st.tok[slots] = first
         st.pos[slots] = start + last + 1
@@ -627,26 +641,43 @@ class Engine:
             ).last_hidden_state[:, 0]
         return self.head(hidden)
 
-    def _decode(self, batch: int, sample: bool) -> None:
-        """One decode step over slots 0..batch-1: the next token of every active slot fed back as its input."""
+    def _decode(self, batch: int, sample: bool, extras: tuple[str, ...] = (), phase: str | None = None) -> None:
+        """One decode step over slots 0..batch-1: the next token of every active slot fed back as its input.
+
+        With `extras` (only for a batch where some row asks): "grammar" masks the logits with the bitmask the host
+        put in `outputs["bitmask"]`, "logprobs" writes the unmasked logits' log-probabilities into `outputs`. A
+        step with a grammar runs in two phases (`Engine.run`): "forward" (the logits, kept in `outputs["logits"]`),
+        then "choose" (mask, pick, logprobs) once the host has the masks: its grammar work overlaps the forward."""
         st = self.state
-        logits = self._mask_eos(self.logits(batch), st.no_eos[:batch])
-        st.tok[:batch] = self._pick(logits, st.temp[:batch], sample)
+        if phase == "choose":
+            logits = st.outputs["logits"][:batch]
+        else:
+            logits = self._mask_eos(self.logits(batch), st.no_eos[:batch])
+            if phase == "forward":
+                st.outputs["logits"][:batch] = logits
+                return
+        masked = grammar.apply(logits, st.outputs["bitmask"][:batch]) if "grammar" in extras else logits
+        st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
+        if "logprobs" in extras:
+            for name, value in zip(("picked", "values", "ids"), logprobs.step(logits, st.tok[:batch], logprobs.TOP)):
+                st.outputs[name][:batch] = value
         st.pos[:batch] += st.active[:batch]
 
-    def step(self, batch: int, sample: bool) -> None:
+    def step(self, batch: int, sample: bool, extras: tuple[str, ...] = (), phase: str | None = None) -> None:
         if not self.use_graphs:
-            self._decode(batch, sample)
+            self._decode(batch, sample, extras, phase)
             return
-        graph = self.state.graphs.get((batch, sample))
+        key = (batch, sample, *extras) if phase is None else (phase, batch, sample, *extras)
+        graph = self.state.graphs.get(key)
         if graph is None:
             with self.progress.phase("capturing CUDA graphs"):
-                graph = self._capture(batch, sample)
+                graph = self._capture(batch, sample, extras, phase)
         graph.replay()
 
-    def _capture(self, batch: int, sample: bool):
-        """Capture the decode step for `batch` slots as a CUDA graph (after warm-up runs on a side stream, which
-        compile the Triton kernel); the slot inputs are restored afterwards, so capturing changes nothing."""
+    def _capture(self, batch: int, sample: bool, extras: tuple[str, ...] = (), phase: str | None = None):
+        """Capture the decode step (or a `phase` of it) for `batch` slots as a CUDA graph (after warm-up runs on a
+        side stream, which compile the Triton kernel); the slot inputs are restored afterwards, so capturing
+        changes nothing."""
         st = self.state
         t = time.perf_counter()
         saved = (st.tok.clone(), st.pos.clone())
@@ -654,22 +685,24 @@ class Engine:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode(batch, sample)
+                self._decode(batch, sample, extras, phase)
         torch.cuda.current_stream().wait_stream(stream)
         st.pool = st.pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=st.pool):
-            self._decode(batch, sample)
+            self._decode(batch, sample, extras, phase)
         st.tok.copy_(saved[0])
         st.pos.copy_(saved[1])
         torch.cuda.synchronize()
-        st.graphs[(batch, sample)] = graph
+        st.graphs[(batch, sample, *extras) if phase is None else (phase, batch, sample, *extras)] = graph
         seconds = time.perf_counter() - t
         st.capture_s += seconds
         log.info(
-            "fast engine: captured the decode step for %d slots%s in %.2f s",
+            "fast engine: captured the decode step%s for %d slots%s%s in %.2f s",
+            f" ({phase})" if phase else "",
             batch,
             " (sampling)" if sample else "",
+            "".join(f" ({e})" for e in extras),
             seconds,
         )
         return graph
@@ -785,7 +818,15 @@ class Engine:
                 continue
             batch = bucket(self.sizes, max(running) + 1)
             sample = any(s.row.params["do_sample"] for s in running.values())
-            launched = (self._launch(batch, sample), list(running.items()))
+            extras = self._extras(running)
+            stepped = list(running.items())
+            if "grammar" in extras:  # the masks need the last tokens: the host books them while the forward runs
+                self._forward(batch)
+                if pending:
+                    yield from self._book(*pending, running, free)
+                    pending = None
+                self._fill_masks(running, batch)
+            launched = (self._launch(batch, sample, extras), stepped)
             if pending:
                 yield from self._book(*pending, running, free)
             pending = launched
@@ -811,46 +852,103 @@ class Engine:
         """The cached pages `seq`'s prompt can start from (none when reuse is off)."""
         return self.pool.match(seq.blocks[: seq.reusable]) if self.reuse and seq.reusable else []
 
-    def _launch(self, batch: int, sample: bool) -> Callable[[], list[int]]:
-        """Launch one decode step; returns a function that waits for the step and gives its tokens by slot (CUDA:
-        copied into one of two pinned host buffers, so the host does not wait at launch)."""
+    def _extras(self, running: dict[int, Seq]) -> tuple[str, ...]:
+        """What the next step computes beyond tokens, for the rows it runs (nothing, mostly: the plain graph)."""
+        seqs = running.values()
+        return tuple(
+            name
+            for name, asked in (
+                ("grammar", any(s.guide for s in seqs)),
+                ("logprobs", any(s.lp is not None for s in seqs)),
+            )
+            if asked
+        )
+
+    def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
+        """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
+        st = self.state
+        if "bitmask" not in st.outputs:  # kept with the state (a captured graph reads it)
+            st.outputs["bitmask"] = torch.full(
+                (st.slots, grammar.words(self.vocab)), -1, dtype=torch.int32, device=st.tok.device
+            )
+        if self._host_bits is None:
+            shape = st.outputs["bitmask"].shape
+            self._host_bits = torch.empty(shape, dtype=torch.int32, pin_memory=st.tok.is_cuda)
+        host = self._host_bits[:batch]
+        grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
+        st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
+
+    def _forward(self, batch: int) -> None:
+        """Launch a grammar step's forward phase (its logits into `outputs["logits"]`, made on first use)."""
+        st = self.state
+        if "logits" not in st.outputs:
+            st.outputs["logits"] = torch.empty(
+                (st.slots, self.vocab), dtype=self.head.weight.dtype, device=st.tok.device
+            )
+        t = time.perf_counter()
+        self.step(batch, False, phase="forward")
+        self.decode_s += time.perf_counter() - t
+
+    def _launch(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> Callable[[], tuple[list[int], Any]]:
+        """Launch one decode step; returns a function that waits for the step and gives its tokens by slot, and
+        with "logprobs" their log-probabilities (CUDA: copied into one of two pinned host buffers, so the host does
+        not wait at launch)."""
         st = self.state
         t = time.perf_counter()
-        self.step(batch, sample)
+        if "logprobs" in extras and "picked" not in st.outputs:
+            zeros = {
+                "picked": (torch.float32, ()),
+                "values": (torch.float32, (logprobs.TOP,)),
+                "ids": (torch.long, (logprobs.TOP,)),
+            }
+            for name, (dtype, tail) in zeros.items():
+                st.outputs[name] = torch.zeros((st.slots, *tail), dtype=dtype, device=st.tok.device)
+        self.step(batch, sample, extras, "choose" if "grammar" in extras else None)
         self.steps += 1
         self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
         faults.hit("decode_step")
+        names = ("tok",) + (("picked", "values", "ids") if "logprobs" in extras else ())
+        outs = [st.tok[:batch] if n == "tok" else st.outputs[n][:batch] for n in names]
         if st.tok.device.type != "cuda":
-            tokens = st.tok[:batch].tolist()
+            values = [o.tolist() for o in outs]
             self.decode_s += time.perf_counter() - t
-            return lambda: tokens
+            return lambda: (values[0], values[1:] or None)
         if self._host is None:  # a step's bucket may pass this run's slots (up to the state's)
-            self._host = torch.empty((2, st.slots), dtype=st.tok.dtype, pin_memory=True)
-        host = self._host[self.steps % 2, :batch]
-        host.copy_(st.tok[:batch], non_blocking=True)
+            self._host = {}
+        hosts = []
+        for n, o in zip(names, outs):
+            if n not in self._host:
+                self._host[n] = torch.empty((2, *st.outputs.get(n, st.tok).shape), dtype=o.dtype, pin_memory=True)
+            hosts.append(self._host[n][self.steps % 2, :batch])
+            hosts[-1].copy_(o, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self.decode_s += time.perf_counter() - t
 
-        def tokens() -> list[int]:
+        def tokens() -> tuple[list[int], Any]:
             t = time.perf_counter()
             done.synchronize()
             self.decode_s += time.perf_counter() - t
-            return host.tolist()
+            values = [h.tolist() for h in hosts]
+            return values[0], values[1:] or None
 
         return tokens
 
     def _book(
-        self, tokens: Callable[[], list[int]], stepped: list[tuple[int, Seq]], running: dict[int, Seq], free: list[int]
+        self,
+        tokens: Callable[[], tuple[list[int], Any]],
+        stepped: list[tuple[int, Seq]],
+        running: dict[int, Seq],
+        free: list[int],
     ) -> Iterator[list[Seq]]:
         """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
         compaction since may have moved it); free and yield the ones that finish."""
-        by_slot = tokens()
+        by_slot, lp = tokens()
         finished = []
         for slot, seq in stepped:
             if seq.done:  # finished in the step before: this step was its extra one
                 continue
-            seq.tokens.append(by_slot[slot])
+            self._take(seq, by_slot[slot], lp, slot)
             if self._finished(seq):
                 del running[seq.slot]
                 self._free(seq, free)
@@ -910,38 +1008,40 @@ class Engine:
         if chunk:
             launched.append(self._launch_prefill(chunk))
         for chunk, first in launched:
-            yield from self._start(chunk, first(), running, free)
+            yield from self._start(chunk, *first(), running, free)
         self.prefill_s += time.perf_counter() - t
 
-    def _launch_prefill(self, chunk: list[Seq]) -> tuple[list[Seq], Callable[[], list[int]]]:
-        """Launch the prefill of `chunk`; returns it with a function that waits for its first tokens."""
+    def _launch_prefill(self, chunk: list[Seq]) -> tuple[list[Seq], Callable[[], tuple[list[int], Any]]]:
+        """Launch the prefill of `chunk`; returns it with a function that waits for its first tokens (and their
+        log-probabilities, where a row of the chunk asked)."""
         faults.hit("generate", rows=len(chunk))
         first = self.prefill(chunk)
+        lp = self.prefill_lp
         for seq in chunk:
             self._unlaunched.difference_update(seq.pages)
         if not first.is_cuda:
-            tokens = first.tolist()
+            tokens = first.tolist(), lp and [t.tolist() for t in lp]
             return chunk, lambda: tokens
         host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
         host.copy_(first, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
 
-        def tokens() -> list[int]:
+        def tokens() -> tuple[list[int], Any]:
             done.synchronize()
-            return host.tolist()
+            return host.tolist(), lp and [t.tolist() for t in lp]
 
         return chunk, tokens
 
     def _start(
-        self, chunk: list[Seq], first: list[int], running: dict[int, Seq], free: list[int]
+        self, chunk: list[Seq], first: list[int], lp: list | None, running: dict[int, Seq], free: list[int]
     ) -> Iterator[list[Seq]]:
         """Book a prefilled chunk's first tokens; yield the sequences that already finished."""
         self.progress.beat("prefill chunk")
         faults.hit("prefill")
         finished = []
-        for seq, token in zip(chunk, first):
-            seq.tokens.append(token)
+        for i, (seq, token) in enumerate(zip(chunk, first)):
+            self._take(seq, token, lp, i)
             if self._finished(seq):
                 self._free(seq, free)
                 finished.append(seq)
@@ -950,6 +1050,14 @@ class Engine:
         if finished:
             self._deactivate(finished)
             yield finished
+
+    def _take(self, seq: Seq, token: int, lp: list | None, at: int) -> None:
+        """Book `token` on `seq`: its grammar advances, and its log-probabilities (row `at` of the step's) are kept."""
+        seq.tokens.append(token)
+        if seq.guide is not None:
+            seq.guide.take(token)
+        if seq.lp is not None:
+            seq.lp.append(tuple(part[at] for part in lp))
 
     def _free(self, seq: Seq, free: list[int]) -> None:
         """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the

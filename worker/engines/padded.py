@@ -14,20 +14,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
 
 from core.leases import RowResult
 from core.spec import GenerateSpec
 from worker import faults
 from worker.engines.common import (
+    Extras,
     Prepared,
     StopFlag,
     eos_ids,
     free_cuda_cache,
     generate_kwargs,
+    group_key,
     padded_attention,
     prepare,
-    row_result,
-    sequence,
 )
 from worker.loader import Loaded
 from worker.progress import Progress
@@ -65,7 +66,7 @@ def _generate_padded(
             if isinstance(item, RowResult):
                 results.append(item)
             else:
-                groups.setdefault(repr(sorted(item.params.items())), []).append(item)
+                groups.setdefault(group_key(item.params), []).append(item)
         for group in groups.values():
             results.extend(_run_splitting(loaded, group, started, should_stop, on_event, progress))
         if should_stop():
@@ -99,6 +100,9 @@ def _run_group(
     n = group[0].n
     enc = tok.pad({"input_ids": [g.ids for g in group]}, padding=True, return_tensors="pt").to(loaded.device)
     kwargs = generate_kwargs(tok, params, [StopFlag(should_stop, progress)])
+    extras = Extras(loaded, [g.params for g in group for _ in range(n)])  # grammar masks, logprobs: if asked
+    if extras.processors():
+        kwargs["logits_processor"] = LogitsProcessorList(extras.processors())
     if n > 1:
         kwargs["num_return_sequences"] = n  # outputs come back row by row: row 0's n samples, then row 1's
     if params["seed"] is not None:
@@ -106,8 +110,9 @@ def _run_group(
     with torch.inference_mode():
         out = model.generate(**enc, **kwargs)
     new = out[:, enc["input_ids"].shape[1] :].tolist()
+    extras.finish(new, out[:, -1])
     eos = set() if params["ignore_eos"] else eos_ids(loaded)
     return [
-        row_result(tok, g, [sequence(tok, t, eos, g.params["stop"]) for t in new[i * n : (i + 1) * n]], started)
+        extras.result(g, list(range(i * n, (i + 1) * n)), new[i * n : (i + 1) * n], eos, started)
         for i, g in enumerate(group)
     ]

@@ -15,23 +15,23 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria
+from transformers import LogitsProcessorList, StoppingCriteria
 
 from core.leases import RowResult
 from core.spec import GenerateSpec
 from worker import faults
 from worker.engines.common import (
+    Extras,
     Prepared,
     StopFlag,
     context_limit,
     eos_ids,
     free_cuda_cache,
     generate_kwargs,
+    group_key,
     idx_sorted,
     padded_attention,
     prepare,
-    row_result,
-    sequence,
 )
 from worker.loader import Loaded
 from worker.progress import Progress
@@ -129,7 +129,7 @@ def _generate_static(
         if isinstance(item, RowResult):
             ready.append(item)
         else:
-            groups.setdefault(repr(sorted(item.params.items())), []).append(item)
+            groups.setdefault(group_key(item.params), []).append(item)
     compile_config, compile_reason = _compile_config(loaded)
     stats = info.setdefault(
         "static",
@@ -236,12 +236,18 @@ def _call(
         stats["compile_s"] = round(stats["compile_s"] + seconds, 3)
     enc = tok.pad({"input_ids": sequences}, padding=True, return_tensors="pt").to(loaded.device)
     kwargs = generate_kwargs(tok, params, [StopFlag(should_stop, progress), DummyRows(real)])
+    # grammar masks and logprobs where asked (the dummy rows ask for neither)
+    extras = Extras(loaded, [g.params for g in call for _ in range(g.n)] + [{}] * (slots - real))
+    if extras.processors():
+        kwargs["logits_processor"] = LogitsProcessorList(extras.processors())
     if params["seed"] is not None:
         torch.manual_seed(params["seed"])
     model._previous_max_cache_length = cache_len  # transformers would otherwise keep the longest cache seen
     with torch.inference_mode():
         out = model.generate(**enc, **kwargs, **fixed)
-    new = out[:real, enc["input_ids"].shape[1] :].tolist()
+    new = out[:, enc["input_ids"].shape[1] :].tolist()
+    extras.finish(new, out[:, -1])
+    new = new[:real]
     stats["calls"] += 1
     stats["dummy_rows"] += slots - real
     if shape not in stats["shapes"]:
@@ -252,9 +258,7 @@ def _call(
     eos = set() if params["ignore_eos"] else eos_ids(loaded)
     results, at = [], 0
     for g in call:
-        results.append(
-            row_result(tok, g, [sequence(tok, t, eos, g.params["stop"]) for t in new[at : at + g.n]], started)
-        )
+        results.append(extras.result(g, list(range(at, at + g.n)), new[at : at + g.n], eos, started))
         at += g.n
     return results
 

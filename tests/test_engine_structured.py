@@ -1,0 +1,257 @@
+"""Structured outputs and log-probabilities in the engines (worker/engines/grammar.py, logprobs.py), on the tiny
+model, on CPU: every constrained output of the padded, static and fast engines parses and validates against its
+schema (or is one of its choices, or matches its regex), greedy and sampled, except rows cut by max_new_tokens,
+which say `length`; the continuous engine fails such rows with its reason; a chosen token's log-probability equals
+a plain forward pass's. Runs under transformers 5.24 and 5.17 (.ci/run).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema_rs
+import pytest
+import torch
+
+from core.spec import GenerateSpec
+from worker.engines import common, fastgen, grammar
+from worker.generate import generate
+from worker.loader import Loaded, load
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+PROMPTS = ["hello", "What is the capital of France?", "the sky", "water city", "4 + 4 =", "yes"]
+ENGINES = ["padded", "static", "fast"]
+
+
+def make_spec(model, **fields) -> GenerateSpec:
+    return GenerateSpec.model_validate({"model": str(model), "input": "file_x", **fields})
+
+
+def row(prompt: str, **params) -> dict:
+    return {"prompt": prompt, "params": params, "extra": {}}
+
+
+def run(loaded: Loaded, spec: GenerateSpec, rows, batch_rows: int = 4) -> dict:
+    return {r.idx: r for batch in generate(loaded, spec, rows, batch_rows=batch_rows, info={}) for r in batch}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model) -> Loaded:
+    return load(make_spec(tiny_model), gpus=0)
+
+
+@pytest.fixture
+def slots(monkeypatch, loaded):
+    """The fast engine's CPU slot count for one test (its resident state dropped before and after)."""
+
+    def set_slots(n: int) -> None:
+        monkeypatch.setattr(fastgen, "CPU_SLOTS", n)
+        fastgen.release(loaded.model)
+
+    yield set_slots
+    fastgen.release(loaded.model)
+
+
+def constrained_rows() -> list[tuple[int, dict]]:
+    """The job's schema on most rows; a choice, a regex, any JSON object and a row with no constraint beside."""
+    rows = [(i, row(p)) for i, p in enumerate(PROMPTS)]
+    rows.append((10, row("is the sky blue?", guided_choice=["yes", "no", "maybe not"])))
+    rows.append((11, row("a date", guided_regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]")))
+    rows.append((12, row("any object", response_format={"type": "json_object"}, max_new_tokens=40)))
+    rows.append((13, row("free text", response_format={"type": "text"}, max_new_tokens=6)))
+    return rows
+
+
+def check(results: dict) -> int:
+    """Every row that did not stop at max_new_tokens holds what its constraint asks; returns how many did."""
+    valid = 0
+    for idx, r in results.items():
+        assert r.error is None, (idx, r.error)
+        if idx == 13:
+            continue  # unconstrained
+        if r.finish_reason == "length":
+            continue  # cut by max_new_tokens: not counted as valid (and said so)
+        assert r.finish_reason == "stop", (idx, r.finish_reason)
+        if idx == 10:
+            assert r.output in ("yes", "no", "maybe not")
+        elif idx == 11:
+            assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]", r.output), r.output
+        else:
+            value = json.loads(r.output)
+            schema = {"type": "object"} if idx == 12 else SCHEMA
+            assert jsonschema_rs.validator_for(schema).is_valid(value), (idx, r.output)
+        valid += 1
+    return valid
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_constrained_outputs_validate_on_every_engine(loaded, tiny_model, slots, engine, sampled):
+    """The job's json_schema (and rows' choice, regex and json_object) on a random-ish tiny model: every output not
+    cut by max_new_tokens parses and validates; most rows end on their own (the grammar leaves only EOS once the
+    object is closed). Sampling at temperature 1.5 picks unlikely tokens, which the mask must still refuse. The
+    fast engine runs with 3 slots for 10 rows (admission while rows run, the grammar booked step by step)."""
+    slots(3)
+    sampling = {"temperature": 1.5, "seed": 3} if sampled else {}
+    spec = make_spec(tiny_model, engine=engine, max_new_tokens=48, response_format=FORMAT, **sampling)
+    results = run(loaded, spec, constrained_rows())
+    assert len(results) == 10
+    assert check(results) >= 7
+    if engine == "fast" and not sampled:  # a second job on the resident state (its buffers kept, the engine new)
+        assert check(run(loaded, spec, constrained_rows())) >= 7
+
+
+def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):
+    """With too few tokens for the object the output is a valid prefix cut short: finish_reason `length`."""
+    spec = make_spec(tiny_model, engine="padded", max_new_tokens=5, response_format=FORMAT)
+    results = run(loaded, spec, [(0, row("hello"))])
+    assert results[0].finish_reason == "length" and results[0].completion_tokens == 5
+    assert results[0].output.startswith('{"name"')
+    with pytest.raises(ValueError):
+        json.loads(results[0].output)
+
+
+def test_unconstrained_rows_are_unchanged_by_constrained_ones_beside_them(loaded, tiny_model, slots):
+    """Greedy rows without a constraint give the same outputs alone and batched with constrained rows (the mask
+    is all ones on their rows) on every engine."""
+    slots(4)
+    free = [(i, row(p)) for i, p in enumerate(PROMPTS)]
+    mixed = free + [(20, row("x", guided_choice=["a", "b"])), (21, row("y", response_format=FORMAT))]
+    for engine in ENGINES:
+        spec = make_spec(tiny_model, engine=engine, max_new_tokens=12)
+        alone, beside = run(loaded, spec, free), run(loaded, spec, mixed)
+        assert [alone[i].output for i in range(len(PROMPTS))] == [beside[i].output for i in range(len(PROMPTS))]
+        assert beside[20].output in ("a", "b")
+
+
+def test_continuous_engine_fails_constrained_and_logprob_rows_with_the_reason(loaded, tiny_model):
+    """transformers' continuous batching takes no logits processor of ours: such rows fail with a reason naming the
+    engines that run them, the others run."""
+    spec = make_spec(tiny_model, engine="continuous", max_new_tokens=8)
+    rows = [(0, row("hello", guided_choice=["a", "b"])), (1, row("the", logprobs=True)), (2, row("sky"))]
+    results = run(loaded, spec, rows)
+    for i, what in ((0, "a constrained output (response_format, guided_choice, guided_regex)"), (1, "logprobs")):
+        assert results[i].error == (
+            f"{what} is not supported by the continuous engine (transformers' continuous batching takes no logits "
+            "processor of ours): use engine auto, fast, padded or static"
+        )
+    assert results[2].error is None and results[2].output
+
+
+def test_a_grammar_is_compiled_once_per_schema_and_tokenizer(loaded):
+    """The compiled matcher is kept per (grammar, tokenizer): rows share it, each sequence gets its own copy."""
+    tok, eos, vocab = loaded.tokenizer, common.eos_ids(loaded), common.vocab_width(loaded)
+    params = {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}}
+    first = grammar.guides(tok, vocab, eos, [params, params])
+    again = grammar.guides(tok, vocab, eos, [params])
+    from core import structured
+
+    text = structured.grammar(params)
+    assert grammar.compiled(tok, vocab, eos, text) is grammar.compiled(tok, vocab, eos, text)
+    assert len({id(g.matcher) for g in first + again}) == 3  # copies of the one compiled matcher
+    with pytest.raises(ValueError, match="cannot compile"):
+        grammar.compiled(tok, vocab, eos, '{"grammars": [{"json_schema": {"type": "nonsense"}}]}')
+
+
+# --- log-probabilities ---------------------------------------------------------------------------------------
+
+
+def forward_logprobs(loaded: Loaded, prompt: str, tokens: list[int]) -> torch.Tensor:
+    """log-softmax of a plain forward pass over prompt + generated tokens, at each generated token."""
+    ids = loaded.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids + tokens])).logits[0].float()
+    lsm = torch.log_softmax(logits, dim=-1)[len(ids) - 1 : len(ids) - 1 + len(tokens)]
+    return lsm.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_logprobs_match_a_plain_forward_pass(loaded, tiny_model, slots, engine, sampled):
+    """Each output token's logprob equals the log-softmax of a plain forward pass over prompt + output at that
+    token (fp32: within 1e-3), one entry per completion token (EOS included); top_logprobs has k entries, most
+    likely first, and greedy picks the first of them; bytes are the token's UTF-8 bytes. A row that did not ask
+    has none. Sampled logprobs are still the model's distribution (before temperature)."""
+    slots(3)
+    sampling = {"temperature": 1.5, "seed": 5} if sampled else {}
+    spec = make_spec(tiny_model, engine=engine, max_new_tokens=10, logprobs=True, top_logprobs=3, **sampling)
+    rows = [(i, row(p)) for i, p in enumerate(PROMPTS[:4])] + [(9, row("the", logprobs=False))]
+    results = run(loaded, spec, rows)
+    tok = loaded.tokenizer
+    assert results[9].logprobs is None and results[9].output is not None
+    for i, prompt in enumerate(PROMPTS[:4]):
+        r = results[i]
+        assert len(r.logprobs) == r.completion_tokens
+        tokens = [_ids_by_bytes(tok)[bytes(e["bytes"])] for e in r.logprobs]
+        assert tok.decode(tokens, skip_special_tokens=True).startswith(r.output)
+        want = forward_logprobs(loaded, prompt, tokens)
+        got = torch.tensor([e["logprob"] for e in r.logprobs])
+        assert torch.allclose(got, want, atol=1e-3), (got, want)
+        for entry in r.logprobs:
+            top = entry["top_logprobs"]
+            assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+            assert entry["logprob"] <= top[0]["logprob"] + 1e-5
+            if not sampled:
+                assert entry["token"] == top[0]["token"] and abs(entry["logprob"] - top[0]["logprob"]) < 1e-5
+
+
+def _ids_by_bytes(tok) -> dict[bytes, int]:
+    """Token ids by their exact bytes (a logprob entry's `bytes`; a token that is part of a character decodes to the
+    replacement character, its bytes do not). The tiny byte-level BPE vocabulary has no two tokens alike."""
+    cache = tok.__dict__.setdefault("_test_ids_by_bytes", {})
+    if not cache:
+        from worker.engines import logprobs
+
+        names = logprobs.Tokens(tok, len(tok), set())
+        for i in range(len(tok)):
+            cache.setdefault(bytes(names(i)[1]), i)
+    return cache
+
+
+def test_logprobs_with_a_constraint_are_the_unmasked_distribution(loaded, tiny_model):
+    """A constrained row's logprobs are the model's own (the grammar mask is applied after they are read): a
+    forward pass gives the same numbers, and the chosen tokens' logprobs are not renormalized over the allowed
+    ones (a choice's first token has a logprob below 0 though the grammar allowed only two tokens)."""
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=8, logprobs=True, guided_choice=["yes", "no"])
+    r = run(loaded, spec, [(0, row("is it?"))])[0]
+    assert r.output in ("yes", "no")
+    tokens = [_ids_by_bytes(loaded.tokenizer)[bytes(e["bytes"])] for e in r.logprobs]
+    want = forward_logprobs(loaded, "is it?", tokens)
+    assert torch.allclose(torch.tensor([e["logprob"] for e in r.logprobs]), want, atol=1e-3)
+    assert r.logprobs[0]["logprob"] < -0.01
+
+
+def test_nothing_extra_runs_when_no_row_asks(loaded, tiny_model, slots):
+    """Cost when off: a batch that asks for neither constraint nor logprobs gets no logits processor in
+    `generate`, and the fast engine runs its plain decode step (no per-slot outputs allocated, no step variant)."""
+    assert common.Extras(loaded, [{"max_new_tokens": 4}] * 3).processors() == []
+    slots(4)
+    calls = []
+    real = fastgen.Engine._decode
+
+    def spy(self, batch, sample, extras=(), phase=None):
+        calls.append(extras)
+        return real(self, batch, sample, extras, phase)
+
+    fastgen.Engine._decode = spy
+    try:
+        run(
+            loaded, make_spec(tiny_model, engine="fast", max_new_tokens=6), [(i, row(p)) for i, p in enumerate(PROMPTS)]
+        )
+        state = loaded.model.__dict__["_gpujobs_fast"]
+        assert calls and set(calls) == {()} and state.outputs == {}
+        run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=6, logprobs=True), [(0, row("hello"))])
+        assert ("logprobs",) in calls and set(state.outputs) == {"picked", "values", "ids"}
+    finally:
+        fastgen.Engine._decode = real

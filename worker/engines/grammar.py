@@ -1,0 +1,176 @@
+"""Structured outputs in the engines: a row's grammar (core/structured.py) against the model's tokenizer, one
+matcher per generated sequence, and the grammar's mask applied to the logits on the device before sampling.
+
+- The tokenizer is converted for llguidance once per (tokenizer, vocabulary width, EOS ids) and kept on the
+  tokenizer object (`lltokenizer`; about a second for a 150k vocabulary).
+- A grammar is compiled once per (grammar, tokenizer): the compiled matcher is kept (least recently used out past
+  COMPILED) and each sequence gets a copy of it (`deep_copy`, cheap), advanced by the tokens that sequence picks.
+- A step's masks are computed on the CPU for every constrained sequence at once by llguidance's executor (its own
+  threads, without the GIL) into one int32 bitmask row per sequence (bit j of word w allows token 32·w + j), copied
+  to the device and unpacked there into -inf on every token the grammar forbids (`apply`). An unconstrained row's
+  bitmask row is all ones: a batch mixing constrained and free rows needs no other flag.
+- EOS: the EOS ids the engine stops on are the grammar's end: the mask allows them only where the grammar may end
+  (an accepting state), and once the grammar can take nothing more they are all it allows.
+
+The padded and static engines apply the mask as a transformers LogitsProcessor (`Processor`: after the
+repetition penalty, before temperature, top-k and top-p, as `generate` orders a custom processor); the fast engine
+calls `fill` and `apply` around its own sampling (worker/engines/fastgen.py). Nothing here runs for a batch that
+asks for no constraint.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any
+
+import torch
+from transformers import LogitsProcessor
+
+from core import structured
+
+COMPILED = 256  # compiled grammars kept per tokenizer
+_executor = None
+_lock = threading.Lock()
+
+
+def lltokenizer(tok, vocab: int, eos: set[int]):
+    """llguidance's view of `tok` (fast tokenizers only), its vocabulary `vocab` wide (the logits' width: a model
+    may pad its output layer past the tokenizer), ending on `eos`. Kept on the tokenizer object."""
+    import llguidance.hf
+
+    cache = tok.__dict__.setdefault("_gpujobs_lltok", {})
+    key = (vocab, tuple(sorted(eos)))
+    if key not in cache:
+        eos_ids = sorted(eos) or [tok.eos_token_id]
+        try:
+            cache[key] = llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos_ids)
+        except ValueError as exc:
+            raise ValueError(
+                f"structured outputs and logprobs need a fast (Rust) tokenizer: {exc}; this model's tokenizer is "
+                f"{type(tok).__name__}"
+            ) from None
+    return cache[key]
+
+
+def compiled(tok, vocab: int, eos: set[int], text: str):
+    """The matcher compiled from grammar `text` for this tokenizer (its initial state), or raise ValueError with
+    llguidance's reason. Compiled once per (grammar, tokenizer), least recently used out past COMPILED."""
+    from llguidance import LLMatcher
+
+    cache: collections.OrderedDict = tok.__dict__.setdefault("_gpujobs_grammars", collections.OrderedDict())
+    key = (vocab, tuple(sorted(eos)), text)
+    with _lock:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    matcher = LLMatcher(lltokenizer(tok, vocab, eos), text, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"the grammar engine (llguidance) cannot compile this constraint: {matcher.get_error()}")
+    with _lock:
+        cache[key] = matcher
+        while len(cache) > COMPILED:
+            cache.popitem(last=False)
+    return matcher
+
+
+def executor():
+    global _executor
+    if _executor is None:
+        import llguidance
+
+        _executor = llguidance.LLExecutor()
+    return _executor
+
+
+class Guide:
+    """The grammar state of one generated sequence: its matcher, whether it has ended (EOS taken) and why it failed
+    (a token its grammar refused: the mask makes that impossible, so it is a bug, reported on the row)."""
+
+    def __init__(self, matcher, eos: set[int]):
+        self.matcher, self.eos = matcher, eos
+        self.ended = False
+        self.error: str | None = None
+
+    def take(self, token: int) -> None:
+        """Advance by the token the engine picked (nothing once the sequence ended or failed)."""
+        if self.ended or self.error:
+            return
+        if token in self.eos:
+            self.ended = True
+            return
+        if not self.matcher.consume_token(token):
+            self.error = f"the constrained output left its grammar at a token it refused: {self.matcher.get_error()}"
+
+    @property
+    def live(self) -> bool:
+        return not (self.ended or self.error)
+
+    def reset(self) -> None:
+        self.matcher.reset()
+        self.ended, self.error = False, None
+
+
+def guides(tok, vocab: int, eos: set[int], params_list: list[dict[str, Any]]) -> list[Guide | None]:
+    """One Guide per sequence (None where its parameters ask for no constraint); raises ValueError for a grammar
+    the engine cannot compile (the engines fail that row with the reason)."""
+    out: list[Guide | None] = []
+    for params in params_list:
+        text = structured.grammar(params)
+        out.append(None if text is None else Guide(compiled(tok, vocab, eos, text).deep_copy(), eos))
+    return out
+
+
+def failure(seq_guides: list[Guide | None]) -> str | None:
+    return next((g.error for g in seq_guides if g is not None and g.error), None)
+
+
+def words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
+def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
+    """Each live Guide's next mask into its row of `bitmask` (a CPU int32 (batch, words) tensor, contiguous); the
+    other rows are set to all ones (every token allowed)."""
+    bitmask.fill_(-1)
+    live = [(g.matcher, i) for i, g in rows if g.live]
+    if live:
+        executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` (batch, vocab) with -inf on every token the device `bitmask` (batch, words) forbids; a new tensor
+    (the caller may still read the unmasked logits). Unpacked bytewise: a (batch, vocab) uint8 temporary."""
+    batch, vocab = logits.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    raw = bitmask.view(torch.uint8)  # little-endian: byte b of word w holds tokens 32w + 8b … 32w + 8b + 7
+    allowed = ((raw[:, :, None] >> shifts) & 1).view(batch, -1)[:, :vocab]
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+class Processor(LogitsProcessor):
+    """The grammar mask inside `model.generate` (padded and static engines): each call first advances every
+    sequence by the token picked at the previous step (the last column of `input_ids`; the first call sees the
+    prompt), then masks this step's scores. `guides` are in the batch's row order (None: no constraint)."""
+
+    def __init__(self, seq_guides: list[Guide | None], vocab: int):
+        self.guides = seq_guides
+        self.rows = [(i, g) for i, g in enumerate(seq_guides) if g is not None]
+        self.bitmask = torch.full((len(seq_guides), words(vocab)), -1, dtype=torch.int32)
+        self.first = True
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not self.first:
+            last = input_ids[:, -1].tolist()
+            for i, g in self.rows:
+                g.take(last[i])
+        self.first = False
+        fill(self.bitmask, self.rows)
+        return apply(scores, self.bitmask.to(scores.device, non_blocking=True))
+
+    def finish(self, sequences: list[list[int]]) -> None:
+        """Advance by the last generated token (`generate` asks no processor after its last step): a sequence
+        whose last token the grammar refused fails like any other."""
+        for i, g in self.rows:
+            if sequences[i]:
+                g.take(sequences[i][-1])
