@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from core import registry, scheduling
 from core.db import session_scope
-from core.errors import IllegalTransition
+from core.errors import IllegalTransition, ServiceUnavailable
 from core.models import Job, Shard
 from core.queue import TASK_RUN_SHARD, waiting_messages
 from core.queue import send as send_task
@@ -48,6 +48,19 @@ def resend(shard_id: int) -> None:
     send([shard_id], queue_of(shard_id))
 
 
+def send_again(shard_id: int) -> None:
+    """`resend`, after the commit that put the shard back in the queue. When Redis cannot take the message (it is
+    down, or gone with a stopped stack) the shard stays queued and unsent (`enqueued_at` NULL) and the reaper sends
+    it once Redis is back; raising would make the caller take its committed hand-back for a failure of its own (a
+    worker stopping because Redis went away wrote a failed attempt on a shard it had handed back)."""
+    try:
+        resend(shard_id)
+    except ServiceUnavailable as exc:
+        log.warning(
+            "shard %s is back in the queue but not sent (%s): the reaper sends it once Redis is back", shard_id, exc
+        )
+
+
 def wake(owner: str) -> None:
     """A shard of `owner` ended. When she has a cap on running shards, the messages of her queued shards may have
     found her at it and been dropped (core/scheduling.py): one message now for her next queued shard lets a capped
@@ -63,8 +76,12 @@ def wake(owner: str) -> None:
             .order_by(Job.priority.desc(), Job.created_at, Job.id, Shard.idx)
             .limit(1)
         ).first()
-    if nxt is not None:
+    if nxt is None:
+        return
+    try:
         send_task(TASK_RUN_SHARD, [nxt.id], nxt.queue)
+    except ServiceUnavailable as exc:  # a shortcut only: the reaper's pass sends it a lease after its last send
+        log.warning("could not wake %s's next shard %s (%s): the reaper sends it", owner, nxt.id, exc)
 
 
 def queue_of(shard_id: int) -> str:
@@ -116,7 +133,9 @@ def _claim_broker_epoch() -> bool:
     """
     import redis
 
-    client = redis.Redis.from_url(get_settings().redis_url, socket_timeout=5)
+    # a connect timeout too: the reaper runs in the heartbeat thread, which must not wait on an unreachable host
+    # for the kernel's SYN retries (about 2 min) while the lease it renews expires
+    client = redis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=5, socket_timeout=5)
     return bool(client.set(BROKER_EPOCH_KEY, str(now()), nx=True))
 
 

@@ -23,6 +23,18 @@ Decisions (docs/design.md "Models by Hub id"):
   that it deletes when the download fails, so a job's retry would start again from byte 0. We write
   `blobs/<etag>.incomplete` under huggingface_hub's own per-blob lock file, ask for the rest with a Range request,
   and rename it into place only once its hash matches the blob's name.
+- The files of one snapshot are fetched JOBS_HUB_PARALLEL_FILES at a time (default 8, as huggingface_hub's
+  snapshot_download), largest first, each resumable on its own; the first file that fails fails the snapshot with
+  its own error, the others stop at their next chunk and keep their parts. Measured against `hf_hub_download` on one
+  large file in ops/bench/hub_download.py (ops/bench/README.md).
+- Xet-backed repos (checked against huggingface_hub 2.4 and hf-xet 1.8, pinned in constraints.txt): the file list
+  still gives each file's sha256 (its LFS oid) and size, and `/resolve/` still redirects to the bytes over plain
+  HTTP (the Hub's LFS bridge for Xet storage), so they are fetched and checked like any LFS file. hf_xet, even
+  installed, is never called here: we read no `X-Xet-Hash` header, so we get none of its chunk deduplication or its
+  parallel reconstruction of one file (`hf_hub_download` uses it when the header is there). A cache filled by
+  `hf download` with hf_xet is used as it is: its blobs carry the same names, some as symlinks into
+  huggingface_hub's shared blob store, which every check here follows. Not tested against the real Hub (no network
+  here): whether the bridge honours Range; a 200 to a Range request restarts the part from byte 0.
 - Nothing half-written is ever loaded: a snapshot is used only once every file a load needs is there and its content
   matches its hash; the marker records what was verified, and a file whose size or mtime changed since is hashed
   again (a corrupt or truncated one is fetched again, or refused offline).
@@ -34,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import hashlib
 import json
 import logging
@@ -41,9 +54,11 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +208,7 @@ def short(commit: str | None) -> str:
 # --- talking to the Hub -------------------------------------------------------------------------------------
 
 
-def _client():
+def _client(connections: int = 1):
     import httpx
 
     settings = get_settings()
@@ -203,7 +218,23 @@ def _client():
         headers["authorization"] = f"Bearer {value}"  # httpx drops it on a redirect to another host (a CDN)
     # connect, and wait for the next byte: a stalled download is retried from where it stopped (a Range request), and
     # a cancel or shutdown is seen at least this often
-    return httpx.Client(follow_redirects=True, timeout=settings.hub_timeout, headers=headers)
+    return httpx.Client(
+        follow_redirects=True,
+        timeout=settings.hub_timeout,
+        headers=headers,
+        verify=_ssl_context(),
+        # one connection per file fetched at once, to the endpoint and to the CDN it redirects to
+        limits=httpx.Limits(max_connections=2 * connections + 2, max_keepalive_connections=2 * connections + 2),
+    )
+
+
+@functools.cache
+def _ssl_context():
+    """httpx's default context (certifi, or SSL_CERT_FILE / SSL_CERT_DIR as this process started), made once: making
+    it reads the CA bundle (0.1 s), and each fetch makes a client or two."""
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
 def _online() -> None:
@@ -516,20 +547,45 @@ def fetch(
 
 
 def _download_all(snap: Snapshot, missing: list[RepoFile], listener: Listener, stop: Callable[[], bool]) -> int:
+    """Fetch the `missing` files, up to JOBS_HUB_PARALLEL_FILES at once (the largest first, so the last to finish
+    are small), through one HTTP client. The first file that fails fails the snapshot with its own error (which
+    names the file); the others stop at their next chunk, keeping their parts for the next fetch, and files not
+    started yet are not started."""
     root = repo_dir(snap.repo)
     total = sum(f.size or 0 for f in missing)
     parts = {f.etag: _part_size(root, f) for f in missing}
     _check_disk(snap, total - sum(parts.values()))
+    counting = threading.Lock()
     done = [sum(parts.values())]
     listener.started(snap, files=len(missing), total=total, done=done[0])
+    failed = threading.Event()  # a file failed (or a stop was seen): the others stop at their next chunk
+    errors: list[BaseException] = []  # the first is the snapshot's error; the siblings' stops come after it
 
     def on_bytes(n: int) -> None:
-        done[0] += n
-        listener.progress(done[0], total)
+        with counting:  # several threads add up; the listener sees each total once, in order
+            done[0] += n
+            listener.progress(done[0], total)
 
-    with _client() as client:
-        for f in missing:
-            _fetch_file(snap, f, client=client, on_bytes=on_bytes, should_stop=stop)
+    def fetch_one(f: RepoFile) -> None:
+        if failed.is_set():
+            return  # not started once another file failed
+        try:
+            _fetch_file(snap, f, client=client, on_bytes=on_bytes, should_stop=lambda: failed.is_set() or stop())
+        except BaseException as exc:  # noqa: BLE001  raised below, in the caller's thread
+            with counting:
+                errors.append(exc)
+                failed.set()
+
+    order = sorted(missing, key=lambda f: f.size or 0, reverse=True)
+    width = min(get_settings().hub_parallel_files, len(order))
+    with _client(connections=width) as client, ThreadPoolExecutor(width, thread_name_prefix="hub-fetch") as pool:
+        try:
+            wait([pool.submit(fetch_one, f) for f in order])
+        except BaseException:  # interrupted while waiting (Ctrl-C in `gpujobs models pull`): stop the downloads
+            failed.set()
+            raise
+    if errors:
+        raise errors[0]
     return total - sum(parts.values())
 
 

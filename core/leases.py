@@ -14,8 +14,8 @@ The rules that make "nothing lost, nothing run twice" hold:
   between owners, then FIFO; owners' quotas): a message says "a shard is ready on this queue" (the queue of the
   shard it names). A late or redelivered message whose shard is done or leased by a live worker takes the next
   queued shard, or nothing when none is queued.
-- A shard that goes back to the queue is sent again through `core.dispatch`, after its transaction committed; a
-  shard that ends finalizes its job when it was the last one (`core.jobs.maybe_finalize`). The reaper
+- A shard that goes back to the queue is sent again through `core.dispatch`, after its transaction committed
+  (when Redis cannot take it then, it stays queued and unsent, and the reaper sends it later); a shard that ends finalizes its job when it was the last one (`core.jobs.maybe_finalize`). The reaper
   (`core.dispatch.reap`) re-queues shards whose lease expired.
 """
 
@@ -317,7 +317,7 @@ def end_early(shard_id: int, worker: str, *, hand_back: str | None = None) -> bo
     with session_scope() as session:
         ended, resend = _end_early(session, session.get(Shard, shard_id), worker, hand_back)
     if resend:
-        dispatch.resend(shard_id)
+        dispatch.send_again(shard_id)
     return ended
 
 
@@ -331,7 +331,7 @@ def hand_over(job_id: str, worker: str, reason: str) -> None:
         )
         _, resend = _end_early(session, shard, worker, reason) if shard is not None else (False, False)
     if resend:
-        dispatch.resend(shard.id)
+        dispatch.send_again(shard.id)
 
 
 def _end_early(session: Session, shard: Shard, worker: str, hand_back_reason: str | None) -> tuple[bool, bool]:
@@ -370,7 +370,7 @@ def yield_shard(shard_id: int, worker: str, *, reason: str, requested_at: float,
             shard_id=shard_id,
             data={"worker": worker, "reason": reason, "requested_at": requested_at, "at": at},
         )
-    dispatch.resend(shard_id)
+    dispatch.send_again(shard_id)
 
 
 def complete(shard_id: int, worker: str, metrics: dict[str, Any]) -> None:
@@ -422,7 +422,7 @@ def fail_attempt(shard_id: int, worker: str, error: str) -> None:
             hand_back(session, shard, worker, "engine error; retrying")
         except IllegalTransition:
             return
-    dispatch.resend(shard_id)
+    dispatch.send_again(shard_id)
 
 
 def fail_final(shard_id: int, worker: str, cause: str, error: str) -> None:
@@ -505,7 +505,7 @@ def give_back_stalled(
             give_up(session, shard, f"stalled on attempt {shard.attempts} of {shard.max_attempts} ({worker}): {stall}")
             return idx
         hand_back(session, shard, worker, f"stalled on {worker}: {stall}")
-    dispatch.resend(shard_id)
+    dispatch.send_again(shard_id)
     return idx
 
 

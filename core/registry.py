@@ -45,9 +45,14 @@ def register(
 def heartbeat(
     session: Session, name: str, *, current_shard_id: int | None, extra: dict[str, Any] | None = None
 ) -> None:
+    """The worker `name` is alive (and holds `current_shard_id`). A worker that recorded its stop (it is on its way
+    out: its stack went away, it stalled) stays offline with its reason: a beat of its heartbeat thread in the
+    seconds before the process ends must not mark it online again."""
     values: dict[str, Any] = {"heartbeat_at": now(), "state": "online", "current_shard_id": current_shard_id}
-    session.execute(update(Worker).where(Worker.name == name).values(**values))
-    if extra:  # merged under a row lock (Postgres): the heartbeat and the QLoRA probe both merge into capabilities
+    beat = session.execute(update(Worker).where(Worker.name == name, Worker.stopped_at.is_(None)).values(**values))
+    if (
+        extra and beat.rowcount
+    ):  # merged under a row lock (Postgres): the heartbeat and the QLoRA probe both merge into capabilities
         worker = session.get(Worker, name, with_for_update=True, populate_existing=True)
         if worker is not None:
             worker.capabilities = {**worker.capabilities, **extra}

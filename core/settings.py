@@ -18,7 +18,8 @@ Models by Hub id (core/hub.py) follow the Hugging Face variables, so existing ca
 working: `HF_ENDPOINT` (the Hub or a mirror), `HF_HUB_OFFLINE` (never reach it), `HF_HUB_CACHE` / `HF_HOME` (the
 cache), `HF_TOKEN` / `HF_TOKEN_PATH` (read when needed by `core.hub.token()`, never kept here: a settings object
 may be printed). Ours: `JOBS_HUB_MODELS` (Hub ids allowed when JOBS_MODEL_ROOTS is set), `JOBS_HUB_MIN_FREE_BYTES`
-(free space a download must leave), `JOBS_HUB_TIMEOUT` (seconds to connect or wait for a byte).
+(free space a download must leave), `JOBS_HUB_TIMEOUT` (seconds to connect or wait for a byte), `JOBS_HUB_PARALLEL_FILES` (files of one
+snapshot fetched at once, 1 to 64, default 8).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class Settings:
     # the share of each GPU's memory a worker may hold: the model, the fast engine's KV cache and its working memory
     # (vLLM's gpu_memory_utilization); the cache gets what is left of it (worker/engines/fastgen.py `cache_budget`)
     gpu_memory_utilization: float = 0.9
+    hub_parallel_files: int = 8  # files of one snapshot fetched at once (huggingface_hub's max_workers is 8 too)
 
     @property
     def files_dir(self) -> Path:
@@ -211,7 +213,9 @@ _NUMBERS = {
     "stopped_workers_shown": "JOBS_STOPPED_WORKERS_SHOWN",
     "hub_min_free_bytes": "JOBS_HUB_MIN_FREE_BYTES",
     "hub_timeout": "JOBS_HUB_TIMEOUT",
+    "hub_parallel_files": "JOBS_HUB_PARALLEL_FILES",
 }
+MAX_PARALLEL_FILES = 64
 
 
 def _default(name: str):
@@ -236,6 +240,11 @@ def get_settings() -> Settings:
     stack = _stack(home)
     host = _env("JOBS_API_HOST", _default("api_host"))
     numbers = {name: _number(name) for name in _NUMBERS}
+    if not 1 <= numbers["hub_parallel_files"] <= MAX_PARALLEL_FILES:
+        raise ValueError(
+            f"JOBS_HUB_PARALLEL_FILES={numbers['hub_parallel_files']}: give a whole number from 1 to "
+            f"{MAX_PARALLEL_FILES} (files of one model fetched at once; the default is {_default('hub_parallel_files')})"
+        )
     return Settings(
         home=home,
         database_url=_env("JOBS_DATABASE_URL", f"sqlite:///{home / 'jobs.db'}"),

@@ -6,6 +6,8 @@ and private repos, and the faults a test asks for (hold a download half-way, die
     a = hub.add("acme/tiny", {"config.json": b"{}", "model.safetensors": b"..."})
     b = hub.add("acme/tiny", {...}, tags=["v2"])     # a new commit on main
     hub.gets("acme/tiny", "model.safetensors")      # how many GETs of that file's bytes were served
+    hub.add_sharded("acme/big", shards=6, size=n)   # config, index and 6 weight shards of n random bytes
+    hub.in_flight, hub.max_in_flight                # files' bytes being sent now, and the most at once
 
 Endpoints (as huggingface.co answers them):
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import threading
 from collections import Counter, defaultdict
@@ -32,8 +35,25 @@ from urllib.parse import parse_qs, quote, unquote, urlparse
 LFS_SUFFIXES = (".safetensors", ".bin", ".onnx", ".pt", ".gguf")
 
 
+_DIGESTS: dict[int, tuple[bytes, str, str]] = {}  # id(data) -> (data, git blob id, sha256): each file hashed once
+
+
+def _digests(data: bytes) -> tuple[str, str]:
+    """(git blob id, sha256) of a file's bytes, computed once per bytes object (the benchmark serves gigabytes)."""
+    known = _DIGESTS.get(id(data))
+    if known is None or known[0] is not data:
+        blob = hashlib.sha1(b"blob %d\0" % len(data))
+        blob.update(data)
+        known = _DIGESTS[id(data)] = (data, blob.hexdigest(), hashlib.sha256(data).hexdigest())
+    return known[1], known[2]
+
+
 def git_blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    return _digests(data)[0]
+
+
+def sha256(data: bytes) -> str:
+    return _digests(data)[1]
 
 
 def is_lfs(name: str) -> bool:
@@ -71,6 +91,8 @@ class HubServer:
         self.hold: dict[tuple[str, str], tuple[int, threading.Event]] = {}  # bytes past N wait for the event
         self.die_after: dict[tuple[str, str], int] = {}  # send N bytes, then the whole server goes away (once)
         self.corrupt: Counter = Counter()  # (repo, file) -> how many more times to send flipped bytes
+        self.in_flight = 0  # GETs of files' bytes being answered now
+        self.max_in_flight = 0  # the most at once since start (a client's parallel downloads)
         self.lock = threading.Lock()
         self.died = threading.Event()
         self._ports = (port, cdn_port)
@@ -100,11 +122,23 @@ class HubServer:
             repo.refs[tag] = sha
         for name, data in files.items():
             if is_lfs(name):
-                self.blobs[hashlib.sha256(data).hexdigest()] = data
+                self.blobs[sha256(data)] = data
         return sha
 
     def gets(self, repo: str, name: str) -> int:
         return self.get_counts[(repo, name)]
+
+    def add_sharded(self, repo_id: str, shards: int, size: int) -> dict[str, bytes]:
+        """A model repo of config.json, an index and `shards` safetensors shards of `size` random bytes each (the
+        last one a byte longer, so that it sorts first by size): its files, as added."""
+        names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+        files = {name: os.urandom(size + (i == shards - 1)) for i, name in enumerate(names)}
+        files["config.json"] = json.dumps({"model_type": "qwen3"}).encode()
+        files["model.safetensors.index.json"] = json.dumps(
+            {"weight_map": {f"w{i}": n for i, n in enumerate(names)}}
+        ).encode()
+        self.add(repo_id, files)
+        return files
 
     # --- serving ------------------------------------------------------------------------------------------------
 
@@ -206,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
             if blobs:
                 sibling.update(size=len(data), blobId=git_blob_id(data))
                 if is_lfs(name):
-                    sibling["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                    sibling["lfs"] = {"sha256": sha256(data), "size": len(data), "pointerSize": 134}
             siblings.append(sibling)
         return {
             "_id": repo.id,
@@ -228,7 +262,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _entry(self, name: str, data: bytes) -> dict:
         entry = {"type": "file", "oid": git_blob_id(data), "size": len(data), "path": name}
         if is_lfs(name):
-            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            entry["lfs"] = {"oid": sha256(data), "size": len(data), "pointerSize": 134}
         return entry
 
     def _resolve(self, repo_id: str, rev: str, name: str, head: bool) -> None:
@@ -243,7 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
         data = commit.files[name]
         blob_id = git_blob_id(data)
         if is_lfs(name):
-            sha = hashlib.sha256(data).hexdigest()
+            sha = sha256(data)
             self.send_response(302)
             self.send_header("Location", f"{self.hub.cdn_url}/cdn/{sha}?repo={quote(repo.id)}&file={quote(name)}")
             self.send_header("X-Repo-Commit", commit.sha)
@@ -344,22 +378,36 @@ class _Handler(BaseHTTPRequestHandler):
         if head:
             return
         with self.hub.lock:
+            self.hub.in_flight += 1
+            self.hub.max_in_flight = max(self.hub.max_in_flight, self.hub.in_flight)
+        try:
+            last = self._answer(key, data, start)
+        finally:  # before the last byte goes out: the client cannot have read it and asked for another file yet
+            with self.hub.lock:
+                self.hub.in_flight -= 1
+        self._send(key, last)
+
+    def _answer(self, key: tuple[str, str], data: bytes, start: int) -> bytes:
+        """Send the body but its last byte, and return that byte (nothing when the server died half-way)."""
+        with self.hub.lock:
             self.hub.get_counts[key] += 1
             self.hub.ranges[key].append(start)
-            body = data[start:]
+            body = memoryview(data)[start:]  # no copy: the benchmark serves files of gigabytes
             if self.hub.corrupt[key] > 0:
                 self.hub.corrupt[key] -= 1
                 body = bytes([body[0] ^ 0xFF]) + body[1:]
             die_at = self.hub.die_after.pop(key, None)
             hold = self.hub.hold.get(key)
         if die_at is not None:
-            return self._send_then_die(key, body[: max(die_at - start, 0)])
+            self._send_then_die(key, body[: max(die_at - start, 0)])
+            return b""
         if hold is not None and not hold[1].is_set():  # the bytes up to the hold point, then wait for the event
             cut = max(hold[0] - start, 0)
             self._send(key, body[:cut])
             hold[1].wait()
             body = body[cut:]
-        self._send(key, body)
+        self._send(key, body[:-1])
+        return body[-1:]
 
     def _send(self, key: tuple[str, str], chunk: bytes) -> None:
         for i in range(0, len(chunk), 1 << 16):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -414,6 +415,137 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
         next((tmp_path / "cache-host-a" / hub.folder("acme/slow") / "blobs").glob("*.incomplete")).stat().st_size
         == half
     )  # kept for the next fetch
+
+
+# --- files of one snapshot fetched in parallel (in this process: no worker, no model) ---------------------------
+
+
+@pytest.fixture
+def bare_hub(tmp_path, monkeypatch) -> HubServer:
+    """The fake Hub with no repo, and this process pointed at it with a cache of its own and no token."""
+    server = HubServer().start()
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("JOBS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("JOBS_HUB_MIN_FREE_BYTES", "0")
+    monkeypatch.setenv("JOBS_HUB_TIMEOUT", "5")
+    settings.reset()
+    yield server
+    server.stop()
+    settings.reset()
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Run `fn` in a thread; the dict gets its `result` or its `error`."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001  the test looks at it
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_files_of_a_snapshot_are_fetched_in_parallel_never_more_at_once_than_the_setting(bare_hub, monkeypatch):
+    """With JOBS_HUB_PARALLEL_FILES=3, a model of 6 weight shards has 3 of them downloading at once (the server holds
+    each half-way and sees 3 requests in flight), never 4; once let go, every file is there, verified, fetched once.
+    """
+    monkeypatch.setenv("JOBS_HUB_PARALLEL_FILES", "3")
+    monkeypatch.setenv("JOBS_HUB_TIMEOUT", "600")  # a held download is never given up and asked for again
+    settings.reset()
+    files = bare_hub.add_sharded("acme/sharded", shards=6, size=256 << 10)
+    shards = sorted(n for n in files if n.startswith("model-"))
+    let_go = threading.Event()
+    for name in shards:
+        bare_hub.hold[("acme/sharded", name)] = (64 << 10, let_go)
+    thread, out = in_thread(lambda: hub.ensure("acme/sharded", None))
+    try:
+        wait_for(lambda: bare_hub.in_flight == 3, 120, "three shards downloading at once")
+    finally:
+        let_go.set()
+    thread.join(120)
+    assert "result" in out, out
+    assert bare_hub.max_in_flight == 3
+    fetched = out["result"]
+    assert fetched.files == 8 and {n: bare_hub.gets("acme/sharded", n) for n in shards} == dict.fromkeys(shards, 1)
+    for name in files:
+        assert (fetched.path / name).read_bytes() == files[name]
+    assert hub.marker("acme/sharded", fetched.commit) is not None
+
+
+def test_a_file_that_fails_fails_the_whole_snapshot_naming_it_and_the_next_fetch_resumes_the_others(
+    bare_hub, monkeypatch
+):
+    """6 shards, 3 at a time: the largest (fetched first) is bad twice: ChecksumMismatch, naming that file. The two
+    downloading beside it (held half-way) stop and keep their parts, the three not started are not started; nothing
+    is linked, no marker. The next fetch resumes the two parts with Range requests from where they stopped."""
+    monkeypatch.setenv("JOBS_HUB_PARALLEL_FILES", "3")
+    settings.reset()
+    files = bare_hub.add_sharded("acme/sharded", shards=6, size=256 << 10)
+    shards = sorted(n for n in files if n.startswith("model-"))
+    bad, beside, later = shards[-1], shards[:2], shards[2:5]  # the last is a byte longer: it goes first
+    bare_hub.corrupt[("acme/sharded", bad)] = 2
+    go_bad, let_go = threading.Event(), threading.Event()
+    bare_hub.hold[("acme/sharded", bad)] = (0, go_bad)  # fails only once the two beside it are half-way
+    for name in beside:
+        bare_hub.hold[("acme/sharded", name)] = (100 << 10, let_go)
+    seen = Seen()
+    thread, out = in_thread(lambda: hub.ensure("acme/sharded", None, listener=seen))
+    try:
+        wait_for(lambda: seen.done == 200 << 10, 120, "the two shards beside the bad one half-way")
+        go_bad.set()
+        thread.join(120)
+    finally:
+        go_bad.set()
+        let_go.set()
+    assert isinstance(out.get("error"), ChecksumMismatch), out
+    assert re.search(f"{bad} of acme/sharded@[0-9a-f]+ from .* does not match its hash", str(out["error"]))
+    root = settings.get_settings().hub_cache / hub.folder("acme/sharded")
+    assert sorted(p.stat().st_size for p in (root / "blobs").glob("*.incomplete")) == [100 << 10, 100 << 10]
+    assert [bare_hub.gets("acme/sharded", n) for n in later] == [0, 0, 0]
+    assert (
+        not list((root / "snapshots").rglob("model-*"))
+        and hub.marker("acme/sharded", bare_hub_commit(bare_hub)) is None
+    )
+
+    fetched = hub.ensure("acme/sharded", None)
+    for name in beside:
+        assert bare_hub.ranges[("acme/sharded", name)] == [0, 100 << 10]
+    for name in files:
+        assert (fetched.path / name).read_bytes() == files[name]
+    assert hub.marker("acme/sharded", fetched.commit) is not None
+
+
+class Seen(hub.Listener):
+    """The bytes a fetch has counted so far."""
+
+    done = 0
+
+    def progress(self, done: int, total: int) -> None:
+        self.done = done
+
+
+def bare_hub_commit(server: HubServer) -> str:
+    return server.repos["acme/sharded"].refs["main"]
+
+
+def test_parallel_files_setting_is_a_whole_number_from_1_to_64(monkeypatch):
+    """JOBS_HUB_PARALLEL_FILES: 8 by default; 0, 65 or `many` is refused naming the variable and the range."""
+    monkeypatch.delenv("JOBS_HUB_PARALLEL_FILES", raising=False)
+    settings.reset()
+    assert settings.get_settings().hub_parallel_files == 8
+    for value, message in (("0", "from 1 to 64"), ("65", "from 1 to 64"), ("many", "give a whole number")):
+        monkeypatch.setenv("JOBS_HUB_PARALLEL_FILES", value)
+        settings.reset()
+        with pytest.raises(ValueError, match=f"JOBS_HUB_PARALLEL_FILES=.*{message}"):
+            settings.get_settings()
+    settings.reset()
 
 
 HF_DOWNLOAD = "from huggingface_hub import snapshot_download; print(snapshot_download({repo!r}))"

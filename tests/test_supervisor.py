@@ -10,17 +10,24 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import pytest
+from sqlalchemy import select
 
-from api import views
+from api import service, views
 from api.metrics import parse
 from api.supervisor import Policy, Supervisor, decide, describe
+from core import embedded
+from core.db import session_scope, upgrade
 from core.embedded import free_port
-from tests.conftest import ROOT, wait_for
+from core.models import JobEvent, JobRow, Shard
+from tests.conftest import ROOT, make_env, reset_caches, wait_for
+from tests.services import RedisHandle, require_service
 from tests.test_e2e import jobs
+from tests.test_recovery import job_state, long_spec, row_counts, write_dataset
 
 HINT = "restart it"
 
@@ -227,9 +234,12 @@ def test_up_detach_restarts_a_killed_worker_and_down_stops_every_process(tmp_pat
 
 
 def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_workers_offline(tmp_path, redis_server):
-    """A `gpujobs worker` started beside `up` exits 69 within seconds of `gpujobs down` (not after Celery's 100
-    reconnects), and its registration says why. After `up` again, the workers of the first stack are `offline`
-    (never `lost`) with --all, and the default list shows only the new stack's worker."""
+    """A `gpujobs worker` started beside `up` exits 69 soon after `gpujobs down` (not after Celery's 100 reconnects),
+    also when it was not scheduled while the stack went away (here: stopped with SIGSTOP until 3 s after its Redis
+    exited, as on a busy machine; issue 22's cause, Celery's event heartbeat retrying the dead Redis for ever, is
+    tested directly below, since this whole-stack run does not hit that race every time), and its registration
+    says why. After `up` again, the workers of the first stack are `offline` (never `lost`) with --all, and the
+    default list shows only the new stack's worker."""
     env = stack_env(tmp_path)
     port = str(free_port())
     assert jobs(env, "up", "--detach", "--port", port).returncode == 0
@@ -243,21 +253,30 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
             stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(
-            lambda: hand.pid in {w["pid"] for w in workers_json(env) if w["state"] == "online"},
+        name = wait_for(
+            lambda: next(
+                (w["name"] for w in workers_json(env) if (w["pid"], w["state"]) == (hand.pid, "online")), None
+            ),
             180,
             "the hand-started worker",
         )
         first = read_stack(tmp_path)
-        down = jobs(env, "down")
-        assert down.returncode == 0, down.stderr
-        stopped = time.monotonic()
+        os.kill(hand.pid, signal.SIGSTOP)
+        resumer = threading.Thread(target=resume_after, args=(hand.pid, first["redis"]), daemon=True)
+        resumer.start()
         try:
-            code = hand.wait(60)
+            down = jobs(env, "down")
+        finally:
+            resumer.join(180)
+            os.kill(hand.pid, signal.SIGCONT)
+        assert down.returncode == 0, down.stderr
+        try:
+            code = hand.wait(180)  # a hang catcher: it leaves within seconds of running again
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the hand-started worker outlived its stack by 60 s:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"the hand-started worker outlived its stack by 180 s:\n{log.read_text()[-3000:]}")
         assert code == 69, log.read_text()[-3000:]
-        assert "the local stack in" in log.read_text() and time.monotonic() - stopped < 60
+        assert "the local stack in" in log.read_text()
+        assert f"worker {name} exits with code 69 (its stack's Redis is gone)" in log.read_text()
 
         assert jobs(env, "up", "--detach", "--port", port).returncode == 0
         every = {w["pid"]: w for w in workers_json(env, "--all")}
@@ -276,6 +295,127 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
         if hand.poll() is None:
             hand.kill()
         jobs(env, "down")
+
+
+def resume_after(pid: int, redis_pid: int) -> None:
+    """SIGCONT the stopped process `pid` 3 s after `redis_pid` is gone (past Celery's 2 s event heartbeat: its timer
+    is due when the worker runs again), or after 120 s at the latest (a stopped worker must never hold up `down`)."""
+    deadline = time.monotonic() + 120
+    while running(redis_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(3)
+    os.kill(pid, signal.SIGCONT)
+
+
+def test_celerys_event_heartbeat_returns_at_once_on_a_dead_redis(tmp_path):
+    """Issue 22's cause: Celery's event heartbeat, sent from the worker's event loop after Redis died and before the
+    loop noticed, retried the connection for ever in the main thread, where no shutdown flag is looked at. Patched
+    by worker/main.py, it sends once: on a dead Redis the send returns (the event is buffered)."""
+    from celery import Celery
+    from celery.worker.heartbeat import Heart
+    from kombu.asynchronous.timer import Timer
+
+    from core import embedded
+    from worker.main import event_heartbeats_never_block
+
+    try:
+        embedded.find_redis_server()
+    except RuntimeError as exc:
+        require_service("redis-server", str(exc))
+    event_heartbeats_never_block()
+    server = embedded.start_redis(tmp_path / "redis")
+    app = Celery("t", broker=server.broker_url, set_as_current=False)
+    try:
+        with app.connection_for_write() as conn:
+            dispatcher = app.events.Dispatcher(conn, hostname="t@h", enabled=True)
+            heart = Heart(Timer(), dispatcher)
+            heart._send("worker-heartbeat")  # sent: Redis is up
+            embedded.stop_process(server.proc)
+            sent = threading.Event()
+            threading.Thread(
+                target=lambda: (heart._send("worker-heartbeat"), sent.set()), name="heart", daemon=True
+            ).start()
+            assert sent.wait(120), "the event heartbeat still retries the dead Redis after 120 s"
+            assert len(dispatcher._outbound_buffer) == 1  # kept for when the broker is back
+    finally:
+        embedded.stop_process(server.proc)
+
+
+@pytest.fixture
+def joined_stack(tmp_path, sqlite_url, monkeypatch):
+    """What a hand-started worker sees of a local stack: stack.json names a Redis that `up` started (its pid and
+    URL) and this process's settings point at it and at the stack's SQLite store. Yields that Redis's handle and
+    stack.json's path; `gpujobs down` is stopping that Redis and removing stack.json."""
+    try:
+        embedded.find_redis_server()
+    except RuntimeError as exc:
+        require_service("redis-server", str(exc))
+    redis = RedisHandle(tmp_path / "stack-redis")
+    env = make_env(tmp_path, sqlite_url, redis.url)
+    for key in [k for k in os.environ if k.startswith("JOBS_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    reset_caches()
+    upgrade()
+    stack_file = tmp_path / "home" / "run" / "stack.json"
+    stack_file.parent.mkdir(parents=True, exist_ok=True)
+    stack_file.write_text(json.dumps({"home": env["JOBS_HOME"], "redis": redis.proc.pid, "redis_url": redis.url}))
+    try:
+        yield redis, stack_file
+    finally:
+        redis.stop()
+        reset_caches()
+
+
+@pytest.mark.parametrize(
+    "engine",
+    ["stops at its next step", "is stuck in a step"],
+)
+def test_a_worker_mid_shard_leaves_with_its_stack_and_hands_the_shard_back(
+    tmp_path, joined_stack, spawn_worker, tiny_model, engine
+):
+    """A hand-started worker running a shard when its stack goes away (`down`: Redis stopped, stack.json removed)
+    records why on its registration and exits 69. Its shard goes back to the queue unsent, without counting an
+    attempt and with no error event (the message could not be sent: the reaper sends it); the rows it committed
+    stay. With its engine stuck in a step, the stack watch's last resort hands the shard back and ends the process.
+    A worker of the next stack (a new, empty Redis) finishes the job, every row once."""
+    redis, stack_file = joined_stack
+    fault = "sleep_0.5@batch" if engine == "stops at its next step" else "hang_after_2@batch"
+    worker = spawn_worker([], JOBS_TEST_FAULTS=fault)
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 64)))
+    wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 8, 180, "the first rows", procs=[worker])
+    redis.stop()
+    stack_file.unlink()
+    try:
+        code = worker.popen.wait(240)  # a hang catcher: within seconds, or the last resort's 30 s
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker outlived its stack by 240 s:\n{worker.tail(60)}")
+    assert code == 69, worker.tail(60)
+    assert "exits with code 69" in worker.log.read_text()
+    [me] = views.workers(all=True)
+    assert (me["state"], me["exit_code"]) == ("offline", 69)
+    assert me["reason"].startswith("the local stack in ") and "this worker exits (69)" in me["reason"]
+    with session_scope() as session:
+        [shard] = session.scalars(select(Shard).where(Shard.job_id == job["id"])).all()
+        assert (shard.state, shard.attempts, shard.lease_owner, shard.enqueued_at) == ("queued", 0, None, None)
+        done = {
+            r.idx for r in session.scalars(select(JobRow).where(JobRow.job_id == job["id"])) if r.state != "pending"
+        }
+        errors = session.scalars(
+            select(JobEvent.message).where(JobEvent.job_id == job["id"], JobEvent.level == "error")
+        ).all()
+    assert len(done) >= 8 and not errors, errors
+    redis.start()  # the next stack's Redis: empty
+    stack_file.write_text(
+        json.dumps({"home": os.environ["JOBS_HOME"], "redis": redis.proc.pid, "redis_url": redis.url})
+    )
+    finisher = spawn_worker([])
+    wait_for(lambda: job_state(job["id"]) in ("succeeded", "failed"), 240, "the job", procs=[finisher])
+    assert views.get(job["id"], owner=None)["state"] == "succeeded"
+    with session_scope() as session:
+        rows = list(session.scalars(select(JobRow).where(JobRow.job_id == job["id"])))
+    assert {r.executions for r in rows} == {1} and all(r.state == "succeeded" for r in rows if r.idx in done)
 
 
 # --- one state vocabulary ---------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ The worker refuses to start, with a message on stderr, its reason and exit code 
 offline: it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
 (exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), or its engine or training code
 does not import (exits.BROKEN, 72: restartable, a fresh process may import it whole). A stalled engine ends the
-process with exits.STALLED (70; worker/runtime.py).
+process with exits.STALLED (70; worker/runtime.py); a worker of a local stack that was stopped leaves with
+exits.STACK_GONE (69; worker/stackwatch.py). Each exit ends with one log line: `worker NAME exits with code N (why)`.
 
 The start-up order, each step before the next: the checks and every heavy import in the main thread
 (worker/preload.py has the order and why), then the other threads (models, heartbeat, flex_attention probe, stack
@@ -71,6 +72,31 @@ def survive_broker_loss_with_unacked_messages() -> None:
             pass
 
     Connection.maybe_close_channel = maybe_close_channel
+
+
+def event_heartbeats_never_block() -> None:
+    """Send Celery's event heartbeats (`worker-online`, `worker-heartbeat`: what Flower shows) once, never retrying.
+
+    Celery's `Heart` sends one every 2 s from the consumer's event loop, in the main thread, with `retry=True` and no
+    retry policy, and kombu's `Connection.ensure` then reconnects for ever without looking at Celery's shutdown
+    flags. When that timer fires after Redis died but before the event loop has read the dead socket (a worker that
+    was not scheduled at that moment: a busy machine), the main thread never comes back: neither the stack watch's
+    shutdown (exit 69) nor SIGTERM is seen (issue 22: a hand-started worker outlived `gpujobs down`). Sent without
+    retry, an event that finds no broker is buffered by the dispatcher (sent once it reconnects) and the loop goes
+    on to notice the lost connection. This worker's liveness is its SQL heartbeat (worker/runtime.py), not these
+    events (tests/test_supervisor.py shows the send returning on a dead Redis).
+    """
+    from celery.worker import heartbeat
+
+    if getattr(heartbeat.Heart._send, "never_blocks", False):
+        return
+    send = heartbeat.Heart._send
+
+    def send_once(self, event, retry=True):
+        return send(self, event, retry=False)
+
+    send_once.never_blocks = True
+    heartbeat.Heart._send = send_once
 
 
 def start_models(name: str, closed) -> None:
@@ -140,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     runtime.register(os.getpid())
     faults.hit("start")  # test-only (worker/faults.py)
     runtime.start_heartbeat()
-    stackwatch.watch(name)  # a worker of the local stack leaves (69) when that stack is stopped
+    stackwatch.watch(name, runtime.hand_back_now)  # a worker of the local stack leaves (69) when it is stopped
     signals.worker_shutting_down.connect(lambda **_: runtime.shutting_down.set(), weak=False)
     survive_broker_loss_with_unacked_messages()
+    event_heartbeats_never_block()
     controllers = []  # Celery's WorkController: worker_main() drops its exit status (stackwatch's 69), we keep it
     signals.worker_init.connect(lambda sender, **_: controllers.append(sender), weak=False)
     try:
@@ -160,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         runtime.stop()
-    return (controllers[0].exitcode if controllers else None) or 0
+    code = (controllers[0].exitcode if controllers else None) or 0
+    log.info("worker %s exits with code %d (%s)", name, code, exits.describe(code))
+    return code
 
 
 @dataclass(frozen=True)

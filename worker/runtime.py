@@ -140,23 +140,48 @@ class Runtime:
         with session_scope() as session:
             registry.stopped(session, self.name)
 
+    def hand_back_now(self, reason: str) -> None:
+        """Give back the shard this worker holds, from another thread, when the process is about to end without
+        its engine (worker/stackwatch.py's last resort): the engine's later commits find the lease gone."""
+        job_id = self.current_job
+        if job_id is not None:
+            leases.hand_over(job_id, self.name, reason)
+
     # --- heartbeat ---------------------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        """Beat every second until the worker closes. A beat that fails (the store or Redis unreachable) is retried
+        at the next one; the first failure is logged with its traceback, the next ones in one line each, and the
+        first beat that works again says so (the lease covers a gap shorter than itself)."""
         settings = get_settings()
         last_beat = 0.0
+        failing_since: float | None = None
         while not self.closed.wait(1.0):
             try:
-                self._check_current(settings, renew=time.time() - last_beat >= settings.heartbeat_seconds)
-                if time.time() - last_beat >= settings.heartbeat_seconds:
+                due = time.time() - last_beat >= settings.heartbeat_seconds
+                self._check_current(settings, renew=due)
+                if due:
                     last_beat = time.time()
                     with session_scope() as session:
                         registry.heartbeat(
                             session, self.name, current_shard_id=self.current, extra=self._activity(settings)
                         )
                     jobs.reap()
-            except Exception:  # the beat must survive database or broker outages; the lease covers the gap
-                log.exception("heartbeat of %s failed; retrying", self.name)
+                    if failing_since is not None:
+                        log.warning("heartbeat of %s works again after %.0f s", self.name, time.time() - failing_since)
+                        failing_since = None
+            except Exception as exc:  # the beat must survive database or broker outages; the lease covers the gap
+                if failing_since is None:
+                    failing_since = time.time()
+                    log.exception("heartbeat of %s failed; retrying at its next beat", self.name)
+                else:
+                    log.warning(
+                        "heartbeat of %s still failing after %.0f s: %s: %s",
+                        self.name,
+                        time.time() - failing_since,
+                        type(exc).__name__,
+                        str(exc).splitlines()[0] if str(exc) else "",
+                    )
 
     def _activity(self, settings) -> dict[str, Any] | None:
         """What the registration shows while the worker runs: its engine's progress (set to null once a shard

@@ -2,9 +2,10 @@
 the JSON writer, the argument parser's common options, and the measuring helpers (GPU sync and peak memory,
 throughput read from SQL, one-token-word prompts, the benchmark model built if missing).
 
-Imported as `from ops.bench import harness` by gen.py, f1.py, load.py, decode_kernel.py and fast_tune.py (each puts
-the repository root on sys.path first) and by ops/gpu/multi_gpu_check.py. Imports no torch, no transformers and no
-service code at module level: load.py's parent process and the parents of the child processes stay light.
+Imported as `from ops.bench import harness` by gen.py, f1.py, load.py, decode_kernel.py, fast_tune.py and
+hub_download.py (each puts the repository root on sys.path first) and by ops/gpu/multi_gpu_check.py. Imports no
+torch, no transformers and no service code at module level: load.py's parent process and the parents of the child
+processes stay light.
 """
 
 from __future__ import annotations
