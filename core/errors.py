@@ -101,5 +101,5 @@ class PortInUse(RuntimeError):
 
 
 class ChildFailed(RuntimeError):
-    """A process of a distributed fine-tune failed; the message carries its error text (worker/distributed.py). Not a
-    JobsError: it fails the attempt like any engine error."""
+    """A process of a distributed fine-tune failed; the message carries its error text
+    (worker/training/distributed.py). Not a JobsError: it fails the attempt like any engine error."""

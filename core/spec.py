@@ -300,7 +300,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
     seed: int = Field(0, ge=0, le=2**32 - 1)
     gradient_checkpointing: bool = False
     checkpoint_steps: int = Field(50, ge=1)
-    # speed levers (worker/finetune_setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
+    # speed levers (worker/training/setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
     liger: Literal["auto", "on", "off"] = Field(
         "auto",
         description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "

@@ -53,9 +53,9 @@ REQUIRED = (
     "httpx",  # the models thread's downloads (core/hub.py)
     "worker.loader",
     "worker.generate",
-    "worker.finetune",
-    "worker.finetune_setup",
-    "worker.distributed",
+    "worker.training.finetune",
+    "worker.training.setup",
+    "worker.training.distributed",
     "worker.runtime",
 )
 # imported where installed; one that fails is what the probe that needs it reports (QLoRA: bitsandbytes)

@@ -45,7 +45,7 @@ from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryErro
 from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from worker import capabilities, failures, faults, generate, hubfetch, loader, preload
+from worker import capabilities, failures, faults, generate, hubfetch, loader, preload, training
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
@@ -427,7 +427,7 @@ class Runtime:
         The resident model is dropped first: training wraps a model in place, so it is never shared with jobs.
         """
         with self.progress.phase("importing the training code"):  # peft, the trainer: seconds, more on a busy host
-            from worker import distributed, finetune
+            training.import_code()
 
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
@@ -437,9 +437,9 @@ class Runtime:
         self.resident = None
         _free_memory()
         workdir = adapters.workdir(job.id)
-        checkpoint = finetune.latest_checkpoint(workdir / "checkpoints")
+        checkpoint, step = training.resume_point(workdir / "checkpoints")
         # steps an interrupted attempt logged after this checkpoint run again: their events leave the current view
-        jobs.supersede_steps(job.id, after_step=int(finetune.CHECKPOINT.match(checkpoint.name)[1]) if checkpoint else 0)
+        jobs.supersede_steps(job.id, after_step=step)
         jobs.event(
             job.id,
             f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint else ""),
@@ -452,8 +452,8 @@ class Runtime:
             faults.hit("train_step")
 
         t0 = time.perf_counter()
-        # one process, or one per GPU of the slice under torchrun (worker/distributed.py); this process writes SQL
-        result = distributed.finetune(
+        # one process, or one per GPU of the slice under torchrun (worker/training/); this process writes SQL
+        result = training.train(
             opts,
             spec,
             [(lines[i], row) for i, row in rows],
@@ -484,7 +484,7 @@ class Runtime:
             _publish(result.adapter_dir, folder)
             faults.hit("adapter_saved", path=folder / adapters.WEIGHTS)
             try:
-                finetune.verify_adapter(opts, folder, gpus=self.gpus)
+                training.verify_adapter(opts, folder, gpus=self.gpus)
             except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
                 raise RegistryError(
                     f"registry error: the adapter saved at {folder} does not load onto "
