@@ -380,9 +380,9 @@ class Engine:
             for _ in range(2):
                 self._decode(batch, sample, extras, phase)
         torch.cuda.current_stream().wait_stream(stream)
-        st.pool = st.pool or torch.cuda.graph_pool_handle()
+        st.graph_pool = st.graph_pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=st.pool):
+        with torch.cuda.graph(graph, pool=st.graph_pool):
             self._decode(batch, sample, extras, phase)
         st.tok.copy_(saved[0])
         st.pos.copy_(saved[1])

@@ -56,7 +56,7 @@ class SlotState:
     offsets: torch.Tensor  # (max_len,) positions % PAGE
     graphs: dict[tuple, Any] = field(default_factory=dict)  # (batch, sample) or (batch, sample, extras)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot buffers of `extras`, made when asked
-    pool: Any = None
+    graph_pool: Any = None  # the memory pool every captured CUDA graph of this state shares
     capture_s: float = 0.0
     compile_s: float = 0.0  # the first prefill and decode with compiled layers, mostly compiling
     prepare_s: float | None = None  # everything `prepare` did, once per state
