@@ -1,5 +1,5 @@
 """Models by Hub id in the API: the submit checks of a Hub model (or Hub adapter), and `gpujobs models
-list/pull/rm`. No torch: config.json and the tokenizer are read with json and `tokenizers` (core/dataset.py).
+list/pull/rm`. No torch: config.json and the tokenizer are read with json and `tokenizers` (core/preflight.py).
 
 At submit, where this process reaches the Hub (HF_ENDPOINT, not HF_HUB_OFFLINE), the revision is resolved to its
 commit and stored as the spec's `revision` (the words the user gave stay in `metrics.model.revision`), so every

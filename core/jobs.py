@@ -29,10 +29,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, files, scheduling
-from core.dataset import InputCheck, nothing_runs, parse_dataset, retry_can_change
+from core.dataset import nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
 from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
+from core.preflight import InputCheck
 from core.queue import queue_for
 from core.settings import get_settings
 from core.spec import GenerateSpec, Spec
