@@ -7,8 +7,8 @@ with their name (`extra="forbid"`): a typo must never silently fall back to a de
 `gpus` is a slice *size* (0 = CPU), never device ids: which devices a worker owns is the worker's business
 (`gpujobs worker --gpus 2,0`), so a spec runs unchanged on any host.
 
-These models are also the HTTP API's contract: `POST /jobs` documents its body as their JSON Schema (`JobSpec`,
-api/openapi.py), so every field carries a one-line description, its bounds and its enum, and a value the schema
+These models are also the HTTP API's contract: `POST /jobs` documents its body as their JSON Schema
+(api/openapi.py), so every field carries a one-line description, its bounds and its enum, and a value the schema
 refuses is refused here too (`parse_spec` validates strictly: no "5" for 5, no 1 for true). Where a validator
 accepts a shorthand (a string for `stop`, `on`/`off` read by YAML as booleans), `json_schema_input_type` says so.
 Rules between fields that a JSON Schema cannot state simply stay in the validators below; their answers are 422s

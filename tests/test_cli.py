@@ -341,3 +341,24 @@ def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old
     assert done["metrics"]["duration_s"] <= done["finished_at"] - retried_at
     history = jobs(cli_env, "status", job_id, "--all-runs", check=True).stdout
     assert "done in" in history and "run 1    cancelled" in history, history
+
+
+def test_a_spec_file_and_set_read_exponent_numbers_as_numbers(tmp_path):
+    """`learning_rate: 2e-4` is a number (YAML 1.1 would read a string, which the API's strict spec check refuses);
+    words, `on` and dotted floats read as before."""
+    from api.cli_jobs import load_spec_file, parse_sets
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("kind: finetune\nlearning_rate: 2e-4\nwarmup_steps: 10\nliger: on\nname: 1e5x\n")
+    assert load_spec_file(str(spec)) == {
+        "kind": "finetune",
+        "learning_rate": 2e-4,
+        "warmup_steps": 10,
+        "liger": True,
+        "name": "1e5x",
+    }
+    assert parse_sets(("learning_rate=1E-3", "epochs=2.5", "lr_scheduler=cosine")) == {
+        "learning_rate": 1e-3,
+        "epochs": 2.5,
+        "lr_scheduler": "cosine",
+    }
