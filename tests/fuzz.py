@@ -160,6 +160,7 @@ def main() -> int:
     parser.add_argument("--max-time", type=int, default=600, help="seconds for both runs together (default 600)")
     parser.add_argument("--seed", type=int, default=28, help="Schemathesis's seed (default 28)")
     parser.add_argument("--max-examples", type=int, help="cases per operation and phase (default: Schemathesis's)")
+    parser.add_argument("--database-url", help="an empty database to use instead of a new SQLite file (Postgres)")
     parser.add_argument("--out", type=Path, help="write each run's whole report here (<token>.txt)")
     parser.add_argument(
         "--serve", action="store_true", help="only start the stack, print its URL, tokens and seeds, and wait"
@@ -174,7 +175,7 @@ def main() -> int:
         workdir = Path(tmp)
         redis = start_redis(workdir / "redis")
         try:
-            env = make_env(workdir, f"sqlite:///{workdir / 'jobs.db'}", redis.url)
+            env = make_env(workdir, args.database_url or f"sqlite:///{workdir / 'jobs.db'}", redis.url)
             os.environ.update(env)
             upgrade()
             model = workdir / "tiny"
