@@ -44,7 +44,8 @@ from core.spec import whole_number
 from core.states import JobState
 
 log = logging.getLogger(__name__)
-MAX_EVENT_ID = 2**31 - 1  # job_events.id is an Integer: 32 bits on Postgres (the fuzzer found 2**35 a 422 there)
+# job_events.id is an Integer: 32 bits on Postgres (the fuzzer found a 35-bit `after` refused there with a 422)
+MAX_EVENT_ID = 2**31 - 1
 
 
 app = FastAPI(
@@ -78,8 +79,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     response = _error(exc.status_code, kind, f"{exc.detail}")
     response.headers.update(exc.headers or {})
     if exc.status_code == 405:
-        partial = [r for r in app.router.routes if r.matches(request.scope)[0] == Match.PARTIAL]
-        response.headers["Allow"] = ", ".join(sorted({m for r in partial for m in getattr(r, "methods", None) or ()}))
+        routes = [r for r in app.router.routes if r.matches(request.scope)[0] == Match.PARTIAL]
+        response.headers["Allow"] = ", ".join(sorted({m for r in routes for m in getattr(r, "methods", None) or ()}))
     return response
 
 
