@@ -8,6 +8,7 @@ fail it: Schemathesis exits non-zero. tests/schemathesis.toml holds the settings
 CI runs it from tests/test_fuzz.py (a fixed seed, a small budget). A longer run, by hand:
 
     .venv/bin/python -m tests.fuzz --max-time 600      # 300 s a token; prints each run's summary
+    .venv/bin/python -m tests.fuzz --serve             # only the stack, to replay a finding (`st replay`, curl)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -166,6 +168,7 @@ def main() -> int:
         "--serve", action="store_true", help="only start the stack, print its URL, tokens and seeds, and wait"
     )
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill`, `timeout`: stop the API and Redis on the way out
 
     from core.db import upgrade
     from core.embedded import start_redis
