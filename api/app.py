@@ -255,7 +255,7 @@ def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
     "/dashboard/codes",
     status_code=201,
     summary="A one-time code that signs the dashboard in with this token: open /dashboard#code=CODE within 60 s",
-    responses={401: {"description": "missing, invalid or revoked token"}, 503: {"description": "Redis is down"}},
+    responses=errors(401, 403, 503),
 )
 def dashboard_code(caller: Caller, credentials: Credentials) -> dict[str, Any]:
     assert credentials is not None  # `Caller` refused a request without one
@@ -271,7 +271,7 @@ class SigninRequest(BaseModel):
     "/dashboard/session",
     summary="Trade a one-time dashboard code for its token (no bearer token: the code is the credential; it works "
     "once)",
-    responses={401: {"description": "the code was used, has expired or is unknown, or its token was revoked"}},
+    responses=errors(400, 401, 422, 503),
 )
 def dashboard_session(body: SigninRequest) -> dict[str, Any]:
     return dashboard.redeem(body.code)
