@@ -7,32 +7,45 @@ OpenAPI schema, so a new route must take `Caller` (or be added to its public lis
 mounted below stay out of the schema and check access themselves, each with its own tests: `/metrics` (Prometheus
 text, metrics or admin scope: tests/test_metrics.py), `/dashboard` (a static page; its data comes from the routes
 here), `/v1/files` and `/v1/batches` (OpenAI's specification describes them: tests/test_openai_api.py).
+
+Every route declares the errors it answers (`responses=errors(...)`, api/openapi.py), and every error, ours or
+Starlette's, has the one body `{"error": {"type", "message"}}`. tests/test_fuzz.py checks the document against the
+answers with Schemathesis.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from functools import partial
+from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-from fastapi import Body, FastAPI, File, Query, Request, Response, UploadFile
+from fastapi import FastAPI, File, Query, Request, Response, UploadFile
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
-from api import checks, dashboard, metrics, openai_api, service, service_models, views
+from api import checks, dashboard, metrics, openai_api, openapi, service, service_models, views
 from api.access import Caller, Credentials
+from api.openapi import errors
 from api.results import export
 from core import files, formats, scheduling
 from core.db import check_reachable, session_scope
-from core.errors import Forbidden, JobsError
+from core.errors import Forbidden, InvalidInput, JobsError
+from core.hub import HUB_ID
 from core.queue import ping_redis
+from core.spec import whole_number
 from core.states import JobState
 
 log = logging.getLogger(__name__)
-MAX_ID = 2**63 - 1  # the largest integer SQLite and Postgres (bigint) store
+# job_events.id is an Integer: 32 bits on Postgres (the fuzzer found a 35-bit `after` refused there with a 422)
+MAX_EVENT_ID = 2**31 - 1
 
 
 app = FastAPI(
@@ -43,11 +56,32 @@ app = FastAPI(
 app.include_router(metrics.router)  # GET /metrics (Prometheus; the metrics or admin scope)
 app.include_router(dashboard.router)  # the web dashboard's static page at /dashboard (its data: the routes below)
 app.include_router(openai_api.router)  # /v1/files and /v1/batches: the OpenAI Batch API over our jobs
+app.openapi = partial(openapi.openapi, app)  # FastAPI's document plus the job spec's schemas (api/openapi.py)
 
 
 @app.exception_handler(JobsError)
 async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
-    return _error(exc.http_status, type(exc).__name__, str(exc))
+    response = _error(exc.http_status, type(exc).__name__, str(exc))
+    if exc.http_status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 names the scheme that would pass
+    return response
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own answers (a body it cannot parse: 400; no such route: 404; a method the path lacks: 405) in
+    our error body. A 405's Allow lists the methods of every route of the path (Starlette's names only the first
+    route's, e.g. POST for /jobs, which GET serves too)."""
+    try:
+        kind = "".join(word.capitalize() for word in HTTPStatus(exc.status_code).name.split("_"))
+    except ValueError:
+        kind = "HTTPError"
+    response = _error(exc.status_code, kind, f"{exc.detail}")
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:
+        routes = [r for r in app.router.routes if r.matches(request.scope)[0] == Match.PARTIAL]
+        response.headers["Allow"] = ", ".join(sorted({m for r in routes for m in getattr(r, "methods", None) or ()}))
+    return response
 
 
 @app.exception_handler(DataError)
@@ -64,7 +98,11 @@ async def _data_error(request: Request, exc: DataError) -> JSONResponse:
 
 @app.exception_handler(RequestValidationError)
 async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """FastAPI's own 422 (`detail`, kept for its clients), plus our `error` with one readable line for the CLI."""
+    """FastAPI's own 422 (`detail`, kept for its clients), plus our `error` with one readable line for the CLI. A
+    body that is not JSON at all is a 400: malformed, rather than invalid."""
+    malformed = [e for e in exc.errors() if e.get("type") == "json_invalid"]
+    if malformed:
+        return _error(400, "BadRequest", f"the body is not valid JSON: {malformed[0]['ctx']['error']}")
     problems = "; ".join(
         f"{' '.join(map(str, e['loc']))}: {e['msg']}"
         + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "")
@@ -77,26 +115,55 @@ def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}, **extra})
 
 
-@app.get("/healthz", summary="Liveness: the database and Redis answer")
+@app.get("/healthz", summary="Liveness: the database and Redis answer", responses=errors(503))
 def healthz() -> dict[str, Any]:
     check_reachable()
     ping_redis()
     return {"ok": True}
 
 
-@app.post("/files", status_code=201, summary="Upload a file (a dataset) and get its id")
-def upload(caller: Caller, file: Annotated[UploadFile, File()]) -> dict[str, Any]:
+@app.post(
+    "/files",
+    status_code=201,
+    summary="Upload a file (a dataset) and get its id",
+    responses=errors(400, 401, 403, 413, 422, 503),
+)
+def upload(
+    caller: Caller,
+    file: Annotated[
+        UploadFile,
+        File(
+            description="the file, as a multipart part named `file`: a dataset (JSONL, OpenAI batch lines, CSV, "
+            "Parquet) or a packed saved dataset; its format is detected when a job reads it",
+            json_schema_extra={"format": "binary"},  # any bytes (OpenAPI 3.0's spelling, which clients know)
+        ),
+    ],
+) -> dict[str, Any]:
     return service.store_upload(owner=caller.owner, filename=file.filename or "upload", stream=file.file)
 
 
-@app.get("/files/{file_id}", summary="A stored file's metadata")
+@app.get("/files/{file_id}", summary="A stored file's metadata", responses=errors(401, 403, 404, 422, 503))
 def file_info(caller: Caller, file_id: str) -> dict[str, Any]:
     with session_scope() as session:
         return views.file_view(files.get(session, file_id, owner=caller.visible_owner))
 
 
-@app.post("/jobs", status_code=201, summary="Submit a job (the spec; `input` is a file id or a server path)")
-async def submit(caller: Caller, spec: Annotated[dict[str, Any], Body()]) -> dict[str, Any]:
+@app.post(
+    "/jobs",
+    status_code=201,
+    summary="Submit a job (the spec; `input` is a file id or a server path)",
+    responses=errors(400, 401, 403, 404, 409, 422, 503),
+    openapi_extra=openapi.JOB_SPEC_BODY,
+)
+async def submit(caller: Caller, request: Request) -> dict[str, Any]:
+    # The body is read here, not by FastAPI: `parse_spec` validates it (api/openapi.py documents it from the same
+    # models), and its messages name each bad field.
+    try:
+        spec = json.loads(await request.body())
+    except ValueError as exc:
+        return _error(400, "BadRequest", f"the body is not valid JSON: {exc}")
+    if not isinstance(spec, dict):
+        raise InvalidInput(f"a job spec must be a JSON object, not {type(spec).__name__}")
     checks.request(spec, admin=caller.is_admin)
     return await run_in_threadpool(
         service.submit, owner=caller.owner, spec_data=spec, admin=caller.is_admin, may_prioritize=caller.may_prioritize
@@ -113,7 +180,11 @@ def _page(response: Response, found: list, limit: int) -> list:
     return found[:limit]
 
 
-@app.get("/jobs", summary="List jobs, newest first (header X-Has-More: true when `limit` cut the list)")
+@app.get(
+    "/jobs",
+    summary="List jobs, newest first (header X-Has-More: true when `limit` cut the list)",
+    responses=errors(401, 403, 422, 503),
+)
 def list_jobs(
     caller: Caller, response: Response, state: JobState | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
 ) -> list[dict]:
@@ -121,7 +192,7 @@ def list_jobs(
     return _page(response, found, limit)
 
 
-@app.get("/jobs/{job_id}", summary="A job: state, progress, rates, metrics")
+@app.get("/jobs/{job_id}", summary="A job: state, progress, rates, metrics", responses=errors(401, 403, 404, 422, 503))
 def get_job(caller: Caller, job_id: str) -> dict[str, Any]:
     return views.get(job_id, owner=caller.visible_owner)
 
@@ -129,6 +200,14 @@ def get_job(caller: Caller, job_id: str) -> dict[str, Any]:
 @app.get(
     "/jobs/{job_id}/results",
     summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while the job runs)",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "the rows, in the format asked (a file download)",
+            "content": {media: {"schema": {"type": "string"}} for media in sorted(set(formats.MEDIA_TYPES.values()))},
+        },
+        **errors(401, 403, 404, 422, 503),
+    },
 )
 def results(
     caller: Caller,
@@ -163,6 +242,7 @@ def results(
     "/jobs/{job_id}/throughput",
     summary="Rows and output tokens per second over a job's run: every interval from its start to its end (or "
     "now), with the run's averages",
+    responses=errors(401, 403, 404, 422, 503),
 )
 def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
     return dashboard.throughput(job_id, owner=caller.visible_owner)
@@ -175,7 +255,7 @@ def throughput(caller: Caller, job_id: str) -> dict[str, Any]:
     "/dashboard/codes",
     status_code=201,
     summary="A one-time code that signs the dashboard in with this token: open /dashboard#code=CODE within 60 s",
-    responses={401: {"description": "missing, invalid or revoked token"}, 503: {"description": "Redis is down"}},
+    responses=errors(401, 403, 503),
 )
 def dashboard_code(caller: Caller, credentials: Credentials) -> dict[str, Any]:
     assert credentials is not None  # `Caller` refused a request without one
@@ -191,7 +271,7 @@ class SigninRequest(BaseModel):
     "/dashboard/session",
     summary="Trade a one-time dashboard code for its token (no bearer token: the code is the credential; it works "
     "once)",
-    responses={401: {"description": "the code was used, has expired or is unknown, or its token was revoked"}},
+    responses=errors(400, 401, 422, 503),
 )
 def dashboard_session(body: SigninRequest) -> dict[str, Any]:
     return dashboard.redeem(body.code)
@@ -201,12 +281,13 @@ def dashboard_session(body: SigninRequest) -> dict[str, Any]:
     "/jobs/{job_id}/events",
     summary="A job's events after an event id, oldest first, `limit` at a time: ask "
     "again with `after` = the last id while X-Has-More is true",
+    responses=errors(401, 403, 404, 422, 503),
 )
 def job_events(
     caller: Caller,
     response: Response,
     job_id: str,
-    after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_EVENT_ID)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 500,
     run: Annotated[
         str | None,
@@ -223,25 +304,38 @@ def job_events(
     return _page(response, found, limit)
 
 
-@app.post("/jobs/{job_id}/cancel", summary="Cancel a job; finished rows are kept")
+@app.post(
+    "/jobs/{job_id}/cancel",
+    summary="Cancel a job; finished rows are kept",
+    responses=errors(401, 403, 404, 409, 422, 503),
+)
 def cancel(caller: Caller, job_id: str) -> dict[str, Any]:
     return service.cancel(job_id, owner=caller.visible_owner, by=caller.owner)
 
 
-@app.post("/jobs/{job_id}/retry", summary="Re-open a finished job and re-run its failed rows")
+@app.post(
+    "/jobs/{job_id}/retry",
+    summary="Re-open a finished job and re-run its failed rows",
+    responses=errors(401, 403, 404, 409, 422, 503),
+)
 def retry(caller: Caller, job_id: str, failed_only: bool = False) -> dict[str, Any]:
     return service.retry(job_id, owner=caller.visible_owner, failed_only=failed_only, by=caller.owner)
 
 
-@app.get("/usage", summary="Usage per owner: jobs, rows, tokens, GPU-seconds and engine seconds")
+@app.get(
+    "/usage",
+    summary="Usage per owner: jobs, rows, tokens, GPU-seconds and engine seconds",
+    responses=errors(401, 403, 422, 503),
+)
 def usage(
     caller: Caller,
     owner: Annotated[str | None, Query(description="one owner (admins); a user sees only their own")] = None,
     since: Annotated[
         str | None,
         Query(
-            description="jobs created since: a duration (7d, 12h, 30m) or an "
-            "ISO date or time (2026-01-31, 2026-01-31T12:00Z)"
+            description="jobs created since: a duration (7d, 12h, 30m, 90s, 2w) or an RFC 3339 date (UTC) or "
+            "date-time (2026-01-31, 2026-01-31T12:00:00Z)",
+            json_schema_extra=views.SINCE_SCHEMA,
         ),
     ] = None,
 ) -> dict[str, Any]:
@@ -255,6 +349,7 @@ def usage(
     "/adapters",
     summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first "
     "(header X-Has-More: true when `limit` cut the list)",
+    responses=errors(401, 403, 422, 503),
 )
 def list_adapters(
     caller: Caller, response: Response, limit: Annotated[int, Query(ge=1, le=1000)] = 100
@@ -265,12 +360,17 @@ def list_adapters(
 @app.get(
     "/adapters/{job_id}",
     summary="An adapter (its id is the fine-tune job's): base model, tokenizer, LoRA config, metrics",
+    responses=errors(401, 403, 404, 422, 503),
 )
 def get_adapter(caller: Caller, job_id: str) -> dict[str, Any]:
     return views.get_adapter(job_id, owner=caller.visible_owner)
 
 
-@app.get("/workers", summary="Registered workers, their slices, GPUs, heartbeats, restarts and why they stopped")
+@app.get(
+    "/workers",
+    summary="Registered workers, their slices, GPUs, heartbeats, restarts and why they stopped",
+    responses=errors(401, 403, 422, 503),
+)
 def workers(
     caller: Caller,
     all: Annotated[
@@ -284,14 +384,20 @@ class ModelRequest(BaseModel):
     """`gpujobs models pull/rm --workers`: which repo, which revision, whose caches."""
 
     model_config = ConfigDict(extra="forbid")
-    repo: str = Field(description="a Hub id, org/name")
+    repo: str = Field(description="a Hub id, org/name", json_schema_extra={"pattern": HUB_ID.pattern})
     revision: str | None = Field(
         None, description="branch, tag or commit (pull: default main; rm: default every snapshot of the repo)"
     )
-    workers: str = Field("all", description="`all`, or worker names separated by commas: their hosts' caches act")
+    workers: str = Field(
+        "all", min_length=1, description="`all`, or worker names separated by commas: their hosts' caches act"
+    )
 
 
-@app.get("/models", summary="Hub models in each host's Hugging Face cache: commits, sizes, last use, downloads")
+@app.get(
+    "/models",
+    summary="Hub models in each host's Hugging Face cache: commits, sizes, last use, downloads",
+    responses=errors(401, 403, 422, 503),
+)
 def list_models(
     caller: Caller,
     repo: Annotated[str | None, Query(description="only this Hub id")] = None,
@@ -299,13 +405,21 @@ def list_models(
     return service_models.list_models(repo=repo)
 
 
-@app.post("/models/pull", summary="Ask the hosts of live workers to fetch a Hub model into their cache (admins)")
+@app.post(
+    "/models/pull",
+    summary="Ask the hosts of live workers to fetch a Hub model into their cache (admins)",
+    responses=errors(400, 401, 403, 409, 422, 503),
+)
 def pull_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
     _admin_only(caller, "pull models onto the workers' hosts")
     return service_models.request("pull", repo=body.repo, revision=body.revision, workers=body.workers, by=caller.owner)
 
 
-@app.post("/models/remove", summary="Ask the hosts of live workers to delete a Hub model from their cache (admins)")
+@app.post(
+    "/models/remove",
+    summary="Ask the hosts of live workers to delete a Hub model from their cache (admins)",
+    responses=errors(400, 401, 403, 409, 422, 503),
+)
 def remove_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
     _admin_only(caller, "remove models from the workers' hosts")
     return service_models.request(
@@ -314,11 +428,20 @@ def remove_models(caller: Caller, body: ModelRequest) -> list[dict[str, Any]]:
 
 
 class QuotaRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """`gpujobs quota set`: at least one cap; a cap left out stays as it is."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"anyOf": [{"required": [cap]} for cap in scheduling.LIMITS]},
+    )
 
     owner: str = Field(min_length=1, max_length=128, description="the owner the quota holds for")
     max_running_shards: int | None = Field(
-        None, description="shards of the owner that run at once at most (0 holds new work); null: no cap", ge=0
+        None,
+        description="shards of the owner that run at once at most (0 holds new work); null: no cap",
+        ge=0,
+        le=1_000_000,
     )
     max_gpu_seconds_per_day: float | None = Field(
         None,
@@ -327,11 +450,17 @@ class QuotaRequest(BaseModel):
         ge=0,
     )
 
+    @field_validator("max_running_shards", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        return whole_number(value)
+
 
 @app.get(
     "/quotas",
     summary="Owners' quotas (caps on their running shards and on their GPU-seconds per day), their running and "
     "queued shards and GPU-seconds: every owner with a quota or with work queued or running (admins)",
+    responses=errors(401, 403, 503),
 )
 def list_quotas(caller: Caller) -> list[dict[str, Any]]:
     _admin_only(caller, "read owners' quotas")
@@ -342,6 +471,7 @@ def list_quotas(caller: Caller) -> list[dict[str, Any]]:
 @app.put(
     "/quotas",
     summary="Set an owner's quota (admins): the caps given change (null removes one), the others stay",
+    responses=errors(400, 401, 403, 422, 503),
 )
 def set_quota(caller: Caller, body: QuotaRequest) -> dict[str, Any]:
     _admin_only(caller, "set quotas")

@@ -27,11 +27,11 @@ from core.dataset import (
     too_many_rows,
 )
 from core.db import session_scope
-from core.errors import Forbidden, InvalidInput, JobsError, Unschedulable
+from core.errors import Forbidden, InvalidInput, JobsError, NoSuchPath, Unschedulable
 from core.jobs import NewJob
 from core.queue import ping_redis, queue_for
 from core.settings import get_settings
-from core.spec import FinetuneSpec, GenerateSpec, Spec, parse_spec, sampling_of
+from core.spec import GENERATE_COLUMNS, FinetuneSpec, GenerateSpec, Spec, parse_spec, sampling_of
 from core.training_data import file_format
 
 HUB_ID = hub.HUB_ID  # org/name; `./x` and `../x` are paths, not Hub ids
@@ -180,7 +180,7 @@ def model(spec: Spec) -> Spec:
             "JOBS_MODEL_ROOTS and the Hub ids JOBS_HUB_MODELS lists"
         )
     if not roots and not path.exists():
-        raise InvalidInput(f"model {spec.model!r} does not exist: give a local model directory or a Hub id (org/name)")
+        raise NoSuchPath(f"model {spec.model!r} does not exist: give a local model directory or a Hub id (org/name)")
     real = files.check_server_path(str(path), roots, what="model")
     _check_model_dir(real, spec.model)
     return spec.model_copy(update={"model": str(real)})
@@ -351,7 +351,7 @@ def dataset(session: Session, owner: str, ref: str, *, fmt: str = "auto") -> str
 def _with_input_format(spec: GenerateSpec, fmt: str) -> GenerateSpec:
     """The spec with `input_format` resolved (auto → what the input is) and its column mapping checked."""
     columns = spec.input_columns or {}
-    ours = {"prompt", "messages", "custom_id", *PARAMS}
+    ours = set(GENERATE_COLUMNS)
     unknown = sorted(set(columns) - ours)
     if unknown:
         raise InvalidInput(

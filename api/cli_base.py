@@ -37,7 +37,15 @@ def exit_code_for(exc: errors.JobsError) -> int:
     if isinstance(exc, errors.ServiceUnavailable):
         return EXIT_UNREACHABLE
     if isinstance(
-        exc, (errors.InvalidInput, errors.Unschedulable, errors.Unauthorized, errors.Forbidden, errors.NotFinished)
+        exc,
+        (
+            errors.InvalidInput,
+            errors.Unschedulable,
+            errors.Unauthorized,
+            errors.Forbidden,
+            errors.NotFinished,
+            errors.NothingToRetry,
+        ),
     ):
         return EXIT_USAGE
     return EXIT_FAILED

@@ -33,11 +33,21 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 # --- submit -------------------------------------------------------------------------------------------------
 
 
+class SpecLoader(yaml.SafeLoader):
+    """YAML as a spec means it: PyYAML (YAML 1.1) reads `2e-4`, a number without a dot, as a string, and the API
+    checks a spec's types strictly (core/spec.py), so such a number is read as the float YAML 1.2 says it is."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
 def load_spec_file(path: str | None) -> dict[str, Any]:
     if not path:
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=SpecLoader)  # noqa: S506  (a SafeLoader)
     except (OSError, yaml.YAMLError) as exc:
         raise InvalidInput(f"cannot read spec file {path}: {exc}") from None
     if not isinstance(data, dict):
@@ -52,7 +62,7 @@ def parse_sets(pairs: tuple[str, ...]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise InvalidInput(f"--set {pair!r}: expected key=value")
-        out[key.strip().replace("-", "_")] = yaml.safe_load(value)
+        out[key.strip().replace("-", "_")] = yaml.load(value, Loader=SpecLoader)  # noqa: S506  (a SafeLoader)
     return out
 
 

@@ -278,8 +278,21 @@ USAGE_FIELDS = (
     "gpu_seconds",
     "engine_seconds",
 )
-DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+# `since`: a duration, an RFC 3339 date, or an RFC 3339 date-time (with its zone). These patterns are the query
+# parameter's schema too (SINCE_SCHEMA): a value passes here exactly when it passes there, the calendar aside.
+DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhdw])$")
+DATE = re.compile(r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")
+DATE_TIME = re.compile(
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+)
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+SINCE_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "pattern": DURATION.pattern},
+        {"type": "string", "format": "date"},
+        {"type": "string", "format": "date-time"},
+    ]
+}
 
 
 def usage(*, owner: str | None, since: str | None = None) -> dict[str, Any]:
@@ -355,17 +368,24 @@ def _rounded(sums: dict[str, float]) -> dict[str, Any]:
 
 
 def usage_since(value: str | None) -> float | None:
-    """`7d`, `12h`, `30m`, `90s`, `2w` before now, or an ISO date/time (UTC unless it names a zone) → Unix seconds."""
-    if value is None or not value.strip():
+    """`7d`, `12h`, `30m`, `90s`, `2w` before now, or an RFC 3339 date (UTC) or date-time → Unix seconds."""
+    if value is None:
         return None
-    text = value.strip()
-    if match := DURATION.match(text):
+    if match := DURATION.match(value):
         return max(0.0, now() - float(match[1]) * UNIT_SECONDS[match[2]])
+    refused = InvalidInput(
+        f"since {value!r}: give a duration such as 7d, 12h, 30m or 2w, or an ISO date or time "
+        "such as 2026-01-31 or 2026-01-31T12:00:00Z"
+    )
+    if not (DATE.match(value) or DATE_TIME.match(value)):
+        raise refused
+    if value.startswith("0000"):
+        return 0.0  # year 0 is a valid RFC 3339 year but not Python's: before every job anyway
+    text = value
+    if DATE_TIME.match(value):  # Python wants an upper-case T, and no leap second (:60 counts as :59)
+        text = value[:10] + "T" + value[11:17] + value[17:19].replace("60", "59") + value[19:]
     try:
         moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
-        return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()
-    except (ValueError, OverflowError):
-        raise InvalidInput(
-            f"since {value!r}: give a duration such as 7d, 12h, 30m or 2w, or an ISO date or time "
-            "such as 2026-01-31 or 2026-01-31T12:00:00Z"
-        ) from None
+    except ValueError:
+        raise refused from None  # not a day of the calendar (2026-02-30)
+    return (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).timestamp()

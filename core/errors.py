@@ -36,10 +36,24 @@ class Conflict(JobsError):
     http_status = 409
 
 
-class Unschedulable(JobsError):
-    """No live worker can run this job (missing GPUs, backends or packages)."""
+class NoSuchPath(InvalidInput):
+    """A path the request names (a model directory, a dataset on the server) does not exist: 404, as for an id
+    that names nothing; still the caller's mistake, so the CLI exits 2 (usage)."""
 
-    http_status = 422
+    http_status = 404
+
+
+class TooLarge(InvalidInput):
+    """An upload over the server's size limit (JOBS_MAX_UPLOAD_BYTES)."""
+
+    http_status = 413
+
+
+class Unschedulable(JobsError):
+    """No live worker can run this job (missing GPUs, backends or packages). A 409: the request is valid, the
+    cluster's current state cannot serve it (the same spec passes once such a worker runs)."""
+
+    http_status = 409
 
 
 class ServiceUnavailable(JobsError):
@@ -62,6 +76,11 @@ class ChecksumMismatch(JobsError):
 
 class IllegalTransition(Conflict):
     """A state change that the state machine does not allow, or that lost a race."""
+
+
+class NothingToRetry(IllegalTransition):
+    """A retry of a finished job that has no row a retry could change (none failed, or each failed for its input):
+    the job's state, not the request, is in the way (409); the CLI exits 2, as for a usage error."""
 
 
 class NotFinished(IllegalTransition):

@@ -16,7 +16,7 @@ from typing import BinaryIO
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from core.errors import Forbidden, InvalidInput, NotFound
+from core.errors import Forbidden, InvalidInput, NoSuchPath, NotFound, TooLarge
 from core.models import File
 from core.settings import get_settings
 from core.store import new_id, now
@@ -72,7 +72,7 @@ def _copy(stream: BinaryIO, tmp: Path, label: str, limit: int):
         while chunk := stream.read(CHUNK):
             size += len(chunk)
             if size > limit:
-                raise InvalidInput(
+                raise TooLarge(
                     f"{label!r} is larger than the upload limit of {limit} bytes "
                     "(JOBS_MAX_UPLOAD_BYTES): split the dataset into several jobs"
                 )
@@ -136,7 +136,7 @@ def check_server_path(path: str, roots: list[Path], *, what: str) -> Path:
         raise Forbidden(f"server-side {what} paths are disabled: the API listens beyond loopback and no roots are set")
     if not real.exists():
         looked = f"looked for {real}" + (f"; the allowed roots: {os.pathsep.join(map(str, roots))}" if roots else "")
-        raise InvalidInput(
+        raise NoSuchPath(
             f"{what} path {path!r} does not exist on the API's host ({looked}): give a path that exists there, "
             "or upload the file and give its id"
         )

@@ -69,7 +69,9 @@ from core.settings import get_settings
 
 log = logging.getLogger(__name__)
 
-HUB_ID = re.compile(r"^(?!\.)[\w.-]+/(?!\.)[\w.-]+$")  # org/name; `./x` and `../x` are paths, not Hub ids
+# org/name; `./x` and `../x` are paths, not Hub ids. ASCII, as the Hub's ids are (Python's \w is Unicode): the API's
+# schema uses the same pattern (api/app.py, ModelRequest.repo).
+HUB_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*/[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 PLAIN_FILE = re.compile(r"^(?!\.)[\w.-]+$")  # a file name at a repo's top level, never `..` or a path
 REF = re.compile(r"^(?!\.)[\w.-]+(/(?!\.)[\w.-]+)*$")  # a branch or tag name safe as a path under refs/

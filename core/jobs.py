@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from core import adapters, dispatch, files, scheduling
 from core.dataset import nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
-from core.errors import IllegalTransition, InvalidInput, JobsError, NotFinished
+from core.errors import IllegalTransition, JobsError, NotFinished, NothingToRetry
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
 from core.preflight import InputCheck
 from core.queue import queue_for
@@ -263,7 +263,7 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
         spec = _generate_spec(job)
         rerun = [r for r in rows if r.state == RowState.pending.value or retry_can_change(r, spec)]
         if not rerun:
-            raise InvalidInput(_nothing_to_retry(job_id, len(rows), failed_only))
+            raise NothingToRetry(_nothing_to_retry(job_id, len(rows), failed_only))
         for row in rerun:
             row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
             row.logprobs = None

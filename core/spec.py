@@ -6,6 +6,13 @@ with their name (`extra="forbid"`): a typo must never silently fall back to a de
 
 `gpus` is a slice *size* (0 = CPU), never device ids: which devices a worker owns is the worker's business
 (`gpujobs worker --gpus 2,0`), so a spec runs unchanged on any host.
+
+These models are also the HTTP API's contract: `POST /jobs` documents its body as their JSON Schema
+(api/openapi.py), so every field carries a one-line description, its bounds and its enum, and a value the schema
+refuses is refused here too (`parse_spec` validates strictly: no "5" for 5, no 1 for true). Where a validator
+accepts a shorthand (a string for `stop`, `on`/`off` read by YAML as booleans), `json_schema_input_type` says so.
+Rules between fields that a JSON Schema cannot state simply stay in the validators below; their answers are 422s
+with a message that names the rule.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core import structured
 from core.errors import InvalidInput
+from core.hub import HUB_ID
 from core.slices import DISTRIBUTED, plan
 
 ATTN_BACKENDS = (
@@ -28,23 +36,34 @@ ATTN_BACKENDS = (
     "flash_attention_3",
     "flash_attention_4",
 )
-_HUB_KERNEL = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?$")
+# An attention backend: a name above, `paged|<name>`, or a Hub kernel repo (org/name[@revision][:kernel]). ASCII only
+# and no \w (Python's is Unicode, JSON Schema's is not): the same pattern is the schema's (`attn_implementation`).
+_NAME = r"[A-Za-z0-9_.-]+"
+ATTN_PATTERN = re.compile(rf"^(paged\|)?({'|'.join(ATTN_BACKENDS)}|{_NAME}/{_NAME}(@{_NAME})?(:{_NAME})?)$")
+ADAPTER_PATTERN = f"^(job_|file_|{HUB_ID.pattern[1:]})"  # a fine-tune's id, a stored file's, or a Hub repo
+ON_OFF = Literal["auto", "on", "off"] | bool  # what the on/off fields take: YAML 1.1 reads on/off as booleans
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+QuantMethod = Literal["bnb-4bit", "bnb-8bit", "torchao-int8", "torchao-int4", "torchao-float8", "fp8"]
+
+
 class Quantization(Strict):
-    method: Literal["bnb-4bit", "bnb-8bit", "torchao-int8", "torchao-int4", "torchao-float8", "fp8"]
+    """How the weights are quantized when the model loads; a bare method name is shorthand for `{method: ...}`."""
+
+    method: QuantMethod = Field(description="the quantization scheme (bnb: bitsandbytes; fine-tunes take bnb-4bit)")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="bitsandbytes 4-bit data type")
     double_quant: bool = Field(True, description="bitsandbytes 4-bit nested quantization")
-    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="the dtype bitsandbytes computes in; auto: the model's dtype"
+    )
 
 
 def _attn_ok(value: str) -> str:
-    name = value.split("|", 1)[1] if value.startswith("paged|") else value
-    if name in ATTN_BACKENDS or _HUB_KERNEL.match(name):
+    if ATTN_PATTERN.match(value):
         return value
     raise ValueError(
         f"unknown attention backend {value!r}: use one of {', '.join(ATTN_BACKENDS)}, 'paged|<backend>', "
@@ -57,7 +76,8 @@ class LoadOptions(Strict):
 
     model: str = Field(
         description="a local model directory, or a Hub id (org/name): fetched once per host into the "
-        "Hugging Face cache, or read from it offline (core/hub.py)"
+        "Hugging Face cache, or read from it offline (core/hub.py)",
+        json_schema_extra={"minLength": 1},  # not a pydantic constraint: api/checks.py says what to give
     )
     revision: str | None = Field(
         None, description="Hub revision (branch, tag or commit); the job stores the commit it resolved to"
@@ -65,15 +85,24 @@ class LoadOptions(Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bf16 on compute capability >= 8.0, fp16 below, fp32 on CPU"
     )
-    attn_implementation: Annotated[str, Field(description="attention backend")] = "sdpa"
+    attn_implementation: str = Field(
+        "sdpa",
+        description="attention backend: " + ", ".join(ATTN_BACKENDS) + "; `paged|<backend>`; or a Hub kernel repo "
+        "(org/name[@revision][:kernel])",
+        json_schema_extra={"pattern": ATTN_PATTERN.pattern},
+    )
     use_kernels: bool = Field(False, description="replace layers with Hub kernels (transformers KernelConfig)")
     kernel_config: dict[str, Any] | None = Field(None, description="kernel mapping keyed by device, e.g. cuda")
-    quantization: Quantization | None = None
+    quantization: Quantization | None = Field(
+        None, description="quantize the weights as they load: a method name, or an object; default: none"
+    )
     device_map: Literal["cuda", "auto", "cpu"] | None = Field(
         None, description="cuda: one GPU; auto: split over the worker's slice; cpu. Default: cuda on a GPU slice"
     )
     adapter: str | None = Field(
-        None, description="LoRA adapter: a fine-tune job id, a stored file id, or a Hub LoRA repo (org/name)"
+        None,
+        description="LoRA adapter: a fine-tune job id, a stored file id, or a Hub LoRA repo (org/name)",
+        json_schema_extra={"pattern": ADAPTER_PATTERN},  # core/adapters.py refuses anything else, with a message
     )
     adapter_revision: str | None = Field(
         None, description="a Hub adapter's revision (branch, tag or commit); the job stores the commit it resolved to"
@@ -85,7 +114,7 @@ class LoadOptions(Strict):
     def _attn(cls, value: str) -> str:
         return _attn_ok(value)
 
-    @field_validator("quantization", mode="before")
+    @field_validator("quantization", mode="before", json_schema_input_type=QuantMethod | Quantization | None)
     @classmethod
     def _quant_shorthand(cls, value: Any) -> Any:
         return {"method": value} if isinstance(value, str) else value
@@ -98,10 +127,12 @@ class LoadOptions(Strict):
 class SamplingParams(Strict):
     """Generation parameters: job-wide in the spec, and overridable per row."""
 
-    max_new_tokens: int | None = Field(None, ge=1, le=131072)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0, le=100000)
+    max_new_tokens: int | None = Field(None, ge=1, le=131072, description="tokens to generate at most")
+    temperature: float | None = Field(None, ge=0, le=100, description="sampling temperature; above 0 samples")
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="nucleus sampling: the smallest set of tokens of this mass"
+    )
+    top_k: int | None = Field(None, ge=0, le=100000, description="sample among the k likeliest tokens; 0: no limit")
     do_sample: bool | None = Field(None, description="default: sample when temperature > 0, else greedy")
     seed: int | None = Field(
         None,
@@ -114,8 +145,10 @@ class SamplingParams(Strict):
             "batch_rows 1. Greedy decoding ignores it"
         ),
     )
-    stop: list[str] | None = Field(None, max_length=16, description="stop strings")
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    stop: list[str] | None = Field(
+        None, max_length=16, description="stop strings (one string, or a list of at most 16)"
+    )
+    repetition_penalty: float | None = Field(None, gt=0, le=100, description="penalize repeated tokens; 1: none")
     ignore_eos: bool | None = Field(None, description="generate exactly max_new_tokens (benchmarks)")
     num_return_sequences: int | None = Field(
         None, ge=1, le=16, description="outputs per row (needs sampling); above 1 a row's output is a JSON list"
@@ -133,7 +166,9 @@ class SamplingParams(Strict):
         None, ge=0, le=structured.TOP_LOGPROBS_MAX, description="and this many most likely tokens at each step"
     )
 
-    @field_validator("stop", mode="before")
+    @field_validator(
+        "stop", mode="before", json_schema_input_type=str | Annotated[list[str], Field(max_length=16)] | None
+    )
     @classmethod
     def _stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
@@ -154,11 +189,18 @@ class SamplingParams(Strict):
         return structured.check_regex(value)
 
 
+# What a generation's input_columns may map: our row fields and the sampling parameters a row may override
+GENERATE_COLUMNS = ("prompt", "messages", "custom_id", *SamplingParams.model_fields)
+
+
 class JobSettings(Strict):
-    input: str = Field(description="a stored file id (file_…) or a server-side path under the data roots")
-    name: str | None = Field(None, max_length=200)
+    input: str = Field(
+        description="a stored file id (file_…) or a server-side path under the data roots",
+        json_schema_extra={"minLength": 1},  # not a pydantic constraint: api/checks.py says what to give
+    )
+    name: str | None = Field(None, max_length=200, description="a label for the job")
     gpus: int | None = Field(None, ge=0, le=64, description="slice size: 0 = CPU; default: the smallest live slice")
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = Field(None, description="your own string labels, kept with the job")
     priority: Literal["low", "normal", "high"] = Field(
         "normal",
         description="which queued work a free worker takes first (core/scheduling.py); high needs a token "
@@ -167,8 +209,8 @@ class JobSettings(Strict):
 
 
 class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
-    kind: Literal["generate"] = "generate"
-    max_new_tokens: int = Field(256, ge=1, le=131072)
+    kind: Literal["generate"] = Field("generate", description="a generation job (the default when kind is left out)")
+    max_new_tokens: int = Field(256, ge=1, le=131072, description="tokens to generate at most, per row")
     shard_rows: int | None = Field(None, ge=1, le=1_000_000, description="rows per shard (one task each)")
     batch_rows: int | None = Field(None, ge=1, le=65536, description="rows per micro-batch commit")
     # how the dataset is read (core/formats.py); a submitted `auto` is stored as the format it resolved to
@@ -178,7 +220,10 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         "(a save_to_disk directory, packed by the CLI)",
     )
     input_columns: dict[str, str] | None = Field(
-        None, description="our name -> the file's column, e.g. {prompt: question, custom_id: id}"
+        None,
+        description="our name -> the file's column, e.g. {prompt: question, custom_id: id}: prompt, messages, "
+        "custom_id or a sampling parameter (api/checks.py refuses any other)",
+        json_schema_extra={"propertyNames": {"enum": list(GENERATE_COLUMNS)}},
     )
     engine: Literal["auto", "fast", "padded", "static", "continuous"] = Field(
         "auto",
@@ -188,9 +233,13 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         "continuous batching (generate_batch's engine); auto: fast on CUDA where it applies, else padded "
         "(docs/design.md 'Generation engines')",
     )
-    cuda_graphs: Literal["auto", "on", "off"] = Field("auto", description="continuous engine: CUDA graphs")
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="continuous engine: CUDA graphs (true/false read as on/off)"
+    )
     async_batching: Literal["auto", "on", "off"] = Field(
-        "auto", description="continuous engine: overlap CPU scheduling with the GPU (double buffers)"
+        "auto",
+        description="continuous engine: overlap CPU scheduling with the GPU (double buffers; true/false read "
+        "as on/off)",
     )
     prefix_cache: Literal["auto", "off"] = Field(
         "auto",
@@ -204,10 +253,16 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         "of 2 or more GPUs, not with device_map auto. Refused at submit for now: docs/design.md 'Several GPUs'",
     )
 
-    @field_validator("cuda_graphs", "async_batching", "prefix_cache", mode="before")
+    @field_validator("cuda_graphs", "async_batching", mode="before", json_schema_input_type=ON_OFF)
     @classmethod
     def _yaml_on_off(cls, value: Any) -> Any:
         # YAML 1.1 (and so `--set cuda_graphs=on` and spec files) reads on/off as booleans
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("prefix_cache", mode="before", json_schema_input_type=Literal["auto", "off"] | Literal[False])
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads `off` as false (`--set prefix_cache=off`); true would be "on", which this field refuses
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
@@ -238,6 +293,29 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         return self
 
 
+TRAINING_COLUMNS = ("messages", "prompt", "completion", "text")  # what a fine-tune's input_columns may map
+
+
+def _finetune_schema(schema: dict[str, Any]) -> None:
+    """The fine-tune's JSON Schema as its validators read it, where a field's own type says less: `kind` required
+    (the API's union tells a fine-tune by it; a spec without one is a generation, while the model keeps its default
+    for code that builds one), no adapter (a fine-tune trains a new one), bnb-4bit the only quantization (QLoRA)."""
+    schema.setdefault("required", []).insert(0, "kind")
+    for name in ("adapter", "adapter_revision"):
+        schema["properties"][name] = {"type": "null", "description": "none: a fine-tune trains a new adapter"}
+    quantization = schema["properties"]["quantization"]
+    quantization["description"] = "QLoRA: bnb-4bit, or an object with method bnb-4bit; default: none"
+    quantization["anyOf"] = [
+        {"const": "bnb-4bit"}
+        if "enum" in branch
+        else {**branch, "properties": {"method": {"const": "bnb-4bit"}}}
+        if "$ref" in branch
+        else branch
+        for branch in quantization["anyOf"]
+    ]
+
+
+MODULE_NAME = r"^[A-Za-z0-9_.]+$"  # a module's name, or the dotted end of one (q_proj, self_attn.q_proj)
 LR_SCHEDULERS = (
     "linear",
     "cosine",
@@ -266,7 +344,9 @@ class FinetuneSpec(JobSettings, LoadOptions):
     submitted). `input_columns` means what it means for generation: our field -> the file's column, for both files.
     """
 
-    kind: Literal["finetune"] = "finetune"
+    model_config = ConfigDict(json_schema_extra=lambda schema: _finetune_schema(schema))
+
+    kind: Literal["finetune"] = Field("finetune", description="a LoRA fine-tune")
     input_format: Literal["auto", "messages", "prompt_completion", "text"] = Field(
         "auto", description="the row shape; auto: each row is `messages`, `prompt`+`completion`, or `text`"
     )
@@ -276,30 +356,47 @@ class FinetuneSpec(JobSettings, LoadOptions):
         "save_to_disk directory (packed by the CLI)",
     )
     input_columns: dict[str, str] | None = Field(
-        None, description="our field -> the file's column, e.g. {prompt: question, completion: answer}"
+        None,
+        description="our field -> the file's column, e.g. {prompt: question, completion: answer}",
+        json_schema_extra={
+            "propertyNames": {"enum": list(TRAINING_COLUMNS)},
+            "additionalProperties": {"type": "string", "minLength": 1},
+        },
     )
     validation_input: str | None = Field(None, description="a stored file id or server path of validation rows")
     validation_split: float | None = Field(None, gt=0, lt=1, description="fraction of rows held out for eval")
-    lora_r: int = Field(16, ge=1, le=1024)
-    lora_alpha: int = Field(32, ge=1, le=4096)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    modules_to_save: list[str] | None = None
-    epochs: float = Field(1.0, gt=0, le=1000)
-    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="overrides epochs")
-    learning_rate: float = Field(2e-4, gt=0, le=1)
-    lr_scheduler: str = Field("cosine", description="a transformers scheduler: " + ", ".join(LR_SCHEDULERS))
-    warmup_steps: int = Field(0, ge=0)
-    batch_size: int = Field(4, ge=1, le=4096)
-    gradient_accumulation: int = Field(1, ge=1, le=4096)
-    max_seq_length: int = Field(2048, ge=8, le=1_048_576)
+    lora_r: int = Field(16, ge=1, le=1024, description="LoRA rank")
+    lora_alpha: int = Field(32, ge=1, le=4096, description="LoRA alpha (the update is scaled by alpha / r)")
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the LoRA layers' input")
+    target_modules: (
+        Annotated[list[Annotated[str, Field(pattern=MODULE_NAME)]], Field(min_length=1)] | Literal["all-linear"]
+    ) = Field(
+        "all-linear",
+        description="the modules that get LoRA layers: names (a name matches a module whose name ends in it), or "
+        "all-linear",
+    )
+    modules_to_save: list[str] | None = Field(
+        None, description="modules trained in full and saved with the adapter (e.g. lm_head)"
+    )
+    epochs: float = Field(1.0, gt=0, le=1000, description="passes over the training rows")
+    max_steps: int | None = Field(None, ge=1, le=10_000_000, description="optimizer steps; overrides epochs")
+    learning_rate: float = Field(2e-4, gt=0, le=1, description="peak learning rate")
+    lr_scheduler: str = Field(
+        "cosine",
+        description="a transformers scheduler: " + ", ".join(LR_SCHEDULERS),
+        json_schema_extra={"enum": list(LR_SCHEDULERS)},
+    )
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="steps of linear warm-up to learning_rate")
+    batch_size: int = Field(4, ge=1, le=4096, description="rows per step and process")
+    gradient_accumulation: int = Field(1, ge=1, le=4096, description="micro-batches per optimizer step")
+    max_seq_length: int = Field(2048, ge=8, le=1_048_576, description="longest row (or packed block) in tokens")
     truncation: Literal["refuse", "truncate"] = Field(
         "refuse", description="rows longer than max_seq_length: refuse the job, or truncate them"
     )
-    packing: bool = False
-    seed: int = Field(0, ge=0, le=2**32 - 1)
-    gradient_checkpointing: bool = False
-    checkpoint_steps: int = Field(50, ge=1)
+    packing: bool = Field(False, description="pack rows into blocks of max_seq_length tokens")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="the seed of the LoRA weights' initialization and data order")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory)")
+    checkpoint_steps: int = Field(50, ge=1, le=10_000_000, description="save a resumable checkpoint every N steps")
     # speed levers (worker/training/setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
     liger: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -343,20 +440,25 @@ class FinetuneSpec(JobSettings, LoadOptions):
             raise ValueError(f"unknown lr_scheduler {value!r}: use one of {', '.join(LR_SCHEDULERS)}")
         return value
 
-    @field_validator("target_modules")
+    @field_validator("target_modules", mode="before")
     @classmethod
     def _targets(cls, value: Any) -> Any:
-        if isinstance(value, list) and (not value or not all(v.strip() for v in value)):
-            raise ValueError("give module names such as ['q_proj', 'v_proj'], or 'all-linear'")
+        """Before the type's own checks (the same ones), for a message that says what to give."""
+        if isinstance(value, list) and (
+            not value or not all(isinstance(v, str) and re.match(MODULE_NAME, v) for v in value)
+        ):
+            raise ValueError(
+                "give module names such as ['q_proj', 'v_proj'] (letters, digits, _ and .), or 'all-linear'"
+            )
         return value
 
-    @field_validator("liger", "compile", mode="before")
+    @field_validator("liger", "compile", mode="before", json_schema_input_type=ON_OFF)
     @classmethod
     def _yaml_on_off(cls, value: Any) -> Any:
         # YAML 1.1 (and so `--set liger=on` and spec files) reads on/off as booleans
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
-    @field_validator("then_generate", mode="before")
+    @field_validator("then_generate", mode="before", json_schema_input_type=str | dict[str, Any] | None)
     @classmethod
     def _then_generate(cls, value: Any) -> Any:
         return {"input": value} if isinstance(value, str) else value
@@ -364,7 +466,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
     @field_validator("input_columns")
     @classmethod
     def _training_columns(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        unknown = sorted(set(value or {}) - {"messages", "prompt", "completion", "text"})
+        unknown = sorted(set(value or {}) - set(TRAINING_COLUMNS))
         if unknown:
             raise ValueError(
                 f"cannot map {', '.join(map(repr, unknown))}: a fine-tune maps messages, prompt, "
@@ -381,7 +483,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
                 f"quantization {self.quantization.method!r} cannot be trained: fine-tunes take "
                 "bnb-4bit (QLoRA) or no quantization"
             )
-        if self.adapter or self.adapter_revision:
+        if self.adapter is not None or self.adapter_revision is not None:
             raise ValueError(
                 "adapter: a fine-tune trains a new adapter on the base model; continuing an adapter is not supported"
             )
@@ -426,17 +528,25 @@ Spec = GenerateSpec | FinetuneSpec
 
 
 def parse_spec(data: dict[str, Any]) -> Spec:
-    """Validate a spec dict; errors name each bad field."""
+    """Validate a submitted spec dict; errors name each bad field. Strict, as the API's schema is: a number where a
+    number is meant, true or false where a boolean is (the shorthands the fields document stay)."""
     if not isinstance(data, dict):
         raise InvalidInput("a job spec must be a JSON/YAML object")
     kind = data.get("kind", "generate")
     model = {"generate": GenerateSpec, "finetune": FinetuneSpec}.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise InvalidInput(f"unknown job kind {kind!r}: use 'generate' or 'finetune'")
+    data = {k: whole_number(v) for k, v in data.items()}
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=True)
     except ValidationError as exc:
         raise InvalidInput(f"invalid {kind} spec: {describe(exc)}") from None
+
+
+def whole_number(value: Any) -> Any:
+    """5.0 as 5: JSON Schema's integer is any number without a fraction, pydantic's strict int takes only 5 (a
+    float field takes 5 as well)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def describe(exc: ValidationError) -> str:

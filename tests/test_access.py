@@ -42,9 +42,9 @@ ADMIN_ONLY = {
 # A job reads only its submitter's files: an admin submitting over another owner's file id gets 404 like anyone.
 ADMIN_REFUSED = {
     ("POST", "/jobs"): 404,
-    # no live worker in this world: the request has no host to go to
-    ("POST", "/models/pull"): 422,
-    ("POST", "/models/remove"): 422,
+    # no live worker in this world: the request has no host to go to (409: the cluster's state, not the request)
+    ("POST", "/models/pull"): 409,
+    ("POST", "/models/remove"): 409,
 }
 MISSING = {"job_id": "job_000000000000", "file_id": "file_000000000000"}  # ids that exist for nobody
 ALICE, BOB, ROOT_ADMIN = "alice", "bob", "root"

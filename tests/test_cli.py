@@ -434,3 +434,24 @@ def test_the_readmes_tables_have_as_many_cells_as_their_headers():
 
 def _cells(row: str) -> int:
     return len(re.split(r"(?<!\\)\|", row.strip().strip("|")))  # `\|` inside a cell is not a border
+
+
+def test_a_spec_file_and_set_read_exponent_numbers_as_numbers(tmp_path):
+    """`learning_rate: 2e-4` is a number (YAML 1.1 would read a string, which the API's strict spec check refuses);
+    words, `on` and dotted floats read as before."""
+    from api.cli_jobs import load_spec_file, parse_sets
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("kind: finetune\nlearning_rate: 2e-4\nwarmup_steps: 10\nliger: on\nname: 1e5x\n")
+    assert load_spec_file(str(spec)) == {
+        "kind": "finetune",
+        "learning_rate": 2e-4,
+        "warmup_steps": 10,
+        "liger": True,
+        "name": "1e5x",
+    }
+    assert parse_sets(("learning_rate=1E-3", "epochs=2.5", "lr_scheduler=cosine")) == {
+        "learning_rate": 1e-3,
+        "epochs": 2.5,
+        "lr_scheduler": "cosine",
+    }

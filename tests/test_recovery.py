@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from api import results, service
 from core.dataset import retry_can_change
 from core.db import session_scope
-from core.errors import InvalidInput
+from core.errors import NothingToRetry
 from core.models import Job, JobRow, Shard, Worker
 from core.spec import GenerateSpec
 from tests.conftest import wait_for
@@ -218,7 +218,7 @@ def test_retry_failed_only_keeps_rows_that_fail_the_same_way_and_says_so(tmp_pat
     errors = {r["line"]: r for r in results.results(job["id"], owner=None, errors=True)}
     assert errors[2]["error"].startswith("line 2: num_return_sequences 2 needs sampling") and errors[2]["tag"] == "b"
     with pytest.raises(
-        InvalidInput,
+        NothingToRetry,
         match=rf"job {job['id']}: 2 failed rows were refused for their input \(at "
         r"submit, or by the worker\) and cannot be retried; fix the input",
     ):
