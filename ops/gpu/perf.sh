@@ -4,6 +4,7 @@
 #   PART=g2 bash ops/gpu/perf.sh     # gen.py g2: engine (cold + 3 warm), baselines, the peer, service x3, restart
 #   PART=g1 bash ops/gpu/perf.sh     # the same for G1 (and the static-cache baseline)
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache on against off (3 interleaved runs each), outputs equal
+#   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
 # PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds.
@@ -11,13 +12,21 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g3, f1 or f1-service}
+PART=${PART:?set PART to g1, g2, g3, i26, f1 or f1-service}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+if [[ $PART == i26 ]]; then  # one box per workload; a stuck one leaves the others their time
+    third=$((LIMIT / 3)) rc=0
+    for part in g3 g1json g1lp; do
+        PART=$part PART_S=$third bash "$0" || rc=$?
+    done
+    exit "$rc"
+fi
 case $PART in
     g1 | g2) cmd=(python3 ops/bench/gen.py "$PART" --repeat 3 --inproc-s 300 --service-s $((LIMIT - 320)) --out "$OUT/$PART.json") ;;
     g3) cmd=(python3 ops/bench/gen.py g3 --repeat 3 --no-peer --skip service --inproc-s $((LIMIT - 20)) --out "$OUT/g3.json") ;;
+    g1json | g1lp) cmd=(python3 ops/bench/gen.py "$PART" --inproc-s $((LIMIT - 20)) --out "$OUT/$PART.json") ;;
     f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
