@@ -99,7 +99,7 @@ class LeaseLost(JobsError):
 
 
 class FetchInterrupted(LeaseLost):
-    """A Hub fetch was stopped: the job was cancelled, or the worker is shutting down (core/hub.py)."""
+    """A Hub fetch was stopped: the job was cancelled, or the worker is shutting down (core/hub_download.py)."""
 
 
 class RegistryError(JobsError):

@@ -50,7 +50,7 @@ REQUIRED = (
     "transformers.modeling_utils",  # with transformers' quantizers (and torchao where installed)
     "peft",
     "transformers.trainer",
-    "httpx",  # the models thread's downloads (core/hub.py)
+    "httpx",  # the models thread's downloads (core/hub_download.py)
     "worker.loader",
     "worker.generate",
     "worker.training.finetune",
