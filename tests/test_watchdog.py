@@ -111,7 +111,7 @@ def test_stall_seconds_setting_is_auto_or_a_positive_number(monkeypatch):
 
 def test_stuck_at_names_the_innermost_frame_and_the_innermost_of_ours():
     """The stall event's one-line place: the innermost frame, and the innermost frame of this project's code."""
-    from worker.runtime import stuck_at
+    from worker.tracebacks import stuck_at
 
     stack = (
         f'  File "{ROOT}/worker/runtime.py", line 10, in run_shard\n    x()\n'
