@@ -15,6 +15,11 @@ A chained generation job waits in `queued`, with its rows and no shards, until i
 
 Functions that take a session leave the transaction to their caller; the others (`submit`, `retry`, `cancel`,
 `release_waiting`, `finalize`, `reap`, and the worker's records) open their own and send after it committed.
+
+One concern, a job's life, in one module (a little over 600 lines): its sequences of state changes call each other
+(a submit starts or fails a job, a release of a chained job starts it, a cancel and the reaper end jobs through
+`maybe_finalize`) and read best side by side; the data access under them is core/store.py, a shard's run
+core/leases.py.
 """
 
 from __future__ import annotations
