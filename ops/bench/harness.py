@@ -203,7 +203,8 @@ class TimeBox:
             fn()
             ok = True
         except Exception as exc:  # noqa: BLE001  a failed phase is reported; the others still run
-            self.report.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            # cut: an exception's text can hold a whole object's repr (a page pool's free list once filled 100 kB)
+            self.report.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
             self.log(f"{name} failed: {traceback.format_exc()}")
         self.save()
         return ok

@@ -242,7 +242,7 @@ class SlotState:
     offsets: torch.Tensor  # (max_len,) positions % PAGE
     graphs: dict[tuple, Any] = field(default_factory=dict)  # (batch, sample) or (batch, sample, extras)
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot buffers of `extras`, made when asked
-    pool: Any = None
+    graph_pool: Any = None  # the memory pool every captured CUDA graph of this state shares
     capture_s: float = 0.0
     compile_s: float = 0.0  # the first prefill and decode with compiled layers, mostly compiling
     prepare_s: float | None = None  # everything `prepare` did, once per state
@@ -687,9 +687,9 @@ class Engine:
             for _ in range(2):
                 self._decode(batch, sample, extras, phase)
         torch.cuda.current_stream().wait_stream(stream)
-        st.pool = st.pool or torch.cuda.graph_pool_handle()
+        st.graph_pool = st.graph_pool or torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=st.pool):
+        with torch.cuda.graph(graph, pool=st.graph_pool):
             self._decode(batch, sample, extras, phase)
         st.tok.copy_(saved[0])
         st.pos.copy_(saved[1])
