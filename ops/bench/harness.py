@@ -41,12 +41,15 @@ def logger(name: str, stream=None) -> Callable[[str], None]:
 
 
 def commit_info() -> dict[str, Any]:
-    """The checkout's commit and the tracked files modified in it. Where git cannot tell (a GPU host gets the tree
-    without .git), `BENCH_COMMIT` says which commit it is, and `BENCH_TREE_NOTE` what else was in the tree."""
+    """The checkout's commit and the tracked files modified in it. `BENCH_COMMIT`, where set, says which commit the
+    tree is and wins over git's HEAD (kept as `git_head`): a GPU host's copy of the tree may carry no .git, or a
+    stale one (the device tool's copies reported an older HEAD with today's files as modified); `BENCH_TREE_NOTE`
+    says what else was in the tree."""
     info: dict[str, Any] = {"commit": os.environ.get("BENCH_COMMIT"), "tree_note": os.environ.get("BENCH_TREE_NOTE")}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        info["commit"] = head.stdout.strip()
+        info["git_head"] = head.stdout.strip()
+        info["commit"] = info["commit"] or info["git_head"]
         dirty = subprocess.run(
             ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=False
         ).stdout
@@ -203,7 +206,8 @@ class TimeBox:
             fn()
             ok = True
         except Exception as exc:  # noqa: BLE001  a failed phase is reported; the others still run
-            self.report.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            # cut: an exception's text can hold a whole object's repr (a page pool's free list once filled 100 kB)
+            self.report.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
             self.log(f"{name} failed: {traceback.format_exc()}")
         self.save()
         return ok
