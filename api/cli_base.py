@@ -1,6 +1,7 @@
 """The `gpujobs` click group and what every command module shares: exit codes, error translation, output.
-Commands are thin: parse, call the HTTP client or a stack function, format. They live in `api/cli_jobs.py`,
-`api/cli_adapters.py`, `api/cli_models.py` and `api/cli_stack.py`; `api/cli.py` is the entry point.
+Commands are thin: parse, call the HTTP client or a stack function, format. They live in `api/cli_submit.py`,
+`api/cli_jobs.py`, `api/cli_adapters.py`, `api/cli_models.py` and `api/cli_stack.py`; `api/cli.py` is the entry
+point.
 
 Exit codes (a contract for scripts; see README):
     0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input (also: `retry` of a job

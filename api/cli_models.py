@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from api.cli_base import EXIT_FAILED, cli, client, emit, json_option
-from core import hub
+from core import hub, hub_cache, hub_download
 from core.errors import InvalidInput
 
 IN_FLIGHT = ("pull_requested", "downloading", "remove_requested", "removing")
@@ -112,13 +112,13 @@ def rm(repo: str, revision: str | None, workers: str | None, wait_: bool, as_jso
     if workers is None:
         commits = None
         if revision:
-            commit = hub.cached_commit(repo, revision)
+            commit = hub_cache.cached_commit(repo, revision)
             if commit is None:
                 raise InvalidInput(
                     f"{hub.describe(repo, revision)} is not in this host's cache ({hub.get_settings().hub_cache})"
                 )
             commits = [commit]
-        result = hub.remove(repo, commits)
+        result = hub_cache.remove(repo, commits)
         emit(
             result,
             as_json,
@@ -131,7 +131,7 @@ def rm(repo: str, revision: str | None, workers: str | None, wait_: bool, as_jso
 
 
 def _pull_here(repo: str, revision: str | None) -> dict[str, Any]:
-    """core.hub.ensure in this process, with a progress bar on stderr."""
+    """core.hub_download.ensure in this process, with a progress bar on stderr."""
     bar = None
 
     class Bar(hub.Listener):
@@ -155,7 +155,7 @@ def _pull_here(repo: str, revision: str | None) -> dict[str, Any]:
             )
 
     try:
-        fetched = hub.ensure(repo, revision, kind="auto", listener=Bar())
+        fetched = hub_download.ensure(repo, revision, kind="auto", listener=Bar())
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)

@@ -10,7 +10,7 @@ How it maps (choices that clients see, hence written down here):
   and any job whose input is OpenAI batch lines shows as a batch. `batches.create` submits
   `{"input": file, "input_format": "openai"}` with no model: the lines' `body.model` names it, checked against
   the model allow-list (`JOBS_MODEL_ROOTS`, see api/checks.py `_model_from_input`). Every line's `url` must be
-  the batch's `endpoint`. Parsing the lines and writing the output and error files are `core.formats`'
+  the batch's `endpoint`. Parsing the lines and writing the output and error files are `core.openai_batch`'s
   (`openai_request`, `openai_output_record`, `openai_error_record`), through `results.export(fmt="openai")`.
 - States map one to one: queued/validating → `validating`, running → `in_progress`, finalizing → `finalizing`,
   succeeded → `completed`, failed → `failed`, cancelling → `cancelling`, cancelled → `cancelled`, and a batch

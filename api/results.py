@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core import formats
+from core import formats, openai_batch, writers
 from core.db import session_scope
 from core.errors import InvalidInput
 from core.models import JobRow
@@ -79,11 +79,11 @@ def export(
         rows = _finished_rows(session, job_id, errors=errors, order=order)
         if fmt == "openai":
             model = spec.get("model") or ""
-            yield from formats.jsonl_chunks(
+            yield from writers.jsonl_chunks(
                 (
-                    formats.openai_error_record(r, job_id=job_id)
+                    openai_batch.openai_error_record(r, job_id=job_id)
                     if errors
-                    else formats.openai_output_record(r, job_id=job_id, model=model)
+                    else openai_batch.openai_output_record(r, job_id=job_id, model=model)
                 )
                 | (input_of(r) if with_input else {})
                 for r in rows
@@ -91,7 +91,7 @@ def export(
             return
         records = (result_record(r, errors=errors, where=where, with_input=with_input) for r in rows)
         if fmt == "jsonl":
-            yield from formats.jsonl_chunks(records)
+            yield from writers.jsonl_chunks(records)
             return
         given = [k for k in INPUT_KEYS if k in info.get("input_kinds", INPUT_KEYS)] if with_input else []
         asked = info.get("logprobs") or bool(spec.get("logprobs"))  # the job or some row asked for them
@@ -104,7 +104,7 @@ def export(
         columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
         columns += ["extra"] if any(k in RESULT_FIELDS or k == "row" for k in keys) else []
         if fmt == "csv":
-            yield from formats.csv_chunks(records, columns)
+            yield from writers.csv_chunks(records, columns)
             return
         several = info.get("several_outputs") or (spec.get("num_return_sequences") or 1) > 1
         types = {
@@ -113,7 +113,7 @@ def export(
             "completion_tokens": "int",
             **({"output": "list", "finish_reason": "list"} if several else {}),
         }
-        yield from formats.parquet_chunks(records, columns, types)
+        yield from writers.parquet_chunks(records, columns, types)
 
 
 def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -> Iterator[JobRow]:

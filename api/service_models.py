@@ -1,5 +1,5 @@
 """Models by Hub id in the API: the submit checks of a Hub model (or Hub adapter), and `gpujobs models
-list/pull/rm`. No torch: config.json and the tokenizer are read with json and `tokenizers` (core/dataset.py).
+list/pull/rm`. No torch: config.json and the tokenizer are read with json and `tokenizers` (core/preflight.py).
 
 At submit, where this process reaches the Hub (HF_ENDPOINT, not HF_HUB_OFFLINE), the revision is resolved to its
 commit and stored as the spec's `revision` (the words the user gave stay in `metrics.model.revision`), so every
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import adapters, hub, model_cache, registry
+from core import adapters, hub, hub_download, model_cache, registry
 from core.db import session_scope
 from core.errors import Conflict, HubUnreachable, InvalidInput, NoAccess, Unschedulable
 from core.settings import get_settings
@@ -89,7 +89,7 @@ def _check_model(result: HubCheck, fleet: Fleet) -> None:
     record: dict[str, Any] = {"repo": repo, "revision": revision, "commit": commit}
     if snap is not None:
         record.update(files=len(snap.files), bytes=snap.bytes, resolved_by="api")
-        result.local_dir = hub.submit_files(snap)
+        result.local_dir = hub_download.submit_files(snap)
     elif commit is not None:
         record["resolved_by"] = "worker cache"
         result.local_dir = _own_snapshot(repo, commit)
@@ -115,7 +115,7 @@ def _check_adapter(result: HubCheck, fleet: Fleet) -> None:
     if fleet.all_offline and not cached:
         raise Unschedulable(_offline_refusal(repo, revision, snap, fleet))
     commit = snap.commit if snap else _agreed(cached)
-    folder = hub.submit_files(snap) if snap else (_own_snapshot(repo, commit) if commit else None)
+    folder = hub_download.submit_files(snap) if snap else (_own_snapshot(repo, commit) if commit else None)
     config = hub.read_json(folder, hub.ADAPTER_CONFIG) if folder else None
     if config is not None:
         result.notes.append(_adapter_note(repo, config, spec.model))
@@ -130,7 +130,7 @@ def _resolve(repo: str, revision: str, kind: str, fleet: Fleet, notes: list[str]
     if get_settings().hub_offline:
         return None
     try:
-        return hub.plan(repo, revision, kind=kind, retries=0)  # fail fast: the workers ask again
+        return hub_download.plan(repo, revision, kind=kind, retries=0)  # fail fast: the workers ask again
     except HubUnreachable as exc:
         if fleet.all_offline:
             return None

@@ -99,7 +99,7 @@ class LeaseLost(JobsError):
 
 
 class FetchInterrupted(LeaseLost):
-    """A Hub fetch was stopped: the job was cancelled, or the worker is shutting down (core/hub.py)."""
+    """A Hub fetch was stopped: the job was cancelled, or the worker is shutting down (core/hub_download.py)."""
 
 
 class RegistryError(JobsError):
@@ -120,5 +120,5 @@ class PortInUse(RuntimeError):
 
 
 class ChildFailed(RuntimeError):
-    """A process of a distributed fine-tune failed; the message carries its error text (worker/distributed.py). Not a
-    JobsError: it fails the attempt like any engine error."""
+    """A process of a distributed fine-tune failed; the message carries its error text
+    (worker/training/distributed.py). Not a JobsError: it fails the attempt like any engine error."""

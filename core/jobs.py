@@ -15,6 +15,11 @@ A chained generation job waits in `queued`, with its rows and no shards, until i
 
 Functions that take a session leave the transaction to their caller; the others (`submit`, `retry`, `cancel`,
 `release_waiting`, `finalize`, `reap`, and the worker's records) open their own and send after it committed.
+
+One concern, a job's life, in one module (a little over 600 lines): its sequences of state changes call each other
+(a submit starts or fails a job, a release of a chained job starts it, a cancel and the reaper end jobs through
+`maybe_finalize`) and read best side by side; the data access under them is core/store.py, a shard's run
+core/leases.py.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from core import adapters, dispatch, files, scheduling
-from core.dataset import InputCheck, nothing_runs, parse_dataset, retry_can_change
+from core.dataset import nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
 from core.errors import IllegalTransition, JobsError, NotFinished, NothingToRetry
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
+from core.preflight import InputCheck
 from core.queue import queue_for
 from core.settings import get_settings
 from core.spec import GenerateSpec, Spec

@@ -1,5 +1,6 @@
 """What each host's Hugging Face cache holds (table `cached_models`), the progress of its downloads, and the
-pull/remove requests left for its workers. The files themselves are core/hub.py's business; this is the record.
+pull/remove requests left for its workers. The files themselves are core/hub_download.py's and
+core/hub_cache.py's business; this is the record.
 
 A place is (host, cache directory). Rows are written by the workers of that place: at start (a scan of the cache),
 when a download starts, every second while it runs (bytes done and rate), when it ends, and when a job loads the
@@ -83,7 +84,7 @@ def update_row(session: Session, row_id: int, **values: Any) -> None:
 
 
 def sync(session: Session, *, host: str, cache_dir: str, records: Iterable[dict[str, Any]]) -> None:
-    """Make the place's rows match a scan of its cache (core.hub.scan): found snapshots upserted, vanished ones
+    """Make the place's rows match a scan of its cache (core.hub_cache.scan): found snapshots upserted, vanished ones
     dropped. Rows of downloads and requests in flight are left alone."""
     seen = set()
     for r in records:
@@ -101,7 +102,7 @@ def sync(session: Session, *, host: str, cache_dir: str, records: Iterable[dict[
 
 
 def record(session: Session, *, host: str, cache_dir: str, snapshot: dict[str, Any], **values: Any) -> CachedModel:
-    """One snapshot's row after a fetch (core.hub.scan's record of it) plus `values`."""
+    """One snapshot's row after a fetch (core.hub_cache.scan's record of it) plus `values`."""
     return upsert(
         session,
         host=host,

@@ -131,7 +131,7 @@ class Settings:
     hub_min_free_bytes: int = 1 << 30
     hub_timeout: float = 10.0
     # the share of each GPU's memory a worker may hold: the model, the fast engine's KV cache and its working memory
-    # (vLLM's gpu_memory_utilization); the cache gets what is left of it (worker/engines/fastgen.py `cache_budget`)
+    # (vLLM's gpu_memory_utilization); the cache gets what is left of it (worker/engines/slot_state.py `cache_budget`)
     gpu_memory_utilization: float = 0.9
     hub_parallel_files: int = 8  # files of one snapshot fetched at once (huggingface_hub's max_workers is 8 too)
 

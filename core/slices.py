@@ -1,7 +1,7 @@
 """Slices of several GPUs: the environment every GPU process gets, and how a job uses its slice.
 
 Light on purpose (no torch): the launchers (api/stack.py, api/supervisor.py), the submit-time checks
-(core/capability.py) and the worker (worker/distributed.py) all use these, so they can never disagree.
+(core/capability.py) and the worker (worker/training/distributed.py) all use these, so they can never disagree.
 
 - NVLink multicast stays off in every process we start (`NVLINK_MULTICAST_OFF`): on shared hosts NCCL's NVLS and
   torch's symmetric-memory multicast can take GPUs out of service. The launcher sets it on every worker, the worker

@@ -397,7 +397,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="the seed of the LoRA weights' initialization and data order")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory)")
     checkpoint_steps: int = Field(50, ge=1, le=10_000_000, description="save a resumable checkpoint every N steps")
-    # speed levers (worker/finetune_setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
+    # speed levers (worker/training/setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
     liger: Literal["auto", "on", "off"] = Field(
         "auto",
         description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "

@@ -206,7 +206,7 @@ def test_the_worker_extracts_an_adapter_file_once_and_rechecks_it(jobs_env):
 def test_the_cli_packs_only_the_two_adapter_files_and_refuses_pickle_weights(tmp_path):
     """`--adapter DIR` zips adapter_config.json and adapter_model.safetensors (nothing else of the folder); a folder
     with only adapter_model.bin, or without a config, is refused before anything is uploaded."""
-    from api.cli_jobs import pack_adapter
+    from api.cli_submit import pack_adapter
 
     folder = tmp_path / "ad"
     folder.mkdir()

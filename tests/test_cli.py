@@ -439,7 +439,7 @@ def _cells(row: str) -> int:
 def test_a_spec_file_and_set_read_exponent_numbers_as_numbers(tmp_path):
     """`learning_rate: 2e-4` is a number (YAML 1.1 would read a string, which the API's strict spec check refuses);
     words, `on` and dotted floats read as before."""
-    from api.cli_jobs import load_spec_file, parse_sets
+    from api.cli_submit import load_spec_file, parse_sets
 
     spec = tmp_path / "spec.yaml"
     spec.write_text("kind: finetune\nlearning_rate: 2e-4\nwarmup_steps: 10\nliger: on\nname: 1e5x\n")

@@ -151,6 +151,24 @@ def worker_row(database_url: str, pid: int):
         return session.scalars(select(Worker).where(Worker.pid == pid)).one()
 
 
+# --- the image: what `pip install .` puts in it ------------------------------------------------------------------
+
+
+def test_the_installed_distribution_holds_every_package_of_ours():
+    """The image installs the project with `pip install .` (not editable), which copies only the packages that
+    pyproject.toml names: every folder of ours with an `__init__.py` (worker/engines/, worker/training/ …) is named
+    there, or the image would start workers without their engines or training code."""
+    import tomllib
+
+    named = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    ours = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("core", "api", "worker", "migrations")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert ours <= named, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(ours - named)}"
+
+
 # --- compose.yaml: valid, and wired as the design says ----------------------------------------------------------
 
 

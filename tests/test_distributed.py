@@ -129,7 +129,7 @@ def test_each_child_gets_the_slice_in_order_pci_order_its_rank_and_nvlink_multic
     """The launcher the worker uses starts 2 real children under torchrun; each sees CUDA_VISIBLE_DEVICES exactly as
     the worker's slice (order kept), CUDA_DEVICE_ORDER=PCI_BUS_ID, its own LOCAL_RANK/RANK, WORLD_SIZE=2 and the
     three NVLink multicast variables, even when the worker's own environment lacked them."""
-    from worker.distributed import launch
+    from worker.training.distributed import launch
 
     base = {k: v for k, v in os.environ.items() if k not in NVLINK_MULTICAST_OFF and k != "CUDA_DEVICE_ORDER"}
     base["CUDA_VISIBLE_DEVICES"] = slice_
@@ -316,7 +316,7 @@ def test_a_stopped_ddp_run_resumes_from_its_last_complete_checkpoint(tmp_path, b
     Rank 0 sleeps 1 s before each step's stop check (five of the parent's polls), so the request made on seeing step
     5 is read at step 6 or 7 however fast the machine trains; unslowed, a fast machine finished all 8 steps first."""
     from core.spec import FinetuneSpec, LoadOptions
-    from worker import distributed
+    from worker.training import distributed
 
     spec = FinetuneSpec.model_validate(ft_spec(base_model))
     seen: list[dict] = []
@@ -347,7 +347,7 @@ def test_a_yielding_ddp_run_saves_a_checkpoint_at_one_step_on_both_ranks_and_res
     makes both ranks save a complete checkpoint of the same step N (6 or 7: rank 0 sleeps 1 s before each step's
     check, as in the stop test) and stop with no adapter; the next run resumes from N and finishes at step 8."""
     from core.spec import FinetuneSpec, LoadOptions
-    from worker import distributed
+    from worker.training import distributed
 
     spec = FinetuneSpec.model_validate(ft_spec(base_model))
     seen: list[dict] = []
@@ -376,8 +376,8 @@ def test_rank_zero_reports_its_phases_and_steps_to_the_parents_stall_watchdog(tm
     phases (loading, preparing) and each of its 8 training steps: a long load in a child is no stall, and a hung
     rank (no more lines) is one."""
     from core.spec import FinetuneSpec, LoadOptions
-    from worker import distributed
     from worker.progress import Progress
+    from worker.training import distributed
 
     class Recorder(Progress):
         def __init__(self) -> None:
@@ -420,7 +420,7 @@ def test_a_failing_rank_fails_the_attempt_promptly_with_its_error_and_leaves_no_
     import psutil
 
     from core.spec import FinetuneSpec, LoadOptions
-    from worker import distributed
+    from worker.training import distributed
 
     monkeypatch.setenv("JOBS_TEST_FAULTS", fault)
     spec = FinetuneSpec.model_validate(ft_spec(base_model))

@@ -23,7 +23,7 @@ from core.spec import GenerateSpec
 from tests.conftest import qa_pairs
 from worker import faults
 from worker import generate as engine
-from worker.engines import common, decode_attention, fastgen
+from worker.engines import common, decode_attention, fastgen, paged_attention, slot_state
 from worker.generate import generate
 from worker.loader import Loaded, load
 from worker.progress import Progress
@@ -91,11 +91,11 @@ def slots(monkeypatch, loaded):
     dropped before and after)."""
 
     def set_slots(n: int) -> None:
-        monkeypatch.setattr(fastgen, "CPU_SLOTS", n)
-        fastgen.release(loaded.model)
+        monkeypatch.setattr(slot_state, "CPU_SLOTS", n)
+        slot_state.release(loaded.model)
 
     yield set_slots
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
 
 
 @pytest.mark.parametrize("n_slots", [16, 3, 1])
@@ -113,7 +113,7 @@ def test_greedy_results_equal_the_padded_engine_with_any_number_of_slots(loaded,
         assert fast[i].output == answer and fast[i].finish_reason == "stop"
     assert fast[200].completion_tokens == 1 and fast[104].completion_tokens == 31
     stats = info["fast"]
-    assert info["engine"] == "fast" and info["attn_implementation"].startswith(fastgen.NAME)
+    assert info["engine"] == "fast" and info["attn_implementation"].startswith(paged_attention.NAME)
     assert stats["slots"] == min(n_slots, len(rows)) and stats["cuda_graphs"] is False
     assert stats["steps"] >= 30 and stats["runs"] == 1
     assert loaded.model.config._attn_implementation == "sdpa"  # switched back for the next job
@@ -176,7 +176,7 @@ def test_the_host_books_one_step_behind_without_wasting_the_last_step(loaded, ti
     rows += [(2 + i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])]  # 6 rows, 4 slots: waits and refills
     info: dict = {}
     fast = run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=fill), rows, info=info)
-    assert len(tok(prompt)["input_ids"]) + fill == fastgen.PAGE  # row 0 fills its one page exactly
+    assert len(tok(prompt)["input_ids"]) + fill == decode_attention.PAGE  # row 0 fills its one page exactly
     assert fields(fast) == fields(run(loaded, make_spec(tiny_model, engine="padded", max_new_tokens=fill), rows))
     assert fast[0].completion_tokens == fill and [fast[2 + i].output for i in range(4)] == [
         a for _, a in qa_pairs()[:4]
@@ -295,10 +295,10 @@ def test_auto_is_padded_on_cpu_and_fast_refuses_what_it_cannot_run(loaded, tiny_
 def test_size_gives_slots_and_pages_and_buckets_cover_every_batch(loaded, monkeypatch):
     """CPU: CPU_SLOTS slots and enough pages for each to hold the longest sequence (the model's context, whole
     pages), or CPU_PAGES; buckets cover every batch size up to the slots."""
-    assert fastgen.max_len(loaded.model) == 512 and fastgen.PAGE == 64
-    assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.CPU_SLOTS, fastgen.CPU_SLOTS * 8 + 1)
-    monkeypatch.setattr(fastgen, "CPU_PAGES", 5)
-    assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.CPU_SLOTS, 5)
+    assert slot_state.max_len(loaded.model) == 512 and decode_attention.PAGE == 64
+    assert slot_state.size(loaded.model, loaded.device, 640) == (slot_state.CPU_SLOTS, slot_state.CPU_SLOTS * 8 + 1)
+    monkeypatch.setattr(slot_state, "CPU_PAGES", 5)
+    assert slot_state.size(loaded.model, loaded.device, 640) == (slot_state.CPU_SLOTS, 5)
     sizes = fastgen.buckets(1024)
     assert sizes[:8] == [1, 2, 4, 8, 16, 32, 64, 128] and sizes[-1] == 1024 and 896 in sizes
     assert [fastgen.bucket(sizes, n) for n in (1, 3, 129, 1000)] == [1, 4, 256, 1024]
@@ -375,11 +375,11 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from core.spec import GenerateSpec
 from worker import generate as engine
-from worker.engines import fastgen
+from worker.engines import slot_state
 from worker.loader import load
 spec = lambda **f: GenerateSpec.model_validate({"model": sys.argv[2], "input": "file_x", **f})
 loaded = load(spec(), gpus=0)
-fastgen.CPU_SLOTS = 3
+slot_state.CPU_SLOTS = 3
 rows = [(i, {"prompt": p, "params": {"max_new_tokens": n}, "extra": {}}) for i, (p, n) in
         enumerate([("What is the capital of France?", 8), ("hello", 3), ("the sky", 6), ("water", 5)])]
 def run(s, info=None):
@@ -415,8 +415,8 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     rows = [(i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])] + [(9, row("hello", max_new_tokens=6))]
     prepared = list(common.prepare(loaded, make_spec(tiny_model, engine="fast"), rows, 0.0))
     seqs = [fastgen.Seq(p, 0) for p in prepared]
-    fastgen.release(loaded.model)
-    state = fastgen.state_for(loaded.model, loaded.device, 640)
+    slot_state.release(loaded.model)
+    state = slot_state.state_for(loaded.model, loaded.device, 640)
     eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
     try:
         with torch.inference_mode():
@@ -426,7 +426,7 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
                 for s in finished
             }
     finally:
-        fastgen.release(loaded.model)
+        slot_state.release(loaded.model)
         torch._dynamo.reset()
     want = run(loaded, make_spec(tiny_model, engine="padded"), rows)
     assert done == {i: r.output for i, r in want.items()}
@@ -439,10 +439,10 @@ def test_a_free_slot_left_in_the_batch_never_writes_past_the_cache(loaded, tiny_
     with its slot's position at max_len after its extra step. When three other rows keep the decode batch at the
     same bucket, that free slot stays in the batch: its K/V write must go to position 0 of the trash page, not past
     the page table (IndexError on CPU, an out-of-bounds write on the GPU). Every row equals the padded engine."""
-    monkeypatch.setattr(fastgen, "MAX_LEN", 128)  # sequences of up to two pages: a short test
+    monkeypatch.setattr(slot_state, "MAX_LEN", 128)  # sequences of up to two pages: a short test
     slots(4)
     prompt = "the sky " * 20
-    fill = fastgen.max_len(loaded.model) - len(loaded.tokenizer(prompt)["input_ids"])
+    fill = slot_state.max_len(loaded.model) - len(loaded.tokenizer(prompt)["input_ids"])
     rows = [(0, row(prompt, max_new_tokens=fill, ignore_eos=True))]
     rows += [(i, row("the", max_new_tokens=fill + 30, ignore_eos=True)) for i in (1, 2, 3)]
     info: dict = {}
@@ -475,13 +475,13 @@ def test_consecutive_runs_of_different_shapes_on_one_resident_state_equal_a_fres
     slots(6)
     uniform = [(i, row("the sky " * 4, max_new_tokens=20, ignore_eos=True)) for i in range(20)]
     shapes = [mixed_rows(40, 1, 64), mixed_rows(40, 2, 64), uniform, mixed_rows(30, 3, 128)]
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
     resident = [fields(run(loaded, make_spec(tiny_model, engine="fast"), rows)) for rows in shapes]
     fresh = []
     for rows in shapes:
-        fastgen.release(loaded.model)
+        slot_state.release(loaded.model)
         fresh.append(fields(run(loaded, make_spec(tiny_model, engine="fast"), rows)))
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
     for got, want in zip(resident, fresh):
         assert got == want
 
@@ -491,42 +491,42 @@ def test_the_cache_is_sized_with_the_resident_cache_counted_as_free(loaded, tiny
     and what is free, the model and the resident cache allocated). The resident cache counts as free, since a new
     state replaces it: counted as taken, a second large run on a resident engine saw only the slack beside it (a
     handful of slots or none). A second job reuses the resident state as it is: same pages, no new capture."""
-    per_page = fastgen.page_bytes(loaded.model)
-    working = fastgen.reserve(loaded.model) + fastgen.MAX_SLOTS * 640 * fastgen.GRAPH_BYTES_PER_VOCAB
+    per_page = slot_state.page_bytes(loaded.model)
+    working = slot_state.reserve(loaded.model) + slot_state.MAX_SLOTS * 640 * slot_state.GRAPH_BYTES_PER_VOCAB
     model_bytes = 10 * per_page
     total = int((40.5 * per_page + model_bytes + working) / 0.9)  # JOBS_GPU_MEMORY_UTILIZATION's default
 
     def driver_memory(device):  # what mem_get_info would report: the model and the resident cache are allocated
-        return total - model_bytes - fastgen.resident_bytes(loaded.model), total
+        return total - model_bytes - slot_state.resident_bytes(loaded.model), total
 
-    monkeypatch.setattr(fastgen, "device_memory", driver_memory)
-    fastgen.release(loaded.model)
+    monkeypatch.setattr(slot_state, "device_memory", driver_memory)
+    slot_state.release(loaded.model)
     try:
-        assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
-        state = fastgen.state_for(loaded.model, loaded.device, 640)
-        assert fastgen.size(loaded.model, loaded.device, 640) == (fastgen.MAX_SLOTS, 40)
-        assert fastgen.state_for(loaded.model, loaded.device, 640) is state
+        assert slot_state.size(loaded.model, loaded.device, 640) == (slot_state.MAX_SLOTS, 40)
+        state = slot_state.state_for(loaded.model, loaded.device, 640)
+        assert slot_state.size(loaded.model, loaded.device, 640) == (slot_state.MAX_SLOTS, 40)
+        assert slot_state.state_for(loaded.model, loaded.device, 640) is state
         smaller = 0.9 - 20 * per_page / total  # the setting takes 20 pages' worth away
-        assert fastgen.size(loaded.model, loaded.device, 640, utilization=smaller) == (fastgen.MAX_SLOTS, 20)
+        assert slot_state.size(loaded.model, loaded.device, 640, utilization=smaller) == (slot_state.MAX_SLOTS, 20)
     finally:
-        fastgen.release(loaded.model)
+        slot_state.release(loaded.model)
 
 
 def test_the_cache_takes_the_configured_share_of_the_gpu_less_what_is_in_use():
     """cache_budget: JOBS_GPU_MEMORY_UTILIZATION x the GPU's total memory, less what is in use (this model, another
     process's memory) and the engine's working memory; never negative."""
     gib = 2**30
-    assert fastgen.cache_budget(100 * gib, 90 * gib, 5 * gib, 0.9) == 75 * gib  # 10 GiB of model
-    assert fastgen.cache_budget(100 * gib, 70 * gib, 5 * gib, 0.9) == 55 * gib  # another process holds 20 GiB
-    assert fastgen.cache_budget(100 * gib, 90 * gib, 5 * gib, 1.0) == 85 * gib
-    assert fastgen.cache_budget(100 * gib, 40 * gib, 5 * gib, 0.5) == 0
+    assert slot_state.cache_budget(100 * gib, 90 * gib, 5 * gib, 0.9) == 75 * gib  # 10 GiB of model
+    assert slot_state.cache_budget(100 * gib, 70 * gib, 5 * gib, 0.9) == 55 * gib  # another process holds 20 GiB
+    assert slot_state.cache_budget(100 * gib, 90 * gib, 5 * gib, 1.0) == 85 * gib
+    assert slot_state.cache_budget(100 * gib, 40 * gib, 5 * gib, 0.5) == 0
 
 
 def test_no_room_for_the_cache_names_the_setting(loaded, monkeypatch):
     """A share too small for any page fails with a message that names JOBS_GPU_MEMORY_UTILIZATION and what to do."""
-    monkeypatch.setattr(fastgen, "device_memory", lambda device: (90 * 2**30, 100 * 2**30))
+    monkeypatch.setattr(slot_state, "device_memory", lambda device: (90 * 2**30, 100 * 2**30))
     with pytest.raises(torch.OutOfMemoryError, match="JOBS_GPU_MEMORY_UTILIZATION=0.1 allows 10.0 GiB.*raise the"):
-        fastgen.size(loaded.model, loaded.device, 640, utilization=0.1)
+        slot_state.size(loaded.model, loaded.device, 640, utilization=0.1)
 
 
 def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fails(
@@ -536,8 +536,8 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     passed over), and every row equals the padded engine. A row needing more pages than the cache has fails with
     a message under engine fast and runs padded under auto."""
     slots(8)
-    monkeypatch.setattr(fastgen, "CPU_PAGES", 7)  # 6 usable pages of 64 positions: 384 at once
-    fastgen.release(loaded.model)
+    monkeypatch.setattr(slot_state, "CPU_PAGES", 7)  # 6 usable pages of 64 positions: 384 at once
+    slot_state.release(loaded.model)
     rows = mixed_rows(24, 5, 128)  # 2 pages each at most
     info: dict = {}
     fast = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
@@ -549,7 +549,7 @@ def test_rows_wait_for_pages_and_a_row_too_long_for_the_cache_runs_padded_or_fai
     assert r[1].output == qa_pairs()[0][1]
     out = run_auto(loaded, tiny_model, long)
     assert out[0].error is None and out[0].completion_tokens == 420 and out[1].output == qa_pairs()[0][1]
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
 
 
 def test_gpu_memory_utilization_setting_is_a_share_of_the_gpu(monkeypatch):
@@ -588,18 +588,18 @@ def test_rows_sharing_a_prefix_prefill_only_the_rest_and_give_the_outputs_of_a_w
     slots(16)
     rows = prefixed_rows(12)
     tok = loaded.tokenizer
-    shared_pages = len(tok(INSTRUCTION)["input_ids"]) // fastgen.PAGE
+    shared_pages = len(tok(INSTRUCTION)["input_ids"]) // decode_attention.PAGE
     assert shared_pages >= 2
     off_info: dict = {}
     off = run(loaded, make_spec(tiny_model, engine="fast", prefix_cache="off"), rows, info=off_info)
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
     info: dict = {}
     cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
     assert fields(cached) == fields(off)
     assert off_info["fast"]["prefix_tokens_reused"] == 0 and off_info["fast"]["prefix_cache"] is False
     stats = info["fast"]
     assert stats["prompt_tokens"] == sum(r.prompt_tokens for r in cached.values())
-    assert stats["prefix_tokens_reused"] >= (len(rows) - 1) * shared_pages * fastgen.PAGE
+    assert stats["prefix_tokens_reused"] >= (len(rows) - 1) * shared_pages * decode_attention.PAGE
 
 
 def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_model, slots):
@@ -611,11 +611,11 @@ def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_m
     info: dict = {}
     second = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
     assert fields(second) == fields(first)
-    pages = len(loaded.tokenizer(INSTRUCTION)["input_ids"]) // fastgen.PAGE
-    assert info["fast"]["prefix_tokens_reused"] >= len(rows) * pages * fastgen.PAGE
+    pages = len(loaded.tokenizer(INSTRUCTION)["input_ids"]) // decode_attention.PAGE
+    assert info["fast"]["prefix_tokens_reused"] >= len(rows) * pages * decode_attention.PAGE
     other: dict = {}
     run(loaded, make_spec(tiny_model, engine="fast"), prefixed_rows(2, "Say it backwards: " * 30), info=other)
-    assert other["fast"]["prefix_tokens_reused"] < 2 * fastgen.PAGE * pages
+    assert other["fast"]["prefix_tokens_reused"] < 2 * decode_attention.PAGE * pages
 
 
 def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
@@ -624,13 +624,13 @@ def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_
     """A cache of few pages and rows of three instructions one after another: cached prefix pages are evicted
     (least recently used first) to make room, and every output still equals the run without reuse."""
     slots(4)
-    monkeypatch.setattr(fastgen, "CPU_PAGES", 16)
-    fastgen.release(loaded.model)
+    monkeypatch.setattr(slot_state, "CPU_PAGES", 16)
+    slot_state.release(loaded.model)
     rows = []
     for k, text in enumerate(("First tell: ", "Then say: ", "Now write: ")):
         rows += [(10 * k + i, r) for i, (_, r) in enumerate(prefixed_rows(5, text * 25))]
     off = run(loaded, make_spec(tiny_model, engine="fast", prefix_cache="off"), rows)
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
     info: dict = {}
     cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
     assert fields(cached) == fields(off)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core.spec import GenerateSpec
-from worker.engines import common, fastgen, grammar
+from worker.engines import common, fastgen, grammar, slot_state
 from worker.generate import generate
 from worker.loader import Loaded, load
 
@@ -56,11 +56,11 @@ def slots(monkeypatch, loaded):
     """The fast engine's CPU slot count for one test (its resident state dropped before and after)."""
 
     def set_slots(n: int) -> None:
-        monkeypatch.setattr(fastgen, "CPU_SLOTS", n)
-        fastgen.release(loaded.model)
+        monkeypatch.setattr(slot_state, "CPU_SLOTS", n)
+        slot_state.release(loaded.model)
 
     yield set_slots
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
 
 
 def constrained_rows() -> list[tuple[int, dict]]:

@@ -29,7 +29,7 @@ UNBROKEN = """
 import json, sys
 from core.spec import FinetuneSpec, LoadOptions
 from core.training_data import parse_training_jsonl
-from worker import finetune
+from worker.training import finetune
 spec = FinetuneSpec.model_validate_json(sys.argv[1])
 with open(sys.argv[2], "rb") as stream:
     rows = [(r.line, r.input) for r in parse_training_jsonl(stream, max_rows=100, max_row_bytes=1 << 20)]
@@ -161,7 +161,7 @@ def test_killed_worker_training_is_resumed_by_another_from_the_last_complete_che
 
     from core import adapters
     from core.spec import FinetuneSpec
-    from worker import finetune
+    from worker.training import finetune
 
     # a learning rate at which step 21's loss is still far from 0, so 5 % of it is more than rounding noise
     spec_data = ft_spec(base_model, max_steps=40, learning_rate=2e-3)
@@ -295,7 +295,7 @@ def test_cancel_stops_training_within_seconds_keeps_its_checkpoint_and_a_qlora_j
     (bitsandbytes 4-bit base on this CPU) trains, lowers the loss and records its quantization."""
     from core import adapters
     from core.models import Worker
-    from worker import finetune
+    from worker.training import finetune
 
     worker = spawn_worker([])
     ft = service.submit(

@@ -7,7 +7,7 @@ import pytest
 
 from core.errors import InvalidInput
 from core.spec import FinetuneSpec
-from worker import finetune, finetune_data, finetune_setup
+from worker.training import data, finetune, setup
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +21,14 @@ def spec(**extra) -> FinetuneSpec:
     return FinetuneSpec(**{"model": "m", "input": "file_x", **extra})
 
 
-def learned(tok, ex: finetune_data.Example) -> str:
-    return tok.decode([t for t, label in zip(ex.input_ids, ex.labels) if label != finetune_data.IGNORE])
+def learned(tok, ex: data.Example) -> str:
+    return tok.decode([t for t, label in zip(ex.input_ids, ex.labels) if label != data.IGNORE])
 
 
 def test_loss_is_only_on_the_completion_and_the_assistant_turns(tok):
     """prompt/completion: the completion and EOS; chat: each assistant turn and its end token, never the user's or
     the template's generation prompt; text: every token."""
-    ex = finetune_data.tokenize_row(tok, {"prompt": "What is 2 + 2?", "completion": "Four."})
+    ex = data.tokenize_row(tok, {"prompt": "What is 2 + 2?", "completion": "Four."})
     assert learned(tok, ex) == "Four.<|endoftext|>"
     chat = {
         "messages": [
@@ -39,32 +39,32 @@ def test_loss_is_only_on_the_completion_and_the_assistant_turns(tok):
             {"role": "assistant", "content": "Blue."},
         ]
     }
-    ex = finetune_data.tokenize_row(tok, chat)
+    ex = data.tokenize_row(tok, chat)
     assert learned(tok, ex) == "Hello.<|im_end|>\nBlue.<|im_end|>\n"
     assert tok.decode(ex.input_ids) == tok.apply_chat_template(chat["messages"], tokenize=False)
-    ex = finetune_data.tokenize_row(tok, {"text": "the sky is blue"})
+    ex = data.tokenize_row(tok, {"text": "the sky is blue"})
     assert ex.labels == ex.input_ids
 
 
 def test_long_rows_are_refused_by_line_or_truncated_by_choice_and_packing_splits_them(tok):
     rows = [(1, {"text": "short"}), (2, {"text": "the sky is blue " * 20}), (3, {"text": "ok"})]
     with pytest.raises(InvalidInput, match=r"1 row\(s\) are longer than max_seq_length=16 tokens: line 2 \("):
-        finetune_data.build_examples(tok, rows, spec(max_seq_length=16))
-    examples, truncated = finetune_data.build_examples(tok, rows, spec(max_seq_length=16, truncation="truncate"))
+        data.build_examples(tok, rows, spec(max_seq_length=16))
+    examples, truncated = data.build_examples(tok, rows, spec(max_seq_length=16, truncation="truncate"))
     assert truncated == 1 and max(len(e.input_ids) for e in examples) == 16
-    examples, truncated = finetune_data.build_examples(tok, rows, spec(max_seq_length=16, packing=True))
-    blocks = finetune_data.pack(examples, 16)
+    examples, truncated = data.build_examples(tok, rows, spec(max_seq_length=16, packing=True))
+    blocks = data.pack(examples, 16)
     assert truncated == 0 and sum(b.real_tokens for b in blocks) == sum(len(e.input_ids) for e in examples)
-    assert all(len(b.input_ids) == 16 for b in blocks)  # padded to full blocks (worker/finetune_data.py pack)
+    assert all(len(b.input_ids) == 16 for b in blocks)  # padded to full blocks (worker/training/data.py pack)
 
 
 def test_validation_split_is_seeded_and_validation_rows_are_kept_apart():
     rows = [(i, {"text": f"row {i}"}) for i in range(1, 11)]
-    train, valid = finetune_data.split_validation(rows, 0.2, seed=3)
+    train, valid = data.split_validation(rows, 0.2, seed=3)
     assert len(valid) == 2 and len(train) == 8
-    assert finetune_data.split_validation(rows, 0.2, seed=3) == (train, valid)
+    assert data.split_validation(rows, 0.2, seed=3) == (train, valid)
     marked = rows + [(1, {"text": "v", "split": "validation"})]
-    assert finetune_data.split_validation(marked, None, seed=0) == (rows, [(1, {"text": "v", "split": "validation"})])
+    assert data.split_validation(marked, None, seed=0) == (rows, [(1, {"text": "v", "split": "validation"})])
 
 
 def test_unknown_target_modules_are_refused_naming_the_models_linear_layers(base_model):
@@ -72,10 +72,10 @@ def test_unknown_target_modules_are_refused_naming_the_models_linear_layers(base
 
     model = AutoModelForCausalLM.from_pretrained(base_model)
     with pytest.raises(InvalidInput, match=r"target_modules \['qkv'\] do not exist.*'q_proj'"):
-        finetune_setup.check_target_modules(model, spec(target_modules=["q_proj", "qkv"]))
+        setup.check_target_modules(model, spec(target_modules=["q_proj", "qkv"]))
     with pytest.raises(InvalidInput, match="modules_to_save"):
-        finetune_setup.check_target_modules(model, spec(modules_to_save=["wte"]))
-    finetune_setup.check_target_modules(model, spec(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+        setup.check_target_modules(model, spec(modules_to_save=["wte"]))
+    setup.check_target_modules(model, spec(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
 
 
 def test_resume_takes_the_newest_complete_checkpoint_and_removes_half_written_ones(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from core.capability import missing
 from core.errors import InvalidInput
 from core.spec import FinetuneSpec, LoadOptions, parse_spec
-from worker import finetune, finetune_data, finetune_setup, linear_ce, packed_attention
+from worker.training import data, finetune, linear_ce, packed_attention, setup
 
 
 def spec(**extra) -> FinetuneSpec:
@@ -48,8 +48,8 @@ def test_chunked_cross_entropy_equals_the_plain_loss_and_its_gradients(monkeypat
 def test_pack_keeps_rows_whole_best_fit_and_pads_every_block_with_its_own_positions(tok):
     rows = [(i, {"text": " ".join(["the sky is blue"] * (i % 6 + 1))}) for i in range(1, 30)]
     rows.append((30, {"text": "the sky is blue " * 30}))  # longer than a block: cut into pieces, never refused
-    examples, _ = finetune_data.build_examples(tok, rows, spec(packing=True, max_seq_length=40))
-    blocks = finetune_data.pack(examples, 40, tok.pad_token_id)
+    examples, _ = data.build_examples(tok, rows, spec(packing=True, max_seq_length=40))
+    blocks = data.pack(examples, 40, tok.pad_token_id)
     lengths = sorted(len(e.input_ids) for e in examples if len(e.input_ids) <= 40)
     pieces = sorted(n for b in blocks for n in b.segments[: len(b.segments) - (b.real_tokens < 40)])
     assert all(len(b.input_ids) == len(b.position_ids) == len(b.labels) == 40 for b in blocks)
@@ -59,7 +59,7 @@ def test_pack_keeps_rows_whole_best_fit_and_pads_every_block_with_its_own_positi
         start = 0
         for n in b.segments:
             assert b.position_ids[start : start + n] == list(range(n))  # positions restart at every row
-            assert b.labels[start] == finetune_data.IGNORE  # a row's first token is never a target
+            assert b.labels[start] == data.IGNORE  # a row's first token is never a target
             start += n
     assert len(blocks) <= -(-sum(b.real_tokens for b in blocks) // 40) + 1  # best fit: one block more at most
 
@@ -72,13 +72,13 @@ def test_a_packed_batch_loss_is_its_rows_losses_run_one_by_one(tok, base_model, 
 
     model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).eval()
     rows = [(i, {"prompt": f"Q{i}?", "completion": " ".join(["the sky is blue"] * (i % 4 + 1))}) for i in range(1, 14)]
-    examples, _ = finetune_data.build_examples(tok, rows, spec(packing=True, max_seq_length=48))
-    blocks = finetune_data.pack(examples, 48, tok.pad_token_id)
+    examples, _ = data.build_examples(tok, rows, spec(packing=True, max_seq_length=48))
+    blocks = data.pack(examples, 48, tok.pad_token_id)
     assert any(len(b.segments) > 2 for b in blocks)
     if attention == "varlen":
         model.set_attn_implementation(packed_attention.register())
-    dataset = finetune_data.ExampleDataset(blocks)
-    batch = finetune_data.packed_collate(attention == "varlen")([dataset[i] for i in range(len(blocks))])
+    dataset = data.ExampleDataset(blocks)
+    batch = data.packed_collate(attention == "varlen")([dataset[i] for i in range(len(blocks))])
     labels = batch.pop("labels")
     with torch.no_grad():
         hidden = model.get_decoder()(**batch, use_cache=False).last_hidden_state
@@ -90,7 +90,7 @@ def test_a_packed_batch_loss_is_its_rows_losses_run_one_by_one(tok, base_model, 
             start = 0
             for n in b.segments:
                 ids, lab = (torch.tensor([x[start : start + n]]) for x in (b.input_ids, b.labels))
-                k = int((lab[:, 1:] != finetune_data.IGNORE).sum())
+                k = int((lab[:, 1:] != data.IGNORE).sum())
                 if k:
                     alone += model(input_ids=ids, labels=lab, use_cache=False).loss.item() * k
                     targets += k
@@ -147,10 +147,10 @@ def test_levers_a_worker_cannot_run_are_refused_at_submit_and_before_training(ba
 
     model = AutoModelForCausalLM.from_pretrained(base_model)
     with pytest.raises(InvalidInput, match="liger=on cannot run: liger-kernel runs on CUDA only"):
-        finetune_setup.choose_speed(spec(liger="on"), torch.device("cpu"), model)
+        setup.choose_speed(spec(liger="on"), torch.device("cpu"), model)
     with pytest.raises(InvalidInput, match="packed_attention=varlen cannot run: the varlen kernel runs on CUDA"):
-        finetune_setup.choose_speed(spec(packing=True, packed_attention="varlen"), torch.device("cpu"), model)
-    auto = finetune_setup.choose_speed(spec(packing=True), torch.device("cpu"), model)
+        setup.choose_speed(spec(packing=True, packed_attention="varlen"), torch.device("cpu"), model)
+    auto = setup.choose_speed(spec(packing=True), torch.device("cpu"), model)
     assert (auto.loss, auto.packed_attention, auto.compile, auto.notes) == ("chunked", "mask", False, [])
 
 

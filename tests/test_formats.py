@@ -21,10 +21,11 @@ import pytest
 from sqlalchemy import func, select, update
 
 from core import formats
-from core.dataset import ParsedRow, TokenCheck, parse_dataset
+from core.dataset import ParsedRow, parse_dataset
 from core.db import session_scope
 from core.errors import InvalidInput
 from core.models import File, Job, JobRow
+from core.preflight import TokenCheck
 from core.spec import parse_spec
 from tests.conftest import wait_for
 from tests.test_bad_input import api, error_of, fake_model, lines, model, refused  # noqa: F401  (fixtures)

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import func, select
 
 from api import results, service, service_models, views
-from core import hub, settings
+from core import hub, hub_cache, hub_download, settings
 from core.db import session_scope
 from core.errors import ChecksumMismatch, HubUnreachable, InvalidInput, NoAccess, Unschedulable
 from core.models import Base, Job, JobEvent, Shard
@@ -139,7 +139,7 @@ def test_a_fetch_reads_only_what_a_load_needs_verifies_it_and_needs_no_request_o
     """Only config, generation config, tokenizer, chat template and safetensors weights are fetched (never the
     README, the pickle or a sub-folder), once; a second fetch of the commit sends no request at all; a revision
     (tag) resolves to its commit and a ref is written; a blob corrupted on disk is found and fetched again."""
-    fetched = hub.ensure(REPO, None)
+    fetched = hub_download.ensure(REPO, None)
     assert fetched.commit == hub_env.main and fetched.downloaded > 0
     assert sorted(p.name for p in fetched.path.iterdir()) == sorted(LOADED)
     assert {name: hub_env.server.gets(REPO, name) for name in LOADED + NEVER_READ} == {
@@ -150,10 +150,10 @@ def test_a_fetch_reads_only_what_a_load_needs_verifies_it_and_needs_no_request_o
     assert (cache / hub.folder(REPO) / "refs" / "main").read_text() == hub_env.main
 
     before = len(hub_env.server.requests)
-    again = hub.ensure(REPO, hub_env.main)
+    again = hub_download.ensure(REPO, hub_env.main)
     assert again.downloaded == 0 and len(hub_env.server.requests) == before  # the marker vouches: no request
 
-    tagged = hub.ensure(REPO, "v1")
+    tagged = hub_download.ensure(REPO, "v1")
     assert tagged.commit == hub_env.v1 and (tagged.path / "config.json").is_file()
 
     blob = (fetched.path / "model.safetensors").resolve()
@@ -161,27 +161,27 @@ def test_a_fetch_reads_only_what_a_load_needs_verifies_it_and_needs_no_request_o
     data[len(data) // 2] ^= 0xFF  # same size, other bytes: only the hash can tell
     blob.write_bytes(bytes(data))
     gets = hub_env.server.gets(REPO, "model.safetensors")
-    repaired = hub.ensure(REPO, hub_env.main)
+    repaired = hub_download.ensure(REPO, hub_env.main)
     assert repaired.downloaded == hub_env.weights and hub_env.server.gets(REPO, "model.safetensors") == gets + 1
-    assert hub.content_ok(blob, blob.name)
+    assert hub_cache.content_ok(blob, blob.name)
 
 
 def test_bad_bytes_from_the_server_are_fetched_again_and_twice_bad_leaves_nothing_loadable(hub_env):
     """A download whose bytes do not match the sha256 the Hub lists is fetched again; bad twice, it fails with a
     clear error and leaves no blob, no snapshot link and no marker behind (nothing half-written is loadable)."""
     hub_env.server.corrupt[(REPO, "model.safetensors")] = 1
-    fetched = hub.ensure(REPO, None)
-    assert hub_env.server.gets(REPO, "model.safetensors") == 2 and hub.content_ok(
+    fetched = hub_download.ensure(REPO, None)
+    assert hub_env.server.gets(REPO, "model.safetensors") == 2 and hub_cache.content_ok(
         (fetched.path / "model.safetensors").resolve(),
-        hub.marker(REPO, fetched.commit)["files"]["model.safetensors"]["etag"],
+        hub_cache.marker(REPO, fetched.commit)["files"]["model.safetensors"]["etag"],
     )
 
     hub_env.server.corrupt[(REPO, "model.safetensors")] = 2
     with pytest.raises(ChecksumMismatch, match="does not match its hash"):
-        hub.ensure(REPO, "v1")
+        hub_download.ensure(REPO, "v1")
     root = settings.get_settings().hub_cache / hub.folder(REPO)
     assert not (root / "snapshots" / hub_env.v1 / "model.safetensors").exists()
-    assert hub.marker(REPO, hub_env.v1) is None
+    assert hub_cache.marker(REPO, hub_env.v1) is None
     assert not list((root / "blobs").glob("*.incomplete"))
 
 
@@ -189,25 +189,25 @@ def test_bad_input_is_one_clear_error_each(hub_env, monkeypatch):
     """Unknown repo, unknown revision, a repo with pickled weights only, a gated repo without a token (naming the
     token that is missing), no disk space, no network: one clear error each, and no cache entry for any."""
     with pytest.raises(NoAccess, match=f"'acme/nope' was not found on {hub_env.server.url}"):
-        hub.ensure("acme/nope", None)
+        hub_download.ensure("acme/nope", None)
     with pytest.raises(InvalidInput, match="revision 'no-such-branch' of acme/tiny-qa does not exist"):
-        hub.ensure(REPO, "no-such-branch")
+        hub_download.ensure(REPO, "no-such-branch")
     with pytest.raises(InvalidInput, match="has no safetensors weights.*pytorch_model.bin: pickled"):
-        hub.ensure(PICKLED, None)
+        hub_download.ensure(PICKLED, None)
     with pytest.raises(NoAccess, match="gated repo and no Hugging Face token is set here.*set HF_TOKEN.*hf auth login"):
-        hub.ensure(GATED, None)
+        hub_download.ensure(GATED, None)
     monkeypatch.setenv("HF_TOKEN", "hf_someone_else")
     with pytest.raises(InvalidInput, match="token from HF_TOKEN has no access to the gated repo acme/gated"):
-        hub.ensure(GATED, None)
+        hub_download.ensure(GATED, None)
     monkeypatch.setenv("JOBS_HUB_MIN_FREE_BYTES", str(1 << 60))
     settings.reset()
     with pytest.raises(InvalidInput, match="not enough disk space for acme/tiny-qa.*JOBS_HUB_MIN_FREE_BYTES"):
-        hub.ensure(REPO, None)
+        hub_download.ensure(REPO, None)
     monkeypatch.setenv("JOBS_HUB_MIN_FREE_BYTES", "0")
     hub_env.server.stop()
     settings.reset()
     with pytest.raises(HubUnreachable, match=f"cannot reach the Hub at {hub_env.server.url}"):
-        hub.ensure(REPO, None)
+        hub_download.ensure(REPO, None)
     cache = settings.get_settings().hub_cache
     assert not list(cache.glob("models--*/snapshots/*/model.safetensors"))
 
@@ -376,7 +376,7 @@ def test_revisions_pin_commits_a_corrupt_cache_is_fetched_again_and_a_dead_serve
     repaired = finished(service.submit(owner="alice", spec_data=spec(tmp_path))["id"], 180, [worker])
     assert repaired["state"] == "succeeded" and right_answers(repaired["id"]) >= 5
     assert {n: hub_env.server.gets(REPO, n) - gets[n] for n in gets} == {"model.safetensors": 1, "tokenizer.json": 1}
-    assert hub.content_ok(weights, weights.name) and hub.content_ok(tokenizer, tokenizer.name)
+    assert hub_cache.content_ok(weights, weights.name) and hub_cache.content_ok(tokenizer, tokenizer.name)
 
     copy = hub_env.server.add("acme/copy", hub_env.tiny)
     half = hub_env.weights // 2
@@ -464,7 +464,7 @@ def test_files_of_a_snapshot_are_fetched_in_parallel_never_more_at_once_than_the
     let_go = threading.Event()
     for name in shards:
         bare_hub.hold[("acme/sharded", name)] = (64 << 10, let_go)
-    thread, out = in_thread(lambda: hub.ensure("acme/sharded", None))
+    thread, out = in_thread(lambda: hub_download.ensure("acme/sharded", None))
     try:
         wait_for(lambda: bare_hub.in_flight == 3, 120, "three shards downloading at once")
     finally:
@@ -476,7 +476,7 @@ def test_files_of_a_snapshot_are_fetched_in_parallel_never_more_at_once_than_the
     assert fetched.files == 8 and {n: bare_hub.gets("acme/sharded", n) for n in shards} == dict.fromkeys(shards, 1)
     for name in files:
         assert (fetched.path / name).read_bytes() == files[name]
-    assert hub.marker("acme/sharded", fetched.commit) is not None
+    assert hub_cache.marker("acme/sharded", fetched.commit) is not None
 
 
 def test_a_file_that_fails_fails_the_whole_snapshot_naming_it_and_the_next_fetch_resumes_the_others(
@@ -496,7 +496,7 @@ def test_a_file_that_fails_fails_the_whole_snapshot_naming_it_and_the_next_fetch
     for name in beside:
         bare_hub.hold[("acme/sharded", name)] = (100 << 10, let_go)
     seen = Seen()
-    thread, out = in_thread(lambda: hub.ensure("acme/sharded", None, listener=seen))
+    thread, out = in_thread(lambda: hub_download.ensure("acme/sharded", None, listener=seen))
     try:
         wait_for(lambda: seen.done == 200 << 10, 120, "the two shards beside the bad one half-way")
         go_bad.set()
@@ -511,15 +511,15 @@ def test_a_file_that_fails_fails_the_whole_snapshot_naming_it_and_the_next_fetch
     assert [bare_hub.gets("acme/sharded", n) for n in later] == [0, 0, 0]
     assert (
         not list((root / "snapshots").rglob("model-*"))
-        and hub.marker("acme/sharded", bare_hub_commit(bare_hub)) is None
+        and hub_cache.marker("acme/sharded", bare_hub_commit(bare_hub)) is None
     )
 
-    fetched = hub.ensure("acme/sharded", None)
+    fetched = hub_download.ensure("acme/sharded", None)
     for name in beside:
         assert bare_hub.ranges[("acme/sharded", name)] == [0, 100 << 10]
     for name in files:
         assert (fetched.path / name).read_bytes() == files[name]
-    assert hub.marker("acme/sharded", fetched.commit) is not None
+    assert hub_cache.marker("acme/sharded", fetched.commit) is not None
 
 
 class Seen(hub.Listener):
@@ -776,5 +776,5 @@ def test_a_cache_scan_names_refs_only_never_a_ref_being_written(tmp_path):
     (root / "refs").mkdir()
     for name in ("main", "v1", ".main.39cc7d83.tmp"):
         (root / "refs" / name).write_text(commit)
-    (found,) = hub.scan(tmp_path)
+    (found,) = hub_cache.scan(tmp_path)
     assert (found["repo"], found["refs"]) == ("acme/tiny", ["main", "v1"])

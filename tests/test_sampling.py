@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.spec import GenerateSpec
-from worker.engines import common, fastgen
+from worker.engines import common, fastgen, slot_state
 from worker.loader import load
 
 TEMPERATURE = 1.5
@@ -81,7 +81,7 @@ def draws(loaded, tiny_model, engine: str) -> list[list[int]]:
         return out
     rows = [(i, {"prompt": PROMPT, "params": {}, "extra": {}}) for i in range(SAMPLES)]
     seqs = [fastgen.Seq(p, 0) for p in common.prepare(loaded, spec, rows, 0.0)]
-    state = fastgen.state_for(loaded.model, loaded.device, loaded.model.config.vocab_size)
+    state = slot_state.state_for(loaded.model, loaded.device, loaded.model.config.vocab_size)
     eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=16, graphs=False)
     with torch.inference_mode():
         return [s.tokens for finished in eng.run(seqs, lambda: False) for s in finished]
@@ -101,8 +101,8 @@ def test_temperature_samples_follow_the_models_distribution(loaded, tiny_model, 
     """First tokens fit softmax(logits / T) of the prompt, and second tokens after the most frequent first token
     fit the distribution that follows it (the decode step's sampling), on the fast engine and on plain generate
     (which checks the test itself)."""
-    monkeypatch.setattr(fastgen, "CPU_SLOTS", 16)
-    fastgen.release(loaded.model)
+    monkeypatch.setattr(slot_state, "CPU_SLOTS", 16)
+    slot_state.release(loaded.model)
     ids = draws(loaded, tiny_model, engine)
     assert len(ids) == SAMPLES and all(len(t) == 2 for t in ids)
     prompt = loaded.tokenizer(PROMPT)["input_ids"]
@@ -116,7 +116,7 @@ def test_temperature_samples_follow_the_models_distribution(loaded, tiny_model, 
     assert stat < critical, (engine, "second token", stat, critical)
     wrong = exact(loaded, prompt).roll(7)  # the test can fail: a distribution that is not the model's is refused
     assert fit(first, wrong)[0] > fit(first, wrong)[1]
-    fastgen.release(loaded.model)
+    slot_state.release(loaded.model)
 
 
 def _sampled_outputs(tmp_path, prompts: list[str], name: str, **spec) -> dict[str, str]:

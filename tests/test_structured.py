@@ -1,7 +1,7 @@
-"""Structured outputs and logprobs at the edges (core/structured.py, core/formats.py, api/results.py): a constraint
-the grammar engine cannot compile is refused at submit with llguidance's reason and nothing is written (a row's
-fails that row, with its line); OpenAI batch lines' response_format, logprobs and top_logprobs become the row's
-parameters; the CLI's --json-schema, --choice, --regex and --logprobs; and, past a real worker, results carry the
+"""Structured outputs and logprobs at the edges (core/structured.py, core/openai_batch.py, api/results.py): a constraint
+the grammar engine cannot compile is refused at submit with llguidance's reason and nothing is written (a row's fails
+that row, with its line); OpenAI batch lines' response_format, logprobs and top_logprobs become the row's parameters;
+the CLI's --json-schema, --choice, --regex and --logprobs; and, past a real worker, results carry the
 log-probabilities in OpenAI's shapes and as a JSONL key and a Parquet column.
 """
 
@@ -14,7 +14,7 @@ import jsonschema_rs
 import pyarrow.parquet as pq
 import pytest
 
-from core import formats
+from core import openai_batch
 from tests.conftest import qa_pairs
 from tests.test_bad_input import api, lines, model, refused, row_errors, rows_of  # noqa: F401
 from tests.test_e2e import jobs, write_rows
@@ -178,7 +178,7 @@ def test_openai_output_lines_carry_logprobs_in_openais_shapes(chat):
         idx=0,
         custom_id="a",
     )
-    choice = formats.openai_output_record(row, job_id="job_x", model="m")["response"]["body"]["choices"][0]
+    choice = openai_batch.openai_output_record(row, job_id="job_x", model="m")["response"]["body"]["choices"][0]
     if chat:
         assert choice["logprobs"] == {"content": [ENTRY, second], "refusal": None}
     else:
@@ -190,7 +190,7 @@ def test_openai_output_lines_carry_logprobs_in_openais_shapes(chat):
         }
     row.logprobs = None
     assert (
-        formats.openai_output_record(row, job_id="job_x", model="m")["response"]["body"]["choices"][0]["logprobs"]
+        openai_batch.openai_output_record(row, job_id="job_x", model="m")["response"]["body"]["choices"][0]["logprobs"]
         is None
     )
 

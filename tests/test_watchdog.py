@@ -111,7 +111,7 @@ def test_stall_seconds_setting_is_auto_or_a_positive_number(monkeypatch):
 
 def test_stuck_at_names_the_innermost_frame_and_the_innermost_of_ours():
     """The stall event's one-line place: the innermost frame, and the innermost frame of this project's code."""
-    from worker.runtime import stuck_at
+    from worker.tracebacks import stuck_at
 
     stack = (
         f'  File "{ROOT}/worker/runtime.py", line 10, in run_shard\n    x()\n'
@@ -180,7 +180,7 @@ def test_every_generation_engine_reports_each_decode_step(loaded, tiny_model, en
 def test_training_reports_each_step_and_its_loading_and_preparing_phases(tmp_path, base_model):
     """A 3-step fine-tune reports 3 training steps, and runs its load and its preparation as phases."""
     from core.training_data import parse_training_jsonl
-    from worker import finetune
+    from worker.training import finetune
 
     spec = FinetuneSpec.model_validate({**ft_spec(base_model, max_steps=3), "model": str(base_model)})
     with open(FT_DATA, "rb") as stream:

@@ -239,7 +239,7 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
     current view and the resumed steps' losses are within 5 % of an unbroken run's."""
     from core import adapters
     from core.spec import FinetuneSpec
-    from worker import finetune
+    from worker.training import finetune
 
     spec_data = ft_spec(base_model, max_steps=12, learning_rate=2e-3, checkpoint_steps=100, priority="low")
     worker = spawn_worker([], JOBS_TEST_FAULTS="sleep_1@train_step", **YIELDING)

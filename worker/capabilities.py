@@ -250,7 +250,7 @@ def probe_flex_isolated(
     worker stops); a remembered success answers without one.
 
     GPU workers are not probed by compiling: the child's CUDA context (~0.5 GiB) would sit on the worker's GPU while
-    the first job loads and sizes its KV cache from free memory (worker/engines/fastgen.py). There flex_attention
+    the first job loads and sizes its KV cache from free memory (worker/engines/slot_state.py). There flex_attention
     compiles with Triton, so its presence is the answer; a compile that still fails fails its shard once, naming
     the cause (worker/failures.py)."""
     if devices:

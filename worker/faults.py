@@ -9,7 +9,7 @@
     sleep_S@train_step   sleep S seconds after each logged training step (slow training down for kill tests;
                          also at rankR_step)
     raise@rank1_step     raise RuntimeError at that point (rankR_step: each step's end in rank R of a distributed
-                         fine-tune, worker/finetune_dist.py)
+                         fine-tune, worker/training/rank.py)
     exit_N@start         end this worker at once with exit status N just after it registered (os._exit: no
                          cleanup, as a crash or the stall watchdog would), e.g. exit_70@start, exit_6@start; for
                          the supervisor's restart policy (tests/test_supervisor.py)

@@ -21,7 +21,7 @@ an H200 (G1, transformers 5.17, ops/bench/results/2026-12-03-h200): fast 54,772 
 engine ~5–7k, transformers' continuous batching 1,470 (session 2). What ran (engine, the attention that really
 ran, CUDA graphs, cache size, compile and capture times) is written into the `info` dict the caller passes, for
 the shard's metrics and the job's load options. An engine other than `fast` first releases the fast engine's
-resident cache (`fastgen.release`).
+resident cache (`slot_state.release`).
 
 `num_return_sequences` n > 1 gives a row n samples: its `output` is a list of n strings, `finish_reason` a list
 of n reasons and `completion_tokens` their sum; n == 1 keeps a plain string.
@@ -35,7 +35,7 @@ from typing import Any
 from core.errors import InvalidInput
 from core.leases import RowResult
 from core.spec import GenerateSpec
-from worker.engines import continuous, fast, fastgen, padded, static
+from worker.engines import continuous, fast, fastgen, padded, slot_state, static
 from worker.loader import Loaded
 from worker.progress import Progress
 
@@ -95,10 +95,10 @@ def run_engine(
     (those it cannot run under `auto`) run on the padded engine after it."""
     kwargs = dict(batch_rows=batch_rows, should_stop=should_stop, on_event=on_event, progress=progress)
     if name != "fast":
-        fastgen.release(loaded.model)  # the fast engine's resident cache would take the memory this engine needs
+        slot_state.release(loaded.model)  # the fast engine's resident cache would take the memory this engine needs
     left = yield from ENGINES[name].run(loaded, spec, rows, info=info, **kwargs)
     if left:
-        fastgen.release(loaded.model)  # the padded engine needs the memory of the fast engine's cache
+        slot_state.release(loaded.model)  # the padded engine needs the memory of the fast engine's cache
         # a scratch `info`: the job's keeps what the fast engine recorded (its attention among it)
         yield from padded.run(loaded, spec, left, info={}, **kwargs)
 
@@ -156,7 +156,7 @@ def prepare_engine(loaded: Loaded, spec: GenerateSpec, progress: Progress | None
     if name != "fast":
         return None
     state = fast.prepared_state(loaded, progress=progress)
-    summary = fastgen.summary(state)
+    summary = slot_state.summary(state)
     if state.compiled:
         from worker import compile_cache
 

@@ -1,4 +1,5 @@
-"""The worker's side of models by Hub id (core/hub.py does the files, core/model_cache.py the record):
+"""The worker's side of models by Hub id (core/hub_download.py and core/hub_cache.py do the files,
+core/model_cache.py the record):
 
 - `prepare(opts, job_id, …)`: before a job loads, its Hub model (and Hub adapter) is fetched into this host's cache
   once (other workers of the host wait on the snapshot's lock and load the same files), with job events when a
@@ -20,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from core import hub, leases, model_cache
+from core import hub, hub_cache, hub_download, leases, model_cache
 from core.db import session_scope
 from core.errors import FetchInterrupted, InvalidInput, JobsError
 from core.models import Job
@@ -209,11 +210,11 @@ def ensure(
     should_stop: Callable[[], bool] = lambda: False,
     ref: str | None = None,
 ) -> hub.Fetched:
-    """core.hub.ensure with this worker's progress row and job events; the row records a failure too. `ref`: the
+    """core.hub_download.ensure with this worker's progress row and job events; the row records a failure too. `ref`: the
     branch or tag the API resolved `revision` from, written to the cache's refs (an offline submit matches it)."""
     progress = Progress(worker=worker, job_id=job_id)
     try:
-        fetched = hub.ensure(repo, revision, kind=kind, listener=progress, should_stop=should_stop)
+        fetched = hub_download.ensure(repo, revision, kind=kind, listener=progress, should_stop=should_stop)
     except FetchInterrupted:
         progress.failed("interrupted: the job was cancelled or the worker stopped; the next fetch resumes")
         raise
@@ -223,10 +224,10 @@ def ensure(
     finally:
         progress.stopped.set()
     if ref:
-        hub.write_ref(repo, ref, fetched.commit)
+        hub_cache.write_ref(repo, ref, fetched.commit)
     host, cache = place()
     with session_scope() as session:
-        snapshot = hub.record(repo, fetched.commit)
+        snapshot = hub_cache.record(repo, fetched.commit)
         if snapshot is not None:
             model_cache.record(
                 session,
@@ -288,7 +289,7 @@ def model_path(opts: LoadOptions) -> str:
     already, so this normally needs no request; a process that was not prepared, e.g. a torchrun rank, fetches)."""
     if not hub.is_hub_id(opts.model):
         return opts.model
-    return str(hub.ensure(opts.model, opts.revision, kind="model").path)
+    return str(hub_download.ensure(opts.model, opts.revision, kind="model").path)
 
 
 def hub_record(opts: LoadOptions) -> dict[str, Any] | None:
@@ -309,7 +310,7 @@ def hub_record(opts: LoadOptions) -> dict[str, Any] | None:
 def inventory(worker: str) -> None:
     """Record what this place's cache holds (a scan: no hashing, no network)."""
     host, cache = place()
-    records = hub.scan()
+    records = hub_cache.scan()
     with session_scope() as session:
         model_cache.sync(session, host=host, cache_dir=cache, records=records)
     log.info("%s: the Hugging Face cache %s holds %d snapshot(s)", worker, cache, len(records))
@@ -348,7 +349,7 @@ def carry_out(
     host, cache = place()
     try:
         if state == "removing":
-            result = hub.remove(repo, [commit] if commit else None, should_stop=should_stop)
+            result = hub_cache.remove(repo, [commit] if commit else None, should_stop=should_stop)
             with session_scope() as session:
                 model_cache.drop(session, row_id)
             log.info("%s: removed %s from %s: %s", worker, repo, cache, result)
@@ -369,7 +370,7 @@ def carry_out(
 def _adopt(row_id: int, repo: str, revision: str | None, *, host: str, cache: str) -> str:
     """Resolve a pull request's revision to a commit; its row becomes (or joins) that commit's row."""
     if get_settings().hub_offline:
-        commit = hub.cached_commit(repo, revision)
+        commit = hub_cache.cached_commit(repo, revision)
         if commit is None:
             raise InvalidInput(
                 f"{hub.describe(repo, revision)} is not in this host's cache ({cache}) and this host is "

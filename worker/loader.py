@@ -2,7 +2,7 @@
 
 Every resolved choice is returned and recorded on the job; nothing falls back silently. transformers itself never
 reaches the Hub (`local_files_only`): a Hub id is read from its snapshot folder in this host's Hugging Face cache,
-fetched and verified before the load by worker/hubfetch.py (core/hub.py), and recorded with its commit. Safetensors
+fetched and verified before the load by worker/hubfetch.py (core/hub_download.py), and recorded with its commit. Safetensors
 only.
 """
 
@@ -189,12 +189,12 @@ def adapter_path(ref: str, revision: str | None = None) -> Path:
     """The adapter's folder for `ref`: a fine-tune job id (its registered folder), a stored file id (extracted
     once per file into the artifacts store, `core.adapters.extract_file`), or a Hub LoRA repo (its verified snapshot
     in this host's cache, fetched by hubfetch.prepare); the submit checked owner and base."""
-    from core import adapters, hub
+    from core import adapters, hub, hub_download
     from core.db import session_scope
     from core.models import Adapter, File
 
     if hub.is_hub_id(ref):
-        return hub.ensure(ref, revision, kind="adapter").path
+        return hub_download.ensure(ref, revision, kind="adapter").path
     with session_scope() as session:
         if adapters.is_file_ref(ref):
             file = session.get(File, ref)

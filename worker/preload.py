@@ -50,12 +50,12 @@ REQUIRED = (
     "transformers.modeling_utils",  # with transformers' quantizers (and torchao where installed)
     "peft",
     "transformers.trainer",
-    "httpx",  # the models thread's downloads (core/hub.py)
+    "httpx",  # the models thread's downloads (core/hub_download.py)
     "worker.loader",
     "worker.generate",
-    "worker.finetune",
-    "worker.finetune_setup",
-    "worker.distributed",
+    "worker.training.finetune",
+    "worker.training.setup",
+    "worker.training.distributed",
     "worker.runtime",
 )
 # imported where installed; one that fails is what the probe that needs it reports (QLoRA: bitsandbytes)

@@ -1,7 +1,7 @@
 """Engine progress, for the stall watchdog: what the engine last did, when, and how long its steps take.
 
 The runtime (worker/runtime.py) owns one `Progress` and passes it down, next to `should_stop`, to the generation
-engines (worker/engines/) and the fine-tune (worker/finetune.py, worker/distributed.py). They
+engines (worker/engines/) and the fine-tune (worker/training/finetune.py, worker/training/distributed.py). They
 call `beat(kind)` at each unit of work (a decode step, a prefill chunk, a training step) and the runtime after each
 committed micro-batch; one-off long phases (loading a model, compiling, capturing CUDA graphs) run inside
 `phase(name)`. The heartbeat thread renews a shard's lease only while `stalled()` is None: progress, not liveness,
@@ -105,7 +105,7 @@ class Progress:
                 self.phase_changed()
 
     def phase_changed(self) -> None:
-        """Called after every change of `phase_name` (a subclass passes phases on: worker/finetune_dist.py)."""
+        """Called after every change of `phase_name` (a subclass passes phases on: worker/training/rank.py)."""
 
     # --- read by the heartbeat thread ----------------------------------------------------------------------------
 

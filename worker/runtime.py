@@ -24,6 +24,11 @@ probe runs in the main thread at registration. A shard that fails while the proc
 longer imports (`preload.check`) is the worker's fault (`_on_broken`): the shard goes back without counting the
 attempt (core/leases.py `give_back_broken`), the registration says why, and the process exits with
 `core.exits.BROKEN`.
+
+The heartbeat (with its watchdog) and the shard runner stay one class: both read and set one shard's state (the
+shard under lease, its stop and yield flags, the engine's progress) under one lock, `_switch`. What they call lives
+apart: the engines (worker/generate.py, worker/engines/) and training (worker/training/), the engine thread's stack
+for a stall report (worker/tracebacks.py), and memory figures (worker/gpu_memory.py).
 """
 
 from __future__ import annotations
@@ -36,7 +41,6 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from core import adapters, dispatch, exits, formats, jobs, leases, registry
@@ -45,11 +49,10 @@ from core.errors import IllegalTransition, InvalidInput, LeaseLost, RegistryErro
 from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
-from worker import capabilities, failures, faults, generate, hubfetch, loader, preload
+from worker import capabilities, failures, faults, generate, gpu_memory, hubfetch, loader, preload, tracebacks, training
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[1]
 STALL_EXIT_GRACE_S = 30.0  # a stalled worker exits this long after the stall at the latest, recorded or not
 
 
@@ -193,7 +196,7 @@ class Runtime:
             extra["progress"] = None
         self._reported_progress = self.current is not None
         if self.gpus:
-            extra["gpu_memory"] = _gpu_memory()
+            extra["gpu_memory"] = gpu_memory.per_gpu()
         return extra or None
 
     def _check_current(self, settings, *, renew: bool) -> None:
@@ -232,7 +235,7 @@ class Runtime:
         exit_timer.daemon = True
         exit_timer.start()
         self.stop_current.set()
-        stack = thread_stack(self._engine_thread)
+        stack = tracebacks.thread_stack(self._engine_thread)
         reason = f"stalled: {stall.describe()}"
         log.error("%s shard %s %s on %s; engine thread stack:\n%s", job_id, shard_id, reason, self.name, stack)
         where = f"job {job_id}, shard id {shard_id}"
@@ -241,7 +244,7 @@ class Runtime:
                 shard_id,
                 self.name,
                 stall=stall.describe(),
-                stuck_in=stuck_at(stack),
+                stuck_in=tracebacks.stuck_at(stack),
                 exit_code=exits.STALLED,
                 data={
                     "doing": stall.doing,
@@ -365,7 +368,7 @@ class Runtime:
         jobs.record_load(job.id, loaded.resolved, capabilities.versions)
         batch_rows = spec.batch_rows or settings.batch_rows
         engine_s = 0.0
-        _reset_peak_memory()
+        gpu_memory.reset_peak_memory()
         boundary = threading.Event()  # a yield was asked and a micro-batch is committed: the engine stops here
         should_stop = lambda: self.stop_current.is_set() or self.shutting_down.is_set()  # noqa: E731
         t_engine = time.perf_counter()
@@ -412,7 +415,7 @@ class Runtime:
             "engine_seconds": round(engine_s, 3),
             "gpu_seconds": round(wall * max(self.gpus, 0), 3),
             "rows": len(rows),
-            "peak_memory_bytes": _peak_memory(),
+            "peak_memory_bytes": gpu_memory.peak_memory(),
             "worker": self.name,
             "started_at": started,
             "engine": engine_info,
@@ -427,7 +430,7 @@ class Runtime:
         The resident model is dropped first: training wraps a model in place, so it is never shared with jobs.
         """
         with self.progress.phase("importing the training code"):  # peft, the trainer: seconds, more on a busy host
-            from worker import distributed, finetune
+            training.import_code()
 
         settings = get_settings()
         spec = FinetuneSpec.model_validate(job.spec)
@@ -435,11 +438,11 @@ class Runtime:
         with self.progress.phase("downloading model"):  # Hub ids, once per host (a stalled download times out)
             opts = hubfetch.prepare(opts, job.id, worker=self.name, should_stop=self._stopping)
         self.resident = None
-        _free_memory()
+        gpu_memory.free_memory()
         workdir = adapters.workdir(job.id)
-        checkpoint = finetune.latest_checkpoint(workdir / "checkpoints")
+        checkpoint, step = training.resume_point(workdir / "checkpoints")
         # steps an interrupted attempt logged after this checkpoint run again: their events leave the current view
-        jobs.supersede_steps(job.id, after_step=int(finetune.CHECKPOINT.match(checkpoint.name)[1]) if checkpoint else 0)
+        jobs.supersede_steps(job.id, after_step=step)
         jobs.event(
             job.id,
             f"{self.name} starts training" + (f", resuming from {checkpoint.name}" if checkpoint else ""),
@@ -452,8 +455,8 @@ class Runtime:
             faults.hit("train_step")
 
         t0 = time.perf_counter()
-        # one process, or one per GPU of the slice under torchrun (worker/distributed.py); this process writes SQL
-        result = distributed.finetune(
+        # one process, or one per GPU of the slice under torchrun (worker/training/); this process writes SQL
+        result = training.train(
             opts,
             spec,
             [(lines[i], row) for i, row in rows],
@@ -484,7 +487,7 @@ class Runtime:
             _publish(result.adapter_dir, folder)
             faults.hit("adapter_saved", path=folder / adapters.WEIGHTS)
             try:
-                finetune.verify_adapter(opts, folder, gpus=self.gpus)
+                training.verify_adapter(opts, folder, gpus=self.gpus)
             except Exception as exc:  # noqa: BLE001  any failure to load or generate is the registry's refusal
                 raise RegistryError(
                     f"registry error: the adapter saved at {folder} does not load onto "
@@ -523,7 +526,7 @@ class Runtime:
         if self.resident and self.resident[0] == key:
             return self.resident[1]
         self.resident = None
-        _free_memory()
+        gpu_memory.free_memory()
         t0 = time.perf_counter()
         with self.progress.phase("loading model"):
             loaded = loader.load(opts, gpus=self.gpus)
@@ -569,80 +572,6 @@ def _publish(src, dest) -> None:
     shutil.copytree(src, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
-
-
-def _reset_peak_memory() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_memory() -> int:
-    import resource
-
-    import torch
-
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: peak resident set of the process
-
-
-def _gpu_memory() -> list[dict[str, int]]:
-    """What this process's torch holds on each of its GPUs (GET /metrics); never initialises CUDA itself."""
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return []
-    return [
-        {
-            "index": i,
-            "allocated_bytes": int(torch.cuda.memory_allocated(i)),
-            "reserved_bytes": int(torch.cuda.memory_reserved(i)),
-        }
-        for i in range(torch.cuda.device_count())
-    ]
-
-
-def _free_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def thread_stack(ident: int | None) -> str:
-    """The current stack of thread `ident` (the engine thread, read from the heartbeat thread), innermost last."""
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    if frame is None:
-        return "(the engine thread is gone)\n"
-    return "".join(traceback.format_stack(frame))
-
-
-def stuck_at(stack: str) -> str:
-    """Where the engine thread is, in one line: its innermost frame, and the innermost in this project's code when
-    that is another (`threading.py:359 in wait, from worker/faults.py:71 in _hang`)."""
-    frames = [line.strip() for line in stack.splitlines() if line.strip().startswith('File "')]
-    if not frames:
-        return "an unknown place"
-    described = [_frame_text(f) for f in frames]
-    ours = [d for f, d in zip(frames, described) if f'"{ROOT}/' in f and "-packages/" not in f]
-    innermost = described[-1]
-    return innermost if not ours or ours[-1] == innermost else f"{innermost}, from {ours[-1]}"
-
-
-def _frame_text(line: str) -> str:
-    """`File "/x/worker/faults.py", line 71, in _hang` -> `worker/faults.py:71 in _hang`."""
-    try:
-        path, rest = line.removeprefix('File "').split('", line ', 1)
-        number, func = rest.split(", in ", 1)
-    except ValueError:
-        return line
-    path = path.removeprefix(f"{ROOT}/") if path.startswith(f"{ROOT}/") else Path(path).name
-    return f"{path}:{number} in {func}"
 
 
 def _flush_output() -> None:

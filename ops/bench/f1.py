@@ -19,7 +19,7 @@ Phases, each in its own process so each starts on an empty GPU (default `service
   submitted over HTTP with the bench spec (`--batch` × `--grad-accum` rows of `--seq` tokens, lr `--lr` constant,
   LoRA dropout 0, checkpoints every 100 steps) and every speed lever on `auto`; the loss and step times come back
   from the job's metric events, compile time and peak memory from its metrics.
-- `engine`: the same spec through `worker.finetune.finetune()` in a child process (no queue).
+- `engine`: the same spec through `worker.training.finetune.finetune()` in a child process (no queue).
 - `baseline`: plain PEFT + torch AdamW (weight decay 0, grad-norm clip 1.0 as Trainer does), bf16 autocast,
   transformers' own packed-sequence handling (position_ids, `sdpa`), on the very blocks ours trains on, in the order
   the Trainer draws them (its own sampler, seeded alike), `--baseline-batch` rows per step (16; halved into
@@ -199,11 +199,11 @@ def fall(curve: dict[int, float]) -> dict | None:
 
 
 def child_engine(args: argparse.Namespace) -> dict:
-    """Ours through worker.finetune.finetune(), as the worker runs it."""
+    """Ours through worker.training.finetune.finetune(), as the worker runs it."""
     import torch
 
     from core.spec import FinetuneSpec, LoadOptions
-    from worker.finetune import finetune
+    from worker.training.finetune import finetune
 
     spec = FinetuneSpec.model_validate({**json.loads(args.spec_json), "input": "bench"})
     opts = LoadOptions.model_validate(spec.model_dump(include=set(LoadOptions.model_fields)))
@@ -279,7 +279,7 @@ def child_baseline(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from core.spec import FinetuneSpec
-    from worker.finetune_data import build_examples, pack
+    from worker.training.data import build_examples, pack
 
     spec = FinetuneSpec.model_validate({**json.loads(args.spec_json), "input": "bench"})
     cuda = torch.cuda.is_available()

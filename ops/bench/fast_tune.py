@@ -26,7 +26,7 @@ def engine_runs(torch, args, out: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from core.spec import GenerateSpec, sampling_of
-    from worker.engines import fastgen
+    from worker.engines import fastgen, slot_state
     from worker.engines.common import Prepared
     from worker.loader import Loaded
 
@@ -43,9 +43,9 @@ def engine_runs(torch, args, out: dict) -> None:
     params = sampling_of(spec, None)
     out["engine"] = []
     for compiled in (False, True, True):
-        fastgen.release(model)
+        slot_state.release(model)
         seqs = [fastgen.Seq(Prepared(i, params, ids[i]), 0) for i in range(1024)]
-        state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
+        state = slot_state.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
         if not compiled:
             state.compiled = None
         eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=True, compiled=compiled)
@@ -69,10 +69,10 @@ def engine_runs(torch, args, out: dict) -> None:
         print(row, flush=True)
         if compiled:
             model.__dict__.pop("_gpujobs_fast", None)  # keep compiled wrappers? no: a fresh state each run
-    fastgen.release(model)
+    slot_state.release(model)
 
     # 3. profile one eager decode step
-    state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
+    state = slot_state.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
     eng = fastgen.Engine(loaded, state, set(), slots=1024, graphs=False, compiled=False)
     seqs = [fastgen.Seq(Prepared(i, params, ids[i]), 0, slot=i) for i in range(1024)]
     free = list(range(state.pages - 1, 0, -1))

@@ -260,7 +260,7 @@ def run_inproc(args: argparse.Namespace) -> int:
 
     from core.spec import GenerateSpec
     from worker import generate as engine
-    from worker.engines import fastgen, pages
+    from worker.engines import fastgen, pages, slot_state
     from worker.loader import Loaded
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -398,7 +398,7 @@ def run_inproc(args: argparse.Namespace) -> int:
             (args.workload, rows, True),
         ):
             if fresh:
-                fastgen.release(model)
+                slot_state.release(model)
             info: dict = {}
             harness.sync()
             t = time.perf_counter()
@@ -435,7 +435,9 @@ def run_inproc(args: argparse.Namespace) -> int:
 
     # c. per-step logits of 64 rows inside a full batch, teacher-forced along plain generate's tokens
     def logits() -> None:
-        out["correctness"]["logits_fast_vs_generate"] = _logits_check(torch, fastgen, loaded, rows, device, dtype)
+        out["correctness"]["logits_fast_vs_generate"] = _logits_check(
+            torch, fastgen, slot_state, loaded, rows, device, dtype
+        )
         c = out["correctness"]["logits_fast_vs_generate"]
         log(
             f"logits fast vs generate: max |diff| {c['max_abs_diff']:.4f} (|logit| up to {c['max_abs_logit']:.1f}, "
@@ -443,7 +445,7 @@ def run_inproc(args: argparse.Namespace) -> int:
         )
 
     step("logits", 20, logits)
-    fastgen.release(model)
+    slot_state.release(model)
 
     # d. baselines
     ids = [tok(p)["input_ids"] for p, _ in data]
@@ -611,14 +613,14 @@ def run_peer(torch, model, tok, ids: list[list[int]], data: list[tuple[str, int]
     return record
 
 
-def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, steps: int = 8) -> dict:
+def _logits_check(torch, fastgen, slot_state, loaded, rows, device, dtype, n: int = 64, steps: int = 8) -> dict:
     """Per-step logits of `n` rows: plain `generate` (sdpa, dynamic cache) vs the fast engine at a full batch of
     the engine's slot count (the other slots hold further rows of the workload), teacher-forced along plain
     generate's greedy tokens so both see the same inputs at every step."""
     model, tok = loaded.model, loaded.tokenizer
     ids = [tok(r["prompt"])["input_ids"] for _, r in rows]
-    fastgen.release(model)
-    state = fastgen.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
+    slot_state.release(model)
+    state = slot_state.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
     slots = state.slots
     n = min(n, slots)
     enc = tok.pad({"input_ids": ids[:n]}, padding=True, return_tensors="pt").to(device)
@@ -665,7 +667,7 @@ def _logits_check(torch, fastgen, loaded, rows, device, dtype, n: int = 64, step
             scale = max(scale, ref.abs().amax().item())
             agree += int((got.argmax(-1) == forced[:, k + 1]).sum())
             state.pos[:batch] += state.active[:batch]
-    fastgen.release(model)
+    slot_state.release(model)
     tol = 0.05 * max(scale, 1.0) if dtype == torch.bfloat16 else 1e-3 * max(scale, 1.0)
     return {
         "rows": n,

@@ -375,7 +375,7 @@ def greedy_check(
 
     from core.spec import GenerateSpec
     from worker import generate
-    from worker.engines import fastgen
+    from worker.engines import slot_state
     from worker.loader import Loaded
 
     qa = [json.loads(line) for line in (ROOT / "examples" / "qa.jsonl").read_text().splitlines() if line]
@@ -407,7 +407,7 @@ def greedy_check(
         for r in b
     }
     equal = sum(got[i] == want[i] for i in range(len(rows)))
-    fastgen.release(model)  # its cache would take the memory the next model's needs
+    slot_state.release(model)  # its cache would take the memory the next model's needs
     return {
         "rows": len(rows),
         "equal": equal,

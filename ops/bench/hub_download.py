@@ -1,4 +1,4 @@
-"""Hub downloads: core/hub.py's own HTTP download against huggingface_hub's, from tests/hubserver.py on loopback.
+"""Hub downloads: core/hub_download.py's own HTTP download against huggingface_hub's, from tests/hubserver.py on loopback.
 
     python ops/bench/hub_download.py                          # one 1 GiB file, 8 shards of 128 MiB, 3 rounds
     python ops/bench/hub_download.py --size-mib 256 --rounds 1 --out /tmp/hub.json        # quick
@@ -8,7 +8,7 @@ serves, from memory, `acme/large` (config.json and one `model.safetensors` of --
 `acme/sharded` (config.json, an index and --shards shards that add up to the same size). Each round, in the same
 process and in alternating order (a busy machine's drift hits both), each of these downloads into a fresh cache:
 
-- large file, ours: `core.hub.ensure` (file list, download, sha256 of the bytes, link, marker) — what a worker does;
+- large file, ours: `core.hub_download.ensure` (file list, download, sha256 of the bytes, link, marker) — what a worker does;
   `stream_s` is the part spent receiving the bytes (first to last byte), the rest is the listing and the hash.
 - large file, huggingface_hub: `hf_hub_download(repo, "model.safetensors")` (a HEAD, the download, no hash).
 - snapshot, ours with JOBS_HUB_PARALLEL_FILES=1 and =8, and huggingface_hub's `snapshot_download(max_workers=8)`.
@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from core import hub, settings  # noqa: E402  (no settings are read at import)
+from core import hub, hub_download, settings  # noqa: E402  (no settings are read at import)
 from ops.bench import harness  # noqa: E402
 
 OUT = harness.RESULTS / f"hub-download-{time.strftime('%Y-%m-%d')}.json"
@@ -99,7 +99,7 @@ def cases(size: int) -> dict[str, Any]:
             os.environ["JOBS_HUB_PARALLEL_FILES"] = str(parallel)
             settings.reset()
             timing = Timing()
-            hub.ensure(repo, None, listener=timing)
+            hub_download.ensure(repo, None, listener=timing)
             stream = (timing.last - timing.first) if timing.first and timing.last else None
             return {"stream_s": round(stream, 3) if stream else None}
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from core.spec import GenerateSpec
     from worker import generate as engine
-    from worker.engines import fastgen
+    from worker.engines import fastgen, slot_state
     from worker.loader import Loaded
 
     cuda = torch.cuda.is_available()
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.profile:
             report[name] = result
             harness.write_json(args.out, report)
-            fastgen.release(model)
+            slot_state.release(model)
             continue
 
         # host only: tokenizing and detokenizing the workload, as the engine does them
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  host: tokenize {result['host_tokenize_s']} s, decode per row {result['host_decode_per_row_s']} s, "
             f"batch decode {result['host_batch_decode_s']} s"
         )
-        fastgen.release(model)
+        slot_state.release(model)
     harness.write_json(args.out, report)
     return 0
 

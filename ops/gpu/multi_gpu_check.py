@@ -459,7 +459,7 @@ def tp_child(args) -> int:
 
 
 def part_tp(args, models: dict[str, Path], work: Path) -> dict:
-    from worker.distributed import child_env
+    from worker.training.distributed import child_env
 
     n = 2 if args.smoke else len(smi_gpus())
     plans = [("one", 1, "0"), ("auto", 1, "0,1"), ("tp", 2, "0,1")] + (

@@ -4,7 +4,10 @@
     static.py            `model.generate` with a static KV cache, compiled once per shape (`engine: static`)
     continuous.py        transformers' continuous batching, driven through its manager (`engine: continuous`)
     fast.py              ours (`engine: fast`; `auto` on CUDA), as the dispatcher runs it; the engine itself is
-    fastgen.py           (paged KV cache, CUDA graphs, compiled layers) with its kernel
+    fastgen.py           (continuous batching, CUDA graphs, compiled layers: the engine and its loop) over
+    slot_state.py        (its resident state: the paged KV cache, page table and slot inputs, and their sizing),
+    pages.py             (which pages are free, in use, or cached prompt prefixes), with its attention
+    paged_attention.py   (what transformers' layers call: reads and writes the paged cache) and its kernel
     decode_attention.py  (Triton decode attention over the pages)
     common.py            what they share: rows rendered to token ids, results built from sequences, EOS ids, the
                          padded attention, `model.generate` arguments, the allocator's cache given back after OOM

@@ -2,7 +2,8 @@
 
 The engine itself is worker/engines/fastgen.py (continuous batching over a paged KV cache sized once from free
 memory, decode steps captured as CUDA graphs, the decoder layers compiled, all prepared when the worker loads the
-model: `prepared_state`), its attention kernel worker/engines/decode_attention.py. Greedy and temperature sampling;
+model: `prepared_state`), its resident state worker/engines/slot_state.py, its attention
+worker/engines/paged_attention.py with the decode kernel worker/engines/decode_attention.py. Greedy and temperature sampling;
 rows asking for top_p, top_k or repetition_penalty, or longer than the cache holds, are returned to the dispatcher
 to run padded under `auto` (worker/generate.py `run_engine`), and fail under `fast`. Finished rows are yielded
 `batch_rows` at a time as they finish.
@@ -20,7 +21,7 @@ import torch
 from core.leases import RowResult
 from core.settings import get_settings
 from core.spec import GenerateSpec
-from worker.engines import fastgen, grammar, logprobs
+from worker.engines import decode_attention, fastgen, grammar, logprobs, paged_attention, slot_state
 from worker.engines.common import (
     Prepared,
     eos_ids,
@@ -86,8 +87,8 @@ def run(
         {"runs": 0, "steps": 0, "prefill_s": 0.0, "decode_s": 0.0, "prompt_tokens": 0, "prefix_tokens_reused": 0},
     )
     info["attn_implementation"] = (
-        f"{fastgen.NAME} (decode: "
-        + ("triton" if fastgen.decode_attention.available(loaded.device) else "sdpa reference")
+        f"{paged_attention.NAME} (decode: "
+        + ("triton" if decode_attention.available(loaded.device) else "sdpa reference")
         + ")"
     )
     for seed, group in groups.items():
@@ -147,7 +148,7 @@ def _result(loaded: Loaded, seqs: list[fastgen.Seq], cut: list, eos: set[int], s
 
 def prepared_state(
     loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0, progress: Progress | None = None
-) -> fastgen.SlotState:
+) -> slot_state.SlotState:
     """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs: see
     `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run (through
     `generate.prepare_engine`), so that cost is load time, not a job's."""
@@ -167,11 +168,11 @@ def _fast_graphs(loaded: Loaded) -> bool:
     return loaded.device.type == "cuda" and getattr(loaded.model, "hf_quantizer", None) is None
 
 
-def _too_long(state: fastgen.SlotState, item: Prepared) -> str | None:
+def _too_long(state: slot_state.SlotState, item: Prepared) -> str | None:
     need = len(item.ids) + item.params["max_new_tokens"]
-    if need <= state.max_len and math.ceil(need / fastgen.PAGE) < state.pages:
+    if need <= state.max_len and math.ceil(need / decode_attention.PAGE) < state.pages:
         return None
-    room = min(state.max_len, (state.pages - 1) * fastgen.PAGE)
+    room = min(state.max_len, (state.pages - 1) * decode_attention.PAGE)
     return (
         f"a sequence of {need} tokens (prompt {len(item.ids)} + max_new_tokens "
         f"{item.params['max_new_tokens']}, more than the {room} the fast engine holds here)"
@@ -192,7 +193,7 @@ def _run_fast(
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
     slots and the cache and reruns the unfinished sequences. `prefix_cache`: prompts share cached prefix pages."""
     model = loaded.model
-    cap, fraction = fastgen.MAX_SLOTS, 1.0
+    cap, fraction = slot_state.MAX_SLOTS, 1.0
     todo = list(group)
     while todo and not should_stop():
         if seed is not None:
@@ -224,7 +225,7 @@ def _run_fast(
             was = engine.slots if engine else cap
             if was <= 1:
                 raise
-            fastgen.release(model)
+            slot_state.release(model)
             free_cuda_cache()
             cap, fraction = was // 2, fraction / 2
             on_event(

@@ -2,11 +2,11 @@
 
 Why: on an H200 the engines that go through `model.generate` leave the GPU idle (Python launches each kernel, a
 static cache reads every padded position, a batch waits for its longest row). This engine keeps the model a
-transformers model and replaces only the attention (registered through `AttentionInterface` as `gpujobs_fast`),
-so every weight, norm, RoPE and LoRA layer is transformers' own:
+transformers model and replaces only the attention (worker/engines/paged_attention.py, registered through
+`AttentionInterface` as `gpujobs_fast`), so every weight, norm, RoPE and LoRA layer is transformers' own:
 
-- **Paged cache.** One preallocated tensor holds K and V of every layer in pages of `PAGE` positions:
-  (2, layers, pages, kv_heads, PAGE, head_dim), sized once from the memory free after loading (`size`). A sequence
+- **Paged cache** (worker/engines/slot_state.py: the resident state and its sizing). One preallocated tensor holds
+  K and V of every layer in pages of `PAGE` positions, sized once from the memory free after loading. A sequence
   takes the pages its prompt + max_new_tokens need when it is admitted and gives them back when it finishes, so
   short rows leave room for more rows (G2's mixed lengths), and the cache never depends on a job's shape. Each
   slot (a place in the decode batch) has a row of the page table. Page 0 is a trash page: free slots point at it.
@@ -27,13 +27,19 @@ so every weight, norm, RoPE and LoRA layer is transformers' own:
 
 What it does not do (rows that ask for it run on the padded engine under `engine: auto`, and fail with a message
 saying so under `engine: fast`): top_p, top_k and repetition_penalty; rows longer than the page table
-(`max_len`); models with sliding-window layers, split over several GPUs (device_map auto) or post-processing their
-logits; attention kernels other than sdpa/sdpa_gqa/eager (the job asked for a specific kernel, which this engine
-would replace). Stop strings are cut after the fact, as in the continuous engine. `seed` reseeds torch before each
-group of rows with the same seed; sampled outputs depend on how rows share steps, as in every batched engine.
+(`slot_state.max_len`); models with sliding-window layers, split over several GPUs (device_map auto) or
+post-processing their logits; attention kernels other than sdpa/sdpa_gqa/eager (the job asked for a specific kernel,
+which this engine would replace). Stop strings are cut after the fact, as in the continuous engine. `seed` reseeds
+torch before each group of rows with the same seed; sampled outputs depend on how rows share steps, as in every
+batched engine.
 
-The state (cache, graphs) stays on the resident model (`model._gpujobs_fast`), so the next job starts decoding at
-once; other engines call `release()` first to give its memory back.
+The state (cache, graphs) stays on the resident model, so the next job starts decoding at once; other engines call
+`slot_state.release()` first to give its memory back.
+
+This file is one concern, the engine: what it can run, its sequences, and `Engine`, whose model calls (prefill, the
+decode step and its CUDA graphs) and loop (admit, launch, book, compact) share one state and one clock, and read
+best together: the loop launches step k+1 before it books step k, and only the two side by side show why that is
+safe (`Engine.run`).
 """
 
 from __future__ import annotations
@@ -52,130 +58,22 @@ import torch
 
 from core.dataset import fast_unsupported
 from worker import faults
-from worker.engines import decode_attention, grammar, logprobs
+from worker.engines import decode_attention, grammar, logprobs, paged_attention, slot_state
 from worker.engines import pages as pages_mod
+from worker.engines.decode_attention import PAGE
+from worker.engines.slot_state import PREFILL_TOKENS, SlotState
 from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 
-NAME = "gpujobs_fast"
-PAGE = decode_attention.PAGE  # positions per page
-MAX_SLOTS = 1024  # sequences in flight at most (G1's batch)
-MAX_LEN = 16384  # the longest sequence (prompt + max_new_tokens) the page table holds, at most the model's context
-CPU_SLOTS = 16  # on CPU (tests): a small batch
-CPU_PAGES: int | None = None  # on CPU: pages in the cache (None: enough for every slot to hold the longest sequence)
-PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward
 PREFIX_TOKENS = 4 * PREFILL_TOKENS  # cached prefix positions a prefill chunk reads (their K/V gathered per layer)
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
-RESERVE_BYTES = 3 << 30  # kept free on the GPU for prefill activations and the allocator's slack
-GRAPH_BYTES_PER_VOCAB = 32  # per slot and vocabulary entry: the CUDA graphs' logits and fp32 sampling temporaries
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
 # which fuses the norms, RoPE and activations that eager mode launches as dozens of small kernels per layer. Once
 # per model and process (prefill and decode compile apart), in `prepare`; the time shows in `compile_s`.
 COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
-
-_step: _Step | None = None  # what the attention function reads during a forward of this engine
-_registered = None  # fast_attention as registered (wrapped by torch.compiler.disable)
-
-
-@dataclass
-class _Step:
-    mode: str  # "prefill" or "decode"
-    state: SlotState
-    pages: torch.Tensor | None = None  # prefill: (rows, width) the page of each position of each row
-    splits: int = 1
-    prefix: torch.Tensor | None = None  # prefill after a shared prefix: (rows, prefix pages) of each row's table
-
-
-def fast_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention contract (q/k/v as (batch, heads, seq, dim), output (batch, seq, heads, dim)),
-    reading and writing the paged cache of the running step."""
-    step = _step
-    if step is None:
-        raise RuntimeError(f"attention {NAME!r} runs only inside the fast engine: load the model with sdpa")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    state = step.state
-    k_cache, v_cache = state.cache[0, module.layer_idx], state.cache[1, module.layer_idx]
-    if step.mode == "prefill":
-        length = key.shape[2]
-        pages, offsets = step.pages[:, :length], state.offsets[:length]
-        k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
-        v_cache[pages, :, offsets] = value.transpose(1, 2)
-        causal: Any = True
-        if step.prefix is not None:  # the rows' shared prefix pages come first: (rows, kv_heads, prefix, dim)
-            key = torch.cat((_gather(k_cache, step.prefix), key), dim=2)
-            value = torch.cat((_gather(v_cache, step.prefix), value), dim=2)
-            causal = causal_lower_right(query.shape[2], key.shape[2])  # query i sees keys up to prefix + i
-        with _prefill_backend(query):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                attn_mask=None if causal is True else causal,
-                is_causal=causal is True,
-                scale=scale,
-                enable_gqa=query.shape[1] != key.shape[1],
-            )
-        return out.transpose(1, 2), None
-    batch = query.shape[0]
-    page, offset = state.write_page[:batch], state.write_offset[:batch]
-    k_cache[page, :, offset] = key[:, :, 0]
-    v_cache[page, :, offset] = value[:, :, 0]
-    out = decode_attention.decode(
-        query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits
-    )
-    return out[:, None], None
-
-
-def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """The K or V of `pages` (rows, n) of one layer's cache (pages, kv_heads, PAGE, dim) as (rows, kv_heads,
-    n * PAGE, dim), positions in order."""
-    rows, n = pages.shape
-    got = cache[pages]  # (rows, n, kv_heads, PAGE, dim)
-    return got.permute(0, 2, 1, 3, 4).reshape(rows, got.shape[2], n * PAGE, got.shape[4])
-
-
-def causal_lower_right(queries: int, keys: int):
-    from torch.nn.attention.bias import causal_lower_right as bias
-
-    return bias(queries, keys)
-
-
-def _prefill_backend(query: torch.Tensor):
-    """The prefill's attention runs FlashAttention on CUDA in half precision. SDPA's default there is cuDNN, which
-    builds an execution plan on the host for every new shape: a prefill chunk's width is its longest prompt, so a
-    job of mixed lengths met a new shape per chunk and paid ~2 s of plan building on G2 (py-spy in the worker,
-    ops/bench/results/2026-12-04-h200-diagnose; a warm engine rerun on the same shapes did not)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-        return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-    return contextlib.nullcontext()
-
-
-def register() -> str:
-    """Register `gpujobs_fast` in transformers' AttentionInterface (not in the mask interface: the model then
-    builds no mask at all, which this attention does not need)."""
-    from transformers import AttentionInterface
-
-    # left out of the compiled layers (COMPILE) as an opaque call; wrapped here, not at import, because
-    # torch.compiler.disable imports torch._dynamo (1.3 s), which a worker that never runs this engine need not pay
-    global _registered
-    if _registered is None:  # once: compiled layers guard on the function object they call
-        _registered = torch.compiler.disable(fast_attention)
-        AttentionInterface.register(NAME, _registered)
-    return NAME
 
 
 # --- what the engine can run ----------------------------------------------------------------------------------
@@ -212,190 +110,6 @@ def row_problem(params: dict[str, Any]) -> str | None:
     return fast_unsupported(params)
 
 
-def max_len(model) -> int:
-    """The longest sequence (prompt + max_new_tokens) the engine holds for this model: its context, at most
-    MAX_LEN, in whole pages."""
-    text = _text_config(model)
-    context = getattr(text, "max_position_embeddings", None) or MAX_LEN
-    return max(PAGE, min(context, MAX_LEN) // PAGE * PAGE)
-
-
-# --- the resident state ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class SlotState:
-    """The paged cache, the page table and the per-slot decode inputs, kept on the model between jobs."""
-
-    cache: torch.Tensor  # (2, layers, pages, kv_heads, PAGE, head_dim); page 0 is the trash page
-    table: torch.Tensor  # (slots, width) long: the page of each block of PAGE positions of each slot
-    tok: torch.Tensor  # (slots,) the token each slot feeds into the next decode step
-    pos: torch.Tensor  # (slots,) where that token's K/V goes = its position (0 for a free slot)
-    active: torch.Tensor  # (slots,) long 1/0
-    temp: torch.Tensor  # (slots,) sampling temperature, 0 = greedy
-    no_eos: torch.Tensor  # (slots,) bool: ignore_eos rows, whose EOS logits are masked (as min_new_tokens does)
-    lengths: torch.Tensor  # (slots,) int32, attention length of the step being run
-    write_page: torch.Tensor  # (slots,) long: the page the step writes each slot's K/V into
-    write_offset: torch.Tensor  # (slots,) long: and the offset in it
-    positions: torch.Tensor  # (max_len,) 0..max_len-1, the prefill's position ids (views of one normal tensor,
-    # like the decode step's `pos`, so compiled code sees one kind of tensor: no recompile between the two)
-    offsets: torch.Tensor  # (max_len,) positions % PAGE
-    graphs: dict[tuple, Any] = field(default_factory=dict)  # (batch, sample) or (batch, sample, extras)
-    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # per-slot buffers of `extras`, made when asked
-    graph_pool: Any = None  # the memory pool every captured CUDA graph of this state shares
-    capture_s: float = 0.0
-    compile_s: float = 0.0  # the first prefill and decode with compiled layers, mostly compiling
-    prepare_s: float | None = None  # everything `prepare` did, once per state
-    compiled: list | None = None  # one torch.compile wrapper per decoder layer (see COMPILE)
-    eos: tuple[int, ...] | None = None  # the EOS ids the captured graphs mask (`eos_index`, on the device)
-    eos_index: torch.Tensor | None = None
-    first_prefill_s: float | None = None  # the first prefill of this state
-    utilization: float | None = None  # JOBS_GPU_MEMORY_UTILIZATION the cache was sized with (None on CPU)
-    pool: pages_mod.Pool | None = None  # which pages are free, in use, or cached prompt prefixes (kept across runs)
-
-    @property
-    def slots(self) -> int:
-        return self.table.shape[0]
-
-    @property
-    def pages(self) -> int:
-        return self.cache.shape[2]
-
-    @property
-    def max_len(self) -> int:
-        return self.table.shape[1] * PAGE
-
-    def bytes(self) -> int:
-        return self.cache.numel() * self.cache.itemsize
-
-
-def release(model) -> None:
-    """Drop the model's paged cache and graphs (other engines need the memory)."""
-    if model.__dict__.pop("_gpujobs_fast", None) is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def _shape(model) -> tuple[int, int, int]:
-    text = _text_config(model)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers, kv_heads, head_dim
-
-
-def page_bytes(model) -> int:
-    layers, kv_heads, head_dim = _shape(model)
-    return 2 * layers * kv_heads * PAGE * head_dim * model.dtype.itemsize
-
-
-def device_memory(device: torch.device) -> tuple[int, int] | None:
-    """(free, total) bytes of `device`: free is what the driver has free once torch's allocator gave back the blocks
-    it holds unused (blocks of CUDA-graph pools stay taken: no other allocation can use them). None on CPU (the
-    cache size is CPU_SLOTS / CPU_PAGES there)."""
-    if device.type != "cuda":
-        return None
-    import gc
-
-    gc.collect()  # tensors of an earlier failed call held in reference cycles
-    torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)
-
-
-def resident_bytes(model) -> int:
-    """Bytes of the paged cache kept on the model from an earlier run (0 if none)."""
-    state = model.__dict__.get("_gpujobs_fast")
-    return 0 if state is None else state.bytes()
-
-
-def size(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> tuple[int, int]:
-    """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as `cache_budget` gives
-    (times `fraction`, which an out-of-memory retry halves).
-
-    The resident cache of an earlier run counts as free: `state_for` frees it before allocating. (Counted as taken,
-    a second large run on a resident engine saw only the slack beside it: a handful of slots, or none.)"""
-    width = max_len(model) // PAGE
-    memory = device_memory(device)
-    if memory is None:
-        slots = CPU_SLOTS
-        return slots, CPU_PAGES or slots * width + 1
-    slots = MAX_SLOTS
-    free, total = memory
-    free += resident_bytes(model)
-    budget = int(
-        cache_budget(total, free, reserve(model) + slots * vocab * GRAPH_BYTES_PER_VOCAB, utilization) * fraction
-    )
-    pages = budget // page_bytes(model)
-    if pages < 2:
-        raise torch.OutOfMemoryError(
-            f"the fast engine has no room for its KV cache: JOBS_GPU_MEMORY_UTILIZATION={utilization} allows "
-            f"{utilization * total / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, "
-            f"{(total - free) / 2**30:.1f} GiB are in use and {reserve(model) / 2**30:.1f} GiB are kept for "
-            "activations: raise the setting, use a GPU with more memory, or engine padded"
-        )
-    return slots, int(pages)
-
-
-def cache_budget(total: int, free: int, working: int, utilization: float) -> int:
-    """Bytes for the KV cache on a GPU of `total` bytes with `free` bytes free now: the worker's share
-    (`utilization` × total) less what is in use (the model, the CUDA context, other processes) and the `working`
-    memory the engine needs beside the cache (activations, the CUDA graphs' logits). Memory another process holds
-    counts as in use: the share is of the whole GPU, not of what this worker found free."""
-    return max(0, int(utilization * total) - (total - free) - working)
-
-
-def reserve(model) -> int:
-    """Bytes kept free beside the cache: RESERVE_BYTES plus a prefill chunk's largest activations (the MLP's
-    three intermediate tensors and a few hidden-size ones per token)."""
-    text = _text_config(model)
-    per_token = 4 * text.hidden_size + 3 * (getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
-    return RESERVE_BYTES + PREFILL_TOKENS * per_token * model.dtype.itemsize
-
-
-def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> SlotState:
-    """The resident state, or a new one sized by `size` (an old one freed first)."""
-    state = model.__dict__.get("_gpujobs_fast")
-    if state is not None:
-        return state
-    slots, pages = size(model, device, vocab, fraction, utilization)
-    layers, kv_heads, head_dim = _shape(model)
-    width = max_len(model) // PAGE
-    cache = torch.zeros((2, layers, pages, kv_heads, PAGE, head_dim), dtype=model.dtype, device=device)
-    positions = torch.arange(width * PAGE, device=device)
-
-    def zeros(dtype):
-        return torch.zeros(slots, dtype=dtype, device=device)
-
-    state = SlotState(
-        cache=cache,
-        table=torch.zeros((slots, width), dtype=torch.long, device=device),
-        tok=zeros(torch.long),
-        pos=zeros(torch.long),
-        active=zeros(torch.long),
-        temp=zeros(torch.float32),
-        no_eos=zeros(torch.bool),
-        lengths=zeros(torch.int32),
-        write_page=zeros(torch.long),
-        write_offset=zeros(torch.long),
-        positions=positions,
-        offsets=positions % PAGE,
-    )
-    state.utilization = utilization if device.type == "cuda" else None
-    state.pool = pages_mod.Pool(pages)
-    model.__dict__["_gpujobs_fast"] = state
-    log.info(
-        "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
-        slots,
-        pages,
-        PAGE,
-        state.bytes() / 2**30,
-        state.max_len,
-    )
-    return state
-
-
 def buckets(slots: int) -> list[int]:
     """Decode batch sizes with a graph each: powers of two up to 128, then steps of 128, and `slots` itself."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < slots]
@@ -419,40 +133,21 @@ def prepare(
 ) -> SlotState:
     """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
     decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
-    The work is done once per state (`state.prepare_s`); `summary` says what it cost. Compiling and capturing are
-    phases of `progress` (the stall watchdog's clock)."""
+    The work is done once per state (`state.prepare_s`); `slot_state.summary` says what it cost. Compiling and
+    capturing are phases of `progress` (the stall watchdog's clock)."""
     model = loaded.model
-    state = state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization)
+    state = slot_state.state_for(
+        model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization
+    )
     if state.prepare_s is None:
         t = time.perf_counter()
         engine = Engine(loaded, state, eos, slots=state.slots, graphs=graphs, compiled=compiled)
         engine.progress = progress or engine.progress
         with torch.inference_mode():
             engine.warm_up()
-        _sync(state)
+        slot_state.sync(state)
         state.prepare_s = time.perf_counter() - t
     return state
-
-
-def summary(state: SlotState) -> dict[str, Any]:
-    """The state's size and what preparing it cost (for the load event and the job's engine record)."""
-    return {
-        "slots": state.slots,
-        "pages": state.pages,
-        "page": PAGE,
-        "max_len": state.max_len,
-        "cache_gib": round(state.bytes() / 2**30, 3),
-        "gpu_memory_utilization": state.utilization,
-        "graphs": len(state.graphs),
-        "compile_s": round(state.compile_s, 3),
-        "capture_s": round(state.capture_s, 3),
-        "prepare_s": state.prepare_s and round(state.prepare_s, 3),
-    }
-
-
-def _sync(state: SlotState) -> None:
-    if state.cache.is_cuda:
-        torch.cuda.synchronize(state.cache.device)
 
 
 # --- one sequence ---------------------------------------------------------------------------------------------
@@ -503,7 +198,7 @@ class Engine:
     """Runs sequences to completion on one model; `run` yields the sequences that finish together."""
 
     def __init__(self, loaded, state: SlotState, eos: set[int], *, slots: int, graphs: bool, compiled: bool = False):
-        register()
+        paged_attention.register()
         self.loaded = loaded
         self.slots = slots  # this run uses slots 0..slots-1 of the state's
         model = loaded.model
@@ -544,19 +239,17 @@ class Engine:
 
     @contextlib.contextmanager
     def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1, prefix: torch.Tensor | None = None):
-        global _step
         model = self.loaded.model
         before = model.config._attn_implementation
-        model.config._attn_implementation = NAME  # every layer reads the config at call time
-        _step = _Step(mode, self.state, pages, splits, prefix)
+        model.config._attn_implementation = paged_attention.NAME  # every layer reads the config at call time
         layers = self.decoder.layers
         if self.compiled:
             for layer, fn in zip(layers, self.compiled):
                 layer._compiled_call_impl = fn  # what nn.Module.compile() sets; removed again below
         try:
-            yield
+            with paged_attention.running(paged_attention.Step(mode, self.state, pages, splits, prefix)):
+                yield
         finally:
-            _step = None
             model.config._attn_implementation = before
             if self.compiled:
                 for layer in layers:
@@ -604,7 +297,7 @@ class Engine:
         with self._mode("prefill", pages, prefix=table[:, :shared] if shared else None):
             hidden = self.decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         if st.first_prefill_s is None:
-            _sync(st)
+            slot_state.sync(st)
             st.first_prefill_s = time.perf_counter() - t
         logits = self._mask_eos(self.head(hidden[torch.arange(len(seqs), device=device), last]), no_eos)
         masked = logits
@@ -726,7 +419,7 @@ class Engine:
             if self.compiled:  # the decode variants (batch 1 is specialized apart)
                 for batch in (1, 2):
                     self._decode(min(batch, st.slots), False)
-            _sync(st)
+            slot_state.sync(st)
         st.compile_s += time.perf_counter() - t
         if self.use_graphs:
             with self.progress.phase("capturing CUDA graphs"):

@@ -9,7 +9,7 @@ engine could read them. One entry per completion token, EOS included where the r
 Shape (OpenAI's chat `choices[].logprobs.content`): per token {"token": text, "logprob": float, "bytes": [UTF-8
 bytes], "top_logprobs": [{"token", "logprob", "bytes"}, … top_logprobs of them, most likely first]}; the text of a
 token that is part of a character is that piece decoded with replacement, its bytes are exact (llguidance's view of
-the tokenizer). core/formats.py turns it into /v1/completions' shape.
+the tokenizer). core/openai_batch.py turns it into /v1/completions' shape.
 
 Cost when no row asks: none. The padded and static engines add `Recorder` to `generate` only then; the fast
 engine runs its plain CUDA graph, and a variant that also writes `step`'s outputs only for a batch where a row asks.

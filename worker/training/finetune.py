@@ -1,11 +1,12 @@
-"""LoRA and QLoRA fine-tuning: one plain function, `finetune()`, that the worker runtime (and the GPU check script)
-call. It runs without a queue: give it a base model, the spec, the training rows and a work directory.
+"""LoRA and QLoRA fine-tuning: one plain function, `finetune()`, that the worker runtime (through
+worker/training/__init__.py), each rank of a distributed run and the F1 benchmark call. It runs without a queue: give
+it a base model, the spec, the training rows and a work directory.
 
 How a run goes, top to bottom:
 
 1. Load the base (quantized to 4 bits with bitsandbytes for QLoRA, then `prepare_model_for_kbit_training`) and
    wrap it with a PEFT `LoraConfig` (target modules checked against the model's module names first).
-2. Tokenize (worker/finetune_data.py): the loss is on completion/assistant tokens only (labels -100 elsewhere);
+2. Tokenize (worker/training/data.py): the loss is on completion/assistant tokens only (labels -100 elsewhere);
    chat rows go through the tokenizer's chat template turn by turn, so the tokens trained are exactly those
    generation produces after the template's generation prompt. A sequence longer than `max_seq_length` is truncated
    or refused, as the spec says.
@@ -21,13 +22,13 @@ written into one only after the Trainer finished saving it. A resume takes the n
 folder half-written by a kill during save is skipped (and removed). The Trainer restores optimizer, scheduler and
 RNG state, so the resumed run's first logged step is the checkpoint's step + 1 with the loss of an unbroken run.
 
-Under several processes (`strategy` ddp, fsdp2, deepspeed_*: worker/distributed.py launches them, each runs this
-function) the Trainer gets the strategy's arguments, tokens/s counts every process's tokens, and only the main
+Under several processes (`strategy` ddp, fsdp2, deepspeed_*: worker/training/distributed.py launches them, each
+runs this function) the Trainer gets the strategy's arguments, tokens/s counts every process's tokens, and only the main
 process marks checkpoints complete (after a barrier: every rank's files are written) and saves the adapter.
 
 The run's parts live beside it: the data (tokenizing, packing, batches, the validation split) in
-worker/finetune_data.py; the model, LoRA, precision, speed levers (workload F1: `liger`, `compile`,
-`packed_attention`; what ran is in `metrics.speed`) and a strategy's TrainingArguments in worker/finetune_setup.py.
+worker/training/data.py; the model, LoRA, precision, speed levers (workload F1: `liger`, `compile`,
+`packed_attention`; what ran is in `metrics.speed`) and a strategy's TrainingArguments in worker/training/setup.py.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ import torch
 
 from core.errors import InvalidInput
 from core.spec import FinetuneSpec, LoadOptions
-from worker.finetune_data import ExampleDataset, build_examples, pack, packed_collate, padded_collate, split_validation
-from worker.finetune_setup import (
+from worker.progress import Progress
+from worker.training.data import ExampleDataset, build_examples, pack, packed_collate, padded_collate, split_validation
+from worker.training.setup import (
     apply_speed,
     choose_speed,
     compile_model,
@@ -59,7 +61,6 @@ from worker.finetune_setup import (
     training_args,
     wrap_lora,
 )
-from worker.progress import Progress
 
 log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"  # marker file: the checkpoint folder was fully written
@@ -217,8 +218,8 @@ def finetune(
     InvalidInput for data or settings that cannot train (before any step runs). `result.stopped` is True when
     `should_stop()` ended training early (cancel, shutdown, lost lease), or `should_yield()` did (the scheduler gives
     the GPU to other work: a complete checkpoint of the step that just ended is saved first): no adapter is saved
-    then. Both are asked at each step's end, on every process at the same step. `strategy` is
-    `single`, or the distributed strategy of the process group this process is a rank of (worker/distributed.py).
+    then. Both are asked at each step's end, on every process at the same step. `strategy` is `single`, or the
+    distributed strategy of the process group this process is a rank of (worker/training/distributed.py).
     `progress` receives each step (and the loading and preparing phases) for the stall watchdog.
     """
     from transformers import Trainer, TrainingArguments

@@ -1,9 +1,9 @@
-"""One rank of a distributed fine-tune: `python -m worker.finetune_dist RUN_DIR`, started by torchrun (never by
-hand: worker/distributed.py launches it and documents the run folder's files).
+"""One rank of a distributed fine-tune: `python -m worker.training.rank RUN_DIR`, started by torchrun (never by
+hand: worker/training/distributed.py launches it and documents the run folder's files).
 
-Every rank runs the same `worker.finetune.finetune()` on the same rows (the Trainer's sampler gives each rank its
-part); rank 0 alone reports progress and writes the result. A rank that raises writes its error for the parent, then
-exits non-zero, which makes torchrun end the others.
+Every rank runs the same `worker.training.finetune.finetune()` on the same rows (the Trainer's sampler gives each
+rank its part); rank 0 alone reports progress and writes the result. A rank that raises writes its error for the
+parent, then exits non-zero, which makes torchrun end the others.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 from core.errors import InvalidInput
 from core.spec import FinetuneSpec, LoadOptions
 from worker import faults
-from worker.distributed import die_with_parent
 from worker.progress import Progress
+from worker.training.distributed import die_with_parent
 
-log = logging.getLogger("worker.finetune_dist")
+log = logging.getLogger("worker.training.rank")
 
 
 def synced_flag(flag_file: Path, device, rank: int, *, step_fault: bool = True) -> Callable[[], bool]:
@@ -90,7 +90,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 def train(run_dir: Path, rank: int, local_rank: int, world: int) -> dict[str, Any]:
     import torch
 
-    from worker import finetune
+    from worker.training import finetune
 
     request = json.loads((run_dir / "request.json").read_text())
     on_gpu = torch.cuda.is_available()

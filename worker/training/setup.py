@@ -1,12 +1,12 @@
 """Fine-tune setup: the base model and its LoRA, mixed precision, the speed levers, and the TrainingArguments a
-distributed strategy needs. worker/finetune.py calls these in its run, top to bottom.
+distributed strategy needs. worker/training/finetune.py calls these in its run, top to bottom.
 
 Speed (workload F1, ops/bench/f1.py; the spec's `liger`, `compile`, `packed_attention`; what ran is in
 `metrics.speed`), all inside the Trainer so events, checkpoints and resume are unchanged:
 
-- Packed rows (worker/finetune_data.py `pack`) are kept apart by `packed_varlen` (flash-attention over each row,
-  worker/packed_attention.py) on CUDA, else by transformers' block-diagonal mask built from the position_ids.
-- The loss is computed from the decoder's last hidden states by worker/linear_ce.py (chunked, or liger-kernel's
+- Packed rows (worker/training/data.py `pack`) are kept apart by `packed_varlen` (flash-attention over each row,
+  worker/training/packed_attention.py) on CUDA, else by transformers' block-diagonal mask built from the position_ids.
+- The loss is computed from the decoder's last hidden states by worker/training/linear_ce.py (chunked, or liger-kernel's
   fused linear cross-entropy called as a function: never liger's process-wide monkey patches, nor Trainer's
   `use_liger_kernel`, which applies them), so the 151,936-wide logits never exist at once. It is the sum over the
   step's target tokens divided by their count (`num_items_in_batch`), as transformers' own loss.
@@ -17,8 +17,8 @@ Speed (workload F1, ops/bench/f1.py; the spec's `liger`, `compile`, `packed_atte
 - bf16 weights stay bf16 (no fp32 copy of frozen weights); PEFT's per-layer copy of each LoRA input to fp32 is off
   under autocast; fused AdamW and TF32 on CUDA; no gradient checkpointing unless the spec asks.
 
-Under a distributed strategy (ddp, fsdp2, deepspeed_*: worker/distributed.py launches the processes) the Trainer
-gets the strategy's arguments (`training_args`); collectives time out after `COLLECTIVE_TIMEOUT_S`.
+Under a distributed strategy (ddp, fsdp2, deepspeed_*: worker/training/distributed.py launches the processes) the
+Trainer gets the strategy's arguments (`training_args`); collectives time out after `COLLECTIVE_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def speed_record(speed: Speed, compile_s: float | None) -> dict[str, Any]:
 
 
 def apply_speed(speed: Speed, model, mixed: str, spec: FinetuneSpec) -> None:
-    from worker import packed_attention
+    from worker.training import packed_attention
 
     if speed.packed_attention == "varlen":
         model.get_base_model().set_attn_implementation(packed_attention.register())
@@ -222,7 +222,7 @@ def _lean_loss_problem(model) -> str | None:
 
 
 def _choose_loss(spec: FinetuneSpec, device: torch.device, model, notes: list[str]) -> str:
-    from worker import linear_ce
+    from worker.training import linear_ce
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     problem = _lean_loss_problem(base)
@@ -244,7 +244,7 @@ def _choose_loss(spec: FinetuneSpec, device: torch.device, model, notes: list[st
 
 
 def _choose_attention(spec: FinetuneSpec, device: torch.device, model, notes: list[str]) -> str:
-    from worker import packed_attention
+    from worker.training import packed_attention
 
     if spec.packed_attention == "mask":
         return "mask"
@@ -301,7 +301,7 @@ def lean_trainer(speed: Speed):
     (`num_items_in_batch`), so gradient accumulation weighs every token alike and Trainer adds no 1/steps."""
     from transformers import Trainer
 
-    from worker import linear_ce
+    from worker.training import linear_ce
 
     class LeanLossTrainer(Trainer):
         def __init__(self, *args, **kwargs):

@@ -1,9 +1,10 @@
 """One fine-tune over several processes of one slice: the strategy, the launcher (torchrun), the children's env.
 
-`finetune()` is what the worker runtime calls: with strategy `single` it trains in this process
-(`worker.finetune.finetune`); otherwise it launches `python -m worker.distributed --standalone --nproc-per-node=N
---max-restarts=0 -m worker.finetune_dist RUN_DIR`, which is torchrun (`torch.distributed.run.main`) after one line of
-setup, and waits for it while it reports progress. Decisions, and why:
+`finetune()` is what the worker runtime calls (through worker/training/__init__.py): with strategy `single` it
+trains in this process (`worker.training.finetune.finetune`); otherwise it launches `python -m
+worker.training.distributed --standalone --nproc-per-node=N --max-restarts=0 -m worker.training.rank RUN_DIR`, which
+is torchrun (`torch.distributed.run.main`) after one line of setup, and waits for it while it reports progress.
+Decisions, and why:
 
 - **The worker stays the only writer to SQL.** The children never open the database or the broker: the worker holds
   the shard's lease and heartbeat as for one process, and writes the events. Parent and children talk through files
@@ -19,7 +20,7 @@ setup, and waits for it while it reports progress. Decisions, and why:
   part of the checkpoint is on disk), the adapter and the result. Checkpoints and resume are the Trainer's, as for
   one process: the newest complete checkpoint is resumed, whatever number of processes wrote it.
 - **Never a hang.** torchrun runs with `--max-restarts=0`: one failed rank ends the group (torchrun stops the others)
-  and the attempt fails with that rank's error text. Collectives time out (worker/finetune_setup.py). torchrun
+  and the attempt fails with that rank's error text. Collectives time out (worker/training/setup.py). torchrun
   gets SIGTERM from the kernel when the worker dies and each child gets SIGKILL when torchrun dies
   (PR_SET_PDEATHSIG), so a killed worker leaves no training behind to race the worker that resumes its job. On every
   way out the parent stops torchrun itself (SIGTERM, then SIGKILL), and a stop request that the children do not
@@ -51,7 +52,7 @@ from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: the children import our packages from it
 STOP_GRACE_S = 60.0  # after `stop` is created, the children have this long to reach a step's end and exit
 KILL_GRACE_S = 15.0  # torchrun's own shutdown of its children, before SIGKILL
 POLL_S = 0.2
@@ -100,7 +101,7 @@ def launch_command(nproc: int, module: str, *args: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "worker.distributed",
+        "worker.training.distributed",
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
@@ -272,9 +273,10 @@ def finetune(
     on_log: Callable[[dict[str, Any]], None] = lambda record: None,
     progress: Progress | None = None,
 ):
-    """`worker.finetune.finetune`, in this process or over the slice as the spec's strategy says. `progress` gets
-    each step (in this process, or rank 0's as it reports them) for the stall watchdog."""
-    from worker import finetune as single  # not at the top: `python -m worker.distributed` needs no fine-tune code
+    """`worker.training.finetune.finetune`, in this process or over the slice as the spec's strategy says.
+    `progress` gets each step (in this process, or rank 0's as it reports them) for the stall watchdog."""
+    # not at the top: `python -m worker.training.distributed` needs no fine-tune code
+    from worker.training import finetune as single
 
     progress = Progress() if progress is None else progress
     strategy, world = strategy_for(spec, gpus)
@@ -323,7 +325,7 @@ def finetune(
 
     progress.begin(f"starting {world} training processes")  # until rank 0 reports its first phase or step
     done = launch(
-        world, "worker.finetune_dist", run_dir, should_stop=should_stop, should_yield=should_yield, on_record=forward
+        world, "worker.training.rank", run_dir, should_stop=should_stop, should_yield=should_yield, on_record=forward
     )
     progress.end()
     if done is None:  # stopped before rank 0 wrote a result: the last complete checkpoint is where to resume
@@ -339,7 +341,7 @@ def finetune(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m worker.distributed TORCHRUN-ARGS`: torchrun that ends with the worker that started it."""
+    """`python -m worker.training.distributed TORCHRUN-ARGS`: torchrun that ends with the worker that started it."""
     die_with_parent(signal.SIGTERM)
     from torch.distributed.run import main as torchrun
 

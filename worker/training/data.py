@@ -5,7 +5,7 @@ template turn by turn, so the tokens trained are exactly those generation produc
 prompt. A sequence longer than `max_seq_length` is truncated or refused, as the spec says. Packing is best fit
 decreasing into blocks of exactly `max_seq_length`, rows whole (cut only when longer than a block), each row's
 positions restarting at 0 and its first label dropped, so no row sees another and a block's loss is the sum of its
-rows' losses (worker/finetune.py runs it; worker/finetune_setup.py picks how packed rows are kept apart).
+rows' losses (worker/training/finetune.py runs it; worker/training/setup.py picks how packed rows are kept apart).
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ def padded_collate(pad_id: int):
 
 def packed_collate(varlen: bool):
     """Packed blocks (all the same length): no attention_mask, per-row position_ids; with `varlen`, the rows'
-    cumulative lengths over the flattened batch for the packed_varlen attention (worker/packed_attention.py)."""
+    cumulative lengths over the flattened batch for the packed_varlen attention
+    (worker/training/packed_attention.py)."""
 
     def collate(batch: list[dict[str, Any]]) -> dict[str, Any]:
         out = {
