@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from core import formats, openai_batch, writers
+from core import formats, logprob_store, openai_batch, writers
 from core.db import session_scope
 from core.errors import InvalidInput
 from core.models import JobRow
@@ -150,7 +150,7 @@ def result_record(row: JobRow, *, errors: bool, where: str = "line", with_input:
             completion_tokens=row.completion_tokens,
         )
         if row.logprobs is not None:
-            record["logprobs"] = row.logprobs
+            record["logprobs"] = logprob_store.render_row(row.logprobs)
     if shadowed:
         record["extra"] = shadowed
     return record

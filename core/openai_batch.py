@@ -3,7 +3,7 @@ file (`openai_output_record`) or of the error file (`openai_error_record`).
 
 `max_tokens`/`max_completion_tokens` become `max_new_tokens`, `n` becomes `num_return_sequences`; OpenAI's
 `response_format` and `logprobs`/`top_logprobs` and vLLM's `guided_*` keys map onto our row's parameters. A row's
-stored log-probabilities (OpenAI's chat shape, worker/engines/logprobs.py) become a chat choice's
+stored log-probabilities (in OpenAI's chat shape once read: core/logprob_store.py) become a chat choice's
 `logprobs.content` or a completion choice's `tokens` / `token_logprobs` / `top_logprobs` / `text_offset`
 (`completion_logprobs`).
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from core import logprob_store
 
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
@@ -225,6 +227,7 @@ def logprobs_of(value: Any, outputs: int) -> list[list[dict[str, Any]] | None]:
     itself for one output, a list of them for several), or None for each where the row asked for none."""
     if value is None:
         return [None] * outputs
+    value = logprob_store.render_row(value)
     return value if outputs > 1 else [value]
 
 

@@ -11,11 +11,13 @@ import json
 import re
 
 import jsonschema_rs
+import numpy as np
 import pytest
 import torch
 
+from core import logprob_store
 from core.spec import GenerateSpec
-from worker.engines import common, fastgen, grammar, slot_state
+from worker.engines import common, fastgen, grammar, logprobs, slot_state
 from worker.generate import generate
 from worker.loader import Loaded, load
 
@@ -167,11 +169,14 @@ def test_a_grammar_is_compiled_once_per_schema_and_tokenizer(loaded):
 # --- log-probabilities ---------------------------------------------------------------------------------------
 
 
-def forward_logprobs(loaded: Loaded, prompt: str, tokens: list[int]) -> torch.Tensor:
-    """log-softmax of a plain forward pass over prompt + generated tokens, at each generated token."""
+def forward_logprobs(loaded: Loaded, prompt: str, tokens: list[int], no_eos: bool = False) -> torch.Tensor:
+    """log-softmax of a plain forward pass over prompt + generated tokens, at each generated token (`no_eos`: with
+    EOS masked, as an ignore_eos row's distribution is)."""
     ids = loaded.tokenizer(prompt)["input_ids"]
     with torch.inference_mode():
         logits = loaded.model(torch.tensor([ids + tokens])).logits[0].float()
+        if no_eos:
+            logits[:, sorted(common.eos_ids(loaded))] = float("-inf")
     lsm = torch.log_softmax(logits, dim=-1)[len(ids) - 1 : len(ids) - 1 + len(tokens)]
     return lsm.gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
@@ -192,13 +197,14 @@ def test_logprobs_match_a_plain_forward_pass(loaded, tiny_model, slots, engine, 
     assert results[9].logprobs is None and results[9].output is not None
     for i, prompt in enumerate(PROMPTS[:4]):
         r = results[i]
-        assert len(r.logprobs) == r.completion_tokens
-        tokens = [_ids_by_bytes(tok)[bytes(e["bytes"])] for e in r.logprobs]
+        entries = logprob_store.render(r.logprobs)  # stored compact, read in OpenAI's shape
+        assert r.logprobs["format"] == 1 and r.logprobs["n"] == len(entries) == r.completion_tokens
+        tokens = [_ids_by_bytes(tok)[bytes(e["bytes"])] for e in entries]
         assert tok.decode(tokens, skip_special_tokens=True).startswith(r.output)
         want = forward_logprobs(loaded, prompt, tokens)
-        got = torch.tensor([e["logprob"] for e in r.logprobs])
+        got = torch.tensor([e["logprob"] for e in entries])
         assert torch.allclose(got, want, atol=1e-3), (got, want)
-        for entry in r.logprobs:
+        for entry in entries:
             top = entry["top_logprobs"]
             assert len(top) == 3 and [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
             assert entry["logprob"] <= top[0]["logprob"] + 1e-5
@@ -211,12 +217,41 @@ def _ids_by_bytes(tok) -> dict[bytes, int]:
     replacement character, its bytes do not). The tiny byte-level BPE vocabulary has no two tokens alike."""
     cache = tok.__dict__.setdefault("_test_ids_by_bytes", {})
     if not cache:
-        from worker.engines import logprobs
-
-        names = logprobs.Tokens(tok, len(tok), set())
-        for i in range(len(tok)):
-            cache.setdefault(bytes(names(i)[1]), i)
+        _, raw = logprobs.Tokens(tok, len(tok), set()).table(np.arange(len(tok)))
+        for i, hexed in enumerate(raw):
+            cache.setdefault(bytes.fromhex(hexed), i)
     return cache
+
+
+def test_fast_engine_logprobs_outlive_the_ring_rows_later_steps_reuse(loaded, tiny_model, slots, monkeypatch):
+    """The fast engine copies each decode step's log-probabilities into a ring of host rows, one per step, that
+    later steps reuse: with 2 slots, 6 rows of 10 tokens take 27 steps through a 14-row ring, and every
+    row's logprobs still equal its own forward pass (EOS masked: the rows ignore it to run 10 tokens each)."""
+    slots(2)
+    puts, rings = [], []
+    real_put, real_init = logprobs.Ring.put, logprobs.Ring.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        rings.append(self)
+
+    def put(self, step, *args):
+        puts.append(step)
+        return real_put(self, step, *args)
+
+    monkeypatch.setattr(logprobs.Ring, "__init__", init)
+    monkeypatch.setattr(logprobs.Ring, "put", put)
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=10, logprobs=True, top_logprobs=2, ignore_eos=True)
+    results = run(loaded, spec, [(i, row(p)) for i, p in enumerate(PROMPTS[:6])], batch_rows=6)
+    assert len(rings) == 1 and max(puts) > rings[0].rows + 10  # most of the ring's rows were reused
+    tok = loaded.tokenizer
+    for i, prompt in enumerate(PROMPTS[:6]):
+        entries = logprob_store.render(results[i].logprobs)
+        assert len(entries) == 10
+        tokens = [_ids_by_bytes(tok)[bytes(e["bytes"])] for e in entries]
+        got = torch.tensor([e["logprob"] for e in entries])
+        assert torch.allclose(got, forward_logprobs(loaded, prompt, tokens, no_eos=True), atol=1e-3), (i, got)
+        assert all(len(e["top_logprobs"]) == 2 for e in entries)
 
 
 def test_logprobs_with_a_constraint_are_the_unmasked_distribution(loaded, tiny_model):
@@ -226,10 +261,11 @@ def test_logprobs_with_a_constraint_are_the_unmasked_distribution(loaded, tiny_m
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=8, logprobs=True, guided_choice=["yes", "no"])
     r = run(loaded, spec, [(0, row("is it?"))])[0]
     assert r.output in ("yes", "no")
-    tokens = [_ids_by_bytes(loaded.tokenizer)[bytes(e["bytes"])] for e in r.logprobs]
+    entries = logprob_store.render(r.logprobs)
+    tokens = [_ids_by_bytes(loaded.tokenizer)[bytes(e["bytes"])] for e in entries]
     want = forward_logprobs(loaded, "is it?", tokens)
-    assert torch.allclose(torch.tensor([e["logprob"] for e in r.logprobs]), want, atol=1e-3)
-    assert r.logprobs[0]["logprob"] < -0.01
+    assert torch.allclose(torch.tensor([e["logprob"] for e in entries]), want, atol=1e-3)
+    assert entries[0]["logprob"] < -0.01
 
 
 def test_nothing_extra_runs_when_no_row_asks(loaded, tiny_model, slots):

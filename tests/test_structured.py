@@ -7,14 +7,16 @@ log-probabilities in OpenAI's shapes and as a JSONL key and a Parquet column.
 
 from __future__ import annotations
 
+import base64
 import json
+from array import array
 from types import SimpleNamespace
 
 import jsonschema_rs
 import pyarrow.parquet as pq
 import pytest
 
-from core import openai_batch
+from core import logprob_store, openai_batch
 from tests.conftest import qa_pairs
 from tests.test_bad_input import api, lines, model, refused, row_errors, rows_of  # noqa: F401
 from tests.test_e2e import jobs, write_rows
@@ -193,6 +195,67 @@ def test_openai_output_lines_carry_logprobs_in_openais_shapes(chat):
         openai_batch.openai_output_record(row, job_id="job_x", model="m")["response"]["body"]["choices"][0]["logprobs"]
         is None
     )
+
+
+def _compact(entries: list[dict], k: int) -> dict:
+    """What a worker stores for `entries` (core/logprob_store.py's format 1), written here from its docstring."""
+
+    def b64(code: str, values: list) -> str:
+        return base64.b64encode(array(code, values).tobytes()).decode()
+
+    names = {}
+    for e in entries:
+        for t in [e, *e["top_logprobs"]]:
+            names[t["id"]] = (t["token"], bytes(t["bytes"]).hex())
+    vocab = sorted(names)
+    return {
+        "format": 1,
+        "n": len(entries),
+        "k": k,
+        "ids": b64("i", [e["id"] for e in entries]),
+        "logprob": b64("f", [e["logprob"] for e in entries]),
+        "top_ids": b64("i", [t["id"] for e in entries for t in e["top_logprobs"]]),
+        "top_logprob": b64("f", [t["logprob"] for e in entries for t in e["top_logprobs"]]),
+        "vocab": b64("i", vocab),
+        "text": [names[t][0] for t in vocab],
+        "bytes": [names[t][1] for t in vocab],
+    }
+
+
+def test_stored_compact_logprobs_are_read_in_openais_shape():
+    """A row stores each output's logprobs compact (arrays, each token's text once) and every reader gets OpenAI's
+    entries: -inf (a token the model gave no probability) reads -9999.0, a piece of a character keeps its exact
+    bytes; several outputs are a list of them; rows stored in OpenAI's shape (before the compact format) read as
+    they are; an unknown format is an error, not a silent guess."""
+    par = {"id": 7, "token": "Par", "logprob": -0.5, "bytes": [80, 97, 114]}
+    half = {"id": 300, "token": "\ufffd", "logprob": float("-inf"), "bytes": [0xE4]}
+    entries = [
+        {**par, "top_logprobs": [par, {**half, "logprob": -2.0}]},
+        {**half, "top_logprobs": [par, half]},
+    ]
+    want = [
+        {"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114], "top_logprobs": [
+            {"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114]},
+            {"token": "\ufffd", "logprob": -2.0, "bytes": [0xE4]},
+        ]},
+        {"token": "\ufffd", "logprob": -9999.0, "bytes": [0xE4], "top_logprobs": [
+            {"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114]},
+            {"token": "\ufffd", "logprob": -9999.0, "bytes": [0xE4]},
+        ]},
+    ]  # fmt: skip
+    stored = _compact(entries, k=2)
+    assert logprob_store.render(stored) == logprob_store.render_row(stored) == want
+    assert logprob_store.render_row([stored, _compact(entries[:1], k=2)]) == [want, want[:1]]
+    assert logprob_store.render_row(want) == want and logprob_store.render_row([want, want]) == [want, want]
+    assert logprob_store.render_row(None) is None and logprob_store.render(_compact([], k=0)) == []
+    with pytest.raises(ValueError, match="unknown format 2"):
+        logprob_store.render({**stored, "format": 2})
+    row = SimpleNamespace(
+        input={"messages": "q"}, output="Par", finish_reason="stop", logprobs=stored, prompt_tokens=3,
+        completion_tokens=2, finished_at=1.0, idx=0, custom_id="a",
+    )  # fmt: skip
+    choice = openai_batch.openai_output_record(row, job_id="job_x", model="m")["response"]["body"]["choices"][0]
+    assert choice["logprobs"] == {"content": want, "refusal": None}
 
 
 def test_the_cli_takes_a_schema_file_choices_a_regex_and_logprobs(tmp_path, jobs_env, api_server, tiny_model):

@@ -162,6 +162,32 @@ def valid_g1json(text: str) -> bool:
     )
 
 
+def logprobs_check(loaded, rows: list, results: list) -> dict:
+    """The stored logprobs of `results` (G1 rows, EOS ignored) against a plain forward pass over prompt + output,
+    EOS masked as the engine's distribution has it: the largest difference, and whether it is within bf16's."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    from core import logprob_store
+    from worker.engines.common import eos_ids
+
+    worst = 0.0
+    prompts = dict(rows)
+    for r in results:
+        ids = np.frombuffer(base64.b64decode(r.logprobs["ids"]), dtype="<i4").tolist()
+        got = torch.tensor([e["logprob"] for e in logprob_store.render(r.logprobs)])
+        prompt = loaded.tokenizer(prompts[r.idx]["prompt"])["input_ids"]
+        with torch.inference_mode():
+            logits = loaded.model(torch.tensor([prompt + ids], device=loaded.model.device)).logits[0].float()
+            logits[:, sorted(eos_ids(loaded))] = float("-inf")
+            lsm = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(ids)]
+            want = lsm.gather(1, torch.tensor(ids, device=lsm.device)[:, None])[:, 0].cpu()
+        worst = max(worst, (got - want).abs().max().item())
+    return {"rows": len(results), "max_abs_diff": round(worst, 4), "passed": worst < 0.1}
+
+
 def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -> None:
     """g1json and g1lp (see the docstring): warm engine runs in this process, each timed alone."""
     import torch  # noqa: F401  (the child's torch, already imported)
@@ -208,11 +234,12 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
         on, off = out["engine"].get("logprobs", {}), out["engine"].get("g1", {})
         if on and off:
             out["ratios"] = {"logprobs_on/off": round(on["output_tok_s"] / off["output_tok_s"], 3)}
-            entries = [len(r.logprobs or []) for r in on["_results"]]
+            entries = [(r.logprobs or {}).get("n") for r in on["_results"]]
             out["correctness"]["logprobs_entries"] = {
                 "passed": entries == [r.completion_tokens for r in on["_results"]],
                 "rows": len(entries),
             }
+            out["correctness"]["logprobs_values"] = logprobs_check(loaded, rows, on["_results"][:8])
     else:
         fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
         constrained = {"response_format": fmt}

@@ -273,7 +273,7 @@ class Extras:
         self.guides = grammar.guides(self.tok, self.vocab, self.eos, params) if constrained else [None] * len(params)
         self.asked = any(k is not None for k in self.k)
         self.tokens = logprobs.Tokens(self.tok, self.vocab, self.eos) if self.asked else None
-        self.lp: list[Any] = [None] * len(params)  # per sequence: (picked, top values, top ids) per step
+        self.lp: list[Any] = [None] * len(params)  # per sequence: arrays of picked, top values, top ids per step
         self._recorder = logprobs.Recorder(max(k or 0 for k in self.k)) if self.asked else None
         self._mask = grammar.Processor(self.guides, self.vocab) if constrained else None
 
@@ -297,8 +297,7 @@ class Extras:
         lps = None
         if k is not None:
             lps = [
-                logprobs.content(self.tokens, t[:count], *self.lp[i], k)
-                for i, t, (_, _, count) in zip(seqs, tokens, cut)
+                logprobs.pack(self.tokens, t[:count], *self.lp[i], k) for i, t, (_, _, count) in zip(seqs, tokens, cut)
             ]
         return row_result(self.tok, row, cut, started, lps)
 

@@ -142,7 +142,7 @@ def _result(loaded: Loaded, seqs: list[fastgen.Seq], cut: list, eos: set[int], s
     lps = None
     if k is not None:
         names = logprobs.Tokens(tok, vocab_width(loaded), eos)
-        lps = [logprobs.content(names, s.tokens[:n], *zip(*s.lp), k) for s, (_, _, n) in zip(seqs, cut)]
+        lps = [logprobs.pack(names, s.tokens[:n], *s.lp, k) for s, (_, _, n) in zip(seqs, cut)]
     return row_result(tok, row, cut, started, lps)
 
 

@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from core.dataset import fast_unsupported
@@ -164,7 +165,9 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     guide: Any = None  # grammar.Guide of a constrained row (worker/engines/grammar.py)
-    lp: list | None = None  # logprobs asked: (picked, top values, top ids) per token (worker/engines/logprobs.py)
+    # logprobs asked: the prefill's entry then a `logprobs.Ring` code per decode token; once it finished, its arrays
+    # (picked, top values, top ids), gathered by `Engine._gather_lp` (worker/engines/logprobs.py)
+    lp: Any = None
     prefix: int = 0  # pages shared with earlier prompts: the prefill starts at prefix * PAGE
     wave: int = 0  # its prefill runs after the prefills that write the shared pages it reads (Engine._admit)
     _blocks: list | None = None
@@ -229,7 +232,8 @@ class Engine:
         self._unlaunched: set[int] = set()  # pages registered whose prefill is not launched yet
         self.prompt_tokens = 0  # prompt tokens of this run's sequences, and those read from cached prefixes
         self.reused_tokens = 0
-        self._host: dict[str, torch.Tensor] | None = None  # pinned buffers the decode steps' outputs go into
+        self._host: torch.Tensor | None = None  # two pinned buffers the decode steps' tokens go into, in turn
+        self._ring: logprobs.Ring | None = None  # the decode steps' log-probabilities, where a row asks (`run`)
         self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
         self.prefill_s = 0.0
@@ -483,6 +487,10 @@ class Engine:
         st.pos.zero_()  # every free slot writes at position 0 of the trash page
         st.table.zero_()
         queue = collections.deque(sorted(seqs, key=lambda s: -s.need))
+        asking = [s.row.params for s in seqs if s.lp is not None]
+        if asking:  # a ring row per step of the longest sequence, and the steps launched before it is gathered
+            longest, k = max(p["max_new_tokens"] for p in asking), max(logprobs.wanted(p) for p in asking)
+            self._ring = logprobs.Ring(longest + 4, st.slots, k, pinned=st.tok.is_cuda)
         free = list(range(self.slots))
         self.pool.start_run()
         try:
@@ -583,9 +591,9 @@ class Engine:
         self.decode_s += time.perf_counter() - t
 
     def _launch(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> Callable[[], tuple[list[int], Any]]:
-        """Launch one decode step; returns a function that waits for the step and gives its tokens by slot, and
-        with "logprobs" their log-probabilities (CUDA: copied into one of two pinned host buffers, so the host does
-        not wait at launch)."""
+        """Launch one decode step; returns a function that waits for the step and gives its tokens by slot and, with
+        "logprobs", the step's first code in the log-probability ring (CUDA: the tokens are copied into one of two
+        pinned host buffers, the log-probabilities into the ring's row, so the host does not wait at launch)."""
         st = self.state
         t = time.perf_counter()
         if "logprobs" in extras and "picked" not in st.outputs:
@@ -600,20 +608,17 @@ class Engine:
         self.steps += 1
         self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
         faults.hit("decode_step")
-        names = ("tok",) + (("picked", "values", "ids") if "logprobs" in extras else ())
-        outs = [st.tok[:batch] if n == "tok" else st.outputs[n][:batch] for n in names]
+        lp = None
+        if "logprobs" in extras:
+            lp = self._ring.put(self.steps, batch, *(st.outputs[n] for n in ("picked", "values", "ids")))
         if st.tok.device.type != "cuda":
-            values = [o.tolist() for o in outs]
+            values = st.tok[:batch].tolist()
             self.decode_s += time.perf_counter() - t
-            return lambda: (values[0], values[1:] or None)
+            return lambda: (values, lp)
         if self._host is None:  # a step's bucket may pass this run's slots (up to the state's)
-            self._host = {}
-        hosts = []
-        for n, o in zip(names, outs):
-            if n not in self._host:
-                self._host[n] = torch.empty((2, *st.outputs.get(n, st.tok).shape), dtype=o.dtype, pin_memory=True)
-            hosts.append(self._host[n][self.steps % 2, :batch])
-            hosts[-1].copy_(o, non_blocking=True)
+            self._host = torch.empty((2, *st.tok.shape), dtype=st.tok.dtype, pin_memory=True)
+        host = self._host[self.steps % 2, :batch]
+        host.copy_(st.tok[:batch], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         self.decode_s += time.perf_counter() - t
@@ -622,8 +627,7 @@ class Engine:
             t = time.perf_counter()
             done.synchronize()
             self.decode_s += time.perf_counter() - t
-            values = [h.tolist() for h in hosts]
-            return values[0], values[1:] or None
+            return host.tolist(), lp
 
         return tokens
 
@@ -641,7 +645,9 @@ class Engine:
         for slot, seq in stepped:
             if seq.done:  # finished in the step before: this step was its extra one
                 continue
-            self._take(seq, by_slot[slot], lp, slot)
+            self._take(seq, by_slot[slot])
+            if seq.lp is not None:
+                seq.lp.append(lp + slot)
             if self._finished(seq):
                 del running[seq.slot]
                 self._free(seq, free)
@@ -713,7 +719,7 @@ class Engine:
         for seq in chunk:
             self._unlaunched.difference_update(seq.pages)
         if not first.is_cuda:
-            tokens = first.tolist(), lp and [t.tolist() for t in lp]
+            tokens = first.tolist(), lp and [t.numpy() for t in lp]
             return chunk, lambda: tokens
         host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
         host.copy_(first, non_blocking=True)
@@ -722,7 +728,7 @@ class Engine:
 
         def tokens() -> tuple[list[int], Any]:
             done.synchronize()
-            return host.tolist(), lp and [t.tolist() for t in lp]
+            return host.tolist(), lp and [t.cpu().numpy() for t in lp]
 
         return chunk, tokens
 
@@ -734,7 +740,9 @@ class Engine:
         faults.hit("prefill")
         finished = []
         for i, (seq, token) in enumerate(zip(chunk, first)):
-            self._take(seq, token, lp, i)
+            self._take(seq, token)
+            if seq.lp is not None:
+                seq.lp.append(tuple(part[i] for part in lp))
             if self._finished(seq):
                 self._free(seq, free)
                 finished.append(seq)
@@ -744,21 +752,29 @@ class Engine:
             self._deactivate(finished)
             yield finished
 
-    def _take(self, seq: Seq, token: int, lp: list | None, at: int) -> None:
-        """Book `token` on `seq`: its grammar advances, and its log-probabilities (row `at` of the step's) are kept."""
+    def _take(self, seq: Seq, token: int) -> None:
+        """Book `token` on `seq`: its grammar advances."""
         seq.tokens.append(token)
         if seq.guide is not None:
             seq.guide.take(token)
-        if seq.lp is not None:
-            seq.lp.append(tuple(part[at] for part in lp))
 
     def _free(self, seq: Seq, free: list[int]) -> None:
         """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the
         trash page on the device before any later step or prefill)."""
         seq.done = True
+        if seq.lp is not None:
+            self._gather_lp(seq)
         heapq.heappush(free, seq.slot)
         self.pool.give_back(seq.pages)  # its registered prompt pages stay cached for later rows
         seq.pages = []
+
+    def _gather_lp(self, seq: Seq) -> None:
+        """A finished sequence's log-probabilities as arrays, from its prefill's entry and its codes in the ring
+        (gathered now: the steps after it reuse the ring's rows)."""
+        (picked, values, ids), codes = seq.lp[0], seq.lp[1:]
+        k = self._ring.k
+        rest = self._ring.gather(codes)
+        seq.lp = tuple(np.concatenate([first[None], more]) for first, more in zip((picked, values[:k], ids[:k]), rest))
 
     def _deactivate(self, seqs: list[Seq]) -> None:
         """Mark the slots of `seqs` inactive, at position 0 of the trash page, without waiting for the GPU (a list

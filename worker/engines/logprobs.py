@@ -6,10 +6,13 @@ top-p and the grammar mask of a constrained row, that is the model's own next-to
 the row itself asks for a repetition_penalty or ignore_eos (EOS masked): those change the logits before any
 engine could read them. One entry per completion token, EOS included where the row ended on it.
 
-Shape (OpenAI's chat `choices[].logprobs.content`): per token {"token": text, "logprob": float, "bytes": [UTF-8
-bytes], "top_logprobs": [{"token", "logprob", "bytes"}, … top_logprobs of them, most likely first]}; the text of a
-token that is part of a character is that piece decoded with replacement, its bytes are exact (llguidance's view of
-the tokenizer). core/openai_batch.py turns it into /v1/completions' shape.
+Shape: what a reader gets is OpenAI's chat `choices[].logprobs.content`, per token {"token": text, "logprob":
+float, "bytes": [UTF-8 bytes], "top_logprobs": [{"token", "logprob", "bytes"}, … top_logprobs of them, most likely
+first]}; the text of a token that is part of a character is that piece decoded with replacement, its bytes are exact
+(llguidance's view of the tokenizer). The engines store it compact (`pack`, core/logprob_store.py: arrays and each
+token's text once), and the dicts are built when the rows are read: the engine thread makes no Python object per
+token. The fast engine's decode steps copy their log-probabilities into a host ring (`Ring`), and each sequence
+gathers its own rows of it when it finishes.
 
 Cost when no row asks: none. The padded and static engines add `Recorder` to `generate` only then; the fast
 engine runs its plain CUDA graph, and a variant that also writes `step`'s outputs only for a batch where a row asks.
@@ -17,17 +20,17 @@ engine runs its plain CUDA graph, and a variant that also writes `step`'s output
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor
 
+from core import logprob_store
 from worker.engines import grammar
 
 TOP = 20  # the most top_logprobs a row may ask for (core/structured.py TOP_LOGPROBS_MAX)
-# JSON has no -inf: a token the model gave no probability at all (a masked EOS) is reported as -9999.0, as OpenAI's
-# API reports one
-NO_PROBABILITY = -9999.0
 
 
 def step(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,57 +69,98 @@ class Recorder(LogitsProcessor):
             self.ids.append(ids)
         return scores
 
-    def finish(self, last: torch.Tensor) -> list[tuple[list[float], list[list[float]], list[list[int]]]]:
-        """Per sequence: (picked logprobs, top values, top ids) per step, given the last step's tokens `last`."""
+    def finish(self, last: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per sequence: its picked logprobs (steps,), top values and ids (steps, k), given the last step's tokens
+        `last`."""
         if self.prev is None:
             return []
         self.picked.append(self.prev.gather(1, last[:, None].to(self.prev.device))[:, 0])
-        picked = torch.stack(self.picked, dim=1).tolist()
-        batch = len(picked)
-        values = torch.stack(self.values, dim=1).tolist() if self.k else [[[]] * len(picked[0])] * batch
-        ids = torch.stack(self.ids, dim=1).tolist() if self.k else [[[]] * len(picked[0])] * batch
+        picked = torch.stack(self.picked, dim=1).cpu().numpy()
+        batch, steps = picked.shape
+        if self.k:
+            values = torch.stack(self.values, dim=1).cpu().numpy()
+            ids = torch.stack(self.ids, dim=1).cpu().numpy()
+        else:
+            values, ids = np.zeros((batch, steps, 0), np.float32), np.zeros((batch, steps, 0), np.int64)
         return [(picked[i], values[i], ids[i]) for i in range(batch)]
 
 
+class Ring:
+    """Host copies of the fast engine's decode steps' log-probabilities, a row per step, the last `rows` steps kept.
+    `put` copies a step into row `step % rows` (CUDA: pinned memory, without waiting); a sequence notes `code(row,
+    slot)` per token and, when it finishes, `gather`s its own entries in one indexing. `rows` must exceed the
+    longest sequence's steps (plus the steps launched before it is gathered)."""
+
+    def __init__(self, rows: int, width: int, k: int, pinned: bool):
+        self.rows, self.width, self.k = rows, width, k
+        self.picked = torch.empty((rows, width), dtype=torch.float32, pin_memory=pinned)
+        self.values = torch.empty((rows, width, k), dtype=torch.float32, pin_memory=pinned)
+        self.ids = torch.empty((rows, width, k), dtype=torch.int32, pin_memory=pinned)
+        self._flat = (
+            self.picked.numpy().reshape(rows * width),
+            self.values.numpy().reshape(rows * width, k),
+            self.ids.numpy().reshape(rows * width, k),
+        )
+
+    def put(self, step: int, batch: int, picked: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> int:
+        """Copy a step's outputs (its first `batch` slots; `values`/`ids` of TOP columns) into its row; returns the
+        row's first code (add the slot)."""
+        row, copy = step % self.rows, picked.is_cuda
+        self.picked[row, :batch].copy_(picked[:batch], non_blocking=copy)
+        if self.k:
+            self.values[row, :batch].copy_(values[:batch, : self.k].contiguous(), non_blocking=copy)
+            self.ids[row, :batch].copy_(ids[:batch, : self.k].to(torch.int32), non_blocking=copy)
+        return row * self.width
+
+    def gather(self, codes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(picked (n,), top values (n, k), top ids (n, k)) of the entries at `codes`, copied out of the ring."""
+        at = np.asarray(codes, dtype=np.int64)
+        return tuple(part[at] for part in self._flat)
+
+
 class Tokens:
-    """Token texts and bytes for the entries, each token looked up once per tokenizer (kept on the tokenizer
-    object: a random model's G1 touches most of a 150k vocabulary once)."""
+    """Token texts and bytes (as hex) for the stored entries, each token looked up once per tokenizer and kept on
+    the tokenizer object in two arrays indexed by token id (a random model's G1 touches most of a 150k vocabulary)."""
 
     def __init__(self, tok, vocab: int, eos: set[int]):
         self.tok = tok
         self.lltok = grammar.lltokenizer(tok, vocab, eos)
-        self.cache: dict[int, tuple[str, list[int]]] = tok.__dict__.setdefault("_gpujobs_token_texts", {})
+        cache = tok.__dict__.setdefault("_gpujobs_token_texts", {})
+        if vocab not in cache:
+            cache[vocab] = (np.full(vocab, None, dtype=object), np.full(vocab, None, dtype=object))
+        self.text, self.raw = cache[vocab]
 
-    def __call__(self, token: int) -> tuple[str, list[int]]:
-        found = self.cache.get(token)
-        if found is None:
-            found = self.cache[token] = (self.tok.decode([token]), list(self.lltok.decode_bytes([token])))
-        return found
+    def table(self, ids: np.ndarray) -> tuple[list[str], list[str]]:
+        """The texts and hex bytes of `ids` (distinct token ids), looking up the ones not seen yet."""
+        for token in ids[np.equal(self.text[ids], None)].tolist():
+            self.text[token] = self.tok.decode([token])
+            self.raw[token] = bytes(self.lltok.decode_bytes([token])).hex()
+        return self.text[ids].tolist(), self.raw[ids].tolist()
 
 
-def content(
-    tokens: Tokens, ids: list[int], picked: list[float], values: list[list[float]], top_ids: list[list[int]], k: int
-) -> list[dict[str, Any]]:
-    """The entries of one output (`ids` its kept completion tokens; the per-step lists may run longer). Written for
-    speed: G1 with logprobs builds 1024 × 256 of them, with top-5 each, as its rows finish."""
-    out = []
-    for step_i, token in enumerate(ids):
-        text, raw = tokens(token)
-        top = (
-            [
-                {"token": alt[0], "logprob": value if value > NO_PROBABILITY else NO_PROBABILITY, "bytes": alt[1]}
-                for value, alt in zip(values[step_i][:k], map(tokens, top_ids[step_i][:k]))
-            ]
-            if k
-            else []
-        )
-        value = picked[step_i]
-        out.append(
-            {
-                "token": text,
-                "logprob": value if value > NO_PROBABILITY else NO_PROBABILITY,
-                "bytes": raw,
-                "top_logprobs": top,
-            }
-        )
-    return out
+def pack(
+    tokens: Tokens, ids: list[int], picked: np.ndarray, values: np.ndarray, top_ids: np.ndarray, k: int
+) -> dict[str, Any]:
+    """One output's log-probabilities as a row stores them (core/logprob_store.py): `ids` its kept completion
+    tokens, the per-step arrays (`picked` (steps,), `values`/`top_ids` (steps, ≥ k)) may run longer."""
+    n = len(ids)
+    chosen = np.asarray(ids, dtype=np.int32)
+    top = np.ascontiguousarray(top_ids[:n, :k], dtype=np.int32)
+    vocab = np.unique(np.concatenate([chosen, top.ravel()]))
+    text, raw = tokens.table(vocab)
+    return {
+        "format": logprob_store.FORMAT,
+        "n": n,
+        "k": k,
+        "ids": _b64(chosen, "<i4"),
+        "logprob": _b64(picked[:n], "<f4"),
+        "top_ids": _b64(top, "<i4"),
+        "top_logprob": _b64(values[:n, :k], "<f4"),
+        "vocab": _b64(vocab, "<i4"),
+        "text": text,
+        "bytes": raw,
+    }
+
+
+def _b64(values: np.ndarray, dtype: str) -> str:
+    return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")
