@@ -223,6 +223,22 @@ def _ids_by_bytes(tok) -> dict[bytes, int]:
     return cache
 
 
+@pytest.mark.parametrize("vocab", [151936, 50_001, 640], ids=["qwen", "partial-chunk", "small"])
+def test_the_chunked_top_k_gives_torchs_top_k_values(vocab):
+    """logprobs.top_k (one max per chunk, then the top k of the best k chunks) gives torch.topk's values, most
+    likely first, and ids that hold them: bf16 logits with many ties, a masked (-inf) column, a vocabulary that
+    is no multiple of the chunk, and one small enough for the plain topk."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, vocab) * 3).to(torch.bfloat16)
+    logits[0, 5] = logits[1, -1] = float("-inf")
+    logits[2, -1] = 100.0  # the largest value in the last, partial chunk
+    for k in (1, 5, 20):
+        values, ids = logprobs.top_k(logits, k)
+        assert torch.equal(values, logits.topk(k, dim=-1).values)
+        assert torch.equal(logits.gather(1, ids), values) and all(len(set(row)) == k for row in ids.tolist())
+    assert logprobs.top_k(logits, 5)[1][2, 0] == vocab - 1
+
+
 def test_fast_engine_logprobs_outlive_the_ring_rows_later_steps_reuse(loaded, tiny_model, slots, monkeypatch):
     """The fast engine copies each decode step's log-probabilities into a ring of host rows, one per step, that
     later steps reuse: with 2 slots, 6 rows of 10 tokens take 27 steps through a 14-row ring, and every

@@ -31,6 +31,7 @@ from core import logprob_store
 from worker.engines import grammar
 
 TOP = 20  # the most top_logprobs a row may ask for (core/structured.py TOP_LOGPROBS_MAX)
+CHUNK = 128  # columns per chunk of `top_k`'s first pass
 
 
 def step(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,8 +43,27 @@ def step(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tens
     picked = logits.gather(1, chosen[:, None].long())[:, 0].float() - lse
     if not k:
         return picked, picked[:, None][:, :0], chosen[:, None][:, :0].long()
-    values, ids = logits.topk(k, dim=-1)
+    values, ids = top_k(logits, k)
     return picked, values.float() - lse[:, None], ids
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits.topk(k, dim=-1)` (values equal; among equal values the ids may differ), read once: the k largest
+    of a row lie in the k chunks of CHUNK columns with the largest maxima (any other value has k chunk maxima at
+    or above it), so one max per chunk picks k chunks and the top k comes from their k × CHUNK columns. torch's
+    topk over G1's 152k-wide rows makes several passes over them; this reads them once."""
+    batch, vocab = logits.shape
+    full = vocab // CHUNK * CHUNK
+    if full < 8 * k * CHUNK:  # a small vocabulary: the plain selection
+        return logits.topk(k, dim=-1)
+    maxima = logits[:, :full].unflatten(1, (-1, CHUNK)).amax(-1)
+    if full < vocab:  # the last, partial chunk
+        maxima = torch.cat([maxima, logits[:, full:].amax(-1, keepdim=True)], dim=1)
+    chunks = maxima.topk(k, dim=-1).indices
+    cols = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=logits.device)).flatten(1)
+    candidates = logits.gather(1, cols.clamp(max=vocab - 1)).masked_fill(cols >= vocab, float("-inf"))
+    values, at = candidates.topk(k, dim=-1)
+    return values, cols.gather(1, at)
 
 
 def wanted(params: dict[str, Any]) -> int | None:
