@@ -48,6 +48,7 @@ def main() -> int:
         "log_softmax fp32 (before)": lambda: torch.log_softmax(logits.float(), dim=-1),
         "topk fp32 log_softmax (before)": lambda: torch.log_softmax(logits.float(), dim=-1).topk(args.k, dim=-1),
         "topk bf16 logits": lambda: logits.topk(args.k, dim=-1),
+        "logsumexp (triton)": lambda: logprobs.logsumexp(logits),
         "top_k (chunked)": lambda: logprobs.top_k(logits, args.k),
         "step": lambda: logprobs.step(logits, chosen, args.k),
     }
@@ -55,12 +56,13 @@ def main() -> int:
     want_v, want_i = logits.topk(args.k, dim=-1)
     got_v, got_i = logprobs.top_k(logits, args.k)
     equal = bool(torch.equal(got_v, want_v))
-    out = {"batch": args.batch, "vocab": args.vocab, "k": args.k, "ms": results, "top_k_values_equal": equal,
+    lse_diff = (logprobs.logsumexp(logits) - torch.logsumexp(logits.float(), dim=-1)).abs().max().item()
+    out = {"batch": args.batch, "vocab": args.vocab, "k": args.k, "ms": results, "top_k_values_equal": equal, "logsumexp_max_abs_diff": lse_diff,
            "device": torch.cuda.get_device_name(0), "torch": torch.__version__}  # fmt: skip
     print(f"logprob step parts, {args.batch} x {args.vocab} bf16 logits, k {args.k}, {out['device']}")
     for name, ms in results.items():
         print(f"  {name:34s} {ms:8.3f} ms")
-    print(f"  chunked top_k values equal torch.topk's: {equal}")
+    print(f"  chunked top_k values equal torch.topk's: {equal}; logsumexp kernel vs torch: {lse_diff:.2e}")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0
