@@ -111,7 +111,8 @@ class JobRow(Base):
     # JSON, not text: generated text may hold NUL characters, which Postgres text columns refuse
     output: Mapped[str | None] = mapped_column(JSON)
     finish_reason: Mapped[str | list[str] | None] = mapped_column(JSON)  # a list with num_return_sequences > 1
-    # per generated token: text, logprob, bytes, top_logprobs (OpenAI's chat shape); null unless asked (0010)
+    # per output: its tokens' logprobs, compact (core/logprob_store.py; rows before it: OpenAI's chat shape); null
+    # unless asked (0010)
     logprobs: Mapped[list[Any] | None] = mapped_column(JSON)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
