@@ -192,10 +192,10 @@ def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ok": True, "reason": None, "device": device}
 
 
-# the child of probe_flex_isolated: the lowest CPU priority first (the compiler it starts inherits it, and a
-# job never competes with it), then one JSON line on stdout
+# the child of probe_flex_isolated: its CPU priority first (argv[1], JOBS_PROBE_NICE: by default 19, the lowest; the
+# compiler it starts inherits it, and a job never competes with it), then one JSON line on stdout
 FLEX_CHILD = (
-    "import json, os; os.nice(19); from worker import capabilities as c; "
+    "import json, os, sys; os.nice(int(sys.argv[1])); from worker import capabilities as c; "
     "print(json.dumps(c.probe_flex(c.gpus())), flush=True)"
 )
 FLEX_PENDING = {"ok": None, "reason": "the probe runs just after the worker starts"}
@@ -267,10 +267,11 @@ def check_cxx() -> None:
 def probe_flex_isolated(
     devices: list[dict[str, Any]],
     *,
+    nice: int = 19,
     started: Callable[[subprocess.Popen], None] = lambda p: None,
     timeout: float = 900.0,
 ) -> dict[str, Any]:
-    """`probe_flex` in a child process at the lowest CPU priority (FLEX_CHILD).
+    """`probe_flex` in a child process at niceness `nice` (FLEX_CHILD; JOBS_PROBE_NICE, by default the lowest).
 
     Not in the worker's own interpreter: the compile leaves threads that abort the interpreter at exit
     ("terminate called without an active exception"), which would turn a clean stop into a crash, and a compiler
@@ -291,7 +292,7 @@ def probe_flex_isolated(
     if marker is not None and marker.is_file():
         return {"ok": True, "reason": None, "device": "cpu", "remembered": True}
     proc = subprocess.Popen(
-        [sys.executable, "-c", FLEX_CHILD],
+        [sys.executable, "-c", FLEX_CHILD, str(nice)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
