@@ -134,6 +134,10 @@ class Settings:
     # (vLLM's gpu_memory_utilization); the cache gets what is left of it (worker/engines/slot_state.py `cache_budget`)
     gpu_memory_utilization: float = 0.9
     hub_parallel_files: int = 8  # files of one snapshot fetched at once (huggingface_hub's max_workers is 8 too)
+    # the niceness of a CPU worker's flex_attention compile probe (a child process and the compiler it starts;
+    # worker/capabilities.py): 19, the lowest priority, never competes with a job; 0 answers sooner on a host
+    # whose other processes keep every core busy (where 19 gets about 1 % of a core)
+    probe_nice: int = 19
 
     @property
     def files_dir(self) -> Path:
@@ -214,6 +218,7 @@ _NUMBERS = {
     "hub_min_free_bytes": "JOBS_HUB_MIN_FREE_BYTES",
     "hub_timeout": "JOBS_HUB_TIMEOUT",
     "hub_parallel_files": "JOBS_HUB_PARALLEL_FILES",
+    "probe_nice": "JOBS_PROBE_NICE",
 }
 MAX_PARALLEL_FILES = 64
 
@@ -244,6 +249,11 @@ def get_settings() -> Settings:
         raise ValueError(
             f"JOBS_HUB_PARALLEL_FILES={numbers['hub_parallel_files']}: give a whole number from 1 to "
             f"{MAX_PARALLEL_FILES} (files of one model fetched at once; the default is {_default('hub_parallel_files')})"
+        )
+    if not 0 <= numbers["probe_nice"] <= 19:
+        raise ValueError(
+            f"JOBS_PROBE_NICE={numbers['probe_nice']}: give a niceness from 0 (the worker's own priority) to 19 "
+            f"(the lowest; the default)"
         )
     return Settings(
         home=home,

@@ -156,6 +156,27 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> 
     return folder / name
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_inductor_cache(tmp_path_factory) -> Iterator[Path]:
+    """One Inductor cache folder for every process this run starts (TORCHINDUCTOR_CACHE_DIR, unless already set;
+    a worker then keeps it instead of JOBS_HOME/compile-cache, as it keeps an operator's own).
+
+    A CPU worker's flex_attention probe compiles flex_attention in a child process (about 13-20 s of CPU at niceness
+    19) unless a success is remembered in Inductor's cache folder (worker/capabilities.py). With a folder per
+    JOBS_HOME, every worker of every test probed again; measured alone on a quiet 2-core box, the probes were half
+    the CPU of test_recovery's SIGKILL test (47 CPU-seconds, 22 with a success remembered) and a third of
+    test_cli's demo (37, 24). With one folder per run, the first probe that finishes is remembered by every worker
+    started after it. tests/test_compile_cache.py removes the variable (it tests the
+    JOBS_HOME folder); tests/test_failures.py sets a folder of its own (its compiler is broken on purpose)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(run_tmp(tmp_path_factory) / "inductor"),
+    )
+    yield Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    mp.undo()
+
+
 def build_tiny(out: Path, *args: str) -> None:
     subprocess.run(
         [sys.executable, "-m", "worker.tinymodel", str(out), "--qa", str(ROOT / "examples" / "qa.jsonl"), *args],

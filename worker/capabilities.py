@@ -192,10 +192,10 @@ def probe_qlora(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ok": True, "reason": None, "device": device}
 
 
-# the child of probe_flex_isolated: the lowest CPU priority first (the compiler it starts inherits it, and a
-# job never competes with it), then one JSON line on stdout
+# the child of probe_flex_isolated: its CPU priority first (argv[1], JOBS_PROBE_NICE: by default 19, the lowest; the
+# compiler it starts inherits it, and a job never competes with it), then one JSON line on stdout
 FLEX_CHILD = (
-    "import json, os; os.nice(19); from worker import capabilities as c; "
+    "import json, os, sys; os.nice(int(sys.argv[1])); from worker import capabilities as c; "
     "print(json.dumps(c.probe_flex(c.gpus())), flush=True)"
 )
 FLEX_PENDING = {"ok": None, "reason": "the probe runs just after the worker starts"}
@@ -203,7 +203,8 @@ FLEX_PENDING = {"ok": None, "reason": "the probe runs just after the worker star
 
 def probe_flex(devices: list[dict[str, Any]]) -> dict[str, Any]:
     """Can flex_attention run on this worker's device? Compile and run a small flex_attention call, as a job's
-    model would (torch.compile: Inductor's C++ compiler on the CPU, Triton on CUDA).
+    model would (torch.compile: Inductor's C++ compiler on the CPU, Triton on CUDA); on the CPU, a one-line C++
+    build first (check_cxx), which fails fast where the compiler cannot build anything.
 
     The first compile takes up to a minute on a busy CPU, so the runtime calls this in a thread after
     registration, like the QLoRA probe; until it answers, the registration says `flex_attention: FLEX_PENDING`
@@ -215,6 +216,8 @@ def probe_flex(devices: list[dict[str, Any]]) -> dict[str, Any]:
     if marker is not None and marker.is_file():
         return {"ok": True, "reason": None, "device": device, "remembered": True}
     try:
+        if device == "cpu":
+            check_cxx()
         import torch
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -236,13 +239,39 @@ def probe_flex(devices: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ok": True, "reason": None, "device": device}
 
 
+# a C++ file as small as one that still needs what every Inductor CPU kernel needs: Python's headers and a shared
+# library linked against torch
+CXX_PROBE = '#include <Python.h>\nextern "C" int gpujobs_probe() { return Py_IsInitialized(); }\n'
+
+
+def check_cxx() -> None:
+    """Build CXX_PROBE with Inductor's own C++ builder, compiler and flags (torch._inductor.cpp_builder, as its CPU
+    kernels are built); raise its error (CppCompileError, InvalidCxxCompiler) when that fails.
+
+    A compiler that fails every build (no Python headers, a broken CXX) fails here, naming its own error line
+    (`fatal error: Python.h: No such file or directory`), and the probe's child ends after about 2.7 s of CPU
+    (importing torch and Dynamo, mostly). Without this check the flex_attention compile got as far as lowering
+    and failed there with `LoweringException: AssertionError: target: flex_attention` (no vector ISA check had
+    compiled), which names nothing to fix, after about 6 s of CPU: at the probe's lowest priority on a busy host,
+    every CPU-second of it is a minute or more. With a working compiler this adds one small build (~0.3 s)."""
+    import tempfile
+
+    from torch._inductor.cpp_builder import CppBuilder, CppTorchOptions
+
+    with tempfile.TemporaryDirectory(prefix="gpujobs-cxx-probe-") as tmp:
+        source = Path(tmp) / "probe.cpp"
+        source.write_text(CXX_PROBE)
+        CppBuilder("probe", [str(source)], CppTorchOptions(warning_all=False), tmp).build()
+
+
 def probe_flex_isolated(
     devices: list[dict[str, Any]],
     *,
+    nice: int = 19,
     started: Callable[[subprocess.Popen], None] = lambda p: None,
     timeout: float = 900.0,
 ) -> dict[str, Any]:
-    """`probe_flex` in a child process at the lowest CPU priority (FLEX_CHILD).
+    """`probe_flex` in a child process at niceness `nice` (FLEX_CHILD; JOBS_PROBE_NICE, by default the lowest).
 
     Not in the worker's own interpreter: the compile leaves threads that abort the interpreter at exit
     ("terminate called without an active exception"), which would turn a clean stop into a crash, and a compiler
@@ -263,7 +292,7 @@ def probe_flex_isolated(
     if marker is not None and marker.is_file():
         return {"ok": True, "reason": None, "device": "cpu", "remembered": True}
     proc = subprocess.Popen(
-        [sys.executable, "-c", FLEX_CHILD],
+        [sys.executable, "-c", FLEX_CHILD, str(nice)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,

@@ -119,7 +119,9 @@ class Runtime:
         its attention backends when it does not compile here)."""
         try:
             devices = capabilities.gpus()
-            result = capabilities.probe_flex_isolated(devices, started=self._probes.append)
+            result = capabilities.probe_flex_isolated(
+                devices, nice=get_settings().probe_nice, started=self._probes.append
+            )
             if self.shutting_down.is_set():
                 return  # the probe was ended with the worker: no answer
             backends = [b for b in capabilities.attention_backends(devices) if result["ok"] or b != "flex_attention"]
