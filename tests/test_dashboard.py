@@ -53,12 +53,27 @@ def browser(tmp_path):
 
 
 def text(driver, css: str) -> str | None:
+    """The element's text, or None while there is none."""
+    return _read(driver, css, lambda element: element.text)
+
+
+def attribute(driver, css: str, name: str) -> str | None:
+    return _read(driver, css, lambda element: element.get_attribute(name))
+
+
+def _read(driver, css: str, read):
+    """`read` of the element, found again when the page re-rendered between finding it and reading it (the page
+    replaces its DOM on every poll: a read right after a wait can meet the element the poll just replaced)."""
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 
-    try:
-        return driver.find_element("css selector", css).text
-    except (NoSuchElementException, StaleElementReferenceException):
-        return None
+    for _ in range(100):  # each try finds the element anew: only a page re-rendering without pause exhausts this
+        try:
+            return read(driver.find_element("css selector", css))
+        except NoSuchElementException:
+            return None
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{css} was replaced 100 times while being read")
 
 
 GREEN, RED, GREY, BLUE = "rgb(26, 127, 55)", "rgb(207, 34, 46)", "rgb(140, 149, 159)", "rgb(47, 128, 237)"
@@ -105,7 +120,7 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(
     )
     sign_in(browser, url, token)
     wait_for(lambda: job["id"] in (text(browser, "#jobs") or ""), 20, "the job in the jobs list")
-    row = browser.find_element("css selector", f'tr[data-job="{job["id"]}"]').text
+    row = text(browser, f'tr[data-job="{job["id"]}"]')
     assert "alice" in row and any(s in row for s in ("queued", "validating", "running"))
 
     browser.get(f"{url}/dashboard#/jobs/{job['id']}")
@@ -149,11 +164,7 @@ def test_dashboard_shows_a_running_job_live_and_matches_the_api(
     assert float(text(browser, "#job-rows-rate")) == metrics["rows_per_s"] > 0
     assert float(text(browser, "#throughput-average")) == metrics["output_tok_s"]  # the chart's average is the card's
     intervals = httpx.get(f"{url}/jobs/{job['id']}/throughput", headers={"Authorization": f"Bearer {token}"}).json()
-    assert (
-        int(browser.find_element("css selector", "#throughput").get_attribute("data-intervals"))
-        == len(intervals["points"])
-        >= 2
-    )
+    assert int(attribute(browser, "#throughput", "data-intervals")) == len(intervals["points"]) >= 2
     seconds = sum(p["seconds"] for p in intervals["points"])  # every interval, from the start to the end
     assert seconds == pytest.approx(metrics["duration_s"]) and intervals["tokens"] == final["tokens"]["completion"]
     weighted = sum(p["tokens_per_s"] * p["seconds"] for p in intervals["points"]) / seconds
@@ -216,7 +227,7 @@ def test_a_finetune_page_shows_training_not_generation(
             add_event(session, job["id"], f"note {i}")
     sign_in(browser, url, token)
     wait_for(lambda: job["id"] in (text(browser, "#jobs") or ""), 20, "the job in the jobs list")
-    assert "training tok/s" in browser.find_element("css selector", f'tr[data-job="{job["id"]}"]').text
+    assert "training tok/s" in text(browser, f'tr[data-job="{job["id"]}"]')
     browser.get(f"{url}/dashboard#/jobs/{job['id']}")
     wait_for(lambda: text(browser, "#job-step") == "4", 20, "the fine-tune's last step")
     assert float(text(browser, "#job-loss")) > 0 and float(text(browser, "#job-epoch")) > 0
@@ -346,7 +357,7 @@ def test_a_finished_jobs_page_shows_its_outcome_and_final_figures(tmp_path, jobs
     wait_for(lambda: text(browser, "#job-eta") == "— finished", 20, "the finished job's ETA")
     assert float(text(browser, "#job-rate")) == short["metrics"]["output_tok_s"] == pytest.approx(15 / 0.5, rel=0.2)
     assert float(text(browser, "#job-rows-rate")) == short["metrics"]["rows_per_s"]
-    assert browser.find_element("css selector", "#throughput").get_attribute("data-intervals") == "1"
+    assert attribute(browser, "#throughput", "data-intervals") == "1"
     assert float(text(browser, "#throughput-average")) == short["metrics"]["output_tok_s"]
     assert text(browser, "#throughput-note") == "one interval: the run was too short to show a change over time"
     browser.save_screenshot(str(tmp_path / "dashboard-short.png"))
