@@ -278,6 +278,19 @@ def test_the_logsumexp_kernel_matches_torch_in_the_interpreter():
     assert out.returncode == 0 and "logsumexp ok" in out.stdout, out.stderr[-3000:]
 
 
+def test_logprobs_work_where_the_install_has_no_triton():
+    """Without triton (CPU builds of torch may lack it) the engines still import, and the logsumexp is torch's."""
+    script = (
+        "import sys; sys.modules['triton'] = None; sys.path.insert(0, sys.argv[1]); import torch; "
+        "from worker.engines import logprobs, fastgen; x = torch.randn(2, 300); "
+        "assert logprobs.triton is None and torch.equal(logprobs.logsumexp(x), torch.logsumexp(x, dim=-1)); "
+        "print('no triton ok')"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "no triton ok" in out.stdout, out.stderr[-3000:]
+
+
 def test_fast_engine_logprobs_outlive_the_ring_rows_later_steps_reuse(loaded, tiny_model, slots, monkeypatch):
     """The fast engine copies each decode step's log-probabilities into a ring of host rows, one per step, that
     later steps reuse: with 2 slots, 6 rows of 10 tokens take 27 steps through a 14-row ring, and every

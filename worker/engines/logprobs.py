@@ -29,7 +29,7 @@ from transformers import LogitsProcessor
 
 from core import logprob_store
 from worker.engines import decode_attention, grammar
-from worker.engines.decode_attention import tl, triton
+from worker.engines.decode_attention import triton  # None where the install has no triton (CPU builds may lack it)
 
 TOP = 20  # the most top_logprobs a row may ask for (core/structured.py TOP_LOGPROBS_MAX)
 CHUNK = 128  # columns per chunk of `top_k`'s first pass
@@ -62,6 +62,7 @@ def logsumexp(logits: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    import triton.language as tl
 
     @triton.jit
     def _logsumexp_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
