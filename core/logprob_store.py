@@ -14,9 +14,10 @@ What the row stores is one compact object per output (format 1):
 where each array is base64 of its little-endian bytes. Why not OpenAI's shape itself: G1 with top-5 logprobs is
 1,024 rows × 256 tokens × 6 entries, 1.5 million dicts; building them on the worker cost more host time than the
 whole generation (0.36 × the throughput without logprobs on the H200, most of it the garbage collector walking
-them), and stored as JSON they are ~90 MB for one job. The compact form costs the worker a few array copies per
-row, is ~8 MB for that job, and the dicts are built only when someone reads the rows. The texts are stored, not
-looked up when read: the API has no tokenizer (a model may only be on the worker's host).
+them). The compact form costs the worker a few array copies per row, and the dicts are built only when someone
+reads the rows; it is about half the size (G1's shape with random tokens: 77 MB against 165 MB of JSON per job, most
+of it the text of the ~1,500 distinct tokens each row uses). The texts are stored, not looked up when read: the API
+has no tokenizer (a model may only be on the worker's host).
 
 Rows stored before format 1 hold OpenAI's shape itself (a list of entries, a list of them per output with several
 outputs): `render` and `render_row` return those as they are.
