@@ -4,7 +4,8 @@
 
 Later files win for the packages they name (constraints-transformers517.txt over constraints.txt). Every installed
 distribution must be pinned, at its pinned version, except pip (the venv's own), torch (pinned on .ci/run's pip
-command line) and gpujobs itself. `pip install -c` takes a package that no constraint names at its newest
+command line) and gpujobs itself. Where two folders on sys.path hold one package (.ci-venv517 is an overlay on
+.ci-venv: .ci/run), the one this interpreter imports counts: the first. `pip install -c` takes a package that no constraint names at its newest
 version: without this check a new dependency would slip into CI unpinned, and CI would no longer say what it
 tested. Exit status 0 when everything is pinned, 1 with the list otherwise. Standard library only.
 """
@@ -38,16 +39,17 @@ def read_pins(files: list[Path]) -> dict[str, str]:
 
 
 def problems(pins: dict[str, str]) -> list[str]:
-    found = []
-    for dist in sorted(metadata.distributions(), key=lambda d: canonical(d.metadata["Name"])):
+    found, seen = [], set()
+    for dist in metadata.distributions():  # in sys.path's order: the first of a name is the one imported
         name = canonical(dist.metadata["Name"])
-        if name in NOT_PINNED_HERE:
+        if name in NOT_PINNED_HERE or name in seen:
             continue
+        seen.add(name)
         if name not in pins:
             found.append(f"{dist.metadata['Name']}=={dist.version} is installed but not pinned")
         elif pins[name] != dist.version:
             found.append(f"{dist.metadata['Name']}=={dist.version} is installed but pinned at {pins[name]}")
-    return found
+    return sorted(found)
 
 
 def main(argv: list[str]) -> int:
