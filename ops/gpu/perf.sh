@@ -7,12 +7,14 @@
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
-# PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds.
+#   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py)
+# PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds. PROFILE=1 samples the
+# part's Python stacks with py-spy (carried in .whl), child processes included, into $OUT/PART.speedscope.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g3, i26, f1 or f1-service}
+PART=${PART:?set PART to g1, g2, g3, i26, f1, f1-service or grammar}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
@@ -29,10 +31,15 @@ case $PART in
     g1json | g1lp) cmd=(python3 ops/bench/gen.py "$PART" --inproc-s $((LIMIT - 20)) --out "$OUT/$PART.json") ;;
     f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
+    grammar) cmd=(python3 ops/bench/grammar_step.py --out "$OUT/grammar-step.json") ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
     *) echo "perf.sh: unknown PART $PART" >&2; exit 2 ;;
 esac
+if [[ ${PROFILE:-0} == 1 ]]; then
+    cmd=("$SITE/bin/py-spy" record --subprocesses --nonblocking --rate 100 --format speedscope
+         -o "$OUT/$PART.speedscope.json" -- "${cmd[@]}")
+fi
 timeout -s ABRT -k 10 "$LIMIT" "${cmd[@]}" 2>&1 | tee "$OUT/$PART.log" | grep -v "Warning\|warn(" | tail -n 60
 rc=${PIPESTATUS[0]}
 python3 -m api down > /dev/null 2>&1
