@@ -5,9 +5,10 @@
 Later files win for the packages they name (constraints-transformers517.txt over constraints.txt). Every installed
 distribution must be pinned, at its pinned version, except pip (the venv's own), torch (pinned on .ci/run's pip
 command line) and gpujobs itself. Where two folders on sys.path hold one package (.ci-venv517 is an overlay on
-.ci-venv: .ci/run), the one this interpreter imports counts: the first. `pip install -c` takes a package that no constraint names at its newest
-version: without this check a new dependency would slip into CI unpinned, and CI would no longer say what it
-tested. Exit status 0 when everything is pinned, 1 with the list otherwise. Standard library only.
+.ci-venv: .ci/run), the one this interpreter imports counts: the first. `pip install -c` takes a package that no
+constraint names at its newest version: without this check a new dependency would slip into CI unpinned, and CI
+would no longer say what it tested. Exit status 0 when everything is pinned, 1 with the list otherwise. Standard
+library only.
 """
 
 from __future__ import annotations
