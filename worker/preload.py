@@ -20,7 +20,8 @@ The start-up order (worker/main.py runs it; each step ends before the next begin
    flex_attention probe's thread (worker/runtime.py; the compile runs in a child process) and the stack watch.
    What these threads import, step 1 imported.
 3. Celery's solo pool in the main thread: tasks run there, and so do imports first made at job time (a model's own
-   modeling file, kernels, what a compile loads): in one thread, while the others import nothing.
+   modeling file, kernels, what a compile loads): in one thread, while the others import nothing. A generation
+   shard's committer thread (worker/committer.py) calls only what step 1 imported.
 
 A thread added to a worker must keep to this: import its heavy modules here (REQUIRED or OPTIONAL), never from its
 own thread. tests/test_preload.py runs a worker under an import hook that makes any two threads' imports of

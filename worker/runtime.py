@@ -19,8 +19,9 @@ stay; the next claim takes only pending rows.
 
 Threads and imports: the process imports its heavy modules once, in the main thread, before `start_heartbeat` starts
 the heartbeat and the flex_attention probe's thread (worker/preload.py has the whole start-up order and why: two
-threads' imports of torch raced and broke the process, issue 27). Neither thread imports anything heavy; the QLoRA
-probe runs in the main thread at registration. A shard that fails while the process's engine or training code no
+threads' imports of torch raced and broke the process, issue 27). While a generation shard runs, a third thread
+commits its micro-batches (worker/committer.py: the engine goes on decoding meanwhile). None of them imports
+anything heavy; the QLoRA probe runs in the main thread at registration. A shard that fails while the process's engine or training code no
 longer imports (`preload.check`) is the worker's fault (`_on_broken`): the shard goes back without counting the
 attempt (core/leases.py `give_back_broken`), the registration says why, and the process exits with
 `core.exits.BROKEN`.
@@ -50,6 +51,7 @@ from core.models import Job
 from core.settings import get_settings
 from core.spec import FinetuneSpec, GenerateSpec, LoadOptions
 from worker import capabilities, failures, faults, generate, gpu_memory, hubfetch, loader, preload, tracebacks, training
+from worker.committer import Committer
 from worker.progress import Progress, Stall
 
 log = logging.getLogger(__name__)
@@ -380,29 +382,40 @@ class Runtime:
 
         where = formats.location(spec.input_format)
         engine_info: dict[str, Any] = {}  # what ran: engine, attention, CUDA graphs, cache (worker/generate.py)
-        first_result: float | None = None
-        committed = 0
-        for results in generate.generate(
-            loaded,
-            spec,
-            rows,
-            batch_rows=batch_rows,
-            should_stop=lambda: should_stop() or boundary.is_set(),
-            on_event=on_event,
-            info=engine_info,
-            progress=self.progress,
-        ):
-            engine_s += time.perf_counter() - t_engine
-            faults.hit("batch")
-            failures.name_rows(results, lines, where)  # every row error names its line (or row)
+        done = {"rows": 0, "first_result": None}  # committed rows, time of the first commit
+
+        def commit(results: list) -> bool:  # on the committer's thread (worker/committer.py)
             if not leases.record(shard, self.name, results, settings.lease_seconds):
-                break  # the job is stopping
-            committed += len(results)
+                return False  # the job is stopping
+            done["rows"] += len(results)
             self.progress.beat("committed micro-batch")
-            first_result = first_result or time.time()  # time to first result: first commit after the claim
+            done["first_result"] = done["first_result"] or time.time()  # time to first result: first commit
             if self.yielding.is_set():
                 boundary.set()  # rows the engine still returns are committed too; it starts no other
-            t_engine = time.perf_counter()
+            return True
+
+        committer = Committer(commit, name=f"committer-{shard.id}")
+        try:
+            for results in generate.generate(
+                loaded,
+                spec,
+                rows,
+                batch_rows=batch_rows,
+                should_stop=lambda: should_stop() or boundary.is_set() or committer.halted,
+                on_event=on_event,
+                info=engine_info,
+                progress=self.progress,
+            ):
+                engine_s += time.perf_counter() - t_engine
+                faults.hit("batch")
+                failures.name_rows(results, lines, where)  # every row error names its line (or row)
+                committer.put(results)
+                if committer.stopped:
+                    break  # the job is stopping
+                t_engine = time.perf_counter()
+        finally:
+            committer.close()  # every micro-batch handed over is committed before the shard's end is decided
+        committed, first_result = done["rows"], done["first_result"]
         if boundary.is_set() and committed < len(rows) and not should_stop():
             self._yield(shard, f"after {committed} of the shard's {len(rows)} pending rows")
             return
