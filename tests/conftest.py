@@ -25,9 +25,10 @@ import pytest
 
 # One torch thread per process: this test process, its workers and every child it starts (they inherit the
 # environment; set before anything here imports torch). The suite runs many torch processes at once on few cores,
-# and torch's OpenMP threads, two or more per process, then wait on each other: one engine test on CI's 2-core
-# machine took 50 s of CPU with torch's default threads and 14 s with one, quiet; with two spin loops beside it,
-# 34 s and 19 s of wall time. Set OMP_NUM_THREADS yourself to choose another number.
+# and torch's OpenMP threads, two or more per process, then wait on each other. One engine test on CI's 2-core
+# machine (test_engine_fast.py's consecutive runs) beside one spin loop: 51 s of CPU and 47 s of wall time with
+# torch's default threads, 14 s and 12 s with one; beside two spin loops, 29 s and 34 s against 15 s and 19 s.
+# Set OMP_NUM_THREADS yourself to choose another number.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # a pytest plugin imported it first: its thread count is already fixed
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
