@@ -3,7 +3,8 @@
 The runtime (worker/runtime.py) owns one `Progress` and passes it down, next to `should_stop`, to the generation
 engines (worker/engines/) and the fine-tune (worker/training/finetune.py, worker/training/distributed.py). They
 call `beat(kind)` at each unit of work (a decode step, a prefill chunk, a training step) and the runtime after each
-committed micro-batch; one-off long phases (loading a model, compiling, capturing CUDA graphs) run inside
+micro-batch it hands to its committer (worker/committer.py: beats come from the engine's thread only, so a stall
+report says what the engine last did); one-off long phases (loading a model, compiling, capturing CUDA graphs) run inside
 `phase(name)`. The heartbeat thread renews a shard's lease only while `stalled()` is None: progress, not liveness,
 holds a lease.
 

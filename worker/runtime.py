@@ -9,11 +9,11 @@ the micro-batch it is in, a fine-tune after saving a checkpoint at its step's en
 queue (`leases.yield_shard`) to go on later from there.
 
 The stall watchdog: progress, not liveness, renews a lease. The engines report every decode step, prefill chunk
-and training step, and the runner every committed micro-batch, to `Runtime.progress` (worker/progress.py). The
-heartbeat renews the lease only while the last progress is within the stall bound. Past it (`_on_stall`) the
-worker writes a `stall` event on the job (what it was doing, for how long, the engine thread's stack), gives the
-shard back (the attempt counts: a shard that stalls on every attempt fails after JOBS_MAX_ATTEMPTS with that
-reason; a cancelled job's shard is cancelled), sends it again for another worker, records the reason on its
+and training step, and the runner every micro-batch it hands over to be committed, to `Runtime.progress`
+(worker/progress.py). The heartbeat renews the lease only while the last progress is within the stall bound. Past
+it (`_on_stall`) the worker writes a `stall` event on the job (what it was doing, for how long, the engine
+thread's stack), gives the shard back (the attempt counts: a shard that stalls on every attempt fails after
+JOBS_MAX_ATTEMPTS with that reason; a cancelled job's shard is cancelled), sends it again for another worker, records the reason on its
 registration and exits with `core.exits.STALLED`: a CUDA context that hung is not trusted again. Committed rows
 stay; the next claim takes only pending rows.
 
@@ -388,7 +388,6 @@ class Runtime:
             if not leases.record(shard, self.name, results, settings.lease_seconds):
                 return False  # the job is stopping
             done["rows"] += len(results)
-            self.progress.beat("committed micro-batch")
             done["first_result"] = done["first_result"] or time.time()  # time to first result: first commit
             if self.yielding.is_set():
                 boundary.set()  # rows the engine still returns are committed too; it starts no other
@@ -410,6 +409,7 @@ class Runtime:
                 faults.hit("batch")
                 failures.name_rows(results, lines, where)  # every row error names its line (or row)
                 committer.put(results)
+                self.progress.beat("micro-batch handed over")  # the engine's progress (a commit is the committer's)
                 if committer.stopped:
                     break  # the job is stopping
                 t_engine = time.perf_counter()
