@@ -370,6 +370,53 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     assert out.returncode == 0 and "kernel ok" in out.stdout, out.stderr[-3000:]
 
 
+CASCADE_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from worker.engines import decode_attention as da
+from tests.test_engine_fast import paged
+P = da.PAGE
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.float16):
+    b, w = 7, 4
+    q, cache = torch.randn(b, 8, 32, dtype=dtype), torch.randn(2, b, 2, w * P, 32, dtype=dtype)
+    (k, table), (v, _) = paged(cache[0], 2), paged(cache[1], 2)
+    # rows 2 and 3 start with row 1's two pages, row 4 with its first; row 6 holds it but is shorter than it
+    for r, n in ((2, 2), (3, 2), (4, 1), (6, 1)):
+        cache[:, r, :, : n * P] = cache[:, 1, :, : n * P]
+        table[r, :n] = table[1, :n]
+    lengths = torch.tensor([0, 3 * P + 5, 2 * P + 1, 4 * P, 2 * P + 9, P + 3, 30], dtype=torch.int32)
+    ref = da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
+    for n, starts in ((1, [0, 1, 1, 1, 1, 0, 1]), (2, [0, 2, 2, 2, 1, 0, 1])):
+        shared = torch.full((w,), -1, dtype=torch.long)
+        shared[:n] = table[1, :n]
+        start = da.cascade_start(table, shared)
+        assert start.tolist() == starts, (n, start.tolist())
+        for splits in (1, 3):
+            got = da._triton_decode(q, k, v, table, lengths, 0.3, splits, (shared, torch.tensor([n], dtype=torch.int32), start))
+            diff = (got.float() - ref).abs().max().item()
+            assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, n, splits, diff)
+            assert torch.all(got[0] == 0)
+print("cascade ok")
+"""
+
+
+def test_cascade_kernels_match_the_reference_in_the_interpreter():
+    """The cascade (decode_attention's docstring) in Triton's CPU interpreter: shared pages read once by the prefix
+    kernel for the rows whose tables start with them, the rest by the row kernel, merged, equal SDPA over each row's
+    contiguous cache. Rows share two pages, one, or none; a free row gives zeros; a row that holds a shared page but
+    is shorter than it attends only to its own length."""
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", CASCADE_SCRIPT, str(ROOT)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        timeout=300,
+    )
+    assert out.returncode == 0 and "cascade ok" in out.stdout, out.stderr[-3000:]
+
+
 ENGINE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -391,6 +438,52 @@ assert info["attn_implementation"] == "gpujobs_fast (decode: triton)", info
 assert fast == padded, (fast, padded)
 print("engine ok")
 """
+
+
+CASCADE_ENGINE_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from core import logprob_store
+from core.spec import GenerateSpec
+from tests.test_engine_fast import prefixed_rows
+from worker import generate as engine
+from worker.engines import decode_attention as da, fastgen, slot_state
+from worker.loader import load
+spec = lambda **f: GenerateSpec.model_validate({"model": sys.argv[2], "input": "file_x", "engine": "fast", **f})
+loaded = load(spec(), gpus=0)
+slot_state.CPU_SLOTS = 4
+fastgen.CASCADE_MIN_PAGES, fastgen.CASCADE_MIN_ROWS = 2, 2
+da.TARGET_PROGRAMS = 1  # one part per row and one for the prefix: the interpreter runs each program in Python
+rows = prefixed_rows(6)
+def run(cascade):
+    fastgen.CASCADE = cascade
+    slot_state.release(loaded.model)
+    info = {}
+    got = {r.idx: r for b in engine.generate(loaded, spec(logprobs=True), rows, batch_rows=2, info=info) for r in b}
+    return got, info["fast"]["cascade_steps"]
+(on, steps_on), (off, steps_off) = run(True), run(False)
+assert steps_on > 0 and steps_off == 0, (steps_on, steps_off)
+assert {i: r.output for i, r in on.items()} == {i: r.output for i, r in off.items()}
+for i in on:  # each step's log-probabilities: the decode attention's output, not only its argmax
+    a, b = ([e["logprob"] for e in logprob_store.render(r[i].logprobs)] for r in (on, off))
+    assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (i, a, b)
+print("cascade engine ok", steps_on)
+"""
+
+
+def test_the_engine_with_the_cascade_on_the_triton_kernels_equals_it_without(tiny_model):
+    """The whole fast engine on the Triton kernels (interpreter), rows sharing an instruction of several cached
+    pages: decode steps with the cascade (its thresholds lowered to the test's size) give the greedy outputs and
+    the per-token log-probabilities of the same engine without it."""
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", CASCADE_ENGINE_SCRIPT, str(ROOT), str(tiny_model)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
+        timeout=600,
+    )
+    assert out.returncode == 0 and "cascade engine ok" in out.stdout, out.stderr[-3000:]
 
 
 def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
@@ -600,6 +693,40 @@ def test_rows_sharing_a_prefix_prefill_only_the_rest_and_give_the_outputs_of_a_w
     stats = info["fast"]
     assert stats["prompt_tokens"] == sum(r.prompt_tokens for r in cached.values())
     assert stats["prefix_tokens_reused"] >= (len(rows) - 1) * shared_pages * decode_attention.PAGE
+
+
+def test_the_cascade_reads_the_prefix_most_running_rows_share(loaded, tiny_model, slots, monkeypatch):
+    """The host side of the cascade: after an admission the engine names the cached prefix that saves the most
+    reads (rows holding it × its pages), writes it into the state for the decode step (-1 past its end) and counts
+    the running rows whose tables start with it; decode steps use it while enough rows do, and `cascade_steps`
+    counts them. (On CPU the attention is the reference, which reads every table whole; the kernels are checked
+    in the interpreter above.)"""
+    slots(16)
+    monkeypatch.setattr(fastgen, "CASCADE_MIN_PAGES", 2)
+    monkeypatch.setattr(fastgen, "CASCADE_MIN_ROWS", 4)
+    state = slot_state.state_for(loaded.model, loaded.device, loaded.model.get_output_embeddings().weight.shape[0])
+    eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=16, graphs=False)
+    seq = lambda pages, prefix: fastgen.Seq(None, 0, pages=pages, prefix=prefix)  # noqa: E731
+    running = {0: seq([5, 6, 7, 8], 0), 1: seq([5, 6, 7, 9], 3), 2: seq([5, 6, 10], 2), 3: seq([11, 12, 13], 2)}
+    running.update({4 + i: seq([5, 6, 7, 20 + i], 3) for i in range(3)})
+    eng._choose_shared(running)
+    assert eng._cascade_pages == (5, 6, 7) and eng._sharing == 5  # 4 rows × 3 pages beats 5 rows × 2 pages
+    assert state.shared[:4].tolist() == [5, 6, 7, -1] and state.shared_n.item() == 3
+    assert "cascade" in eng._extras(running)
+    eng._cascade_pages, eng._sharing = (5, 6, 7), 3
+    assert "cascade" not in eng._extras(running)
+
+    rows = prefixed_rows(12)
+    off_info: dict = {}
+    monkeypatch.setattr(fastgen, "CASCADE", False)
+    off = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=off_info)
+    monkeypatch.setattr(fastgen, "CASCADE", True)
+    slot_state.release(loaded.model)
+    info: dict = {}
+    on = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
+    assert fields(on) == fields(off)
+    assert off_info["fast"]["cascade_steps"] == 0
+    assert 0 < info["fast"]["cascade_steps"] <= info["fast"]["steps"]
 
 
 def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_model, slots):

@@ -8,6 +8,10 @@ bound 0.50 ms at 4.3 TB/s).
 2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
    contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
    bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions.
+3. cascade: for each (batch, shared, own) of CASCADE_SHAPES, rows whose tables start with the same `shared`
+   positions of pages (a cached prompt prefix, G3: 1,024) and go on with `own` positions of their own: the plain
+   kernel (every row reads the shared pages) against the cascade (the shared pages read once for all rows, the
+   merge included), max |diff| between them, and the bytes each must read at least.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ops.bench import harness  # after the repository root is on sys.path
 
 CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
 SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
+CASCADE_SHAPES = ((1024, 1024, 128), (1024, 1024, 64), (256, 1024, 128), (1024, 256, 128), (64, 1024, 128))
 HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
 
 
@@ -108,6 +113,7 @@ def main() -> int:
         print(row, flush=True)
         del q, k, v, kp, vp
         torch.cuda.empty_cache()
+    cascade = [cascade_row(torch, da, scale, *shape) for shape in CASCADE_SHAPES]
     harness.write_json(
         args.out,
         {
@@ -117,6 +123,7 @@ def main() -> int:
             "configs": configs,
             "best": best,
             "results": results,
+            "cascade": cascade,
         },
     )
     print(f"best config: {best}")
@@ -129,7 +136,47 @@ def main() -> int:
             f"{r['batch']:>6}{r['context']:>6}{r['splits']:>7}{r['ours_ms']:>9.3f}{r['sdpa_gqa_ms']:>9.3f}"
             f"{r['ours_tb_s']:>10.2f}{r['sdpa_tb_s']:>10.2f}{r['max_abs_diff']:>10.4f}"
         )
+    print(f"{'batch':>6}{'shared':>7}{'own':>5}{'plain ms':>10}{'cascade ms':>11}{'gain':>7}{'max diff':>10}")
+    for r in cascade:
+        print(
+            f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
+            f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
+        )
     return 0
+
+
+def cascade_row(torch, da, scale: float, batch: int, shared: int, own: int) -> dict:
+    """Rows sharing their first `shared` positions' pages, then `own` positions each: plain kernel vs cascade."""
+    q, _, _, kp, vp, table, lengths = paged(torch, da, batch, shared + own)
+    n = shared // da.PAGE
+    table[:, :n] = table[0, :n]  # every row's first pages are row 0's (the others are never read)
+    common = torch.full((table.shape[1],), -1, dtype=torch.long, device="cuda")
+    common[:n] = table[0, :n]
+    count = torch.tensor([n], dtype=torch.int32, device="cuda")
+    start = da.cascade_start(table, common)
+    splits = da.splits_for(batch, KV_HEADS)
+    plain = partial(da._triton_decode, q, kp, vp, table, lengths, scale, splits)
+    cascaded = partial(da._triton_decode, q, kp, vp, table, lengths, scale, splits, (common, count, start))
+    diff = (plain().float() - cascaded().float()).abs().max().item()
+    t_plain, t_cascade = timed(torch, plain), timed(torch, cascaded)
+    per_position = 2 * KV_HEADS * DIM * 2
+    row = {
+        "batch": batch,
+        "shared": shared,
+        "own": own,
+        "splits": splits,
+        "prefix_splits": da.prefix_splits(batch, HEADS, KV_HEADS),
+        "max_abs_diff": diff,
+        "plain_ms": round(t_plain, 4),
+        "cascade_ms": round(t_cascade, 4),
+        "gain": round(t_plain / t_cascade, 2),
+        "plain_bound_ms_at_4.3": round(batch * (shared + own) * per_position / 4.3e9, 4),
+        "cascade_bound_ms_at_4.3": round((shared + batch * own) * per_position / 4.3e9, 4),
+    }
+    print(row, flush=True)
+    del q, kp, vp
+    torch.cuda.empty_cache()
+    return row
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
 - G1: 1024 prompts × 256 input tokens, 256 output tokens each.
 - G2: 2048 prompts, input lengths uniform in 32–1024, outputs uniform in 16–512 (per-row `max_new_tokens`).
 - G3: 1024 prompts of one shared 1,024-token instruction and a unique 64-token part, 128 output tokens: the engine
-  with its prefix cache on and off, interleaved `--repeat` times (rows/s, outputs equal: `prefix_cache`); each run
-  with the cache on starts from an empty cache (it reuses what its own rows share, not the previous run's prompts).
+  with its prefix cache off, on, and on without the cascade decode (`fastgen.CASCADE` off: the shared pages read
+  per row), interleaved `--repeat` times (rows/s, outputs equal: `prefix_cache`); each run with the cache on starts
+  from an empty cache (it reuses what its own rows share, not the previous run's prompts).
 - G1-JSON (`g1json`): G1's rows, each constrained by SCHEMA_G1JSON (a string, an integer, an enum), EOS on (the
   grammar ends each output), up to 256 tokens. Engine alone, in one child process, warm runs: unconstrained G1
   (tok/s), the constrained run (its valid fraction of the outputs not cut by max_new_tokens, checked by
@@ -372,42 +373,60 @@ def run_inproc(args: argparse.Namespace) -> int:
     # b1. G3: the prefix cache on and off, interleaved, on the resident engine; outputs must be equal
     def prefix_compare() -> None:
         off_spec = spec.model_copy(update={"prefix_cache": "off"})
-        rates: dict[str, list[float]] = {"auto": [], "off": []}
+        modes = (("off", off_spec, True), ("auto", spec, True), ("no_cascade", spec, False))
+        rates: dict[str, list[float]] = {mode: [] for mode, _, _ in modes}
         outputs: dict[str, dict] = {}
-        reused = {}
-        for _ in engine.generate(loaded, off_spec, rows, batch_rows=256):  # untimed: it pays the preparation
-            pass
-        for _ in range(args.repeat):
-            for mode, s in (("off", off_spec), ("auto", spec)):
-                if mode == "auto":  # an empty prefix cache: each run reuses only what its own rows share
-                    state = model.__dict__["_gpujobs_fast"]
-                    state.pool = pages.Pool(state.pool.count)
-                info: dict = {}
-                harness.sync()
-                t = time.perf_counter()
-                got = {r.idx: r.output for b in engine.generate(loaded, s, rows, batch_rows=256, info=info) for r in b}
-                harness.sync()
-                rates[mode].append(round(len(rows) / (time.perf_counter() - t), 2))
-                outputs.setdefault(mode, got)
-                reused[mode] = info.get("fast", {}).get("prefix_tokens_reused")
-        on, off = harness.repeated(rates["auto"]), harness.repeated(rates["off"])
-        same = sum(outputs["auto"][i] == outputs["off"][i] for i in outputs["off"])
+        reused, cascade_steps = {}, {}
+        for s in (off_spec, spec):  # untimed: they pay the preparation and the cascade's kernel and graph
+            for _ in engine.generate(loaded, s, rows, batch_rows=256):
+                pass
+        try:
+            for _ in range(args.repeat):
+                for mode, s, cascade in modes:
+                    fastgen.CASCADE = cascade
+                    if s is spec:  # an empty prefix cache: each run reuses only what its own rows share
+                        state = model.__dict__["_gpujobs_fast"]
+                        state.pool = pages.Pool(state.pool.count)
+                    info: dict = {}
+                    harness.sync()
+                    t = time.perf_counter()
+                    got = {
+                        r.idx: r.output for b in engine.generate(loaded, s, rows, batch_rows=256, info=info) for r in b
+                    }
+                    harness.sync()
+                    rates[mode].append(round(len(rows) / (time.perf_counter() - t), 2))
+                    outputs.setdefault(mode, got)
+                    reused[mode] = info.get("fast", {}).get("prefix_tokens_reused")
+                    cascade_steps[mode] = info.get("fast", {}).get("cascade_steps")
+        finally:
+            fastgen.CASCADE = True
+        stats = {mode: harness.repeated(r) for mode, r in rates.items()}
+        same = {
+            mode: sum(outputs[mode][i] == outputs["off"][i] for i in outputs["off"]) for mode in ("auto", "no_cascade")
+        }
         out["prefix_cache"] = {
-            "rows_per_s_on": on,
-            "rows_per_s_off": off,
-            "ratio": round(on["median"] / off["median"], 3),
+            "rows_per_s_on": stats["auto"],
+            "rows_per_s_off": stats["off"],
+            "rows_per_s_on_without_cascade": stats["no_cascade"],
+            "ratio": round(stats["auto"]["median"] / stats["off"]["median"], 3),
+            "ratio_without_cascade": round(stats["no_cascade"]["median"] / stats["off"]["median"], 3),
+            "cascade_gain": round(stats["auto"]["median"] / stats["no_cascade"]["median"], 3),
             "prefix_tokens_reused_last_run": reused,
-            "outputs_equal": f"{same}/{len(rows)}",
-            "passed": same == len(rows),
+            "cascade_steps_last_run": cascade_steps,
+            "outputs_equal": f"{same['auto']}/{len(rows)}",
+            "outputs_equal_without_cascade": f"{same['no_cascade']}/{len(rows)}",
+            "passed": same["auto"] == same["no_cascade"] == len(rows),
         }
         out["correctness"]["prefix_cache_equals_whole_prefill"] = out["prefix_cache"]
         log(
-            f"prefix cache: {on['median']:,.1f} rows/s on, {off['median']:,.1f} off "
-            f"({out['prefix_cache']['ratio']}x); outputs equal {same}/{len(rows)}"
+            f"prefix cache: {stats['auto']['median']:,.1f} rows/s on, {stats['no_cascade']['median']:,.1f} on without"
+            f" the cascade, {stats['off']['median']:,.1f} off ({out['prefix_cache']['ratio']}x, cascade "
+            f"{out['prefix_cache']['cascade_gain']}x); outputs equal {same['auto']}/{len(rows)} and "
+            f"{same['no_cascade']}/{len(rows)}"
         )
 
     if args.workload == "g3":  # G3's point, first: a later step may not fit in the time box
-        step("prefix_cache", 40 + 20 * args.repeat, prefix_compare)
+        step("prefix_cache", 40 + 30 * args.repeat, prefix_compare)
     step("engine", 20 + 20 * args.repeat, engine_runs)
 
     # b2. a resident engine across jobs of other shapes (issue 12: the second large run once stalled): G1, then

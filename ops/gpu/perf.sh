@@ -3,7 +3,8 @@
 # stack: SIGABRT with PYTHONFAULTHANDLER=1); results under $OUT. Via the device tool, `.whl` carried, timeout_s 590:
 #   PART=g2 bash ops/gpu/perf.sh     # gen.py g2: engine (cold + 3 warm), baselines, the peer, service x3, restart
 #   PART=g1 bash ops/gpu/perf.sh     # the same for G1 (and the static-cache baseline)
-#   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache on against off (3 interleaved runs each), outputs equal
+#   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
+#   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
@@ -14,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g3, i26, f1, f1-service or grammar}
+PART=${PART:?set PART to g1, g2, g3, i26, kernel, f1, f1-service or grammar}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
@@ -32,6 +33,7 @@ case $PART in
     f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
     grammar) cmd=(python3 ops/bench/grammar_step.py --out "$OUT/grammar-step.json") ;;
+    kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
     *) echo "perf.sh: unknown PART $PART" >&2; exit 2 ;;

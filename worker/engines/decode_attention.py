@@ -9,7 +9,16 @@ one and nothing is padded. Grouped-query heads share one read of K/V: a program 
 the query heads of its group together, so each K/V byte is read once per step (the memory-bandwidth bound of G1 in
 DESIGN.md assumes exactly that).
 
-Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits)`:
+**Cascade** (a prompt prefix many rows share, issue 26): rows whose prompts start with the same cached pages hold
+the same physical pages at the start of their tables (worker/engines/pages.py). Read per row, a 1,024-token shared
+instruction costs every row its whole K/V each step (G3: ~31 ms of a step on the H200). With `cascade`, the engine
+names one run of shared pages (`shared`, its length `shared_n`) and each row's `start`: how many of its first
+blocks are those pages (`cascade_start`). `_prefix_kernel` then reads each shared page once per (block of query
+rows, kv head) and attends the queries of all rows to it in one product; the row kernel reads only the blocks from
+`start` on; the parts are merged by log-sum-exp (`_merge`). The result is the plain decode's whatever `shared`
+holds: a row's `start` counts only blocks its own table lists, and positions past its length are masked.
+
+Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade)`:
 
 - `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, one page per inner
   step; optionally split over the context in `splits` parts that take every splits-th page, merged by `_merge`,
@@ -36,6 +45,7 @@ PAGE = 64  # positions per page of the KV cache; also the kernel's inner step (o
 CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
+BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
 
 try:  # triton ships with CUDA builds of torch; CPU builds may lack it (the reference runs there)
     import triton
@@ -59,14 +69,23 @@ def decode(
     lengths: torch.Tensor,
     scale: float,
     splits: int = 1,
+    cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per slot. q: (B, H, D); k_pages, v_pages: (pages, KVH, PAGE, D) (last dim
     contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
-    positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`). Returns
-    (B, H, D) in q's dtype. The Triton kernel where it runs (see `available`), else the reference."""
+    positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`); `cascade`:
+    (shared (W,) long, shared_n (1,) int32, start (B,) int32), see the module docstring. Returns (B, H, D) in q's
+    dtype. The Triton kernels where they run (see `available`), else the reference (which reads every row's table
+    whole: the same result with or without `cascade`)."""
     if available(q.device):
-        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits)
+        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade)
     return reference_decode(q, k_pages, v_pages, table, lengths, scale)
+
+
+def cascade_start(table: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """(B,) int32: how many leading blocks of each row of `table` (B, W) are the pages `shared` (W,) lists (-1
+    past its end: no table entry matches)."""
+    return (table == shared[None, :]).to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
 
 
 def gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -110,27 +129,39 @@ def splits_for(batch: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
 
 
-def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: int) -> torch.Tensor:
-    """One split: the kernel writes the normalized output in q's dtype. Several: fp32 partial results per split,
-    merged by `_merge`."""
+def prefix_splits(batch: int, heads: int, kv_heads: int) -> int:
+    """How many parts the cascade's shared pages are cut into (part j reads shared pages j, j + parts, ...), so
+    that about TARGET_PROGRAMS programs of `_prefix_kernel` run."""
+    blocks = math.ceil(batch * (heads // kv_heads) / BLOCK_M)
+    return max(1, min(MAX_SPLITS, math.ceil(TARGET_PROGRAMS / (blocks * kv_heads))))
+
+
+def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: int, cascade=None) -> torch.Tensor:
+    """One split and no cascade: the kernel writes the normalized output in q's dtype. Otherwise fp32 partial
+    results per part (the row kernel's splits, then the prefix kernel's), merged by `_merge`."""
     batch, heads, dim = q.shape
     kv_heads = k_pages.shape[1]
     group = heads // kv_heads
-    direct = splits == 1
+    direct = splits == 1 and cascade is None
+    prefix_parts = 0 if cascade is None else prefix_splits(batch, heads, kv_heads)
+    parts = splits + prefix_parts
     if direct:
         acc = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)
         stats = acc  # unused
     else:
-        acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
-        stats = torch.empty((batch, heads, splits, 2), dtype=torch.float32, device=q.device)  # running max, sum
+        acc = torch.empty((batch, heads, parts, dim), dtype=torch.float32, device=q.device)
+        stats = torch.empty((batch, heads, parts, 2), dtype=torch.float32, device=q.device)  # running max, sum
+    start = lengths if cascade is None else cascade[2]  # unread without a cascade
     _decode_kernel[(batch, kv_heads, splits)](
         q,
         k_pages,
         v_pages,
         table,
         lengths,
+        start,
         acc,
         stats,
+        parts,
         q.stride(0),
         q.stride(1),
         k_pages.stride(0),
@@ -146,11 +177,43 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         HEAD_DIM=dim,
         BLOCK=PAGE,
         DIRECT=direct,
+        START=cascade is not None,
         num_warps=CONFIG["warps"],
         num_stages=CONFIG["stages"],
     )
     if direct:
         return acc[:, :, 0]
+    if cascade is not None:
+        shared, shared_n, start = cascade
+        _prefix_kernel[(math.ceil(batch * group / BLOCK_M), kv_heads, prefix_parts)](
+            q,
+            k_pages,
+            v_pages,
+            shared,
+            shared_n,
+            start,
+            lengths,
+            acc,
+            stats,
+            q.stride(0),
+            q.stride(1),
+            k_pages.stride(0),
+            k_pages.stride(1),
+            k_pages.stride(2),
+            v_pages.stride(0),
+            v_pages.stride(1),
+            v_pages.stride(2),
+            batch,
+            parts,
+            splits,
+            scale * 1.4426950408889634,
+            GROUP=group,
+            HEAD_DIM=dim,
+            BLOCK=PAGE,
+            BLOCK_M=BLOCK_M,
+            num_warps=CONFIG["warps"],
+            num_stages=CONFIG["stages"],
+        )
     return _merge(acc, stats).to(q.dtype)
 
 
@@ -174,8 +237,10 @@ if triton is not None:
         V,
         Table,
         Lengths,
+        Start,
         Acc,
         Stats,
+        parts,
         stride_qb,
         stride_qh,
         stride_kp,
@@ -191,12 +256,16 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         DIRECT: tl.constexpr,
+        START: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         splits = tl.num_programs(2)
         length = tl.load(Lengths + b).to(tl.int32)
+        first = 0
+        if START:  # the blocks before it are the prefix kernel's
+            first = tl.load(Start + b).to(tl.int32)
 
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
@@ -206,7 +275,7 @@ if triton is not None:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
-        for block in range(split, tl.cdiv(length, BLOCK), splits):  # this part's pages: split, split + splits, ...
+        for block in range(first + split, tl.cdiv(length, BLOCK), splits):  # this part's: split, split + splits, ...
             page = tl.load(Table + b * stride_tb + block).to(tl.int64)
             valid = block * BLOCK + offs < length
             k = tl.load(
@@ -228,7 +297,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-        row = (b * GROUP * tl.num_programs(1) + heads) * splits + split  # index into (B, H, splits)
+        row = (b * GROUP * tl.num_programs(1) + heads) * parts + split  # index into (B, H, parts)
         keep = g < GROUP
         if DIRECT:  # one split: normalize here (a slot of length 0 gives zeros)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -237,3 +306,73 @@ if triton is not None:
             tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
             tl.store(Stats + row * 2, m_i, mask=keep)
             tl.store(Stats + row * 2 + 1, l_i, mask=keep)
+
+    @triton.jit
+    def _prefix_kernel(
+        Q,
+        K,
+        V,
+        Shared,
+        SharedN,
+        Start,
+        Lengths,
+        Acc,
+        Stats,
+        stride_qb,
+        stride_qh,
+        stride_kp,
+        stride_kh,
+        stride_kn,
+        stride_vp,
+        stride_vh,
+        stride_vn,
+        batch,
+        parts,
+        part0,
+        scale_log2,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """The cascade's shared pages: a program takes BLOCK_M query vectors (row b, query head of kv head `kvh`)
+        and reads its part's shared pages once for all of them; a row attends only to blocks before its `start`
+        and positions before its length. Writes part `part0 + split` of each row's partial results."""
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        splits = tl.num_programs(2)
+        i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        b = i // GROUP
+        heads = kvh * GROUP + i % GROUP
+        inside = b < batch
+        first = tl.load(Start + b, mask=inside, other=0).to(tl.int32)
+        length = tl.load(Lengths + b, mask=inside, other=0).to(tl.int32)
+        n = tl.load(SharedN).to(tl.int32)
+
+        d = tl.arange(0, HEAD_DIM)
+        offs = tl.arange(0, BLOCK)
+        q = tl.load(
+            Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=inside[:, None], other=0.0
+        )
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        for block in range(split, n, splits):
+            page = tl.load(Shared + block).to(tl.int64)
+            k = tl.load(K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :])
+            s = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_M, BLOCK), base-2 logits
+            valid = (block < first)[:, None] & (block * BLOCK + offs[None, :] < length[:, None])
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing valid yet stays at 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        row = (b * GROUP * tl.num_programs(1) + heads) * parts + part0 + split
+        tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=inside[:, None])
+        tl.store(Stats + row * 2, m_i, mask=inside)
+        tl.store(Stats + row * 2 + 1, l_i, mask=inside)

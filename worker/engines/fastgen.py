@@ -18,7 +18,9 @@ transformers model and replaces only the attention (worker/engines/paged_attenti
 - **Decode** runs one token for every running slot: K/V written at each slot's position, attention over each
   slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), the next token
   picked on the GPU (greedy argmax, or temperature sampling by the exponential race `argmax(p / E)`, E ~ Exp(1)).
-  On CUDA the whole step is a CUDA graph per batch bucket, replayed: one launch per step.
+  On CUDA the whole step is a CUDA graph per batch bucket, replayed: one launch per step. Rows whose prompts start
+  from one cached prefix (the prefix cache, worker/engines/pages.py) have its K/V read once a step for all of them
+  (the cascade: `CASCADE`, `Engine._choose_shared`), not once per row.
 - **Scheduling.** Rows are queued longest first (prompt + max_new_tokens) so the last rows to finish are short.
   Free slots are refilled from the queue as rows finish and pages come back (in groups of at least
   `slots // ADMIT_DIVISOR` rows, so prefill runs on useful batch sizes); once the queue is empty, running rows are
@@ -75,6 +77,13 @@ REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have a
 # per model and process (prefill and decode compile apart), in `prepare`; the time shows in `compile_s`.
 COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
+# Cascade decode (worker/engines/decode_attention.py): pages of a cached prompt prefix that many running rows hold
+# are read once a step for all of them. Used while at least CASCADE_MIN_ROWS running rows hold at least
+# CASCADE_MIN_PAGES shared pages (first guesses, not yet measured against each other: below them the extra kernel
+# and merge cost about what they save); ops/bench/gen.py g3 turns CASCADE off to measure it.
+CASCADE = True
+CASCADE_MIN_PAGES = 4
+CASCADE_MIN_ROWS = 16
 
 
 # --- what the engine can run ----------------------------------------------------------------------------------
@@ -229,6 +238,10 @@ class Engine:
         self.eos_index = state.eos_index
         self.pool = state.pool
         self.reuse = True  # share cached prompt prefixes (spec prefix_cache; `off` prefills every prompt whole)
+        self.cascade = CASCADE
+        self._cascade_pages: tuple[int, ...] = ()  # the pages the cascade reads once (state.shared on the device)
+        self._sharing = 0  # running sequences whose tables start with them
+        self.cascade_steps = 0
         self._unlaunched: set[int] = set()  # pages registered whose prefill is not launched yet
         self.prompt_tokens = 0  # prompt tokens of this run's sequences, and those read from cached prefixes
         self.reused_tokens = 0
@@ -242,7 +255,14 @@ class Engine:
     # -- model calls --
 
     @contextlib.contextmanager
-    def _mode(self, mode: str, pages: torch.Tensor | None = None, splits: int = 1, prefix: torch.Tensor | None = None):
+    def _mode(
+        self,
+        mode: str,
+        pages: torch.Tensor | None = None,
+        splits: int = 1,
+        prefix: torch.Tensor | None = None,
+        cascade: bool = False,
+    ):
         model = self.loaded.model
         before = model.config._attn_implementation
         model.config._attn_implementation = paged_attention.NAME  # every layer reads the config at call time
@@ -251,7 +271,7 @@ class Engine:
             for layer, fn in zip(layers, self.compiled):
                 layer._compiled_call_impl = fn  # what nn.Module.compile() sets; removed again below
         try:
-            with paged_attention.running(paged_attention.Step(mode, self.state, pages, splits, prefix)):
+            with paged_attention.running(paged_attention.Step(mode, self.state, pages, splits, prefix, cascade)):
                 yield
         finally:
             model.config._attn_implementation = before
@@ -322,17 +342,19 @@ class Engine:
         st.no_eos[slots] = no_eos
         return first
 
-    def logits(self, batch: int) -> torch.Tensor:
+    def logits(self, batch: int, cascade: bool = False) -> torch.Tensor:
         """The next-token logits (the model's dtype) of slots 0..batch-1 after writing their current token's K/V
         (free slots write into the trash page and compute garbage that nothing reads). Leaves `tok` and `pos` as
-        they were."""
+        they were. `cascade`: the attention reads `state.shared` once for the slots whose tables start with it."""
         st = self.state
         pos = st.pos[:batch]
         st.lengths[:batch] = ((pos + 1) * st.active[:batch]).to(torch.int32)
         st.write_page[:batch] = st.table[:batch].gather(1, (pos // PAGE)[:, None])[:, 0]
         st.write_offset[:batch] = pos % PAGE
+        if cascade:
+            st.start[:batch] = decode_attention.cascade_start(st.table[:batch], st.shared)
         splits = decode_attention.splits_for(batch, st.cache.shape[3])
-        with self._mode("decode", splits=splits):
+        with self._mode("decode", splits=splits, cascade=cascade):
             hidden = self.decoder(
                 input_ids=st.tok[:batch, None], position_ids=pos[:, None], use_cache=False
             ).last_hidden_state[:, 0]
@@ -349,7 +371,7 @@ class Engine:
         if phase == "choose":
             logits = st.outputs["logits"][:batch]
         else:
-            logits = self._mask_eos(self.logits(batch), st.no_eos[:batch])
+            logits = self._mask_eos(self.logits(batch, "cascade" in extras), st.no_eos[:batch])
             if phase == "forward":
                 st.outputs["logits"][:batch] = logits
                 return
@@ -464,6 +486,7 @@ class Engine:
         stats["prompt_tokens"] = stats.get("prompt_tokens", 0) + self.prompt_tokens
         stats["prefix_tokens_reused"] = stats.get("prefix_tokens_reused", 0) + self.reused_tokens
         stats["prefix_cache"] = self.reuse
+        stats["cascade_steps"] = stats.get("cascade_steps", 0) + self.cascade_steps
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
 
@@ -492,6 +515,7 @@ class Engine:
             longest, k = max(p["max_new_tokens"] for p in asking), max(logprobs.wanted(p) for p in asking)
             self._ring = logprobs.Ring(longest + 4, st.slots, k, pinned=st.tok.is_cuda)
         free = list(range(self.slots))
+        self._cascade_pages, self._sharing = (), 0
         self.pool.start_run()
         try:
             yield from self._loop(queue, free, should_stop)
@@ -522,7 +546,7 @@ class Engine:
             extras = self._extras(running)
             stepped = list(running.items())
             if "grammar" in extras:  # the masks need the last tokens: the host books them while the forward runs
-                self._forward(batch)
+                self._forward(batch, extras)
                 if pending:
                     yield from self._book(*pending, running, free)
                     pending = None
@@ -561,9 +585,25 @@ class Engine:
             for name, asked in (
                 ("grammar", any(s.guide for s in seqs)),
                 ("logprobs", any(s.lp is not None for s in seqs)),
+                ("cascade", len(self._cascade_pages) >= CASCADE_MIN_PAGES and self._sharing >= CASCADE_MIN_ROWS),
             )
             if asked
         )
+
+    def _choose_shared(self, running: dict[int, Seq]) -> None:
+        """After an admission: the pages the cascade reads once a step. Of the cached prefixes the running
+        sequences started from, the one that saves the most reads (rows holding it × its pages); written to the
+        state when it changes. Any choice gives the same outputs (decode_attention's docstring)."""
+        if not (self.cascade and self.reuse):
+            return
+        counts = collections.Counter(tuple(s.pages[: s.prefix]) for s in running.values() if s.prefix)
+        best = max(counts, key=lambda key: counts[key] * len(key), default=())
+        if best != self._cascade_pages:
+            st = self.state
+            self._cascade_pages = best
+            st.shared.copy_(_to(st.shared.device, list(best) + [-1] * (st.shared.shape[0] - len(best)), torch.long))
+            st.shared_n.fill_(len(best))
+        self._sharing = sum(tuple(s.pages[: len(best)]) == best for s in running.values()) if best else 0
 
     def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
         """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
@@ -579,15 +619,16 @@ class Engine:
         grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
         st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
 
-    def _forward(self, batch: int) -> None:
-        """Launch a grammar step's forward phase (its logits into `outputs["logits"]`, made on first use)."""
+    def _forward(self, batch: int, extras: tuple[str, ...]) -> None:
+        """Launch a grammar step's forward phase (its logits into `outputs["logits"]`, made on first use); of the
+        step's `extras` only "cascade" concerns it."""
         st = self.state
         if "logits" not in st.outputs:
             st.outputs["logits"] = torch.empty(
                 (st.slots, self.vocab), dtype=self.head.weight.dtype, device=st.tok.device
             )
         t = time.perf_counter()
-        self.step(batch, False, phase="forward")
+        self.step(batch, False, tuple(e for e in extras if e == "cascade"), phase="forward")
         self.decode_s += time.perf_counter() - t
 
     def _launch(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> Callable[[], tuple[list[int], Any]]:
@@ -606,6 +647,7 @@ class Engine:
                 st.outputs[name] = torch.zeros((st.slots, *tail), dtype=dtype, device=st.tok.device)
         self.step(batch, sample, extras, "choose" if "grammar" in extras else None)
         self.steps += 1
+        self.cascade_steps += "cascade" in extras
         self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
         faults.hit("decode_step")
         lp = None
@@ -709,6 +751,7 @@ class Engine:
         for chunk, first in launched:
             yield from self._start(chunk, *first(), running, free)
         self.prefill_s += time.perf_counter() - t
+        self._choose_shared(running)
 
     def _launch_prefill(self, chunk: list[Seq]) -> tuple[list[Seq], Callable[[], tuple[list[int], Any]]]:
         """Launch the prefill of `chunk`; returns it with a function that waits for its first tokens (and their
@@ -762,6 +805,8 @@ class Engine:
         """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the
         trash page on the device before any later step or prefill)."""
         seq.done = True
+        if self._cascade_pages and tuple(seq.pages[: len(self._cascade_pages)]) == self._cascade_pages:
+            self._sharing -= 1
         if seq.lp is not None:
             self._gather_lp(seq)
         heapq.heappush(free, seq.slot)

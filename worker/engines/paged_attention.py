@@ -9,7 +9,8 @@ prefill or a decode step it sets the model's `_attn_implementation` to `NAME` an
   each row), then runs causal SDPA over them (FlashAttention on CUDA in half precision, `_prefill_backend`), after
   the rows' shared prefix pages when a cached prompt prefix is reused (`Step.prefix`, lower-right causal);
 - **decode** writes each slot's one new K/V at `write_page`/`write_offset` of the state and attends over each
-  slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA).
+  slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), with
+  `Step.cascade` reading the pages many rows share once for all of them.
 
 The function runs outside the compiled layers (`torch.compiler.disable`, wrapped at `register`), so it reads the
 running step from this module at call time. The cache and the slot inputs are the resident state's
@@ -46,6 +47,7 @@ class Step:
     pages: torch.Tensor | None = None  # prefill: (rows, width) the page of each position of each row
     splits: int = 1
     prefix: torch.Tensor | None = None  # prefill after a shared prefix: (rows, prefix pages) of each row's table
+    cascade: bool = False  # decode: the state's shared pages are read once for all rows (decode_attention)
 
 
 @contextlib.contextmanager
@@ -102,8 +104,9 @@ def fast_attention(
     page, offset = state.write_page[:batch], state.write_offset[:batch]
     k_cache[page, :, offset] = key[:, :, 0]
     v_cache[page, :, offset] = value[:, :, 0]
+    cascade = (state.shared, state.shared_n, state.start[:batch]) if step.cascade else None
     out = decode_attention.decode(
-        query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits
+        query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits, cascade
     )
     return out[:, None], None
 

@@ -51,6 +51,11 @@ class SlotState:
     lengths: torch.Tensor  # (slots,) int32, attention length of the step being run
     write_page: torch.Tensor  # (slots,) long: the page the step writes each slot's K/V into
     write_offset: torch.Tensor  # (slots,) long: and the offset in it
+    # the cascade (decode_attention's docstring): the shared pages (-1 past their end), how many, and per slot how
+    # many of its first blocks they are
+    shared: torch.Tensor  # (width,) long
+    shared_n: torch.Tensor  # (1,) int32
+    start: torch.Tensor  # (slots,) int32
     positions: torch.Tensor  # (max_len,) 0..max_len-1, the prefill's position ids (views of one normal tensor,
     # like the decode step's `pos`, so compiled code sees one kind of tensor: no recompile between the two)
     offsets: torch.Tensor  # (max_len,) positions % PAGE
@@ -193,6 +198,9 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, ut
         lengths=zeros(torch.int32),
         write_page=zeros(torch.long),
         write_offset=zeros(torch.long),
+        shared=torch.full((width,), -1, dtype=torch.long, device=device),
+        shared_n=torch.zeros(1, dtype=torch.int32, device=device),
+        start=zeros(torch.int32),
         positions=positions,
         offsets=positions % PAGE,
     )
