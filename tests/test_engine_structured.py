@@ -170,6 +170,27 @@ def test_a_grammar_is_compiled_once_per_schema_and_tokenizer(loaded):
         grammar.compiled(tok, vocab, eos, '{"grammars": [{"json_schema": {"type": "nonsense"}}]}')
 
 
+def test_fill_writes_every_row_whatever_the_buffer_held(loaded):
+    """`grammar.fill` into a reused buffer full of garbage: each live row gets its grammar's mask (as into a zeroed
+    buffer), and every other row (unconstrained, ended, failed) allows every token."""
+    tok, eos, vocab = loaded.tokenizer, common.eos_ids(loaded), common.vocab_width(loaded)
+    params = {"guided_choice": ["Paris", "London"]}
+    guides = grammar.guides(tok, vocab, eos, [params] * 4)
+    guides[1].ended = True
+    guides[2].error = "refused"
+    rows = [(0, guides[0]), (1, guides[1]), (2, guides[2]), (4, guides[3])]  # row 3: unconstrained
+    garbage = torch.full((5, grammar.words(vocab)), 0x5A5A5A5A, dtype=torch.int32)
+    grammar.fill(garbage, rows)
+    clean = torch.zeros_like(garbage)
+    grammar.executor().unsafe_compute_mask_ptr(
+        [(guides[0].matcher, 0), (guides[3].matcher, 4)], clean.data_ptr(), clean.shape[1] * 4, 5
+    )
+    for i in (0, 4):  # a choice's first token: a few tokens allowed, not all
+        allowed = sum(bin(word & 0xFFFFFFFF).count("1") for word in garbage[i].tolist())
+        assert torch.equal(garbage[i], clean[i]) and 0 < allowed < vocab
+    assert torch.all(garbage[1:4] == -1)
+
+
 # --- log-probabilities ---------------------------------------------------------------------------------------
 
 
