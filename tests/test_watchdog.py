@@ -269,6 +269,23 @@ def test_a_shard_that_stalls_on_its_last_attempt_fails_with_the_stall_as_its_rea
     assert row_counts(job["id"]) == {"failed": 4}
 
 
+def test_a_commit_that_never_returns_stalls_and_the_report_shows_where_the_committer_is(
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
+    """The first commit never returns (a store that never answers): the engine hands its micro-batches over until it
+    waits on the committer (a full queue, or the shard's end), and beats no more. The stall event says the engine
+    waits on the committer and carries the committer thread's stack, stuck in the commit; the worker exits 70."""
+    victim = spawn_worker([], JOBS_TEST_FAULTS="hang@commit", JOBS_STALL_SECONDS=str(STALL_S))
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 8)))
+    event = assert_stalled_and_exited(victim, job["id"], "committer thread stack")
+    engine_stack, committer_stack = event.data["stack"].split("committer thread stack:")
+    assert "worker/committer.py" in engine_stack and "worker/faults.py" not in engine_stack
+    assert "worker/faults.py" in committer_stack and "in commit" in committer_stack
+    waiting = event.message.split("; waiting on the committer, at ", 1)
+    assert len(waiting) == 2 and "worker/committer.py" in waiting[0] and "worker/faults.py" in waiting[1]
+    assert row_counts(job["id"]).get("succeeded", 0) == 0
+
+
 def test_a_job_cancelled_while_its_engine_hangs_ends_cancelled_at_the_stall(
     tmp_path, jobs_env, spawn_worker, tiny_model
 ):

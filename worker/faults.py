@@ -16,7 +16,8 @@
     hang@decode_step     block the calling thread forever at that point, while the heartbeat thread goes on: the
     hang_after_N@POINT   stall the watchdog must catch (worker/progress.py). hang_after_N lets N hits pass first.
                          Points: decode_step (every decode step of every engine), prefill (a prefill chunk of the
-                         fast engine), train_step (each logged training step), rankR_step.
+                         fast engine), commit (each micro-batch's commit, on the committer's thread), train_step
+                         (each logged training step), rankR_step.
     break_MODULE@POINT   make MODULE fail to import in this process from then on, and import it there (it raises
                          ModuleNotFoundError): the state a race of two threads' imports left a worker in (issue 27),
                          e.g. once_break_torch._dynamo@load (every model load) or once_break_peft@preload (a worker's

@@ -12,19 +12,20 @@ The stall watchdog: progress, not liveness, renews a lease. The engines report e
 and training step, and the runner every micro-batch it hands over to be committed, to `Runtime.progress`
 (worker/progress.py). The heartbeat renews the lease only while the last progress is within the stall bound. Past
 it (`_on_stall`) the worker writes a `stall` event on the job (what it was doing, for how long, the engine
-thread's stack), gives the shard back (the attempt counts: a shard that stalls on every attempt fails after
-JOBS_MAX_ATTEMPTS with that reason; a cancelled job's shard is cancelled), sends it again for another worker, records the reason on its
-registration and exits with `core.exits.STALLED`: a CUDA context that hung is not trusted again. Committed rows
-stay; the next claim takes only pending rows.
+thread's stack, and the committer's when the engine waits on it), gives the shard back (the attempt counts: a
+shard that stalls on every attempt fails after JOBS_MAX_ATTEMPTS with that reason; a cancelled job's shard is
+cancelled), sends it again for another worker, records the reason on its registration and exits with
+`core.exits.STALLED`: a CUDA context that hung is not trusted again. Committed rows stay; the next claim takes
+only pending rows.
 
 Threads and imports: the process imports its heavy modules once, in the main thread, before `start_heartbeat` starts
 the heartbeat and the flex_attention probe's thread (worker/preload.py has the whole start-up order and why: two
 threads' imports of torch raced and broke the process, issue 27). While a generation shard runs, a third thread
 commits its micro-batches (worker/committer.py: the engine goes on decoding meanwhile). None of them imports
-anything heavy; the QLoRA probe runs in the main thread at registration. A shard that fails while the process's engine or training code no
-longer imports (`preload.check`) is the worker's fault (`_on_broken`): the shard goes back without counting the
-attempt (core/leases.py `give_back_broken`), the registration says why, and the process exits with
-`core.exits.BROKEN`.
+anything heavy; the QLoRA probe runs in the main thread at registration. A shard that fails while the process's
+engine or training code no longer imports (`preload.check`) is the worker's fault (`_on_broken`): the shard goes
+back without counting the attempt (core/leases.py `give_back_broken`), the registration says why, and the process
+exits with `core.exits.BROKEN`.
 
 The heartbeat (with its watchdog) and the shard runner stay one class: both read and set one shard's state (the
 shard under lease, its stop and yield flags, the engine's progress) under one lock, `_switch`. What they call lives
@@ -240,6 +241,11 @@ class Runtime:
         exit_timer.start()
         self.stop_current.set()
         stack = tracebacks.thread_stack(self._engine_thread)
+        stuck_in = tracebacks.stuck_at(stack)
+        if "worker/committer.py" in stuck_in:  # the engine waits on a commit: where that is stuck says why
+            committer = tracebacks.thread_stack(tracebacks.thread_named("committer-"))
+            stack += f"\ncommitter thread stack:\n{committer}"
+            stuck_in += f"; waiting on the committer, at {tracebacks.stuck_at(committer)}"
         reason = f"stalled: {stall.describe()}"
         log.error("%s shard %s %s on %s; engine thread stack:\n%s", job_id, shard_id, reason, self.name, stack)
         where = f"job {job_id}, shard id {shard_id}"
@@ -248,7 +254,7 @@ class Runtime:
                 shard_id,
                 self.name,
                 stall=stall.describe(),
-                stuck_in=tracebacks.stuck_at(stack),
+                stuck_in=stuck_in,
                 exit_code=exits.STALLED,
                 data={
                     "doing": stall.doing,
@@ -385,6 +391,7 @@ class Runtime:
         done = {"rows": 0, "first_result": None}  # committed rows, time of the first commit
 
         def commit(results: list) -> bool:  # on the committer's thread (worker/committer.py)
+            faults.hit("commit")
             if not leases.record(shard, self.name, results, settings.lease_seconds):
                 return False  # the job is stopping
             done["rows"] += len(results)

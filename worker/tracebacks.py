@@ -1,11 +1,13 @@
 """Where a thread is, for the stall watchdog (worker/runtime.py `_on_stall`): the engine thread's stack read from the
 heartbeat thread (`thread_stack`), and in one line (`stuck_at`), its innermost frame and the innermost in this
-project's code, which the `stall` event and the worker's registration show.
+project's code, which the `stall` event and the worker's registration show. An engine thread that waits on the
+committer (worker/committer.py) is stuck where the commit is: `thread_named` finds that thread.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -16,8 +18,13 @@ def thread_stack(ident: int | None) -> str:
     """The current stack of thread `ident` (the engine thread, read from the heartbeat thread), innermost last."""
     frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
-        return "(the engine thread is gone)\n"
+        return "(the thread is gone)\n"
     return "".join(traceback.format_stack(frame))
+
+
+def thread_named(prefix: str) -> int | None:
+    """The ident of a live thread whose name starts with `prefix` (the committer's: `committer-`), or None."""
+    return next((t.ident for t in threading.enumerate() if t.name.startswith(prefix)), None)
 
 
 def stuck_at(stack: str) -> str:

@@ -22,9 +22,10 @@ Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengt
 
 - `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, one page per inner
   step; optionally split over the context in `splits` parts that take every splits-th page, merged by `_merge`,
-  so a small batch still fills the GPU whatever the lengths). Lengths and the page table are read from device tensors, so the launch has fixed shapes
-  and is captured in a CUDA graph once per batch size. It also runs under `TRITON_INTERPRET=1` on CPU tensors,
-  which is how the CPU tests check it against the reference.
+  so a small batch still fills the GPU whatever the lengths), and the cascade's `_prefix_kernel`. Lengths, the
+  page table and the shared pages are read from device tensors, so the launch has fixed shapes and is captured in
+  a CUDA graph once per batch size. Both also run under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU
+  tests check them against the reference.
 - `reference_decode`: the same result by gathering the pages and running `scaled_dot_product_attention` with a
   length mask; what runs on CPU (there is no Triton CPU backend outside the interpreter), and the yardstick of the
   tests.
