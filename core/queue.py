@@ -50,6 +50,7 @@ def get_app() -> Celery:
         broker_transport_options=transport_options(settings.visibility_timeout, settings.broker_wait_seconds),
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=5,
+        broker_connection_max_retries=settings.broker_retries,  # then the worker exits 1 (worker/main.py says why)
         task_publish_retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5},
         worker_hijack_root_logger=False,
         worker_send_task_events=True,

@@ -108,6 +108,7 @@ class Settings:
     worker_timeout: float = 30.0
     visibility_timeout: int = 12 * 3600
     broker_wait_seconds: float | None = None  # a worker's BRPOP wait in Redis; None = kombu's 1 s (core/queue.py)
+    broker_retries: int = 100  # a worker's reconnects to a Redis that went away before it exits 1 (Celery's default)
     batch_window_seconds: float = 24 * 3600.0  # OpenAI batches' completion_window "24h" (shorter only in tests)
     stall_seconds: float | None = None  # None = auto: max(120 s, 50 x the median engine step) (worker/progress.py)
     stall_phase_seconds: float = 1800.0  # bound of one-off phases: loading, compiling, capturing CUDA graphs
@@ -204,6 +205,7 @@ _NUMBERS = {
     "yield_after": "JOBS_YIELD_AFTER_SECONDS",
     "worker_timeout": "JOBS_WORKER_TIMEOUT",
     "visibility_timeout": "JOBS_VISIBILITY_TIMEOUT",
+    "broker_retries": "JOBS_BROKER_RETRIES",
     "batch_window_seconds": "JOBS_BATCH_WINDOW_SECONDS",
     "stall_phase_seconds": "JOBS_STALL_PHASE_SECONDS",
     "max_upload_bytes": "JOBS_MAX_UPLOAD_BYTES",
@@ -249,6 +251,11 @@ def get_settings() -> Settings:
         raise ValueError(
             f"JOBS_HUB_PARALLEL_FILES={numbers['hub_parallel_files']}: give a whole number from 1 to "
             f"{MAX_PARALLEL_FILES} (files of one model fetched at once; the default is {_default('hub_parallel_files')})"
+        )
+    if numbers["broker_retries"] < 0:
+        raise ValueError(
+            f"JOBS_BROKER_RETRIES={numbers['broker_retries']}: give a whole number of reconnects, 0 or more (the "
+            f"default is {_default('broker_retries')})"
         )
     if not 0 <= numbers["probe_nice"] <= 19:
         raise ValueError(

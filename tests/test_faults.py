@@ -11,8 +11,8 @@ from sqlalchemy import select
 
 from api import service, views
 from core.db import session_scope
-from core.models import JobRow
-from tests.conftest import wait_for
+from core.models import JobRow, Worker
+from tests.conftest import reset_caches, wait_for
 from tests.test_recovery import job_state, long_spec, row_counts, write_dataset
 
 
@@ -100,6 +100,37 @@ def test_redis_killed_and_restarted_mid_job_the_job_completes(
     redis_server.start()
     wait_for(lambda: job_state(job["id"]) == "succeeded", 180, "the job", procs=workers)
     assert set(executions(job["id"])) == {1}
+
+
+def test_broker_retries_setting_is_a_whole_number_of_reconnects(jobs_env, monkeypatch):
+    """JOBS_BROKER_RETRIES: Celery's 100 by default, and what the worker's Celery app is given; -1 or `often` is
+    refused naming the variable."""
+    from core import settings
+    from core.queue import get_app
+
+    assert settings.get_settings().broker_retries == 100
+    assert get_app().conf.broker_connection_max_retries == 100
+    for value, message in (("-1", "0 or more"), ("often", "give a whole number")):
+        monkeypatch.setenv("JOBS_BROKER_RETRIES", value)
+        reset_caches()
+        with pytest.raises(ValueError, match=f"JOBS_BROKER_RETRIES=.*{message}"):
+            settings.get_settings()
+
+
+def test_a_worker_whose_redis_stays_away_past_its_reconnects_exits_1_and_says_why(jobs_env, redis_server, spawn_worker):
+    """With JOBS_BROKER_RETRIES=1, Redis killed and not started again: the worker reconnects once, gives up and exits
+    1, and its registration is offline with exit code 1 and Celery's reason (the connection it could not make)."""
+    worker = spawn_worker([], JOBS_BROKER_RETRIES="1")
+    redis_server.kill()
+    try:
+        assert worker.popen.wait(120) == 1, worker.tail()
+    finally:
+        redis_server.start()
+    with session_scope() as session:
+        row = session.scalars(select(Worker).where(Worker.pid == worker.pid)).one()
+    assert (row.state, row.exit_code) == ("offline", 1), row.reason
+    assert row.reason.startswith("exit code 1: Unrecoverable error") and "connect" in row.reason.lower(), row.reason
+    assert "exits with code 1" in worker.tail(5)
 
 
 def test_postgres_down_for_seconds_mid_job_the_job_completes(

@@ -14,7 +14,9 @@ offline: it never serves a queue) and the exit code of core/exits.py, when the e
 (exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), or its engine or training code
 does not import (exits.BROKEN, 72: restartable, a fresh process may import it whole). A stalled engine ends the
 process with exits.STALLED (70; worker/runtime.py); a worker of a local stack that was stopped leaves with
-exits.STACK_GONE (69; worker/stackwatch.py). Each exit ends with one log line: `worker NAME exits with code N (why)`.
+exits.STACK_GONE (69; worker/stackwatch.py). Celery's worker may end itself with 1 (a Redis that stayed away past
+JOBS_BROKER_RETRIES reconnects): the registration then keeps the code and Celery's reason. Each exit ends with one
+log line: `worker NAME exits with code N (why)`.
 
 The start-up order, each step before the next: the checks and every heavy import in the main thread
 (worker/preload.py has the order and why), then the other threads (models, heartbeat, flex_attention probe, stack
@@ -172,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     event_heartbeats_never_block()
     controllers = []  # Celery's WorkController: worker_main() drops its exit status (stackwatch's 69), we keep it
     signals.worker_init.connect(lambda sender, **_: controllers.append(sender), weak=False)
+    gave_up = GaveUp()
+    logging.getLogger("celery").addHandler(gave_up)
+    code = None
     try:
         tasks.app.worker_main(
             [
@@ -185,11 +190,31 @@ def main(argv: list[str] | None = None) -> int:
                 "--task-events",
             ]
         )
+        code = (controllers[0].exitcode if controllers else None) or 0
     finally:
-        runtime.stop()
-    code = (controllers[0].exitcode if controllers else None) or 0
+        runtime.stop(exit_code=code or None, reason=exit_reason(code, gave_up.message))
     log.info("worker %s exits with code %d (%s)", name, code, exits.describe(code))
     return code
+
+
+class GaveUp(logging.Handler):
+    """The last critical record of Celery's loggers: why its worker gave up (`Unrecoverable error: ...`, e.g. a
+    Redis that stayed away past JOBS_BROKER_RETRIES reconnects)."""
+
+    def __init__(self):
+        super().__init__(logging.CRITICAL)
+        self.message: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage()
+
+
+def exit_reason(code: int | None, message: str | None) -> str | None:
+    """What the registration says of an exit Celery's worker ended with: nothing for a clean stop, or where the
+    reason is already written (stackwatch's 69)."""
+    if not code or code == exits.STACK_GONE:
+        return None
+    return f"exit code {code}: {message}" if message else f"exit code {code} ({exits.describe(code)})"
 
 
 @dataclass(frozen=True)

@@ -139,14 +139,16 @@ class Runtime:
         except Exception:
             log.exception("flex_attention probe of %s failed to record", self.name)
 
-    def stop(self) -> None:
+    def stop(self, exit_code: int | None = None, reason: str | None = None) -> None:
+        """The process is ending: stop the threads and probes, and mark the registration offline (with the exit
+        code and why, where the process was not asked to stop)."""
         self.shutting_down.set()
         self.closed.set()
         for proc in self._probes:  # a probe still compiling ends with the worker
             if proc.poll() is None:
                 proc.kill()
         with session_scope() as session:
-            registry.stopped(session, self.name)
+            registry.stopped(session, self.name, exit_code=exit_code, reason=reason)
 
     def hand_back_now(self, reason: str) -> None:
         """Give back the shard this worker holds, from another thread, when the process is about to end without
