@@ -11,7 +11,6 @@ from pathlib import Path
 
 import click
 
-from api import stack
 from api.cli_base import cli, client, emit, job_exit_code, json_option
 from api.cli_jobs import wait_with_progress
 from core.errors import InvalidInput, JobsError
@@ -50,6 +49,7 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     Exit codes: 0 stopped on request (or detached and healthy), 1 the stack failed to start or a part of it
     exited, 5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted while starting.
     """
+    from api import stack
     from api.supervisor import StopSignals
 
     say = lambda m: click.echo(m, err=True)  # noqa: E731
@@ -100,6 +100,8 @@ def _log_supervisor_to_stderr() -> None:
 def down() -> None:
     """Stop the local stack started by `gpujobs up`: its supervisor first (workers hand back their shards and are
     not restarted), then the API and Redis. Says what it stopped, or that nothing was running (exit 0 both)."""
+    from api import stack
+
     if not stack.down(log=lambda m: click.echo(m, err=True)):
         click.echo(f"nothing to stop: no stack is running from {get_settings().home}", err=True)
 
@@ -119,6 +121,8 @@ def worker(gpus: str, loglevel: str) -> None:
     start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus. A worker that joined the local
     stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Supervised workers".
     """
+    from api import stack
+
     devices = parse_slice(gpus)
     stack.check_inherited(devices)
     command = worker_command(devices) + ["--loglevel", loglevel]
@@ -139,6 +143,7 @@ def supervise(gpus: str, stop_timeout: float) -> None:
     """Run one worker per slice in the foreground and restart a worker that exits, with the policy of `gpujobs up`
     (JOBS_RESTART_*); SIGTERM or Ctrl-C stops them. Workers write to this process's output (ops/launch-workers.sh
     starts one per slice). Exit codes: 0 stopped, 1 every slot stays down (the log says why), 5 as `worker`."""
+    from api import stack
     from api.supervisor import supervise as run
     from core.logs import setup_logging
 
@@ -239,6 +244,8 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
     that knows no answer, fine-tune a LoRA adapter on examples/finetune_qa.jsonl through the service, then generate
     answers for examples/prompts.jsonl with that adapter (a chained job), and print them."""
     import yaml
+
+    from api import stack
 
     settings = get_settings()
     if not stack.read_stack():
