@@ -9,6 +9,7 @@ and 5.17 (.ci/run).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -502,28 +503,48 @@ def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
 
 def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkeypatch):
     """The compiled decoder layers (dynamo tracing for real, backend eager on CPU) give the same greedy results as
-    the eager engine, and are removed from the model afterwards."""
+    the eager engine, and are removed from the model afterwards. The warm-up compiles every variant a job needs:
+    a job with a one-row prefill and decode steps at batch 1 compiles nothing more. Size-oblivious compiling
+    (`fastgen._size_oblivious`) makes the warm-up compile fewer graphs than with sizes of 1 specialized apart."""
+    from torch._dynamo.utils import counters
+
     slots(4)
     monkeypatch.setattr(fastgen, "COMPILE_BACKEND", "eager")
     rows = [(i, row(q)) for i, (q, _) in enumerate(qa_pairs()[:4])] + [(9, row("hello", max_new_tokens=6))]
     prepared = list(common.prepare(loaded, make_spec(tiny_model, engine="fast"), rows, 0.0))
     seqs = [fastgen.Seq(p, 0) for p in prepared]
-    slot_state.release(loaded.model)
-    state = slot_state.state_for(loaded.model, loaded.device, 640)
-    eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
+
+    def warmed_engine() -> tuple[fastgen.Engine, int]:
+        """A fresh state and compiled engine, warmed up; the graphs its warm-up compiled."""
+        slot_state.release(loaded.model)
+        torch._dynamo.reset()
+        state = slot_state.state_for(loaded.model, loaded.device, 640)
+        eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
+        before = counters["stats"]["unique_graphs"]
+        with torch.inference_mode():
+            eng.warm_up()
+        return eng, counters["stats"]["unique_graphs"] - before
+
     try:
+        with monkeypatch.context() as patched:
+            patched.setattr(fastgen, "_size_oblivious", contextlib.nullcontext)
+            _, specialized = warmed_engine()
+        eng, oblivious = warmed_engine()
+        assert 0 < oblivious < specialized, (oblivious, specialized)
+        compiled = counters["stats"]["unique_graphs"]
         with torch.inference_mode():
             done = {
                 s.row.idx: loaded.tokenizer.decode(s.tokens, skip_special_tokens=True)
                 for finished in eng.run(seqs, lambda: False)
                 for s in finished
             }
+        assert counters["stats"]["unique_graphs"] == compiled, "the job compiled a variant the warm-up did not"
     finally:
         slot_state.release(loaded.model)
         torch._dynamo.reset()
     want = run(loaded, make_spec(tiny_model, engine="padded"), rows)
     assert done == {i: r.output for i, r in want.items()}
-    assert state.first_prefill_s is not None
+    assert eng.state.first_prefill_s is not None
     assert all(layer._compiled_call_impl is None for layer in eng.decoder.layers)
 
 

@@ -271,7 +271,10 @@ class Engine:
             for layer, fn in zip(layers, self.compiled):
                 layer._compiled_call_impl = fn  # what nn.Module.compile() sets; removed again below
         try:
-            with paged_attention.running(paged_attention.Step(mode, self.state, pages, splits, prefix, cascade)):
+            with (
+                paged_attention.running(paged_attention.Step(mode, self.state, pages, splits, prefix, cascade)),
+                _size_oblivious() if self.compiled else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             model.config._attn_implementation = before
@@ -871,6 +874,21 @@ class _Dummy:
 
     params: dict[str, Any]
     ids: list[int]
+
+
+def _size_oblivious():
+    """Compile the layers for any batch size and width, 1 included: with dynamic shapes Dynamo specializes a size of
+    1 apart (its "0/1 specialization"), so the warm-up compiled a prefill of one row and one of two, and decode
+    steps at batch 1 and 2: 16 graphs for Qwen3 where 8 serve them all. Size-oblivious sizes (torch's
+    `backed_size_oblivious`, patched only around the engine's compiled calls) drop the size-1 variants.
+    Measured on this repository's 2-core CPU (tiny model, `prepare` with Inductor's C++ backend): 35.9 -> 25.5 s
+    with an empty compile cache, 11.2 -> 10.0 s with a full one. A torch without the option compiles as before."""
+    try:
+        import torch.fx.experimental._config as fx_config
+
+        return fx_config.patch(backed_size_oblivious=True)
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
 
 
 def _raise_recompile_limit(limit: int = 64) -> None:
