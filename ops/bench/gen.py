@@ -215,9 +215,10 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
             "seconds": round(seconds, 3),
             "output_tok_s": round(tokens / seconds, 1),
             "failed": sum(r.error is not None for r in results),
-            "steps": info.get("fast", {}).get("steps"),
-            "prefill_s": info.get("fast", {}).get("prefill_s"),
-            "decode_s": info.get("fast", {}).get("decode_s"),
+            **{
+                key: info.get("fast", {}).get(key)
+                for key in ("steps", "prefill_s", "decode_s", "wait_s", "mask_s", "caller_s", "cascade_steps")
+            },
         }
         out["engine"][name] = run
         log(f"{name}: {run['output_tok_s']:,.0f} output tok/s, {seconds:.2f} s, {tokens} tokens")

@@ -251,6 +251,11 @@ class Engine:
         self.steps = 0
         self.prefill_s = 0.0
         self.decode_s = 0.0
+        # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), computing
+        # grammar masks, and in the caller's hands (each batch of finished sequences, until it asks for the next)
+        self.wait_s = 0.0
+        self.mask_s = 0.0
+        self.caller_s = 0.0
 
     # -- model calls --
 
@@ -492,6 +497,8 @@ class Engine:
         stats["cascade_steps"] = stats.get("cascade_steps", 0) + self.cascade_steps
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
+        for name in ("wait_s", "mask_s", "caller_s"):
+            stats[name] = round(stats.get(name, 0.0) + getattr(self, name), 3)
 
     # -- the loop --
 
@@ -520,9 +527,14 @@ class Engine:
         free = list(range(self.slots))
         self._cascade_pages, self._sharing = (), 0
         self.pool.start_run()
+        loop = self._loop(queue, free, should_stop)
         try:
-            yield from self._loop(queue, free, should_stop)
-        finally:  # pages registered for a prefill that never launched (an error, a stop) hold no K/V: forget them
+            for finished in loop:
+                t = time.perf_counter()
+                yield finished
+                self.caller_s += time.perf_counter() - t
+        finally:
+            loop.close()  # pages registered for a prefill that never launched (an error, a stop) hold no K/V: forget them
             self.pool.forget(self._unlaunched)
             self._unlaunched.clear()
 
@@ -610,6 +622,7 @@ class Engine:
 
     def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
         """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
+        t = time.perf_counter()
         st = self.state
         if "bitmask" not in st.outputs:  # kept with the state (a captured graph reads it)
             st.outputs["bitmask"] = torch.full(
@@ -621,6 +634,7 @@ class Engine:
         host = self._host_bits[:batch]
         grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
         st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
+        self.mask_s += time.perf_counter() - t
 
     def _forward(self, batch: int, extras: tuple[str, ...]) -> None:
         """Launch a grammar step's forward phase (its logits into `outputs["logits"]`, made on first use); of the
@@ -671,7 +685,9 @@ class Engine:
         def tokens() -> tuple[list[int], Any]:
             t = time.perf_counter()
             done.synchronize()
-            self.decode_s += time.perf_counter() - t
+            waited = time.perf_counter() - t
+            self.decode_s += waited
+            self.wait_s += waited
             return host.tolist(), lp
 
         return tokens
