@@ -394,7 +394,8 @@ for dtype in (torch.float32, torch.float16):
         start = da.cascade_start(table, shared)
         assert start.tolist() == starts, (n, start.tolist())
         for splits in (1, 3):
-            got = da._triton_decode(q, k, v, table, lengths, 0.3, splits, (shared, torch.tensor([n], dtype=torch.int32), start))
+            cascade = (shared, torch.tensor([n], dtype=torch.int32), start)
+            got = da._triton_decode(q, k, v, table, lengths, 0.3, splits, cascade)
             diff = (got.float() - ref).abs().max().item()
             assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, n, splits, diff)
             assert torch.all(got[0] == 0)

@@ -534,7 +534,8 @@ class Engine:
                 yield finished
                 self.caller_s += time.perf_counter() - t
         finally:
-            loop.close()  # pages registered for a prefill that never launched (an error, a stop) hold no K/V: forget them
+            loop.close()
+            # pages registered for a prefill that never launched (an error, a stop) hold no K/V: forget them
             self.pool.forget(self._unlaunched)
             self._unlaunched.clear()
 
