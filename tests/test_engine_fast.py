@@ -549,6 +549,21 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     assert all(layer._compiled_call_impl is None for layer in eng.decoder.layers)
 
 
+def test_a_torch_without_size_oblivious_compiling_compiles_as_before(monkeypatch):
+    """`_size_oblivious` patches torch's option where it exists, and is a no-op where it does not (entering a patch
+    of an unknown option would raise, inside every compiled call of the engine)."""
+    import types
+
+    import torch.fx.experimental
+
+    with fastgen._size_oblivious():
+        assert torch.fx.experimental._config.backed_size_oblivious is True
+    assert torch.fx.experimental._config.backed_size_oblivious is False
+    monkeypatch.setattr(torch.fx.experimental, "_config", types.SimpleNamespace())
+    with fastgen._size_oblivious() as entered:
+        assert entered is None
+
+
 def test_a_free_slot_left_in_the_batch_never_writes_past_the_cache(loaded, tiny_model, slots, monkeypatch):
     """A row whose prompt + max_new_tokens fills the longest sequence the engine holds (need = max_len, here 128) ends
     with its slot's position at max_len after its extra step. When three other rows keep the decode batch at the

@@ -902,10 +902,11 @@ def _size_oblivious():
     with an empty compile cache, 11.2 -> 10.0 s with a full one. A torch without the option compiles as before."""
     try:
         import torch.fx.experimental._config as fx_config
-
-        return fx_config.patch(backed_size_oblivious=True)
-    except (ImportError, AttributeError):
+    except ImportError:
         return contextlib.nullcontext()
+    if not hasattr(fx_config, "backed_size_oblivious"):  # patch() would raise only when entered
+        return contextlib.nullcontext()
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def _raise_recompile_limit(limit: int = 64) -> None:
