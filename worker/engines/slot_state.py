@@ -18,6 +18,7 @@ worker/engines/paged_attention.py; which pages are free, in use or cached prompt
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,7 @@ class SlotState:
     capture_s: float = 0.0
     compile_s: float = 0.0  # the first prefill and decode with compiled layers, mostly compiling
     prepare_s: float | None = None  # everything `prepare` did, once per state
+    alloc_s: float = 0.0  # making this state: sizing it and allocating (and zeroing) the cache
     compiled: list | None = None  # one torch.compile wrapper per decoder layer (see fastgen.COMPILE)
     eos: tuple[int, ...] | None = None  # the EOS ids the captured graphs mask (`eos_index`, on the device)
     eos_index: torch.Tensor | None = None
@@ -178,6 +180,7 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, ut
     state = model.__dict__.get("_gpujobs_fast")
     if state is not None:
         return state
+    t = time.perf_counter()
     slots, pages = size(model, device, vocab, fraction, utilization)
     layers, kv_heads, head_dim = _shape(model)
     width = max_len(model) // PAGE
@@ -206,6 +209,8 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, ut
     )
     state.utilization = utilization if device.type == "cuda" else None
     state.pool = pages_mod.Pool(pages)
+    sync(state)
+    state.alloc_s = time.perf_counter() - t
     model.__dict__["_gpujobs_fast"] = state
     log.info(
         "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
@@ -239,6 +244,7 @@ def summary(state: SlotState) -> dict[str, Any]:
         "compile_s": round(state.compile_s, 3),
         "capture_s": round(state.capture_s, 3),
         "prepare_s": state.prepare_s and round(state.prepare_s, 3),
+        "alloc_s": round(state.alloc_s, 3),
     }
 
 
