@@ -896,10 +896,11 @@ class _Dummy:
 def _size_oblivious():
     """Compile the layers for any batch size and width, 1 included: with dynamic shapes Dynamo specializes a size of
     1 apart (its "0/1 specialization"), so the warm-up compiled a prefill of one row and one of two, and decode
-    steps at batch 1 and 2: 16 graphs for Qwen3 where 8 serve them all. Size-oblivious sizes (torch's
-    `backed_size_oblivious`, patched only around the engine's compiled calls) drop the size-1 variants.
-    Measured on this repository's 2-core CPU (tiny model, `prepare` with Inductor's C++ backend): 35.9 -> 25.5 s
-    with an empty compile cache, 11.2 -> 10.0 s with a full one. A torch without the option compiles as before."""
+    steps at batch 1 and 2: 16 graphs for the tiny Qwen3 model where 8 serve them all. Size-oblivious sizes
+    (torch's `backed_size_oblivious`, patched only around the engine's compiled calls) drop the size-1 variants.
+    Measured on this repository's 2-core CPU (tiny model, `prepare` with Inductor's C++ backend, one run each):
+    35.9 -> 25.5 s with an empty compile cache, 11.2 -> 10.0 s with a full one. A torch without the option compiles
+    as before."""
     try:
         import torch.fx.experimental._config as fx_config
     except ImportError:
