@@ -765,6 +765,14 @@ def test_the_cascade_reads_the_prefix_most_running_rows_share(loaded, tiny_model
     assert off_info["fast"]["cascade_steps"] == 0
     assert 0 < info["fast"]["cascade_steps"] <= info["fast"]["steps"]
 
+    # constrained rows: the grammar's forward phase runs the cascade, its choosing phase reads the logits
+    choice = [(i, {**r, "params": {**r["params"], "guided_choice": ["Paris", "London"]}}) for i, r in rows]
+    slot_state.release(loaded.model)
+    constrained: dict = {}
+    got = run(loaded, make_spec(tiny_model, engine="fast"), choice, info=constrained)
+    assert constrained["fast"]["cascade_steps"] > 0
+    assert {r.output for r in got.values()} <= {"Paris", "London"}
+
 
 def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_model, slots):
     """The cached pages outlive the run: a second job with the same instruction reads it from the cache for every

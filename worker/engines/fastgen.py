@@ -663,7 +663,10 @@ class Engine:
             }
             for name, (dtype, tail) in zeros.items():
                 st.outputs[name] = torch.zeros((st.slots, *tail), dtype=dtype, device=st.tok.device)
-        self.step(batch, sample, extras, "choose" if "grammar" in extras else None)
+        if "grammar" in extras:  # the forward phase ran the model (and the cascade): choosing reads its logits
+            self.step(batch, sample, tuple(e for e in extras if e != "cascade"), "choose")
+        else:
+            self.step(batch, sample, extras)
         self.steps += 1
         self.cascade_steps += "cascade" in extras
         self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
