@@ -549,6 +549,16 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     assert all(layer._compiled_call_impl is None for layer in eng.decoder.layers)
 
 
+def test_the_prepared_record_says_what_making_the_cache_took(loaded, slots):
+    """`slot_state.summary` (the load event's and the job's `prepared` record) splits preparing into sizing and
+    allocating the cache (`alloc_s`), compiling and capturing."""
+    slots(4)
+    state = slot_state.state_for(loaded.model, loaded.device, 640)
+    summary = slot_state.summary(state)
+    assert summary["alloc_s"] > 0 and summary["alloc_s"] == round(state.alloc_s, 3)
+    assert {"compile_s", "capture_s", "prepare_s", "cache_gib"} <= summary.keys()
+
+
 def test_a_torch_without_size_oblivious_compiling_compiles_as_before(monkeypatch):
     """`_size_oblivious` patches torch's option where it exists, and is a no-op where it does not (entering a patch
     of an unknown option would raise, inside every compiled call of the engine)."""
