@@ -574,6 +574,29 @@ def test_a_torch_without_size_oblivious_compiling_compiles_as_before(monkeypatch
         assert entered is None
 
 
+def test_a_model_that_fails_to_compile_size_oblivious_is_compiled_as_before(loaded, slots, monkeypatch, caplog):
+    """Should the warm-up fail to compile size-oblivious (a model or torch whose tracing cannot), `prepare` logs why
+    and compiles the layers again the default way: the engine is prepared, not broken."""
+    slots(4)
+    monkeypatch.setattr(fastgen, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(fastgen, "SIZE_OBLIVIOUS", True)
+
+    @contextlib.contextmanager
+    def failing():
+        raise RuntimeError("Could not guard on data-dependent expression (a stand-in)")
+        yield
+
+    monkeypatch.setattr(fastgen, "_size_oblivious", failing)
+    try:
+        with caplog.at_level("WARNING", logger="worker.engines.fastgen"):
+            state = fastgen.prepare(loaded, common.eos_ids(loaded), graphs=False, compiled=True)
+        assert state.prepare_s is not None and fastgen.SIZE_OBLIVIOUS is False
+        assert "size-oblivious failed (RuntimeError: Could not guard" in caplog.text
+    finally:
+        slot_state.release(loaded.model)
+        torch._dynamo.reset()
+
+
 def test_a_free_slot_left_in_the_batch_never_writes_past_the_cache(loaded, tiny_model, slots, monkeypatch):
     """A row whose prompt + max_new_tokens fills the longest sequence the engine holds (need = max_len, here 128) ends
     with its slot's position at max_len after its extra step. When three other rows keep the decode batch at the

@@ -77,6 +77,7 @@ REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have a
 # per model and process (prefill and decode compile apart), in `prepare`; the time shows in `compile_s`.
 COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
+SIZE_OBLIVIOUS = True  # compile every size alike (`_size_oblivious`); turned off if that fails for a model
 # Cascade decode (worker/engines/decode_attention.py): pages of a cached prompt prefix that many running rows hold
 # are read once a step for all of them. Used while at least CASCADE_MIN_ROWS running rows hold at least
 # CASCADE_MIN_PAGES shared pages (first guesses, not yet measured against each other: below them the extra kernel
@@ -145,6 +146,7 @@ def prepare(
     decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
     The work is done once per state (`state.prepare_s`); `slot_state.summary` says what it cost. Compiling and
     capturing are phases of `progress` (the stall watchdog's clock)."""
+    global SIZE_OBLIVIOUS
     model = loaded.model
     state = slot_state.state_for(
         model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization
@@ -154,7 +156,20 @@ def prepare(
         engine = Engine(loaded, state, eos, slots=state.slots, graphs=graphs, compiled=compiled)
         engine.progress = progress or engine.progress
         with torch.inference_mode():
-            engine.warm_up()
+            try:
+                engine.warm_up()
+            except Exception as exc:  # noqa: BLE001  compiling size-oblivious failed: compile as torch does by default
+                if not (engine.compiled and SIZE_OBLIVIOUS) or isinstance(exc, torch.OutOfMemoryError):
+                    raise
+                log.warning(
+                    "fast engine: compiling the layers size-oblivious failed (%s: %s); compiling them again with "
+                    "sizes of 1 apart",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
+                SIZE_OBLIVIOUS = False
+                torch._dynamo.reset()
+                engine.warm_up()
         slot_state.sync(state)
         state.prepare_s = time.perf_counter() - t
     return state
@@ -278,7 +293,7 @@ class Engine:
         try:
             with (
                 paged_attention.running(paged_attention.Step(mode, self.state, pages, splits, prefix, cascade)),
-                _size_oblivious() if self.compiled else contextlib.nullcontext(),
+                _size_oblivious() if self.compiled and SIZE_OBLIVIOUS else contextlib.nullcontext(),
             ):
                 yield
         finally:
@@ -903,7 +918,8 @@ def _size_oblivious():
     (torch's `backed_size_oblivious`, patched only around the engine's compiled calls) drop the size-1 variants.
     Measured on this repository's 2-core CPU (tiny model, `prepare` with Inductor's C++ backend, one run each):
     35.9 -> 25.5 s with an empty compile cache, 11.2 -> 10.0 s with a full one. A torch without the option compiles
-    as before."""
+    as before, and so does a model whose warm-up fails to compile size-oblivious (`prepare` logs why and compiles
+    it again)."""
     try:
         import torch.fx.experimental._config as fx_config
     except ImportError:
