@@ -15,7 +15,19 @@ import pytest
 
 from tests.conftest import ROOT, wait_for
 
-STEPS = ["setup", "engines", "g2_first", "g2_second", "g1", "mixed", "cancel_retry", "oom", "finetune_chain", "adapter"]
+STEPS = [
+    "setup",
+    "engines",
+    "g2_first",
+    "g2_second",
+    "g1",
+    "shared_prefix",
+    "mixed",
+    "cancel_retry",
+    "oom",
+    "finetune_chain",
+    "adapter",
+]
 
 
 def _module(name: str, path: str):

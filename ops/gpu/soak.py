@@ -15,6 +15,9 @@ with `api.client.Client`; rows and the worker registry are then read from its SQ
 2. g2_first        G2 (ops/bench/gen.py: Qwen3-0.6B architecture, random bf16 weights, EOS off; 2,048 rows, inputs
 3. g2_second       32-1,024, outputs 16-512, the same rows as gen.py), twice in a row: cold, then on the warm engine.
 4. g1              G1: 1,024 rows × 256 in + 256 out.
+   shared_prefix   G3's shape, smaller: rows of one 1,024-word instruction and 64 words of their own (EOS off),
+                   with the prefix cache off, then on: the same outputs; the second job reused the instruction and
+                   took cascade decode steps (worker/engines/decode_attention.py), the first neither.
 5. mixed           2,048 rows: half greedy (the fast engine), the rest with top_p, top_k or repetition_penalty (which
                    `auto` runs on the padded engine), over 4 shards.
 6. cancel_retry    a long job cancelled once rows are committed (cancelled within a few seconds, the rows done
@@ -106,6 +109,7 @@ class Mode:
     cancel_batch_rows: int
     cancel_s: float  # a cancel must end the job within this
     oom: Rows
+    prefix: Rows  # shared_prefix: rows, (words of the shared instruction, words of each row's own part), new tokens
     bounds: dict[str, float]
     worker_env: dict[str, str] = field(default_factory=dict)
     poll_s: float = 0.25
@@ -133,12 +137,14 @@ MODES = {
         16,
         15,
         OOM,
+        Rows(1024, (1024, 64), (64, 64)),
         dict(
             setup=150,
             engines=180,
             g2_first=150,
             g2_second=90,
             g1=90,
+            shared_prefix=90,
             mixed=120,
             cancel_retry=120,
             oom=60,
@@ -163,12 +169,14 @@ MODES = {
         16,
         15,
         OOM,
+        Rows(256, (1024, 64), (32, 32)),
         dict(
             setup=120,
             engines=150,
             g2_first=120,
             g2_second=60,
             g1=60,
+            shared_prefix=60,
             mixed=60,
             cancel_retry=60,
             oom=60,
@@ -194,12 +202,14 @@ MODES = {
         8,
         60,
         Rows(256, (8, 8), (4, 4)),
+        Rows(24, (300, 8), (8, 8)),
         dict(
             setup=400,
             engines=300,
             g2_first=180,
             g2_second=180,
             g1=180,
+            shared_prefix=240,
             mixed=240,
             cancel_retry=300,
             oom=240,
@@ -762,6 +772,51 @@ class Soak:
         step.rows(job_id, len(data), {i: (n, new) for i, (_, n, _) in enumerate(data)})
         step.record["throughput"] = throughput(job_id)
 
+    def shared_prefix(self, step: Step) -> None:
+        """G3's shape, smaller: rows of one long shared instruction and a part of their own, EOS off, run with the
+        prefix cache off, then on (the shared pages prefilled once, and read once a decode step for every row by the
+        cascade): the same outputs; the second job reused the instruction and took cascade steps."""
+        shared, own = self.mode.prefix.words
+        rng = random.Random(SEED + 5)
+        instruction = "".join(rng.choice(self.words) for _ in range(shared))
+        data = synthetic(self.words, Rows(self.mode.prefix.n, (own, own), self.mode.prefix.new), seed=SEED + 5)
+        path = write_jsonl(
+            self.work / "prefix.jsonl",
+            [{"prompt": instruction + p, "custom_id": f"s{i}"} for i, (p, _, _) in enumerate(data)],
+        )
+        file_id = self.client.upload(path)["id"]
+        new = self.mode.prefix.new[0]
+        outputs, fast = {}, {}
+        for mode in ("off", "auto"):
+            job_id = step.submit(
+                {
+                    "model": str(self.paths["big"]),
+                    "input": file_id,
+                    "engine": "fast",
+                    "prefix_cache": mode,
+                    "max_new_tokens": new,
+                    "ignore_eos": True,
+                    "batch_rows": self.mode.batch_rows,
+                    "shard_rows": len(data),
+                    "name": f"soak shared prefix, prefix_cache {mode}",
+                }
+            )
+            job = step.wait(job_id)
+            step.check(f"state_{mode}", job["state"] == "succeeded", got=job["state"], error=job.get("error"))
+            step.rows(job_id, len(data), {i: (shared + n, new) for i, (_, n, _) in enumerate(data)})
+            step.record["checks"][f"every_row_once_{mode}"] = step.record["checks"].pop("every_row_once")
+            outputs[mode] = {r["custom_id"]: r["output"] for r in self.client.results(job_id)}
+            fast[mode] = ((job.get("load_options") or {}).get("engine") or {}).get("fast") or {}
+        step.record["state"] = job["state"]
+        step.record["fast"] = {
+            m: {k: f.get(k) for k in ("prefix_tokens_reused", "cascade_steps", "steps")} for m, f in fast.items()
+        }
+        same = sum(outputs["auto"].get(k) == v for k, v in outputs["off"].items())
+        step.check("outputs_equal", same == len(data), equal=same, rows=len(data))
+        for key in ("prefix_tokens_reused", "cascade_steps"):
+            on, off = fast["auto"].get(key) or 0, fast["off"].get(key) or 0
+            step.check(key, on > 0 and off == 0, on=on, off=off)
+
     def mixed(self, step: Step) -> None:
         """Half greedy rows (fast engine on CUDA), a sixth each with top_p, top_k, repetition_penalty (padded)."""
         data = synthetic(self.words, self.mode.mixed, seed=SEED + 1)
@@ -1252,6 +1307,7 @@ def main(argv: list[str] | None = None) -> int:
         ("g2_first", lambda s: soak.g2(s, False)),
         ("g2_second", lambda s: soak.g2(s, True)),
         ("g1", soak.g1),
+        ("shared_prefix", soak.shared_prefix),
         ("mixed", soak.mixed),
         ("cancel_retry", soak.cancel_retry),
         ("oom", soak.oom),
