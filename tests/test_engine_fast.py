@@ -334,6 +334,20 @@ def test_reference_decode_matches_full_attention_per_row():
         assert torch.allclose(out[b], want[:, 0], atol=1e-5)
 
 
+def interpreted(script: str, ok: str, model: Path | None = None, timeout: int = 300) -> None:
+    """Run `script` (with the repository root and `model` as its arguments) in a process under Triton's CPU
+    interpreter (chosen when triton is imported); it must end well and print `ok`."""
+    pytest.importorskip("triton")
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(ROOT), *([str(model)] if model else [])],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
+        timeout=timeout,
+    )
+    assert out.returncode == 0 and ok in out.stdout, out.stderr[-3000:]
+
+
 TRITON_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -360,15 +374,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache. (bf16 is misread by the interpreter;
     on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
-    pytest.importorskip("triton")
-    out = subprocess.run(
-        [sys.executable, "-c", TRITON_SCRIPT, str(ROOT)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        timeout=300,
-    )
-    assert out.returncode == 0 and "kernel ok" in out.stdout, out.stderr[-3000:]
+    interpreted(TRITON_SCRIPT, "kernel ok")
 
 
 CASCADE_SCRIPT = r"""
@@ -408,15 +414,7 @@ def test_cascade_kernels_match_the_reference_in_the_interpreter():
     kernel for the rows whose tables start with them, the rest by the row kernel, merged, equal SDPA over each row's
     contiguous cache. Rows share two pages, one, or none; a free row gives zeros; a row that holds a shared page but
     is shorter than it attends only to its own length."""
-    pytest.importorskip("triton")
-    out = subprocess.run(
-        [sys.executable, "-c", CASCADE_SCRIPT, str(ROOT)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        timeout=300,
-    )
-    assert out.returncode == 0 and "cascade ok" in out.stdout, out.stderr[-3000:]
+    interpreted(CASCADE_SCRIPT, "cascade ok")
 
 
 ENGINE_SCRIPT = r"""
@@ -477,29 +475,13 @@ def test_the_engine_with_the_cascade_on_the_triton_kernels_equals_it_without(tin
     """The whole fast engine on the Triton kernels (interpreter), rows sharing an instruction of several cached
     pages: decode steps with the cascade (its thresholds lowered to the test's size) give the greedy outputs and
     the per-token log-probabilities of the same engine without it."""
-    pytest.importorskip("triton")
-    out = subprocess.run(
-        [sys.executable, "-c", CASCADE_ENGINE_SCRIPT, str(ROOT), str(tiny_model)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
-        timeout=600,
-    )
-    assert out.returncode == 0 and "cascade engine ok" in out.stdout, out.stderr[-3000:]
+    interpreted(CASCADE_ENGINE_SCRIPT, "cascade engine ok", tiny_model, timeout=600)
 
 
 def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     """The whole fast engine with the Triton kernel (interpreter) instead of the reference: same greedy results
     as the padded engine, with admission into 3 slots."""
-    pytest.importorskip("triton")
-    out = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT, str(ROOT), str(tiny_model)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
-        timeout=600,
-    )
-    assert out.returncode == 0 and "engine ok" in out.stdout, out.stderr[-3000:]
+    interpreted(ENGINE_SCRIPT, "engine ok", tiny_model, timeout=600)
 
 
 def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkeypatch):

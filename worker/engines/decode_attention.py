@@ -153,6 +153,8 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         acc = torch.empty((batch, heads, parts, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((batch, heads, parts, 2), dtype=torch.float32, device=q.device)  # running max, sum
     start = lengths if cascade is None else cascade[2]  # unread without a cascade
+    strides = (*q.stride()[:2], *k_pages.stride()[:3], *v_pages.stride()[:3])  # both kernels take these
+    scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels work in base 2
     _decode_kernel[(batch, kv_heads, splits)](
         q,
         k_pages,
@@ -163,16 +165,9 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         acc,
         stats,
         parts,
-        q.stride(0),
-        q.stride(1),
-        k_pages.stride(0),
-        k_pages.stride(1),
-        k_pages.stride(2),
-        v_pages.stride(0),
-        v_pages.stride(1),
-        v_pages.stride(2),
+        *strides,
         table.stride(0),
-        scale * 1.4426950408889634,  # log2(e): the kernel works in base 2
+        scale_log2,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim,
@@ -196,18 +191,11 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
             lengths,
             acc,
             stats,
-            q.stride(0),
-            q.stride(1),
-            k_pages.stride(0),
-            k_pages.stride(1),
-            k_pages.stride(2),
-            v_pages.stride(0),
-            v_pages.stride(1),
-            v_pages.stride(2),
+            *strides,
             batch,
             parts,
             splits,
-            scale * 1.4426950408889634,
+            scale_log2,
             GROUP=group,
             HEAD_DIM=dim,
             BLOCK=PAGE,
