@@ -1,6 +1,7 @@
 """The fast engine's decode attention (worker/engines/decode_attention.py, paged) at G1's and G2's decode shapes,
 against SDPA with `enable_gqa` over a contiguous cache (0.61 ms per layer at batch 1024, context 512 on an H200;
-bound 0.50 ms at 4.3 TB/s).
+bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engine runs the step (results before
+2026-12-05 timed eager launches, Python included: ~0.23 ms at any batch of 64 rows or fewer).
 
     python ops/bench/decode_kernel.py --out ops/bench/results/decode-kernel.json    # on a GPU
 
@@ -11,7 +12,8 @@ bound 0.50 ms at 4.3 TB/s).
 3. cascade: for each (batch, shared, own) of CASCADE_SHAPES, rows whose tables start with the same `shared`
    positions of pages (a cached prompt prefix, G3: 1,024) and go on with `own` positions of their own: the plain
    kernel (every row reads the shared pages) against the cascade (the shared pages read once for all rows, the
-   merge included), max |diff| between them, and the bytes each must read at least.
+   merge included), max |diff| between them, and the bytes each must read at least. The grid of batch and shared
+   length places the engine's CASCADE_MIN_ROWS and CASCADE_MIN_PAGES.
 """
 
 from __future__ import annotations
@@ -28,18 +30,29 @@ from ops.bench import harness  # after the repository root is on sys.path
 
 CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
 SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
-CASCADE_SHAPES = ((1024, 1024, 128), (1024, 1024, 64), (256, 1024, 128), (1024, 256, 128), (64, 1024, 128))
+# (batch, shared, own): G3's (1024, 1024, 64 and 128), and the grid that places the engine's CASCADE_MIN_* thresholds
+CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
+    (b, s, 128) for b in (16, 64, 128, 256, 512, 1024) for s in (256, 512, 1024, 2048)
+)
 HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
 
 
 def timed(torch, fn, reps: int = 50) -> float:
-    for _ in range(5):
+    """Milliseconds per call of `fn` replayed from a CUDA graph, as the engine runs it (eager launches would time
+    Python: ~0.25 ms at any small batch), median of `reps` replays after warm-up."""
+    for _ in range(3):  # Triton compiles outside the capture
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
