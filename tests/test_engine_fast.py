@@ -452,7 +452,7 @@ from worker.loader import load
 spec = lambda **f: GenerateSpec.model_validate({"model": sys.argv[2], "input": "file_x", "engine": "fast", **f})
 loaded = load(spec(), gpus=0)
 slot_state.CPU_SLOTS = 4
-fastgen.CASCADE_MIN_PAGES, fastgen.CASCADE_MIN_ROWS = 2, 2
+fastgen.CASCADE_MIN_READS = 4
 da.TARGET_PROGRAMS = 1  # one part per row and one for the prefix: the interpreter runs each program in Python
 rows = prefixed_rows(6)
 def run(cascade):
@@ -754,8 +754,7 @@ def test_the_cascade_reads_the_prefix_most_running_rows_share(loaded, tiny_model
     counts them. (On CPU the attention is the reference, which reads every table whole; the kernels are checked
     in the interpreter above.)"""
     slots(16)
-    monkeypatch.setattr(fastgen, "CASCADE_MIN_PAGES", 2)
-    monkeypatch.setattr(fastgen, "CASCADE_MIN_ROWS", 4)
+    monkeypatch.setattr(fastgen, "CASCADE_MIN_READS", 12)
     state = slot_state.state_for(loaded.model, loaded.device, loaded.model.get_output_embeddings().weight.shape[0])
     eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=16, graphs=False)
     seq = lambda pages, prefix: fastgen.Seq(None, 0, pages=pages, prefix=prefix)  # noqa: E731
@@ -764,9 +763,11 @@ def test_the_cascade_reads_the_prefix_most_running_rows_share(loaded, tiny_model
     eng._choose_shared(running)
     assert eng._cascade_pages == (5, 6, 7) and eng._sharing == 5  # 4 rows × 3 pages beats 5 rows × 2 pages
     assert state.shared[:4].tolist() == [5, 6, 7, -1] and state.shared_n.item() == 3
-    assert "cascade" in eng._extras(running)
+    assert "cascade" in eng._extras(running)  # 5 rows × 3 pages saves 15 page reads a step: at least 12
     eng._cascade_pages, eng._sharing = (5, 6, 7), 3
-    assert "cascade" not in eng._extras(running)
+    assert "cascade" not in eng._extras(running)  # 9
+    eng._cascade_pages, eng._sharing = (5, 6, 7, 8), 3
+    assert "cascade" in eng._extras(running)  # 12
 
     rows = prefixed_rows(12)
     off_info: dict = {}

@@ -13,7 +13,7 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
    positions of pages (a cached prompt prefix, G3: 1,024) and go on with `own` positions of their own: the plain
    kernel (every row reads the shared pages) against the cascade (the shared pages read once for all rows, the
    merge included), max |diff| between them, and the bytes each must read at least. The grid of batch and shared
-   length places the engine's CASCADE_MIN_ROWS and CASCADE_MIN_PAGES.
+   length places the engine's CASCADE_MIN_READS.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ops.bench import harness  # after the repository root is on sys.path
 
 CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
 SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
-# (batch, shared, own): G3's (1024, 1024, 64 and 128), and the grid that places the engine's CASCADE_MIN_* thresholds
+# (batch, shared, own): G3's (1024, 1024, 64), and the grid that places the engine's CASCADE_MIN_READS
 CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
     (b, s, 128) for b in (16, 64, 128, 256, 512, 1024) for s in (256, 512, 1024, 2048)
 )

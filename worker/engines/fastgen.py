@@ -79,12 +79,12 @@ COMPILE = True
 COMPILE_BACKEND = "inductor"  # tests set "eager" (dynamo traces for real, runs the graphs eagerly)
 SIZE_OBLIVIOUS = True  # compile every size alike (`_size_oblivious`); turned off if that fails for a model
 # Cascade decode (worker/engines/decode_attention.py): pages of a cached prompt prefix that many running rows hold
-# are read once a step for all of them. Used while at least CASCADE_MIN_ROWS running rows hold at least
-# CASCADE_MIN_PAGES shared pages (first guesses, not yet measured against each other: below them the extra kernel
-# and merge cost about what they save); ops/bench/gen.py g3 turns CASCADE off to measure it.
+# are read once a step for all of them. Used while the running rows holding them × their pages (the page reads a
+# step saves) is at least CASCADE_MIN_READS: on the H200 every shape at or past that product gained and every loss
+# lay below it (1024 rows × 4 pages 1.05×, 256 × 16 1.46×, 128 × 32 1.63×; 128 × 4 0.42×: the kernel grid in
+# ops/bench/results/2026-12-05-h200-host). ops/bench/gen.py g3 turns CASCADE off to measure it.
 CASCADE = True
-CASCADE_MIN_PAGES = 4
-CASCADE_MIN_ROWS = 16
+CASCADE_MIN_READS = 4096
 
 
 # --- what the engine can run ----------------------------------------------------------------------------------
@@ -616,7 +616,7 @@ class Engine:
             for name, asked in (
                 ("grammar", any(s.guide for s in seqs)),
                 ("logprobs", any(s.lp is not None for s in seqs)),
-                ("cascade", len(self._cascade_pages) >= CASCADE_MIN_PAGES and self._sharing >= CASCADE_MIN_ROWS),
+                ("cascade", len(self._cascade_pages) * self._sharing >= CASCADE_MIN_READS),
             )
             if asked
         )
