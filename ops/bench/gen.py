@@ -60,7 +60,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -822,12 +824,32 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
 
             reset()  # the new stack's file: its URL and token
             client = Client()
+            spy = profile_worker(client, args.profile_restart)
             small_job("restart_warm_up")  # warm-cache: compiled code read from JOBS_HOME/compile-cache
+            if spy:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(timeout=30)
     except Exception:
         dump_worker_stacks()
         raise
     finally:
         subprocess.run([sys.executable, "-m", "api", "down"], capture_output=True, text=True)
+
+
+def profile_worker(client, out: str):
+    """py-spy recording the stack's online worker (its Python stacks, 200 Hz) into `out` (speedscope), or None
+    without `out`; py-spy from PYSPY, else PATH."""
+    if not out:
+        return None
+    import shutil
+
+    spy = os.environ.get("PYSPY") or shutil.which("py-spy")
+    pids = [w["pid"] for w in client.workers() if w["state"] == "online"]
+    if not spy or not pids:
+        log(f"profile of the restart skipped: py-spy {spy}, online workers {pids}")
+        return None
+    cmd = [spy, "record", "--pid", str(pids[0]), "--rate", "200", "--nonblocking", "--format", "speedscope", "-o", out]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def dump_worker_stacks() -> None:
@@ -940,6 +962,12 @@ def main(argv: list[str] | None = None) -> int:
         dest="restart",
         action="store_false",
         help="skip restarting the stack after the service runs (a fresh worker's first job on a compiled model)",
+    )
+    p.add_argument(
+        "--profile-restart",
+        default="",
+        metavar="FILE",
+        help="record the restarted worker with py-spy (speedscope FILE) while it runs its first job",
     )
     p.add_argument("--padded-batch", type=int, default=256)
     p.add_argument("--padded-rows", type=int, default=512, help="rows of the padded-generate baseline")

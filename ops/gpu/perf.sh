@@ -3,7 +3,8 @@
 # stack: SIGABRT with PYTHONFAULTHANDLER=1); results under $OUT. Via the device tool, `.whl` carried, timeout_s 590:
 #   PART=g2 bash ops/gpu/perf.sh     # gen.py g2: engine (cold + 3 warm), baselines, the peer, service x3, restart
 #   PART=g1 bash ops/gpu/perf.sh     # the same for G1 (and the static-cache baseline)
-#   PART=g2-service bash ops/gpu/perf.sh  # G2 through the service only (x3, then the restart), no engine step
+#   PART=g2-service bash ops/gpu/perf.sh  # G2 through the service only (x3, then the restart), no engine step;
+#                                         # PROFILE_RESTART=1: py-spy on the restarted worker's first job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
@@ -30,7 +31,10 @@ fi
 case $PART in
     g1 | g2) cmd=(python3 ops/bench/gen.py "$PART" --repeat 3 --inproc-s 300 --service-s $((LIMIT - 320)) --out "$OUT/$PART.json") ;;
     g1-service | g2-service) cmd=(python3 ops/bench/gen.py "${PART%-service}" --repeat 3 --skip inproc
-                                  --service-s $((LIMIT - 20)) --out "$OUT/$PART.json") ;;
+                                  --service-s $((LIMIT - 20)) --out "$OUT/$PART.json")
+        if [[ ${PROFILE_RESTART:-0} == 1 ]]; then  # py-spy on the restarted worker's first job
+            export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-restart "$OUT/restart.speedscope.json")
+        fi ;;
     g3) cmd=(python3 ops/bench/gen.py g3 --repeat 3 --no-peer --skip service --inproc-s $((LIMIT - 20)) --out "$OUT/g3.json") ;;
     g1json | g1lp) cmd=(python3 ops/bench/gen.py "$PART" --inproc-s $((LIMIT - 20)) --out "$OUT/$PART.json") ;;
     f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
