@@ -170,36 +170,25 @@ def test_a_grammar_is_compiled_once_per_schema_and_tokenizer(loaded):
         grammar.compiled(tok, vocab, eos, '{"grammars": [{"json_schema": {"type": "nonsense"}}]}')
 
 
-@pytest.mark.parametrize("chunk", [1, 2, 128], ids=["chunks-of-1", "chunks-of-2", "one-chunk"])
-def test_masks_write_every_row_whatever_the_buffer_held(loaded, monkeypatch, chunk):
-    """A step's masks into a reused buffer full of garbage, rows added one by one as the engine books them (the
-    full chunks computed on the background thread) and the rest at `finish`: each live row gets its grammar's mask
-    (as computed at once into a zeroed buffer), and every other row (unconstrained, ended, failed) allows every
-    token."""
-    monkeypatch.setattr(grammar, "CHUNK", chunk)
+def test_fill_writes_every_row_whatever_the_buffer_held(loaded):
+    """`grammar.fill` into a reused buffer full of garbage: each live row gets its grammar's mask (as into a zeroed
+    buffer), and every other row (unconstrained, ended, failed) allows every token."""
     tok, eos, vocab = loaded.tokenizer, common.eos_ids(loaded), common.vocab_width(loaded)
-    guides = grammar.guides(tok, vocab, eos, [{"guided_choice": ["Paris", "London"]}] * 4)
-    guides += grammar.guides(tok, vocab, eos, [{"guided_regex": "[0-9]+"}] * 2)
-    for g in guides[:4:3] + guides[4:]:  # rows 0, 5, 6, 7 advance by a token of their grammar
-        first = tok("Paris" if g is guides[0] else "London" if g is guides[3] else "42")["input_ids"][0]
-        g.take(first)
+    params = {"guided_choice": ["Paris", "London"]}
+    guides = grammar.guides(tok, vocab, eos, [params] * 4)
     guides[1].ended = True
     guides[2].error = "refused"
-    rows = [(0, guides[0]), (1, guides[1]), (2, guides[2]), (4, guides[3]), (5, guides[4]), (7, guides[5])]
-    garbage = torch.full((8, grammar.words(vocab)), 0x5A5A5A5A, dtype=torch.int32)  # rows 3 and 6: unconstrained
-    masks = grammar.Masks(garbage)
-    for row, guide in rows[:4]:  # booked before finish (some rows twice: added once)
-        masks.add(row, guide)
-        masks.add(row, guide)
-    masks.finish(rows)
+    rows = [(0, guides[0]), (1, guides[1]), (2, guides[2]), (4, guides[3])]  # row 3: unconstrained
+    garbage = torch.full((5, grammar.words(vocab)), 0x5A5A5A5A, dtype=torch.int32)
+    grammar.fill(garbage, rows)
     clean = torch.zeros_like(garbage)
-    live = [(g.matcher, i) for i, g in rows if g.live]
-    grammar.executor().unsafe_compute_mask_ptr(live, clean.data_ptr(), clean.shape[1] * 4, 8)
-    for _, i in live:  # the next token of a choice or a number: some tokens allowed, not all
+    grammar.executor().unsafe_compute_mask_ptr(
+        [(guides[0].matcher, 0), (guides[3].matcher, 4)], clean.data_ptr(), clean.shape[1] * 4, 5
+    )
+    for i in (0, 4):  # a choice's first token: a few tokens allowed, not all
         allowed = sum(bin(word & 0xFFFFFFFF).count("1") for word in garbage[i].tolist())
-        assert torch.equal(garbage[i], clean[i]) and 0 < allowed < vocab, i
-    assert [i for _, i in live] == [0, 4, 5, 7]
-    assert torch.all(garbage[[1, 2, 3, 6]] == -1)
+        assert torch.equal(garbage[i], clean[i]) and 0 < allowed < vocab
+    assert torch.all(garbage[1:4] == -1)
 
 
 # --- log-probabilities ---------------------------------------------------------------------------------------

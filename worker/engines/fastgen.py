@@ -246,7 +246,6 @@ class Engine:
         self.vocab = self.head.weight.shape[0]
         self.prefill_lp: Any = None  # the last prefill's log-probabilities (device tensors), where a row asked
         self._host_bits: torch.Tensor | None = None
-        self._masks: grammar.Masks | None = None  # the next step's masks, while its rows are booked
         if state.eos != tuple(sorted(eos)):  # graphs read the state's tensors only: new EOS ids, new graphs
             state.eos = tuple(sorted(eos))
             state.eos_index = torch.tensor(state.eos, device=state.cache.device) if eos else None
@@ -542,7 +541,6 @@ class Engine:
             self._ring = logprobs.Ring(longest + 4, st.slots, k, pinned=st.tok.is_cuda)
         free = list(range(self.slots))
         self._cascade_pages, self._sharing = (), 0
-        self._masks = None
         self.pool.start_run()
         loop = self._loop(queue, free, should_stop)
         try:
@@ -580,7 +578,6 @@ class Engine:
             stepped = list(running.items())
             if "grammar" in extras:  # the masks need the last tokens: the host books them while the forward runs
                 self._forward(batch, extras)
-                self._masks = grammar.Masks(self._bits(batch))  # each row's mask starts once it is booked
                 if pending:
                     yield from self._book(*pending, running, free)
                     pending = None
@@ -639,26 +636,20 @@ class Engine:
             st.shared_n.fill_(len(best))
         self._sharing = sum(tuple(s.pages[: len(best)]) == best for s in running.values()) if best else 0
 
-    def _bits(self, batch: int) -> torch.Tensor:
-        """The host buffer of the next step's grammar masks, `batch` rows."""
-        if self._host_bits is None:
-            st = self.state
-            shape = (st.slots, grammar.words(self.vocab))
-            self._host_bits = torch.empty(shape, dtype=torch.int32, pin_memory=st.tok.is_cuda)
-        return self._host_bits[:batch]
-
     def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
-        """The grammar masks of the next step, by slot (those `_take` started, then the rest), copied into
-        `outputs`."""
+        """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
         t = time.perf_counter()
         st = self.state
         if "bitmask" not in st.outputs:  # kept with the state (a captured graph reads it)
             st.outputs["bitmask"] = torch.full(
                 (st.slots, grammar.words(self.vocab)), -1, dtype=torch.int32, device=st.tok.device
             )
-        masks, self._masks = self._masks, None
-        masks.finish([(slot, s.guide) for slot, s in running.items() if s.guide])
-        st.outputs["bitmask"][:batch].copy_(masks.bitmask, non_blocking=True)
+        if self._host_bits is None:
+            shape = st.outputs["bitmask"].shape
+            self._host_bits = torch.empty(shape, dtype=torch.int32, pin_memory=st.tok.is_cuda)
+        host = self._host_bits[:batch]
+        grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
+        st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
         self.mask_s += time.perf_counter() - t
 
     def _forward(self, batch: int, extras: tuple[str, ...]) -> None:
@@ -843,12 +834,10 @@ class Engine:
             yield finished
 
     def _take(self, seq: Seq, token: int) -> None:
-        """Book `token` on `seq`: its grammar advances (and, in a grammar step, its next mask starts)."""
+        """Book `token` on `seq`: its grammar advances."""
         seq.tokens.append(token)
         if seq.guide is not None:
             seq.guide.take(token)
-            if self._masks is not None:
-                self._masks.add(seq.slot, seq.guide)
 
     def _free(self, seq: Seq, free: list[int]) -> None:
         """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the

@@ -5,13 +5,10 @@ matcher per generated sequence, and the grammar's mask applied to the logits on 
   tokenizer object (`lltokenizer`; about a second for a 150k vocabulary).
 - A grammar is compiled once per (grammar, tokenizer): the compiled matcher is kept (least recently used out past
   COMPILED) and each sequence gets a copy of it (`deep_copy`, cheap), advanced by the tokens that sequence picks.
-- A step's masks are computed on the CPU by llguidance's executor (its own threads, without the GIL) into one int32
-  bitmask row per sequence (bit j of word w allows token 32·w + j), copied to the device and unpacked there into
-  -inf on every token the grammar forbids (`apply`). An unconstrained row's bitmask row is all ones: a batch mixing
-  constrained and free rows needs no other flag. The fast engine hands each row to `Masks` as soon as it took its
-  token, and the masks of every CHUNK rows are computed on a background thread while the engine books the next
-  rows (on the H200, G1-JSON's host spent ~2.7 ms a step booking 1,024 rows and then ~6.4 ms on masks, one after
-  the other: ops/bench/results/2026-12-05-h200-host).
+- A step's masks are computed on the CPU for every constrained sequence at once by llguidance's executor (its own
+  threads, without the GIL) into one int32 bitmask row per sequence (bit j of word w allows token 32·w + j), copied
+  to the device and unpacked there into -inf on every token the grammar forbids (`apply`). An unconstrained row's
+  bitmask row is all ones: a batch mixing constrained and free rows needs no other flag.
 - EOS: the EOS ids the engine stops on are the grammar's end: the mask allows them only where the grammar may end
   (an accepting state), and once the grammar can take nothing more they are all it allows.
 
@@ -24,7 +21,6 @@ asks for no constraint.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import threading
 from typing import Any
 
@@ -34,9 +30,7 @@ from transformers import LogitsProcessor
 from core import structured
 
 COMPILED = 256  # compiled grammars kept per tokenizer
-CHUNK = 128  # rows per call of the executor while the host books the next ones (`Masks`)
 _executor = None
-_background = None  # the thread `Masks` hands its chunks to
 _lock = threading.Lock()
 
 
@@ -156,55 +150,15 @@ def words(vocab: int) -> int:
 
 def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
     """Each live Guide's next mask into its row of `bitmask` (a CPU int32 (batch, words) tensor, contiguous); the
-    other rows are set to all ones (every token allowed)."""
-    Masks(bitmask).finish(rows)
-
-
-class Masks:
-    """One step's masks into `bitmask` (a CPU int32 (batch, words) tensor, contiguous), started while the host is
-    still advancing the other rows: `add` a row once its Guide took the step's token; every CHUNK rows go to the
-    executor on a background thread. `finish` adds the rows not added yet, computes the last chunk itself, waits
-    for the others, and sets every row without a live Guide to ones. The executor writes a live row whole, so a
-    reused buffer needs no clearing (G1-JSON's 1,024 rows: 19 MB a step not written twice)."""
-
-    def __init__(self, bitmask: torch.Tensor):
-        self.bitmask = bitmask
-        self.executor = executor()  # made here, in the engine's thread (worker/preload.py: threads import nothing)
-        self.rows: set[int] = set()  # rows whose masks are computed or pending
-        self.pending: list[tuple[Any, int]] = []  # (matcher, row) not handed over yet
-        self.futures: list[concurrent.futures.Future] = []
-
-    def add(self, row: int, guide: Guide) -> None:
-        if guide.live and row not in self.rows:
-            self.rows.add(row)
-            self.pending.append((guide.matcher, row))
-            if len(self.pending) >= CHUNK:
-                self.futures.append(_thread().submit(self._compute, self.pending))
-                self.pending = []
-
-    def finish(self, rows: list[tuple[int, Guide]]) -> None:
-        for row, guide in rows:
-            self.add(row, guide)
-        if self.pending:
-            self._compute(self.pending)
-        for future in self.futures:
-            future.result()
-        if len(self.rows) < self.bitmask.shape[0]:
-            others = torch.ones(self.bitmask.shape[0], dtype=torch.bool)
-            others[list(self.rows)] = False
-            self.bitmask[others] = -1
-
-    def _compute(self, chunk: list[tuple[Any, int]]) -> None:
-        b = self.bitmask
-        self.executor.unsafe_compute_mask_ptr(chunk, b.data_ptr(), b.shape[1] * 4, b.shape[0])
-
-
-def _thread() -> concurrent.futures.ThreadPoolExecutor:
-    global _background
-    with _lock:
-        if _background is None:
-            _background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-    return _background
+    other rows are set to all ones (every token allowed). The executor writes a live row whole, so only the others
+    are filled (G1-JSON's 1,024 rows: 19 MB a step not written twice; 2.3 ms on a 2-core CPU)."""
+    live = [(g.matcher, i) for i, g in rows if g.live]
+    if len(live) < bitmask.shape[0]:
+        others = torch.ones(bitmask.shape[0], dtype=torch.bool)
+        others[[i for _, i in live]] = False
+        bitmask[others] = -1
+    if live:
+        executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
