@@ -47,6 +47,9 @@ REQUIRED = (
     "torch",
     "torch._dynamo",
     "torch._inductor.runtime.cache_dir_utils",  # the flex_attention probe's thread reads Inductor's cache folder
+    # the fast engine's torch.compile(backend="inductor") imports it: 2.1 s of a restarted worker's first job on the
+    # H200 (ops/bench/results/2026-12-05-h200-restart), paid here, at start-up, instead
+    "torch._inductor.compile_fx",
     "transformers",
     "transformers.modeling_utils",  # with transformers' quantizers (and torchao where installed)
     "peft",
