@@ -39,7 +39,7 @@ HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
 
 def timed(torch, fn, reps: int = 50) -> float:
     """Milliseconds per call of `fn` replayed from a CUDA graph, as the engine runs it (eager launches would time
-    Python: ~0.25 ms at any small batch), median of `reps` replays after warm-up."""
+    Python: ~0.23 ms at any small batch), median of `reps` replays after warm-up."""
     for _ in range(3):  # Triton compiles outside the capture
         fn()
     torch.cuda.synchronize()
