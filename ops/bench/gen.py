@@ -855,9 +855,6 @@ def profile_worker(client, out: str):
 def dump_worker_stacks() -> None:
     """SIGABRT to the stack's workers: with PYTHONFAULTHANDLER=1 (ops/gpu scripts set it) each writes every
     thread's stack to its log before dying, so a time box that expired says whether the work was slow or stuck."""
-    import os
-    import signal
-
     from api.stack import read_stack
 
     for pid in read_stack().get("workers", []):

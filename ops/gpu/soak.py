@@ -118,7 +118,8 @@ class Mode:
     # outputs of many lengths, so rows finish, and are committed, all along (uniform lengths commit only at the end)
     yield_low: Rows | None = None
     # shared_prefix's rows × shared pages reach fastgen.CASCADE_MIN_READS (4,096): the cached job takes cascade steps
-    # (quick: 256 rows × at least 16 pages, the 1,024-word instruction; smoke's 24 rows of a 300-word one stay far below it)
+    # (quick: 256 rows × at least 16 pages, the 1,024-word instruction; smoke's 24 rows of a 300-word one stay far
+    # below it)
     cascade: bool = True
 
 
