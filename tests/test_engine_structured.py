@@ -118,6 +118,23 @@ def test_constrained_outputs_validate_on_every_engine(loaded, tiny_model, slots,
         assert check(run(loaded, spec, constrained_rows())) >= 7
 
 
+def test_the_fast_engine_gives_the_same_outputs_in_three_families_as_in_one(loaded, tiny_model, slots, monkeypatch):
+    """Greedy constrained rows through the fast engine with their matchers in three families (two executor threads)
+    give the outputs of one family: grouping the rows by family changes no row's mask."""
+    import llguidance
+
+    slots(4)
+    monkeypatch.setattr(grammar, "_executor", llguidance.LLExecutor(num_threads=2))
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT)
+    outputs = {}
+    for families in (1, 3):
+        monkeypatch.setattr(grammar, "FAMILIES", families)
+        results = run(loaded, spec, constrained_rows())
+        assert check(results) >= 7
+        outputs[families] = {idx: r.output for idx, r in results.items()}
+    assert outputs[1] == outputs[3]
+
+
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):
     """With too few tokens for the object the output is a valid prefix cut short: finish_reason `length`."""
     spec = make_spec(tiny_model, engine="padded", max_new_tokens=5, response_format=FORMAT)
@@ -168,6 +185,56 @@ def test_a_grammar_is_compiled_once_per_schema_and_tokenizer(loaded):
     assert len({id(g.matcher) for g in first + again}) == 3  # copies of the one compiled matcher
     with pytest.raises(ValueError, match="cannot compile"):
         grammar.compiled(tok, vocab, eos, '{"grammars": [{"json_schema": {"type": "nonsense"}}]}')
+
+
+def test_each_family_has_its_own_compiled_matcher_and_sequences_are_dealt_in_turn(loaded, monkeypatch):
+    """With FAMILIES families a grammar has one compiled matcher per family (a copy of another family's would share
+    its lexer's mutex), and consecutive sequences go to the families in turn."""
+    monkeypatch.setattr(grammar, "FAMILIES", 3)
+    tok, eos, vocab = loaded.tokenizer, common.eos_ids(loaded), common.vocab_width(loaded)
+    params = {"guided_choice": ["north", "south"]}
+    from core import structured
+
+    text = structured.grammar(params)
+    bases = [grammar.compiled(tok, vocab, eos, text, family) for family in range(3)]
+    assert len({id(b) for b in bases}) == 3
+    assert all(grammar.compiled(tok, vocab, eos, text, family) is bases[family] for family in range(3))
+    families = [g.family for g in grammar.guides(tok, vocab, eos, [params] * 6)]
+    assert sorted(families) == [0, 0, 1, 1, 2, 2] and families[:3] == families[3:]
+
+
+def test_masks_in_families_equal_the_masks_of_one_family(loaded, monkeypatch):
+    """`fill` hands the executor its rows grouped by family, in another order than the batch's: every row still
+    gets its own state's mask. Rows at different points of their outputs, two executor threads, three families
+    against one, for every step of the outputs."""
+    import llguidance
+
+    tok, eos, vocab = loaded.tokenizer, common.eos_ids(loaded), common.vocab_width(loaded)
+    monkeypatch.setattr(grammar, "_executor", llguidance.LLExecutor(num_threads=2))
+    outputs = ['{"name":"Ann","age":7,"color":"red"}', '{"name":"Bo","age":120,"color":"blue"}']
+    traces = [tok(text, add_special_tokens=False)["input_ids"] for text in outputs]
+    params = {"response_format": FORMAT}
+    sets = {}
+    for families in (1, 3):
+        monkeypatch.setattr(grammar, "FAMILIES", families)
+        sets[families] = grammar.guides(tok, vocab, eos, [params] * 7)
+    assert {g.family for g in sets[3]} == {0, 1, 2}
+    starts = [0, 3, 1, 5, 2, 4, 6]  # row i is starts[i] tokens into its output
+    for guides in sets.values():
+        for i, g in enumerate(guides):
+            for token in traces[i % 2][: starts[i]]:
+                g.take(token)
+    rows = {families: [(i, g) for i, g in enumerate(guides)] for families, guides in sets.items()}
+    for step in range(min(len(t) for t in traces) - max(starts)):
+        masks = {}
+        for families in (1, 3):
+            masks[families] = torch.zeros((7, grammar.words(vocab)), dtype=torch.int32)
+            grammar.fill(masks[families], rows[families])
+        assert torch.equal(masks[1], masks[3]), step
+        assert len({tuple(m.tolist()) for m in masks[3]}) > 1  # the rows are in different states
+        for guides in sets.values():
+            grammar.advance([(g, traces[i % 2][starts[i] + step]) for i, g in enumerate(guides)])
+    assert grammar.failure(sets[1] + sets[3]) is None
 
 
 def test_fill_writes_every_row_whatever_the_buffer_held(loaded):

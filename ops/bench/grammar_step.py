@@ -5,15 +5,24 @@ writes JSON. CPU or CUDA (the copy and the device mask are timed on CUDA only).
     python ops/bench/grammar_step.py --out ops/bench/results/grammar-step.json     # --batch, --vocab, --threads
 
 Every row follows one valid output of G1-JSON's schema (ops/bench/gen.py SCHEMA_G1JSON) token by token, on the
-benchmark model's tokenizer (worker/tinymodel.py); each part is timed at every step of that output and averaged.
+benchmark model's tokenizer (worker/tinymodel.py, 640 tokens) or, with `--tokenizer-size N`, on a byte-level BPE of
+N tokens trained on the Python standard library's sources (a real model's tokenizer is ~150k tokens, and a mask's
+cost grows with them); each part is timed at every step of that output and averaged.
+Two sets of rows: *lockstep* (every row at the same token, as in the first steps of a job) and *staggered* (row i
+starts i tokens in and starts over when its output is done, as rows are once a job runs). Each set is timed twice
+in the same steps: its matchers copied from one compiled matcher (one family, the engine before families) and
+dealt to `--threads` families (the engine now: grammar.FAMILIES).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import json
 import os
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -28,29 +37,87 @@ from worker import tinymodel  # noqa: E402
 from worker.engines import grammar  # noqa: E402
 
 OUTPUT = '{"name":"the people of the world","count":12345,"kind":"beta"}'
+CORPUS_BYTES = 20_000_000  # of standard-library sources, to train a larger tokenizer on (~10 s for 150k tokens)
+
+
+@functools.cache
+def corpus() -> tuple[str, ...]:
+    texts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        texts.append(path.read_text(errors="replace"))
+        size += len(texts[-1])
+        if size > CORPUS_BYTES:
+            break
+    return tuple(texts)
+
+
+def tokenizer(size: int):
+    """The benchmark model's tokenizer (640 tokens), or a BPE of `size` tokens on the standard library's sources."""
+    return tinymodel.build_tokenizer(list(corpus()) if size > 640 else [], vocab_size=size)
+
+
+class Rows:
+    """`batch` constrained rows on `trace`, row i at token (i × stagger) mod its length, in `families` families
+    (compiled for a tokenizer of their own, so that no two sets share a lexer)."""
+
+    def __init__(self, tok, vocab: int, batch: int, trace: list[int], stagger: int, families: int):
+        self.eos = {tok.convert_tokens_to_ids(tinymodel.EOS)}
+        fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+        grammar.FAMILIES = families
+        self.guides = grammar.guides(tok, vocab, self.eos, [{"response_format": fmt}] * batch)
+        self.rows = list(enumerate(self.guides))
+        self.trace = trace
+        self.pos = [(i * stagger) % len(trace) for i in range(batch)]
+        for g, pos in zip(self.guides, self.pos):
+            for token in trace[:pos]:
+                g.take(token)
+
+    def step(self, parallel: bool) -> None:
+        """Each row takes its next token (by `take` in a Python loop, or by `grammar.advance` in one call); a row
+        past its output's end starts over."""
+        pairs = [(g, self.trace[pos]) for g, pos in zip(self.guides, self.pos)]
+        if parallel:
+            grammar.advance(pairs)
+        else:
+            for g, token in pairs:
+                g.take(token)
+        for i, g in enumerate(self.guides):
+            self.pos[i] += 1
+            if self.pos[i] == len(self.trace):
+                if not g.matcher.is_accepting():
+                    raise SystemExit("the trace did not end in an accepting state")
+                g.reset()
+                self.pos[i] = 0
+        failed = grammar.failure(self.guides)
+        if failed:
+            raise SystemExit(f"the trace left its grammar: {failed}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936, help="the logits' width (the model's output layer)")
+    p.add_argument("--threads", type=int, default=grammar.THREADS, help="the executor's threads and the families")
+    p.add_argument("--tokenizer-size", type=int, default=640, help="640: the benchmark model's; more: a trained BPE")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    grammar.THREADS = args.threads
     cuda = torch.cuda.is_available()
-    tok = tinymodel.build_tokenizer([])
-    eos = {tok.convert_tokens_to_ids(tinymodel.EOS)}
-    fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
-    params = [{"response_format": fmt}] * args.batch
-    trace = tok(OUTPUT, add_special_tokens=False)["input_ids"]
-    by_loop = grammar.guides(tok, args.vocab, eos, params)  # advanced one take() at a time
-    by_par = grammar.guides(tok, args.vocab, eos, params)  # advanced by grammar.advance (the executor)
+    if args.tokenizer_size > args.vocab:
+        raise SystemExit(f"--tokenizer-size {args.tokenizer_size} is wider than --vocab {args.vocab}")
+    base = tokenizer(args.tokenizer_size)
+    tokenizers = [copy.deepcopy(base) for _ in range(4)]  # one per set of rows: none shares another's matchers
+    trace = tokenizers[0](OUTPUT, add_special_tokens=False)["input_ids"]
     words = grammar.words(args.vocab)
     bits = torch.empty((args.batch, words), dtype=torch.int32, pin_memory=cuda)
     device_bits = torch.empty((args.batch, words), dtype=torch.int32, device="cuda") if cuda else None
     logits = torch.randn(args.batch, args.vocab, device="cuda", dtype=torch.bfloat16) if cuda else None
-    rows_loop = list(enumerate(by_loop))
-    live = [(g.matcher, i) for i, g in rows_loop]
-    row_bytes = words * 4
+    n = args.threads
+    kinds = [(order, stagger, fam) for order, stagger in (("lockstep", 0), ("staggered", 1)) for fam in sorted({1, n})]
+    sets = {
+        (order, fam): Rows(tok, args.vocab, args.batch, trace, stagger, fam)
+        for tok, (order, stagger, fam) in zip(tokenizers, kinds)
+    }
     ms: dict[str, list[float]] = {}
 
     def timed(name: str, fn, sync: bool = False) -> None:
@@ -62,38 +129,35 @@ def main() -> int:
             torch.cuda.synchronize()
         ms.setdefault(name, []).append((time.perf_counter() - t) * 1e3)
 
-    for token in trace:
+    for step in range(len(trace)):
         timed("ones into the whole bitmask (fill_)", lambda: bits.fill_(-1))
-        timed("masks, every row (grammar.fill)", lambda: grammar.fill(bits, rows_loop))
-        timed(
-            "masks, the executor alone",
-            lambda: grammar.executor().unsafe_compute_mask_ptr(live, bits.data_ptr(), row_bytes, args.batch),
-        )
+        for (order, fam), rows in sorted(sets.items(), reverse=step % 2 == 1):  # each first every other step
+            label = f"{fam} famil{'y' if fam == 1 else 'ies'}"
+            timed(f"masks, {order}, {label} (grammar.fill)", lambda r=rows: grammar.fill(bits, r.rows))
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
             timed("mask applied on the device (grammar.apply)", lambda: grammar.apply(logits, device_bits), sync=True)
-        timed("advance: take() per row (Python loop)", lambda t=token: [g.take(t) for g in by_loop])
-        timed("advance: grammar.advance (one call)", lambda t=token: grammar.advance([(g, t) for g in by_par]))
-    failed = [g.error for g in by_loop + by_par if g.error]
-    if failed:
-        raise SystemExit(f"the trace left its grammar: {failed[0]}")
-    if not all(g.matcher.is_accepting() for g in by_loop + by_par):
-        raise SystemExit("the trace did not end in an accepting state")
+        for (order, fam), rows in sets.items():
+            if fam == 1:
+                timed(f"advance, {order}: take() per row (Python loop)", lambda r=rows: r.step(False))
+            else:
+                timed(f"advance, {order}: grammar.advance, {n} families", lambda r=rows: r.step(True))
     results = {name: round(sum(v) / len(v), 3) for name, v in ms.items()}
     out = {
         "batch": args.batch,
         "vocab": args.vocab,
-        "tokenizer_size": len(tok),
+        "tokenizer_size": len(tokenizers[0]),
         "steps": len(trace),
         "cpus": os.cpu_count(),
+        "threads": n,
         "ms_per_step": results,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
     }
-    print(f"grammar step parts, {args.batch} rows, vocab {args.vocab} ({len(tok)} tokens), {len(trace)} steps, "
-          f"{out['cpus']} CPUs, {out['device']}")  # fmt: skip
+    print(f"grammar step parts, {args.batch} rows, vocab {args.vocab} ({out['tokenizer_size']} tokens), "
+          f"{len(trace)} steps, {out['cpus']} CPUs, executor threads {n}, {out['device']}")  # fmt: skip
     for name, value in results.items():
-        print(f"  {name:44s} {value:8.3f} ms")
+        print(f"  {name:58s} {value:8.3f} ms")
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -3,8 +3,14 @@ matcher per generated sequence, and the grammar's mask applied to the logits on 
 
 - The tokenizer is converted for llguidance once per (tokenizer, vocabulary width, EOS ids) and kept on the
   tokenizer object (`lltokenizer`; about a second for a 150k vocabulary).
-- A grammar is compiled once per (grammar, tokenizer): the compiled matcher is kept (least recently used out past
-  COMPILED) and each sequence gets a copy of it (`deep_copy`, cheap), advanced by the tokens that sequence picks.
+- A grammar is compiled once per (grammar, tokenizer, family): the compiled matchers are kept (least recently used
+  out past COMPILED) and each sequence gets a copy of one of them (`deep_copy`, cheap), advanced by the tokens that
+  sequence picks.
+- Families: llguidance's copies of a matcher share its lexer behind one mutex, which a copy holds while it computes
+  its mask (parser.rs, `Parser::with_shared`), so the executor's threads would compute the copies of one matcher
+  one at a time. Each grammar is therefore compiled FAMILIES times (one per executor thread, ~0.5 ms each, when a
+  family first needs it), sequences are dealt to families in turn, and `fill` hands the executor its rows grouped
+  by family, so that each thread's contiguous share of the list is mostly one family's.
 - A step's masks are computed on the CPU for every constrained sequence at once by llguidance's executor (its own
   threads, without the GIL) into one int32 bitmask row per sequence (bit j of word w allows token 32·w + j), copied
   to the device and unpacked there into -inf on every token the grammar forbids (`apply`). An unconstrained row's
@@ -21,6 +27,8 @@ asks for no constraint.
 from __future__ import annotations
 
 import collections
+import itertools
+import os
 import threading
 from typing import Any
 
@@ -29,9 +37,12 @@ from transformers import LogitsProcessor
 
 from core import structured
 
-COMPILED = 256  # compiled grammars kept per tokenizer
+COMPILED = 256  # compiled grammars kept per tokenizer (each with up to FAMILIES matchers)
+THREADS = min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))  # llguidance's default: 80 % of the CPUs, ≤ 32
+FAMILIES = THREADS  # independent compiled matchers per grammar (the module docstring says why)
 _executor = None
 _lock = threading.Lock()
+_dealt = itertools.count()  # sequences dealt to families in turn
 
 
 def lltokenizer(tok, vocab: int, eos: set[int]):
@@ -53,9 +64,10 @@ def lltokenizer(tok, vocab: int, eos: set[int]):
     return cache[key]
 
 
-def compiled(tok, vocab: int, eos: set[int], text: str):
-    """The matcher compiled from grammar `text` for this tokenizer (its initial state), or raise ValueError with
-    llguidance's reason. Compiled once per (grammar, tokenizer), least recently used out past COMPILED."""
+def compiled(tok, vocab: int, eos: set[int], text: str, family: int = 0):
+    """The matcher compiled from grammar `text` for this tokenizer (its initial state) in `family`, or raise
+    ValueError with llguidance's reason. Compiled once per (grammar, tokenizer, family); a grammar's matchers go
+    together, least recently used out past COMPILED grammars."""
     from llguidance import LLMatcher
 
     cache: collections.OrderedDict = tok.__dict__.setdefault("_gpujobs_grammars", collections.OrderedDict())
@@ -63,12 +75,15 @@ def compiled(tok, vocab: int, eos: set[int], text: str):
     with _lock:
         if key in cache:
             cache.move_to_end(key)
-            return cache[key]
+            if family in cache[key]:
+                return cache[key][family]
     matcher = LLMatcher(lltokenizer(tok, vocab, eos), text, log_level=0)
     if matcher.is_error():
         raise ValueError(f"the grammar engine (llguidance) cannot compile this constraint: {matcher.get_error()}")
     with _lock:
-        cache[key] = matcher
+        family_of = cache.setdefault(key, {})
+        cache.move_to_end(key)
+        matcher = family_of.setdefault(family, matcher)  # another thread may have compiled it meanwhile
         while len(cache) > COMPILED:
             cache.popitem(last=False)
     return matcher
@@ -79,16 +94,17 @@ def executor():
     if _executor is None:
         import llguidance
 
-        _executor = llguidance.LLExecutor()
+        _executor = llguidance.LLExecutor(num_threads=THREADS)
     return _executor
 
 
 class Guide:
-    """The grammar state of one generated sequence: its matcher, whether it has ended (EOS taken) and why it failed
-    (a token its grammar refused: the mask makes that impossible, so it is a bug, reported on the row)."""
+    """The grammar state of one generated sequence: its matcher (a copy of its family's compiled one), whether it
+    has ended (EOS taken) and why it failed (a token its grammar refused: the mask makes that impossible, so it is a
+    bug, reported on the row)."""
 
-    def __init__(self, matcher, eos: set[int]):
-        self.matcher, self.eos = matcher, eos
+    def __init__(self, matcher, eos: set[int], family: int = 0):
+        self.matcher, self.eos, self.family = matcher, eos, family
         self.ended = False
         self.error: str | None = None
 
@@ -112,12 +128,16 @@ class Guide:
 
 
 def guides(tok, vocab: int, eos: set[int], params_list: list[dict[str, Any]]) -> list[Guide | None]:
-    """One Guide per sequence (None where its parameters ask for no constraint); raises ValueError for a grammar
-    the engine cannot compile (the engines fail that row with the reason)."""
+    """One Guide per sequence (None where its parameters ask for no constraint), dealt to the FAMILIES in turn;
+    raises ValueError for a grammar the engine cannot compile (the engines fail that row with the reason)."""
     out: list[Guide | None] = []
     for params in params_list:
         text = structured.grammar(params)
-        out.append(None if text is None else Guide(compiled(tok, vocab, eos, text).deep_copy(), eos))
+        if text is None:
+            out.append(None)
+            continue
+        family = next(_dealt) % FAMILIES
+        out.append(Guide(compiled(tok, vocab, eos, text, family).deep_copy(), eos, family))
     return out
 
 
@@ -134,6 +154,7 @@ def advance(steps: list[tuple[Guide, int]]) -> None:
             pairs.append((guide, token))
     if not pairs:
         return
+    pairs.sort(key=lambda pair: pair[0].family)  # grouped by family, as in `fill`
     taken = executor().consume_token_par([(g.matcher, token) for g, token in pairs])
     for (guide, _), ok in zip(pairs, taken):
         if not ok:
@@ -151,8 +172,9 @@ def words(vocab: int) -> int:
 def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
     """Each live Guide's next mask into its row of `bitmask` (a CPU int32 (batch, words) tensor, contiguous); the
     other rows are set to all ones (every token allowed). The executor writes a live row whole, so only the others
-    are filled (G1-JSON's 1,024 rows: 19 MB a step not written twice; 2.3 ms on a 2-core CPU)."""
-    live = [(g.matcher, i) for i, g in rows if g.live]
+    are filled (G1-JSON's 1,024 rows: 19 MB a step not written twice; 2.3 ms on a 2-core CPU). The executor gets
+    the live rows grouped by family (the module docstring says why)."""
+    live = [(g.matcher, i) for i, g in sorted(rows, key=lambda row: row[1].family) if g.live]
     if len(live) < bitmask.shape[0]:
         others = torch.ones(bitmask.shape[0], dtype=torch.bool)
         others[[i for _, i in live]] = False
