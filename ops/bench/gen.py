@@ -21,7 +21,8 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
   `valid_g1json`, and tok/s), and the same rows unconstrained with each row's max_new_tokens set to the length of
   its constrained output (EOS off: same tokens, same prefill), whose seconds over the constrained run's isolate
   what the grammar costs (`ratios.constrained/length_matched`); `ratios.constrained/g1` is the tok/s ratio the
-  issue names (shorter outputs make prefill weigh more there).
+  issue names (shorter outputs make prefill weigh more there). The constrained run again with its matchers in one
+  family (`grammar.FAMILIES` = 1, the engine before families) gives `ratios.families_gain`.
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
 
@@ -197,6 +198,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
 
     from core.spec import GenerateSpec
     from worker import generate as engine
+    from worker.engines import grammar
 
     # prefix cache off: the runs repeat the same prompts on one resident engine, and later runs would read them
     # from the cache (their prefill skipped), which is not what these ratios compare
@@ -249,6 +251,11 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
         constrained = {"response_format": fmt}
         for name in ("constrained_cold", "constrained"):
             box.run(name, 60, lambda name=name: timed(name, constrained, rows))
+        families, grammar.FAMILIES = grammar.FAMILIES, 1  # the engine before families, in the same run
+        try:
+            box.run("constrained_one_family", 60, lambda: timed("constrained_one_family", constrained, rows))
+        finally:
+            grammar.FAMILIES = families
         got = out["engine"].get("constrained")
         if got:
             results = sorted(got["_results"], key=lambda r: r.idx)
@@ -271,10 +278,14 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
             box.run("length_matched", 60, lambda: timed("length_matched", plain, matched))
             same = out["engine"].get("length_matched")
             g1 = out["engine"].get("g1")
+            one = out["engine"].get("constrained_one_family")
             out["ratios"] = {
                 "constrained/g1": g1 and round(got["output_tok_s"] / g1["output_tok_s"], 3),
                 "constrained/length_matched": same and round(same["seconds"] / got["seconds"], 3),
+                "one_family/length_matched": same and one and round(same["seconds"] / one["seconds"], 3),
+                "families_gain": one and round(one["seconds"] / got["seconds"], 3),
             }
+            out["grammar_families"] = families
     for run in out["engine"].values():
         run.pop("_results", None)
 
