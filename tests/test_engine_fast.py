@@ -531,6 +531,52 @@ def test_compiled_layers_give_the_same_results(loaded, tiny_model, slots, monkey
     assert all(layer._compiled_call_impl is None for layer in eng.decoder.layers)
 
 
+def test_the_layers_get_position_ids_of_one_layout_and_the_warm_up_fails_no_guard_on_them(
+    loaded, tiny_model, slots, monkeypatch
+):
+    """Dynamo guards on whether a layer's input is a view and on its strides: a prefill's expanded positions, a
+    one-row prefill's slice and a decode step's slice once made the compiled layers compile up to three times each
+    (the Qwen3-0.6B shape: 17 frames for 8 graphs, 7 for 4 now; ops/bench/results/2026-12-05-cpu-restart). Every
+    prefill (one row and several) and decode step hands the layers position_ids as a contiguous tensor of its own,
+    and the compiled warm-up fails no guard on them."""
+    from torch._dynamo.utils import guard_failures
+
+    slots(4)
+    seen = []
+
+    def layout(module, args, kwargs):
+        ids = kwargs["position_ids"]
+        seen.append((tuple(ids.shape), ids._base is None and ids.is_contiguous()))
+
+    hook = loaded.model.model.layers[0].register_forward_pre_hook(layout, with_kwargs=True)
+    try:
+        spec = make_spec(tiny_model, engine="fast", max_new_tokens=5, ignore_eos=True)
+        run(loaded, spec, [(0, row("hello"))])
+        run(loaded, spec, [(i, row(p)) for i, p in enumerate(["the sky", "What is", "water city sky", "a"])])
+    finally:
+        hook.remove()
+    shapes = {shape for shape, _ in seen}
+    assert any(rows == 1 and width > 1 for rows, width in shapes)  # a one-row prefill
+    assert any(rows > 1 and width > 1 for rows, width in shapes)  # a prefill of several rows
+    assert any(width == 1 for _, width in shapes)  # decode steps
+    assert all(plain for _, plain in seen), seen
+
+    monkeypatch.setattr(fastgen, "COMPILE_BACKEND", "eager")
+    slot_state.release(loaded.model)
+    torch._dynamo.reset()
+    guard_failures.clear()
+    try:
+        state = slot_state.state_for(loaded.model, loaded.device, 640)
+        eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
+        with torch.inference_mode():
+            eng.warm_up()
+        failed = [str(reason) for reasons in guard_failures.values() for reason in reasons]
+    finally:
+        slot_state.release(loaded.model)
+        torch._dynamo.reset()
+    assert not [reason for reason in failed if "position_ids" in reason], failed
+
+
 def test_the_prepared_record_says_what_making_the_cache_took(loaded, slots):
     """`slot_state.summary` (the load event's and the job's `prepared` record) splits preparing into sizing and
     allocating the cache (`alloc_s`), compiling and capturing."""

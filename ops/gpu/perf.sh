@@ -7,6 +7,7 @@
 #                                         # PROFILE_RESTART=1: py-spy on the restarted worker's first job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel
+#   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py)
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
@@ -18,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, i26, kernel, f1, f1-service or grammar}
+PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, i26, kernel, prepare, f1, f1-service or grammar}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
@@ -43,6 +44,7 @@ case $PART in
     grammar) cmd=(bash -c "python3 ops/bench/grammar_step.py --out $OUT/grammar-step.json && python3 \
                   ops/bench/grammar_step.py --tokenizer-size 151936 --out $OUT/grammar-step-large-tokenizer.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
+    prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json") ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
     *) echo "perf.sh: unknown PART $PART" >&2; exit 2 ;;

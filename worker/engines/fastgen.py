@@ -337,7 +337,9 @@ class Engine:
         slots, last = slots_last[0], slots_last[1]
         temps = _to(device, [_temperature(s.row.params, self.loaded) for s in seqs], torch.float32)
         no_eos = _to(device, [bool(s.row.params["ignore_eos"]) for s in seqs], torch.bool)
-        positions = st.positions[None, start : start + width].expand(len(seqs), width)
+        # a tensor of its own, as in decode steps (`logits`): Dynamo guards on whether a layer's input is a view and
+        # on its strides, and an expanded view here made every compiled layer compile once more per layout
+        positions = st.positions[start : start + width].repeat(len(seqs), 1)
         # (rows, width): the page of each position; padding past a row's pages goes to the trash page
         pages = table[:, st.positions[start : start + width] // PAGE]
         t = time.perf_counter()
@@ -377,9 +379,9 @@ class Engine:
         if cascade:
             st.start[:batch] = decode_attention.cascade_start(st.table[:batch], st.shared)
         splits = decode_attention.splits_for(batch, st.cache.shape[3])
-        with self._mode("decode", splits=splits, cascade=cascade):
+        with self._mode("decode", splits=splits, cascade=cascade):  # position_ids: a copy, not a view (`prefill`)
             hidden = self.decoder(
-                input_ids=st.tok[:batch, None], position_ids=pos[:, None], use_cache=False
+                input_ids=st.tok[:batch, None], position_ids=pos[:, None].clone(), use_cache=False
             ).last_hidden_state[:, 0]
         return self.head(hidden)
 

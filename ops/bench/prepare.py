@@ -1,0 +1,87 @@
+"""A worker's preparation of the fast engine (compiled layers) in fresh processes, from an empty compile cache and
+then from the one it filled: Dynamo's frames and graphs, its seconds, and the engine's compile seconds.
+
+    python ops/bench/prepare.py --out ops/bench/results/prepare.json     # --runs cold,warm,warm --slots 8
+
+Each run is a new Python process, as a restarted worker is: it points the compile cache at `--work`/home
+(worker/compile_cache.py), loads the model (Qwen3-0.6B's shape, random weights, built if missing) and calls
+`fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton on CUDA) and no CUDA graphs, then reports
+`compile_s` (the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's frames and unique
+graphs and its `_compile` seconds (tracing, guards, loading what the cache holds). On CPU the warm-up's forwards of
+the 0.6B model weigh in `compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from ops.bench import harness  # noqa: E402
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from pathlib import Path
+from worker import compile_cache
+compile_cache.use(Path(sys.argv[1]))
+import torch
+from torch._dynamo.utils import compilation_time_metrics, counters
+from ops.bench import harness
+from worker.engines import fastgen, slot_state
+from worker.engines.common import eos_ids
+from worker.loader import Loaded
+t1 = time.perf_counter()
+cuda = torch.cuda.is_available()
+model, tok = harness.load_plain(Path(sys.argv[2]), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
+slot_state.CPU_SLOTS, slot_state.CPU_PAGES = int(sys.argv[3]), 64
+t2 = time.perf_counter()
+loaded = Loaded(model, tok, model.device, {})
+state = fastgen.prepare(loaded, eos_ids(loaded), graphs=False, compiled=True)
+t3 = time.perf_counter()
+print(json.dumps({
+    "imports_s": round(t1 - t0, 2), "load_s": round(t2 - t1, 2), "prepare_s": round(t3 - t2, 2),
+    "compile_s": round(state.compile_s, 2), "frames": counters["frames"]["ok"],
+    "graphs": counters["stats"]["unique_graphs"], "dynamo_s": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 2),
+    **{k: v for k, v in compile_cache.stats().items() if k in ("hits", "misses")},
+}))
+"""
+
+
+def main() -> int:
+    p = harness.parser(__doc__, out=None, model=ROOT / ".bench" / "qwen3-0.6b-random", work=None)
+    p.add_argument("--runs", default="cold,warm,warm", help="cold: an empty compile cache; warm: the one before")
+    p.add_argument("--slots", type=int, default=8, help="the engine's slots on CPU")
+    args = p.parse_args()
+    harness.ensure_model(args.model, "--arch", "qwen3-0.6b")
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpujobs-prepare-"))
+    home = work / "home"
+    runs = []
+    for kind in args.runs.split(","):
+        if kind == "cold":
+            subprocess.run(["rm", "-rf", str(home)], check=True)
+        t = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, str(home), str(args.model), str(args.slots)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode:
+            raise SystemExit(f"the {kind} run failed:\n{done.stderr[-3000:]}")
+        run = {"run": kind, "process_s": round(time.perf_counter() - t, 2), **json.loads(done.stdout.splitlines()[-1])}
+        runs.append(run)
+        print(json.dumps(run))
+    out = {"runs": runs, "commit": harness.commit_info(), "machine": harness.machine()}
+    if args.out:
+        harness.write_json(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
