@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from core.spec import GenerateSpec
 from tests.conftest import qa_pairs
 from worker import faults
 from worker import generate as engine
-from worker.engines import common, decode_attention, fastgen, paged_attention, slot_state
+from worker.engines import common, decode_attention, fast, fastgen, paged_attention, slot_state
 from worker.generate import generate
 from worker.loader import Loaded, load
 from worker.progress import Progress
@@ -575,6 +576,38 @@ def test_the_layers_get_position_ids_of_one_layout_and_the_warm_up_fails_no_guar
         slot_state.release(loaded.model)
         torch._dynamo.reset()
     assert not [reason for reason in failed if "position_ids" in reason], failed
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8], ids=["greedy-job", "sampling-job"])
+def test_the_worker_captures_the_graphs_of_the_loading_jobs_mode_and_the_others_on_first_use(
+    loaded, tiny_model, slots, monkeypatch, temperature
+):
+    """`prepare_engine` captures the decode graph of every bucket in the mode of the job that loads the model,
+    greedy or sampling, not both: a restarted worker's first row waits for half the captures. A later job in the
+    other mode captures a bucket's graph when a step first needs it, and runs. CUDA graphs are the edge here:
+    `_capture` records what it would capture and its graph replays the step eagerly."""
+    slots(4)
+    captured = []
+
+    def capture(self, batch, sample, extras=(), phase=None):
+        key = (batch, sample, *extras) if phase is None else (phase, batch, sample, *extras)
+        captured.append(key)
+        self.state.graphs[key] = graph = SimpleNamespace(replay=lambda: self._decode(batch, sample, extras, phase))
+        return graph
+
+    monkeypatch.setattr(fastgen.Engine, "_capture", capture)
+    monkeypatch.setattr(fast, "_fast_graphs", lambda loaded: True)
+    monkeypatch.setattr(fastgen, "COMPILE", False)
+    sampling = temperature is not None
+    engine.prepare_engine(loaded, make_spec(tiny_model, engine="fast", temperature=temperature))
+    sizes = fastgen.buckets(4)
+    assert captured == [(batch, sampling) for batch in sizes]
+    other = {"temperature": None} if sampling else {"temperature": 0.8, "seed": 1}
+    rows = [(i, row(p, max_new_tokens=4, ignore_eos=True)) for i, p in enumerate(["hello", "the sky", "a"])]
+    results = run(loaded, make_spec(tiny_model, engine="fast", **other), rows)
+    assert all(r.error is None and r.completion_tokens == 4 for r in results.values())
+    later = captured[len(sizes) :]
+    assert later and all(key[1] is not sampling for key in later)  # the other mode's, on first use
 
 
 def test_the_prepared_record_says_what_making_the_cache_took(loaded, slots):

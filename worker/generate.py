@@ -34,7 +34,7 @@ from typing import Any
 
 from core.errors import InvalidInput
 from core.leases import RowResult
-from core.spec import GenerateSpec
+from core.spec import GenerateSpec, sampling_of
 from worker.engines import continuous, fast, fastgen, padded, slot_state, static
 from worker.loader import Loaded
 from worker.progress import Progress
@@ -147,15 +147,16 @@ def choose_engine(spec: GenerateSpec, loaded: Loaded) -> tuple[str, str]:
 
 def prepare_engine(loaded: Loaded, spec: GenerateSpec, progress: Progress | None = None) -> dict[str, Any] | None:
     """Prepare what the engine for `spec` keeps on the model, right after loading, so that no job pays for it:
-    the fast engine's cache, compiled layers and CUDA graphs (phases of `progress`). Returns what it did (for the
-    load event), or None."""
+    the fast engine's cache, compiled layers and the CUDA graphs of `spec`'s mode, greedy or sampling (the other
+    mode's are captured when a step first needs them: a restarted worker's first row comes sooner). Phases of
+    `progress`. Returns what it did (for the load event), or None."""
     try:
         name, _ = choose_engine(spec, loaded)
     except InvalidInput:
         return None  # the job fails with that reason when it runs
     if name != "fast":
         return None
-    state = fast.prepared_state(loaded, progress=progress)
+    state = fast.prepared_state(loaded, progress=progress, sampling=(sampling_of(spec, None)["do_sample"],))
     summary = slot_state.summary(state)
     if state.compiled:
         from worker import compile_cache

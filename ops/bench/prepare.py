@@ -2,13 +2,17 @@
 then from the one it filled: Dynamo's frames and graphs, its seconds, and the engine's compile seconds.
 
     python ops/bench/prepare.py --out ops/bench/results/prepare.json     # --runs cold,warm,warm --slots 8
+    python ops/bench/prepare.py --runs cold,warm,warm:1,warm:2:greedy,warm:1:greedy   # CUDA: the capture's options
 
 Each run is a new Python process, as a restarted worker is: it points the compile cache at `--work`/home
 (worker/compile_cache.py), loads the model (Qwen3-0.6B's shape, random weights, built if missing) and calls
-`fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton on CUDA) and no CUDA graphs, then reports
-`compile_s` (the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's frames and unique
-graphs and its `_compile` seconds (tracing, guards, loading what the cache holds). On CPU the warm-up's forwards of
-the 0.6B model weigh in `compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host.
+`fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton on CUDA) and, on CUDA, the decode step's
+graphs, then reports `compile_s` (the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's
+frames and unique graphs and its `_compile` seconds (tracing, guards, loading what the cache holds), and on CUDA
+`capture_s` and the graphs captured. A run is `kind[:warm-up runs per capture[:modes]]`: kind `cold` (an empty
+compile cache) or `warm`, `fastgen.CAPTURE_WARMUPS` (default 2), modes `both` (greedy and sampling graphs, as
+before 2026-12-05) or `greedy` (what a worker loading for a greedy job captures now). On CPU the warm-up's forwards
+of the 0.6B model weigh in `compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host.
 """
 
 from __future__ import annotations
@@ -40,13 +44,16 @@ t1 = time.perf_counter()
 cuda = torch.cuda.is_available()
 model, tok = harness.load_plain(Path(sys.argv[2]), "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
 slot_state.CPU_SLOTS, slot_state.CPU_PAGES = int(sys.argv[3]), 64
+fastgen.CAPTURE_WARMUPS = int(sys.argv[4])
+sampling = (False,) if sys.argv[5] == "greedy" else (False, True)
 t2 = time.perf_counter()
 loaded = Loaded(model, tok, model.device, {})
-state = fastgen.prepare(loaded, eos_ids(loaded), graphs=False, compiled=True)
+state = fastgen.prepare(loaded, eos_ids(loaded), graphs=cuda, compiled=True, sampling=sampling)
 t3 = time.perf_counter()
 print(json.dumps({
     "imports_s": round(t1 - t0, 2), "load_s": round(t2 - t1, 2), "prepare_s": round(t3 - t2, 2),
-    "compile_s": round(state.compile_s, 2), "frames": counters["frames"]["ok"],
+    "compile_s": round(state.compile_s, 2), "capture_s": round(state.capture_s, 2), "captured": len(state.graphs),
+    "frames": counters["frames"]["ok"],
     "graphs": counters["stats"]["unique_graphs"], "dynamo_s": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 2),
     **{k: v for k, v in compile_cache.stats().items() if k in ("hits", "misses")},
 }))
@@ -55,26 +62,34 @@ print(json.dumps({
 
 def main() -> int:
     p = harness.parser(__doc__, out=None, model=ROOT / ".bench" / "qwen3-0.6b-random", work=None)
-    p.add_argument("--runs", default="cold,warm,warm", help="cold: an empty compile cache; warm: the one before")
+    p.add_argument(
+        "--runs",
+        default="cold,warm,warm",
+        help="kind[:warm-up runs per capture[:both|greedy]], comma-separated; kind cold: an empty compile cache, warm: "
+        "the one the runs before filled",
+    )
     p.add_argument("--slots", type=int, default=8, help="the engine's slots on CPU")
     args = p.parse_args()
     harness.ensure_model(args.model, "--arch", "qwen3-0.6b")
     work = args.work or Path(tempfile.mkdtemp(prefix="gpujobs-prepare-"))
     home = work / "home"
     runs = []
-    for kind in args.runs.split(","):
+    for spec in args.runs.split(","):
+        kind, warmups, modes = (spec.split(":") + ["2", "both"][spec.count(":") :])[:3]
+        if kind not in ("cold", "warm") or modes not in ("both", "greedy") or not warmups.isdigit():
+            raise SystemExit(f"--runs: {spec!r} is not kind[:warm-up runs[:both|greedy]] (e.g. warm:1:greedy)")
         if kind == "cold":
             subprocess.run(["rm", "-rf", str(home)], check=True)
         t = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(home), str(args.model), str(args.slots)],
+            [sys.executable, "-c", CHILD, str(home), str(args.model), str(args.slots), warmups, modes],
             cwd=ROOT,
             capture_output=True,
             text=True,
         )
         if done.returncode:
-            raise SystemExit(f"the {kind} run failed:\n{done.stderr[-3000:]}")
-        run = {"run": kind, "process_s": round(time.perf_counter() - t, 2), **json.loads(done.stdout.splitlines()[-1])}
+            raise SystemExit(f"the {spec} run failed:\n{done.stderr[-3000:]}")
+        run = {"run": spec, "process_s": round(time.perf_counter() - t, 2), **json.loads(done.stdout.splitlines()[-1])}
         runs.append(run)
         print(json.dumps(run))
     out = {"runs": runs, "commit": harness.commit_info(), "machine": harness.machine()}

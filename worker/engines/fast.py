@@ -147,11 +147,15 @@ def _result(loaded: Loaded, seqs: list[fastgen.Seq], cut: list, eos: set[int], s
 
 
 def prepared_state(
-    loaded: Loaded, eos: set[int] | None = None, fraction: float = 1.0, progress: Progress | None = None
+    loaded: Loaded,
+    eos: set[int] | None = None,
+    fraction: float = 1.0,
+    progress: Progress | None = None,
+    sampling: tuple[bool, ...] = (False, True),
 ) -> slot_state.SlotState:
-    """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs: see
-    `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run (through
-    `generate.prepare_engine`), so that cost is load time, not a job's."""
+    """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs of the modes in
+    `sampling`: see `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run
+    (through `generate.prepare_engine`, with the loading job's mode), so that cost is load time, not a job's."""
     graphs = _fast_graphs(loaded)
     return fastgen.prepare(
         loaded,
@@ -161,6 +165,7 @@ def prepared_state(
         fraction=fraction,
         utilization=get_settings().gpu_memory_utilization,
         progress=progress,
+        sampling=sampling,
     )
 
 

@@ -85,6 +85,7 @@ SIZE_OBLIVIOUS = True  # compile every size alike (`_size_oblivious`); turned of
 # ops/bench/results/2026-12-05-h200-host). ops/bench/gen.py g3 turns CASCADE off to measure it.
 CASCADE = True
 CASCADE_MIN_READS = 4096
+CAPTURE_WARMUPS = 2  # runs of a step on a side stream before it is captured (the first compiles its Triton kernels)
 
 
 # --- what the engine can run ----------------------------------------------------------------------------------
@@ -141,9 +142,11 @@ def prepare(
     fraction: float = 1.0,
     utilization: float = 0.9,
     progress: Progress | None = None,
+    sampling: tuple[bool, ...] = (False, True),
 ) -> SlotState:
     """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
-    decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket, greedy and sampling.
+    decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket in each mode of
+    `sampling` (False: greedy, True: sampling; a mode left out is captured per bucket when a step first needs it).
     The work is done once per state (`state.prepare_s`); `slot_state.summary` says what it cost. Compiling and
     capturing are phases of `progress` (the stall watchdog's clock)."""
     global SIZE_OBLIVIOUS
@@ -157,7 +160,7 @@ def prepare(
         engine.progress = progress or engine.progress
         with torch.inference_mode():
             try:
-                engine.warm_up()
+                engine.warm_up(sampling)
             except Exception as exc:  # noqa: BLE001  compiling size-oblivious failed: compile as torch does by default
                 if not (engine.compiled and SIZE_OBLIVIOUS) or isinstance(exc, torch.OutOfMemoryError):
                     raise
@@ -169,7 +172,7 @@ def prepare(
                 )
                 SIZE_OBLIVIOUS = False
                 torch._dynamo.reset()
-                engine.warm_up()
+                engine.warm_up(sampling)
         slot_state.sync(state)
         state.prepare_s = time.perf_counter() - t
     return state
@@ -428,7 +431,7 @@ class Engine:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(CAPTURE_WARMUPS):
                 self._decode(batch, sample, extras, phase)
         torch.cuda.current_stream().wait_stream(stream)
         st.graph_pool = st.graph_pool or torch.cuda.graph_pool_handle()
@@ -451,9 +454,10 @@ class Engine:
         )
         return graph
 
-    def warm_up(self) -> None:
-        """Compile the layers (a prefill of two rows and of one, a decode step) and capture every decode graph,
-        with every slot free (their writes go to the trash page)."""
+    def warm_up(self, sampling: tuple[bool, ...] = (False, True)) -> None:
+        """Compile the layers (a prefill of two rows and of one, a decode step) and capture the decode graph of
+        every bucket in each mode of `sampling` (`prepare`), with every slot free (their writes go to the trash
+        page)."""
         st = self.state
         st.active.zero_()
         st.pos.zero_()
@@ -474,7 +478,7 @@ class Engine:
         st.compile_s += time.perf_counter() - t
         if self.use_graphs:
             with self.progress.phase("capturing CUDA graphs"):
-                for sample in (False, True):
+                for sample in sampling:
                     for batch in self.sizes:
                         if (batch, sample) not in st.graphs:
                             self._capture(batch, sample)
