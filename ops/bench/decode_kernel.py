@@ -14,6 +14,10 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
    kernel (every row reads the shared pages) against the cascade (the shared pages read once for all rows, the
    merge included), max |diff| between them, and the bytes each must read at least. The grid of batch and shared
    length places the engine's CASCADE_MIN_READS.
+4. K/V write: a decode step's write of each row's new K and V into its page (worker/engines/paged_attention.py:
+   `cache[page, :, offset] = key[:, :, 0]`, a generic index_put, ~5 % of G1's CUDA time on 2026-12-04) against
+   `index_copy_` into a flat (pages × kv_heads × PAGE, dim) view, its index computed in the layer or once a step;
+   the caches they leave must be equal. Per layer, K and V.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
     (b, s, 128) for b in (16, 64, 128, 256, 512, 1024) for s in (256, 512, 1024, 2048)
 )
 HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
+KV_WRITE_BATCHES = (1024, 256, 64)
+CACHE_PAGES = 16384  # one layer's cache in the K/V write (2.1 GB of K and V in bf16)
 
 
 def timed(torch, fn, reps: int = 50) -> float:
@@ -77,6 +83,60 @@ def paged(torch, da, batch: int, ctx: int):
 
     lengths = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     return q, k, v, pages(k), pages(v), table, lengths
+
+
+def kv_writes(torch, page_size: int, batch: int, pages: int, device: str) -> dict:
+    """One layer's K and V caches (pages, KV_HEADS, page_size, DIM), a step's new K/V (batch, KV_HEADS, 1, DIM) and
+    each row's page and offset (distinct pages, random offsets); the ways to write them, by name."""
+    k_cache = torch.zeros((pages, KV_HEADS, page_size, DIM), device=device, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn((batch, KV_HEADS, 1, DIM), device=device, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    page = torch.randperm(pages - 1, device=device)[:batch] + 1
+    offset = torch.randint(0, page_size, (batch,), device=device)
+    heads = torch.arange(KV_HEADS, device=device)
+
+    def flat_index():
+        return ((page[:, None] * KV_HEADS + heads) * page_size + offset[:, None]).reshape(-1)
+
+    index = flat_index()  # once a step, shared by the layers
+
+    def index_put():  # the engine's write
+        k_cache[page, :, offset] = key[:, :, 0]
+        v_cache[page, :, offset] = value[:, :, 0]
+
+    def index_copy(idx=None):
+        idx = flat_index() if idx is None else idx
+        k_cache.view(-1, DIM).index_copy_(0, idx, key.reshape(-1, DIM))
+        v_cache.view(-1, DIM).index_copy_(0, idx, value.reshape(-1, DIM))
+
+    return {
+        "caches": (k_cache, v_cache),
+        "index_put": index_put,
+        "index_copy_in_layer": index_copy,
+        "index_copy_step_index": partial(index_copy, index),
+    }
+
+
+def kv_write_row(torch, da, batch: int) -> dict:
+    """Section 4 at one batch: each way's time per layer (graph replays) and whether its caches equal the engine's."""
+    ways = kv_writes(torch, da.PAGE, batch, CACHE_PAGES, "cuda")
+    k_cache, v_cache = ways.pop("caches")
+    row: dict = {"batch": batch}
+    want = None
+    for name, fn in ways.items():
+        k_cache.zero_()
+        v_cache.zero_()
+        fn()
+        got = (k_cache.clone(), v_cache.clone())
+        if want is None:  # the engine's write, first
+            want = got
+        row[f"{name}_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
+        row[f"{name}_ms"] = round(timed(torch, fn), 4)
+    del k_cache, v_cache, ways, want, got
+    torch.cuda.empty_cache()
+    print(row, flush=True)
+    return row
 
 
 def main() -> int:
@@ -127,6 +187,7 @@ def main() -> int:
         del q, k, v, kp, vp
         torch.cuda.empty_cache()
     cascade = [cascade_row(torch, da, scale, *shape) for shape in CASCADE_SHAPES]
+    kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
     harness.write_json(
         args.out,
         {
@@ -137,6 +198,7 @@ def main() -> int:
             "best": best,
             "results": results,
             "cascade": cascade,
+            "kv_write": kv_write,
         },
     )
     print(f"best config: {best}")
@@ -154,6 +216,13 @@ def main() -> int:
         print(
             f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
             f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
+        )
+    print(f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}")
+    for r in kv_write:
+        equal = r["index_copy_in_layer_equal"] and r["index_copy_step_index_equal"]
+        print(
+            f"{r['batch']:>6}{r['index_put_ms']:>14.4f}{r['index_copy_in_layer_ms']:>15.4f}"
+            f"{r['index_copy_step_index_ms']:>17.4f}{str(equal):>7}"
         )
     return 0
 
