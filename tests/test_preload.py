@@ -75,6 +75,31 @@ def test_a_worker_whose_start_up_imports_would_race_starts_whole_and_runs_a_job(
 # --- a broken worker is the worker's fault --------------------------------------------------------------------------
 
 
+# a fresh process: CUDA said to be there, the hashes taken at start-up, then the code that takes them broken
+HASHES = """
+import torch
+torch.cuda.is_available = lambda: True
+from torch._inductor import codecache
+from torch._inductor.runtime import triton_compat
+from worker import preload
+preload.hash_sources()
+def broken(*args, **kwargs):
+    raise AssertionError("hashed again")
+codecache.build_code_hash = triton_compat.triton_key = broken
+assert codecache.torch_key() and codecache.triton_key() is not None
+print("kept")
+"""
+
+
+def test_a_gpu_worker_hashes_torch_and_triton_at_start_up_and_its_first_compile_does_not_again():
+    """Inductor keys its caches by hashes of torch's and Triton's sources (0.45 s for Triton's in a restarted
+    worker's first job on the H200): on a GPU host `preload` takes them, and a compile later reads them back
+    without hashing a file again."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", HASHES], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("kept"), done.stderr[-2000:]
+
+
 def test_check_names_a_required_module_that_no_longer_imports(monkeypatch):
     """check() is None while every required module imports, and names the first that does not (None in sys.modules:
     what a failed import of a half-imported module leaves), with the error. (Light modules stand in for REQUIRED:

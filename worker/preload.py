@@ -13,8 +13,9 @@ these modules is a dictionary lookup: nothing is left to race.
 The start-up order (worker/main.py runs it; each step ends before the next begins):
 
 1. main thread: settings, the environment and slice checks, then `preload()`: REQUIRED, then OPTIONAL (where
-   installed), then `check()`. A failure ends the process at once (`Broken`): its registration says why and it exits
-   with exits.BROKEN (72); a supervisor starts a fresh one.
+   installed), then `check()`, then on a GPU host the source hashes Inductor's caches are keyed by
+   (`hash_sources`). A failure ends the process at once (`Broken`): its registration says why and it exits with
+   exits.BROKEN (72); a supervisor starts a fresh one.
 2. main thread: the Hugging Face cache scan, then the models thread (worker/hubfetch.py); the QLoRA probe
    (bitsandbytes is imported: one small 4-bit matmul) and the registration; then the heartbeat and the
    flex_attention probe's thread (worker/runtime.py; the compile runs in a child process) and the stack watch.
@@ -92,6 +93,25 @@ def preload() -> None:
     cause = check()
     if cause is not None:
         raise Broken(f"{cause} (after importing {', '.join(OPTIONAL)})")
+    hash_sources()
+
+
+def hash_sources() -> None:
+    """On a GPU host, the hashes of torch's and Triton's sources that Inductor keys its caches by, computed now and
+    kept for the process, instead of by the first job's first compile (Triton's took 0.45 s of a restarted worker's
+    first job on the H200: ops/bench/results/2026-12-05-h200-restart). Not on a CPU host: the engines compile
+    nothing with Inductor there. A failure is the first compile's to report, not the start-up's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor import codecache
+
+        codecache.torch_key()
+        codecache.triton_key()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("hashing torch's and Triton's sources at start-up failed: %s: %s", type(exc).__name__, exc)
 
 
 def check() -> str | None:
