@@ -118,21 +118,25 @@ def test_constrained_outputs_validate_on_every_engine(loaded, tiny_model, slots,
         assert check(run(loaded, spec, constrained_rows())) >= 7
 
 
-def test_the_fast_engine_gives_the_same_outputs_in_three_families_as_in_one(loaded, tiny_model, slots, monkeypatch):
-    """Greedy constrained rows through the fast engine with their matchers in three families (two executor threads)
-    give the outputs of one family: grouping the rows by family changes no row's mask."""
+def test_the_fast_engine_gives_the_same_outputs_in_families_and_booked_in_one_call(
+    loaded, tiny_model, slots, monkeypatch
+):
+    """Greedy constrained rows through the fast engine with their matchers in three families (two executor threads),
+    and booked by `grammar.advance` in one call a step (PARALLEL_ADVANCE), give the outputs of one family booked row
+    by row: grouping the rows by family changes no row's mask, and the step's booking no row's state."""
     import llguidance
 
     slots(4)
     monkeypatch.setattr(grammar, "_executor", llguidance.LLExecutor(num_threads=2))
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT)
     outputs = {}
-    for families in (1, 3):
+    for families, parallel in ((1, False), (3, False), (3, True)):
         monkeypatch.setattr(grammar, "FAMILIES", families)
+        monkeypatch.setattr(grammar, "PARALLEL_ADVANCE", parallel)
         results = run(loaded, spec, constrained_rows())
         assert check(results) >= 7
-        outputs[families] = {idx: r.output for idx, r in results.items()}
-    assert outputs[1] == outputs[3]
+        outputs[families, parallel] = {idx: r.output for idx, r in results.items()}
+    assert outputs[1, False] == outputs[3, False] == outputs[3, True]
 
 
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):

@@ -22,7 +22,11 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
   its constrained output (EOS off: same tokens, same prefill), whose seconds over the constrained run's isolate
   what the grammar costs (`ratios.constrained/length_matched`); `ratios.constrained/g1` is the tok/s ratio the
   issue names (shorter outputs make prefill weigh more there). The constrained run again with its matchers in one
-  family (`grammar.FAMILIES` = 1, the engine before families) gives `ratios.families_gain`.
+  family (`grammar.FAMILIES` = 1, the engine before families) gives `ratios.families_gain`, and booked the other
+  way (`grammar.PARALLEL_ADVANCE` flipped: every row's matcher advanced by the executor in one call, or row by row)
+  `ratios.other_advance_gain` (> 1: the other way is faster). The constrained, one-family, other-booking and
+  length-matched runs are interleaved `--repeat` times; the ratios are of their median seconds
+  (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
 
@@ -251,11 +255,6 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
         constrained = {"response_format": fmt}
         for name in ("constrained_cold", "constrained"):
             box.run(name, 60, lambda name=name: timed(name, constrained, rows))
-        families, grammar.FAMILIES = grammar.FAMILIES, 1  # the engine before families, in the same run
-        try:
-            box.run("constrained_one_family", 60, lambda: timed("constrained_one_family", constrained, rows))
-        finally:
-            grammar.FAMILIES = families
         got = out["engine"].get("constrained")
         if got:
             results = sorted(got["_results"], key=lambda r: r.idx)
@@ -275,17 +274,51 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 (i, {**r, "params": {"max_new_tokens": max(1, res.completion_tokens or 1)}})
                 for (i, r), res in zip(rows, results)
             ]
-            box.run("length_matched", 60, lambda: timed("length_matched", plain, matched))
-            same = out["engine"].get("length_matched")
-            g1 = out["engine"].get("g1")
-            one = out["engine"].get("constrained_one_family")
-            out["ratios"] = {
-                "constrained/g1": g1 and round(got["output_tok_s"] / g1["output_tok_s"], 3),
-                "constrained/length_matched": same and round(same["seconds"] / got["seconds"], 3),
-                "one_family/length_matched": same and one and round(same["seconds"] / one["seconds"], 3),
-                "families_gain": one and round(one["seconds"] / got["seconds"], 3),
+            # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
+            # families), booked the other way (grammar.PARALLEL_ADVANCE flipped), and the length-matched run
+            variants = {
+                "constrained": (constrained, rows, {}),
+                "one_family": (constrained, rows, {"FAMILIES": 1}),
+                "other_advance": (constrained, rows, {"PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE}),
+                "length_matched": (plain, matched, {}),
             }
-            out["grammar_families"] = families
+            seconds: dict[str, list[float]] = {name: [] for name in variants}
+            for i in range(max(1, args.repeat)):
+                for name, (fields, these, settings) in variants.items():
+                    saved = {key: getattr(grammar, key) for key in settings}
+
+                    def one(name=name, fields=fields, these=these, settings=settings, i=i) -> None:
+                        for key, value in settings.items():
+                            setattr(grammar, key, value)
+                        seconds[name].append(timed(f"{name}_{i + 1}", fields, these)["seconds"])
+
+                    try:
+                        box.run(f"{name}_{i + 1}", 60, one)
+                    finally:
+                        for key, value in saved.items():
+                            setattr(grammar, key, value)
+            stats = {name: harness.repeated(values) for name, values in seconds.items()}
+            out["g1json_seconds"] = stats
+
+            def ratio(a: str, b: str) -> float | None:  # median seconds of a over b
+                x, y = stats[a]["median"], stats[b]["median"]
+                return round(x / y, 3) if x and y else None
+
+            g1 = out["engine"].get("g1")
+            tokens = got["output_tokens"]
+            med = stats["constrained"]["median"]
+            out["ratios"] = {
+                "constrained/g1": g1 and med and round(tokens / med / g1["output_tok_s"], 3),
+                "constrained/length_matched": ratio("length_matched", "constrained"),
+                "one_family/length_matched": ratio("length_matched", "one_family"),
+                "families_gain": ratio("one_family", "constrained"),
+                "other_advance_gain": ratio("constrained", "other_advance"),
+            }
+            out["grammar"] = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
+            log(
+                "g1json seconds, median (spread) of "
+                + ", ".join(f"{n} {v['median']} ({v['spread']})" for n, v in stats.items())
+            )
     for run in out["engine"].values():
         run.pop("_results", None)
 

@@ -728,16 +728,19 @@ class Engine:
         compaction since may have moved it); free and yield the ones that finish."""
         by_slot, lp = tokens()
         finished = []
+        advance = [] if grammar.PARALLEL_ADVANCE else None  # (guide, token): advanced in one call below
         for slot, seq in stepped:
             if seq.done:  # finished in the step before: this step was its extra one
                 continue
-            self._take(seq, by_slot[slot])
+            self._take(seq, by_slot[slot], advance)
             if seq.lp is not None:
                 seq.lp.append(lp + slot)
             if self._finished(seq):
                 del running[seq.slot]
                 self._free(seq, free)
                 finished.append(seq)
+        if advance:
+            grammar.advance(advance)
         if finished:
             self._deactivate(finished)
             yield finished
@@ -839,11 +842,16 @@ class Engine:
             self._deactivate(finished)
             yield finished
 
-    def _take(self, seq: Seq, token: int) -> None:
-        """Book `token` on `seq`: its grammar advances."""
+    def _take(self, seq: Seq, token: int, advance: list | None = None) -> None:
+        """Book `token` on `seq`: its grammar advances (or, given `advance`, is listed there to be advanced with the
+        step's others in one call: grammar.PARALLEL_ADVANCE)."""
         seq.tokens.append(token)
-        if seq.guide is not None:
+        if seq.guide is None:
+            return
+        if advance is None:
             seq.guide.take(token)
+        else:
+            advance.append((seq.guide, token))
 
     def _free(self, seq: Seq, free: list[int]) -> None:
         """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the

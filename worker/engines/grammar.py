@@ -40,6 +40,10 @@ from core import structured
 COMPILED = 256  # compiled grammars kept per tokenizer (each with up to FAMILIES matchers)
 THREADS = min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))  # llguidance's default: 80 % of the CPUs, ≤ 32
 FAMILIES = THREADS  # independent compiled matchers per grammar (the module docstring says why)
+# The fast engine books a decode step's tokens with `advance` (the executor's threads, each family's rows on one)
+# instead of `Guide.take` row by row. Off until measured on a host with many CPUs: at 2 threads here it gained
+# nothing (ops/bench/results/2026-12-05-cpu-families); gen.py g1json times both in one run.
+PARALLEL_ADVANCE = False
 _executor = None
 _lock = threading.Lock()
 _dealt = itertools.count()  # sequences dealt to families in turn
