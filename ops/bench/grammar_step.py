@@ -72,15 +72,12 @@ class Rows:
             for token in trace[:pos]:
                 g.take(token)
 
-    def step(self, parallel: bool) -> None:
-        """Each row takes its next token (by `take` in a Python loop, or by `grammar.advance` in one call); a row
-        past its output's end starts over."""
-        pairs = [(g, self.trace[pos]) for g, pos in zip(self.guides, self.pos)]
-        if parallel:
-            grammar.advance(pairs)
-        else:
-            for g, token in pairs:
-                g.take(token)
+    def pairs(self) -> list:
+        """(guide, the token it takes next) for each row."""
+        return [(g, self.trace[pos]) for g, pos in zip(self.guides, self.pos)]
+
+    def moved(self) -> None:
+        """After the rows took their tokens: a row past its output's end starts over."""
         for i, g in enumerate(self.guides):
             self.pos[i] += 1
             if self.pos[i] == len(self.trace):
@@ -137,11 +134,13 @@ def main() -> int:
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
             timed("mask applied on the device (grammar.apply)", lambda: grammar.apply(logits, device_bits), sync=True)
-        for (order, fam), rows in sets.items():
+        for (order, fam), rows in sets.items():  # the engine's booking: `take` row by row, or one call
+            pairs = rows.pairs()
             if fam == 1:
-                timed(f"advance, {order}: take() per row (Python loop)", lambda r=rows: r.step(False))
+                timed(f"advance, {order}: take() per row (Python loop)", lambda p=pairs: [g.take(t) for g, t in p])
             else:
-                timed(f"advance, {order}: grammar.advance, {n} families", lambda r=rows: r.step(True))
+                timed(f"advance, {order}: grammar.advance, {n} families", lambda p=pairs: grammar.advance(p))
+            rows.moved()
     results = {name: round(sum(v) / len(v), 3) for name, v in ms.items()}
     out = {
         "batch": args.batch,
