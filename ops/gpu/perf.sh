@@ -12,7 +12,7 @@
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
 #   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py),
-#                                          # on the benchmark model's tokenizer, then on a BPE of a real model's size
+#                                          # on the benchmark model's tokenizer; TOKENIZER_SIZE=151936: a real size
 # PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds. PROFILE=1 samples the
 # part's Python stacks with py-spy (carried in .whl), child processes included, into $OUT/PART.speedscope.json.
 set -uo pipefail
@@ -41,8 +41,8 @@ case $PART in
     g1json | g1lp) cmd=(python3 ops/bench/gen.py "$PART" --inproc-s $((LIMIT - 20)) --out "$OUT/$PART.json") ;;
     f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
-    grammar) cmd=(bash -c "python3 ops/bench/grammar_step.py --out $OUT/grammar-step.json && python3 \
-                  ops/bench/grammar_step.py --tokenizer-size 151936 --out $OUT/grammar-step-large-tokenizer.json") ;;
+    grammar) size=${TOKENIZER_SIZE:-640}
+             cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
     prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # capture: both modes / greedy, 2 / 1 warm-ups
                   --runs cold,warm:2:both,warm:2:greedy,warm:1:greedy,warm:2:both,warm:2:greedy,warm:1:greedy) ;;
