@@ -18,6 +18,7 @@ of the 0.6B model weigh in `compile_s`; Dynamo's numbers are the host's alone an
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,7 @@ def main() -> int:
         if kind not in ("cold", "warm") or modes not in ("both", "greedy") or not warmups.isdigit():
             raise SystemExit(f"--runs: {spec!r} is not kind[:warm-up runs[:both|greedy]] (e.g. warm:1:greedy)")
         if kind == "cold":
-            subprocess.run(["rm", "-rf", str(home)], check=True)
+            shutil.rmtree(home, ignore_errors=True)
         t = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-c", CHILD, str(home), str(args.model), str(args.slots), warmups, modes],

@@ -38,7 +38,8 @@ from transformers import LogitsProcessor
 from core import structured
 
 COMPILED = 256  # compiled grammars kept per tokenizer (each with up to FAMILIES matchers)
-THREADS = min(32, max(1, len(os.sched_getaffinity(0)) * 80 // 100))  # llguidance's default: 80 % of the CPUs, ≤ 32
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (macOS: all)
+THREADS = min(32, max(1, _CPUS * 80 // 100))  # llguidance's default: 80 % of the CPUs, 1 to 32
 FAMILIES = THREADS  # independent compiled matchers per grammar (the module docstring says why)
 # The fast engine books a decode step's tokens with `advance` (the executor's threads, each family's rows on one)
 # instead of `Guide.take` row by row. Off until measured on a host with many CPUs: at 2 threads here it gained
