@@ -370,6 +370,66 @@ def test_the_logsumexp_kernel_matches_torch_in_the_interpreter():
     assert out.returncode == 0 and "logsumexp ok" in out.stdout, out.stderr[-3000:]
 
 
+MASK_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from core import logprob_store
+from tests.test_engine_structured import FORMAT, check, make_spec, row, run
+from worker.engines import decode_attention as da, grammar, slot_state
+from worker.loader import load
+grammar.MASK_KERNEL = True
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16 (gen.py g1json runs it on a GPU)
+    for rows, vocab in ((3, 5000), (2, 2048), (2, 33), (1, 1)):  # several programs a row, one, a partial word
+        bits = torch.randint(-2**31, 2**31 - 1, (rows, grammar.words(vocab)), dtype=torch.int32)
+        bits[0] = -1  # all allowed
+        bits[-1, :1] = 0  # the first 32 forbidden
+        x = torch.randn(rows, vocab).to(dtype)
+        cols = torch.arange(bits.shape[1] * 32)
+        allowed = ((bits[:, cols // 32] >> (cols % 32)) & 1).bool()[:, :vocab]
+        want = x.masked_fill(~allowed, float("-inf"))
+        assert torch.equal(grammar.unpacked(x.clone(), bits), want), (dtype, vocab)
+        got = grammar.apply(x, bits)
+        assert torch.equal(got, want) and got.data_ptr() != x.data_ptr() and not x.isinf().any(), (dtype, vocab)
+        y = x.clone()
+        assert grammar.apply(y, bits, inplace=True) is y and torch.equal(y, want), (dtype, vocab)
+loaded = load(make_spec(sys.argv[2]), gpus=0)
+slot_state.CPU_SLOTS = 3
+da.TARGET_PROGRAMS = 1  # one program per row and head: the interpreter runs each in Python
+spec = make_spec(sys.argv[2], engine="fast", max_new_tokens=16, response_format=FORMAT)
+rows = [(0, row("hello")), (1, row("the sky")), (2, row("is it?", guided_choice=["yes", "no"], logprobs=True))]
+got = {}
+for kernel in (True, False):
+    grammar.MASK_KERNEL = kernel
+    slot_state.release(loaded.model)
+    results = run(loaded, spec, rows)
+    check({i: r for i, r in results.items() if i < 2})
+    assert results[2].output in ("yes", "no"), results[2].output
+    got[kernel] = {i: r.output for i, r in results.items()}, logprob_store.render(results[2].logprobs)
+assert got[True][0] == got[False][0], got
+a, b = ([e["logprob"] for e in got[k][1]] for k in (True, False))
+assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+print("mask kernel ok")
+"""
+
+
+def test_the_mask_kernel_equals_torchs_unpacking_in_the_interpreter(tiny_model):
+    """grammar.apply's Triton kernel (MASK_KERNEL, Triton's CPU interpreter) forbids exactly the tokens torch's
+    unpacking does, in fp32 and fp16, over several programs a row, one, and a vocabulary ending inside a word, in
+    place and into a new tensor (the input untouched); and the fast engine gives the same constrained outputs with
+    it, and a constrained row's logprobs stay the unmasked ones (the mask then goes into a copy)."""
+    pytest.importorskip("triton")
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", MASK_SCRIPT, root, str(tiny_model)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
+        timeout=600,
+    )
+    assert out.returncode == 0 and "mask kernel ok" in out.stdout, out.stderr[-3000:]
+
+
 def test_logprobs_work_where_the_install_has_no_triton():
     """Without triton (CPU builds of torch may lack it) the engines still import, and the logsumexp is torch's."""
     script = (

@@ -24,8 +24,9 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
   issue names (shorter outputs make prefill weigh more there). The constrained run again with its matchers in one
   family (`grammar.FAMILIES` = 1, the engine before families) gives `ratios.families_gain`, and booked the other
   way (`grammar.PARALLEL_ADVANCE` flipped: every row's matcher advanced by the executor in one call, or row by row)
-  `ratios.other_advance_gain` (> 1: the other way is faster). The constrained, one-family, other-booking and
-  length-matched runs are interleaved `--repeat` times; the ratios are of their median seconds
+  `ratios.other_advance_gain` (> 1: the other way is faster), and masked the other way (`grammar.MASK_KERNEL`
+  flipped: the Triton kernel or torch's unpacking) `ratios.other_mask_gain`. These runs and the length-matched
+  run are interleaved `--repeat` times; the ratios are of their median seconds
   (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
@@ -275,11 +276,13 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 for (i, r), res in zip(rows, results)
             ]
             # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
-            # families), booked the other way (grammar.PARALLEL_ADVANCE flipped), and the length-matched run
+            # families), booked and masked the other way (grammar.PARALLEL_ADVANCE, MASK_KERNEL flipped), and the
+            # length-matched run
             variants = {
                 "constrained": (constrained, rows, {}),
                 "one_family": (constrained, rows, {"FAMILIES": 1}),
                 "other_advance": (constrained, rows, {"PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE}),
+                "other_mask": (constrained, rows, {"MASK_KERNEL": not grammar.MASK_KERNEL}),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -313,8 +316,13 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "one_family/length_matched": ratio("length_matched", "one_family"),
                 "families_gain": ratio("one_family", "constrained"),
                 "other_advance_gain": ratio("constrained", "other_advance"),
+                "other_mask_gain": ratio("constrained", "other_mask"),
             }
-            out["grammar"] = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
+            out["grammar"] = {
+                "families": grammar.FAMILIES,
+                "parallel_advance": grammar.PARALLEL_ADVANCE,
+                "mask_kernel": grammar.MASK_KERNEL,
+            }
             log(
                 "g1json seconds, median (spread) of "
                 + ", ".join(f"{n} {v['median']} ({v['spread']})" for n, v in stats.items())
@@ -1102,6 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
             r["errors"]["inproc"] = f"exit {rc}"
         for key in ("device", "torch", "transformers", "engine", "baselines", "correctness", "ratios"):
             r[key] = child.get(key, r.get(key))
+        for key in ("g1json_seconds", "grammar", "prefix_cache"):  # what one workload's step 1 adds
+            if key in child:
+                r[key] = child[key]
         r["errors"].update(child.get("errors", {}))
         r["skipped"] += child.get("skipped", [])
         save()

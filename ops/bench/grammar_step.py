@@ -133,7 +133,14 @@ def main() -> int:
             timed(f"masks, {order}, {label} (grammar.fill)", lambda r=rows: grammar.fill(bits, r.rows))
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
-            timed("mask applied on the device (grammar.apply)", lambda: grammar.apply(logits, device_bits), sync=True)
+            if step == 0:  # the kernel's masks are torch's
+                want = grammar.unpacked(logits.clone(), device_bits)
+                if not torch.equal(grammar.apply(logits, device_bits), want):
+                    raise SystemExit("grammar.apply's Triton kernel masked other tokens than torch's unpacking")
+            timed("mask applied on the device, in place (grammar.apply)",
+                  lambda: grammar.apply(logits, device_bits, inplace=True), sync=True)  # fmt: skip
+            timed("mask applied on the device, torch unpacking (grammar.unpacked)",
+                  lambda: grammar.unpacked(logits, device_bits), sync=True)  # fmt: skip
         for (order, fam), rows in sets.items():  # the engine's booking: `take` row by row, or one call
             pairs = rows.pairs()
             if fam == 1:

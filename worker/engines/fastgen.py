@@ -403,7 +403,10 @@ class Engine:
             if phase == "forward":
                 st.outputs["logits"][:batch] = logits
                 return
-        masked = grammar.apply(logits, st.outputs["bitmask"][:batch]) if "grammar" in extras else logits
+        if "grammar" in extras:  # in place unless the logprobs read the unmasked logits below
+            masked = grammar.apply(logits, st.outputs["bitmask"][:batch], inplace="logprobs" not in extras)
+        else:
+            masked = logits
         st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
         if "logprobs" in extras:
             for name, value in zip(("picked", "values", "ids"), logprobs.step(logits, st.tok[:batch], logprobs.TOP)):

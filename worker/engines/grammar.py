@@ -36,6 +36,8 @@ import torch
 from transformers import LogitsProcessor
 
 from core import structured
+from worker.engines import decode_attention
+from worker.engines.decode_attention import triton  # None where the install has no triton
 
 COMPILED = 256  # compiled grammars kept per tokenizer (each with up to FAMILIES matchers)
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (macOS: all)
@@ -45,6 +47,10 @@ FAMILIES = THREADS  # independent compiled matchers per grammar (the module docs
 # instead of `Guide.take` row by row. Off until measured on a host with many CPUs: at 2 threads here it gained
 # nothing (ops/bench/results/2026-12-05-cpu-families); gen.py g1json times both in one run.
 PARALLEL_ADVANCE = False
+# `apply` masks with a Triton kernel (CUDA) instead of torch's unpacking. Off until a GPU has timed it in a whole
+# run (gen.py g1json's `other_mask_gain`) and the soak has run it; tested against the unpacking in Triton's
+# interpreter (tests/test_engine_structured.py).
+MASK_KERNEL = False
 _executor = None
 _lock = threading.Lock()
 _dealt = itertools.count()  # sequences dealt to families in turn
@@ -188,14 +194,50 @@ def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
         executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
-def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` (batch, vocab) with -inf on every token the device `bitmask` (batch, words) forbids; a new tensor
-    (the caller may still read the unmasked logits). Unpacked bytewise: a (batch, vocab) uint8 temporary."""
+def apply(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """`logits` (batch, vocab) with -inf on every token the device `bitmask` (batch, words) forbids: a new tensor
+    (the caller may still read the unmasked logits), or `logits` itself with `inplace`.
+
+    With MASK_KERNEL, on CUDA (or TRITON_INTERPRET=1): one Triton kernel that reads the bitmask and writes -inf
+    where a bit is clear, never reading the logits. Otherwise torch's unpacking (`unpacked`), which took 4.0 ms on
+    G1-JSON's 1,024 × 152k bf16 logits on the H100 (a uint8 temporary of the same shape, three passes over it, then
+    `masked_fill`: ops/bench/results/2026-12-05-h100-families)."""
+    out = logits if inplace else logits.clone()
+    if MASK_KERNEL and decode_attention.available(logits.device):
+        if out.stride(1) != 1 or bitmask.stride(1) != 1:
+            raise ValueError("grammar.apply: the logits and the bitmask must be contiguous along the vocabulary")
+        grid = (logits.shape[0], triton.cdiv(bitmask.shape[1], MASK_WORDS))
+        _mask_kernel[grid](
+            out, bitmask, logits.shape[1], bitmask.shape[1], out.stride(0), bitmask.stride(0), WORDS=MASK_WORDS
+        )
+        return out
+    return unpacked(out, bitmask)
+
+
+def unpacked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`apply` in place with torch alone: the bitmask unpacked bytewise into a (batch, vocab) uint8 temporary."""
     batch, vocab = logits.shape
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
     raw = bitmask.view(torch.uint8)  # little-endian: byte b of word w holds tokens 32w + 8b … 32w + 8b + 7
     allowed = ((raw[:, :, None] >> shifts) & 1).view(batch, -1)[:, :vocab]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    return logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+MASK_WORDS = 64  # bitmask words (32 tokens each) per program of the mask kernel
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _mask_kernel(logits_ptr, bits_ptr, vocab, words, logits_stride, bits_stride, WORDS: tl.constexpr):
+        """Row `program_id(0)`, words `program_id(1)` × WORDS …: -inf into each token whose bit is clear."""
+        row = tl.program_id(0).to(tl.int64)
+        word = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+        bits = tl.load(bits_ptr + row * bits_stride + word, mask=word < words, other=-1)
+        bit = tl.arange(0, 32)
+        cols = word[:, None] * 32 + bit[None, :]
+        forbidden = ((bits[:, None] >> bit[None, :]) & 1) == 0
+        tl.store(logits_ptr + row * logits_stride + cols, float("-inf"), mask=forbidden & (cols < vocab))
 
 
 class Processor(LogitsProcessor):
