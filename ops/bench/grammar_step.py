@@ -1,6 +1,7 @@
 """The host side of a structured-output decode step (worker/engines/grammar.py) on G1-JSON's shape, timed per part:
 what the fast engine's host does between a step's tokens and the next step's masked sampling. Prints a table and
-writes JSON. CPU or CUDA (the copy and the device mask are timed on CUDA only).
+writes JSON. CPU or CUDA (the copy and the device mask are timed on CUDA only: `grammar.apply`'s Triton kernel
+against torch's unpacking, their masks checked equal at the first step).
 
     python ops/bench/grammar_step.py --out ops/bench/results/grammar-step.json     # --batch, --vocab, --threads
 
@@ -99,6 +100,7 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     grammar.THREADS = args.threads
+    grammar.MASK_KERNEL = True  # `apply` is the Triton kernel, timed against torch's unpacking (`unpacked`)
     cuda = torch.cuda.is_available()
     if args.tokenizer_size > args.vocab:
         raise SystemExit(f"--tokenizer-size {args.tokenizer_size} is wider than --vocab {args.vocab}")
@@ -137,7 +139,7 @@ def main() -> int:
                 want = grammar.unpacked(logits.clone(), device_bits)
                 if not torch.equal(grammar.apply(logits, device_bits), want):
                     raise SystemExit("grammar.apply's Triton kernel masked other tokens than torch's unpacking")
-            timed("mask applied on the device, in place (grammar.apply)",
+            timed("mask applied on the device, Triton kernel in place (grammar.apply)",
                   lambda: grammar.apply(logits, device_bits, inplace=True), sync=True)  # fmt: skip
             timed("mask applied on the device, torch unpacking (grammar.unpacked)",
                   lambda: grammar.unpacked(logits, device_bits), sync=True)  # fmt: skip
