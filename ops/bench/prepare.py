@@ -5,14 +5,17 @@ then from the one it filled: Dynamo's frames and graphs, its seconds, and the en
     python ops/bench/prepare.py --runs cold,warm,warm:1,warm:2:greedy,warm:1:greedy   # CUDA: the capture's options
 
 Each run is a new Python process, as a restarted worker is: it points the compile cache at `--work`/home
-(worker/compile_cache.py), loads the model (Qwen3-0.6B's shape, random weights, built if missing) and calls
-`fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton on CUDA) and, on CUDA, the decode step's
-graphs, then reports `compile_s` (the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's
-frames and unique graphs and its `_compile` seconds (tracing, guards, loading what the cache holds), and on CUDA
-`capture_s` and the graphs captured. A run is `kind[:warm-up runs per capture[:modes]]`: kind `cold` (an empty
-compile cache) or `warm`, `fastgen.CAPTURE_WARMUPS` (default 2), modes `both` (greedy and sampling graphs, as
-before 2026-12-05) or `greedy` (what a worker loading for a greedy job captures now). On CPU the warm-up's forwards
-of the 0.6B model weigh in `compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host.
+(worker/compile_cache.py), does what a worker does at start-up (worker/preload.py: its imports and, on CUDA,
+Inductor's source hashes; `imports_s`), loads the model (Qwen3-0.6B's shape, random weights, built if missing) and
+calls `fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton on CUDA) and, on CUDA, the decode
+step's graphs, so that `prepare_s` is what a restarted worker pays when it loads the model. It reports `compile_s`
+(the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's frames and unique graphs and its
+`_compile` seconds (tracing, guards, loading what the cache holds), and on CUDA `capture_s` and the graphs
+captured. A run is `kind[:warm-up runs per capture[:modes]]`: kind `cold` (an empty compile cache) or `warm`,
+`fastgen.CAPTURE_WARMUPS` (default 2), modes `both` (greedy and sampling graphs, as before 2026-12-05) or `greedy`
+(what a worker loading for a greedy job captures now). On CPU the warm-up's forwards of the 0.6B model weigh in
+`compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host. Until 2026-12-05 the child did not
+preload: Inductor's import (~2 s) then fell in `prepare_s` (ops/bench/results/2026-12-05-h100-families).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ t0 = time.perf_counter()
 from pathlib import Path
 from worker import compile_cache
 compile_cache.use(Path(sys.argv[1]))
+from worker import preload
+preload.preload()  # what a worker imports and hashes at start-up, before its first job (imports_s)
+preload.hash_sources()
 import torch
 from torch._dynamo.utils import compilation_time_metrics, counters
 from ops.bench import harness
