@@ -99,9 +99,8 @@ def main() -> int:
         run = {"run": spec, "process_s": round(time.perf_counter() - t, 2), **json.loads(done.stdout.splitlines()[-1])}
         runs.append(run)
         print(json.dumps(run))
-    out = {"runs": runs, "commit": harness.commit_info(), "machine": harness.machine()}
-    if args.out:
-        harness.write_json(args.out, out)
+        if args.out:  # after each run: a time box that cuts the next keeps this one
+            harness.write_json(args.out, {"runs": runs, "commit": harness.commit_info(), "machine": harness.machine()})
     return 0
 
 
