@@ -430,6 +430,31 @@ def test_the_mask_kernel_equals_torchs_unpacking_in_the_interpreter(tiny_model):
     assert out.returncode == 0 and "mask kernel ok" in out.stdout, out.stderr[-3000:]
 
 
+def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
+    """`ops/bench/gen.py g1json --smoke` (CPU, tiny models) runs G1-JSON's interleaved rounds and writes what the
+    device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
+    masked the other way, length-matched), their ratios, the grammar settings, and every output valid."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "g1json.json"
+    proc = subprocess.run(
+        [sys.executable, "ops/bench/gen.py", "g1json", "--smoke", "--repeat", "2", "--out", str(out)]
+        + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)],
+        cwd=root,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())["g1json"]
+    variants = ("constrained", "one_family", "other_advance", "other_mask", "length_matched")
+    assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
+    gains = ("families_gain", "other_advance_gain", "other_mask_gain", "constrained/length_matched")
+    assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]
+    assert got["grammar"] == {"families": grammar.FAMILIES, "parallel_advance": False, "mask_kernel": False}
+    assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
+
+
 def test_logprobs_work_where_the_install_has_no_triton():
     """Without triton (CPU builds of torch may lack it) the engines still import, and the logsumexp is torch's."""
     script = (
