@@ -379,7 +379,7 @@ from worker.engines import decode_attention as da, grammar, slot_state
 from worker.loader import load
 grammar.MASK_KERNEL = True
 torch.manual_seed(0)
-for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16 (gen.py g1json runs it on a GPU)
+for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16 (grammar_step.py checks it on a GPU)
     for rows, vocab in ((3, 5000), (2, 2048), (2, 33), (1, 1)):  # several programs a row, one, a partial word
         bits = torch.randint(-2**31, 2**31 - 1, (rows, grammar.words(vocab)), dtype=torch.int32)
         bits[0] = -1  # all allowed
@@ -431,7 +431,7 @@ def test_the_mask_kernel_equals_torchs_unpacking_in_the_interpreter(tiny_model):
 
 
 def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
-    """`ops/bench/gen.py g1json --smoke` (CPU, tiny models) runs G1-JSON's interleaved rounds and writes what the
+    """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
     masked the other way, length-matched), their ratios, the grammar settings, and every output valid."""
     root = Path(__file__).resolve().parents[1]
@@ -451,7 +451,8 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
     gains = ("families_gain", "other_advance_gain", "other_mask_gain", "constrained/length_matched")
     assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]
-    assert got["grammar"] == {"families": grammar.FAMILIES, "parallel_advance": False, "mask_kernel": False}
+    settings = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
+    assert got["grammar"] == {**settings, "mask_kernel": grammar.MASK_KERNEL}
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
 
 
