@@ -21,6 +21,7 @@ import torch
 
 from core import logprob_store
 from core.spec import GenerateSpec
+from tests.test_engine_fast import interpreted  # a script under Triton's CPU interpreter
 from worker.engines import common, fastgen, grammar, logprobs, slot_state
 from worker.generate import generate
 from worker.loader import Loaded, load
@@ -418,16 +419,7 @@ def test_the_mask_kernel_equals_torchs_unpacking_in_the_interpreter(tiny_model):
     unpacking does, in fp32 and fp16, over several programs a row, one, and a vocabulary ending inside a word, in
     place and into a new tensor (the input untouched); and the fast engine gives the same constrained outputs with
     it, and a constrained row's logprobs stay the unmasked ones (the mask then goes into a copy)."""
-    pytest.importorskip("triton")
-    root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run(
-        [sys.executable, "-c", MASK_SCRIPT, root, str(tiny_model)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1", HF_HUB_OFFLINE="1"),
-        timeout=600,
-    )
-    assert out.returncode == 0 and "mask kernel ok" in out.stdout, out.stderr[-3000:]
+    interpreted(MASK_SCRIPT, "mask kernel ok", tiny_model, timeout=600)
 
 
 def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
