@@ -77,12 +77,19 @@ def test_a_worker_whose_start_up_imports_would_race_starts_whole_and_runs_a_job(
 
 # a fresh process: CUDA said to be there, the hashes taken at start-up, then the code that takes them broken
 HASHES = """
+import sys
 import torch
 torch.cuda.is_available = lambda: True
 from torch._inductor import codecache
+from torch._inductor.codegen.common import get_scheduling_for_device
 from torch._inductor.runtime import triton_compat
 from worker import preload
+lazy = [name for name in preload.COMPILE_IMPORTS if name not in sys.modules]
+assert lazy and get_scheduling_for_device("cuda") is None, lazy  # what the call below has to do
 preload.hash_sources()
+preload.import_compiler()
+assert [name for name in preload.COMPILE_IMPORTS if name not in sys.modules] == []
+assert get_scheduling_for_device("cuda") is not None  # Inductor's code generators registered
 def broken(*args, **kwargs):
     raise AssertionError("hashed again")
 codecache.build_code_hash = triton_compat.triton_key = broken
@@ -91,10 +98,11 @@ print("kept")
 """
 
 
-def test_a_gpu_worker_hashes_torch_and_triton_at_start_up_and_its_first_compile_does_not_again():
+def test_a_gpu_worker_prepares_inductor_at_start_up_and_its_first_compile_does_not_again():
     """Inductor keys its caches by hashes of torch's and Triton's sources (0.45 s for Triton's in a restarted
     worker's first job on the H200): on a GPU host `preload` takes them, and a compile later reads them back
-    without hashing a file again."""
+    without hashing a file again. It also registers Inductor's code generators and imports what a first compile
+    imports lazily (COMPILE_IMPORTS, ~1 s of a restarted worker's first job on an H100)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", HASHES], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip().endswith("kept"), done.stderr[-2000:]

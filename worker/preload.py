@@ -13,8 +13,9 @@ these modules is a dictionary lookup: nothing is left to race.
 The start-up order (worker/main.py runs it; each step ends before the next begins):
 
 1. main thread: settings, the environment and slice checks, then `preload()`: REQUIRED, then OPTIONAL (where
-   installed), then `check()`, then on a GPU host the source hashes Inductor's caches are keyed by
-   (`hash_sources`). A failure ends the process at once (`Broken`): its registration says why and it exits with
+   installed), then `check()`, then on a GPU host what Inductor's first compile would otherwise do in the first
+   job: the source hashes its caches are keyed by (`hash_sources`), its code generators' registration and the
+   modules it imports lazily (`import_compiler`). A failure ends the process at once (`Broken`): its registration says why and it exits with
    exits.BROKEN (72); a supervisor starts a fresh one.
 2. main thread: the Hugging Face cache scan, then the models thread (worker/hubfetch.py); the QLoRA probe
    (bitsandbytes is imported: one small 4-bit matmul) and the registration; then the heartbeat and the
@@ -65,6 +66,17 @@ REQUIRED = (
 )
 # imported where installed; one that fails is what the probe that needs it reports (QLoRA: bitsandbytes)
 OPTIONAL = ("bitsandbytes", "filelock")
+# what the fast engine's first compile imports lazily, in the job: ~1 s of a restarted worker's first job on an H100
+# (py-spy, ops/bench/results/2026-12-05-h100-session37); on a GPU host only (`import_compiler`), as nothing compiles
+# with Inductor on a CPU host
+COMPILE_IMPORTS = (
+    "triton.experimental.gluon",  # Triton's kernel launcher, at a kernel's first launch
+    "torch.distributed.tensor.experimental._func_map",  # Dynamo's local_map check
+    "torch.export._trace",  # symbolic_shapes.uninteresting_files
+    "torch._inductor.fx_passes.quantization",  # Inductor's pre-grad passes
+    "torch._inductor.fx_passes.numeric_utils",
+    "sympy.tensor.tensor",  # sympy's Add.flatten, at the first symbolic shape
+)
 
 
 class Broken(Exception):
@@ -94,6 +106,7 @@ def preload() -> None:
     if cause is not None:
         raise Broken(f"{cause} (after importing {', '.join(OPTIONAL)})")
     hash_sources()
+    import_compiler()
 
 
 def hash_sources() -> None:
@@ -112,6 +125,27 @@ def hash_sources() -> None:
         codecache.triton_key()
     except Exception as exc:  # noqa: BLE001
         log.warning("hashing torch's and Triton's sources at start-up failed: %s: %s", type(exc).__name__, exc)
+
+
+def import_compiler() -> None:
+    """On a GPU host, Inductor's code generators registered and COMPILE_IMPORTS imported now, instead of by the first
+    job's first compile. Not on a CPU host, for the reason `hash_sources` gives. A failure is the first compile's to
+    report, not the start-up's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor.codegen.common import init_backend_registration
+
+        init_backend_registration()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("registering Inductor's code generators at start-up failed: %s: %s", type(exc).__name__, exc)
+    for name in COMPILE_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  the compile that needs it imports it again and reports it
+            log.warning("importing %s at start-up failed: %s: %s", name, type(exc).__name__, exc)
 
 
 def check() -> str | None:

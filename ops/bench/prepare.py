@@ -11,9 +11,11 @@ calls `fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton o
 step's graphs, so that `prepare_s` is what a restarted worker pays when it loads the model. It reports `compile_s`
 (the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's frames and unique graphs and its
 `_compile` seconds (tracing, guards, loading what the cache holds), and on CUDA `capture_s` and the graphs
-captured. A run is `kind[:warm-up runs per capture[:modes]]`: kind `cold` (an empty compile cache) or `warm`,
+captured. A run is `kind[:warm-up runs per capture[:modes[:imports]]]`: kind `cold` (an empty compile cache) or `warm`,
 `fastgen.CAPTURE_WARMUPS` (default 2), modes `both` (greedy and sampling graphs, as before 2026-12-05) or `greedy`
-(what a worker loading for a greedy job captures now). On CPU the warm-up's forwards of the 0.6B model weigh in
+(what a worker loading for a greedy job captures now), then `preloaded` (default: the child's start-up runs
+`preload.import_compiler`, as a worker's does) or `lazy` (it does not: the first compile imports those modules, as
+before stop 37, 2026-12-05). On CPU the warm-up's forwards of the 0.6B model weigh in
 `compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host. Until 2026-12-05 the child did not
 preload: Inductor's import (~2 s) then fell in `prepare_s` (ops/bench/results/2026-12-05-h100-families).
 """
@@ -39,8 +41,9 @@ from pathlib import Path
 from worker import compile_cache
 compile_cache.use(Path(sys.argv[1]))
 from worker import preload
+if sys.argv[6] == "lazy":  # as before 2026-12-05: the first compile imports what it needs (in prepare_s)
+    preload.import_compiler = lambda: None
 preload.preload()  # what a worker imports and hashes at start-up, before its first job (imports_s)
-preload.hash_sources()
 import torch
 from torch._dynamo.utils import compilation_time_metrics, counters
 from ops.bench import harness
@@ -72,8 +75,9 @@ def main() -> int:
     p.add_argument(
         "--runs",
         default="cold,warm,warm",
-        help="kind[:warm-up runs per capture[:both|greedy]], comma-separated; kind cold: an empty compile cache, warm: "
-        "the one the runs before filled",
+        help="kind[:warm-up runs per capture[:both|greedy[:preloaded|lazy]]], comma-separated; kind cold: an empty "
+        "compile cache, warm: the one the runs before filled; lazy: the first compile imports what preload's "
+        "import_compiler would have",
     )
     p.add_argument("--slots", type=int, default=8, help="the engine's slots on CPU")
     args = p.parse_args()
@@ -82,14 +86,21 @@ def main() -> int:
     home = work / "home"
     runs = []
     for spec in args.runs.split(","):
-        kind, warmups, modes = (spec.split(":") + ["2", "both"][spec.count(":") :])[:3]
-        if kind not in ("cold", "warm") or modes not in ("both", "greedy") or not warmups.isdigit():
-            raise SystemExit(f"--runs: {spec!r} is not kind[:warm-up runs[:both|greedy]] (e.g. warm:1:greedy)")
+        kind, warmups, modes, imports = (spec.split(":") + ["2", "both", "preloaded"][spec.count(":") :])[:4]
+        if (
+            kind not in ("cold", "warm")
+            or modes not in ("both", "greedy")
+            or imports not in ("preloaded", "lazy")
+            or not warmups.isdigit()
+        ):
+            raise SystemExit(
+                f"--runs: {spec!r} is not kind[:warm-up runs[:both|greedy[:preloaded|lazy]]] (e.g. warm:1:greedy)"
+            )
         if kind == "cold":
             shutil.rmtree(home, ignore_errors=True)
         t = time.perf_counter()
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(home), str(args.model), str(args.slots), warmups, modes],
+            [sys.executable, "-c", CHILD, str(home), str(args.model), str(args.slots), warmups, modes, imports],
             cwd=ROOT,
             capture_output=True,
             text=True,

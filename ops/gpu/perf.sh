@@ -44,7 +44,7 @@ case $PART in
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
-    prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # 2 / 1 warm-ups a capture, twice each
+    prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # ~40 s a run on an H100: PART_S >= 240
                   --runs cold,warm:2:greedy,warm:1:greedy,warm:2:greedy,warm:1:greedy) ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
