@@ -7,7 +7,8 @@
 #                                         # PROFILE_RESTART=1: py-spy on the restarted worker's first job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel
-#   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py)
+#   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py);
+#                                          # the warm runs alternate lazy compiler imports with preloaded ones
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
@@ -44,8 +45,8 @@ case $PART in
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
-    prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # ~40 s a run on an H100: PART_S >= 240
-                  --runs cold,warm:2:greedy,warm:1:greedy,warm:2:greedy,warm:1:greedy) ;;
+    prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # ~40 s a run on an H100: PART_S >= 250
+                  --runs cold:2:greedy,warm:2:greedy:lazy,warm:2:greedy,warm:2:greedy:lazy,warm:2:greedy) ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
     *) echo "perf.sh: unknown PART $PART" >&2; exit 2 ;;
@@ -54,8 +55,11 @@ if [[ ${PROFILE:-0} == 1 ]]; then
     cmd=("$SITE/bin/py-spy" record --subprocesses --nonblocking --rate 100 --format speedscope
          -o "$OUT/$PART.speedscope.json" -- "${cmd[@]}")
 fi
+touch "$OUT/.start"
 timeout -s ABRT -k 10 "$LIMIT" "${cmd[@]}" 2>&1 | tee "$OUT/$PART.log" | grep -v "Warning\|warn(" | tail -n 60
 rc=${PIPESTATUS[0]}
 python3 -m api down > /dev/null 2>&1
-cp "$JOBS_HOME"/logs/worker-0.log "$OUT/$PART-worker-0.log" 2>/dev/null
+log=$JOBS_HOME/logs/worker-0.log  # only a worker this part ran (an earlier part's log is that part's)
+[[ $log -nt $OUT/.start ]] && cp "$log" "$OUT/$PART-worker-0.log"
+rm -f "$OUT/.start"
 exit "$rc"
