@@ -199,9 +199,10 @@ def apply(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) ->
     (the caller may still read the unmasked logits), or `logits` itself with `inplace`.
 
     With MASK_KERNEL, on CUDA (or TRITON_INTERPRET=1): one Triton kernel that reads the bitmask and writes -inf
-    where a bit is clear, never reading the logits. Otherwise torch's unpacking (`unpacked`), which took 4.0 ms on
-    G1-JSON's 1,024 × 152k bf16 logits on the H100 (a uint8 temporary of the same shape, three passes over it, then
-    `masked_fill`: ops/bench/results/2026-12-05-h100-families)."""
+    where a bit is clear, never reading the logits. Otherwise torch's unpacking (`unpacked`: a uint8 temporary of
+    the logits' shape, three passes over it, then `masked_fill_`). On G1-JSON's 1,024 × 152k bf16 logits on an H100
+    both took ~1 ms in place; out of place, the unpacking took 4.0 ms (ops/bench/results/2026-12-05-h100-families,
+    2026-12-05-h100-session37). MASK_KERNEL is off: the kernel gained nothing measurable."""
     out = logits if inplace else logits.clone()
     if MASK_KERNEL and decode_attention.available(logits.device):
         if out.stride(1) != 1 or bitmask.stride(1) != 1:
