@@ -320,6 +320,7 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     if current > 1 and not run and not all_runs:
         click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
     scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}
+    ended = False  # seen in a terminal state: one more read gets the events its end wrote, then stop
     while True:
         batch, more = api.events_page(job_id, after=after, **scope)
         for e in batch:
@@ -334,10 +335,14 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
                 click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
         if more:
             continue  # the next page at once
-        if not follow or (run and run < current) or (not batch and api.job(job_id)["state"] in TERMINAL):
+        if not follow or (run and run < current) or (ended and not batch):
             return
         if not batch:
-            time.sleep(1.0)
+            # the state and its event are one transaction: a page read before it and a state read after it would
+            # otherwise end the follow without the job's last events
+            ended = api.job(job_id)["state"] in TERMINAL
+            if not ended:
+                time.sleep(1.0)
 
 
 @cli.command()

@@ -148,6 +148,36 @@ def test_read_commands_follow_a_job_and_the_model_stays_resident(tmp_path, cli_e
     assert len(loads) == 1
 
 
+def test_events_follow_prints_the_end_of_a_job_that_ended_between_its_reads(tmp_path, cli_env, tiny_model, monkeypatch):
+    """A job's end and its "job → …" event are one transaction. When `events --follow` reads an empty page, then
+    the job ends, then it reads the state, the follow reads the events once more before it stops: the end's event
+    is printed. (The job has no worker and is cancelled between the two reads.)"""
+    from click.testing import CliRunner
+
+    from api.cli import cli
+    from api.client import Client
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()
+    state = Client.job
+    reads = []
+
+    def job(self, wanted):  # the follow's first read of the state comes after a page of no new events
+        reads.append(wanted)
+        if len(reads) == 2:
+            jobs(cli_env, "cancel", wanted, check=True)
+        return state(self, wanted)
+
+    monkeypatch.setattr(Client, "job", job)
+    for key, value in cli_env.items():
+        monkeypatch.setenv(key, value)
+    followed = CliRunner().invoke(cli, ["events", job_id, "--follow"])
+    assert followed.exit_code == 0, followed.output
+    assert len(reads) == 2 and "job → cancelled" in followed.output.splitlines()[-1], followed.output
+
+
 def _load_events(env, ids) -> list[dict]:
     found = []
     for job_id in ids:
