@@ -371,61 +371,81 @@ def test_the_logsumexp_kernel_matches_torch_in_the_interpreter():
     assert out.returncode == 0 and "logsumexp ok" in out.stdout, out.stderr[-3000:]
 
 
-MASK_SCRIPT = r"""
+PICK_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from core import logprob_store
 from tests.test_engine_structured import FORMAT, check, make_spec, row, run
 from worker.engines import decode_attention as da, grammar, slot_state
 from worker.loader import load
-grammar.MASK_KERNEL = True
+grammar.FUSED_PICK = True
+assert grammar.fused_pick(torch.device("cpu"))
+grammar.PICK_BLOCK = 64  # several blocks a row
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16 (grammar_step.py checks it on a GPU)
-    for rows, vocab in ((3, 5000), (2, 2048), (2, 33), (1, 1)):  # several programs a row, one, a partial word
+    for rows, vocab in ((6, 5000), (4, 64), (4, 33), (2, 1)):  # many blocks, one, a partial word
         bits = torch.randint(-2**31, 2**31 - 1, (rows, grammar.words(vocab)), dtype=torch.int32)
-        bits[0] = -1  # all allowed
-        bits[-1, :1] = 0  # the first 32 forbidden
         x = torch.randn(rows, vocab).to(dtype)
-        cols = torch.arange(bits.shape[1] * 32)
-        allowed = ((bits[:, cols // 32] >> (cols % 32)) & 1).bool()[:, :vocab]
-        want = x.masked_fill(~allowed, float("-inf"))
-        assert torch.equal(grammar.unpacked(x.clone(), bits), want), (dtype, vocab)
-        got = grammar.apply(x, bits)
-        assert torch.equal(got, want) and got.data_ptr() != x.data_ptr() and not x.isinf().any(), (dtype, vocab)
-        y = x.clone()
-        assert grammar.apply(y, bits, inplace=True) is y and torch.equal(y, want), (dtype, vocab)
+        bits[0] = -1  # all allowed
+        bits[1] = 0  # none allowed: token 0, as torch's argmax of all -inf
+        if rows > 2:
+            x[2] = -float("inf")  # allowed, but all -inf: token 0 too
+        if rows > 3 and vocab > 40:  # ties, within a block and across blocks: the first allowed one wins
+            bits[3] = -1
+            x[3, [7, 40, vocab - 1]] = 10.0
+        if rows > 4:
+            bits[4, :] = 0
+            bits[4, -1] = 1 << ((vocab - 1) % 32)  # only the last token allowed
+        want = grammar.apply(x, bits).argmax(dim=-1)
+        out = torch.full((rows,), -1, dtype=torch.long)
+        assert grammar.masked_argmax(x, bits, out) is out and torch.equal(out, want), (dtype, vocab, out, want)
+        if rows > 4:
+            assert out[4] == vocab - 1 and out[1] == 0 and (vocab <= 40 or out[3] == 7), out
 loaded = load(make_spec(sys.argv[2]), gpus=0)
 slot_state.CPU_SLOTS = 3
 da.TARGET_PROGRAMS = 1  # one program per row and head: the interpreter runs each in Python
 spec = make_spec(sys.argv[2], engine="fast", max_new_tokens=16, response_format=FORMAT)
-rows = [(0, row("hello")), (1, row("the sky")), (2, row("is it?", guided_choice=["yes", "no"], logprobs=True))]
+picks = []
+masked_argmax = grammar.masked_argmax
+grammar.masked_argmax = lambda *args: picks.append(1) or masked_argmax(*args)
+plain = [(0, row("hello")), (1, row("the sky")), (2, row("is it?", guided_choice=["yes", "no"]))]
+# every step of this batch reads logprobs
+with_logprobs = [(0, row("hello", logprobs=True)), (1, row("is it?", guided_choice=["yes", "no"], logprobs=True))]
 got = {}
-for kernel in (True, False):
-    grammar.MASK_KERNEL = kernel
+for fused in (True, False):
+    grammar.FUSED_PICK = fused
+    del picks[:]
     slot_state.release(loaded.model)
-    results = run(loaded, spec, rows)
+    results = run(loaded, spec, plain)
+    assert bool(picks) == fused, len(picks)  # the fused pick ran every greedy constrained step, or never
     check({i: r for i, r in results.items() if i < 2})
     assert results[2].output in ("yes", "no"), results[2].output
-    got[kernel] = {i: r.output for i, r in results.items()}, logprob_store.render(results[2].logprobs)
+    del picks[:]
+    slot_state.release(loaded.model)
+    lp = run(loaded, spec, with_logprobs)
+    assert not picks  # a step that reads logprobs masks a copy and takes torch's argmax
+    got[fused] = {i: r.output for i, r in results.items()}, [logprob_store.render(lp[i].logprobs) for i in (0, 1)]
 assert got[True][0] == got[False][0], got
-a, b = ([e["logprob"] for e in got[k][1]] for k in (True, False))
-assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
-print("mask kernel ok")
+for i in (0, 1):
+    a, b = ([e["logprob"] for e in got[k][1][i]] for k in (True, False))
+    assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-5, (a, b)
+print("fused pick ok")
 """
 
 
-def test_the_mask_kernel_equals_torchs_unpacking_in_the_interpreter(tiny_model):
-    """grammar.apply's Triton kernel (MASK_KERNEL, Triton's CPU interpreter) forbids exactly the tokens torch's
-    unpacking does, in fp32 and fp16, over several programs a row, one, and a vocabulary ending inside a word, in
-    place and into a new tensor (the input untouched); and the fast engine gives the same constrained outputs with
-    it, and a constrained row's logprobs stay the unmasked ones (the mask then goes into a copy)."""
-    interpreted(MASK_SCRIPT, "mask kernel ok", tiny_model, timeout=600)
+def test_the_fused_greedy_pick_equals_mask_then_argmax_in_the_interpreter(tiny_model):
+    """grammar.masked_argmax (FUSED_PICK's Triton kernel, in Triton's CPU interpreter) picks the token that masking
+    the logits and taking torch's argmax picks: in fp32 and fp16, over many blocks a row, one, and a vocabulary that
+    ends inside a word; the first of tied logits, within a block and across blocks; token 0 where nothing allowed is
+    above -inf; the last token where only it is allowed. The fast engine gives the same constrained greedy outputs
+    with it as without, uses it on every greedy constrained step, and never where a step reads logprobs."""
+    interpreted(PICK_SCRIPT, "fused pick ok", tiny_model, timeout=600)
 
 
 def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
-    masked the other way, length-matched), their ratios, the grammar settings, and every output valid."""
+    picked the other way, length-matched), their ratios, the grammar settings, and every output valid."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "g1json.json"
     proc = subprocess.run(
@@ -439,12 +459,12 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["g1json"]
-    variants = ("constrained", "one_family", "other_advance", "other_mask", "length_matched")
+    variants = ("constrained", "one_family", "other_advance", "other_pick", "length_matched")
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
-    gains = ("families_gain", "other_advance_gain", "other_mask_gain", "constrained/length_matched")
+    gains = ("families_gain", "other_advance_gain", "other_pick_gain", "constrained/length_matched")
     assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]
     settings = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
-    assert got["grammar"] == {**settings, "mask_kernel": grammar.MASK_KERNEL}
+    assert got["grammar"] == {**settings, "fused_pick": grammar.FUSED_PICK}
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
 
 

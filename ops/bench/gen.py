@@ -24,10 +24,10 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
   issue names (shorter outputs make prefill weigh more there). The constrained run again with its matchers in one
   family (`grammar.FAMILIES` = 1, the engine before families) gives `ratios.families_gain`, and booked the other
   way (`grammar.PARALLEL_ADVANCE` flipped: every row's matcher advanced by the executor in one call, or row by row)
-  `ratios.other_advance_gain` (> 1: the other way is faster), and masked the other way (`grammar.MASK_KERNEL`
-  flipped: the Triton kernel or torch's unpacking) `ratios.other_mask_gain`. These runs and the length-matched
-  run are interleaved `--repeat` times; the ratios are of their median seconds
-  (`g1json_seconds`: each one's runs, median and spread).
+  `ratios.other_advance_gain` (> 1: the other way is faster), and picked the other way (`grammar.FUSED_PICK`
+  flipped: one Triton kernel for the mask and the argmax, or the mask then torch's argmax)
+  `ratios.other_pick_gain`. These runs and the length-matched run are interleaved `--repeat` times; the ratios are
+  of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
 
@@ -276,13 +276,13 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 for (i, r), res in zip(rows, results)
             ]
             # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
-            # families), booked and masked the other way (grammar.PARALLEL_ADVANCE, MASK_KERNEL flipped), and the
+            # families), booked and picked the other way (grammar.PARALLEL_ADVANCE, FUSED_PICK flipped), and the
             # length-matched run
             variants = {
                 "constrained": (constrained, rows, {}),
                 "one_family": (constrained, rows, {"FAMILIES": 1}),
                 "other_advance": (constrained, rows, {"PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE}),
-                "other_mask": (constrained, rows, {"MASK_KERNEL": not grammar.MASK_KERNEL}),
+                "other_pick": (constrained, rows, {"FUSED_PICK": not grammar.FUSED_PICK}),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -316,12 +316,12 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "one_family/length_matched": ratio("length_matched", "one_family"),
                 "families_gain": ratio("one_family", "constrained"),
                 "other_advance_gain": ratio("constrained", "other_advance"),
-                "other_mask_gain": ratio("constrained", "other_mask"),
+                "other_pick_gain": ratio("constrained", "other_pick"),
             }
             out["grammar"] = {
                 "families": grammar.FAMILIES,
                 "parallel_advance": grammar.PARALLEL_ADVANCE,
-                "mask_kernel": grammar.MASK_KERNEL,
+                "fused_pick": grammar.FUSED_PICK,
             }
             log(
                 "g1json seconds, median (spread) of "

@@ -1,7 +1,8 @@
 """The host side of a structured-output decode step (worker/engines/grammar.py) on G1-JSON's shape, timed per part:
 what the fast engine's host does between a step's tokens and the next step's masked sampling. Prints a table and
-writes JSON. CPU or CUDA (the copy and the device mask are timed on CUDA only: `grammar.apply`'s Triton kernel
-against torch's unpacking, their masks checked equal at the first step).
+writes JSON. CPU or CUDA (the copy, the device mask and the greedy pick are timed on CUDA only: the mask then
+torch's argmax against `grammar.masked_argmax`'s one Triton kernel at three block sizes, their tokens checked equal
+at the first step).
 
     python ops/bench/grammar_step.py --out ops/bench/results/grammar-step.json     # --batch, --vocab, --threads
 
@@ -100,7 +101,6 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     grammar.THREADS = args.threads
-    grammar.MASK_KERNEL = True  # `apply` is the Triton kernel, timed against torch's unpacking (`unpacked`)
     cuda = torch.cuda.is_available()
     if args.tokenizer_size > args.vocab:
         raise SystemExit(f"--tokenizer-size {args.tokenizer_size} is wider than --vocab {args.vocab}")
@@ -111,6 +111,9 @@ def main() -> int:
     bits = torch.empty((args.batch, words), dtype=torch.int32, pin_memory=cuda)
     device_bits = torch.empty((args.batch, words), dtype=torch.int32, device="cuda") if cuda else None
     logits = torch.randn(args.batch, args.vocab, device="cuda", dtype=torch.bfloat16) if cuda else None
+    work = logits.clone() if cuda else None  # masked in place step after step (`logits` stays the model's)
+    picked = torch.empty(args.batch, dtype=torch.long, device="cuda") if cuda else None
+    pick_block = grammar.PICK_BLOCK
     n = args.threads
     kinds = [(order, stagger, fam) for order, stagger in (("lockstep", 0), ("staggered", 1)) for fam in sorted({1, n})]
     sets = {
@@ -135,14 +138,19 @@ def main() -> int:
             timed(f"masks, {order}, {label} (grammar.fill)", lambda r=rows: grammar.fill(bits, r.rows))
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
-            if step == 0:  # the kernel's masks are torch's
-                want = grammar.unpacked(logits.clone(), device_bits)
-                if not torch.equal(grammar.apply(logits, device_bits), want):
-                    raise SystemExit("grammar.apply's Triton kernel masked other tokens than torch's unpacking")
-            timed("mask applied on the device, Triton kernel in place (grammar.apply)",
-                  lambda: grammar.apply(logits, device_bits, inplace=True), sync=True)  # fmt: skip
-            timed("mask applied on the device, torch unpacking (grammar.unpacked)",
-                  lambda: grammar.unpacked(logits, device_bits), sync=True)  # fmt: skip
+            if step == 0:  # the fused pick's tokens are torch's
+                want = grammar.apply(logits, device_bits).argmax(dim=-1)
+                if not torch.equal(grammar.masked_argmax(logits, device_bits, picked), want):
+                    raise SystemExit("grammar.masked_argmax picked other tokens than the mask and torch's argmax")
+            timed("mask applied on the device, in place (grammar.apply)",
+                  lambda: grammar.apply(work, device_bits, inplace=True), sync=True)  # fmt: skip
+            timed("greedy pick: mask in place, then torch's argmax",
+                  lambda: grammar.apply(work, device_bits, inplace=True).argmax(dim=-1), sync=True)  # fmt: skip
+            for block in (1024, 2048, 4096):  # PICK_BLOCK, the engine's 2048 among them
+                grammar.PICK_BLOCK = block
+                timed(f"greedy pick: fused (grammar.masked_argmax, block {block})",
+                      lambda: grammar.masked_argmax(logits, device_bits, picked), sync=True)  # fmt: skip
+            grammar.PICK_BLOCK = pick_block
         for (order, fam), rows in sets.items():  # the engine's booking: `take` row by row, or one call
             pairs = rows.pairs()
             if fam == 1:

@@ -403,11 +403,14 @@ class Engine:
             if phase == "forward":
                 st.outputs["logits"][:batch] = logits
                 return
-        if "grammar" in extras:  # in place unless the logprobs read the unmasked logits below
-            masked = grammar.apply(logits, st.outputs["bitmask"][:batch], inplace="logprobs" not in extras)
+        if "grammar" in extras and not sample and "logprobs" not in extras and grammar.fused_pick(logits.device):
+            grammar.masked_argmax(logits, st.outputs["bitmask"][:batch], st.tok[:batch])  # mask and argmax at once
         else:
-            masked = logits
-        st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
+            if "grammar" in extras:  # in place unless the logprobs read the unmasked logits below
+                masked = grammar.apply(logits, st.outputs["bitmask"][:batch], inplace="logprobs" not in extras)
+            else:
+                masked = logits
+            st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
         if "logprobs" in extras:
             for name, value in zip(("picked", "values", "ids"), logprobs.step(logits, st.tok[:batch], logprobs.TOP)):
                 st.outputs[name][:batch] = value

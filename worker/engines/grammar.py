@@ -47,10 +47,12 @@ FAMILIES = THREADS  # independent compiled matchers per grammar (the module docs
 # instead of `Guide.take` row by row. Off until measured on a host with many CPUs: at 2 threads here it gained
 # nothing (ops/bench/results/2026-12-05-cpu-families); gen.py g1json times both in one run.
 PARALLEL_ADVANCE = False
-# `apply` masks with a Triton kernel (CUDA) instead of torch's unpacking. Off until a GPU has timed it in a whole
-# run (gen.py g1json's `other_mask_gain`) and the soak has run it; tested against the unpacking in Triton's
-# interpreter (tests/test_engine_structured.py).
-MASK_KERNEL = False
+# The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
+# bitmask and the logits the grammar allows, and writes only the tokens) instead of masking the logits (`apply`)
+# and then taking torch's argmax. Off until a GPU has timed it in a whole run (gen.py g1json's `other_pick_gain`) and
+# the soak has run it; tested against those two steps in Triton's interpreter (tests/test_engine_structured.py).
+FUSED_PICK = False
+PICK_BLOCK = 2048  # tokens a program of the fused pick reads at a time (one program a row)
 _executor = None
 _lock = threading.Lock()
 _dealt = itertools.count()  # sequences dealt to families in turn
@@ -196,49 +198,59 @@ def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
 
 def apply(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """`logits` (batch, vocab) with -inf on every token the device `bitmask` (batch, words) forbids: a new tensor
-    (the caller may still read the unmasked logits), or `logits` itself with `inplace`.
-
-    With MASK_KERNEL, on CUDA (or TRITON_INTERPRET=1): one Triton kernel that reads the bitmask and writes -inf
-    where a bit is clear, never reading the logits. Otherwise torch's unpacking (`unpacked`: a uint8 temporary of
-    the logits' shape, three passes over it, then `masked_fill_`). On G1-JSON's 1,024 × 152k bf16 logits on an H100
-    both took ~1 ms in place; out of place, the unpacking took 4.0 ms (ops/bench/results/2026-12-05-h100-families,
-    2026-12-05-h100-session37). MASK_KERNEL is off: the kernel gained nothing measurable."""
-    out = logits if inplace else logits.clone()
-    if MASK_KERNEL and decode_attention.available(logits.device):
-        if out.stride(1) != 1 or bitmask.stride(1) != 1:
-            raise ValueError("grammar.apply: the logits and the bitmask must be contiguous along the vocabulary")
-        grid = (logits.shape[0], triton.cdiv(bitmask.shape[1], MASK_WORDS))
-        _mask_kernel[grid](
-            out, bitmask, logits.shape[1], bitmask.shape[1], out.stride(0), bitmask.stride(0), WORDS=MASK_WORDS
-        )
-        return out
-    return unpacked(out, bitmask)
-
-
-def unpacked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`apply` in place with torch alone: the bitmask unpacked bytewise into a (batch, vocab) uint8 temporary."""
+    (the caller may still read the unmasked logits), or `logits` itself with `inplace`. The bitmask is unpacked
+    bytewise into a (batch, vocab) uint8 temporary. On G1-JSON's 1,024 × 152k bf16 logits on an H100 this took
+    ~1 ms in place and 4.0 ms into a new tensor. A Triton kernel that wrote only the -inf was no faster (1.1 ms;
+    ops/bench/results/2026-12-05-h100-session37) and was removed."""
     batch, vocab = logits.shape
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
     raw = bitmask.view(torch.uint8)  # little-endian: byte b of word w holds tokens 32w + 8b … 32w + 8b + 7
     allowed = ((raw[:, :, None] >> shifts) & 1).view(batch, -1)[:, :vocab]
-    return logits.masked_fill_(allowed == 0, float("-inf"))
+    forbidden = allowed == 0
+    return logits.masked_fill_(forbidden, float("-inf")) if inplace else logits.masked_fill(forbidden, float("-inf"))
 
 
-MASK_WORDS = 64  # bitmask words (32 tokens each) per program of the mask kernel
+def fused_pick(device: torch.device) -> bool:
+    """Whether a greedy step under a grammar picks with `masked_argmax` here (FUSED_PICK, and the kernel runs
+    here: CUDA, or Triton's interpreter)."""
+    return FUSED_PICK and decode_attention.available(device)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`apply(logits, bitmask).argmax(-1)` into `out` (batch,) int64 without writing the mask: one Triton kernel,
+    one program a row, reads the bitmask and only the logits it allows. Ties go to the first token, as torch's
+    argmax; a row that allows nothing (or only -inf) gets token 0, as torch's argmax of all -inf; a NaN logit is
+    passed over where torch's argmax would pick it."""
+    if logits.stride(1) != 1 or bitmask.stride(1) != 1:
+        raise ValueError("grammar.masked_argmax: the logits and the bitmask must be contiguous along the vocabulary")
+    _argmax_kernel[(logits.shape[0],)](
+        logits, bitmask, out, logits.shape[1], logits.stride(0), bitmask.stride(0), BLOCK=PICK_BLOCK
+    )
+    return out
+
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _mask_kernel(logits_ptr, bits_ptr, vocab, words, logits_stride, bits_stride, WORDS: tl.constexpr):
-        """Row `program_id(0)`, words `program_id(1)` × WORDS …: -inf into each token whose bit is clear."""
+    def _argmax_kernel(logits_ptr, bits_ptr, out_ptr, vocab, logits_stride, bits_stride, BLOCK: tl.constexpr):
+        """Row `program_id(0)`: each lane keeps the best allowed logit it has read and that token (the first of
+        equal ones: a later block replaces it only when greater); then the first token of the best lane's value."""
         row = tl.program_id(0).to(tl.int64)
-        word = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
-        bits = tl.load(bits_ptr + row * bits_stride + word, mask=word < words, other=-1)
-        bit = tl.arange(0, 32)
-        cols = word[:, None] * 32 + bit[None, :]
-        forbidden = ((bits[:, None] >> bit[None, :]) & 1) == 0
-        tl.store(logits_ptr + row * logits_stride + cols, float("-inf"), mask=forbidden & (cols < vocab))
+        lane = tl.arange(0, BLOCK)
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        at = lane  # where nothing allowed beats -inf, the first block's tokens: the row's answer is then 0
+        for start in range(0, vocab, BLOCK):
+            token = start + lane
+            inside = token < vocab
+            word = tl.load(bits_ptr + row * bits_stride + (token >> 5), mask=inside, other=0)
+            allowed = inside & (((word >> (token & 31)) & 1) != 0)
+            x = tl.load(logits_ptr + row * logits_stride + token, mask=allowed, other=float("-inf")).to(tl.float32)
+            better = x > best
+            best = tl.where(better, x, best)
+            at = tl.where(better, token, at)
+        top = tl.max(best, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(best == top, at, vocab), axis=0).to(tl.int64))
 
 
 class Processor(LogitsProcessor):
