@@ -7,6 +7,7 @@ a plain forward pass's. Runs under transformers 5.24 and 5.17 (.ci/run).
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -123,21 +124,46 @@ def test_the_fast_engine_gives_the_same_outputs_in_families_and_booked_in_one_ca
     loaded, tiny_model, slots, monkeypatch
 ):
     """Greedy constrained rows through the fast engine with their matchers in three families (two executor threads),
-    and booked by `grammar.advance` in one call a step (PARALLEL_ADVANCE), give the outputs of one family booked row
-    by row: grouping the rows by family changes no row's mask, and the step's booking no row's state."""
+    booked by `grammar.advance` in one call a step (PARALLEL_ADVANCE), and with each family on an executor and a
+    thread of its own (FAMILY_THREADS), give the outputs of one family booked row by row: grouping the rows by
+    family changes no row's mask, and the step's booking no row's state."""
     import llguidance
 
     slots(4)
     monkeypatch.setattr(grammar, "_executor", llguidance.LLExecutor(num_threads=2))
+    monkeypatch.setattr(grammar, "_family_executors", [])
+    monkeypatch.setattr(grammar, "_pool", None)
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT)
     outputs = {}
-    for families, parallel in ((1, False), (3, False), (3, True)):
-        monkeypatch.setattr(grammar, "FAMILIES", families)
-        monkeypatch.setattr(grammar, "PARALLEL_ADVANCE", parallel)
-        results = run(loaded, spec, constrained_rows())
-        assert check(results) >= 7
-        outputs[families, parallel] = {idx: r.output for idx, r in results.items()}
-    assert outputs[1, False] == outputs[3, False] == outputs[3, True]
+    calls = collections.Counter()
+    by_family = grammar.by_family
+    monkeypatch.setattr(
+        grammar,
+        "by_family",
+        lambda groups, call, *args: calls.update([call, len(groups)]) or by_family(groups, call, *args),
+    )
+    try:
+        for families, parallel, threads in (
+            (1, False, False),
+            (3, False, False),
+            (3, True, False),
+            (3, False, True),
+            (3, True, True),
+        ):
+            monkeypatch.setattr(grammar, "FAMILIES", families)
+            monkeypatch.setattr(grammar, "PARALLEL_ADVANCE", parallel)
+            monkeypatch.setattr(grammar, "FAMILY_THREADS", threads)
+            results = run(loaded, spec, constrained_rows())
+            assert check(results) >= 7
+            outputs[families, parallel, threads] = {idx: r.output for idx, r in results.items()}
+    finally:
+        if grammar._pool is not None:
+            grammar._pool.shutdown()
+    assert len(set(map(str, outputs.values()))) == 1, outputs
+    assert len(grammar._family_executors) == 3 and grammar._pool is not None  # FAMILY_THREADS ran its own
+    assert calls[3] > 0 and calls["consume_token_par"] > 0, (
+        calls
+    )  # steps with rows of all 3 families, and booked in one call
 
 
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):
@@ -445,7 +471,8 @@ def test_the_fused_greedy_pick_equals_mask_then_argmax_in_the_interpreter(tiny_m
 def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
-    picked the other way, length-matched), their ratios, the grammar settings, and every output valid."""
+    picked the other way, each family on a thread of its own with and without the booking flipped, length-matched),
+    their ratios, the grammar settings, and every output valid."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "g1json.json"
     proc = subprocess.run(
@@ -459,12 +486,20 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["g1json"]
-    variants = ("constrained", "one_family", "other_advance", "other_pick", "length_matched")
+    variants = ("constrained", "one_family", "other_advance", "other_pick", "other_threads", "other_threads_advance")
+    variants += ("length_matched",)
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
-    gains = ("families_gain", "other_advance_gain", "other_pick_gain", "constrained/length_matched")
+    gains = (
+        "families_gain",
+        "other_advance_gain",
+        "other_pick_gain",
+        "other_threads_gain",
+        "other_threads_advance_gain",
+    )
+    gains += ("constrained/length_matched",)
     assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]
     settings = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
-    assert got["grammar"] == {**settings, "fused_pick": grammar.FUSED_PICK}
+    assert got["grammar"] == {**settings, "fused_pick": grammar.FUSED_PICK, "family_threads": grammar.FAMILY_THREADS}
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
 
 

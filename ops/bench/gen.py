@@ -26,7 +26,9 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
   way (`grammar.PARALLEL_ADVANCE` flipped: every row's matcher advanced by the executor in one call, or row by row)
   `ratios.other_advance_gain` (> 1: the other way is faster), and picked the other way (`grammar.FUSED_PICK`
   flipped: one Triton kernel for the mask and the argmax, or the mask then torch's argmax)
-  `ratios.other_pick_gain`. These runs and the length-matched run are interleaved `--repeat` times; the ratios are
+  `ratios.other_pick_gain`, and with each family on an executor and a thread of its own or not
+  (`grammar.FAMILY_THREADS` flipped) `ratios.other_threads_gain`, also with the booking flipped
+  `ratios.other_threads_advance_gain`. These runs and the length-matched run are interleaved `--repeat` times; the ratios are
   of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
@@ -276,13 +278,19 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 for (i, r), res in zip(rows, results)
             ]
             # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
-            # families), booked and picked the other way (grammar.PARALLEL_ADVANCE, FUSED_PICK flipped), and the
+            # families), booked, picked and threaded the other way (grammar.PARALLEL_ADVANCE, FUSED_PICK, FAMILY_THREADS flipped), and the
             # length-matched run
             variants = {
                 "constrained": (constrained, rows, {}),
                 "one_family": (constrained, rows, {"FAMILIES": 1}),
                 "other_advance": (constrained, rows, {"PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE}),
                 "other_pick": (constrained, rows, {"FUSED_PICK": not grammar.FUSED_PICK}),
+                "other_threads": (constrained, rows, {"FAMILY_THREADS": not grammar.FAMILY_THREADS}),
+                "other_threads_advance": (
+                    constrained,
+                    rows,
+                    {"FAMILY_THREADS": not grammar.FAMILY_THREADS, "PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE},
+                ),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -317,11 +325,14 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "families_gain": ratio("one_family", "constrained"),
                 "other_advance_gain": ratio("constrained", "other_advance"),
                 "other_pick_gain": ratio("constrained", "other_pick"),
+                "other_threads_gain": ratio("constrained", "other_threads"),
+                "other_threads_advance_gain": ratio("constrained", "other_threads_advance"),
             }
             out["grammar"] = {
                 "families": grammar.FAMILIES,
                 "parallel_advance": grammar.PARALLEL_ADVANCE,
                 "fused_pick": grammar.FUSED_PICK,
+                "family_threads": grammar.FAMILY_THREADS,
             }
             log(
                 "g1json seconds, median (spread) of "

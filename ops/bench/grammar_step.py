@@ -13,7 +13,9 @@ cost grows with them); each part is timed at every step of that output and avera
 Two sets of rows: *lockstep* (every row at the same token, as in the first steps of a job) and *staggered* (row i
 starts i tokens in and starts over when its output is done, as rows are once a job runs). Each set is timed twice
 in the same steps: its matchers copied from one compiled matcher (one family, the engine before families) and
-dealt to `--threads` families (the engine now: grammar.FAMILIES).
+dealt to `--threads` families (the engine now: grammar.FAMILIES). The families' masks are timed once more with
+each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`), and their booking in one call
+(`grammar.advance`) with and without it on alternate steps.
 """
 
 from __future__ import annotations
@@ -136,6 +138,11 @@ def main() -> int:
         for (order, fam), rows in sorted(sets.items(), reverse=step % 2 == 1):  # each first every other step
             label = f"{fam} famil{'y' if fam == 1 else 'ies'}"
             timed(f"masks, {order}, {label} (grammar.fill)", lambda r=rows: grammar.fill(bits, r.rows))
+            if fam > 1:  # the same masks again, each family on an executor and a thread of its own
+                grammar.FAMILY_THREADS = True
+                timed(f"masks, {order}, {label}, a thread each (FAMILY_THREADS)",
+                      lambda r=rows: grammar.fill(bits, r.rows))  # fmt: skip
+                grammar.FAMILY_THREADS = False
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
             if step == 0:  # the fused pick's tokens are torch's
@@ -155,8 +162,11 @@ def main() -> int:
             pairs = rows.pairs()
             if fam == 1:
                 timed(f"advance, {order}: take() per row (Python loop)", lambda p=pairs: [g.take(t) for g, t in p])
-            else:
-                timed(f"advance, {order}: grammar.advance, {n} families", lambda p=pairs: grammar.advance(p))
+            else:  # a step consumes its tokens once: FAMILY_THREADS on every other step
+                grammar.FAMILY_THREADS = step % 2 == 1
+                how = "a thread each (FAMILY_THREADS), odd steps" if grammar.FAMILY_THREADS else "even steps"
+                timed(f"advance, {order}: grammar.advance, {n} families, {how}", lambda p=pairs: grammar.advance(p))
+                grammar.FAMILY_THREADS = False
             rows.moved()
     results = {name: round(sum(v) / len(v), 3) for name, v in ms.items()}
     out = {

@@ -10,7 +10,8 @@ matcher per generated sequence, and the grammar's mask applied to the logits on 
   its mask (parser.rs, `Parser::with_shared`), so the executor's threads would compute the copies of one matcher
   one at a time. Each grammar is therefore compiled FAMILIES times (one per executor thread, ~0.5 ms each, when a
   family first needs it), sequences are dealt to families in turn, and `fill` hands the executor its rows grouped
-  by family, so that each thread's contiguous share of the list is mostly one family's.
+  by family, so that each thread's contiguous share of the list is mostly one family's. With FAMILY_THREADS each
+  family has an executor and a thread of its own instead (`by_family`).
 - A step's masks are computed on the CPU for every constrained sequence at once by llguidance's executor (its own
   threads, without the GIL) into one int32 bitmask row per sequence (bit j of word w allows token 32·w + j), copied
   to the device and unpacked there into -inf on every token the grammar forbids (`apply`). An unconstrained row's
@@ -27,6 +28,7 @@ asks for no constraint.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import itertools
 import os
 import threading
@@ -47,6 +49,11 @@ FAMILIES = THREADS  # independent compiled matchers per grammar (the module docs
 # instead of `Guide.take` row by row. Off until measured on a host with many CPUs: at 2 threads here it gained
 # nothing (ops/bench/results/2026-12-05-cpu-families); gen.py g1json times both in one run.
 PARALLEL_ADVANCE = False
+# Each family's masks (and, with PARALLEL_ADVANCE, its tokens) on an executor of its own with one thread, the
+# families at once from threads of ours (`by_family`), instead of one executor whose threads take any family's rows:
+# those contend for a family's mutex (12 families on 12 threads made the masks only 3.3x faster than one on the
+# H100 host). Off until a GPU host has timed it (gen.py g1json's `family_threads`; grammar_step.py).
+FAMILY_THREADS = False
 # The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
 # bitmask and the logits the grammar allows, and writes only the tokens) instead of masking the logits (`apply`)
 # and then taking torch's argmax. Off until a GPU has timed it in a whole run (gen.py g1json's `other_pick_gain`) and
@@ -54,6 +61,8 @@ PARALLEL_ADVANCE = False
 FUSED_PICK = False
 PICK_BLOCK = 2048  # tokens a program of the fused pick reads at a time (one program a row)
 _executor = None
+_family_executors: list = []  # FAMILY_THREADS: one single-threaded executor per family
+_pool = None  # FAMILY_THREADS: the threads that run the other families' calls
 _lock = threading.Lock()
 _dealt = itertools.count()  # sequences dealt to families in turn
 
@@ -111,6 +120,32 @@ def executor():
     return _executor
 
 
+def by_family(groups: dict[int, list], call: str, *args) -> list:
+    """`executor.call(items, *args)` for each family's items (FAMILY_THREADS: on the family's own single-threaded
+    executor, every family at once: the first in this thread, the others on threads of the pool; llguidance drops
+    the GIL in the call) and the results by family, in `groups`' order; otherwise all the items in one call to the
+    shared executor, grouped by family. An error in any family's call is raised here, after every call ended."""
+    if not FAMILY_THREADS:
+        return [getattr(executor(), call)([item for items in groups.values() for item in items], *args)]
+    global _pool
+    with _lock:
+        while len(_family_executors) < FAMILIES:
+            import llguidance
+
+            _family_executors.append(llguidance.LLExecutor(num_threads=1))
+        if _pool is None and FAMILIES > 1:
+            _pool = concurrent.futures.ThreadPoolExecutor(FAMILIES - 1, thread_name_prefix="grammar-family")
+    (first, items), *others = groups.items()
+    futures = [
+        _pool.submit(getattr(_family_executors[family % FAMILIES], call), these, *args) for family, these in others
+    ]
+    try:
+        results = [getattr(_family_executors[first % FAMILIES], call)(items, *args)]
+    finally:
+        concurrent.futures.wait(futures)  # none still writes into the caller's memory
+    return results + [future.result() for future in futures]
+
+
 class Guide:
     """The grammar state of one generated sequence: its matcher (a copy of its family's compiled one), whether it
     has ended (EOS taken) and why it failed (a token its grammar refused: the mask makes that impossible, so it is a
@@ -156,20 +191,21 @@ def guides(tok, vocab: int, eos: set[int], params_list: list[dict[str, Any]]) ->
 
 def advance(steps: list[tuple[Guide, int]]) -> None:
     """Advance each Guide by its token, like `Guide.take` on each, with one call: the matchers consume their tokens
-    in llguidance's executor (its threads, without the GIL)."""
-    pairs = []
+    in llguidance's executor (its threads, without the GIL; FAMILY_THREADS: a call per family, all at once)."""
+    guides: dict[int, list[Guide]] = {}  # by family, as in `fill`
+    tokens: dict[int, list] = {}
     for guide, token in steps:
         if not guide.live:
             continue
         if token in guide.eos:
             guide.ended = True
-        else:
-            pairs.append((guide, token))
-    if not pairs:
+            continue
+        guides.setdefault(guide.family, []).append(guide)
+        tokens.setdefault(guide.family, []).append((guide.matcher, token))
+    if not tokens:
         return
-    pairs.sort(key=lambda pair: pair[0].family)  # grouped by family, as in `fill`
-    taken = executor().consume_token_par([(g.matcher, token) for g, token in pairs])
-    for (guide, _), ok in zip(pairs, taken):
+    taken = (ok for oks in by_family(tokens, "consume_token_par") for ok in oks)
+    for guide, ok in zip((guide for these in guides.values() for guide in these), taken):
         if not ok:
             guide.error = f"the constrained output left its grammar at a token it refused: {guide.matcher.get_error()}"
 
@@ -187,13 +223,16 @@ def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
     other rows are set to all ones (every token allowed). The executor writes a live row whole, so only the others
     are filled (G1-JSON's 1,024 rows: 19 MB a step not written twice; 2.3 ms on a 2-core CPU). The executor gets
     the live rows grouped by family (the module docstring says why)."""
-    live = [(g.matcher, i) for i, g in sorted(rows, key=lambda row: row[1].family) if g.live]
-    if len(live) < bitmask.shape[0]:
+    groups: dict[int, list] = {}
+    for i, g in rows:
+        if g.live:
+            groups.setdefault(g.family, []).append((g.matcher, i))
+    if sum(map(len, groups.values())) < bitmask.shape[0]:
         others = torch.ones(bitmask.shape[0], dtype=torch.bool)
-        others[[i for _, i in live]] = False
+        others[[i for items in groups.values() for _, i in items]] = False
         bitmask[others] = -1
-    if live:
-        executor().unsafe_compute_mask_ptr(live, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+    if groups:
+        by_family(groups, "unsafe_compute_mask_ptr", bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 def apply(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
