@@ -10,11 +10,12 @@ Every row follows one valid output of G1-JSON's schema (ops/bench/gen.py SCHEMA_
 benchmark model's tokenizer (worker/tinymodel.py, 640 tokens) or, with `--tokenizer-size N`, on a byte-level BPE of
 N tokens trained on the Python standard library's sources (a real model's tokenizer is ~150k tokens, and a mask's
 cost grows with them); each part is timed at every step of that output and averaged.
-Two sets of rows: *lockstep* (every row at the same token, as in the first steps of a job) and *staggered* (row i
-starts i tokens in and starts over when its output is done, as rows are once a job runs). Each set is timed twice
-in the same steps: its matchers copied from one compiled matcher (one family, the engine before families) and
-dealt to `--threads` families (the engine now: grammar.FAMILIES). The families' masks are timed once more with
-each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`), and their booking in one call
+Two sets of rows: *lockstep* (every row at the same token, as in the first steps of a job) and *staggered* (each
+row starts at a token drawn at random and starts over when its output is done, as rows are once a job runs). Each
+set is timed twice in the same steps: its matchers copied from one compiled matcher (one family, the engine before
+families) and dealt to `--threads` families (the engine now: grammar.FAMILIES). The families' masks are timed once
+more with each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`; the two ways alternate
+which goes first in a step, since the first builds the lexer's new states), and their booking in one call
 (`grammar.advance`) with and without it on alternate steps.
 """
 
@@ -25,6 +26,7 @@ import copy
 import functools
 import json
 import os
+import random
 import sys
 import sysconfig
 import time
@@ -61,17 +63,20 @@ def tokenizer(size: int):
 
 
 class Rows:
-    """`batch` constrained rows on `trace`, row i at token (i × stagger) mod its length, in `families` families
+    """`batch` constrained rows on `trace`, all at its first token or (`stagger`) each at a token drawn at random
+    (seeded: the same for every set; until 2026-12-05 row i was at token i mod the trace's length, which put each
+    family's rows, dealt in turn, at the same few tokens and made the families' work unequal), in `families` families
     (compiled for a tokenizer of their own, so that no two sets share a lexer)."""
 
-    def __init__(self, tok, vocab: int, batch: int, trace: list[int], stagger: int, families: int):
+    def __init__(self, tok, vocab: int, batch: int, trace: list[int], stagger: bool, families: int):
         self.eos = {tok.convert_tokens_to_ids(tinymodel.EOS)}
         fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
         grammar.FAMILIES = families
         self.guides = grammar.guides(tok, vocab, self.eos, [{"response_format": fmt}] * batch)
         self.rows = list(enumerate(self.guides))
         self.trace = trace
-        self.pos = [(i * stagger) % len(trace) for i in range(batch)]
+        draw = random.Random(0)
+        self.pos = [draw.randrange(len(trace)) if stagger else 0 for _ in range(batch)]
         for g, pos in zip(self.guides, self.pos):
             for token in trace[:pos]:
                 g.take(token)
@@ -117,7 +122,9 @@ def main() -> int:
     picked = torch.empty(args.batch, dtype=torch.long, device="cuda") if cuda else None
     pick_block = grammar.PICK_BLOCK
     n = args.threads
-    kinds = [(order, stagger, fam) for order, stagger in (("lockstep", 0), ("staggered", 1)) for fam in sorted({1, n})]
+    kinds = [
+        (order, stagger, fam) for order, stagger in (("lockstep", False), ("staggered", True)) for fam in sorted({1, n})
+    ]
     sets = {
         (order, fam): Rows(tok, args.vocab, args.batch, trace, stagger, fam)
         for tok, (order, stagger, fam) in zip(tokenizers, kinds)
@@ -137,12 +144,13 @@ def main() -> int:
         timed("ones into the whole bitmask (fill_)", lambda: bits.fill_(-1))
         for (order, fam), rows in sorted(sets.items(), reverse=step % 2 == 1):  # each first every other step
             label = f"{fam} famil{'y' if fam == 1 else 'ies'}"
-            timed(f"masks, {order}, {label} (grammar.fill)", lambda r=rows: grammar.fill(bits, r.rows))
+            ways = [(False, f"masks, {order}, {label} (grammar.fill)")]
             if fam > 1:  # the same masks again, each family on an executor and a thread of its own
-                grammar.FAMILY_THREADS = True
-                timed(f"masks, {order}, {label}, a thread each (FAMILY_THREADS)",
-                      lambda r=rows: grammar.fill(bits, r.rows))  # fmt: skip
-                grammar.FAMILY_THREADS = False
+                ways.append((True, f"masks, {order}, {label}, a thread each (FAMILY_THREADS)"))
+            for threads, name in ways if step % 2 == 0 else ways[::-1]:  # the first of a step builds lexer states
+                grammar.FAMILY_THREADS = threads
+                timed(name, lambda r=rows: grammar.fill(bits, r.rows))
+            grammar.FAMILY_THREADS = False
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
             if step == 0:  # the fused pick's tokens are torch's
