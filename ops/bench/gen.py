@@ -28,8 +28,8 @@ Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
   flipped: one Triton kernel for the mask and the argmax, or the mask then torch's argmax)
   `ratios.other_pick_gain`, and with each family on an executor and a thread of its own or not
   (`grammar.FAMILY_THREADS` flipped) `ratios.other_threads_gain`, also with the booking flipped
-  `ratios.other_threads_advance_gain`. These runs and the length-matched run are interleaved `--repeat` times; the ratios are
-  of their median seconds (`g1json_seconds`: each one's runs, median and spread).
+  `ratios.other_threads_advance_gain`. These runs and the length-matched run are interleaved `--repeat` times;
+  the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
 
@@ -278,8 +278,8 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 for (i, r), res in zip(rows, results)
             ]
             # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
-            # families), booked, picked and threaded the other way (grammar.PARALLEL_ADVANCE, FUSED_PICK, FAMILY_THREADS flipped), and the
-            # length-matched run
+            # families), booked, picked and threaded the other way (grammar.PARALLEL_ADVANCE, FUSED_PICK,
+            # FAMILY_THREADS flipped), and the length-matched run
             variants = {
                 "constrained": (constrained, rows, {}),
                 "one_family": (constrained, rows, {"FAMILIES": 1}),

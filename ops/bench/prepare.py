@@ -11,13 +11,13 @@ calls `fastgen.prepare` with the layers compiled (Inductor: C++ on CPU, Triton o
 step's graphs, so that `prepare_s` is what a restarted worker pays when it loads the model. It reports `compile_s`
 (the warm-up: Dynamo, the compile cache, and the warm-up's own forwards), Dynamo's frames and unique graphs and its
 `_compile` seconds (tracing, guards, loading what the cache holds), and on CUDA `capture_s` and the graphs
-captured. A run is `kind[:warm-up runs per capture[:modes[:imports]]]`: kind `cold` (an empty compile cache) or `warm`,
-`fastgen.CAPTURE_WARMUPS` (default 2), modes `both` (greedy and sampling graphs, as before 2026-12-05) or `greedy`
-(what a worker loading for a greedy job captures now), then `preloaded` (default: the child's start-up runs
+captured. A run is `kind[:warm-up runs per capture[:modes[:imports]]]`: kind `cold` (an empty compile cache) or
+`warm`, `fastgen.CAPTURE_WARMUPS` (default 2), modes `both` (greedy and sampling graphs, as before 2026-12-05) or
+`greedy` (what a worker loading for a greedy job captures now), then `preloaded` (default: the child's start-up runs
 `preload.import_compiler`, as a worker's does) or `lazy` (it does not: the first compile imports those modules, as
-before stop 37, 2026-12-05). On CPU the warm-up's forwards of the 0.6B model weigh in
-`compile_s`; Dynamo's numbers are the host's alone and carry over to a GPU host. Until 2026-12-05 the child did not
-preload: Inductor's import (~2 s) then fell in `prepare_s` (ops/bench/results/2026-12-05-h100-families).
+before stop 37, 2026-12-05). On CPU the warm-up's forwards of the 0.6B model weigh in `compile_s`; Dynamo's
+numbers are the host's alone and carry over to a GPU host. Until 2026-12-05 the child did not preload: Inductor's
+import (~2 s) then fell in `prepare_s` (ops/bench/results/2026-12-05-h100-families).
 """
 
 from __future__ import annotations

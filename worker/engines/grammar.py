@@ -14,7 +14,8 @@ matcher per generated sequence, and the grammar's mask applied to the logits on 
   family has an executor and a thread of its own instead (`by_family`).
 - A step's masks are computed on the CPU for every constrained sequence at once by llguidance's executor (its own
   threads, without the GIL) into one int32 bitmask row per sequence (bit j of word w allows token 32·w + j), copied
-  to the device and unpacked there into -inf on every token the grammar forbids (`apply`). An unconstrained row's
+  to the device and unpacked there into -inf on every token the grammar forbids (`apply`; or, for a greedy step
+  with FUSED_PICK, read by the kernel that picks the tokens, `masked_argmax`). An unconstrained row's
   bitmask row is all ones: a batch mixing constrained and free rows needs no other flag.
 - EOS: the EOS ids the engine stops on are the grammar's end: the mask allows them only where the grammar may end
   (an accepting state), and once the grammar can take nothing more they are all it allows.
@@ -52,7 +53,7 @@ PARALLEL_ADVANCE = False
 # Each family's masks (and, with PARALLEL_ADVANCE, its tokens) on an executor of its own with one thread, the
 # families at once from threads of ours (`by_family`), instead of one executor whose threads take any family's rows:
 # those contend for a family's mutex (12 families on 12 threads made the masks only 3.3x faster than one on the
-# H100 host). Off until a GPU host has timed it (gen.py g1json's `family_threads`; grammar_step.py).
+# H100 host). Off until a GPU host has timed it (gen.py g1json's `other_threads_gain`; grammar_step.py).
 FAMILY_THREADS = False
 # The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
 # bitmask and the logits the grammar allows, and writes only the tokens) instead of masking the logits (`apply`)
