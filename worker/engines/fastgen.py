@@ -405,11 +405,9 @@ class Engine:
                 return
         if "grammar" in extras and not sample and "logprobs" not in extras and grammar.fused_pick(logits.device):
             grammar.masked_argmax(logits, st.outputs["bitmask"][:batch], st.tok[:batch])  # mask and argmax at once
-        else:
-            if "grammar" in extras:  # in place unless the logprobs read the unmasked logits below
-                masked = grammar.apply(logits, st.outputs["bitmask"][:batch], inplace="logprobs" not in extras)
-            else:
-                masked = logits
+        else:  # the mask in place unless the logprobs read the unmasked logits below
+            bits = st.outputs["bitmask"][:batch] if "grammar" in extras else None
+            masked = logits if bits is None else grammar.apply(logits, bits, inplace="logprobs" not in extras)
             st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
         if "logprobs" in extras:
             for name, value in zip(("picked", "values", "ids"), logprobs.step(logits, st.tok[:batch], logprobs.TOP)):
