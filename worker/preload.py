@@ -112,17 +112,25 @@ def preload() -> None:
 def hash_sources() -> None:
     """On a GPU host, the hashes of torch's and Triton's sources that Inductor keys its caches by, computed now and
     kept for the process, instead of by the first job's first compile (Triton's took 0.45 s of a restarted worker's
-    first job on the H200: ops/bench/results/2026-12-05-h200-restart). Not on a CPU host: the engines compile
-    nothing with Inductor there. A failure is the first compile's to report, not the start-up's."""
+    first job on the H200, 0.84 s on an H100: ops/bench/results/2026-12-05-h200-restart, -h100-session38). Not on a
+    CPU host: the engines compile nothing with Inductor there. A failure is the first compile's to report, not the
+    start-up's.
+
+    Triton's hash is taken by Triton's own function, which keeps it (lru_cache) and which every torch version's
+    `CacheBase.get_system` ends in; torch 2.11 has no `codecache.triton_key` (2.12 added it, with a cache of its
+    own), so asking only for that failed on the GPU host until 2026-12-05."""
     import torch
 
     if not torch.cuda.is_available():
         return
     try:
         from torch._inductor import codecache
+        from torch._inductor.runtime import triton_compat
 
         codecache.torch_key()
-        codecache.triton_key()
+        triton_compat.triton_key()
+        if hasattr(codecache, "triton_key"):
+            codecache.triton_key()
     except Exception as exc:  # noqa: BLE001
         log.warning("hashing torch's and Triton's sources at start-up failed: %s: %s", type(exc).__name__, exc)
 
