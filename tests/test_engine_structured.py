@@ -19,6 +19,7 @@ import jsonschema_rs
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from core import logprob_store
 from core.spec import GenerateSpec
@@ -472,12 +473,15 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
     picked the other way, each family on a thread of its own with and without the booking flipped, length-matched),
-    their ratios, the grammar settings, and every output valid."""
+    their ratios, the grammar settings, and every output valid. With `--tokenizer-size` (151936 on a GPU: a real
+    tokenizer's mask cost) on a model linked beside the given one, whose own tokenizer stays as it was."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "g1json.json"
+    before = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
     proc = subprocess.run(
         [sys.executable, "ops/bench/gen.py", "g1json", "--smoke", "--repeat", "2", "--out", str(out)]
-        + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)],
+        + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)]
+        + ["--tokenizer-size", "600"],
         cwd=root,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -501,6 +505,8 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     settings = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
     assert got["grammar"] == {**settings, "fused_pick": grammar.FUSED_PICK, "family_threads": grammar.FAMILY_THREADS}
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
+    assert got["tokenizer_size"] == 600 and len(AutoTokenizer.from_pretrained(tiny_model)) == 640
+    assert {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()} == before
 
 
 def test_logprobs_work_where_the_install_has_no_triton():

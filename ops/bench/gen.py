@@ -8,7 +8,9 @@ its correctness, and plain-transformers baselines, all in one run so the ratios 
     python ops/bench/gen.py g1json --out ops/bench/results/g1json.json  # structured outputs vs G1 (issue 26)
     python ops/bench/gen.py g1lp --out ops/bench/results/g1lp.json      # logprobs (top 5) on vs off on G1
 
-Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy):
+Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy; the benchmark model's tokenizer has 640
+tokens: `--tokenizer-size 151936` puts a byte-level BPE of ~59k in its place, whose grammar masks cost what a real
+tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
 - G1: 1024 prompts × 256 input tokens, 256 output tokens each.
 - G2: 2048 prompts, input lengths uniform in 32–1024, outputs uniform in 16–512 (per-row `max_new_tokens`).
 - G3: 1024 prompts of one shared 1,024-token instruction and a unique 64-token part, 128 output tokens: the engine
@@ -1029,6 +1031,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="record the restarted worker with py-spy (speedscope FILE) while it runs its first job",
     )
+    p.add_argument(
+        "--tokenizer-size",
+        type=int,
+        default=640,
+        help="640: the benchmark model's own tokenizer; another size: a byte-level BPE of that many tokens in its "
+        "place (151936 gives ~59k, a real tokenizer's grammar-mask cost), the model linked under --work",
+    )
     p.add_argument("--padded-batch", type=int, default=256)
     p.add_argument("--padded-rows", type=int, default=512, help="rows of the padded-generate baseline")
     p.add_argument("--batch-rows", type=int, default=256, help="service: rows per micro-batch commit")
@@ -1052,6 +1061,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     harness.ensure_model(args.model, *(["--steps", "1"] if args.smoke else ["--arch", "qwen3-0.6b"]))
     harness.ensure_model(args.qa_model, "--qa", str(ROOT / "examples" / "qa.jsonl"))
+    if args.tokenizer_size != 640:
+        args.model = harness.with_tokenizer(args.model, args.tokenizer_size, args.work)
     r: dict = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         **harness.commit_info(),
@@ -1072,6 +1083,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
+    r["tokenizer_size"] = len(tok)
     r["bound"] = bound(
         AutoConfig.from_pretrained(args.model),
         [(len(tok(p)["input_ids"]), o) for p, o in workload(args.workload, tok, args.smoke)],

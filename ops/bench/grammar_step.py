@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import os
 import random
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -39,27 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "ops" / "bench"))
 from gen import SCHEMA_G1JSON  # noqa: E402
 
+from ops.bench import harness  # noqa: E402
 from worker import tinymodel  # noqa: E402
 from worker.engines import grammar  # noqa: E402
 
 OUTPUT = '{"name":"the people of the world","count":12345,"kind":"beta"}'
-CORPUS_BYTES = 20_000_000  # of standard-library sources, to train a larger tokenizer on (~10 s for 150k tokens)
-
-
-@functools.cache
-def corpus() -> tuple[str, ...]:
-    texts, size = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        texts.append(path.read_text(errors="replace"))
-        size += len(texts[-1])
-        if size > CORPUS_BYTES:
-            break
-    return tuple(texts)
-
-
-def tokenizer(size: int):
-    """The benchmark model's tokenizer (640 tokens), or a BPE of `size` tokens on the standard library's sources."""
-    return tinymodel.build_tokenizer(list(corpus()) if size > 640 else [], vocab_size=size)
+PICK_BLOCKS = (1024, 2048, 4096)  # grammar.PICK_BLOCK's candidates, the engine's 2048 among them
 
 
 class Rows:
@@ -111,7 +94,7 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     if args.tokenizer_size > args.vocab:
         raise SystemExit(f"--tokenizer-size {args.tokenizer_size} is wider than --vocab {args.vocab}")
-    base = tokenizer(args.tokenizer_size)
+    base = harness.tokenizer(args.tokenizer_size)
     tokenizers = [copy.deepcopy(base) for _ in range(4)]  # one per set of rows: none shares another's matchers
     trace = tokenizers[0](OUTPUT, add_special_tokens=False)["input_ids"]
     words = grammar.words(args.vocab)
@@ -153,15 +136,19 @@ def main() -> int:
             grammar.FAMILY_THREADS = False
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
-            if step == 0:  # the fused pick's tokens are torch's
+            if step == 0:  # the fused pick's tokens are torch's at each block size (compiled here, not when timed)
                 want = grammar.apply(logits, device_bits).argmax(dim=-1)
-                if not torch.equal(grammar.masked_argmax(logits, device_bits, picked), want):
-                    raise SystemExit("grammar.masked_argmax picked other tokens than the mask and torch's argmax")
+                for block in PICK_BLOCKS:
+                    grammar.PICK_BLOCK = block
+                    if not torch.equal(grammar.masked_argmax(logits, device_bits, picked), want):
+                        raise SystemExit(f"grammar.masked_argmax (block {block}) picked other tokens than the mask "
+                                         "and torch's argmax")  # fmt: skip
+                grammar.PICK_BLOCK = pick_block
             timed("mask applied on the device, in place (grammar.apply)",
                   lambda: grammar.apply(work, device_bits, inplace=True), sync=True)  # fmt: skip
             timed("greedy pick: mask in place, then torch's argmax",
                   lambda: grammar.apply(work, device_bits, inplace=True).argmax(dim=-1), sync=True)  # fmt: skip
-            for block in (1024, 2048, 4096):  # PICK_BLOCK, the engine's 2048 among them
+            for block in PICK_BLOCKS:
                 grammar.PICK_BLOCK = block
                 timed(f"greedy pick: fused (grammar.masked_argmax, block {block})",
                       lambda: grammar.masked_argmax(logits, device_bits, picked), sync=True)  # fmt: skip

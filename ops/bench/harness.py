@@ -11,12 +11,15 @@ processes stay light.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 import traceback
 from collections.abc import Callable
@@ -163,6 +166,58 @@ def ensure_model(path: Path, *build_args: str) -> float:
         cwd=ROOT,
     )
     return round(time.monotonic() - t, 1)
+
+
+CORPUS_BYTES = 20_000_000  # of standard-library sources, to train a larger tokenizer on (~10 s for 150k tokens)
+MODEL_FILES = ("config.json", "generation_config.json", ".safetensors", ".safetensors.index.json")
+
+
+@functools.cache
+def corpus() -> tuple[str, ...]:
+    texts, size = [], 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        texts.append(path.read_text(errors="replace"))
+        size += len(texts[-1])
+        if size > CORPUS_BYTES:
+            break
+    return tuple(texts)
+
+
+def tokenizer(size: int):
+    """The benchmark model's tokenizer (640 tokens), or a byte-level BPE trained to `size` tokens (up to 640: on
+    the small seed corpus alone; more: on the standard library's sources, where 151936 gives ~59k, all they teach):
+    a real tokenizer's size, whose grammar masks cost 4-5x the 640-token one's (issue 26)."""
+    from worker import tinymodel
+
+    return tinymodel.build_tokenizer(list(corpus()) if size > 640 else [], vocab_size=size)
+
+
+def with_tokenizer(model: Path, size: int, work: Path) -> Path:
+    """`model` with `tokenizer(size)` instead of its own: a folder under `work` whose weights and configs link to
+    `model`'s (nothing copied, `model` untouched), built once per (model, size). Exits with the reason when the
+    tokenizer does not fit the model: more tokens than its vocabulary, or another EOS id."""
+    from transformers import AutoConfig
+
+    from worker import tinymodel
+
+    out = work / f"{model.name}-tokenizer-{size}"
+    made = out / "gpujobs_tokenizer.json"
+    key = {"model": str(model.resolve()), "size": size}
+    if made.exists() and json.loads(made.read_text()) == key:
+        return out
+    tok, config = tokenizer(size), AutoConfig.from_pretrained(model)
+    if len(tok) > config.vocab_size:
+        raise SystemExit(f"--tokenizer-size {size}: {len(tok)} tokens do not fit {model}'s {config.vocab_size}")
+    if tok.convert_tokens_to_ids(tinymodel.EOS) != config.eos_token_id:
+        raise SystemExit(f"--tokenizer-size {size}: its EOS id is not {model}'s ({config.eos_token_id})")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for path in model.iterdir():
+        if path.name.endswith(MODEL_FILES):
+            (out / path.name).symlink_to(path.resolve())
+    tok.save_pretrained(out)
+    made.write_text(json.dumps(key) + "\n")
+    return out
 
 
 # --- phases in a time box -----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
 #   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py),
 #                                          # on the benchmark model's tokenizer; TOKENIZER_SIZE=151936: a real size
+#                                          # (g1json and g1lp take TOKENIZER_SIZE too)
 # PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds. PROFILE=1 samples the
 # part's Python stacks with py-spy (carried in .whl), child processes included, into $OUT/PART.speedscope.json.
 set -uo pipefail
@@ -39,7 +40,9 @@ case $PART in
             export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-restart "$OUT/restart.speedscope.json")
         fi ;;
     g3) cmd=(python3 ops/bench/gen.py g3 --repeat 3 --no-peer --skip service --inproc-s $((LIMIT - 20)) --out "$OUT/g3.json") ;;
-    g1json | g1lp) cmd=(python3 ops/bench/gen.py "$PART" --inproc-s $((LIMIT - 20)) --out "$OUT/$PART.json") ;;
+    g1json | g1lp) size=${TOKENIZER_SIZE:-640}  # another size: a BPE of that many tokens instead of the model's 640
+                   cmd=(python3 ops/bench/gen.py "$PART" --tokenizer-size "$size" --inproc-s $((LIMIT - 20))
+                        --out "$OUT/$PART-$size.json") ;;
     f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
     grammar) size=${TOKENIZER_SIZE:-640}
