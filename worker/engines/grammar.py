@@ -53,12 +53,14 @@ PARALLEL_ADVANCE = False
 # Each family's masks (and, with PARALLEL_ADVANCE, its tokens) on an executor of its own with one thread, the
 # families at once from threads of ours (`by_family`), instead of one executor whose threads take any family's rows:
 # those contend for a family's mutex (12 families on 12 threads made the masks only 3.3x faster than one on the
-# H100 host). Off until a GPU host has timed it (gen.py g1json's `other_threads_gain`; grammar_step.py).
+# H100 host). Off: on that host it made a 59k tokenizer's masks 1.2-1.7x faster but G1-JSON (640 tokens) no faster
+# (0.978); off until a G1-JSON run on a real-sized tokenizer gains beyond its spread (gen.py --tokenizer-size).
 FAMILY_THREADS = False
 # The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
 # bitmask and the logits the grammar allows, and writes only the tokens) instead of masking the logits (`apply`)
-# and then taking torch's argmax. Off until a GPU has timed it in a whole run (gen.py g1json's `other_pick_gain`) and
-# the soak has run it; tested against those two steps in Triton's interpreter (tests/test_engine_structured.py).
+# and then taking torch's argmax. Off: 0.20 against 1.05 ms a step on an H100, but G1-JSON was no faster with it
+# (`other_pick_gain` 0.909: the host is the critical path); worth timing again once a step's host work is shorter
+# than its forward. Tested against those two steps in Triton's interpreter (tests/test_engine_structured.py).
 FUSED_PICK = False
 PICK_BLOCK = 2048  # tokens a program of the fused pick reads at a time (one program a row)
 _executor = None
