@@ -118,6 +118,8 @@ def test_greedy_results_equal_the_padded_engine_with_any_number_of_slots(loaded,
     assert info["engine"] == "fast" and info["attn_implementation"].startswith(paged_attention.NAME)
     assert stats["slots"] == min(n_slots, len(rows)) and stats["cuda_graphs"] is False
     assert stats["steps"] >= 30 and stats["runs"] == 1
+    assert {"wait_s", "book_s", "mask_s", "caller_s"} <= set(stats)  # where the host's time went
+    assert stats["wait_s"] == 0  # on the CPU a step's tokens are there when it returns
     assert loaded.model.config._attn_implementation == "sdpa"  # switched back for the next job
 
 

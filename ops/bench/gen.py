@@ -230,7 +230,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
             "failed": sum(r.error is not None for r in results),
             **{
                 key: info.get("fast", {}).get(key)
-                for key in ("steps", "prefill_s", "decode_s", "wait_s", "mask_s", "caller_s", "cascade_steps")
+                for key in ("steps", "prefill_s", "decode_s", "wait_s", "book_s", "mask_s", "caller_s", "cascade_steps")
             },
         }
         out["engine"][name] = run

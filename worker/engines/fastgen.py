@@ -269,9 +269,11 @@ class Engine:
         self.steps = 0
         self.prefill_s = 0.0
         self.decode_s = 0.0
-        # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), computing
-        # grammar masks, and in the caller's hands (each batch of finished sequences, until it asks for the next)
+        # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), booking them
+        # (appending each row's token, advancing its grammar, freeing the finished), computing grammar masks, and in
+        # the caller's hands (each batch of finished sequences, until it asks for the next)
         self.wait_s = 0.0
+        self.book_s = 0.0
         self.mask_s = 0.0
         self.caller_s = 0.0
 
@@ -522,7 +524,7 @@ class Engine:
         stats["cascade_steps"] = stats.get("cascade_steps", 0) + self.cascade_steps
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
-        for name in ("wait_s", "mask_s", "caller_s"):
+        for name in ("wait_s", "book_s", "mask_s", "caller_s"):
             stats[name] = round(stats.get(name, 0.0) + getattr(self, name), 3)
 
     # -- the loop --
@@ -731,6 +733,7 @@ class Engine:
         """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
         compaction since may have moved it); free and yield the ones that finish."""
         by_slot, lp = tokens()
+        t = time.perf_counter()
         finished = []
         advance = [] if grammar.PARALLEL_ADVANCE else None  # (guide, token): advanced in one call below
         for slot, seq in stepped:
@@ -747,6 +750,8 @@ class Engine:
             grammar.advance(advance)
         if finished:
             self._deactivate(finished)
+        self.book_s += time.perf_counter() - t
+        if finished:
             yield finished
 
     def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[list[Seq]]:
