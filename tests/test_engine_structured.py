@@ -167,6 +167,35 @@ def test_the_fast_engine_gives_the_same_outputs_in_families_and_booked_in_one_ca
     )  # steps with rows of all 3 families, and booked in one call
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_fast_engine_computes_masks_while_it_books_and_outputs_stay_the_same(
+    loaded, tiny_model, slots, monkeypatch, sampled
+):
+    """With OVERLAP the fast engine books a step's rows family by family and starts each family's next masks as
+    soon as its rows are booked (three families: several calls a step), then copies them once all are back; rows
+    that finish, rows with no constraint (all tokens allowed) and rows waiting for a slot (4 slots, 10 rows) change
+    nothing: greedy and seeded sampled outputs equal those of the masks computed after the booking, and every one
+    is valid."""
+    slots(4)
+    monkeypatch.setattr(grammar, "FAMILIES", 3)
+    monkeypatch.setattr(grammar, "_family_executors", [])
+    monkeypatch.setattr(grammar, "_pool", None)
+    fields = {"temperature": 0.9, "seed": 7} if sampled else {}
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT, **fields)
+    finished = collections.Counter()
+    finish = grammar.Masks.finish
+    monkeypatch.setattr(grammar.Masks, "finish", lambda self: finished.update([len(self.sent)]) or finish(self))
+    outputs = {}
+    for overlap in (False, True):
+        monkeypatch.setattr(grammar, "OVERLAP", overlap)
+        results = run(loaded, spec, constrained_rows())
+        assert check(results) >= 7
+        outputs[overlap] = {idx: (r.output, r.finish_reason) for idx, r in results.items()}
+    grammar._pool.shutdown()
+    assert outputs[True] == outputs[False]
+    assert max(finished) >= 2, finished  # steps whose rows' masks went in a call per family
+
+
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):
     """With too few tokens for the object the output is a valid prefix cut short: finish_reason `length`."""
     spec = make_spec(tiny_model, engine="padded", max_new_tokens=5, response_format=FORMAT)
@@ -472,7 +501,8 @@ def test_the_fused_greedy_pick_equals_mask_then_argmax_in_the_interpreter(tiny_m
 def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
-    picked the other way, each family on a thread of its own with and without the booking flipped, length-matched),
+    picked the other way, each family on a thread of its own with and without the booking flipped, the masks
+    computed while booking or after it, length-matched),
     their ratios, the grammar settings, and every output valid. With `--tokenizer-size` (151936 on a GPU: a real
     tokenizer's mask cost) on a model linked beside the given one, whose own tokenizer stays as it was."""
     root = Path(__file__).resolve().parents[1]
@@ -491,7 +521,7 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["g1json"]
     variants = ("constrained", "one_family", "other_advance", "other_pick", "other_threads", "other_threads_advance")
-    variants += ("length_matched",)
+    variants += ("other_overlap", "length_matched")
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
     gains = (
         "families_gain",
@@ -499,11 +529,13 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
         "other_pick_gain",
         "other_threads_gain",
         "other_threads_advance_gain",
+        "other_overlap_gain",
     )
     gains += ("constrained/length_matched",)
     assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]
     settings = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
-    assert got["grammar"] == {**settings, "fused_pick": grammar.FUSED_PICK, "family_threads": grammar.FAMILY_THREADS}
+    settings |= {"fused_pick": grammar.FUSED_PICK, "family_threads": grammar.FAMILY_THREADS}
+    assert got["grammar"] == {**settings, "overlap": grammar.OVERLAP}
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
     assert got["tokenizer_size"] == 600 and len(AutoTokenizer.from_pretrained(tiny_model)) == 640
     assert {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()} == before

@@ -30,7 +30,8 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   flipped: one Triton kernel for the mask and the argmax, or the mask then torch's argmax)
   `ratios.other_pick_gain`, and with each family on an executor and a thread of its own or not
   (`grammar.FAMILY_THREADS` flipped) `ratios.other_threads_gain`, also with the booking flipped
-  `ratios.other_threads_advance_gain`. These runs and the length-matched run are interleaved `--repeat` times;
+  `ratios.other_threads_advance_gain`, and with each family's masks computed while the next family is booked or
+  after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`. These runs and the length-matched run are interleaved `--repeat` times;
   the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
@@ -280,8 +281,8 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 for (i, r), res in zip(rows, results)
             ]
             # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
-            # families), booked, picked and threaded the other way (grammar.PARALLEL_ADVANCE, FUSED_PICK,
-            # FAMILY_THREADS flipped), and the length-matched run
+            # families), booked, picked, threaded and overlapped the other way (grammar.PARALLEL_ADVANCE,
+            # FUSED_PICK, FAMILY_THREADS, OVERLAP flipped), and the length-matched run
             variants = {
                 "constrained": (constrained, rows, {}),
                 "one_family": (constrained, rows, {"FAMILIES": 1}),
@@ -293,6 +294,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                     rows,
                     {"FAMILY_THREADS": not grammar.FAMILY_THREADS, "PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE},
                 ),
+                "other_overlap": (constrained, rows, {"OVERLAP": not grammar.OVERLAP}),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -329,12 +331,14 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "other_pick_gain": ratio("constrained", "other_pick"),
                 "other_threads_gain": ratio("constrained", "other_threads"),
                 "other_threads_advance_gain": ratio("constrained", "other_threads_advance"),
+                "other_overlap_gain": ratio("constrained", "other_overlap"),
             }
             out["grammar"] = {
                 "families": grammar.FAMILIES,
                 "parallel_advance": grammar.PARALLEL_ADVANCE,
                 "fused_pick": grammar.FUSED_PICK,
                 "family_threads": grammar.FAMILY_THREADS,
+                "overlap": grammar.OVERLAP,
             }
             log(
                 "g1json seconds, median (spread) of "

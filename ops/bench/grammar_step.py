@@ -16,7 +16,9 @@ set is timed twice in the same steps: its matchers copied from one compiled matc
 families) and dealt to `--threads` families (the engine now: grammar.FAMILIES). The families' masks are timed once
 more with each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`; the two ways alternate
 which goes first in a step, since the first builds the lexer's new states), and their booking in one call
-(`grammar.advance`) with and without it on alternate steps.
+(`grammar.advance`) with and without it on alternate steps. Two more sets time a step's booking and the next
+step's masks together, as the fast engine's host does them: one after the other, or with each row's mask started
+as soon as it is booked (`grammar.OVERLAP`), on alternate steps.
 """
 
 from __future__ import annotations
@@ -82,6 +84,24 @@ class Rows:
             raise SystemExit(f"the trace left its grammar: {failed}")
 
 
+def book_then_mask(rows: Rows, pairs: list, bits: torch.Tensor) -> None:
+    """What the fast engine's host does between a step's tokens and the next step's masks: each row takes its token,
+    then every mask is computed (`grammar.fill`)."""
+    for guide, token in pairs:
+        guide.take(token)
+    grammar.fill(bits, rows.rows)
+
+
+def book_and_mask(pairs: list, bits: torch.Tensor) -> None:
+    """The same with OVERLAP: the rows booked family by family, each family's masks started once its rows are
+    (`grammar.Masks`)."""
+    masks = grammar.Masks(bits)
+    for row, (guide, token) in sorted(enumerate(pairs), key=lambda item: item[1][0].family):
+        guide.take(token)
+        masks.add(row, guide)
+    masks.finish()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=1024)
@@ -95,7 +115,7 @@ def main() -> int:
     if args.tokenizer_size > args.vocab:
         raise SystemExit(f"--tokenizer-size {args.tokenizer_size} is wider than --vocab {args.vocab}")
     base = harness.tokenizer(args.tokenizer_size)
-    tokenizers = [copy.deepcopy(base) for _ in range(4)]  # one per set of rows: none shares another's matchers
+    tokenizers = [copy.deepcopy(base) for _ in range(6)]  # one per set of rows: none shares another's matchers
     trace = tokenizers[0](OUTPUT, add_special_tokens=False)["input_ids"]
     words = grammar.words(args.vocab)
     bits = torch.empty((args.batch, words), dtype=torch.int32, pin_memory=cuda)
@@ -105,12 +125,15 @@ def main() -> int:
     picked = torch.empty(args.batch, dtype=torch.long, device="cuda") if cuda else None
     pick_block = grammar.PICK_BLOCK
     n = args.threads
-    kinds = [
-        (order, stagger, fam) for order, stagger in (("lockstep", False), ("staggered", True)) for fam in sorted({1, n})
-    ]
+    orders = (("lockstep", False), ("staggered", True))
+    kinds = [(order, stagger, fam) for order, stagger in orders for fam in sorted({1, n})]
     sets = {
         (order, fam): Rows(tok, args.vocab, args.batch, trace, stagger, fam)
         for tok, (order, stagger, fam) in zip(tokenizers, kinds)
+    }
+    booked = {  # booking and masks timed together, one way or the other on alternate steps
+        order: Rows(tok, args.vocab, args.batch, trace, stagger, n)
+        for tok, (order, stagger) in zip(tokenizers[len(kinds) :], orders)
     }
     ms: dict[str, list[float]] = {}
 
@@ -162,6 +185,15 @@ def main() -> int:
                 how = "a thread each (FAMILY_THREADS), odd steps" if grammar.FAMILY_THREADS else "even steps"
                 timed(f"advance, {order}: grammar.advance, {n} families, {how}", lambda p=pairs: grammar.advance(p))
                 grammar.FAMILY_THREADS = False
+            rows.moved()
+        for order, rows in booked.items():  # a step's booking, then the next masks or (OVERLAP) both at once
+            pairs = rows.pairs()
+            if step % 2 == 0:
+                name = f"book then masks, {order}, {n} families (take per row, grammar.fill), even steps"
+                timed(name, lambda r=rows, p=pairs: book_then_mask(r, p, bits))
+            else:
+                name = f"masks while booking, {order}, {n} families (grammar.Masks, OVERLAP), odd steps"
+                timed(name, lambda p=pairs: book_and_mask(p, bits))
             rows.moved()
     results = {name: round(sum(v) / len(v), 3) for name, v in ms.items()}
     out = {

@@ -590,10 +590,14 @@ class Engine:
             stepped = list(running.items())
             if "grammar" in extras:  # the masks need the last tokens: the host books them while the forward runs
                 self._forward(batch, extras)
-                if pending:
-                    yield from self._book(*pending, running, free)
+                if pending and grammar.OVERLAP and not grammar.PARALLEL_ADVANCE:  # each row's mask once it is booked
+                    yield from self._book(*pending, running, free, masks=self._mask_buffer(batch))
                     pending = None
-                self._fill_masks(running, batch)
+                else:
+                    if pending:
+                        yield from self._book(*pending, running, free)
+                        pending = None
+                    self._fill_masks(running, batch)
             launched = (self._launch(batch, sample, extras), stepped)
             if pending:
                 yield from self._book(*pending, running, free)
@@ -648,20 +652,25 @@ class Engine:
             st.shared_n.fill_(len(best))
         self._sharing = sum(tuple(s.pages[: len(best)]) == best for s in running.values()) if best else 0
 
-    def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
-        """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
-        t = time.perf_counter()
+    def _mask_buffer(self, batch: int) -> torch.Tensor:
+        """The host's bitmask of the next step's `batch` slots (pinned on CUDA), and its device copy in `outputs`
+        (kept with the state: a captured graph reads it), made on first use."""
         st = self.state
-        if "bitmask" not in st.outputs:  # kept with the state (a captured graph reads it)
+        if "bitmask" not in st.outputs:
             st.outputs["bitmask"] = torch.full(
                 (st.slots, grammar.words(self.vocab)), -1, dtype=torch.int32, device=st.tok.device
             )
         if self._host_bits is None:
             shape = st.outputs["bitmask"].shape
             self._host_bits = torch.empty(shape, dtype=torch.int32, pin_memory=st.tok.is_cuda)
-        host = self._host_bits[:batch]
+        return self._host_bits[:batch]
+
+    def _fill_masks(self, running: dict[int, Seq], batch: int) -> None:
+        """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
+        t = time.perf_counter()
+        host = self._mask_buffer(batch)
         grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
-        st.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
+        self.state.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
         self.mask_s += time.perf_counter() - t
 
     def _forward(self, batch: int, extras: tuple[str, ...]) -> None:
@@ -729,30 +738,47 @@ class Engine:
         stepped: list[tuple[int, Seq]],
         running: dict[int, Seq],
         free: list[int],
+        masks: torch.Tensor | None = None,
     ) -> Iterator[list[Seq]]:
         """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
-        compaction since may have moved it); free and yield the ones that finish."""
+        compaction since may have moved it); free and yield the ones that finish. With `masks` (the host bitmask of
+        the next step, which runs the sequences left: grammar.OVERLAP) each one left starts its next mask as soon
+        as it is booked, and the masks are copied to the device at the end."""
         by_slot, lp = tokens()
         t = time.perf_counter()
         finished = []
         advance = [] if grammar.PARALLEL_ADVANCE else None  # (guide, token): advanced in one call below
-        for slot, seq in stepped:
-            if seq.done:  # finished in the step before: this step was its extra one
-                continue
-            self._take(seq, by_slot[slot], advance)
-            if seq.lp is not None:
-                seq.lp.append(lp + slot)
-            if self._finished(seq):
-                del running[seq.slot]
-                self._free(seq, free)
-                finished.append(seq)
-        if advance:
-            grammar.advance(advance)
-        if finished:
-            self._deactivate(finished)
-        self.book_s += time.perf_counter() - t
-        if finished:
-            yield finished
+        pending = grammar.Masks(masks) if masks is not None else None
+        if pending is not None:  # a family's masks start once its rows are booked (grammar.Masks)
+            stepped = sorted(stepped, key=lambda item: item[1].guide.family if item[1].guide else -1)
+        try:
+            for slot, seq in stepped:
+                if seq.done:  # finished in the step before: this step was its extra one
+                    continue
+                self._take(seq, by_slot[slot], advance)
+                if seq.lp is not None:
+                    seq.lp.append(lp + slot)
+                if self._finished(seq):
+                    del running[seq.slot]
+                    self._free(seq, free)
+                    finished.append(seq)
+                elif pending is not None and seq.guide:
+                    pending.add(seq.slot, seq.guide)
+            if advance:
+                grammar.advance(advance)
+            if finished:
+                self._deactivate(finished)
+            self.book_s += time.perf_counter() - t
+            if finished:
+                yield finished  # the caller's work overlaps the masks too
+            if pending is not None:
+                t = time.perf_counter()
+                pending.finish()
+                self.state.outputs["bitmask"][: len(masks)].copy_(masks, non_blocking=True)
+                self.mask_s += time.perf_counter() - t
+        finally:
+            if pending is not None:
+                pending.wait()  # none still writes into the host bitmask
 
     def _admit(self, queue, free: list[int], running: dict[int, Seq]) -> Iterator[list[Seq]]:
         """Prefill queued sequences into free slots and pages, in chunks of about PREFILL_TOKENS padded tokens.

@@ -63,9 +63,16 @@ FAMILY_THREADS = False
 # than its forward. Tested against those two steps in Triton's interpreter (tests/test_engine_structured.py).
 FUSED_PICK = False
 PICK_BLOCK = 2048  # tokens a program of the fused pick reads at a time (one program a row)
+# The fast engine computes a step's masks while it books the tokens of the step before (`Masks`): it books the rows
+# family by family, and each family's masks start on the family's own executor as soon as its rows are booked, so
+# that the booking (Python, in the engine's thread) and the masks (llguidance's threads, without the GIL) overlap
+# instead of following each other on the host's critical path (on the H100, booking ~3.7 ms then masks ~5.4 ms a
+# G1-JSON step, against a ~6 ms forward). A family at a time, since booking a row takes its family's mutex too (the
+# module docstring). Off until a GPU host has timed it (gen.py g1json's `other_overlap_gain`; grammar_step.py).
+OVERLAP = False
 _executor = None
-_family_executors: list = []  # FAMILY_THREADS: one single-threaded executor per family
-_pool = None  # FAMILY_THREADS: the threads that run the other families' calls
+_family_executors: list = []  # FAMILY_THREADS and OVERLAP: one single-threaded executor per family
+_pool = None  # FAMILY_THREADS and OVERLAP: the threads that make the families' calls
 _lock = threading.Lock()
 _dealt = itertools.count()  # sequences dealt to families in turn
 
@@ -130,23 +137,32 @@ def by_family(groups: dict[int, list], call: str, *args) -> list:
     shared executor, grouped by family. An error in any family's call is raised here, after every call ended."""
     if not FAMILY_THREADS:
         return [getattr(executor(), call)([item for items in groups.values() for item in items], *args)]
+    (first, items), *others = groups.items()
+    futures = [_on_family(family, call, these, *args) for family, these in others]
+    try:
+        results = [getattr(_family_executor(first), call)(items, *args)]
+    finally:
+        concurrent.futures.wait(futures)  # none still writes into the caller's memory
+    return results + [future.result() for future in futures]
+
+
+def _family_executor(family: int):
+    """The single-threaded executor of `family` (FAMILY_THREADS, OVERLAP), made with the others on first use."""
     global _pool
     with _lock:
         while len(_family_executors) < FAMILIES:
             import llguidance
 
             _family_executors.append(llguidance.LLExecutor(num_threads=1))
-        if _pool is None and FAMILIES > 1:
-            _pool = concurrent.futures.ThreadPoolExecutor(FAMILIES - 1, thread_name_prefix="grammar-family")
-    (first, items), *others = groups.items()
-    futures = [
-        _pool.submit(getattr(_family_executors[family % FAMILIES], call), these, *args) for family, these in others
-    ]
-    try:
-        results = [getattr(_family_executors[first % FAMILIES], call)(items, *args)]
-    finally:
-        concurrent.futures.wait(futures)  # none still writes into the caller's memory
-    return results + [future.result() for future in futures]
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(FAMILIES, thread_name_prefix="grammar-family")
+    return _family_executors[family % FAMILIES]
+
+
+def _on_family(family: int, call: str, *args) -> concurrent.futures.Future:
+    """`call(*args)` on `family`'s executor, from a thread of the pool."""
+    method = getattr(_family_executor(family), call)  # (the pool made with it)
+    return _pool.submit(method, *args)
 
 
 class Guide:
@@ -236,6 +252,51 @@ def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
         bitmask[others] = -1
     if groups:
         by_family(groups, "unsafe_compute_mask_ptr", bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+class Masks:
+    """A step's masks into `bitmask` (as `fill`), computed while the caller books the step before (OVERLAP): the
+    caller books the rows family by family and calls `add(row, guide)` as each one's guide takes its token; when a
+    family's rows are all added (the next row is another family's, or `finish`), their masks start on that
+    family's executor. `finish()` waits for every family (raising the first error) and sets the rows no live guide
+    asked for to all ones; `wait()` only waits (a caller that stops early calls it before the bitmask is written
+    again)."""
+
+    def __init__(self, bitmask: torch.Tensor):
+        self.bitmask = bitmask
+        self.family: int | None = None
+        self.pending: list[tuple] = []  # (matcher, row) of the family being added
+        self.asked: list[int] = []
+        self.sent: list[concurrent.futures.Future] = []
+
+    def add(self, row: int, guide: Guide) -> None:
+        if not guide.live:
+            return
+        if guide.family != self.family:
+            self._send()
+            self.family = guide.family
+        self.pending.append((guide.matcher, row))
+        self.asked.append(row)
+
+    def _send(self) -> None:
+        if self.pending:
+            bits = self.bitmask
+            args = (self.pending, bits.data_ptr(), bits.shape[1] * 4, len(bits))
+            self.sent.append(_on_family(self.family, "unsafe_compute_mask_ptr", *args))
+            self.pending = []
+
+    def finish(self) -> None:
+        self._send()
+        if len(self.asked) < self.bitmask.shape[0]:
+            others = torch.ones(self.bitmask.shape[0], dtype=torch.bool)
+            others[self.asked] = False
+            self.bitmask[others] = -1
+        self.wait()
+        for future in self.sent:
+            future.result()
+
+    def wait(self) -> None:
+        concurrent.futures.wait(self.sent)
 
 
 def apply(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
