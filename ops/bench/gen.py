@@ -31,8 +31,9 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   `ratios.other_pick_gain`, and with each family on an executor and a thread of its own or not
   (`grammar.FAMILY_THREADS` flipped) `ratios.other_threads_gain`, also with the booking flipped
   `ratios.other_threads_advance_gain`, and with each family's masks computed while the next family is booked or
-  after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`. These runs and the length-matched run are interleaved `--repeat` times;
-  the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
+  after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`. These runs and the
+  length-matched run are interleaved `--repeat` times; the ratios are of their median seconds (`g1json_seconds`:
+  each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
 

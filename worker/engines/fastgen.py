@@ -590,7 +590,7 @@ class Engine:
             stepped = list(running.items())
             if "grammar" in extras:  # the masks need the last tokens: the host books them while the forward runs
                 self._forward(batch, extras)
-                if pending and grammar.OVERLAP and not grammar.PARALLEL_ADVANCE:  # each row's mask once it is booked
+                if pending and grammar.OVERLAP and not grammar.PARALLEL_ADVANCE:  # a family's masks once it is booked
                     yield from self._book(*pending, running, free, masks=self._mask_buffer(batch))
                     pending = None
                 else:
@@ -742,8 +742,9 @@ class Engine:
     ) -> Iterator[list[Seq]]:
         """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
         compaction since may have moved it); free and yield the ones that finish. With `masks` (the host bitmask of
-        the next step, which runs the sequences left: grammar.OVERLAP) each one left starts its next mask as soon
-        as it is booked, and the masks are copied to the device at the end."""
+        the next step, which runs the sequences left: grammar.OVERLAP) the sequences are booked family by family,
+        each family's next masks start as soon as its sequences are booked (grammar.Masks), and the masks are
+        copied to the device once all are done (`mask_s` is then the wait for the last)."""
         by_slot, lp = tokens()
         t = time.perf_counter()
         finished = []
