@@ -934,3 +934,29 @@ def test_the_page_pool_counts_references_and_evicts_the_least_recently_used_pref
     assert pool.match([c]) == [] and pending[0] in pool.free and pending[0] not in pool.idle
     pool.start_run()
     assert pool.refs == {} and set(pool.idle) == {first[1]} and pool.available() == 6
+
+
+def test_a_prefill_after_a_cached_prefix_compiles_nothing_the_warm_up_did_not(loaded, tiny_model, slots, monkeypatch):
+    """Rows that read a cached prefix (the attention gathers its pages first) run the layers the warm-up compiled:
+    a job whose rows share an instruction compiles no variant of its own. (On an H100 a resident engine's first
+    prefill after a cached prefix took 0.45-0.53 s against 0.06 s without one, ops/bench/results/
+    2026-12-05-h100-session38: that cost is not Dynamo's.)"""
+    from torch._dynamo.utils import counters
+
+    slots(4)
+    monkeypatch.setattr(fastgen, "COMPILE_BACKEND", "eager")
+    prepared = list(common.prepare(loaded, make_spec(tiny_model, engine="fast"), prefixed_rows(6), 0.0))
+    slot_state.release(loaded.model)
+    torch._dynamo.reset()
+    try:
+        state = slot_state.state_for(loaded.model, loaded.device, 640)
+        eng = fastgen.Engine(loaded, state, common.eos_ids(loaded), slots=4, graphs=False, compiled=True)
+        with torch.inference_mode():
+            eng.warm_up()
+            compiled = counters["stats"]["unique_graphs"]
+            done = [s for finished in eng.run([fastgen.Seq(p, 0) for p in prepared], lambda: False) for s in finished]
+        assert eng.reused_tokens > 0 and len(done) == 6
+        assert counters["stats"]["unique_graphs"] == compiled, "the job compiled a variant the warm-up did not"
+    finally:
+        slot_state.release(loaded.model)
+        torch._dynamo.reset()
