@@ -66,9 +66,10 @@ PICK_BLOCK = 2048  # tokens a program of the fused pick reads at a time (one pro
 # The fast engine computes a step's masks while it books the tokens of the step before (`Masks`): it books the rows
 # family by family, and each family's masks start on the family's own executor as soon as its rows are booked, so
 # that the booking (Python, in the engine's thread) and the masks (llguidance's threads, without the GIL) overlap
-# instead of following each other on the host's critical path (on the H100, booking ~3.7 ms then masks ~5.4 ms a
+# instead of following each other on the host's critical path (on the H100, booking ~3.1 ms then masks ~5.4 ms a
 # G1-JSON step, against a ~6 ms forward). A family at a time, since booking a row likely takes its family's mutex too
-# (the module docstring): masks sent every 128 rows in slot order made the booking slower. Off until a GPU host has timed it (gen.py g1json's `other_overlap_gain`; grammar_step.py).
+# (the module docstring): masks sent every 128 rows in slot order made the booking slower. Off until a GPU host has
+# timed it (gen.py g1json's `other_overlap_gain`; grammar_step.py).
 OVERLAP = False
 _executor = None
 _family_executors: list = []  # FAMILY_THREADS and OVERLAP: one single-threaded executor per family
