@@ -106,8 +106,9 @@ print("kept")
 def test_a_gpu_worker_prepares_inductor_at_start_up_and_its_first_compile_does_not_again():
     """Inductor keys its caches by hashes of torch's and Triton's sources (0.45 s for Triton's in a restarted
     worker's first job on the H200, 0.84 s on an H100): on a GPU host `preload` takes them, also on a torch without
-    `codecache.triton_key` (2.11, the GPU host's), and a compile later reads them back without hashing a file again. It also registers Inductor's code generators and imports what a first compile
-    imports lazily (COMPILE_IMPORTS, ~1 s of a restarted worker's first job on an H100)."""
+    `codecache.triton_key` (2.11, the GPU host's), and a compile later reads them back without hashing a file
+    again. It also registers Inductor's code generators and imports what a first compile imports lazily
+    (COMPILE_IMPORTS, ~1 s of a restarted worker's first job on an H100)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", HASHES], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip().endswith("kept"), done.stderr[-2000:]
