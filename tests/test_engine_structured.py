@@ -175,7 +175,7 @@ def test_the_fast_engine_computes_masks_while_it_books_and_outputs_stay_the_same
     soon as its rows are booked (three families: several calls a step), then copies them once all are back; rows
     that finish, rows with no constraint (all tokens allowed) and rows waiting for a slot (4 slots, 10 rows) change
     nothing: greedy and seeded sampled outputs equal those of the masks computed after the booking, and every one
-    is valid."""
+    is valid. A run stopped at its first finished row leaves the next run right."""
     slots(4)
     monkeypatch.setattr(grammar, "FAMILIES", 3)
     monkeypatch.setattr(grammar, "_family_executors", [])
@@ -191,6 +191,12 @@ def test_the_fast_engine_computes_masks_while_it_books_and_outputs_stay_the_same
         results = run(loaded, spec, constrained_rows())
         assert check(results) >= 7
         outputs[overlap] = {idx: (r.output, r.finish_reason) for idx, r in results.items()}
+    if not sampled:  # a consumer that stops at the first finished row (a cancelled job) closes a booking mid-way
+        batches = generate(loaded, spec, constrained_rows(), batch_rows=1, info={})
+        next(batches)
+        batches.close()
+        again = run(loaded, spec, constrained_rows())
+        assert {idx: (r.output, r.finish_reason) for idx, r in again.items()} == outputs[False]
     grammar._pool.shutdown()
     assert outputs[True] == outputs[False]
     assert max(finished) >= 2, finished  # steps whose rows' masks went in a call per family
