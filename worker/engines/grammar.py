@@ -247,12 +247,17 @@ def fill(bitmask: torch.Tensor, rows: list[tuple[int, Guide]]) -> None:
     for i, g in rows:
         if g.live:
             groups.setdefault(g.family, []).append((g.matcher, i))
-    if sum(map(len, groups.values())) < bitmask.shape[0]:
-        others = torch.ones(bitmask.shape[0], dtype=torch.bool)
-        others[[i for items in groups.values() for _, i in items]] = False
-        bitmask[others] = -1
+    _allow_all_but(bitmask, [i for items in groups.values() for _, i in items])
     if groups:
         by_family(groups, "unsafe_compute_mask_ptr", bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def _allow_all_but(bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Every row of `bitmask` but `rows` (those the executor writes whole) set to all ones."""
+    if len(rows) < bitmask.shape[0]:
+        others = torch.ones(bitmask.shape[0], dtype=torch.bool)
+        others[rows] = False
+        bitmask[others] = -1
 
 
 class Masks:
@@ -288,10 +293,7 @@ class Masks:
 
     def finish(self) -> None:
         self._send()
-        if len(self.asked) < self.bitmask.shape[0]:
-            others = torch.ones(self.bitmask.shape[0], dtype=torch.bool)
-            others[self.asked] = False
-            self.bitmask[others] = -1
+        _allow_all_but(self.bitmask, self.asked)
         self.wait()
         for future in self.sent:
             future.result()
