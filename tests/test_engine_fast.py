@@ -876,12 +876,15 @@ def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_m
     row, its first included, and gives the same outputs; rows with another instruction prefill it whole."""
     slots(16)
     rows = prefixed_rows(8)
-    first = run(loaded, make_spec(tiny_model, engine="fast"), rows)
+    first_info: dict = {}
+    first = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=first_info)
+    assert first_info["fast"]["prefill_chunks"] == 2  # the rows that share the instruction wait for the one writing it
     info: dict = {}
     second = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
     assert fields(second) == fields(first)
     pages = len(loaded.tokenizer(INSTRUCTION)["input_ids"]) // decode_attention.PAGE
     assert info["fast"]["prefix_tokens_reused"] >= len(rows) * pages * decode_attention.PAGE
+    assert info["fast"]["prefill_chunks"] == 1  # every row reads the same cached pages: one forward
     other: dict = {}
     run(loaded, make_spec(tiny_model, engine="fast"), prefixed_rows(2, "Say it backwards: " * 30), info=other)
     assert other["fast"]["prefix_tokens_reused"] < 2 * decode_attention.PAGE * pages

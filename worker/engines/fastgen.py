@@ -267,6 +267,7 @@ class Engine:
         self._ring: logprobs.Ring | None = None  # the decode steps' log-probabilities, where a row asks (`run`)
         self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
+        self.prefill_chunks = 0  # prefill forwards (a chunk holds rows of one wave and one cached prefix length)
         self.prefill_s = 0.0
         self.decode_s = 0.0
         # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), booking them
@@ -522,6 +523,7 @@ class Engine:
         stats["prefix_tokens_reused"] = stats.get("prefix_tokens_reused", 0) + self.reused_tokens
         stats["prefix_cache"] = self.reuse
         stats["cascade_steps"] = stats.get("cascade_steps", 0) + self.cascade_steps
+        stats["prefill_chunks"] = stats.get("prefill_chunks", 0) + self.prefill_chunks
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
         for name in ("wait_s", "book_s", "mask_s", "caller_s"):
@@ -841,6 +843,7 @@ class Engine:
         log-probabilities, where a row of the chunk asked)."""
         faults.hit("generate", rows=len(chunk))
         first = self.prefill(chunk)
+        self.prefill_chunks += 1
         lp = self.prefill_lp
         for seq in chunk:
             self._unlaunched.difference_update(seq.pages)
