@@ -863,7 +863,9 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
                 raise RuntimeError(f"{name} job {job['state']}: {job['error']}")
 
         small_job("warm_up")  # a fresh worker: cold, or warm-cache when JOBS_HOME's compile cache has this model
+        spy = profile_worker(client, args.profile_warm_start)
         small_job("warm_start")  # the model resident
+        stop_profile(spy)
         main_id, runs = client.upload(main)["id"], []
         for i in range(args.repeat):  # the workload --repeat times, one job each: median and spread
             if runs and time.monotonic() + 1.5 * runs[-1]["window_s"] > deadline:
@@ -896,9 +898,7 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             client = Client()
             spy = profile_worker(client, args.profile_restart)
             small_job("restart_warm_up")  # warm-cache: compiled code read from JOBS_HOME/compile-cache
-            if spy:
-                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                spy.wait(timeout=30)
+            stop_profile(spy)
     except Exception:
         dump_worker_stacks()
         raise
@@ -913,13 +913,19 @@ def profile_worker(client, out: str):
         return None
     import shutil
 
-    spy = os.environ.get("PYSPY") or shutil.which("py-spy")
+    spy = shutil.which(os.environ.get("PYSPY") or "py-spy")  # None where it is not there: the run goes on
     pids = [w["pid"] for w in client.workers() if w["state"] == "online"]
     if not spy or not pids:
-        log(f"profile of the restart skipped: py-spy {spy}, online workers {pids}")
+        log(f"profile of {out} skipped: py-spy {spy}, online workers {pids}")
         return None
     cmd = [spy, "record", "--pid", str(pids[0]), "--rate", "200", "--nonblocking", "--format", "speedscope", "-o", out]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_profile(spy) -> None:
+    if spy:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(timeout=30)
 
 
 def dump_worker_stacks() -> None:
@@ -1035,6 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         metavar="FILE",
         help="record the restarted worker with py-spy (speedscope FILE) while it runs its first job",
+    )
+    p.add_argument(
+        "--profile-warm-start",
+        default="",
+        metavar="FILE",
+        help="record the worker with py-spy (speedscope FILE) while it runs the small job again, its model resident",
     )
     p.add_argument(
         "--tokenizer-size",

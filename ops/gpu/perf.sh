@@ -4,7 +4,8 @@
 #   PART=g2 bash ops/gpu/perf.sh     # gen.py g2: engine (cold + 3 warm), baselines, the peer, service x3, restart
 #   PART=g1 bash ops/gpu/perf.sh     # the same for G1 (and the static-cache baseline)
 #   PART=g2-service bash ops/gpu/perf.sh  # G2 through the service only (x3, then the restart), no engine step;
-#                                         # PROFILE_RESTART=1: py-spy on the restarted worker's first job
+#                                         # PROFILE_RESTART=1: py-spy on the restarted worker's first job;
+#                                         # PROFILE_WARM_START=1: on the resident worker's second small job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel
 #   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py);
@@ -38,6 +39,9 @@ case $PART in
                                   --service-s $((LIMIT - 20)) --out "$OUT/$PART.json")
         if [[ ${PROFILE_RESTART:-0} == 1 ]]; then  # py-spy on the restarted worker's first job
             export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-restart "$OUT/restart.speedscope.json")
+        fi
+        if [[ ${PROFILE_WARM_START:-0} == 1 ]]; then  # py-spy on the resident worker's second small job
+            export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-warm-start "$OUT/warm-start.speedscope.json")
         fi ;;
     g3) cmd=(python3 ops/bench/gen.py g3 --repeat 3 --no-peer --skip service --inproc-s $((LIMIT - 20)) --out "$OUT/g3.json") ;;
     g1json | g1lp) size=${TOKENIZER_SIZE:-640}  # another size: a BPE of that many tokens instead of the model's 640
