@@ -12,13 +12,17 @@ N tokens trained on the Python standard library's sources (a real model's tokeni
 cost grows with them); each part is timed at every step of that output and averaged.
 Two sets of rows: *lockstep* (every row at the same token, as in the first steps of a job) and *staggered* (each
 row starts at a token drawn at random and starts over when its output is done, as rows are once a job runs). Each
-set is timed twice in the same steps: its matchers copied from one compiled matcher (one family, the engine before
-families) and dealt to `--threads` families (the engine now: grammar.FAMILIES). The families' masks are timed once
-more with each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`; the two ways alternate
-which goes first in a step, since the first builds the lexer's new states), and their booking in one call
-(`grammar.advance`) with and without it on alternate steps. Two more sets time a step's booking and the next
-step's masks together, as the fast engine's host does them: one after the other, or with each row's mask started
-as soon as it is booked (`grammar.OVERLAP`), on alternate steps.
+order is timed three ways in the same steps, each on rows of its own: their matchers copied from one compiled
+matcher (one family, the engine before families), dealt to `--threads` families (the engine now: grammar.FAMILIES),
+and the same with each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`); the families'
+booking in one call (`grammar.advance`) is timed with and without FAMILY_THREADS on alternate steps. Two more sets
+time a step's booking and the next step's masks together, as the fast engine's host does them: one after the other,
+or with each row's mask started as soon as it is booked (`grammar.OVERLAP`), on alternate steps.
+
+No rows are timed twice in a step: an llguidance matcher keeps its last mask, and a second call in the same state
+copies it (a JSON string's mask on a 89k-token BPE: ~100 µs a row, then ~2 µs). Until 2026-12-05 the FAMILY_THREADS
+way ran on the rows just timed without it (first on alternate steps), so both numbers averaged a computed mask with a
+copied one (ops/bench/results/2026-12-05-cpu-mask-cache).
 """
 
 from __future__ import annotations
@@ -115,8 +119,6 @@ def main() -> int:
     if args.tokenizer_size > args.vocab:
         raise SystemExit(f"--tokenizer-size {args.tokenizer_size} is wider than --vocab {args.vocab}")
     base = harness.tokenizer(args.tokenizer_size)
-    tokenizers = [copy.deepcopy(base) for _ in range(6)]  # one per set of rows: none shares another's matchers
-    trace = tokenizers[0](OUTPUT, add_special_tokens=False)["input_ids"]
     words = grammar.words(args.vocab)
     bits = torch.empty((args.batch, words), dtype=torch.int32, pin_memory=cuda)
     device_bits = torch.empty((args.batch, words), dtype=torch.int32, device="cuda") if cuda else None
@@ -126,10 +128,13 @@ def main() -> int:
     pick_block = grammar.PICK_BLOCK
     n = args.threads
     orders = (("lockstep", False), ("staggered", True))
-    kinds = [(order, stagger, fam) for order, stagger in orders for fam in sorted({1, n})]
-    sets = {
-        (order, fam): Rows(tok, args.vocab, args.batch, trace, stagger, fam)
-        for tok, (order, stagger, fam) in zip(tokenizers, kinds)
+    ways = [(1, False)] + ([(n, False), (n, True)] if n > 1 else [])  # (families, FAMILY_THREADS)
+    kinds = [(order, stagger, fam, threads) for order, stagger in orders for fam, threads in ways]
+    tokenizers = [copy.deepcopy(base) for _ in range(len(kinds) + len(orders))]  # one per set of rows
+    trace = tokenizers[0](OUTPUT, add_special_tokens=False)["input_ids"]
+    sets = {  # a set per way, none timed twice in a step: a matcher keeps its last mask (the second call copies it)
+        (order, fam, threads): Rows(tok, args.vocab, args.batch, trace, stagger, fam)
+        for tok, (order, stagger, fam, threads) in zip(tokenizers, kinds)
     }
     booked = {  # booking and masks timed together, one way or the other on alternate steps
         order: Rows(tok, args.vocab, args.batch, trace, stagger, n)
@@ -148,14 +153,11 @@ def main() -> int:
 
     for step in range(len(trace)):
         timed("ones into the whole bitmask (fill_)", lambda: bits.fill_(-1))
-        for (order, fam), rows in sorted(sets.items(), reverse=step % 2 == 1):  # each first every other step
+        for (order, fam, threads), rows in sorted(sets.items(), reverse=step % 2 == 1):  # each first every other step
             label = f"{fam} famil{'y' if fam == 1 else 'ies'}"
-            ways = [(False, f"masks, {order}, {label} (grammar.fill)")]
-            if fam > 1:  # the same masks again, each family on an executor and a thread of its own
-                ways.append((True, f"masks, {order}, {label}, a thread each (FAMILY_THREADS)"))
-            for threads, name in ways if step % 2 == 0 else ways[::-1]:  # the first of a step builds lexer states
-                grammar.FAMILY_THREADS = threads
-                timed(name, lambda r=rows: grammar.fill(bits, r.rows))
+            grammar.FAMILY_THREADS = threads  # each family on an executor and a thread of its own
+            how = ", a thread each (FAMILY_THREADS)" if threads else " (grammar.fill)"
+            timed(f"masks, {order}, {label}{how}", lambda r=rows: grammar.fill(bits, r.rows))
             grammar.FAMILY_THREADS = False
         if cuda:
             timed("bitmask to the device", lambda: device_bits.copy_(bits, non_blocking=True), sync=True)
@@ -176,9 +178,11 @@ def main() -> int:
                 timed(f"greedy pick: fused (grammar.masked_argmax, block {block})",
                       lambda: grammar.masked_argmax(logits, device_bits, picked), sync=True)  # fmt: skip
             grammar.PICK_BLOCK = pick_block
-        for (order, fam), rows in sets.items():  # the engine's booking: `take` row by row, or one call
+        for (order, fam, threads), rows in sets.items():  # the engine's booking: `take` row by row, or one call
             pairs = rows.pairs()
-            if fam == 1:
+            if threads:  # booked as the set beside it is timed
+                [g.take(t) for g, t in pairs]
+            elif fam == 1:
                 timed(f"advance, {order}: take() per row (Python loop)", lambda p=pairs: [g.take(t) for g, t in p])
             else:  # a step consumes its tokens once: FAMILY_THREADS on every other step
                 grammar.FAMILY_THREADS = step % 2 == 1
