@@ -55,6 +55,7 @@ PARALLEL_ADVANCE = False
 # those contend for a family's mutex (12 families on 12 threads made the masks only 3.3x faster than one on the
 # H100 host). Off: on that host it made a 59k tokenizer's masks 1.2-1.7x faster but G1-JSON (640 tokens) no faster
 # (0.978), so it waits for a G1-JSON run on a real-sized tokenizer that gains beyond its spread (--tokenizer-size).
+# (Those grammar_step numbers averaged computed masks with copied ones: ops/bench/results/2026-12-05-cpu-mask-cache.)
 FAMILY_THREADS = False
 # The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
 # bitmask and the logits the grammar allows, and writes only the tokens) instead of masking the logits (`apply`)
