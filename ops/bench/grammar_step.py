@@ -180,7 +180,7 @@ def main() -> int:
             grammar.PICK_BLOCK = pick_block
         for (order, fam, threads), rows in sets.items():  # the engine's booking: `take` row by row, or one call
             pairs = rows.pairs()
-            if threads:  # booked as the set beside it is timed
+            if threads:  # booked untimed: the families' booking is timed on the set without FAMILY_THREADS
                 [g.take(t) for g, t in pairs]
             elif fam == 1:
                 timed(f"advance, {order}: take() per row (Python loop)", lambda p=pairs: [g.take(t) for g, t in p])
