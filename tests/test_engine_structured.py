@@ -202,6 +202,52 @@ def test_the_fast_engine_computes_masks_while_it_books_and_outputs_stay_the_same
     assert max(finished) >= 2, finished  # steps whose rows' masks went in a call per family
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_check_first_picks_without_masks_redoes_each_refused_token_and_outputs_stay_right(
+    loaded, tiny_model, slots, monkeypatch, sampled
+):
+    """With CHECK_FIRST the fast engine picks constrained rows' tokens without their masks and checks each as it is
+    booked: the tiny model writes no JSON of its own, so many are refused (each such row redoes the position under
+    its mask: the step launched after it is dropped) and many pass (inside a string almost any token does). Steps
+    where every running constrained row is checked run without the grammar phase at all. Greedy outputs equal the
+    masked run's, with and without OVERLAP (4 slots, 11 rows: rows finish and wait beside the redone ones); sampled
+    ones are all valid; a row with logprobs stays masked and its log-probabilities come back whole."""
+    slots(4)
+    monkeypatch.setattr(grammar, "FAMILIES", 3)
+    monkeypatch.setattr(grammar, "_family_executors", [])
+    monkeypatch.setattr(grammar, "_pool", None)
+    monkeypatch.setattr(grammar, "CHECK_BACKOFF", 1)  # back to unmasked picks soon after each refusal
+    fields = {"temperature": 0.9, "seed": 7} if sampled else {}
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT, **fields)
+    rows = constrained_rows() + [(14, row("the sky", logprobs=True, top_logprobs=2))]
+    plain_steps = collections.Counter()  # steps of constrained rows without the grammar phase, by CHECK_FIRST
+    extras = fastgen.Engine._extras
+
+    def counted(self, running):
+        got = extras(self, running)
+        plain_steps[grammar.CHECK_FIRST] += any(s.guide for s in running.values()) and "grammar" not in got
+        return got
+
+    monkeypatch.setattr(fastgen.Engine, "_extras", counted)
+    outputs, records = {}, {}
+    for first, overlap in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(grammar, "CHECK_FIRST", first)
+        monkeypatch.setattr(grammar, "OVERLAP", overlap)
+        info: dict = {}
+        results = {r.idx: r for b in generate(loaded, spec, rows, batch_rows=4, info=info) for r in b}
+        assert check(results) >= 8
+        assert len(logprob_store.render(results[14].logprobs)) == results[14].completion_tokens
+        outputs[first, overlap] = {idx: (r.output, r.finish_reason) for idx, r in results.items()}
+        records[first, overlap] = info["fast"]
+    grammar._pool.shutdown()
+    assert "grammar_checked" not in records[False, False]
+    for key in ((True, False), (True, True)):
+        assert records[key]["grammar_checked"] > 0 and records[key]["grammar_refused"] > 0, records[key]
+        if not sampled:
+            assert outputs[key] == outputs[False, False]
+    assert plain_steps[True] > 0 and plain_steps[False] == 0
+
+
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):
     """With too few tokens for the object the output is a valid prefix cut short: finish_reason `length`."""
     spec = make_spec(tiny_model, engine="padded", max_new_tokens=5, response_format=FORMAT)
@@ -508,9 +554,9 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
     picked the other way, each family on a thread of its own with and without the booking flipped, the masks
-    computed while booking or after it, length-matched),
-    their ratios, the grammar settings, and every output valid. With `--tokenizer-size` (151936 on a GPU: a real
-    tokenizer's mask cost) on a model linked beside the given one, whose own tokenizer stays as it was."""
+    computed while booking or after it, picked without the masks and checked, length-matched), their ratios, the
+    grammar settings, and every output valid (the checked run's too). With `--tokenizer-size` (151936 on a GPU: a
+    real tokenizer's mask cost) on a model linked beside the given one, whose own tokenizer stays as it was."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "g1json.json"
     before = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
@@ -527,7 +573,7 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["g1json"]
     variants = ("constrained", "one_family", "other_advance", "other_pick", "other_threads", "other_threads_advance")
-    variants += ("other_overlap", "length_matched")
+    variants += ("other_overlap", "other_check", "length_matched")
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
     gains = (
         "families_gain",
@@ -536,13 +582,17 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
         "other_threads_gain",
         "other_threads_advance_gain",
         "other_overlap_gain",
+        "other_check_gain",
     )
     gains += ("constrained/length_matched",)
     assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]
     settings = {"families": grammar.FAMILIES, "parallel_advance": grammar.PARALLEL_ADVANCE}
     settings |= {"fused_pick": grammar.FUSED_PICK, "family_threads": grammar.FAMILY_THREADS}
-    assert got["grammar"] == {**settings, "overlap": grammar.OVERLAP}
+    assert got["grammar"] == {**settings, "overlap": grammar.OVERLAP, "check_first": grammar.CHECK_FIRST}
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
+    check_first = got["correctness"]["check_first"]
+    assert check_first["passed"] and check_first["valid"] == check_first["not_truncated"] > 0, check_first
+    assert got["engine"]["other_check_1"]["grammar_refused"] > 0  # the tiny model writes no JSON of its own
     assert got["tokenizer_size"] == 600 and len(AutoTokenizer.from_pretrained(tiny_model)) == 640
     assert {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()} == before
 

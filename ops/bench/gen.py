@@ -31,9 +31,10 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   `ratios.other_pick_gain`, and with each family on an executor and a thread of its own or not
   (`grammar.FAMILY_THREADS` flipped) `ratios.other_threads_gain`, also with the booking flipped
   `ratios.other_threads_advance_gain`, and with each family's masks computed while the next family is booked or
-  after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`. These runs and the
-  length-matched run are interleaved `--repeat` times; the ratios are of their median seconds (`g1json_seconds`:
-  each one's runs, median and spread).
+  after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`, and picked without the masks
+  and checked when booked or not (`grammar.CHECK_FIRST` flipped) `ratios.other_check_gain` (its outputs against the
+  constrained run's: `correctness.check_first`). These runs and the length-matched run are interleaved `--repeat`
+  times; the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
   These two run only step 1's engine runs (no baselines, no service).
 
@@ -232,7 +233,10 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
             "failed": sum(r.error is not None for r in results),
             **{
                 key: info.get("fast", {}).get(key)
-                for key in ("steps", "prefill_s", "decode_s", "wait_s", "book_s", "mask_s", "caller_s", "cascade_steps")
+                for key in (
+                    *("steps", "prefill_s", "decode_s", "wait_s", "book_s", "mask_s", "caller_s", "cascade_steps"),
+                    *("grammar_checked", "grammar_refused"),
+                )
             },
         }
         out["engine"][name] = run
@@ -283,7 +287,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
             ]
             # interleaved, --repeat times: the constrained run as the engine is, in one family (the engine before
             # families), booked, picked, threaded and overlapped the other way (grammar.PARALLEL_ADVANCE,
-            # FUSED_PICK, FAMILY_THREADS, OVERLAP flipped), and the length-matched run
+            # FUSED_PICK, FAMILY_THREADS, OVERLAP, CHECK_FIRST flipped), and the length-matched run
             variants = {
                 "constrained": (constrained, rows, {}),
                 "one_family": (constrained, rows, {"FAMILIES": 1}),
@@ -296,6 +300,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                     {"FAMILY_THREADS": not grammar.FAMILY_THREADS, "PARALLEL_ADVANCE": not grammar.PARALLEL_ADVANCE},
                 ),
                 "other_overlap": (constrained, rows, {"OVERLAP": not grammar.OVERLAP}),
+                "other_check": (constrained, rows, {"CHECK_FIRST": not grammar.CHECK_FIRST}),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -333,13 +338,28 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "other_threads_gain": ratio("constrained", "other_threads"),
                 "other_threads_advance_gain": ratio("constrained", "other_threads_advance"),
                 "other_overlap_gain": ratio("constrained", "other_overlap"),
+                "other_check_gain": ratio("constrained", "other_check"),
             }
+            checked = out["engine"].get("other_check_1", {}).get("_results")
+            if checked:  # greedy: the same tokens either way, but for near-ties a redone step's batch may flip
+                mine = {r.idx: r.output for r in checked}
+                same = sum(mine.get(r.idx) == r.output for r in results)
+                ended = [r for r in checked if r.error is None and r.finish_reason != "length"]
+                valid, failed = sum(valid_g1json(r.output) for r in ended), sum(r.error is not None for r in checked)
+                out["correctness"]["check_first"] = {
+                    "passed": bool(ended) and valid == len(ended) and not failed,
+                    "same_outputs": round(same / len(results), 4),
+                    "valid": valid,
+                    "not_truncated": len(ended),
+                    "failed": failed,
+                }
             out["grammar"] = {
                 "families": grammar.FAMILIES,
                 "parallel_advance": grammar.PARALLEL_ADVANCE,
                 "fused_pick": grammar.FUSED_PICK,
                 "family_threads": grammar.FAMILY_THREADS,
                 "overlap": grammar.OVERLAP,
+                "check_first": grammar.CHECK_FIRST,
             }
             log(
                 "g1json seconds, median (spread) of "

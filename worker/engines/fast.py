@@ -129,6 +129,8 @@ def _seqs(loaded: Loaded, item: Prepared, eos: set[int]) -> list[fastgen.Seq]:
     for seq, guide in zip(seqs, guides):
         seq.guide = guide
         seq.lp = [] if logprobs.wanted(item.params) is not None else None
+        if guide is not None:  # a row with logprobs books them every step: always masked
+            guide.checks = grammar.CHECK_FIRST and seq.lp is None
     return seqs
 
 

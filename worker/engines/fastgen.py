@@ -197,6 +197,7 @@ class Seq:
     lp: Any = None
     prefix: int = 0  # pages shared with earlier prompts: the prefill starts at prefix * PAGE
     wave: int = 0  # its prefill runs after the prefills that write the shared pages it reads (Engine._admit)
+    discard: int = 0  # steps launched after a token its grammar refused (grammar.CHECK_FIRST): dropped when booked
     _blocks: list | None = None
 
     @property
@@ -268,6 +269,10 @@ class Engine:
         self.progress = Progress()  # the stall watchdog's clock (worker/progress.py), given by `run` or `prepare`
         self.steps = 0
         self.prefill_chunks = 0  # prefill forwards (a chunk holds rows of one wave and one cached prefix length)
+        self.checked_tokens = 0  # grammar.CHECK_FIRST: tokens picked without a mask and allowed, and those refused
+        self.refused_tokens = 0
+        self._redo: list[Seq] = []  # refused since the last launch: their slots go back to their last token
+        self._choose_due = False  # a grammar step's forward is launched and its choosing is not
         self.prefill_s = 0.0
         self.decode_s = 0.0
         # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), booking them
@@ -524,6 +529,9 @@ class Engine:
         stats["prefix_cache"] = self.reuse
         stats["cascade_steps"] = stats.get("cascade_steps", 0) + self.cascade_steps
         stats["prefill_chunks"] = stats.get("prefill_chunks", 0) + self.prefill_chunks
+        if grammar.CHECK_FIRST:
+            stats["grammar_checked"] = stats.get("grammar_checked", 0) + self.checked_tokens
+            stats["grammar_refused"] = stats.get("grammar_refused", 0) + self.refused_tokens
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
         for name in ("wait_s", "book_s", "mask_s", "caller_s"):
@@ -577,13 +585,13 @@ class Engine:
                 return
             if queue and (not running or self._admissible(queue, free) >= min(admit_min, len(queue))):
                 if pending:  # the slots of sequences that finished in the launched step are free too
-                    yield from self._book(*pending, running, free)
+                    yield from self._book(*pending, running, free, in_flight=False)
                     pending = None
                 yield from self._admit(queue, free, running)
                 if not running:
                     continue
             if pending and not any(len(s.tokens) + 1 < s.row.params["max_new_tokens"] for s in running.values()):
-                yield from self._book(*pending, running, free)  # the launched step is the last one any needs
+                yield from self._book(*pending, running, free, in_flight=False)  # the last step any needs
                 pending = None
                 continue
             batch = bucket(self.sizes, max(running) + 1)
@@ -600,7 +608,9 @@ class Engine:
                         yield from self._book(*pending, running, free)
                         pending = None
                     self._fill_masks(running, batch)
-            launched = (self._launch(batch, sample, extras), stepped)
+            # which rows this step picks for without their mask (grammar.CHECK_FIRST), decided with the masks
+            unmasked = [bool(s.guide and ("grammar" not in extras or s.guide.checking)) for _, s in stepped]
+            launched = (self._launch(batch, sample, extras), stepped, unmasked)
             if pending:
                 yield from self._book(*pending, running, free)
             pending = launched
@@ -632,7 +642,7 @@ class Engine:
         return tuple(
             name
             for name, asked in (
-                ("grammar", any(s.guide for s in seqs)),
+                ("grammar", any(s.guide and not s.guide.checking for s in seqs)),
                 ("logprobs", any(s.lp is not None for s in seqs)),
                 ("cascade", len(self._cascade_pages) * self._sharing >= CASCADE_MIN_READS),
             )
@@ -671,7 +681,7 @@ class Engine:
         """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
         t = time.perf_counter()
         host = self._mask_buffer(batch)
-        grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide])
+        grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide and not s.guide.checking])
         self.state.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
         self.mask_s += time.perf_counter() - t
 
@@ -685,6 +695,7 @@ class Engine:
             )
         t = time.perf_counter()
         self.step(batch, False, tuple(e for e in extras if e == "cascade"), phase="forward")
+        self._choose_due = True
         self.decode_s += time.perf_counter() - t
 
     def _launch(self, batch: int, sample: bool, extras: tuple[str, ...] = ()) -> Callable[[], tuple[list[int], Any]]:
@@ -705,6 +716,8 @@ class Engine:
             self.step(batch, sample, tuple(e for e in extras if e != "cascade"), "choose")
         else:
             self.step(batch, sample, extras)
+        self._choose_due = False
+        self._redo_refused()
         self.steps += 1
         self.cascade_steps += "cascade" in extras
         self.progress.beat("decode step")  # launched: a step that never completes stalls the booking of the next
@@ -738,39 +751,53 @@ class Engine:
         self,
         tokens: Callable[[], tuple[list[int], Any]],
         stepped: list[tuple[int, Seq]],
+        unmasked: list[bool],
         running: dict[int, Seq],
         free: list[int],
         masks: torch.Tensor | None = None,
+        in_flight: bool = True,
     ) -> Iterator[list[Seq]]:
         """Append a launched step's token to each sequence it ran (`stepped`: (slot, sequence) at launch; a
         compaction since may have moved it); free and yield the ones that finish. With `masks` (the host bitmask of
         the next step, which runs the sequences left: grammar.OVERLAP) the sequences are booked family by family,
         each family's next masks start as soon as its sequences are booked (grammar.Masks), and the masks are
-        copied to the device once all are done (`mask_s` is then the wait for the last)."""
+        copied to the device once all are done (`mask_s` is then the wait for the last).
+
+        A token picked without its mask (`unmasked`, grammar.CHECK_FIRST) is checked first; one its grammar refuses
+        is not booked (`_refused`). `in_flight`: a later step is launched (it ran every sequence here)."""
         by_slot, lp = tokens()
         t = time.perf_counter()
         finished = []
         advance = [] if grammar.PARALLEL_ADVANCE else None  # (guide, token): advanced in one call below
         pending = grammar.Masks(masks) if masks is not None else None
+        booked = zip(stepped, unmasked)
         if pending is not None:  # a family's masks start once its rows are booked (grammar.Masks)
-            stepped = sorted(stepped, key=lambda item: item[1].guide.family if item[1].guide else -1)
+            booked = sorted(booked, key=lambda item: item[0][1].guide.family if item[0][1].guide else -1)
         try:
-            for slot, seq in stepped:
+            for (slot, seq), checked in booked:
                 if seq.done:  # finished in the step before: this step was its extra one
                     continue
-                self._take(seq, by_slot[slot], advance)
-                if seq.lp is not None:
-                    seq.lp.append(lp + slot)
-                if self._finished(seq):
-                    del running[seq.slot]
-                    self._free(seq, free)
-                    finished.append(seq)
-                elif pending is not None and seq.guide:
+                if seq.discard:  # launched after a refused token: its input was that token
+                    seq.discard -= 1
+                elif checked and not seq.guide.check(by_slot[slot]):
+                    self._refused(seq, in_flight)
+                else:
+                    self._take(seq, by_slot[slot], advance, checked)
+                    if seq.lp is not None:
+                        seq.lp.append(lp + slot)
+                    if self._finished(seq):
+                        del running[seq.slot]
+                        self._free(seq, free)
+                        finished.append(seq)
+                        continue
+                if pending is not None and seq.guide and not seq.guide.checking:
                     pending.add(seq.slot, seq.guide)
             if advance:
                 grammar.advance(advance)
             if finished:
                 self._deactivate(finished)
+            if not self._choose_due:  # else after the choosing (`_launch`), which would write over it
+                self._redo_refused()
             self.book_s += time.perf_counter() - t
             if finished:
                 yield finished  # the caller's work overlaps the masks too
@@ -881,16 +908,46 @@ class Engine:
             self._deactivate(finished)
             yield finished
 
-    def _take(self, seq: Seq, token: int, advance: list | None = None) -> None:
+    def _take(self, seq: Seq, token: int, advance: list | None = None, checked: bool = False) -> None:
         """Book `token` on `seq`: its grammar advances (or, given `advance`, is listed there to be advanced with the
-        step's others in one call: grammar.PARALLEL_ADVANCE)."""
+        step's others in one call: grammar.PARALLEL_ADVANCE; `checked`: it already took it, `Guide.check`)."""
         seq.tokens.append(token)
         if seq.guide is None:
             return
-        if advance is None:
+        if checked:
+            self.checked_tokens += 1
+        elif advance is None:
             seq.guide.take(token)
         else:
             advance.append((seq.guide, token))
+
+    def _refused(self, seq: Seq, in_flight: bool) -> None:
+        """`seq`'s grammar refused the token picked without its mask (grammar.CHECK_FIRST): nothing is booked, and
+        the sequence goes back to its last booked token (`_redo_refused`), so that its next step picks that position
+        again, under the mask (`Guide.check` set it). A step already launched after the refused one ran on it: its
+        token is dropped when booked."""
+        self.refused_tokens += 1
+        seq.discard = int(in_flight)
+        self._redo.append(seq)
+
+    def _redo_refused(self) -> None:
+        """Point each refused sequence's slot back at its last booked token and that token's position (after the
+        last launch, before the next: a step reads `tok` and `pos`, and writes K/V at `pos`, so the refused token's
+        K/V is written over and never read)."""
+        if not self._redo:
+            return
+        seqs = [s for s in self._redo if not s.done]
+        self._redo = []
+        if not seqs:
+            return
+        st = self.state
+        slots, last, position = _to(
+            st.tok.device,
+            [[s.slot for s in seqs], [s.tokens[-1] for s in seqs], [len(s.row.ids) + len(s.tokens) - 1 for s in seqs]],
+            torch.long,
+        )
+        st.tok[slots] = last.to(st.tok.dtype)
+        st.pos[slots] = position.to(st.pos.dtype)
 
     def _free(self, seq: Seq, free: list[int]) -> None:
         """A finished sequence gives back its slot and pages (on the host; `_deactivate` points the slot at the

@@ -72,6 +72,19 @@ PICK_BLOCK = 2048  # tokens a program of the fused pick reads at a time (one pro
 # (the module docstring): masks sent every 128 rows in slot order made the booking slower. Off until a GPU host has
 # timed it (gen.py g1json's `other_overlap_gain`; grammar_step.py).
 OVERLAP = False
+# Check first (the fast engine, rows without logprobs): a constrained row's token is picked without its mask and
+# checked when it is booked (`Guide.check`, ~2-5 µs a row); only a refused token costs a mask, and that row redoes
+# the position (fastgen `Engine._refused`: the step launched after it is dropped), its next CHECK_BACKOFF picks
+# masked (doubled after each refusal, up to CHECK_BACKOFF_MAX). Exact: under greedy the allowed argmax is the masked
+# one; under sampling, a refused draw redone from the masked distribution p/Z gives p(t) + (1 - Z) p(t) / Z = p(t) / Z.
+# Why: a mask costs ~80 µs of one CPU a row inside a JSON string on a ~90k-token tokenizer, so 1,024 rows take
+# ~78 ms of CPU a step, more than a 16-CPU host's threads can hide behind a ~5 ms forward
+# (ops/bench/results/2026-12-05-cpu-mask-cache). Off: it gains only where the model mostly writes what the grammar
+# allows, which G1-JSON's random-weight model does not (there each refusal costs the row two steps); no GPU has
+# timed it.
+CHECK_FIRST = False
+CHECK_BACKOFF = 4
+CHECK_BACKOFF_MAX = 64
 _executor = None
 _family_executors: list = []  # FAMILY_THREADS and OVERLAP: one single-threaded executor per family
 _pool = None  # FAMILY_THREADS and OVERLAP: the threads that make the families' calls
@@ -176,9 +189,30 @@ class Guide:
         self.matcher, self.eos, self.family = matcher, eos, family
         self.ended = False
         self.error: str | None = None
+        self.checks = False  # CHECK_FIRST for this row (the engine sets it)
+        self.masked_for = 0  # picks left to mask after a refusal
+        self.refusals = 0
+
+    @property
+    def checking(self) -> bool:
+        """Its next token is picked without its mask and checked when it is booked (CHECK_FIRST)."""
+        return self.checks and self.masked_for == 0 and self.live
+
+    def check(self, token: int) -> bool:
+        """Advance by `token`, picked without the mask, if the grammar allows it. If not, nothing changes but the
+        count of refusals, and the row's next picks are masked for a while (longer after each refusal)."""
+        if token in self.eos:
+            ok = self.ended = self.matcher.is_accepting()
+        else:
+            ok = self.matcher.try_consume_tokens([token]) == 1
+        if not ok:
+            self.refusals += 1
+            self.masked_for = min(CHECK_BACKOFF << (self.refusals - 1), CHECK_BACKOFF_MAX)
+        return ok
 
     def take(self, token: int) -> None:
-        """Advance by the token the engine picked (nothing once the sequence ended or failed)."""
+        """Advance by the token the engine picked under the mask (nothing once the sequence ended or failed)."""
+        self.masked_for = max(0, self.masked_for - 1)
         if self.ended or self.error:
             return
         if token in self.eos:
@@ -194,6 +228,7 @@ class Guide:
     def reset(self) -> None:
         self.matcher.reset()
         self.ended, self.error = False, None
+        self.masked_for = self.refusals = 0
 
 
 def guides(tok, vocab: int, eos: set[int], params_list: list[dict[str, Any]]) -> list[Guide | None]:
@@ -216,6 +251,7 @@ def advance(steps: list[tuple[Guide, int]]) -> None:
     guides: dict[int, list[Guide]] = {}  # by family, as in `fill`
     tokens: dict[int, list] = {}
     for guide, token in steps:
+        guide.masked_for = max(0, guide.masked_for - 1)
         if not guide.live:
             continue
         if token in guide.eos:
