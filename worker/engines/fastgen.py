@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import heapq
+import itertools
 import logging
 import math
 import time
@@ -273,6 +274,7 @@ class Engine:
         self.refused_tokens = 0
         self._redo: list[Seq] = []  # refused since the last launch: their slots go back to their last token
         self._choose_due = False  # a grammar step's forward is launched and its choosing is not
+        self.check_first = False  # some sequence of this run is checked (`run`)
         self.prefill_s = 0.0
         self.decode_s = 0.0
         # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), booking them
@@ -563,6 +565,7 @@ class Engine:
             self._ring = logprobs.Ring(longest + 4, st.slots, k, pinned=st.tok.is_cuda)
         free = list(range(self.slots))
         self._cascade_pages, self._sharing = (), 0
+        self.check_first = any(s.guide is not None and s.guide.checks for s in seqs)  # grammar.CHECK_FIRST rows
         self.pool.start_run()
         loop = self._loop(queue, free, should_stop)
         try:
@@ -609,7 +612,9 @@ class Engine:
                         pending = None
                     self._fill_masks(running, batch)
             # which rows this step picks for without their mask (grammar.CHECK_FIRST), decided with the masks
-            unmasked = [bool(s.guide and ("grammar" not in extras or s.guide.checking)) for _, s in stepped]
+            unmasked = itertools.repeat(False)
+            if self.check_first:
+                unmasked = [bool(s.guide and ("grammar" not in extras or s.guide.checking)) for _, s in stepped]
             launched = (self._launch(batch, sample, extras), stepped, unmasked)
             if pending:
                 yield from self._book(*pending, running, free)
@@ -681,7 +686,10 @@ class Engine:
         """The grammar masks of the next step, by slot, computed on the host and copied into `outputs`."""
         t = time.perf_counter()
         host = self._mask_buffer(batch)
-        grammar.fill(host, [(slot, s.guide) for slot, s in running.items() if s.guide and not s.guide.checking])
+        rows = [(slot, s.guide) for slot, s in running.items() if s.guide]
+        if self.check_first:  # a checked row's bitmask row stays all ones
+            rows = [(slot, g) for slot, g in rows if not g.checking]
+        grammar.fill(host, rows)
         self.state.outputs["bitmask"][:batch].copy_(host, non_blocking=True)
         self.mask_s += time.perf_counter() - t
 
