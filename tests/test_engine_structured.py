@@ -217,6 +217,7 @@ def test_check_first_picks_without_masks_redoes_each_refused_token_and_outputs_s
     monkeypatch.setattr(grammar, "_family_executors", [])
     monkeypatch.setattr(grammar, "_pool", None)
     monkeypatch.setattr(grammar, "CHECK_BACKOFF", 1)  # back to unmasked picks soon after each refusal
+    monkeypatch.setattr(grammar, "CHECK_GIVE_UP", 1.0)  # never stops checking (the next test does)
     fields = {"temperature": 0.9, "seed": 7} if sampled else {}
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT, **fields)
     rows = constrained_rows() + [(14, row("the sky", logprobs=True, top_logprobs=2))]
@@ -246,6 +247,30 @@ def test_check_first_picks_without_masks_redoes_each_refused_token_and_outputs_s
         if not sampled:
             assert outputs[key] == outputs[False, False]
     assert plain_steps[True] > 0 and plain_steps[False] == 0
+    assert not any(r.get("grammar_check_stopped") for r in records.values())
+
+
+def test_a_run_whose_model_refuses_too_much_stops_checking_and_outputs_stay_right(
+    loaded, tiny_model, slots, monkeypatch
+):
+    """CHECK_FIRST on a model that writes no JSON of its own: once CHECK_SAMPLE tokens were checked and more than
+    CHECK_GIVE_UP of them refused, every row is masked from then on (the steps already launched are still booked as
+    they were picked), the engine record says so, and the greedy outputs equal the masked run's."""
+    slots(4)
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=FORMAT)
+    masked = run(loaded, spec, constrained_rows())
+    monkeypatch.setattr(grammar, "CHECK_FIRST", True)
+    monkeypatch.setattr(grammar, "CHECK_SAMPLE", 12)
+    monkeypatch.setattr(grammar, "CHECK_GIVE_UP", 0.1)
+    info: dict = {}
+    checked = {r.idx: r for b in generate(loaded, spec, constrained_rows(), batch_rows=4, info=info) for r in b}
+    record = info["fast"]
+    assert record["grammar_check_stopped"] and record["grammar_refused"] > 0.1 * 12, record
+    constrained = sum(r.completion_tokens for i, r in checked.items() if i != 13)
+    assert record["grammar_checked"] + record["grammar_refused"] < constrained / 2, (record, constrained)
+    assert {i: (r.output, r.finish_reason) for i, r in checked.items()} == {
+        i: (r.output, r.finish_reason) for i, r in masked.items()
+    }
 
 
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):

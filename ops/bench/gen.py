@@ -235,7 +235,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 key: info.get("fast", {}).get(key)
                 for key in (
                     *("steps", "prefill_s", "decode_s", "wait_s", "book_s", "mask_s", "caller_s", "cascade_steps"),
-                    *("grammar_checked", "grammar_refused"),
+                    *("grammar_checked", "grammar_refused", "grammar_check_stopped"),
                 )
             },
         }

@@ -275,6 +275,8 @@ class Engine:
         self._redo: list[Seq] = []  # refused since the last launch: their slots go back to their last token
         self._choose_due = False  # a grammar step's forward is launched and its choosing is not
         self.check_first = False  # some sequence of this run is checked (`run`)
+        self._checked_seqs: list[Seq] = []
+        self.check_stopped = False  # the run's model refused too many checked tokens: masked from then on
         self.prefill_s = 0.0
         self.decode_s = 0.0
         # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), booking them
@@ -534,6 +536,7 @@ class Engine:
         if grammar.CHECK_FIRST:
             stats["grammar_checked"] = stats.get("grammar_checked", 0) + self.checked_tokens
             stats["grammar_refused"] = stats.get("grammar_refused", 0) + self.refused_tokens
+            stats["grammar_check_stopped"] = stats.get("grammar_check_stopped", False) or self.check_stopped
         stats["prefill_s"] = round(stats["prefill_s"] + self.prefill_s, 3)
         stats["decode_s"] = round(stats["decode_s"] + self.decode_s, 3)
         for name in ("wait_s", "book_s", "mask_s", "caller_s"):
@@ -566,6 +569,7 @@ class Engine:
         free = list(range(self.slots))
         self._cascade_pages, self._sharing = (), 0
         self.check_first = any(s.guide is not None and s.guide.checks for s in seqs)  # grammar.CHECK_FIRST rows
+        self._checked_seqs = [s for s in seqs if s.guide is not None and s.guide.checks] if self.check_first else []
         self.pool.start_run()
         loop = self._loop(queue, free, should_stop)
         try:
@@ -806,6 +810,8 @@ class Engine:
                 self._deactivate(finished)
             if not self._choose_due:  # else after the choosing (`_launch`), which would write over it
                 self._redo_refused()
+            if self.check_first:
+                self._judge_checks()
             self.book_s += time.perf_counter() - t
             if finished:
                 yield finished  # the caller's work overlaps the masks too
@@ -937,6 +943,21 @@ class Engine:
         self.refused_tokens += 1
         seq.discard = int(in_flight)
         self._redo.append(seq)
+
+    def _judge_checks(self) -> None:
+        """Stop checking (every row masked from the next step on) once the run's model has shown that it refuses
+        too much (grammar.CHECK_GIVE_UP of grammar.CHECK_SAMPLE tokens or more). Steps already launched are booked
+        as they were picked."""
+        tried = self.checked_tokens + self.refused_tokens
+        if tried >= grammar.CHECK_SAMPLE and self.refused_tokens > grammar.CHECK_GIVE_UP * tried:
+            for seq in self._checked_seqs:
+                seq.guide.checks = False
+            self.check_first, self._checked_seqs, self.check_stopped = False, [], True
+            log.info(
+                "fast engine: %d of %d tokens picked without their masks were refused: masking every row",
+                self.refused_tokens,
+                tried,
+            )
 
     def _redo_refused(self) -> None:
         """Point each refused sequence's slot back at its last booked token and that token's position (after the

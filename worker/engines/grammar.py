@@ -82,9 +82,14 @@ OVERLAP = False
 # (ops/bench/results/2026-12-05-cpu-mask-cache). Off: it gains only where the model mostly writes what the grammar
 # allows, which G1-JSON's random-weight model does not (there each refusal costs the row two steps); no GPU has
 # timed it.
+# A run whose model writes what its grammars refuse stops checking: once CHECK_SAMPLE tokens were checked, if more
+# than CHECK_GIVE_UP of them were refused, every row of the run is masked from then on (a random-weight model refuses
+# most: this bounds what the lever costs it to the first steps).
 CHECK_FIRST = False
 CHECK_BACKOFF = 4
 CHECK_BACKOFF_MAX = 64
+CHECK_SAMPLE = 256
+CHECK_GIVE_UP = 0.25
 _executor = None
 _family_executors: list = []  # FAMILY_THREADS and OVERLAP: one single-threaded executor per family
 _pool = None  # FAMILY_THREADS and OVERLAP: the threads that make the families' calls
