@@ -14,15 +14,17 @@ Two sets of rows: *lockstep* (every row at the same token, as in the first steps
 row starts at a token drawn at random and starts over when its output is done, as rows are once a job runs). Each
 order is timed three ways in the same steps, each on rows of its own: their matchers copied from one compiled
 matcher (one family, the engine before families), dealt to `--threads` families (the engine now: grammar.FAMILIES),
-and the same with each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`); the families'
-booking in one call (`grammar.advance`) is timed with and without FAMILY_THREADS on alternate steps. Two more sets
-time a step's booking and the next step's masks together, as the fast engine's host does them: one after the other,
-or with each row's mask started as soon as it is booked (`grammar.OVERLAP`), on alternate steps.
+and the same with each family on an executor and a thread of its own (`grammar.FAMILY_THREADS`); the same sets then
+time their booking (`take` row by row, or in one call: `grammar.advance`, with FAMILY_THREADS on the third). Two
+more sets time a step's booking and the next step's masks together, as the fast engine's host does them: one after
+the other, or with each row's mask started as soon as it is booked (`grammar.OVERLAP`). A last set times
+`grammar.CHECK_FIRST`'s host work where the model picks what the grammar allows: a check a row, no mask.
 
-No rows are timed twice in a step: an llguidance matcher keeps its last mask, and a second call in the same state
-copies it (a JSON string's mask on a 89k-token BPE: ~100 µs a row, then ~2 µs). Until 2026-12-05 the FAMILY_THREADS
-way ran on the rows just timed without it (first on alternate steps), so both numbers averaged a computed mask with a
-copied one (ops/bench/results/2026-12-05-cpu-mask-cache).
+Every way runs every step, on rows of its own: an llguidance matcher keeps its last mask, and a second call in the
+same state copies it (a JSON string's mask on a 89k-token BPE: ~100 µs a row, then ~2 µs), and a state's cost varies
+~100× along the output. Until 2026-12-05 the FAMILY_THREADS masks ran on the rows just timed without them, so both
+numbers averaged a computed mask with a copied one, and the booking and OVERLAP comparisons took their two ways on
+alternate steps, so each saw other states (ops/bench/results/2026-12-05-cpu-mask-cache).
 """
 
 from __future__ import annotations
@@ -106,6 +108,13 @@ def book_and_mask(pairs: list, bits: torch.Tensor) -> None:
     masks.finish()
 
 
+def check_all(pairs: list) -> None:
+    """Each row checks its token as grammar.CHECK_FIRST books it (the trace's tokens: all allowed)."""
+    for g, t in pairs:
+        if not g.check(t):
+            raise SystemExit(f"the grammar refused a token of the trace: {t}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=1024)
@@ -130,15 +139,21 @@ def main() -> int:
     orders = (("lockstep", False), ("staggered", True))
     ways = [(1, False)] + ([(n, False), (n, True)] if n > 1 else [])  # (families, FAMILY_THREADS)
     kinds = [(order, stagger, fam, threads) for order, stagger in orders for fam, threads in ways]
-    tokenizers = [copy.deepcopy(base) for _ in range(len(kinds) + len(orders))]  # one per set of rows
+    tokenizers = [copy.deepcopy(base) for _ in range(len(kinds) + 3 * len(orders))]  # one per set of rows
     trace = tokenizers[0](OUTPUT, add_special_tokens=False)["input_ids"]
     sets = {  # a set per way, none timed twice in a step: a matcher keeps its last mask (the second call copies it)
         (order, fam, threads): Rows(tok, args.vocab, args.batch, trace, stagger, fam)
         for tok, (order, stagger, fam, threads) in zip(tokenizers, kinds)
     }
-    booked = {  # booking and masks timed together, one way or the other on alternate steps
+    booked = {  # booking and masks timed together, one way (OVERLAP off, on) per set, every step
+        (order, overlap): Rows(tok, args.vocab, args.batch, trace, stagger, n)
+        for tok, (order, stagger, overlap) in zip(
+            tokenizers[len(kinds) :], [(o, st, ov) for o, st in orders for ov in (False, True)]
+        )
+    }
+    checked = {  # grammar.CHECK_FIRST's host work for a model whose picks the grammar allows: a check a row, no mask
         order: Rows(tok, args.vocab, args.batch, trace, stagger, n)
-        for tok, (order, stagger) in zip(tokenizers[len(kinds) :], orders)
+        for tok, (order, stagger) in zip(tokenizers[len(kinds) + 2 * len(orders) :], orders)
     }
     ms: dict[str, list[float]] = {}
 
@@ -180,24 +195,26 @@ def main() -> int:
             grammar.PICK_BLOCK = pick_block
         for (order, fam, threads), rows in sets.items():  # the engine's booking: `take` row by row, or one call
             pairs = rows.pairs()
-            if threads:  # booked untimed: the families' booking is timed on the set without FAMILY_THREADS
-                [g.take(t) for g, t in pairs]
-            elif fam == 1:
+            if fam == 1:
                 timed(f"advance, {order}: take() per row (Python loop)", lambda p=pairs: [g.take(t) for g, t in p])
-            else:  # a step consumes its tokens once: FAMILY_THREADS on every other step
-                grammar.FAMILY_THREADS = step % 2 == 1
-                how = "a thread each (FAMILY_THREADS), odd steps" if grammar.FAMILY_THREADS else "even steps"
-                timed(f"advance, {order}: grammar.advance, {n} families, {how}", lambda p=pairs: grammar.advance(p))
+            else:
+                grammar.FAMILY_THREADS = threads
+                how = ", a thread each (FAMILY_THREADS)" if threads else ""
+                timed(f"advance, {order}: grammar.advance, {n} families{how}", lambda p=pairs: grammar.advance(p))
                 grammar.FAMILY_THREADS = False
             rows.moved()
-        for order, rows in booked.items():  # a step's booking, then the next masks or (OVERLAP) both at once
+        for (order, overlap), rows in booked.items():  # a step's booking, then the next masks, or both at once
             pairs = rows.pairs()
-            if step % 2 == 0:
-                name = f"book then masks, {order}, {n} families (take per row, grammar.fill), even steps"
-                timed(name, lambda r=rows, p=pairs: book_then_mask(r, p, bits))
-            else:
-                name = f"masks while booking, {order}, {n} families (grammar.Masks, OVERLAP), odd steps"
+            if overlap:
+                name = f"masks while booking, {order}, {n} families (grammar.Masks, OVERLAP)"
                 timed(name, lambda p=pairs: book_and_mask(p, bits))
+            else:
+                name = f"book then masks, {order}, {n} families (take per row, grammar.fill)"
+                timed(name, lambda r=rows, p=pairs: book_then_mask(r, p, bits))
+            rows.moved()
+        for order, rows in checked.items():
+            pairs = rows.pairs()
+            timed(f"check per row, {order} (Guide.check: CHECK_FIRST, no masks)", lambda p=pairs: check_all(p))
             rows.moved()
     results = {name: round(sum(v) / len(v), 3) for name, v in ms.items()}
     out = {
