@@ -946,8 +946,8 @@ class Engine:
 
     def _judge_checks(self) -> None:
         """Stop checking (every row masked from the next step on) once the run's model has shown that it refuses
-        too much (grammar.CHECK_GIVE_UP of grammar.CHECK_SAMPLE tokens or more). Steps already launched are booked
-        as they were picked."""
+        too much: more than grammar.CHECK_GIVE_UP of the tokens checked, judged from grammar.CHECK_SAMPLE of them
+        on. Steps already launched are booked as they were picked."""
         tried = self.checked_tokens + self.refused_tokens
         if tried >= grammar.CHECK_SAMPLE and self.refused_tokens > grammar.CHECK_GIVE_UP * tried:
             for seq in self._checked_seqs:
