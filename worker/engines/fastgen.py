@@ -568,8 +568,8 @@ class Engine:
             self._ring = logprobs.Ring(longest + 4, st.slots, k, pinned=st.tok.is_cuda)
         free = list(range(self.slots))
         self._cascade_pages, self._sharing = (), 0
-        self.check_first = any(s.guide is not None and s.guide.checks for s in seqs)  # grammar.CHECK_FIRST rows
-        self._checked_seqs = [s for s in seqs if s.guide is not None and s.guide.checks] if self.check_first else []
+        self._checked_seqs = [s for s in seqs if s.guide is not None and s.guide.checks]  # grammar.CHECK_FIRST
+        self.check_first = bool(self._checked_seqs)
         self.pool.start_run()
         loop = self._loop(queue, free, should_stop)
         try:
@@ -965,10 +965,7 @@ class Engine:
         K/V is written over and never read)."""
         if not self._redo:
             return
-        seqs = [s for s in self._redo if not s.done]
-        self._redo = []
-        if not seqs:
-            return
+        seqs, self._redo = self._redo, []  # (none finished: a refused token is not booked)
         st = self.state
         slots, last, position = _to(
             st.tok.device,
