@@ -247,6 +247,13 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         "their KV cache and prefill only the rest, within a job and across jobs on a worker; off: every prompt is "
         "prefilled whole",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="fast engine: the KV cache's element type. auto: the model's dtype; fp8: float8 e4m3 with a "
+        "scale per position and head (half the bytes: about twice the rows fit and decode reads half; outputs can "
+        "differ slightly from auto's; a GPU of compute capability 8.9+ or a CPU). Other engines refuse fp8; under "
+        "engine auto, rows that run padded keep the model's dtype and the job's events say so",
+    )
     tp_plan: Literal["auto"] | None = Field(
         None,
         description="auto: tensor parallel over the slice (one process per GPU under torchrun); needs a slice "

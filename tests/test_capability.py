@@ -136,6 +136,56 @@ def test_missing_names_each_gap(spec, caps, gpus, expected):
     assert missing(spec, caps, gpus) == expected
 
 
+@pytest.mark.parametrize(
+    "spec, caps, gpus, expected",
+    [
+        (gen(kv_cache_dtype="fp8"), H200, 1, []),
+        (gen(kv_cache_dtype="fp8", engine="fast"), CPU, 0, []),
+        (
+            gen(kv_cache_dtype="fp8"),
+            CPU,
+            0,
+            [
+                "kv_cache_dtype fp8 is the fast engine's cache, and on a CPU slice engine auto runs padded: set "
+                "engine fast (it runs on CPU too), or kv_cache_dtype auto"
+            ],
+        ),
+        (
+            gen(kv_cache_dtype="fp8", engine="static"),
+            H200,
+            1,
+            [
+                "kv_cache_dtype fp8 is the fast engine's cache, and engine static does not run the fast engine: use "
+                "engine fast or auto (and attn_implementation sdpa), or kv_cache_dtype auto"
+            ],
+        ),
+        (
+            gen(kv_cache_dtype="fp8", attn_implementation="paged|sdpa"),
+            H200,
+            1,
+            [
+                "kv_cache_dtype fp8 is the fast engine's cache, and engine auto with paged|sdpa does not run the "
+                "fast engine: use engine fast or auto (and attn_implementation sdpa), or kv_cache_dtype auto"
+            ],
+        ),
+        (
+            gen(kv_cache_dtype="fp8"),
+            {**T4, "versions": CPU["versions"]},
+            1,
+            [
+                "kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper: Triton's fp8 type), "
+                "and the worker has compute capability 7.5: use kv_cache_dtype auto"
+            ],
+        ),
+    ],
+)
+def test_an_fp8_kv_cache_is_refused_where_the_fast_engine_would_not_run_it(spec, caps, gpus, expected):
+    """kv_cache_dtype fp8 is the fast engine's: refused at submit on engines that never run it, under auto where
+    auto runs padded (a CPU slice), and on GPUs without Triton's fp8 type; accepted on an H200 and on CPU's fast
+    engine."""
+    assert missing(spec, caps, gpus) == expected
+
+
 def register(name: str, slice_: str, caps: dict) -> None:
     with session_scope() as session:
         registry.register(

@@ -10,6 +10,7 @@ and 5.17 (.ci/run).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from core import logprob_store
 from core.capability import missing
 from core.errors import InvalidInput
 from core.spec import GenerateSpec
@@ -50,18 +52,18 @@ def run(loaded: Loaded, spec: GenerateSpec, rows, *, batch_rows: int = 4, info: 
     return out
 
 
-def run_auto(loaded: Loaded, model, rows) -> dict:
+def run_auto(loaded: Loaded, model, rows, on_event=print, **fields) -> dict:
     """`rows` under engine auto as the worker runs it on CUDA (`run_engine` with the fast engine chosen), by index:
     the rows the fast engine cannot run go to the padded one."""
     out: dict = {}
     for batch in engine.run_engine(
         "fast",
         loaded,
-        make_spec(model),
+        make_spec(model, **fields),
         rows,
         batch_rows=4,
         should_stop=lambda: False,
-        on_event=print,
+        on_event=on_event,
         info={},
         progress=Progress(),
     ):
@@ -232,6 +234,22 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     assert r[1].output == a
     out = run_auto(loaded, tiny_model, rows)
     assert out[0].error is None and out[0].output and out[2].error is None and out[1].output == a
+    events: list[str] = []
+    run_auto(loaded, tiny_model, rows, events.append, kv_cache_dtype="fp8")
+    assert events == ["kv_cache_dtype fp8 not applied to 2 rows the fast engine cannot run"]
+
+
+def test_an_fp8_cache_that_engine_auto_does_not_run_is_an_event_of_the_job(loaded, tiny_model):
+    """Where engine auto picks another engine than the fast one (padded on CPU), an fp8 cache asked for is not
+    applied, and the job's events say so (submit refuses the cases it can foresee: core/capability.py)."""
+    events: list[str] = []
+    rows = [(0, row(qa_pairs()[0][0]))]
+    out = run(loaded, make_spec(tiny_model, kv_cache_dtype="fp8"), rows, on_event=events.append)
+    assert out[0].output == qa_pairs()[0][1]
+    assert events == [
+        "kv_cache_dtype fp8 not applied: auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU), "
+        "with the model's dtype"
+    ]
 
 
 def test_cancel_stops_between_steps_and_keeps_unfinished_rows_pending(loaded, tiny_model, slots):
@@ -369,13 +387,22 @@ for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16; b
         diff = (got - ref).abs().max().item()
         assert diff < tol, (dtype, splits, diff)
         assert torch.all(got[0] == 0)
+    # fp8 pages with a scale per position and head: the kernel equals the reference over the same pages
+    (k8, ks), (v8, vs) = da.quantize(k), da.quantize(v)
+    ref = da.reference_decode(q.float(), k8, v8, table, lengths, 0.3, ks, vs)
+    assert (ref - da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)).abs().max() < 0.2
+    for splits in (1, 3):
+        got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, None, ks, vs).float()
+        diff = (got - ref).abs().max().item()
+        assert diff < tol, ("fp8", dtype, splits, diff)
 print("kernel ok")
 """
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
-    for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache. (bf16 is misread by the interpreter;
+    for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache; over fp8 pages
+    with their scales it equals the reference over the same pages. (bf16 is misread by the interpreter;
     on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
     interpreted(TRITON_SCRIPT, "kernel ok")
 
@@ -396,18 +423,24 @@ for dtype in (torch.float32, torch.float16):
         cache[:, r, :, : n * P] = cache[:, 1, :, : n * P]
         table[r, :n] = table[1, :n]
     lengths = torch.tensor([0, 3 * P + 5, 2 * P + 1, 4 * P, 2 * P + 9, P + 3, 30], dtype=torch.int32)
-    ref = da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
-    for n, starts in ((1, [0, 1, 1, 1, 1, 0, 1]), (2, [0, 2, 2, 2, 1, 0, 1])):
-        shared = torch.full((w,), -1, dtype=torch.long)
-        shared[:n] = table[1, :n]
-        start = da.cascade_start(table, shared)
-        assert start.tolist() == starts, (n, start.tolist())
-        for splits in (1, 3):
-            cascade = (shared, torch.tensor([n], dtype=torch.int32), start)
-            got = da._triton_decode(q, k, v, table, lengths, 0.3, splits, cascade)
-            diff = (got.float() - ref).abs().max().item()
-            assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, n, splits, diff)
-            assert torch.all(got[0] == 0)
+    (k8, ks), (v8, vs) = da.quantize(k), da.quantize(v)
+    for quant in (None, (ks, vs)):  # bf16/fp16/fp32 pages, then fp8 pages with their scales
+        if quant:
+            ref = da.reference_decode(q.float(), k8, v8, table, lengths, 0.3, *quant)
+        else:
+            ref = da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
+        for n, starts in ((1, [0, 1, 1, 1, 1, 0, 1]), (2, [0, 2, 2, 2, 1, 0, 1])):
+            shared = torch.full((w,), -1, dtype=torch.long)
+            shared[:n] = table[1, :n]
+            start = da.cascade_start(table, shared)
+            assert start.tolist() == starts, (n, start.tolist())
+            for splits in (1, 3):
+                cascade = (shared, torch.tensor([n], dtype=torch.int32), start)
+                pages = (k8, v8) if quant else (k, v)
+                got = da._triton_decode(q, *pages, table, lengths, 0.3, splits, cascade, *(quant or ()))
+                diff = (got.float() - ref).abs().max().item()
+                assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, quant is None, n, splits, diff)
+                assert torch.all(got[0] == 0)
 print("cascade ok")
 """
 
@@ -415,7 +448,7 @@ print("cascade ok")
 def test_cascade_kernels_match_the_reference_in_the_interpreter():
     """The cascade (decode_attention's docstring) in Triton's CPU interpreter: shared pages read once by the prefix
     kernel for the rows whose tables start with them, the rest by the row kernel, merged, equal SDPA over each row's
-    contiguous cache. Rows share two pages, one, or none; a free row gives zeros; a row that holds a shared page but
+    contiguous cache (fp8 pages: the reference over the same pages). Rows share two pages, one, or none; a free row gives zeros; a row that holds a shared page but
     is shorter than it attends only to its own length."""
     interpreted(CASCADE_SCRIPT, "cascade ok")
 
@@ -907,6 +940,86 @@ def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_
     cached = run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)
     assert fields(cached) == fields(off)
     assert info["fast"]["prefix_tokens_reused"] > 0
+
+
+def test_an_fp8_cache_keeps_the_memorized_answers_and_its_own_prefix_reuse_exact(loaded, tiny_model, slots):
+    """kv_cache_dtype fp8 (slot_state's docstring): the cache holds float8 values with a float32 scale per position
+    and head, and decode attends over them dequantized. On the memorized model every answer stays exact; outputs
+    with the prefix cache equal those without it (the prefill attends over the dequantized values too); a job of
+    the other type on the resident engine gets a cache of its own type and the outputs of a fresh one."""
+    slots(16)
+    rows = ragged_rows()
+    fp8 = make_spec(tiny_model, engine="fast", max_new_tokens=24, kv_cache_dtype="fp8")
+    plain = run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=24), rows)
+    info: dict = {}
+    quantized = run(loaded, fp8, rows, info=info)
+    state = loaded.model.__dict__["_gpujobs_fast"]
+    assert state.cache.dtype == torch.float8_e4m3fn and state.scales.dtype == torch.float32
+    assert state.scales.shape == state.cache.shape[:-1]
+    assert info["fast"]["kv_cache_dtype"] == "fp8"
+    for i, (_, answer) in enumerate(qa_pairs()):
+        assert quantized[i].output == answer and quantized[i].finish_reason == "stop"
+    assert fields(run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=24), rows)) == fields(plain)
+    assert loaded.model.__dict__["_gpujobs_fast"].scales is None
+    # a switch keeps the compiled layers (the attention they call reads the cache; they do not)
+    state = slot_state.state_for(loaded.model, loaded.device, 640)
+    state.compiled = layers = [object()]
+    switched = slot_state.state_for(loaded.model, loaded.device, 640, kv_cache_dtype="fp8")
+    assert switched is not state and switched.compiled is layers and switched.kv_cache_dtype == "fp8"
+    assert slot_state.state_for(loaded.model, loaded.device, 640, kv_cache_dtype="fp8") is switched
+    slot_state.release(loaded.model)
+    # bytes per page: head_dim fp8 values and a float32 scale per position and head, against the model's dtype
+    layers, kv_heads, head_dim = slot_state._shape(loaded.model)
+    assert slot_state.page_bytes(loaded.model, "fp8") == 2 * layers * kv_heads * decode_attention.PAGE * (head_dim + 4)
+
+    prefixed, fp8_lp = prefixed_rows(12), fp8.model_copy(update={"logprobs": True})
+    off = run(loaded, fp8_lp.model_copy(update={"prefix_cache": "off"}), prefixed)
+    slot_state.release(loaded.model)
+    reused: dict = {}
+    on = run(loaded, fp8_lp, prefixed, info=reused)
+    assert fields(on) == fields(off)
+    assert reused["fast"]["prefix_tokens_reused"] > 0
+    for i in on:  # each token's log-probability, not only the argmax: fp8's rounding would show here (~1e-2)
+        a, b = ([e["logprob"] for e in logprob_store.render(r[i].logprobs)] for r in (on, off))
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (i, a, b)
+
+
+def test_the_g1fp8_benchmark_times_both_caches_and_checks_fp8_greedy_outputs(tmp_path, tiny_model):
+    """`ops/bench/gen.py g1fp8 --smoke` (CPU, the tiny model): interleaved runs with each cache type (each run on
+    the type it names), their ratio, and the memorized model's greedy outputs with an fp8 cache checked against
+    plain `generate` (the device runs decide by these)."""
+    out = tmp_path / "g1fp8.json"
+    proc = subprocess.run(
+        [sys.executable, "ops/bench/gen.py", "g1fp8", "--smoke", "--repeat", "2", "--out", str(out)]
+        + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())["g1fp8"]
+    assert {name: len(got["g1fp8_tok_s"][name]["runs"]) for name in ("auto", "fp8")} == {"auto": 2, "fp8": 2}
+    assert got["ratios"]["fp8/auto"] > 0
+    assert [got["engine"][f"{n}_{i}"]["kv_cache_dtype"] for i in (1, 2) for n in ("auto", "fp8")] == ["auto", "fp8"] * 2
+    check = got["correctness"]["fp8_greedy_vs_generate"]
+    assert check["passed"] and check["engine"]["fast"]["kv_cache_dtype"] == "fp8", check
+    assert got["ratios"]["correctness_passed"] is True
+
+
+def test_fp8_quantizes_each_vector_to_its_own_range():
+    """Each vector (a position's head) is scaled to fp8's range by its own largest magnitude: a tiny vector and a
+    huge one beside it both come back within fp8's rounding (a relative 2^-4), a zero vector as zeros, nothing
+    overflows."""
+    x = torch.randn(3, 2, 64) * torch.tensor([1e-4, 1.0, 1e4])[:, None, None]
+    x[0, 1] = 0
+    values, scales = decode_attention.quantize(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (3, 2)
+    back = decode_attention.dequantize(values, scales, torch.float32)
+    assert torch.all(back[0, 1] == 0) and torch.isfinite(back).all()
+    err = (back - x).abs() / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
+    assert err.max() <= 2**-4
 
 
 def test_the_page_pool_counts_references_and_evicts_the_least_recently_used_prefix():

@@ -66,6 +66,8 @@ def generate(
     progress = Progress() if progress is None else progress
     engine, reason = choose_engine(spec, loaded)
     info.update(engine=engine, engine_reason=reason)
+    if spec.kv_cache_dtype != "auto" and engine != "fast":  # engine auto chose another (others are refused at submit)
+        on_event(f"kv_cache_dtype {spec.kv_cache_dtype} not applied: {reason}, with the model's dtype")
     yield from run_engine(
         engine,
         loaded,
@@ -98,6 +100,8 @@ def run_engine(
         slot_state.release(loaded.model)  # the fast engine's resident cache would take the memory this engine needs
     left = yield from ENGINES[name].run(loaded, spec, rows, info=info, **kwargs)
     if left:
+        if spec.kv_cache_dtype != "auto":
+            on_event(f"kv_cache_dtype {spec.kv_cache_dtype} not applied to {len(left)} rows the fast engine cannot run")
         slot_state.release(loaded.model)  # the padded engine needs the memory of the fast engine's cache
         # a scratch `info`: the job's keeps what the fast engine recorded (its attention among it)
         yield from padded.run(loaded, spec, left, info={}, **kwargs)
@@ -156,7 +160,12 @@ def prepare_engine(loaded: Loaded, spec: GenerateSpec, progress: Progress | None
         return None  # the job fails with that reason when it runs
     if name != "fast":
         return None
-    state = fast.prepared_state(loaded, progress=progress, sampling=(sampling_of(spec, None)["do_sample"],))
+    state = fast.prepared_state(
+        loaded,
+        progress=progress,
+        sampling=(sampling_of(spec, None)["do_sample"],),
+        kv_cache_dtype=spec.kv_cache_dtype,
+    )
     summary = slot_state.summary(state)
     if state.compiled:
         from worker import compile_cache

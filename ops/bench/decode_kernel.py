@@ -8,7 +8,11 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 1. configs: every (warps, stages) of CONFIGS at batch 1024 × context 384 (the page is the kernel's block);
 2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
    contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
-   bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions.
+   bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions. Also the
+   same K/V as fp8 pages with a scale per position and head (`kv_cache_dtype: fp8`): the kernel's time, its gain
+   over the bf16 pages (`fp8_gain`), the bandwidth it reaches over the bytes it reads (values and scales), and
+   its max |diff| against SDPA over the bf16 K/V (fp8's rounding, not a kernel error: the CPU tests check the
+   kernel against the reference over the same fp8 pages).
 3. cascade: for each (batch, shared, own) of CASCADE_SHAPES, rows whose tables start with the same `shared`
    positions of pages (a cached prompt prefix, G3: 1,024) and go on with `own` positions of their own: the plain
    kernel (every row reads the shared pages) against the cascade (the shared pages read once for all rows, the
@@ -17,7 +21,8 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 4. K/V write: a decode step's write of each row's new K and V into its page (worker/engines/paged_attention.py:
    `cache[page, :, offset] = key[:, :, 0]`, a generic index_put, ~5 % of G1's CUDA time on 2026-12-04) against
    `index_copy_` into a flat (pages × kv_heads × PAGE, dim) view, its index computed in the layer or once a step;
-   the caches they leave must be equal. Per layer, K and V.
+   the caches they leave must be equal. Per layer, K and V. Also the fp8 cache's write (`write_pages`: each
+   vector quantized, its scale written beside it): `fp8_write_ms`.
 """
 
 from __future__ import annotations
@@ -118,6 +123,22 @@ def kv_writes(torch, page_size: int, batch: int, pages: int, device: str) -> dic
     }
 
 
+def fp8_write_ms(torch, da, batch: int) -> float:
+    """The fp8 cache's write per layer (`write_pages`: each row's K and V quantized, values as bytes, a scale per
+    position and head)."""
+    k8, v8 = (torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=da.FP8) for _ in range(2))
+    k_scales, v_scales = (torch.zeros(k8.shape[:-1], device="cuda") for _ in range(2))
+    key, value = (torch.randn((batch, KV_HEADS, DIM), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    page = torch.randperm(CACHE_PAGES - 1, device="cuda")[:batch] + 1
+    at = (page, slice(None), torch.randint(0, da.PAGE, (batch,), device="cuda"))
+
+    def write() -> None:
+        da.write_pages(k8, k_scales, at, key)
+        da.write_pages(v8, v_scales, at, value)
+
+    return round(timed(torch, write), 4)
+
+
 def kv_write_row(torch, da, batch: int) -> dict:
     """Section 4 at one batch: each way's time per layer (graph replays) and whether its caches equal the engine's."""
     ways = kv_writes(torch, da.PAGE, batch, CACHE_PAGES, "cuda")
@@ -134,6 +155,8 @@ def kv_write_row(torch, da, batch: int) -> dict:
         row[f"{name}_equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
         row[f"{name}_ms"] = round(timed(torch, fn), 4)
     del k_cache, v_cache, ways, want, got
+    torch.cuda.empty_cache()
+    row["fp8_write_ms"] = fp8_write_ms(torch, da, batch)
     torch.cuda.empty_cache()
     print(row, flush=True)
     return row
@@ -164,6 +187,11 @@ def main() -> int:
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
         diff = (ours.float() - ref[:, :, 0].float()).abs().max().item()
         t_ours = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, splits))
+        (kp8, ks), (vp8, vs) = da.quantize(kp), da.quantize(vp)
+        fp8 = partial(da._triton_decode, q, kp8, vp8, table, lengths, scale, splits, None, ks, vs)
+        fp8_diff = (fp8().float() - ref[:, :, 0].float()).abs().max().item()
+        t_fp8 = timed(torch, fp8)
+        del kp8, vp8, ks, vs
         t_sdpa = timed(
             torch,
             partial(
@@ -181,6 +209,10 @@ def main() -> int:
             "ours_tb_s": round(read / t_ours / 1e9, 2),
             "sdpa_tb_s": round(read / t_sdpa / 1e9, 2),
             "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4),
+            "fp8_ms": round(t_fp8, 4),
+            "fp8_gain": round(t_ours / t_fp8, 3),
+            "fp8_tb_s": round(read * (DIM + 4) / (2 * DIM) / t_fp8 / 1e9, 2),
+            "fp8_max_abs_diff": fp8_diff,
         }
         results.append(row)
         print(row, flush=True)
@@ -204,12 +236,13 @@ def main() -> int:
     print(f"best config: {best}")
     print(
         f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
-        f"{'max diff':>10}"
+        f"{'max diff':>10}{'fp8 ms':>8}{'fp8 gain':>9}{'fp8 TB/s':>9}{'fp8 diff':>9}"
     )
     for r in results:
         print(
             f"{r['batch']:>6}{r['context']:>6}{r['splits']:>7}{r['ours_ms']:>9.3f}{r['sdpa_gqa_ms']:>9.3f}"
             f"{r['ours_tb_s']:>10.2f}{r['sdpa_tb_s']:>10.2f}{r['max_abs_diff']:>10.4f}"
+            f"{r['fp8_ms']:>8.3f}{r['fp8_gain']:>9.2f}{r['fp8_tb_s']:>9.2f}{r['fp8_max_abs_diff']:>9.4f}"
         )
     print(f"{'batch':>6}{'shared':>7}{'own':>5}{'plain ms':>10}{'cascade ms':>11}{'gain':>7}{'max diff':>10}")
     for r in cascade:
@@ -217,12 +250,12 @@ def main() -> int:
             f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
             f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
         )
-    print(f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}")
+    print(f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}{'fp8 ms':>8}")
     for r in kv_write:
         equal = r["index_copy_in_layer_equal"] and r["index_copy_step_index_equal"]
         print(
             f"{r['batch']:>6}{r['index_put_ms']:>14.4f}{r['index_copy_in_layer_ms']:>15.4f}"
-            f"{r['index_copy_step_index_ms']:>17.4f}{str(equal):>7}"
+            f"{r['index_copy_step_index_ms']:>17.4f}{str(equal):>7}{r['fp8_write_ms']:>8.4f}"
         )
     return 0
 

@@ -7,6 +7,7 @@ its correctness, and plain-transformers baselines, all in one run so the ratios 
     python ops/bench/gen.py g1 --smoke --out /tmp/g1-smoke.json    # CPU: tiny model, a few rows, every step
     python ops/bench/gen.py g1json --out ops/bench/results/g1json.json  # structured outputs vs G1 (issue 26)
     python ops/bench/gen.py g1lp --out ops/bench/results/g1lp.json      # logprobs (top 5) on vs off on G1
+    python ops/bench/gen.py g1fp8 --out ops/bench/results/g1fp8.json    # kv_cache_dtype fp8 vs auto on G1
 
 Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy; the benchmark model's tokenizer has 640
 tokens: `--tokenizer-size 151936` puts a byte-level BPE of ~59k in its place, whose grammar masks cost what a real
@@ -36,7 +37,12 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   constrained run's: `correctness.check_first`). These runs and the length-matched run are interleaved `--repeat`
   times; the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
-  These two run only step 1's engine runs (no baselines, no service).
+- `g1fp8`: G1 with `kv_cache_dtype` fp8 and auto, cold then warm runs interleaved `--repeat` times, in one child
+  process (`ratios.fp8/auto`: median tok/s; `g1fp8_tok_s`: each one's runs and spread; `engine.*.pages`: the
+  rows the cache holds); `correctness.fp8_greedy_vs_generate`: the memorized model's greedy outputs with an fp8
+  cache against plain `generate`; `fp8_same_as_auto`: how many of G1's random-model outputs equal auto's
+  (informational, not a check: a random model's logits are near ties).
+  These three run only step 1's engine runs (no baselines, no service).
 
 Steps (each in its own time box; a step that would not fit is listed under `skipped`):
 1. In a child process (it releases the GPU before the service starts):
@@ -88,7 +94,7 @@ if str(ROOT) not in sys.path:
 from ops.bench import harness  # after the repository root is on sys.path
 
 BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6)
-COMPARISONS = ("g1json", "g1lp")  # G1's rows in other settings, compared in one child process (issue 26)
+COMPARISONS = ("g1json", "g1lp", "g1fp8")  # G1's rows in other settings, compared in one child process
 FULL_BATCH = 1024
 SEED = harness.SEED
 log = harness.logger("gen")
@@ -205,7 +211,7 @@ def logprobs_check(loaded, rows: list, results: list) -> dict:
 
 
 def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -> None:
-    """g1json and g1lp (see the docstring): warm engine runs in this process, each timed alone."""
+    """g1json, g1lp and g1fp8 (see the docstring): warm engine runs in this process, each timed alone."""
     import torch  # noqa: F401  (the child's torch, already imported)
 
     from core.spec import GenerateSpec
@@ -235,6 +241,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 key: info.get("fast", {}).get(key)
                 for key in (
                     *("steps", "prefill_s", "decode_s", "wait_s", "book_s", "mask_s", "caller_s", "cascade_steps"),
+                    *("pages", "cache_gib", "kv_cache_dtype"),
                     *("grammar_checked", "grammar_refused", "grammar_check_stopped"),
                 )
             },
@@ -247,7 +254,34 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
     plain = {"ignore_eos": True}
     for name in ("g1_cold", "g1"):
         box.run(name, 40, lambda name=name: timed(name, plain, rows))
-    if args.workload == "g1lp":
+    if args.workload == "g1fp8":
+        fp8 = {**plain, "kv_cache_dtype": "fp8"}
+        box.run("fp8_cold", 60, lambda: timed("fp8_cold", fp8, rows))  # a new state: its cache and graphs
+        rates: dict[str, list[float]] = {"auto": [], "fp8": []}
+        for i in range(max(1, args.repeat)):  # each switch makes a new state: the runs after it are its warm ones
+            for name, fields in (("auto", plain), ("fp8", fp8)):
+                box.run(f"{name}_warm_up_{i + 1}", 60, lambda fields=fields: timed("_warm_up", fields, rows[:8]))
+                if box.run(f"{name}_{i + 1}", 60, lambda n=f"{name}_{i + 1}", f=fields: timed(n, f, rows)):
+                    rates[name].append(out["engine"][f"{name}_{i + 1}"]["output_tok_s"])
+        out["engine"].pop("_warm_up", None)
+        stats = {name: harness.repeated(values) for name, values in rates.items()}
+        out["g1fp8_tok_s"] = stats
+        if stats["auto"]["median"] and stats["fp8"]["median"]:
+            out["ratios"] = {"fp8/auto": round(stats["fp8"]["median"] / stats["auto"]["median"], 3)}
+        a, b = out["engine"].get("auto_1"), out["engine"].get("fp8_1")
+        if a and b:
+            auto_out = {r.idx: r.output for r in a["_results"]}
+            same = sum(r.output == auto_out.get(r.idx) for r in b["_results"])
+            out["fp8_same_as_auto"] = {"rows": len(rows), "equal": same}  # informational: no pass or fail
+        device, dtype = str(loaded.device.type), loaded.model.dtype
+
+        def fp8_greedy() -> None:
+            check = harness.greedy_check(args.qa_model, "fast", device, dtype, kv_cache_dtype="fp8")
+            out["correctness"]["fp8_greedy_vs_generate"] = check
+            log(f"greedy fast engine with an fp8 cache vs generate: {check['equal']}/{check['rows']} equal")
+
+        box.run("fp8_greedy", 40, fp8_greedy)
+    elif args.workload == "g1lp":
         lp = {**plain, "logprobs": True, "top_logprobs": 5}
         for name in ("logprobs_cold", "logprobs"):
             box.run(name, 40, lambda name=name: timed(name, lp, rows))
@@ -1170,7 +1204,13 @@ def main(argv: list[str] | None = None) -> int:
             r["errors"]["inproc"] = f"exit {rc}"
         for key in ("device", "torch", "transformers", "engine", "baselines", "correctness", "ratios"):
             r[key] = child.get(key, r.get(key))
-        for key in ("g1json_seconds", "grammar", "prefix_cache"):  # what one workload's step 1 adds
+        for key in (
+            "g1json_seconds",
+            "grammar",
+            "prefix_cache",
+            "g1fp8_tok_s",
+            "fp8_same_as_auto",
+        ):  # what one workload's step 1 adds
             if key in child:
                 r[key] = child[key]
         r["errors"].update(child.get("errors", {}))

@@ -421,11 +421,11 @@ def load_plain(path: Path, device: str, dtype):
 
 
 def greedy_check(
-    qa_model: Path, engine: str, device: str, dtype, *, copies: int = 16, new_tokens: int = 16
+    qa_model: Path, engine: str, device: str, dtype, *, copies: int = 16, new_tokens: int = 16, **spec_fields
 ) -> dict[str, Any]:
-    """Greedy outputs of our `engine` (worker/generate.py) against plain `generate` on the model that memorized
-    examples/qa.jsonl, each question `copies` times (96 rows): passed when ≥ 99 % of rows are equal. `engine`
-    records what ran. The fast engine's resident state is released afterwards."""
+    """Greedy outputs of our `engine` (worker/generate.py, with `spec_fields`: kv_cache_dtype fp8) against plain
+    `generate` on the model that memorized examples/qa.jsonl, each question `copies` times (96 rows): passed when
+    ≥ 99 % of rows are equal. `engine` records what ran. The fast engine's resident state is released afterwards."""
     import torch
 
     from core.spec import GenerateSpec
@@ -454,7 +454,7 @@ def greedy_check(
         tok.decode(t[: t.index(eos) + 1] if eos in t else t, skip_special_tokens=True)
         for t in y[:, enc["input_ids"].shape[1] :].tolist()
     ]
-    spec = GenerateSpec(model=str(qa_model), input="x", max_new_tokens=new_tokens, engine=engine)
+    spec = GenerateSpec(model=str(qa_model), input="x", max_new_tokens=new_tokens, engine=engine, **spec_fields)
     info: dict = {}
     got = {
         r.idx: r.output

@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, i26, kernel, prepare, f1, f1-service or grammar}
+PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, g1fp8, i26, kernel, prepare, f1, f1-service or grammar}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
@@ -44,6 +44,7 @@ case $PART in
             export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-warm-start "$OUT/warm-start.speedscope.json")
         fi ;;
     g3) cmd=(python3 ops/bench/gen.py g3 --repeat 3 --no-peer --skip service --inproc-s $((LIMIT - 20)) --out "$OUT/g3.json") ;;
+    g1fp8) cmd=(python3 ops/bench/gen.py g1fp8 --repeat 3 --inproc-s $((LIMIT - 20)) --out "$OUT/g1fp8.json") ;;
     g1json | g1lp) size=${TOKENIZER_SIZE:-640}  # another size: a BPE of that many tokens instead of the model's 640
                    cmd=(python3 ops/bench/gen.py "$PART" --tokenizer-size "$size" --inproc-s $((LIMIT - 20))
                         --out "$OUT/$PART-$size.json") ;;

@@ -18,7 +18,15 @@ rows, kv head) and attends the queries of all rows to it in one product; the row
 `start` on; the parts are merged by log-sum-exp (`_merge`). The result is the plain decode's whatever `shared`
 holds: a row's `start` counts only blocks its own table lists, and positions past its length are masked.
 
-Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade)`:
+**fp8 pages** (`kv_cache_dtype: fp8`): K and V may be kept as float8 e4m3 with a float32 scale per (page, kv
+head, position), `k_scales`/`v_scales` shaped (pages, kv_heads, PAGE): each head's vector of a position is divided
+by its largest magnitude / 448 when it is written (`quantize`), so no vector overflows fp8 or sinks into its
+subnormals whatever the model's range. A decode step then reads 132 bytes per position and head instead of 256
+(head_dim 128, bf16). The kernels convert a page to q's dtype after loading it and apply the scales to the logits
+(K) and to the probabilities (V), which is the same product as attending over the dequantized pages.
+
+Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade,
+k_scales, v_scales)`:
 
 - `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, one page per inner
   step; optionally split over the context in `splits` parts that take every splits-th page, merged by `_merge`,
@@ -47,6 +55,8 @@ CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous 
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
+FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
+FP8_MAX = 448.0  # its largest finite magnitude
 
 try:  # triton ships with CUDA builds of torch; CPU builds may lack it (the reference runs there)
     import triton
@@ -71,16 +81,32 @@ def decode(
     scale: float,
     splits: int = 1,
     cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per slot. q: (B, H, D); k_pages, v_pages: (pages, KVH, PAGE, D) (last dim
     contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
     positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`); `cascade`:
-    (shared (W,) long, shared_n (1,) int32, start (B,) int32), see the module docstring. Returns (B, H, D) in q's
+    (shared (W,) long, shared_n (1,) int32, start (B,) int32), see the module docstring; `k_scales`, `v_scales`:
+    (pages, KVH, PAGE) float32, the scales of fp8 pages (see the module docstring). Returns (B, H, D) in q's
     dtype. The Triton kernels where they run (see `available`), else the reference (which reads every row's table
     whole: the same result with or without `cascade`)."""
     if available(q.device):
-        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade)
-    return reference_decode(q, k_pages, v_pages, table, lengths, scale)
+        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade, k_scales, v_scales)
+    return reference_decode(q, k_pages, v_pages, table, lengths, scale, k_scales, v_scales)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (..., D) as fp8 vectors and their float32 scales (...,): each vector divided by its largest magnitude
+    / FP8_MAX (a zero vector by a tiny scale, giving zeros)."""
+    x = x.float()
+    scales = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-30)
+    return (x / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+
+
+def dequantize(x: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 vectors `x` (..., D) times their `scales` (...,), in `dtype`."""
+    return (x.float() * scales[..., None]).to(dtype)
 
 
 def cascade_start(table: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -89,12 +115,37 @@ def cascade_start(table: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     return (table == shared[None, :]).to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
 
 
-def gather(pages: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The contiguous cache (B, KVH, W * PAGE, D) of the slots whose pages `table` (B, W) lists."""
+def gather(
+    pages: torch.Tensor, table: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The contiguous cache (B, KVH, W * PAGE, D) of the slots whose pages `table` (B, W) lists; fp8 pages with
+    their `scales` come back dequantized, in `dtype`."""
     b, w = table.shape
-    blocks = pages[table.reshape(-1)]  # (B * W, KVH, PAGE, D)
+    blocks = read_pages(pages, table.reshape(-1), scales, dtype)  # (B * W, KVH, PAGE, D)
     kvh, page, dim = blocks.shape[1:]
     return blocks.view(b, w, kvh, page, dim).permute(0, 2, 1, 3, 4).reshape(b, kvh, w * page, dim)
+
+
+def read_pages(
+    pages: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`pages[index]`; fp8 pages (with their `scales`) dequantized into `dtype`. fp8 tensors are indexed as bytes
+    (not every torch indexes float8 on every device)."""
+    if scales is None:
+        return pages[index]
+    return dequantize(pages.view(torch.uint8)[index].view(FP8), scales[index], dtype)
+
+
+def write_pages(pages: torch.Tensor, scales: torch.Tensor | None, index: tuple, x: torch.Tensor) -> torch.Tensor:
+    """`pages[index] = x`; into fp8 pages, `x` quantized and its scales written to `scales[index]`. Returns what
+    the pages now hold, as `x`'s dtype: `x`, or its quantized values dequantized."""
+    if scales is None:
+        pages[index] = x
+        return x
+    values, values_scales = quantize(x)
+    pages.view(torch.uint8)[index] = values.view(torch.uint8)
+    scales[index] = values_scales
+    return dequantize(values, values_scales, x.dtype)
 
 
 def reference_decode(
@@ -104,9 +155,13 @@ def reference_decode(
     table: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode` with the pages gathered and SDPA with a length mask (zeros where length 0)."""
-    return masked_decode(q, gather(k_pages, table), gather(v_pages, table), lengths, scale)
+    """`decode` with the pages gathered (fp8 ones dequantized into q's dtype) and SDPA with a length mask (zeros
+    where length 0)."""
+    k, v = gather(k_pages, table, k_scales, q.dtype), gather(v_pages, table, v_scales, q.dtype)
+    return masked_decode(q, k, v, lengths, scale)
 
 
 def masked_decode(
@@ -137,9 +192,12 @@ def prefix_splits(batch: int, heads: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, math.ceil(TARGET_PROGRAMS / (blocks * kv_heads))))
 
 
-def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: int, cascade=None) -> torch.Tensor:
+def _triton_decode(
+    q, k_pages, v_pages, table, lengths, scale: float, splits: int, cascade=None, k_scales=None, v_scales=None
+) -> torch.Tensor:
     """One split and no cascade: the kernel writes the normalized output in q's dtype. Otherwise fp32 partial
-    results per part (the row kernel's splits, then the prefix kernel's), merged by `_merge`."""
+    results per part (the row kernel's splits, then the prefix kernel's), merged by `_merge`. fp8 pages: the
+    kernels read `k_scales`, `v_scales` (else they are passed K and V again, unread)."""
     batch, heads, dim = q.shape
     kv_heads = k_pages.shape[1]
     group = heads // kv_heads
@@ -153,12 +211,19 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         acc = torch.empty((batch, heads, parts, dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((batch, heads, parts, 2), dtype=torch.float32, device=q.device)  # running max, sum
     start = lengths if cascade is None else cascade[2]  # unread without a cascade
-    strides = (*q.stride()[:2], *k_pages.stride()[:3], *v_pages.stride()[:3])  # both kernels take these
+    quant = k_scales is not None
+    if not quant:
+        k_scales, v_scales = k_pages, v_pages
+    scale_strides = k_scales.stride()[:2] if quant else (0, 0)  # v_scales' are the same
+    # both kernels take these
+    strides = (*q.stride()[:2], *k_pages.stride()[:3], *v_pages.stride()[:3], *scale_strides)
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels work in base 2
     _decode_kernel[(batch, kv_heads, splits)](
         q,
         k_pages,
         v_pages,
+        k_scales,
+        v_scales,
         table,
         lengths,
         start,
@@ -174,6 +239,7 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
         BLOCK=PAGE,
         DIRECT=direct,
         START=cascade is not None,
+        QUANT=quant,
         num_warps=CONFIG["warps"],
         num_stages=CONFIG["stages"],
     )
@@ -185,6 +251,8 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
             q,
             k_pages,
             v_pages,
+            k_scales,
+            v_scales,
             shared,
             shared_n,
             start,
@@ -200,6 +268,7 @@ def _triton_decode(q, k_pages, v_pages, table, lengths, scale: float, splits: in
             HEAD_DIM=dim,
             BLOCK=PAGE,
             BLOCK_M=BLOCK_M,
+            QUANT=quant,
             num_warps=CONFIG["warps"],
             num_stages=CONFIG["stages"],
         )
@@ -224,6 +293,8 @@ if triton is not None:
         Q,
         K,
         V,
+        KS,
+        VS,
         Table,
         Lengths,
         Start,
@@ -238,6 +309,8 @@ if triton is not None:
         stride_vp,
         stride_vh,
         stride_vn,
+        stride_sp,
+        stride_sh,
         stride_tb,
         scale_log2,
         GROUP: tl.constexpr,
@@ -246,6 +319,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         DIRECT: tl.constexpr,
         START: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -272,7 +346,11 @@ if triton is not None:
                 mask=valid[:, None],
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits
+            if QUANT:  # fp8 pages: q's dtype for the product, each position's scale on its logit
+                ks = tl.load(KS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -283,7 +361,11 @@ if triton is not None:
                 mask=valid[:, None],
                 other=0.0,
             )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if QUANT:  # each position's scale on its probability
+                vs = tl.load(VS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         row = (b * GROUP * tl.num_programs(1) + heads) * parts + split  # index into (B, H, parts)
@@ -301,6 +383,8 @@ if triton is not None:
         Q,
         K,
         V,
+        KS,
+        VS,
         Shared,
         SharedN,
         Start,
@@ -315,6 +399,8 @@ if triton is not None:
         stride_vp,
         stride_vh,
         stride_vn,
+        stride_sp,
+        stride_sh,
         batch,
         parts,
         part0,
@@ -323,6 +409,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         """The cascade's shared pages: a program takes BLOCK_M query vectors (row b, query head of kv head `kvh`)
         and reads its part's shared pages once for all of them; a row attends only to blocks before its `start`
@@ -349,7 +436,11 @@ if triton is not None:
         for block in range(split, n, splits):
             page = tl.load(Shared + block).to(tl.int64)
             k = tl.load(K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :])
-            s = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_M, BLOCK), base-2 logits
+            if QUANT:  # as in _decode_kernel
+                ks = tl.load(KS + page * stride_sp + kvh * stride_sh + offs)
+                s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale_log2  # (BLOCK_M, BLOCK), base-2 logits
             valid = (block < first)[:, None] & (block * BLOCK + offs[None, :] < length[:, None])
             s = tl.where(valid, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -358,7 +449,11 @@ if triton is not None:
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if QUANT:
+                vs = tl.load(VS + page * stride_sp + kvh * stride_sh + offs)
+                acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         row = (b * GROUP * tl.num_programs(1) + heads) * parts + part0 + split

@@ -62,7 +62,7 @@ def run(
     others: Rows = []
     groups: dict[Any, list[fastgen.Seq]] = {}
     eos = eos_ids(loaded)
-    state = prepared_state(loaded, eos, progress=progress)
+    state = prepared_state(loaded, eos, progress=progress, kv_cache_dtype=spec.kv_cache_dtype)
     for item in prepare(loaded, spec, rows, started):
         if isinstance(item, RowResult):
             ready.append(item)
@@ -94,7 +94,16 @@ def run(
     for seed, group in groups.items():
         done: dict[int, dict[int, fastgen.Seq]] = {}
         for finished in _run_fast(
-            loaded, group, seed, eos, should_stop, on_event, stats, progress, spec.prefix_cache != "off"
+            loaded,
+            group,
+            seed,
+            eos,
+            should_stop,
+            on_event,
+            stats,
+            progress,
+            spec.prefix_cache != "off",
+            spec.kv_cache_dtype,
         ):
             complete = []  # rows whose every sample finished: their texts are decoded in one batch
             for seq in finished:
@@ -154,9 +163,10 @@ def prepared_state(
     fraction: float = 1.0,
     progress: Progress | None = None,
     sampling: tuple[bool, ...] = (False, True),
+    kv_cache_dtype: str = "auto",
 ) -> slot_state.SlotState:
-    """The fast engine's state for this model, prepared once (cache, compiled layers, CUDA graphs of the modes in
-    `sampling`: see `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run
+    """The fast engine's state for this model, prepared once per cache type (cache, compiled layers, CUDA graphs of
+    the modes in `sampling`: see `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run
     (through `generate.prepare_engine`, with the loading job's mode), so that cost is load time, not a job's."""
     graphs = _fast_graphs(loaded)
     return fastgen.prepare(
@@ -168,6 +178,7 @@ def prepared_state(
         utilization=get_settings().gpu_memory_utilization,
         progress=progress,
         sampling=sampling,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -196,9 +207,11 @@ def _run_fast(
     stats: dict[str, Any],
     progress: Progress,
     prefix_cache: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> Iterator[list[fastgen.Seq]]:
     """One group (same seed) to the end, yielding the sequences that finish together; an out-of-memory halves the
-    slots and the cache and reruns the unfinished sequences. `prefix_cache`: prompts share cached prefix pages."""
+    slots and the cache and reruns the unfinished sequences. `prefix_cache`: prompts share cached prefix pages;
+    `kv_cache_dtype`: the cache's element type (`slot_state.state_for`)."""
     model = loaded.model
     cap, fraction = slot_state.MAX_SLOTS, 1.0
     todo = list(group)
@@ -213,7 +226,7 @@ def _run_fast(
         finished: set[int] = set()
         engine = None
         try:
-            state = prepared_state(loaded, eos, fraction, progress)
+            state = prepared_state(loaded, eos, fraction, progress, kv_cache_dtype=kv_cache_dtype)
             graphs = _fast_graphs(loaded)
             engine = fastgen.Engine(
                 loaded,

@@ -144,16 +144,17 @@ def prepare(
     utilization: float = 0.9,
     progress: Progress | None = None,
     sampling: tuple[bool, ...] = (False, True),
+    kv_cache_dtype: str = "auto",
 ) -> SlotState:
-    """The model's state, ready: the paged cache, the compiled layers (warm-up prefills of two rows and of one, and
-    decode steps) and, with `graphs`, a CUDA graph of the decode step for every batch bucket in each mode of
-    `sampling` (False: greedy, True: sampling; a mode left out is captured per bucket when a step first needs it).
-    The work is done once per state (`state.prepare_s`); `slot_state.summary` says what it cost. Compiling and
+    """The model's state, ready: the paged cache (of `kv_cache_dtype`: `slot_state.state_for`), the compiled layers
+    (warm-up prefills of two rows and of one, and decode steps) and, with `graphs`, a CUDA graph of the decode step
+    for every batch bucket in each mode of `sampling` (False: greedy, True: sampling; a mode left out is captured
+    per bucket when a step first needs it). The work is done once per state (`state.prepare_s`); `slot_state.summary` says what it cost. Compiling and
     capturing are phases of `progress` (the stall watchdog's clock)."""
     global SIZE_OBLIVIOUS
     model = loaded.model
     state = slot_state.state_for(
-        model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization
+        model, loaded.device, model.get_output_embeddings().weight.shape[0], fraction, utilization, kv_cache_dtype
     )
     if state.prepare_s is None:
         t = time.perf_counter()
@@ -524,6 +525,7 @@ class Engine:
             compile_s=round(st.compile_s, 3),
             first_prefill_s=st.first_prefill_s and round(st.first_prefill_s, 3),
             cache_gib=round(st.bytes() / 2**30, 3),
+            kv_cache_dtype=st.kv_cache_dtype,
             gpu_memory_utilization=st.utilization,
         )
         stats["runs"] += 1

@@ -12,6 +12,10 @@ prefill or a decode step it sets the model's `_attn_implementation` to `NAME` an
   slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), with
   `Step.cascade` reading the pages many rows share once for all of them.
 
+An fp8 cache (`state.scales` set: `kv_cache_dtype: fp8`) is written quantized, a scale per position and head, and
+read dequantized (decode_attention's docstring). The prefill attends over the dequantized values too, its own
+chunk's as well as a reused prefix's, so an output does not depend on whether its prefix came from the cache.
+
 The function runs outside the compiled layers (`torch.compiler.disable`, wrapped at `register`), so it reads the
 running step from this module at call time. The cache and the slot inputs are the resident state's
 (worker/engines/slot_state.py).
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.engines import decode_attention
-from worker.engines.decode_attention import PAGE
+from worker.engines.decode_attention import PAGE, read_pages, write_pages
 
 if TYPE_CHECKING:
     from worker.engines.slot_state import SlotState
@@ -78,16 +82,20 @@ def fast_attention(
         raise RuntimeError(f"attention {NAME!r} runs only inside the fast engine: load the model with sdpa")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     state = step.state
-    k_cache, v_cache = state.cache[0, module.layer_idx], state.cache[1, module.layer_idx]
+    layer = module.layer_idx
+    k_cache, v_cache = state.cache[0, layer], state.cache[1, layer]
+    k_scales, v_scales = (None, None) if state.scales is None else (state.scales[0, layer], state.scales[1, layer])
     if step.mode == "prefill":
         length = key.shape[2]
-        pages, offsets = step.pages[:, :length], state.offsets[:length]
-        k_cache[pages, :, offsets] = key.transpose(1, 2)  # (rows, length, kv_heads, dim)
-        v_cache[pages, :, offsets] = value.transpose(1, 2)
+        at = (step.pages[:, :length], slice(None), state.offsets[:length])
+        # attend over what the cache holds (an fp8 cache: the values dequantized), as a later prefill that reuses
+        # these pages will: outputs do not depend on whether a prefix came from the cache
+        key = write_pages(k_cache, k_scales, at, key.transpose(1, 2)).transpose(1, 2)  # (rows, length, kv_heads, dim)
+        value = write_pages(v_cache, v_scales, at, value.transpose(1, 2)).transpose(1, 2)
         causal: Any = True
         if step.prefix is not None:  # the rows' shared prefix pages come first: (rows, kv_heads, prefix, dim)
-            key = torch.cat((_gather(k_cache, step.prefix), key), dim=2)
-            value = torch.cat((_gather(v_cache, step.prefix), value), dim=2)
+            key = torch.cat((_gather(k_cache, step.prefix, k_scales, key.dtype), key), dim=2)
+            value = torch.cat((_gather(v_cache, step.prefix, v_scales, value.dtype), value), dim=2)
             causal = causal_lower_right(query.shape[2], key.shape[2])  # query i sees keys up to prefix + i
         with _prefill_backend(query):
             out = torch.nn.functional.scaled_dot_product_attention(
@@ -101,21 +109,30 @@ def fast_attention(
             )
         return out.transpose(1, 2), None
     batch = query.shape[0]
-    page, offset = state.write_page[:batch], state.write_offset[:batch]
-    k_cache[page, :, offset] = key[:, :, 0]
-    v_cache[page, :, offset] = value[:, :, 0]
+    at = (state.write_page[:batch], slice(None), state.write_offset[:batch])
+    write_pages(k_cache, k_scales, at, key[:, :, 0])
+    write_pages(v_cache, v_scales, at, value[:, :, 0])
     cascade = (state.shared, state.shared_n, state.start[:batch]) if step.cascade else None
     out = decode_attention.decode(
-        query[:, :, 0], k_cache, v_cache, state.table[:batch], state.lengths[:batch], scale, step.splits, cascade
+        query[:, :, 0],
+        k_cache,
+        v_cache,
+        state.table[:batch],
+        state.lengths[:batch],
+        scale,
+        step.splits,
+        cascade,
+        k_scales,
+        v_scales,
     )
     return out[:, None], None
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The K or V of `pages` (rows, n) of one layer's cache (pages, kv_heads, PAGE, dim) as (rows, kv_heads,
-    n * PAGE, dim), positions in order."""
+    n * PAGE, dim), positions in order (fp8 pages dequantized into `dtype`)."""
     rows, n = pages.shape
-    got = cache[pages]  # (rows, n, kv_heads, PAGE, dim)
+    got = read_pages(cache, pages, scales, dtype)  # (rows, n, kv_heads, PAGE, dim)
     return got.permute(0, 2, 1, 3, 4).reshape(rows, got.shape[2], n * PAGE, got.shape[4])
 
 

@@ -5,6 +5,11 @@ starts decoding at once; other engines call `release()` first to give its memory
 - **The cache.** One preallocated tensor holds K and V of every layer in pages of `PAGE` positions:
   (2, layers, pages, kv_heads, PAGE, head_dim). Page 0 is a trash page: free slots point at it. Each slot (a place
   in the decode batch) has a row of the page table, `max_len` positions wide.
+- **Its element type** (`kv_cache_dtype`, a job's spec field): `auto`, the model's dtype; `fp8`, float8 e4m3 with
+  a float32 scale per position and head beside it (`scales`, decode_attention's docstring): 132 bytes per position
+  and head instead of 256 at head_dim 128 in bf16, so about twice the pages fit and a decode step reads half. A job
+  asking for the other type than the resident state's gets a new state (`state_for`); the compiled layers carry
+  over (the attention they call reads the cache, they do not).
 - **Its size** (`size`): `MAX_SLOTS` slots and as many pages as the worker's share of the GPU leaves
   (`cache_budget`: JOBS_GPU_MEMORY_UTILIZATION × the GPU's memory, less what is in use, less the working memory
   beside the cache: `reserve` for prefill activations and the CUDA graphs' logits), sized once from the memory free
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 
 from worker.engines import pages as pages_mod
-from worker.engines.decode_attention import PAGE
+from worker.engines.decode_attention import FP8, PAGE
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,7 @@ class SlotState:
     """The paged cache, the page table and the per-slot decode inputs, kept on the model between jobs."""
 
     cache: torch.Tensor  # (2, layers, pages, kv_heads, PAGE, head_dim); page 0 is the trash page
+    scales: torch.Tensor | None  # an fp8 cache's: (2, layers, pages, kv_heads, PAGE) float32; else None
     table: torch.Tensor  # (slots, width) long: the page of each block of PAGE positions of each slot
     tok: torch.Tensor  # (slots,) the token each slot feeds into the next decode step
     pos: torch.Tensor  # (slots,) where that token's K/V goes = its position (0 for a free slot)
@@ -86,8 +92,13 @@ class SlotState:
     def max_len(self) -> int:
         return self.table.shape[1] * PAGE
 
+    @property
+    def kv_cache_dtype(self) -> str:
+        return "auto" if self.scales is None else "fp8"
+
     def bytes(self) -> int:
-        return self.cache.numel() * self.cache.itemsize
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.itemsize
+        return self.cache.numel() * self.cache.itemsize + scales
 
 
 def release(model) -> None:
@@ -107,9 +118,11 @@ def _shape(model) -> tuple[int, int, int]:
     return text.num_hidden_layers, kv_heads, head_dim
 
 
-def page_bytes(model) -> int:
+def page_bytes(model, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one page of every layer's K and V (and, fp8, their scales)."""
     layers, kv_heads, head_dim = _shape(model)
-    return 2 * layers * kv_heads * PAGE * head_dim * model.dtype.itemsize
+    per_vector = head_dim * model.dtype.itemsize if kv_cache_dtype == "auto" else head_dim + 4
+    return 2 * layers * kv_heads * PAGE * per_vector
 
 
 def device_memory(device: torch.device) -> tuple[int, int] | None:
@@ -131,7 +144,14 @@ def resident_bytes(model) -> int:
     return 0 if state is None else state.bytes()
 
 
-def size(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> tuple[int, int]:
+def size(
+    model,
+    device: torch.device,
+    vocab: int,
+    fraction: float = 1.0,
+    utilization: float = 0.9,
+    kv_cache_dtype: str = "auto",
+) -> tuple[int, int]:
     """(slots, pages) of a new state: MAX_SLOTS slots (CPU_SLOTS on CPU) and as many pages as `cache_budget` gives
     (times `fraction`, which an out-of-memory retry halves).
 
@@ -148,7 +168,7 @@ def size(model, device: torch.device, vocab: int, fraction: float = 1.0, utiliza
     budget = int(
         cache_budget(total, free, reserve(model) + slots * vocab * GRAPH_BYTES_PER_VOCAB, utilization) * fraction
     )
-    pages = budget // page_bytes(model)
+    pages = budget // page_bytes(model, kv_cache_dtype)
     if pages < 2:
         raise torch.OutOfMemoryError(
             f"the fast engine has no room for its KV cache: JOBS_GPU_MEMORY_UTILIZATION={utilization} allows "
@@ -175,16 +195,36 @@ def reserve(model) -> int:
     return RESERVE_BYTES + PREFILL_TOKENS * per_token * model.dtype.itemsize
 
 
-def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, utilization: float = 0.9) -> SlotState:
-    """The resident state, or a new one sized by `size` (an old one freed first)."""
+def state_for(
+    model,
+    device: torch.device,
+    vocab: int,
+    fraction: float = 1.0,
+    utilization: float = 0.9,
+    kv_cache_dtype: str = "auto",
+) -> SlotState:
+    """The resident state if its cache is of `kv_cache_dtype`, or a new one sized by `size` (an old one freed
+    first, its compiled layers kept)."""
     state = model.__dict__.get("_gpujobs_fast")
-    if state is not None:
+    if state is not None and state.kv_cache_dtype == kv_cache_dtype:
         return state
+    compiled = state and state.compiled
+    if state is not None:
+        log.info(
+            "fast engine: a new cache for kv_cache_dtype %s (the resident one is %s)",
+            kv_cache_dtype,
+            state.kv_cache_dtype,
+        )
+        release(model)
+        del state
     t = time.perf_counter()
-    slots, pages = size(model, device, vocab, fraction, utilization)
+    slots, pages = size(model, device, vocab, fraction, utilization, kv_cache_dtype)
     layers, kv_heads, head_dim = _shape(model)
     width = max_len(model) // PAGE
-    cache = torch.zeros((2, layers, pages, kv_heads, PAGE, head_dim), dtype=model.dtype, device=device)
+    shape = (2, layers, pages, kv_heads, PAGE)
+    fp8 = kv_cache_dtype == "fp8"
+    cache = torch.zeros((*shape, head_dim), dtype=FP8 if fp8 else model.dtype, device=device)
+    scales = torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None
     positions = torch.arange(width * PAGE, device=device)
 
     def zeros(dtype):
@@ -192,6 +232,7 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, ut
 
     state = SlotState(
         cache=cache,
+        scales=scales,
         table=torch.zeros((slots, width), dtype=torch.long, device=device),
         tok=zeros(torch.long),
         pos=zeros(torch.long),
@@ -208,16 +249,18 @@ def state_for(model, device: torch.device, vocab: int, fraction: float = 1.0, ut
         offsets=positions % PAGE,
     )
     state.utilization = utilization if device.type == "cuda" else None
+    state.compiled = compiled or None
     state.pool = pages_mod.Pool(pages)
     sync(state)
     state.alloc_s = time.perf_counter() - t
     model.__dict__["_gpujobs_fast"] = state
     log.info(
-        "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache), sequences up to %d",
+        "fast engine: %d slots, %d pages of %d positions (%.1f GiB of KV cache, %s), sequences up to %d",
         slots,
         pages,
         PAGE,
         state.bytes() / 2**30,
+        "fp8" if fp8 else str(model.dtype).removeprefix("torch."),
         state.max_len,
     )
     return state
@@ -239,6 +282,7 @@ def summary(state: SlotState) -> dict[str, Any]:
         "page": PAGE,
         "max_len": state.max_len,
         "cache_gib": round(state.bytes() / 2**30, 3),
+        "kv_cache_dtype": state.kv_cache_dtype,
         "gpu_memory_utilization": state.utilization,
         "graphs": len(state.graphs),
         "compile_s": round(state.compile_s, 3),
