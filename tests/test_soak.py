@@ -80,7 +80,8 @@ def test_soak_rows_are_the_rows_of_gen_py(tiny_model):
 @pytest.mark.timeout(900)
 def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
     """`ops/gpu/soak.py --smoke` runs every step of the GPU soak through a real stack on CPU and passes: each job in
-    its expected state, every row once, greedy outputs equal across engines, the injected OOM split, no restart."""
+    its expected state, every row once, greedy outputs equal across engines (and the fast engine's memorized answers
+    with an fp8 KV cache), the injected OOM split, no restart."""
     models = tmp_path / "models"
     models.mkdir()
     (models / "tiny-qa").symlink_to(tiny_model)  # built as the soak builds them: only the random tiny one is built
@@ -114,5 +115,7 @@ def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
     assert proc.returncode == 0 and report["passed"], f"{failed}\n{proc.stdout[-4000:]}"
     assert [s["name"] for s in report["steps"]] == STEPS
     assert all(s["restarts"] == 0 and s["checks"] for s in report["steps"])
+    engines = next(s for s in report["steps"] if s["name"] == "engines")
+    assert engines["checks"]["fast_fp8_memorized_answers"]["ok"]  # the fast engine with an fp8 KV cache
     oom = next(s for s in report["steps"] if s["name"] == "oom")
     assert oom["checks"]["out_of_memory_split"]["events"]

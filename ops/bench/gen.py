@@ -455,7 +455,9 @@ def run_inproc(args: argparse.Namespace) -> int:
     loaded = Loaded(model, tok, model.device, {})
     data = workload(args.workload, tok, args.smoke)
     rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(data)]
-    spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, engine="fast")
+    spec = GenerateSpec(
+        model=str(args.model), input="x", ignore_eos=True, engine="fast", kv_cache_dtype=args.kv_cache_dtype
+    )
 
     # b. the engine alone: cold (pays the preparation), then --repeat warm runs (median and spread)
     def engine_runs() -> None:
@@ -892,7 +894,10 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             "batch_rows": args.batch_rows,
             "shard_rows": len(data),
             "gpus": args.spec_gpus,
+            "kv_cache_dtype": args.kv_cache_dtype,
         }
+        if args.kv_cache_dtype != "auto":  # auto is fast on a GPU; on a CPU (--smoke) it is padded, which refuses fp8
+            base["engine"] = "fast"
         small_id = client.upload(small)["id"]
 
         def small_job(name: str) -> None:
@@ -1109,6 +1114,12 @@ def main(argv: list[str] | None = None) -> int:
         help="640: the benchmark model's own tokenizer; another size: a byte-level BPE of that many tokens in its "
         "place (151936 gives ~59k, a real tokenizer's grammar-mask cost), the model linked under --work",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="g1, g2, g3: our engine runs and service jobs with this KV cache (the checks and baselines as they are)",
+    )
     p.add_argument("--padded-batch", type=int, default=256)
     p.add_argument("--padded-rows", type=int, default=512, help="rows of the padded-generate baseline")
     p.add_argument("--batch-rows", type=int, default=256, help="service: rows per micro-batch commit")
@@ -1138,6 +1149,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         **harness.commit_info(),
         "workload": args.workload,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "engine": {},
         "baselines": {},
         "correctness": {},
@@ -1190,6 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.repeat),
                 "--peer-s",
                 str(args.peer_s),
+                "--kv-cache-dtype",
+                args.kv_cache_dtype,
             ]
             + ["--no-peer"] * (not args.peer)
             + ["--smoke"] * args.smoke

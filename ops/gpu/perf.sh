@@ -7,7 +7,11 @@
 #                                         # PROFILE_RESTART=1: py-spy on the restarted worker's first job;
 #                                         # PROFILE_WARM_START=1: on the resident worker's second small job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
-#   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel
+#   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel,
+#                                    # fp8 pages against bf16 ones
+#   PART=g1fp8 bash ops/gpu/perf.sh  # G1 with kv_cache_dtype fp8 against auto (3 interleaved runs each), fp8's greedy
+#                                    # outputs on the memorized model; KV=fp8 PART=g1-service (or g1, g2, g2-service):
+#                                    # our runs with an fp8 cache
 #   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py);
 #                                          # the warm runs alternate lazy compiler imports with preloaded ones
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
@@ -34,9 +38,11 @@ if [[ $PART == i26 ]]; then  # one box per workload; a stuck one leaves the othe
     exit "$rc"
 fi
 case $PART in
-    g1 | g2) cmd=(python3 ops/bench/gen.py "$PART" --repeat 3 --inproc-s 300 --service-s $((LIMIT - 320)) --out "$OUT/$PART.json") ;;
+    g1 | g2) cmd=(python3 ops/bench/gen.py "$PART" --repeat 3 --inproc-s 300 --service-s $((LIMIT - 320))
+                  --kv-cache-dtype "${KV:-auto}" --out "$OUT/$PART${KV:+-$KV}.json") ;;
     g1-service | g2-service) cmd=(python3 ops/bench/gen.py "${PART%-service}" --repeat 3 --skip inproc
-                                  --service-s $((LIMIT - 20)) --out "$OUT/$PART.json")
+                                  --kv-cache-dtype "${KV:-auto}" --service-s $((LIMIT - 20))
+                                  --out "$OUT/$PART${KV:+-$KV}.json")
         if [[ ${PROFILE_RESTART:-0} == 1 ]]; then  # py-spy on the restarted worker's first job
             export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-restart "$OUT/restart.speedscope.json")
         fi
