@@ -395,6 +395,21 @@ for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16; b
         got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, None, ks, vs).float()
         diff = (got - ref).abs().max().item()
         assert diff < tol, ("fp8", dtype, splits, diff)
+    # a decode step's fp8 write in one kernel: the bytes and scales of write_pages' torch operations. The vectors
+    # are fp8 values (one of them ±448) times powers of two, so that no value needs rounding: the interpreter's
+    # float-to-fp8 conversion does not carry a rounded mantissa into the exponent (126.8 gives 64, not 128); the
+    # GPU's does, and decode_kernel.py compares the bytes there
+    pages8, scales = torch.zeros(9, 2, da.PAGE, 32, dtype=da.FP8), torch.zeros(9, 2, da.PAGE)
+    want8, want_scales = pages8.clone(), scales.clone()
+    grid = torch.randint(0, 256, (3, 2, 32), dtype=torch.uint8).view(da.FP8).float().nan_to_num(0).clamp(-448, 448)
+    grid[:, :, 7] = 448.0 * torch.tensor([1.0, -1.0])
+    x = grid * torch.tensor([2.0**-10, 1.0, 2.0**6])[:, None, None]  # fp16 holds them all
+    x[1, 1] = 0
+    page, offset = torch.tensor([4, 1, 7]), torch.tensor([0, da.PAGE - 1, 5])
+    da.write_step(pages8, scales, page, offset, x.to(dtype))
+    da.write_pages(want8, want_scales, (page, slice(None), offset), x.to(dtype))
+    assert torch.equal(pages8.view(torch.uint8), want8.view(torch.uint8)), dtype
+    assert torch.equal(scales, want_scales) and scales[4, :, 0].min() > 0, dtype
 print("kernel ok")
 """
 
@@ -402,7 +417,8 @@ print("kernel ok")
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache; over fp8 pages
-    with their scales it equals the reference over the same pages. (bf16 is misread by the interpreter;
+    with their scales it equals the reference over the same pages, and the decode step's fp8 write kernel leaves
+    the bytes and scales of the torch write. (bf16 is misread by the interpreter;
     on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
     interpreted(TRITON_SCRIPT, "kernel ok")
 
@@ -472,6 +488,9 @@ info = {}
 fast, padded = run(spec(engine="fast"), info), run(spec(engine="padded"))
 assert info["attn_implementation"] == "gpujobs_fast (decode: triton)", info
 assert fast == padded, (fast, padded)
+info = {}  # an fp8 cache: the write kernel and the kernel's fp8 pages; the memorized answer stays exact
+fp8 = run(spec(engine="fast", kv_cache_dtype="fp8"), info)
+assert info["fast"]["kv_cache_dtype"] == "fp8" and fp8[0] == padded[0], (fp8, padded)
 print("engine ok")
 """
 
@@ -516,7 +535,7 @@ def test_the_engine_with_the_cascade_on_the_triton_kernels_equals_it_without(tin
 
 def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     """The whole fast engine with the Triton kernel (interpreter) instead of the reference: same greedy results
-    as the padded engine, with admission into 3 slots."""
+    as the padded engine, with admission into 3 slots; with an fp8 cache, the memorized answer."""
     interpreted(ENGINE_SCRIPT, "engine ok", tiny_model, timeout=600)
 
 

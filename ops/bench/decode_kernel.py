@@ -21,8 +21,9 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 4. K/V write: a decode step's write of each row's new K and V into its page (worker/engines/paged_attention.py:
    `cache[page, :, offset] = key[:, :, 0]`, a generic index_put, ~5 % of G1's CUDA time on 2026-12-04) against
    `index_copy_` into a flat (pages × kv_heads × PAGE, dim) view, its index computed in the layer or once a step;
-   the caches they leave must be equal. Per layer, K and V. Also the fp8 cache's write (`write_pages`: each
-   vector quantized, its scale written beside it): `fp8_write_ms`.
+   the caches they leave must be equal. Per layer, K and V. Also the fp8 cache's write, each vector quantized and
+   its scale written beside it: the engine's kernel (`write_step`, `fp8_write_ms`) against torch's operations
+   (`write_pages`, `fp8_write_torch_ms`), the same bytes (`fp8_write_equal`).
 """
 
 from __future__ import annotations
@@ -123,20 +124,33 @@ def kv_writes(torch, page_size: int, batch: int, pages: int, device: str) -> dic
     }
 
 
-def fp8_write_ms(torch, da, batch: int) -> float:
-    """The fp8 cache's write per layer (`write_pages`: each row's K and V quantized, values as bytes, a scale per
-    position and head)."""
-    k8, v8 = (torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=da.FP8) for _ in range(2))
-    k_scales, v_scales = (torch.zeros(k8.shape[:-1], device="cuda") for _ in range(2))
+def fp8_writes(torch, da, batch: int) -> dict:
+    """The fp8 cache's write per layer, K and V: the engine's (`write_step`, one Triton kernel each) and torch's
+    operations (`write_pages`), and whether they leave the same bytes and scales (the CPU tests cannot check the
+    rounding: Triton's interpreter converts to fp8 without carrying into the exponent)."""
+    pages = [torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=da.FP8) for _ in range(4)]
+    scales = [torch.zeros(pages[0].shape[:-1], device="cuda") for _ in range(4)]
     key, value = (torch.randn((batch, KV_HEADS, DIM), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     page = torch.randperm(CACHE_PAGES - 1, device="cuda")[:batch] + 1
-    at = (page, slice(None), torch.randint(0, da.PAGE, (batch,), device="cuda"))
+    offset = torch.randint(0, da.PAGE, (batch,), device="cuda")
 
-    def write() -> None:
-        da.write_pages(k8, k_scales, at, key)
-        da.write_pages(v8, v_scales, at, value)
+    def kernel() -> None:
+        da.write_step(pages[0], scales[0], page, offset, key)
+        da.write_step(pages[1], scales[1], page, offset, value)
 
-    return round(timed(torch, write), 4)
+    def ops() -> None:
+        da.write_pages(pages[2], scales[2], (page, slice(None), offset), key)
+        da.write_pages(pages[3], scales[3], (page, slice(None), offset), value)
+
+    kernel()
+    ops()
+    same = all(torch.equal(pages[i].view(torch.uint8), pages[i + 2].view(torch.uint8)) for i in (0, 1))
+    same = same and all(torch.equal(scales[i], scales[i + 2]) for i in (0, 1))
+    return {
+        "fp8_write_ms": round(timed(torch, kernel), 4),
+        "fp8_write_torch_ms": round(timed(torch, ops), 4),
+        "fp8_write_equal": same,
+    }
 
 
 def kv_write_row(torch, da, batch: int) -> dict:
@@ -156,7 +170,7 @@ def kv_write_row(torch, da, batch: int) -> dict:
         row[f"{name}_ms"] = round(timed(torch, fn), 4)
     del k_cache, v_cache, ways, want, got
     torch.cuda.empty_cache()
-    row["fp8_write_ms"] = fp8_write_ms(torch, da, batch)
+    row.update(fp8_writes(torch, da, batch))
     torch.cuda.empty_cache()
     print(row, flush=True)
     return row
@@ -250,12 +264,16 @@ def main() -> int:
             f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
             f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
         )
-    print(f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}{'fp8 ms':>8}")
+    print(
+        f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}"
+        f"{'fp8 kernel ms':>15}{'fp8 torch ms':>14}{'fp8 equal':>10}"
+    )
     for r in kv_write:
         equal = r["index_copy_in_layer_equal"] and r["index_copy_step_index_equal"]
         print(
             f"{r['batch']:>6}{r['index_put_ms']:>14.4f}{r['index_copy_in_layer_ms']:>15.4f}"
-            f"{r['index_copy_step_index_ms']:>17.4f}{str(equal):>7}{r['fp8_write_ms']:>8.4f}"
+            f"{r['index_copy_step_index_ms']:>17.4f}{str(equal):>7}{r['fp8_write_ms']:>15.4f}"
+            f"{r['fp8_write_torch_ms']:>14.4f}{str(r['fp8_write_equal']):>10}"
         )
     return 0
 

@@ -148,6 +148,29 @@ def write_pages(pages: torch.Tensor, scales: torch.Tensor | None, index: tuple, 
     return dequantize(values, values_scales, x.dtype)
 
 
+def write_step(pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Tensor, offset: torch.Tensor, x) -> None:
+    """A decode step's write: row b's `x[b]` (B, KVH, D) at `pages[page[b], :, offset[b]]`. fp8 pages where the
+    Triton kernels run: one kernel (`_write_fp8_kernel`: each vector's scale, its fp8 values and the scale stored
+    in one pass) instead of `write_pages`' chain of torch operations (a dozen kernels per layer in a decode step's
+    graph); the same bytes."""
+    if scales is None or not available(x.device):
+        write_pages(pages, scales, (page, slice(None), offset), x)
+        return
+    batch, kv_heads, dim = x.shape
+    _write_fp8_kernel[(batch, kv_heads)](
+        x,
+        pages,
+        scales,
+        page,
+        offset,
+        *x.stride()[:2],
+        *pages.stride()[:3],
+        *scales.stride()[:2],
+        FP8_MAX,
+        HEAD_DIM=dim,
+    )
+
+
 def reference_decode(
     q: torch.Tensor,
     k_pages: torch.Tensor,
@@ -377,6 +400,39 @@ if triton is not None:
             tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
             tl.store(Stats + row * 2, m_i, mask=keep)
             tl.store(Stats + row * 2 + 1, l_i, mask=keep)
+
+    @triton.jit
+    def _write_fp8_kernel(
+        X,
+        Pages,
+        Scales,
+        Page,
+        Offset,
+        stride_xb,
+        stride_xh,
+        stride_pp,
+        stride_ph,
+        stride_pn,
+        stride_sp,
+        stride_sh,
+        fp8_max,
+        HEAD_DIM: tl.constexpr,
+    ):
+        """Row `program_id(0)`'s vector of kv head `program_id(1)`, as `quantize` does it: divided by its largest
+        magnitude / fp8_max (at least 1e-30), clamped, stored as fp8 at its page and offset, its scale beside it."""
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(X + b * stride_xb + h * stride_xh + d).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, 1e-30)
+        values = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        page = tl.load(Page + b).to(tl.int64)
+        offset = tl.load(Offset + b).to(tl.int64)
+        tl.store(
+            Pages + page * stride_pp + h * stride_ph + offset * stride_pn + d,
+            values.to(Pages.dtype.element_ty, fp_downcast_rounding="rtne"),
+        )
+        tl.store(Scales + page * stride_sp + h * stride_sh + offset, scale)
 
     @triton.jit
     def _prefix_kernel(

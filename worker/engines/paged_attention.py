@@ -109,9 +109,9 @@ def fast_attention(
             )
         return out.transpose(1, 2), None
     batch = query.shape[0]
-    at = (state.write_page[:batch], slice(None), state.write_offset[:batch])
-    write_pages(k_cache, k_scales, at, key[:, :, 0])
-    write_pages(v_cache, v_scales, at, value[:, :, 0])
+    page, offset = state.write_page[:batch], state.write_offset[:batch]
+    decode_attention.write_step(k_cache, k_scales, page, offset, key[:, :, 0])
+    decode_attention.write_step(v_cache, v_scales, page, offset, value[:, :, 0])
     cascade = (state.shared, state.shared_n, state.start[:batch]) if step.cascade else None
     out = decode_attention.decode(
         query[:, :, 0],
