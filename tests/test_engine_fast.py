@@ -376,8 +376,10 @@ from worker.engines import decode_attention as da
 from tests.test_engine_fast import paged
 assert da.available(torch.device("cpu"))
 torch.manual_seed(0)
-for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16; bf16 is checked on the H200
-    q, cache = torch.randn(5, 4, 32, dtype=dtype), torch.randn(2, 5, 2, 192, 32, dtype=dtype)
+# head widths of a power of two and not (80 or 96 in some models, here 24: padded lanes in the kernels)
+for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)):
+    # (the interpreter misreads bf16; bf16 is checked on the GPU)
+    q, cache = torch.randn(5, 4, dim, dtype=dtype), torch.randn(2, 5, 2, 192, dim, dtype=dtype)
     (k, table), (v, _) = paged(cache[0], 1), paged(cache[1], 1)
     lengths = torch.tensor([0, 1, 64, 65, 192], dtype=torch.int32)
     ref = da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
@@ -385,7 +387,7 @@ for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16; b
         got = da._triton_decode(q, k, v, table, lengths, 0.3, splits).float()
         tol = 1e-5 if dtype == torch.float32 else 5e-3
         diff = (got - ref).abs().max().item()
-        assert diff < tol, (dtype, splits, diff)
+        assert diff < tol, (dtype, dim, splits, diff)
         assert torch.all(got[0] == 0)
     # fp8 pages with a scale per position and head: the kernel equals the reference over the same pages
     (k8, ks), (v8, vs) = da.quantize(k), da.quantize(v)
@@ -394,29 +396,30 @@ for dtype in (torch.float32, torch.float16):  # the interpreter misreads bf16; b
     for splits in (1, 3):
         got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, None, ks, vs).float()
         diff = (got - ref).abs().max().item()
-        assert diff < tol, ("fp8", dtype, splits, diff)
+        assert diff < tol, ("fp8", dtype, dim, splits, diff)
     # a decode step's fp8 write in one kernel: the bytes and scales of write_pages' torch operations. The vectors
     # are fp8 values (one of them ±448) times powers of two, so that no value needs rounding: the interpreter's
     # float-to-fp8 conversion does not carry a rounded mantissa into the exponent (126.8 gives 64, not 128); the
     # GPU's does, and decode_kernel.py compares the bytes there
-    pages8, scales = torch.zeros(9, 2, da.PAGE, 32, dtype=da.FP8), torch.zeros(9, 2, da.PAGE)
+    pages8, scales = torch.zeros(9, 2, da.PAGE, dim, dtype=da.FP8), torch.zeros(9, 2, da.PAGE)
     want8, want_scales = pages8.clone(), scales.clone()
-    grid = torch.randint(0, 256, (3, 2, 32), dtype=torch.uint8).view(da.FP8).float().nan_to_num(0).clamp(-448, 448)
+    grid = torch.randint(0, 256, (3, 2, dim), dtype=torch.uint8).view(da.FP8).float().nan_to_num(0).clamp(-448, 448)
     grid[:, :, 7] = 448.0 * torch.tensor([1.0, -1.0])
     x = grid * torch.tensor([2.0**-10, 1.0, 2.0**6])[:, None, None]  # fp16 holds them all
     x[1, 1] = 0
     page, offset = torch.tensor([4, 1, 7]), torch.tensor([0, da.PAGE - 1, 5])
     da.write_step(pages8, scales, page, offset, x.to(dtype))
     da.write_pages(want8, want_scales, (page, slice(None), offset), x.to(dtype))
-    assert torch.equal(pages8.view(torch.uint8), want8.view(torch.uint8)), dtype
-    assert torch.equal(scales, want_scales) and scales[4, :, 0].min() > 0, dtype
+    assert torch.equal(pages8.view(torch.uint8), want8.view(torch.uint8)), (dtype, dim)
+    assert torch.equal(scales, want_scales) and scales[4, :, 0].min() > 0, (dtype, dim)
 print("kernel ok")
 """
 
 
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
-    for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache; over fp8 pages
+    for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache, heads of a
+    power-of-two width and not (padded inside the kernels); over fp8 pages
     with their scales it equals the reference over the same pages, and the decode step's fp8 write kernel leaves
     the bytes and scales of the torch write. (bf16 is misread by the interpreter;
     on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
@@ -430,9 +433,9 @@ from worker.engines import decode_attention as da
 from tests.test_engine_fast import paged
 P = da.PAGE
 torch.manual_seed(0)
-for dtype in (torch.float32, torch.float16):
+for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)):  # 24: padded head lanes
     b, w = 7, 4
-    q, cache = torch.randn(b, 8, 32, dtype=dtype), torch.randn(2, b, 2, w * P, 32, dtype=dtype)
+    q, cache = torch.randn(b, 8, dim, dtype=dtype), torch.randn(2, b, 2, w * P, dim, dtype=dtype)
     (k, table), (v, _) = paged(cache[0], 2), paged(cache[1], 2)
     # rows 2 and 3 start with row 1's two pages, row 4 with its first; row 6 holds it but is shorter than it
     for r, n in ((2, 2), (3, 2), (4, 1), (6, 1)):
@@ -455,7 +458,7 @@ for dtype in (torch.float32, torch.float16):
                 pages = (k8, v8) if quant else (k, v)
                 got = da._triton_decode(q, *pages, table, lengths, 0.3, splits, cascade, *(quant or ()))
                 diff = (got.float() - ref).abs().max().item()
-                assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, quant is None, n, splits, diff)
+                assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, dim, quant is None, n, splits, diff)
                 assert torch.all(got[0] == 0)
 print("cascade ok")
 """

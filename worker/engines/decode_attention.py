@@ -38,7 +38,9 @@ k_scales, v_scales)`:
   length mask; what runs on CPU (there is no Triton CPU backend outside the interpreter), and the yardstick of the
   tests.
 
-A slot of length 0 (a free slot in a padded batch) returns zeros and reads nothing.
+A slot of length 0 (a free slot in a padded batch) returns zeros and reads nothing. A head whose width is not a
+power of two (tl.arange's; 80 or 96, as some models have) is padded with zero lanes inside the kernels
+(`_head_mask`); before, such a model failed in the kernel's compile on engine auto instead of running.
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ def write_step(pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Ten
         *scales.stride()[:2],
         FP8_MAX,
         HEAD_DIM=dim,
+        HEAD_PAD=triton.next_power_of_2(dim),
     )
 
 
@@ -259,6 +262,7 @@ def _triton_decode(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=dim,
+        HEAD_PAD=triton.next_power_of_2(dim),
         BLOCK=PAGE,
         DIRECT=direct,
         START=cascade is not None,
@@ -289,6 +293,7 @@ def _triton_decode(
             scale_log2,
             GROUP=group,
             HEAD_DIM=dim,
+            HEAD_PAD=triton.next_power_of_2(dim),
             BLOCK=PAGE,
             BLOCK_M=BLOCK_M,
             QUANT=quant,
@@ -310,6 +315,15 @@ def _merge(acc: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _head_mask(d, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+        """Which of the HEAD_PAD lanes `d` hold a head's HEAD_DIM values: a head whose width is not a power of two
+        (tl.arange's) is padded with zeros, which add nothing to the products. A constant where no lane is padding,
+        so the loads of the common widths (64, 128, 256) stay unmasked along the head."""
+        if HEAD_PAD == HEAD_DIM:
+            return tl.full((HEAD_PAD,), 1, tl.int1)
+        return d < HEAD_DIM
 
     @triton.jit
     def _decode_kernel(
@@ -339,6 +353,7 @@ if triton is not None:
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
         BLOCK: tl.constexpr,
         DIRECT: tl.constexpr,
         START: tl.constexpr,
@@ -354,19 +369,22 @@ if triton is not None:
             first = tl.load(Start + b).to(tl.int32)
 
         g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_PAD)
+        dim = _head_mask(d, HEAD_DIM, HEAD_PAD)[None, :]
         offs = tl.arange(0, BLOCK)
         heads = kvh * GROUP + g
-        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g[:, None] < GROUP, other=0.0)
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g[:, None] < GROUP) & dim, other=0.0
+        )
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
-        acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+        acc = tl.zeros((GROUP_PAD, HEAD_PAD), tl.float32)
         for block in range(first + split, tl.cdiv(length, BLOCK), splits):  # this part's: split, split + splits, ...
             page = tl.load(Table + b * stride_tb + block).to(tl.int64)
             valid = block * BLOCK + offs < length
             k = tl.load(
                 K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
-                mask=valid[:, None],
+                mask=valid[:, None] & dim,
                 other=0.0,
             )
             if QUANT:  # fp8 pages: q's dtype for the product, each position's scale on its logit
@@ -381,7 +399,7 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(
                 V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :],
-                mask=valid[:, None],
+                mask=valid[:, None] & dim,
                 other=0.0,
             )
             if QUANT:  # each position's scale on its probability
@@ -395,9 +413,9 @@ if triton is not None:
         keep = g < GROUP
         if DIRECT:  # one split: normalize here (a slot of length 0 gives zeros)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], out.to(Acc.dtype.element_ty), mask=keep[:, None])
+            tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], out.to(Acc.dtype.element_ty), mask=keep[:, None] & dim)
         else:
-            tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+            tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None] & dim)
             tl.store(Stats + row * 2, m_i, mask=keep)
             tl.store(Stats + row * 2 + 1, l_i, mask=keep)
 
@@ -417,13 +435,15 @@ if triton is not None:
         stride_sh,
         fp8_max,
         HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
     ):
         """Row `program_id(0)`'s vector of kv head `program_id(1)`, as `quantize` does it: divided by its largest
         magnitude / fp8_max (at least 1e-30), clamped, stored as fp8 at its page and offset, its scale beside it."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        d = tl.arange(0, HEAD_DIM)
-        x = tl.load(X + b * stride_xb + h * stride_xh + d).to(tl.float32)
+        d = tl.arange(0, HEAD_PAD)
+        dim = _head_mask(d, HEAD_DIM, HEAD_PAD)
+        x = tl.load(X + b * stride_xb + h * stride_xh + d, mask=dim, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, 1e-30)
         values = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
         page = tl.load(Page + b).to(tl.int64)
@@ -431,6 +451,7 @@ if triton is not None:
         tl.store(
             Pages + page * stride_pp + h * stride_ph + offset * stride_pn + d,
             values.to(Pages.dtype.element_ty, fp_downcast_rounding="rtne"),
+            mask=dim,
         )
         tl.store(Scales + page * stride_sp + h * stride_sh + offset, scale)
 
@@ -463,6 +484,7 @@ if triton is not None:
         scale_log2,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr,
         QUANT: tl.constexpr,
@@ -481,17 +503,20 @@ if triton is not None:
         length = tl.load(Lengths + b, mask=inside, other=0).to(tl.int32)
         n = tl.load(SharedN).to(tl.int32)
 
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_PAD)
+        dim = _head_mask(d, HEAD_DIM, HEAD_PAD)[None, :]
         offs = tl.arange(0, BLOCK)
         q = tl.load(
-            Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=inside[:, None], other=0.0
+            Q + b[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=inside[:, None] & dim, other=0.0
         )
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_PAD), tl.float32)
         for block in range(split, n, splits):
             page = tl.load(Shared + block).to(tl.int64)
-            k = tl.load(K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :])
+            k = tl.load(
+                K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :], mask=dim, other=0.0
+            )
             if QUANT:  # as in _decode_kernel
                 ks = tl.load(KS + page * stride_sp + kvh * stride_sh + offs)
                 s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
@@ -504,7 +529,9 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :])
+            v = tl.load(
+                V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :], mask=dim, other=0.0
+            )
             if QUANT:
                 vs = tl.load(VS + page * stride_sp + kvh * stride_sh + offs)
                 acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
@@ -513,6 +540,6 @@ if triton is not None:
             m_i = m_new
 
         row = (b * GROUP * tl.num_programs(1) + heads) * parts + part0 + split
-        tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=inside[:, None])
+        tl.store(Acc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=inside[:, None] & dim)
         tl.store(Stats + row * 2, m_i, mask=inside)
         tl.store(Stats + row * 2 + 1, l_i, mask=inside)
