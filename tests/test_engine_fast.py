@@ -467,8 +467,8 @@ print("cascade ok")
 def test_cascade_kernels_match_the_reference_in_the_interpreter():
     """The cascade (decode_attention's docstring) in Triton's CPU interpreter: shared pages read once by the prefix
     kernel for the rows whose tables start with them, the rest by the row kernel, merged, equal SDPA over each row's
-    contiguous cache (fp8 pages: the reference over the same pages). Rows share two pages, one, or none; a free row gives zeros; a row that holds a shared page but
-    is shorter than it attends only to its own length."""
+    contiguous cache (fp8 pages: the reference over the same pages). Rows share two pages, one, or none; a free row
+    gives zeros; a row that holds a shared page but is shorter than it attends only to its own length."""
     interpreted(CASCADE_SCRIPT, "cascade ok")
 
 

@@ -166,8 +166,9 @@ def prepared_state(
     kv_cache_dtype: str = "auto",
 ) -> slot_state.SlotState:
     """The fast engine's state for this model, prepared once per cache type (cache, compiled layers, CUDA graphs of
-    the modes in `sampling`: see `fastgen.prepare`). The worker calls it right after loading a model the fast engine will run
-    (through `generate.prepare_engine`, with the loading job's mode), so that cost is load time, not a job's."""
+    the modes in `sampling`: see `fastgen.prepare`). The worker calls it right after loading a model the fast
+    engine will run (through `generate.prepare_engine`, with the loading job's mode and cache type), so that cost is
+    load time, not a job's."""
     graphs = _fast_graphs(loaded)
     return fastgen.prepare(
         loaded,

@@ -149,8 +149,9 @@ def prepare(
     """The model's state, ready: the paged cache (of `kv_cache_dtype`: `slot_state.state_for`), the compiled layers
     (warm-up prefills of two rows and of one, and decode steps) and, with `graphs`, a CUDA graph of the decode step
     for every batch bucket in each mode of `sampling` (False: greedy, True: sampling; a mode left out is captured
-    per bucket when a step first needs it). The work is done once per state (`state.prepare_s`); `slot_state.summary` says what it cost. Compiling and
-    capturing are phases of `progress` (the stall watchdog's clock)."""
+    per bucket when a step first needs it). The work is done once per state (`state.prepare_s`);
+    `slot_state.summary` says what it cost. Compiling and capturing are phases of `progress` (the stall watchdog's
+    clock)."""
     global SIZE_OBLIVIOUS
     model = loaded.model
     state = slot_state.state_for(
