@@ -579,9 +579,10 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     """`ops/bench/gen.py g1json --smoke` (CPU, the tiny model) runs G1-JSON's interleaved rounds and writes what the
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
     picked the other way, each family on a thread of its own with and without the booking flipped, the masks
-    computed while booking or after it, picked without the masks and checked, length-matched), their ratios, the
-    grammar settings, and every output valid (the checked run's too). With `--tokenizer-size` (151936 on a GPU: a
-    real tokenizer's mask cost) on a model linked beside the given one, whose own tokenizer stays as it was."""
+    computed while booking or after it, picked without the masks and checked, four families a thread,
+    length-matched), their ratios, the grammar settings, and every output valid (the checked run's too). With
+    `--tokenizer-size` (151936 on a GPU: a real tokenizer's mask cost) on a model linked beside the given one, whose
+    own tokenizer stays as it was."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "g1json.json"
     before = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
@@ -598,7 +599,7 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())["g1json"]
     variants = ("constrained", "one_family", "other_advance", "other_pick", "other_threads", "other_threads_advance")
-    variants += ("other_overlap", "other_check", "length_matched")
+    variants += ("other_overlap", "other_check", "more_families", "length_matched")
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)
     gains = (
         "families_gain",
@@ -608,6 +609,7 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
         "other_threads_advance_gain",
         "other_overlap_gain",
         "other_check_gain",
+        "more_families_gain",
     )
     gains += ("constrained/length_matched",)
     assert all(got["ratios"][name] > 0 for name in gains), got["ratios"]

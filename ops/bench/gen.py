@@ -34,7 +34,8 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   `ratios.other_threads_advance_gain`, and with each family's masks computed while the next family is booked or
   after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`, and picked without the masks
   and checked when booked or not (`grammar.CHECK_FIRST` flipped) `ratios.other_check_gain` (its outputs against the
-  constrained run's: `correctness.check_first`). These runs and the length-matched run are interleaved `--repeat`
+  constrained run's: `correctness.check_first`), and with four families a thread (`grammar.FAMILIES` = 4 ×
+  THREADS) `ratios.more_families_gain`. These runs and the length-matched run are interleaved `--repeat`
   times; the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
 - `g1fp8`: G1 with `kv_cache_dtype` fp8 and auto, cold then warm runs interleaved `--repeat` times, in one child
@@ -335,6 +336,9 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 ),
                 "other_overlap": (constrained, rows, {"OVERLAP": not grammar.OVERLAP}),
                 "other_check": (constrained, rows, {"CHECK_FIRST": not grammar.CHECK_FIRST}),
+                # four families a thread: rayon's threads would less often take rows of one family at once (they
+                # contend for its mutex: 12 families on 12 threads were only 3.3x faster than one)
+                "more_families": (constrained, rows, {"FAMILIES": 4 * grammar.THREADS}),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -373,6 +377,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "other_threads_advance_gain": ratio("constrained", "other_threads_advance"),
                 "other_overlap_gain": ratio("constrained", "other_overlap"),
                 "other_check_gain": ratio("constrained", "other_check"),
+                "more_families_gain": ratio("constrained", "more_families"),
             }
             checked = out["engine"].get("other_check_1", {}).get("_results")
             if checked:  # greedy: the same tokens either way, but for near-ties a redone step's batch may flip
