@@ -58,7 +58,7 @@ def missing(opts: LoadOptions, caps: dict[str, Any], gpus: int) -> list[str]:
     if getattr(opts, "kv_cache_dtype", "auto") == "fp8" and cc and cc < 8.9:
         problems.append(
             f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper: Triton's fp8 type), "
-            f"and the worker has compute capability {cc}: use kv_cache_dtype auto"
+            f"and the worker has compute capability {cc}: use kv_cache_dtype int8 or auto"
         )
     if opts.device_map in ("cuda", "auto") and gpus == 0:
         problems.append(f"device_map={opts.device_map!r} needs a GPU slice (gpus >= 1)")
@@ -177,16 +177,17 @@ def _engine_problems(opts: LoadOptions, gpus: int) -> list[str]:
             f"engine static cannot run {opts.attn_implementation} (it runs sdpa, sdpa_gqa or eager with "
             "a static KV cache): use engine padded or one of those attn_implementations"
         )
-    if getattr(opts, "kv_cache_dtype", "auto") == "fp8" and (engine not in ("auto", "fast") or paged):
+    kv = getattr(opts, "kv_cache_dtype", "auto")
+    if kv != "auto" and (engine not in ("auto", "fast") or paged):
         problems.append(
-            f"kv_cache_dtype fp8 is the fast engine's cache, and engine {engine} "
+            f"kv_cache_dtype {kv} is the fast engine's cache, and engine {engine} "
             f"{'with ' + opts.attn_implementation + ' ' if paged else ''}does not run the fast engine: use engine "
             "fast or auto (and attn_implementation sdpa), or kv_cache_dtype auto"
         )
-    if getattr(opts, "kv_cache_dtype", "auto") == "fp8" and engine == "auto" and gpus == 0:
+    if kv != "auto" and engine == "auto" and gpus == 0:
         problems.append(
-            "kv_cache_dtype fp8 is the fast engine's cache, and on a CPU slice engine auto runs padded: set engine "
-            "fast (it runs on CPU too), or kv_cache_dtype auto"
+            f"kv_cache_dtype {kv} is the fast engine's cache, and on a CPU slice engine auto runs padded: set "
+            "engine fast (it runs on CPU too), or kv_cache_dtype auto"
         )
     for knob in ("cuda_graphs", "async_batching"):
         if getattr(opts, knob, None) == "on" and gpus == 0:

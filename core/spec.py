@@ -247,12 +247,12 @@ class GenerateSpec(JobSettings, LoadOptions, SamplingParams):
         "their KV cache and prefill only the rest, within a job and across jobs on a worker; off: every prompt is "
         "prefilled whole",
     )
-    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = Field(
         "auto",
-        description="fast engine: the KV cache's element type. auto: the model's dtype; fp8: float8 e4m3 with a "
-        "scale per position and head (half the bytes: about twice the rows fit and decode reads half; outputs can "
-        "differ slightly from auto's; a GPU of compute capability 8.9+ or a CPU). Other engines refuse fp8; under "
-        "engine auto, rows that run padded keep the model's dtype and the job's events say so",
+        description="fast engine: the KV cache's element type. auto: the model's dtype; fp8 (float8 e4m3; a GPU of "
+        "compute capability 8.9+ or a CPU) or int8 (any GPU), with a scale per position and head: half the bytes, "
+        "so about twice the rows fit and decode reads half; outputs can differ slightly from auto's. Other engines "
+        "refuse them; under engine auto, rows that run padded keep the model's dtype and the job's events say so",
     )
     tp_plan: Literal["auto"] | None = Field(
         None,

@@ -174,15 +174,25 @@ def test_missing_names_each_gap(spec, caps, gpus, expected):
             1,
             [
                 "kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper: Triton's fp8 type), "
-                "and the worker has compute capability 7.5: use kv_cache_dtype auto"
+                "and the worker has compute capability 7.5: use kv_cache_dtype int8 or auto"
+            ],
+        ),
+        (gen(kv_cache_dtype="int8"), {**T4, "versions": CPU["versions"]}, 1, []),
+        (
+            gen(kv_cache_dtype="int8", engine="padded"),
+            H200,
+            1,
+            [
+                "kv_cache_dtype int8 is the fast engine's cache, and engine padded does not run the fast engine: use "
+                "engine fast or auto (and attn_implementation sdpa), or kv_cache_dtype auto"
             ],
         ),
     ],
 )
-def test_an_fp8_kv_cache_is_refused_where_the_fast_engine_would_not_run_it(spec, caps, gpus, expected):
-    """kv_cache_dtype fp8 is the fast engine's: refused at submit on engines that never run it, under auto where
-    auto runs padded (a CPU slice), and on GPUs without Triton's fp8 type; accepted on an H200 and on CPU's fast
-    engine."""
+def test_a_quantized_kv_cache_is_refused_where_the_fast_engine_would_not_run_it(spec, caps, gpus, expected):
+    """kv_cache_dtype fp8 and int8 are the fast engine's: refused at submit on engines that never run it, under auto
+    where auto runs padded (a CPU slice), and fp8 on GPUs without Triton's fp8 type (int8 runs there); accepted on
+    an H200 and on CPU's fast engine."""
     assert missing(spec, caps, gpus) == expected
 
 

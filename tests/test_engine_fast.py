@@ -389,14 +389,16 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         diff = (got - ref).abs().max().item()
         assert diff < tol, (dtype, dim, splits, diff)
         assert torch.all(got[0] == 0)
-    # fp8 pages with a scale per position and head: the kernel equals the reference over the same pages
-    (k8, ks), (v8, vs) = da.quantize(k), da.quantize(v)
-    ref = da.reference_decode(q.float(), k8, v8, table, lengths, 0.3, ks, vs)
-    assert (ref - da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)).abs().max() < 0.2
-    for splits in (1, 3):
-        got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, None, ks, vs).float()
-        diff = (got - ref).abs().max().item()
-        assert diff < tol, ("fp8", dtype, dim, splits, diff)
+    # quantized pages with a scale per position and head: the kernel equals the reference over the same pages
+    for kind in (da.FP8, torch.int8):
+        (k8, ks), (v8, vs) = da.quantize(k, kind), da.quantize(v, kind)
+        ref = da.reference_decode(q.float(), k8, v8, table, lengths, 0.3, ks, vs)
+        exact = da.masked_decode(q.float(), cache[0].float(), cache[1].float(), lengths, 0.3)
+        assert (ref - exact).abs().max() < 0.2, kind
+        for splits in (1, 3):
+            got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, None, ks, vs).float()
+            diff = (got - ref).abs().max().item()
+            assert diff < tol, (kind, dtype, dim, splits, diff)
     # a decode step's fp8 write in one kernel: the bytes and scales of write_pages' torch operations. The vectors
     # are fp8 values (one of them ±448) times powers of two, so that no value needs rounding: the interpreter's
     # float-to-fp8 conversion does not carry a rounded mantissa into the exponent (126.8 gives 64, not 128); the
@@ -412,6 +414,15 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
     da.write_pages(want8, want_scales, (page, slice(None), offset), x.to(dtype))
     assert torch.equal(pages8.view(torch.uint8), want8.view(torch.uint8)), (dtype, dim)
     assert torch.equal(scales, want_scales) and scales[4, :, 0].min() > 0, (dtype, dim)
+    # int8: any values (the rounding, half away from zero, is the kernel's own arithmetic)
+    pages8, scales = torch.zeros(9, 2, da.PAGE, dim, dtype=torch.int8), torch.zeros(9, 2, da.PAGE)
+    want8, want_scales = pages8.clone(), scales.clone()
+    x = torch.randn(3, 2, dim) * torch.tensor([1e-3, 1.0, 1e3])[:, None, None]
+    x[1, 1] = 0
+    x[2, 0, :4] = torch.tensor([0.5, -0.5, 1.5, -2.5]) * x[2, 0].abs().max() / 127  # ties
+    da.write_step(pages8, scales, page, offset, x.to(dtype))
+    da.write_pages(want8, want_scales, (page, slice(None), offset), x.to(dtype))
+    assert torch.equal(pages8, want8) and torch.equal(scales, want_scales), (dtype, dim)
 print("kernel ok")
 """
 
@@ -419,10 +430,10 @@ print("kernel ok")
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache, heads of a
-    power-of-two width and not (padded inside the kernels); over fp8 pages
-    with their scales it equals the reference over the same pages, and the decode step's fp8 write kernel leaves
-    the bytes and scales of the torch write. (bf16 is misread by the interpreter;
-    on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py and gen.py's logits check.)"""
+    power-of-two width and not (padded inside the kernels); over fp8 and int8 pages with their scales it equals the
+    reference over the same pages, and the decode step's write kernel leaves the bytes and scales of the torch
+    write. (bf16 is misread by the interpreter; on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py
+    and gen.py's logits check.)"""
     interpreted(TRITON_SCRIPT, "kernel ok")
 
 
@@ -442,8 +453,10 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         cache[:, r, :, : n * P] = cache[:, 1, :, : n * P]
         table[r, :n] = table[1, :n]
     lengths = torch.tensor([0, 3 * P + 5, 2 * P + 1, 4 * P, 2 * P + 9, P + 3, 30], dtype=torch.int32)
-    (k8, ks), (v8, vs) = da.quantize(k), da.quantize(v)
-    for quant in (None, (ks, vs)):  # bf16/fp16/fp32 pages, then fp8 pages with their scales
+    for kind in (None, da.FP8, torch.int8):  # bf16/fp16/fp32 pages, then quantized pages with their scales
+        if kind is not None:
+            (k8, ks), (v8, vs) = da.quantize(k, kind), da.quantize(v, kind)
+        quant = kind and (ks, vs)
         if quant:
             ref = da.reference_decode(q.float(), k8, v8, table, lengths, 0.3, *quant)
         else:
@@ -467,8 +480,8 @@ print("cascade ok")
 def test_cascade_kernels_match_the_reference_in_the_interpreter():
     """The cascade (decode_attention's docstring) in Triton's CPU interpreter: shared pages read once by the prefix
     kernel for the rows whose tables start with them, the rest by the row kernel, merged, equal SDPA over each row's
-    contiguous cache (fp8 pages: the reference over the same pages). Rows share two pages, one, or none; a free row
-    gives zeros; a row that holds a shared page but is shorter than it attends only to its own length."""
+    contiguous cache (fp8 and int8 pages: the reference over the same pages). Rows share two pages, one, or none; a
+    free row gives zeros; a row that holds a shared page but is shorter than it attends only to its own length."""
     interpreted(CASCADE_SCRIPT, "cascade ok")
 
 
@@ -964,21 +977,23 @@ def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_
     assert info["fast"]["prefix_tokens_reused"] > 0
 
 
-def test_an_fp8_cache_keeps_the_memorized_answers_and_its_own_prefix_reuse_exact(loaded, tiny_model, slots):
-    """kv_cache_dtype fp8 (slot_state's docstring): the cache holds float8 values with a float32 scale per position
-    and head, and decode attends over them dequantized. On the memorized model every answer stays exact; outputs
-    with the prefix cache equal those without it (the prefill attends over the dequantized values too); a job of
-    the other type on the resident engine gets a cache of its own type and the outputs of a fresh one."""
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_a_quantized_cache_keeps_the_memorized_answers_and_its_own_prefix_reuse_exact(loaded, tiny_model, slots, kind):
+    """kv_cache_dtype fp8 or int8 (slot_state's docstring): the cache holds float8 or int8 values with a float32
+    scale per position and head, and decode attends over them dequantized. On the memorized model every answer
+    stays exact; outputs with the prefix cache equal those without it (the prefill attends over the dequantized
+    values too); a job of another type on the resident engine gets a cache of its own type and the outputs of a
+    fresh one."""
     slots(16)
     rows = ragged_rows()
-    fp8 = make_spec(tiny_model, engine="fast", max_new_tokens=24, kv_cache_dtype="fp8")
+    fp8 = make_spec(tiny_model, engine="fast", max_new_tokens=24, kv_cache_dtype=kind)
     plain = run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=24), rows)
     info: dict = {}
     quantized = run(loaded, fp8, rows, info=info)
     state = loaded.model.__dict__["_gpujobs_fast"]
-    assert state.cache.dtype == torch.float8_e4m3fn and state.scales.dtype == torch.float32
+    assert state.cache.dtype == decode_attention.QUANTIZED[kind] and state.scales.dtype == torch.float32
     assert state.scales.shape == state.cache.shape[:-1]
-    assert info["fast"]["kv_cache_dtype"] == "fp8"
+    assert info["fast"]["kv_cache_dtype"] == kind
     for i, (_, answer) in enumerate(qa_pairs()):
         assert quantized[i].output == answer and quantized[i].finish_reason == "stop"
     assert fields(run(loaded, make_spec(tiny_model, engine="fast", max_new_tokens=24), rows)) == fields(plain)
@@ -986,13 +1001,13 @@ def test_an_fp8_cache_keeps_the_memorized_answers_and_its_own_prefix_reuse_exact
     # a switch keeps the compiled layers (the attention they call reads the cache; they do not)
     state = slot_state.state_for(loaded.model, loaded.device, 640)
     state.compiled = layers = [object()]
-    switched = slot_state.state_for(loaded.model, loaded.device, 640, kv_cache_dtype="fp8")
-    assert switched is not state and switched.compiled is layers and switched.kv_cache_dtype == "fp8"
-    assert slot_state.state_for(loaded.model, loaded.device, 640, kv_cache_dtype="fp8") is switched
+    switched = slot_state.state_for(loaded.model, loaded.device, 640, kv_cache_dtype=kind)
+    assert switched is not state and switched.compiled is layers and switched.kv_cache_dtype == kind
+    assert slot_state.state_for(loaded.model, loaded.device, 640, kv_cache_dtype=kind) is switched
     slot_state.release(loaded.model)
-    # bytes per page: head_dim fp8 values and a float32 scale per position and head, against the model's dtype
+    # bytes per page: head_dim one-byte values and a float32 scale per position and head
     layers, kv_heads, head_dim = slot_state._shape(loaded.model)
-    assert slot_state.page_bytes(loaded.model, "fp8") == 2 * layers * kv_heads * decode_attention.PAGE * (head_dim + 4)
+    assert slot_state.page_bytes(loaded.model, kind) == 2 * layers * kv_heads * decode_attention.PAGE * (head_dim + 4)
 
     prefixed, fp8_lp = prefixed_rows(12), fp8.model_copy(update={"logprobs": True})
     off = run(loaded, fp8_lp.model_copy(update={"prefix_cache": "off"}), prefixed)
@@ -1001,18 +1016,18 @@ def test_an_fp8_cache_keeps_the_memorized_answers_and_its_own_prefix_reuse_exact
     on = run(loaded, fp8_lp, prefixed, info=reused)
     assert fields(on) == fields(off)
     assert reused["fast"]["prefix_tokens_reused"] > 0
-    for i in on:  # each token's log-probability, not only the argmax: fp8's rounding would show here (~1e-2)
+    for i in on:  # each token's log-probability, not only the argmax: the rounding would show here (~1e-2)
         a, b = ([e["logprob"] for e in logprob_store.render(r[i].logprobs)] for r in (on, off))
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (i, a, b)
 
 
-def test_the_g1fp8_benchmark_times_both_caches_and_checks_fp8_greedy_outputs(tmp_path, tiny_model):
-    """`ops/bench/gen.py g1fp8 --smoke` (CPU, the tiny model): interleaved runs with each cache type (each run on
-    the type it names), their ratio, and the memorized model's greedy outputs with an fp8 cache checked against
-    plain `generate` (the device runs decide by these)."""
-    out = tmp_path / "g1fp8.json"
+def test_the_g1kv_benchmark_times_each_cache_type_and_checks_their_greedy_outputs(tmp_path, tiny_model):
+    """`ops/bench/gen.py g1kv --smoke` (CPU, the tiny model): interleaved runs with each cache type (each run on the
+    type it names), their ratios to auto, and the memorized model's greedy outputs with each quantized cache
+    checked against plain `generate` (the device runs decide by these)."""
+    out = tmp_path / "g1kv.json"
     proc = subprocess.run(
-        [sys.executable, "ops/bench/gen.py", "g1fp8", "--smoke", "--repeat", "2", "--out", str(out)]
+        [sys.executable, "ops/bench/gen.py", "g1kv", "--smoke", "--repeat", "1", "--out", str(out)]
         + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)],
         cwd=ROOT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -1021,27 +1036,34 @@ def test_the_g1fp8_benchmark_times_both_caches_and_checks_fp8_greedy_outputs(tmp
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())["g1fp8"]
-    assert {name: len(got["g1fp8_tok_s"][name]["runs"]) for name in ("auto", "fp8")} == {"auto": 2, "fp8": 2}
-    assert got["ratios"]["fp8/auto"] > 0
-    assert [got["engine"][f"{n}_{i}"]["kv_cache_dtype"] for i in (1, 2) for n in ("auto", "fp8")] == ["auto", "fp8"] * 2
-    check = got["correctness"]["fp8_greedy_vs_generate"]
-    assert check["passed"] and check["engine"]["fast"]["kv_cache_dtype"] == "fp8", check
+    got = json.loads(out.read_text())["g1kv"]
+    kinds = ("auto", "fp8", "int8")
+    assert {kind: len(got["g1kv_tok_s"][kind]["runs"]) for kind in kinds} == dict.fromkeys(kinds, 1)
+    assert got["ratios"]["fp8/auto"] > 0 and got["ratios"]["int8/auto"] > 0
+    assert [got["engine"][f"{kind}_1"]["kv_cache_dtype"] for kind in kinds] == list(kinds)
+    for kind in ("fp8", "int8"):
+        check = got["correctness"][f"{kind}_greedy_vs_generate"]
+        assert check["passed"] and check["engine"]["fast"]["kv_cache_dtype"] == kind, check
+        assert got["kv_logits_vs_generate"][kind]["of_tokens"] > 0
     assert got["ratios"]["correctness_passed"] is True
 
 
-def test_fp8_quantizes_each_vector_to_its_own_range():
-    """Each vector (a position's head) is scaled to fp8's range by its own largest magnitude: a tiny vector and a
-    huge one beside it both come back within fp8's rounding (a relative 2^-4), a zero vector as zeros, nothing
-    overflows."""
+@pytest.mark.parametrize("kind, bound", [(torch.float8_e4m3fn, 2**-4), (torch.int8, 0.5 / 127 + 1e-6)])
+def test_quantizing_scales_each_vector_to_its_own_range(kind, bound):
+    """Each vector (a position's head) is scaled to the type's range by its own largest magnitude: a tiny vector and
+    a huge one beside it both come back within the type's rounding (fp8: a relative 2^-4 of the largest value; int8:
+    half a step of largest / 127), a zero vector as zeros, nothing overflows; int8 rounds ties away from zero."""
     x = torch.randn(3, 2, 64) * torch.tensor([1e-4, 1.0, 1e4])[:, None, None]
     x[0, 1] = 0
-    values, scales = decode_attention.quantize(x)
-    assert values.dtype == torch.float8_e4m3fn and scales.shape == (3, 2)
+    values, scales = decode_attention.quantize(x, kind)
+    assert values.dtype == kind and scales.shape == (3, 2)
     back = decode_attention.dequantize(values, scales, torch.float32)
     assert torch.all(back[0, 1] == 0) and torch.isfinite(back).all()
     err = (back - x).abs() / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30)
-    assert err.max() <= 2**-4
+    assert err.max() <= bound
+    if kind == torch.int8:
+        ties, tie_scales = decode_attention.quantize(torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5]), kind)
+        assert tie_scales.item() == 1.0 and ties.tolist() == [127, 1, -1, 2, -3]
 
 
 def test_the_page_pool_counts_references_and_evicts_the_least_recently_used_prefix():

@@ -81,7 +81,7 @@ def test_soak_rows_are_the_rows_of_gen_py(tiny_model):
 def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
     """`ops/gpu/soak.py --smoke` runs every step of the GPU soak through a real stack on CPU and passes: each job in
     its expected state, every row once, greedy outputs equal across engines (and the fast engine's memorized answers
-    with an fp8 KV cache), the injected OOM split, no restart."""
+    with fp8 and int8 KV caches), the injected OOM split, no restart."""
     models = tmp_path / "models"
     models.mkdir()
     (models / "tiny-qa").symlink_to(tiny_model)  # built as the soak builds them: only the random tiny one is built
@@ -116,6 +116,7 @@ def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
     assert [s["name"] for s in report["steps"]] == STEPS
     assert all(s["restarts"] == 0 and s["checks"] for s in report["steps"])
     engines = next(s for s in report["steps"] if s["name"] == "engines")
-    assert engines["checks"]["fast_fp8_memorized_answers"]["ok"]  # the fast engine with an fp8 KV cache
+    assert engines["checks"]["fast_fp8_memorized_answers"]["ok"]  # the fast engine with quantized KV caches
+    assert engines["checks"]["fast_int8_memorized_answers"]["ok"]
     oom = next(s for s in report["steps"] if s["name"] == "oom")
     assert oom["checks"]["out_of_memory_split"]["events"]

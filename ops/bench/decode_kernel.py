@@ -9,10 +9,10 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
    contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
    bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions. Also the
-   same K/V as fp8 pages with a scale per position and head (`kv_cache_dtype: fp8`): the kernel's time, its gain
-   over the bf16 pages (`fp8_gain`), the bandwidth it reaches over the bytes it reads (values and scales), and
-   its max |diff| against SDPA over the bf16 K/V (fp8's rounding, not a kernel error: the CPU tests check the
-   kernel against the reference over the same fp8 pages).
+   same K/V as fp8 and as int8 pages with a scale per position and head (`kv_cache_dtype`): each one's kernel
+   time, its gain over the bf16 pages (`fp8_gain`, `int8_gain`), the bandwidth it reaches over the bytes it reads
+   (values and scales), and its max |diff| against SDPA over the bf16 K/V (the rounding, not a kernel error: the
+   CPU tests check the kernel against the reference over the same pages).
 3. cascade: for each (batch, shared, own) of CASCADE_SHAPES, rows whose tables start with the same `shared`
    positions of pages (a cached prompt prefix, G3: 1,024) and go on with `own` positions of their own: the plain
    kernel (every row reads the shared pages) against the cascade (the shared pages read once for all rows, the
@@ -21,9 +21,9 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 4. K/V write: a decode step's write of each row's new K and V into its page (worker/engines/paged_attention.py:
    `cache[page, :, offset] = key[:, :, 0]`, a generic index_put, ~5 % of G1's CUDA time on 2026-12-04) against
    `index_copy_` into a flat (pages × kv_heads × PAGE, dim) view, its index computed in the layer or once a step;
-   the caches they leave must be equal. Per layer, K and V. Also the fp8 cache's write, each vector quantized and
-   its scale written beside it: the engine's kernel (`write_step`, `fp8_write_ms`) against torch's operations
-   (`write_pages`, `fp8_write_torch_ms`), the same bytes (`fp8_write_equal`).
+   the caches they leave must be equal. Per layer, K and V. Also a quantized cache's write (fp8, int8), each vector
+   quantized and its scale written beside it: the engine's kernel (`write_step`, `fp8_write_ms`) against torch's
+   operations (`write_pages`, `fp8_write_torch_ms`), the same bytes (`fp8_write_equal`; `int8_…` likewise).
 """
 
 from __future__ import annotations
@@ -124,11 +124,12 @@ def kv_writes(torch, page_size: int, batch: int, pages: int, device: str) -> dic
     }
 
 
-def fp8_writes(torch, da, batch: int) -> dict:
-    """The fp8 cache's write per layer, K and V: the engine's (`write_step`, one Triton kernel each) and torch's
-    operations (`write_pages`), and whether they leave the same bytes and scales (the CPU tests cannot check the
-    rounding: Triton's interpreter converts to fp8 without carrying into the exponent)."""
-    pages = [torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=da.FP8) for _ in range(4)]
+def quantized_writes(torch, da, batch: int, kind: str) -> dict:
+    """A quantized cache's write per layer, K and V: the engine's (`write_step`, one Triton kernel each) and torch's
+    operations (`write_pages`), and whether they leave the same bytes and scales (for fp8 the CPU tests cannot check
+    the rounding: Triton's interpreter converts to fp8 without carrying into the exponent)."""
+    dtype = da.QUANTIZED[kind]
+    pages = [torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=dtype) for _ in range(4)]
     scales = [torch.zeros(pages[0].shape[:-1], device="cuda") for _ in range(4)]
     key, value = (torch.randn((batch, KV_HEADS, DIM), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     page = torch.randperm(CACHE_PAGES - 1, device="cuda")[:batch] + 1
@@ -147,9 +148,9 @@ def fp8_writes(torch, da, batch: int) -> dict:
     same = all(torch.equal(pages[i].view(torch.uint8), pages[i + 2].view(torch.uint8)) for i in (0, 1))
     same = same and all(torch.equal(scales[i], scales[i + 2]) for i in (0, 1))
     return {
-        "fp8_write_ms": round(timed(torch, kernel), 4),
-        "fp8_write_torch_ms": round(timed(torch, ops), 4),
-        "fp8_write_equal": same,
+        f"{kind}_write_ms": round(timed(torch, kernel), 4),
+        f"{kind}_write_torch_ms": round(timed(torch, ops), 4),
+        f"{kind}_write_equal": same,
     }
 
 
@@ -170,7 +171,9 @@ def kv_write_row(torch, da, batch: int) -> dict:
         row[f"{name}_ms"] = round(timed(torch, fn), 4)
     del k_cache, v_cache, ways, want, got
     torch.cuda.empty_cache()
-    row.update(fp8_writes(torch, da, batch))
+    for kind in da.QUANTIZED:
+        row.update(quantized_writes(torch, da, batch, kind))
+        torch.cuda.empty_cache()
     torch.cuda.empty_cache()
     print(row, flush=True)
     return row
@@ -201,18 +204,25 @@ def main() -> int:
         ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
         diff = (ours.float() - ref[:, :, 0].float()).abs().max().item()
         t_ours = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, splits))
-        (kp8, ks), (vp8, vs) = da.quantize(kp), da.quantize(vp)
-        fp8 = partial(da._triton_decode, q, kp8, vp8, table, lengths, scale, splits, None, ks, vs)
-        fp8_diff = (fp8().float() - ref[:, :, 0].float()).abs().max().item()
-        t_fp8 = timed(torch, fp8)
-        del kp8, vp8, ks, vs
+        read = 2 * batch * KV_HEADS * ctx * DIM * 2  # bf16 K and V bytes
+        quantized = {}
+        for kind, dtype in da.QUANTIZED.items():
+            (kq, ks), (vq, vs) = da.quantize(kp, dtype), da.quantize(vp, dtype)
+            run = partial(da._triton_decode, q, kq, vq, table, lengths, scale, splits, None, ks, vs)
+            ms = timed(torch, run)
+            quantized |= {
+                f"{kind}_ms": round(ms, 4),
+                f"{kind}_gain": round(t_ours / ms, 3),
+                f"{kind}_tb_s": round(read * (DIM + 4) / (2 * DIM) / ms / 1e9, 2),
+                f"{kind}_max_abs_diff": (run().float() - ref[:, :, 0].float()).abs().max().item(),
+            }
+            del kq, vq, ks, vs
         t_sdpa = timed(
             torch,
             partial(
                 torch.nn.functional.scaled_dot_product_attention, q[:, :, None], k, v, scale=scale, enable_gqa=True
             ),
         )
-        read = 2 * batch * KV_HEADS * ctx * DIM * 2
         row = {
             "batch": batch,
             "context": ctx,
@@ -223,10 +233,7 @@ def main() -> int:
             "ours_tb_s": round(read / t_ours / 1e9, 2),
             "sdpa_tb_s": round(read / t_sdpa / 1e9, 2),
             "bound_ms_at_4.3": round(read / 4.3e12 * 1e3, 4),
-            "fp8_ms": round(t_fp8, 4),
-            "fp8_gain": round(t_ours / t_fp8, 3),
-            "fp8_tb_s": round(read * (DIM + 4) / (2 * DIM) / t_fp8 / 1e9, 2),
-            "fp8_max_abs_diff": fp8_diff,
+            **quantized,
         }
         results.append(row)
         print(row, flush=True)
@@ -250,13 +257,16 @@ def main() -> int:
     print(f"best config: {best}")
     print(
         f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
-        f"{'max diff':>10}{'fp8 ms':>8}{'fp8 gain':>9}{'fp8 TB/s':>9}{'fp8 diff':>9}"
+        f"{'max diff':>10}{'fp8 ms':>8}{'gain':>6}{'TB/s':>6}{'diff':>8}{'int8 ms':>9}{'gain':>6}{'TB/s':>6}{'diff':>8}"
     )
     for r in results:
         print(
             f"{r['batch']:>6}{r['context']:>6}{r['splits']:>7}{r['ours_ms']:>9.3f}{r['sdpa_gqa_ms']:>9.3f}"
             f"{r['ours_tb_s']:>10.2f}{r['sdpa_tb_s']:>10.2f}{r['max_abs_diff']:>10.4f}"
-            f"{r['fp8_ms']:>8.3f}{r['fp8_gain']:>9.2f}{r['fp8_tb_s']:>9.2f}{r['fp8_max_abs_diff']:>9.4f}"
+            + "".join(
+                f"{r[k + '_ms']:>{w}.3f}{r[k + '_gain']:>6.2f}{r[k + '_tb_s']:>6.2f}{r[k + '_max_abs_diff']:>8.4f}"
+                for k, w in (("fp8", 8), ("int8", 9))
+            )
         )
     print(f"{'batch':>6}{'shared':>7}{'own':>5}{'plain ms':>10}{'cascade ms':>11}{'gain':>7}{'max diff':>10}")
     for r in cascade:
@@ -266,14 +276,16 @@ def main() -> int:
         )
     print(
         f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}"
-        f"{'fp8 kernel ms':>15}{'fp8 torch ms':>14}{'fp8 equal':>10}"
+        f"{'fp8 kernel ms':>15}{'fp8 torch ms':>14}{'fp8 equal':>10}{'int8 kernel ms':>16}{'int8 torch ms':>15}"
+        f"{'int8 equal':>11}"
     )
     for r in kv_write:
         equal = r["index_copy_in_layer_equal"] and r["index_copy_step_index_equal"]
         print(
             f"{r['batch']:>6}{r['index_put_ms']:>14.4f}{r['index_copy_in_layer_ms']:>15.4f}"
             f"{r['index_copy_step_index_ms']:>17.4f}{str(equal):>7}{r['fp8_write_ms']:>15.4f}"
-            f"{r['fp8_write_torch_ms']:>14.4f}{str(r['fp8_write_equal']):>10}"
+            f"{r['fp8_write_torch_ms']:>14.4f}{str(r['fp8_write_equal']):>10}{r['int8_write_ms']:>16.4f}"
+            f"{r['int8_write_torch_ms']:>15.4f}{str(r['int8_write_equal']):>11}"
         )
     return 0
 

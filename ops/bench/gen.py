@@ -7,7 +7,7 @@ its correctness, and plain-transformers baselines, all in one run so the ratios 
     python ops/bench/gen.py g1 --smoke --out /tmp/g1-smoke.json    # CPU: tiny model, a few rows, every step
     python ops/bench/gen.py g1json --out ops/bench/results/g1json.json  # structured outputs vs G1 (issue 26)
     python ops/bench/gen.py g1lp --out ops/bench/results/g1lp.json      # logprobs (top 5) on vs off on G1
-    python ops/bench/gen.py g1fp8 --out ops/bench/results/g1fp8.json    # kv_cache_dtype fp8 vs auto on G1
+    python ops/bench/gen.py g1kv --out ops/bench/results/g1kv.json      # kv_cache_dtype fp8 and int8 vs auto
 
 Workloads (Qwen3-0.6B architecture, random bf16 weights, EOS off, greedy; the benchmark model's tokenizer has 640
 tokens: `--tokenizer-size 151936` puts a byte-level BPE of ~59k in its place, whose grammar masks cost what a real
@@ -38,11 +38,13 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   THREADS) `ratios.more_families_gain`. These runs and the length-matched run are interleaved `--repeat`
   times; the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
-- `g1fp8`: G1 with `kv_cache_dtype` fp8 and auto, cold then warm runs interleaved `--repeat` times, in one child
-  process (`ratios.fp8/auto`: median tok/s; `g1fp8_tok_s`: each one's runs and spread; `engine.*.pages`: the
-  rows the cache holds); `correctness.fp8_greedy_vs_generate`: the memorized model's greedy outputs with an fp8
-  cache against plain `generate`; `fp8_same_as_auto`: how many of G1's random-model outputs equal auto's
-  (informational, not a check: a random model's logits are near ties).
+- `g1kv`: G1 with `kv_cache_dtype` auto, fp8 and int8, each quantized type's cold run, then warm runs of the
+  three interleaved `--repeat` times, in one child process (`ratios.fp8/auto`, `ratios.int8/auto`: median tok/s;
+  `g1kv_tok_s`: each one's runs and spread; `engine.*.pages`: the rows the cache holds);
+  `correctness.<kind>_greedy_vs_generate`: the memorized model's greedy outputs with that cache against plain
+  `generate`; `kv_same_as_auto.<kind>`: how many of G1's random-model outputs equal auto's, and
+  `kv_logits_vs_generate.<kind>`: the per-step logits with that cache against plain `generate` (step 1c's check;
+  both informational, not checks: a random model's logits are near ties).
   These three run only step 1's engine runs (no baselines, no service).
 
 Steps (each in its own time box; a step that would not fit is listed under `skipped`):
@@ -95,7 +97,8 @@ if str(ROOT) not in sys.path:
 from ops.bench import harness  # after the repository root is on sys.path
 
 BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6)
-COMPARISONS = ("g1json", "g1lp", "g1fp8")  # G1's rows in other settings, compared in one child process
+COMPARISONS = ("g1json", "g1lp", "g1kv")  # G1's rows in other settings, compared in one child process
+QUANTIZED_KV = ("fp8", "int8")  # the quantized kv_cache_dtype values g1kv times against auto
 FULL_BATCH = 1024
 SEED = harness.SEED
 log = harness.logger("gen")
@@ -212,7 +215,7 @@ def logprobs_check(loaded, rows: list, results: list) -> dict:
 
 
 def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -> None:
-    """g1json, g1lp and g1fp8 (see the docstring): warm engine runs in this process, each timed alone."""
+    """g1json, g1lp and g1kv (see the docstring): warm engine runs in this process, each timed alone."""
     import torch  # noqa: F401  (the child's torch, already imported)
 
     from core.spec import GenerateSpec
@@ -255,33 +258,52 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
     plain = {"ignore_eos": True}
     for name in ("g1_cold", "g1"):
         box.run(name, 40, lambda name=name: timed(name, plain, rows))
-    if args.workload == "g1fp8":
-        fp8 = {**plain, "kv_cache_dtype": "fp8"}
-        box.run("fp8_cold", 60, lambda: timed("fp8_cold", fp8, rows))  # a new state: its cache and graphs
-        rates: dict[str, list[float]] = {"auto": [], "fp8": []}
+    if args.workload == "g1kv":
+        kinds = {"auto": plain, **{kind: {**plain, "kv_cache_dtype": kind} for kind in QUANTIZED_KV}}
+        for kind in QUANTIZED_KV:  # each a new state: its cache and graphs
+            box.run(f"{kind}_cold", 60, lambda kind=kind: timed(f"{kind}_cold", kinds[kind], rows))
+        rates: dict[str, list[float]] = {kind: [] for kind in kinds}
         for i in range(max(1, args.repeat)):  # each switch makes a new state: the runs after it are its warm ones
-            for name, fields in (("auto", plain), ("fp8", fp8)):
-                box.run(f"{name}_warm_up_{i + 1}", 60, lambda fields=fields: timed("_warm_up", fields, rows[:8]))
-                if box.run(f"{name}_{i + 1}", 60, lambda n=f"{name}_{i + 1}", f=fields: timed(n, f, rows)):
-                    rates[name].append(out["engine"][f"{name}_{i + 1}"]["output_tok_s"])
+            for kind, fields in kinds.items():
+                box.run(f"{kind}_warm_up_{i + 1}", 60, lambda fields=fields: timed("_warm_up", fields, rows[:8]))
+                if box.run(f"{kind}_{i + 1}", 60, lambda n=f"{kind}_{i + 1}", f=fields: timed(n, f, rows)):
+                    rates[kind].append(out["engine"][f"{kind}_{i + 1}"]["output_tok_s"])
         out["engine"].pop("_warm_up", None)
-        stats = {name: harness.repeated(values) for name, values in rates.items()}
-        out["g1fp8_tok_s"] = stats
-        if stats["auto"]["median"] and stats["fp8"]["median"]:
-            out["ratios"] = {"fp8/auto": round(stats["fp8"]["median"] / stats["auto"]["median"], 3)}
-        a, b = out["engine"].get("auto_1"), out["engine"].get("fp8_1")
-        if a and b:
-            auto_out = {r.idx: r.output for r in a["_results"]}
-            same = sum(r.output == auto_out.get(r.idx) for r in b["_results"])
-            out["fp8_same_as_auto"] = {"rows": len(rows), "equal": same}  # informational: no pass or fail
+        stats = {kind: harness.repeated(values) for kind, values in rates.items()}
+        out["g1kv_tok_s"] = stats
+        out["ratios"] = {
+            f"{kind}/auto": round(stats[kind]["median"] / stats["auto"]["median"], 3)
+            for kind in QUANTIZED_KV
+            if stats[kind]["median"] and stats["auto"]["median"]
+        }
         device, dtype = str(loaded.device.type), loaded.model.dtype
+        for kind in QUANTIZED_KV:
+            a, b = out["engine"].get("auto_1"), out["engine"].get(f"{kind}_1")
+            if a and b:  # informational: no pass or fail
+                auto_out = {r.idx: r.output for r in a["_results"]}
+                same = sum(r.output == auto_out.get(r.idx) for r in b["_results"])
+                out.setdefault("kv_same_as_auto", {})[kind] = {"rows": len(rows), "equal": same}
 
-        def fp8_greedy() -> None:
-            check = harness.greedy_check(args.qa_model, "fast", device, dtype, kv_cache_dtype="fp8")
-            out["correctness"]["fp8_greedy_vs_generate"] = check
-            log(f"greedy fast engine with an fp8 cache vs generate: {check['equal']}/{check['rows']} equal")
+            def greedy(kind=kind) -> None:
+                check = harness.greedy_check(args.qa_model, "fast", device, dtype, kv_cache_dtype=kind)
+                out["correctness"][f"{kind}_greedy_vs_generate"] = check
+                log(f"greedy fast engine with an {kind} cache vs generate: {check['equal']}/{check['rows']} equal")
 
-        box.run("fp8_greedy", 40, fp8_greedy)
+            box.run(f"{kind}_greedy", 40, greedy)
+
+            def logits(kind=kind) -> None:  # how far the cache moves the logits (bf16's tolerance: no pass or fail)
+                from worker.engines import fastgen, slot_state
+
+                check = _logits_check(torch, fastgen, slot_state, loaded, rows, device, dtype, kv_cache_dtype=kind)
+                drop = ("passed", "tolerance")
+                out.setdefault("kv_logits_vs_generate", {})[kind] = {k: v for k, v in check.items() if k not in drop}
+                log(
+                    f"logits with an {kind} cache vs generate: max |diff| {check['max_abs_diff']:.4f} (|logit| up "
+                    f"to {check['max_abs_logit']:.1f}), greedy tokens equal {check['greedy_tokens_equal']}/"
+                    f"{check['of_tokens']}"
+                )
+
+            box.run(f"{kind}_logits", 30, logits)
     elif args.workload == "g1lp":
         lp = {**plain, "logprobs": True, "top_logprobs": 5}
         for name in ("logprobs_cold", "logprobs"):
@@ -793,14 +815,17 @@ def run_peer(torch, model, tok, ids: list[list[int]], data: list[tuple[str, int]
     return record
 
 
-def _logits_check(torch, fastgen, slot_state, loaded, rows, device, dtype, n: int = 64, steps: int = 8) -> dict:
-    """Per-step logits of `n` rows: plain `generate` (sdpa, dynamic cache) vs the fast engine at a full batch of
-    the engine's slot count (the other slots hold further rows of the workload), teacher-forced along plain
-    generate's greedy tokens so both see the same inputs at every step."""
+def _logits_check(
+    torch, fastgen, slot_state, loaded, rows, device, dtype, n: int = 64, steps: int = 8, kv_cache_dtype="auto"
+) -> dict:
+    """Per-step logits of `n` rows: plain `generate` (sdpa, dynamic cache) vs the fast engine (its cache of
+    `kv_cache_dtype`) at a full batch of the engine's slot count (the other slots hold further rows of the
+    workload), teacher-forced along plain generate's greedy tokens so both see the same inputs at every step."""
     model, tok = loaded.model, loaded.tokenizer
     ids = [tok(r["prompt"])["input_ids"] for _, r in rows]
     slot_state.release(model)
-    state = slot_state.state_for(model, loaded.device, model.get_output_embeddings().weight.shape[0])
+    vocab = model.get_output_embeddings().weight.shape[0]
+    state = slot_state.state_for(model, loaded.device, vocab, kv_cache_dtype=kv_cache_dtype)
     slots = state.slots
     n = min(n, slots)
     enc = tok.pad({"input_ids": ids[:n]}, padding=True, return_tensors="pt").to(device)
@@ -901,7 +926,7 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
             "gpus": args.spec_gpus,
             "kv_cache_dtype": args.kv_cache_dtype,
         }
-        if args.kv_cache_dtype != "auto":  # auto is fast on a GPU; on a CPU (--smoke) it is padded, which refuses fp8
+        if args.kv_cache_dtype != "auto":  # auto is fast on a GPU; on a CPU (--smoke) it is padded, which refuses it
             base["engine"] = "fast"
         small_id = client.upload(small)["id"]
 
@@ -1121,7 +1146,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=["auto", "fp8"],
+        choices=["auto", *QUANTIZED_KV],
         default="auto",
         help="g1, g2, g3: our engine runs and service jobs with this KV cache (the checks and baselines as they are)",
     )
@@ -1227,8 +1252,9 @@ def main(argv: list[str] | None = None) -> int:
             "g1json_seconds",
             "grammar",
             "prefix_cache",
-            "g1fp8_tok_s",
-            "fp8_same_as_auto",
+            "g1kv_tok_s",
+            "kv_same_as_auto",
+            "kv_logits_vs_generate",
         ):  # what one workload's step 1 adds
             if key in child:
                 r[key] = child[key]

@@ -8,10 +8,10 @@
 #                                         # PROFILE_WARM_START=1: on the resident worker's second small job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel,
-#                                    # fp8 pages against bf16 ones
-#   PART=g1fp8 bash ops/gpu/perf.sh  # G1 with kv_cache_dtype fp8 against auto (3 interleaved runs each), fp8's greedy
-#                                    # outputs on the memorized model; KV=fp8 PART=g1-service (or g1, g2, g2-service):
-#                                    # our runs with an fp8 cache
+#                                    # fp8 and int8 pages against bf16 ones
+#   PART=g1kv bash ops/gpu/perf.sh   # G1 with kv_cache_dtype fp8 and int8 against auto (3 interleaved runs each),
+#                                    # their greedy outputs on the memorized model; KV=fp8 (or int8) PART=g1-service
+#                                    # (or g1, g2, g2-service): our runs with that cache
 #   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py);
 #                                          # the warm runs alternate lazy compiler imports with preloaded ones
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
@@ -26,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, g1fp8, i26, kernel, prepare, f1, f1-service or grammar}
+PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, g1kv, i26, kernel, prepare, f1, f1-service or grammar}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
@@ -50,7 +50,7 @@ case $PART in
             export PYSPY=$SITE/bin/py-spy; cmd+=(--profile-warm-start "$OUT/warm-start.speedscope.json")
         fi ;;
     g3) cmd=(python3 ops/bench/gen.py g3 --repeat 3 --no-peer --skip service --inproc-s $((LIMIT - 20)) --out "$OUT/g3.json") ;;
-    g1fp8) cmd=(python3 ops/bench/gen.py g1fp8 --repeat 3 --inproc-s $((LIMIT - 20)) --out "$OUT/g1fp8.json") ;;
+    g1kv) cmd=(python3 ops/bench/gen.py g1kv --repeat 3 --inproc-s $((LIMIT - 20)) --out "$OUT/g1kv.json") ;;
     g1json | g1lp) size=${TOKENIZER_SIZE:-640}  # another size: a BPE of that many tokens instead of the model's 640
                    cmd=(python3 ops/bench/gen.py "$PART" --tokenizer-size "$size" --inproc-s $((LIMIT - 20))
                         --out "$OUT/$PART-$size.json") ;;

@@ -698,17 +698,18 @@ class Soak:
             )
             for e in ENGINES
         }
-        jobs["fast_fp8"] = step.submit(  # the fast engine with an fp8 KV cache (kv_cache_dtype)
-            {
-                "model": str(self.paths["tiny_qa"]),
-                "input": file_id,
-                "max_new_tokens": 16,
-                "engine": "fast",
-                "kv_cache_dtype": "fp8",
-                "batch_rows": len(records),
-                "name": "soak engines: fast, kv_cache_dtype fp8",
-            }
-        )
+        for kind in ("fp8", "int8"):  # the fast engine with a quantized KV cache (kv_cache_dtype)
+            jobs[f"fast_{kind}"] = step.submit(
+                {
+                    "model": str(self.paths["tiny_qa"]),
+                    "input": file_id,
+                    "max_new_tokens": 16,
+                    "engine": "fast",
+                    "kv_cache_dtype": kind,
+                    "batch_rows": len(records),
+                    "name": f"soak engines: fast, kv_cache_dtype {kind}",
+                }
+            )
         outputs: dict[str, dict[str, str]] = {}
         states = {}
         for engine, job_id in jobs.items():
@@ -737,14 +738,15 @@ class Soak:
             )
         right = memorized(reference)
         step.check("memorized_answers", right >= 0.95 * len(records), right=right, of=len(records))
-        fp8 = outputs.get("fast_fp8", {})  # fp8's rounding may move a greedy pick: its answers, not equality
-        step.check(
-            "fast_fp8_memorized_answers",
-            memorized(fp8) >= 0.95 * len(records),
-            right=memorized(fp8),
-            of=len(records),
-            differ_from_padded=sum(fp8.get(cid) != out for cid, out in reference.items()),
-        )
+        for kind in ("fp8", "int8"):  # the rounding may move a greedy pick: the answers, not equality
+            got = outputs.get(f"fast_{kind}", {})
+            step.check(
+                f"fast_{kind}_memorized_answers",
+                memorized(got) >= 0.95 * len(records),
+                right=memorized(got),
+                of=len(records),
+                differ_from_padded=sum(got.get(cid) != out for cid, out in reference.items()),
+            )
         step.record["rows"] = {"total": len(records) * len(jobs), "per_engine": len(records)}
 
     def g2(self, step: Step, second: bool) -> None:

@@ -18,12 +18,15 @@ rows, kv head) and attends the queries of all rows to it in one product; the row
 `start` on; the parts are merged by log-sum-exp (`_merge`). The result is the plain decode's whatever `shared`
 holds: a row's `start` counts only blocks its own table lists, and positions past its length are masked.
 
-**fp8 pages** (`kv_cache_dtype: fp8`): K and V may be kept as float8 e4m3 with a float32 scale per (page, kv
-head, position), `k_scales`/`v_scales` shaped (pages, kv_heads, PAGE): each head's vector of a position is divided
-by its largest magnitude / 448 when it is written (`quantize`), so no vector overflows fp8 or sinks into its
-subnormals whatever the model's range. A decode step then reads 132 bytes per position and head instead of 256
-(head_dim 128, bf16). The kernels convert a page to q's dtype after loading it and apply the scales to the logits
-(K) and to the probabilities (V), which is the same product as attending over the dequantized pages.
+**Quantized pages** (`kv_cache_dtype: fp8` or `int8`): K and V may be kept as float8 e4m3 or int8 with a float32
+scale per (page, kv head, position), `k_scales`/`v_scales` shaped (pages, kv_heads, PAGE): each head's vector of a
+position is divided by its largest magnitude / the type's largest value (448, 127) when it is written (`quantize`;
+int8 rounds half away from zero), so no vector overflows, whatever the model's range. A decode step then reads 132
+bytes per position and head instead of 256 (head_dim 128, bf16). The kernels convert a page to q's dtype after
+loading it and apply the scales to the logits (K) and to the probabilities (V), which is the same product as
+attending over the dequantized pages. int8 keeps a vector's large values more precisely (a uniform step of
+amax / 127) and fp8 its small ones (3 mantissa bits each); on Gaussian vectors int8's error is ~4× smaller, with
+rare 20× outliers fp8's is smaller (ops/bench/results/2026-12-05-cpu-kv-quant).
 
 Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade,
 k_scales, v_scales)`:
@@ -58,7 +61,8 @@ TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batche
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
 FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
-FP8_MAX = 448.0  # its largest finite magnitude
+QUANTIZED = {"fp8": FP8, "int8": torch.int8}  # kv_cache_dtype -> the cache's element type
+LARGEST = {FP8: 448.0, torch.int8: 127.0}  # each one's largest magnitude (a vector's scale maps its amax there)
 
 try:  # triton ships with CUDA builds of torch; CPU builds may lack it (the reference runs there)
     import triton
@@ -90,7 +94,7 @@ def decode(
     contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
     positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`); `cascade`:
     (shared (W,) long, shared_n (1,) int32, start (B,) int32), see the module docstring; `k_scales`, `v_scales`:
-    (pages, KVH, PAGE) float32, the scales of fp8 pages (see the module docstring). Returns (B, H, D) in q's
+    (pages, KVH, PAGE) float32, the scales of quantized pages (see the module docstring). Returns (B, H, D) in q's
     dtype. The Triton kernels where they run (see `available`), else the reference (which reads every row's table
     whole: the same result with or without `cascade`)."""
     if available(q.device):
@@ -98,16 +102,20 @@ def decode(
     return reference_decode(q, k_pages, v_pages, table, lengths, scale, k_scales, v_scales)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x` (..., D) as fp8 vectors and their float32 scales (...,): each vector divided by its largest magnitude
-    / FP8_MAX (a zero vector by a tiny scale, giving zeros)."""
-    x = x.float()
-    scales = (x.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-30)
-    return (x / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scales
+def quantize(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` (..., D) as vectors of `dtype` (FP8 or int8) and their float32 scales (...,): each vector divided by its
+    largest magnitude / LARGEST[dtype] (a zero vector by a tiny scale, giving zeros); int8 rounds half away from
+    zero (as `_write_kernel` does: the same bytes)."""
+    x, largest = x.float(), LARGEST[dtype]
+    scales = (x.abs().amax(dim=-1) / largest).clamp(min=1e-30)
+    values = x / scales[..., None]
+    if dtype == torch.int8:
+        values = values.sign() * (values.abs() + 0.5).floor()
+    return values.clamp(-largest, largest).to(dtype), scales
 
 
 def dequantize(x: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 vectors `x` (..., D) times their `scales` (...,), in `dtype`."""
+    """Quantized vectors `x` (..., D) times their `scales` (...,), in `dtype`."""
     return (x.float() * scales[..., None]).to(dtype)
 
 
@@ -131,35 +139,35 @@ def gather(
 def read_pages(
     pages: torch.Tensor, index: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """`pages[index]`; fp8 pages (with their `scales`) dequantized into `dtype`. fp8 tensors are indexed as bytes
+    """`pages[index]`; quantized pages (with their `scales`) dequantized into `dtype`. They are indexed as bytes
     (not every torch indexes float8 on every device)."""
     if scales is None:
         return pages[index]
-    return dequantize(pages.view(torch.uint8)[index].view(FP8), scales[index], dtype)
+    return dequantize(pages.view(torch.uint8)[index].view(pages.dtype), scales[index], dtype)
 
 
 def write_pages(pages: torch.Tensor, scales: torch.Tensor | None, index: tuple, x: torch.Tensor) -> torch.Tensor:
-    """`pages[index] = x`; into fp8 pages, `x` quantized and its scales written to `scales[index]`. Returns what
-    the pages now hold, as `x`'s dtype: `x`, or its quantized values dequantized."""
+    """`pages[index] = x`; into quantized pages, `x` quantized and its scales written to `scales[index]`. Returns
+    what the pages now hold, as `x`'s dtype: `x`, or its quantized values dequantized."""
     if scales is None:
         pages[index] = x
         return x
-    values, values_scales = quantize(x)
+    values, values_scales = quantize(x, pages.dtype)
     pages.view(torch.uint8)[index] = values.view(torch.uint8)
     scales[index] = values_scales
     return dequantize(values, values_scales, x.dtype)
 
 
 def write_step(pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Tensor, offset: torch.Tensor, x) -> None:
-    """A decode step's write: row b's `x[b]` (B, KVH, D) at `pages[page[b], :, offset[b]]`. fp8 pages where the
-    Triton kernels run: one kernel (`_write_fp8_kernel`: each vector's scale, its fp8 values and the scale stored
-    in one pass) instead of `write_pages`' chain of torch operations (a dozen kernels per layer in a decode step's
+    """A decode step's write: row b's `x[b]` (B, KVH, D) at `pages[page[b], :, offset[b]]`. Quantized pages where
+    the Triton kernels run: one kernel (`_write_kernel`: each vector's scale, its values and the scale stored in
+    one pass) instead of `write_pages`' chain of torch operations (a dozen kernels per layer in a decode step's
     graph); the same bytes."""
     if scales is None or not available(x.device):
         write_pages(pages, scales, (page, slice(None), offset), x)
         return
     batch, kv_heads, dim = x.shape
-    _write_fp8_kernel[(batch, kv_heads)](
+    _write_kernel[(batch, kv_heads)](
         x,
         pages,
         scales,
@@ -168,9 +176,10 @@ def write_step(pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Ten
         *x.stride()[:2],
         *pages.stride()[:3],
         *scales.stride()[:2],
-        FP8_MAX,
+        LARGEST[pages.dtype],
         HEAD_DIM=dim,
         HEAD_PAD=triton.next_power_of_2(dim),
+        INT=pages.dtype == torch.int8,
     )
 
 
@@ -184,7 +193,7 @@ def reference_decode(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode` with the pages gathered (fp8 ones dequantized into q's dtype) and SDPA with a length mask (zeros
+    """`decode` with the pages gathered (quantized ones dequantized into q's dtype) and SDPA with a length mask (zeros
     where length 0)."""
     k, v = gather(k_pages, table, k_scales, q.dtype), gather(v_pages, table, v_scales, q.dtype)
     return masked_decode(q, k, v, lengths, scale)
@@ -222,7 +231,7 @@ def _triton_decode(
     q, k_pages, v_pages, table, lengths, scale: float, splits: int, cascade=None, k_scales=None, v_scales=None
 ) -> torch.Tensor:
     """One split and no cascade: the kernel writes the normalized output in q's dtype. Otherwise fp32 partial
-    results per part (the row kernel's splits, then the prefix kernel's), merged by `_merge`. fp8 pages: the
+    results per part (the row kernel's splits, then the prefix kernel's), merged by `_merge`. Quantized pages: the
     kernels read `k_scales`, `v_scales` (else they are passed K and V again, unread)."""
     batch, heads, dim = q.shape
     kv_heads = k_pages.shape[1]
@@ -420,7 +429,7 @@ if triton is not None:
             tl.store(Stats + row * 2 + 1, l_i, mask=keep)
 
     @triton.jit
-    def _write_fp8_kernel(
+    def _write_kernel(
         X,
         Pages,
         Scales,
@@ -433,26 +442,31 @@ if triton is not None:
         stride_pn,
         stride_sp,
         stride_sh,
-        fp8_max,
+        largest,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
+        INT: tl.constexpr,
     ):
         """Row `program_id(0)`'s vector of kv head `program_id(1)`, as `quantize` does it: divided by its largest
-        magnitude / fp8_max (at least 1e-30), clamped, stored as fp8 at its page and offset, its scale beside it."""
+        magnitude / `largest` (at least 1e-30), rounded (INT: half away from zero; fp8: the conversion's nearest
+        even), clamped, stored at its page and offset, its scale beside it."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         d = tl.arange(0, HEAD_PAD)
         dim = _head_mask(d, HEAD_DIM, HEAD_PAD)
         x = tl.load(X + b * stride_xb + h * stride_xh + d, mask=dim, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, 1e-30)
-        values = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / largest, 1e-30)
+        values = x / scale
+        if INT:
+            values = tl.where(values < 0, -tl.floor(0.5 - values), tl.floor(values + 0.5))
+        values = tl.minimum(tl.maximum(values, -largest), largest)
         page = tl.load(Page + b).to(tl.int64)
         offset = tl.load(Offset + b).to(tl.int64)
-        tl.store(
-            Pages + page * stride_pp + h * stride_ph + offset * stride_pn + d,
-            values.to(Pages.dtype.element_ty, fp_downcast_rounding="rtne"),
-            mask=dim,
-        )
+        if INT:
+            stored = values.to(Pages.dtype.element_ty)
+        else:
+            stored = values.to(Pages.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(Pages + page * stride_pp + h * stride_ph + offset * stride_pn + d, stored, mask=dim)
         tl.store(Scales + page * stride_sp + h * stride_sh + offset, scale)
 
     @triton.jit

@@ -12,9 +12,10 @@ prefill or a decode step it sets the model's `_attn_implementation` to `NAME` an
   slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), with
   `Step.cascade` reading the pages many rows share once for all of them.
 
-An fp8 cache (`state.scales` set: `kv_cache_dtype: fp8`) is written quantized, a scale per position and head, and
-read dequantized (decode_attention's docstring). The prefill attends over the dequantized values too, its own
-chunk's as well as a reused prefix's, so an output does not depend on whether its prefix came from the cache.
+A quantized cache (`state.scales` set: `kv_cache_dtype: fp8` or `int8`) is written quantized, a scale per position
+and head, and read dequantized (decode_attention's docstring). The prefill attends over the dequantized values too,
+its own chunk's as well as a reused prefix's, so an output does not depend on whether its prefix came from the
+cache.
 
 The function runs outside the compiled layers (`torch.compiler.disable`, wrapped at `register`), so it reads the
 running step from this module at call time. The cache and the slot inputs are the resident state's
@@ -88,7 +89,7 @@ def fast_attention(
     if step.mode == "prefill":
         length = key.shape[2]
         at = (step.pages[:, :length], slice(None), state.offsets[:length])
-        # attend over what the cache holds (an fp8 cache: the values dequantized), as a later prefill that reuses
+        # attend over what the cache holds (a quantized cache: the values dequantized), as a later prefill that reuses
         # these pages will: outputs do not depend on whether a prefix came from the cache
         key = write_pages(k_cache, k_scales, at, key.transpose(1, 2)).transpose(1, 2)  # (rows, length, kv_heads, dim)
         value = write_pages(v_cache, v_scales, at, value.transpose(1, 2)).transpose(1, 2)
@@ -130,7 +131,7 @@ def fast_attention(
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The K or V of `pages` (rows, n) of one layer's cache (pages, kv_heads, PAGE, dim) as (rows, kv_heads,
-    n * PAGE, dim), positions in order (fp8 pages dequantized into `dtype`)."""
+    n * PAGE, dim), positions in order (quantized pages dequantized into `dtype`)."""
     rows, n = pages.shape
     got = read_pages(cache, pages, scales, dtype)  # (rows, n, kv_heads, PAGE, dim)
     return got.permute(0, 2, 1, 3, 4).reshape(rows, got.shape[2], n * PAGE, got.shape[4])

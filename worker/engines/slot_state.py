@@ -5,11 +5,11 @@ starts decoding at once; other engines call `release()` first to give its memory
 - **The cache.** One preallocated tensor holds K and V of every layer in pages of `PAGE` positions:
   (2, layers, pages, kv_heads, PAGE, head_dim). Page 0 is a trash page: free slots point at it. Each slot (a place
   in the decode batch) has a row of the page table, `max_len` positions wide.
-- **Its element type** (`kv_cache_dtype`, a job's spec field): `auto`, the model's dtype; `fp8`, float8 e4m3 with
-  a float32 scale per position and head beside it (`scales`, decode_attention's docstring): 132 bytes per position
-  and head instead of 256 at head_dim 128 in bf16, so about twice the pages fit and a decode step reads half. A job
-  asking for the other type than the resident state's gets a new state (`state_for`); the compiled layers carry
-  over (the attention they call reads the cache, they do not).
+- **Its element type** (`kv_cache_dtype`, a job's spec field): `auto`, the model's dtype; `fp8` (float8 e4m3) or
+  `int8`, with a float32 scale per position and head beside it (`scales`, decode_attention's docstring): 132 bytes
+  per position and head instead of 256 at head_dim 128 in bf16, so about twice the pages fit and a decode step
+  reads half. A job asking for another type than the resident state's gets a new state (`state_for`); the compiled
+  layers carry over (the attention they call reads the cache, they do not).
 - **Its size** (`size`): `MAX_SLOTS` slots and as many pages as the worker's share of the GPU leaves
   (`cache_budget`: JOBS_GPU_MEMORY_UTILIZATION × the GPU's memory, less what is in use, less the working memory
   beside the cache: `reserve` for prefill activations and the CUDA graphs' logits), sized once from the memory free
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from worker.engines import pages as pages_mod
-from worker.engines.decode_attention import FP8, PAGE
+from worker.engines.decode_attention import PAGE, QUANTIZED
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SlotState:
     """The paged cache, the page table and the per-slot decode inputs, kept on the model between jobs."""
 
     cache: torch.Tensor  # (2, layers, pages, kv_heads, PAGE, head_dim); page 0 is the trash page
-    scales: torch.Tensor | None  # an fp8 cache's: (2, layers, pages, kv_heads, PAGE) float32; else None
+    scales: torch.Tensor | None  # a quantized cache's: (2, layers, pages, kv_heads, PAGE) float32; else None
     table: torch.Tensor  # (slots, width) long: the page of each block of PAGE positions of each slot
     tok: torch.Tensor  # (slots,) the token each slot feeds into the next decode step
     pos: torch.Tensor  # (slots,) where that token's K/V goes = its position (0 for a free slot)
@@ -94,7 +94,10 @@ class SlotState:
 
     @property
     def kv_cache_dtype(self) -> str:
-        return "auto" if self.scales is None else "fp8"
+        """The spec's name of the cache's type: auto, fp8 or int8."""
+        if self.scales is None:
+            return "auto"
+        return next(name for name, dtype in QUANTIZED.items() if dtype == self.cache.dtype)
 
     def bytes(self) -> int:
         scales = 0 if self.scales is None else self.scales.numel() * self.scales.itemsize
@@ -119,7 +122,7 @@ def _shape(model) -> tuple[int, int, int]:
 
 
 def page_bytes(model, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one page of every layer's K and V (and, fp8, their scales)."""
+    """Bytes of one page of every layer's K and V (and, quantized, their scales)."""
     layers, kv_heads, head_dim = _shape(model)
     per_vector = head_dim * model.dtype.itemsize if kv_cache_dtype == "auto" else head_dim + 4
     return 2 * layers * kv_heads * PAGE * per_vector
@@ -222,9 +225,9 @@ def state_for(
     layers, kv_heads, head_dim = _shape(model)
     width = max_len(model) // PAGE
     shape = (2, layers, pages, kv_heads, PAGE)
-    fp8 = kv_cache_dtype == "fp8"
-    cache = torch.zeros((*shape, head_dim), dtype=FP8 if fp8 else model.dtype, device=device)
-    scales = torch.zeros(shape, dtype=torch.float32, device=device) if fp8 else None
+    quantized = QUANTIZED.get(kv_cache_dtype)
+    cache = torch.zeros((*shape, head_dim), dtype=quantized or model.dtype, device=device)
+    scales = None if quantized is None else torch.zeros(shape, dtype=torch.float32, device=device)
     positions = torch.arange(width * PAGE, device=device)
 
     def zeros(dtype):
@@ -260,7 +263,7 @@ def state_for(
         pages,
         PAGE,
         state.bytes() / 2**30,
-        "fp8" if fp8 else str(model.dtype).removeprefix("torch."),
+        str(cache.dtype).removeprefix("torch."),
         state.max_len,
     )
     return state
