@@ -247,8 +247,8 @@ def test_an_fp8_cache_that_engine_auto_does_not_run_is_an_event_of_the_job(loade
     out = run(loaded, make_spec(tiny_model, kv_cache_dtype="fp8"), rows, on_event=events.append)
     assert out[0].output == qa_pairs()[0][1]
     assert events == [
-        "kv_cache_dtype fp8 not applied: auto: padded on CPU (the fast engine's kernels and CUDA graphs need a GPU), "
-        "with the model's dtype"
+        "kv_cache_dtype fp8 not applied: the rows run on engine padded with the model's dtype (auto: padded on CPU "
+        "(the fast engine's kernels and CUDA graphs need a GPU))"
     ]
 
 

@@ -67,7 +67,10 @@ def generate(
     engine, reason = choose_engine(spec, loaded)
     info.update(engine=engine, engine_reason=reason)
     if spec.kv_cache_dtype != "auto" and engine != "fast":  # engine auto chose another (others are refused at submit)
-        on_event(f"kv_cache_dtype {spec.kv_cache_dtype} not applied: {reason}, with the model's dtype")
+        on_event(
+            f"kv_cache_dtype {spec.kv_cache_dtype} not applied: the rows run on engine {engine} with the model's "
+            f"dtype ({reason})"
+        )
     yield from run_engine(
         engine,
         loaded,
