@@ -129,7 +129,8 @@ def quantized_writes(torch, da, batch: int, kind: str) -> dict:
     operations (`write_pages`), and whether they leave the same bytes and scales (for fp8 the CPU tests cannot check
     the rounding: Triton's interpreter converts to fp8 without carrying into the exponent)."""
     dtype = da.QUANTIZED[kind]
-    pages = [torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=dtype) for _ in range(4)]
+    pages = [torch.zeros((CACHE_PAGES, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=torch.uint8) for _ in range(4)]
+    pages = [p.view(dtype) for p in pages]  # zero bytes, as slot_state allocates them
     scales = [torch.zeros(pages[0].shape[:-1], device="cuda") for _ in range(4)]
     key, value = (torch.randn((batch, KV_HEADS, DIM), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     page = torch.randperm(CACHE_PAGES - 1, device="cuda")[:batch] + 1

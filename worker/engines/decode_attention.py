@@ -128,8 +128,8 @@ def cascade_start(table: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
 def gather(
     pages: torch.Tensor, table: torch.Tensor, scales: torch.Tensor | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """The contiguous cache (B, KVH, W * PAGE, D) of the slots whose pages `table` (B, W) lists; fp8 pages with
-    their `scales` come back dequantized, in `dtype`."""
+    """The contiguous cache (B, KVH, W * PAGE, D) of the slots whose pages `table` (B, W) lists; quantized pages
+    with their `scales` come back dequantized, in `dtype`."""
     b, w = table.shape
     blocks = read_pages(pages, table.reshape(-1), scales, dtype)  # (B * W, KVH, PAGE, D)
     kvh, page, dim = blocks.shape[1:]

@@ -226,8 +226,11 @@ def state_for(
     width = max_len(model) // PAGE
     shape = (2, layers, pages, kv_heads, PAGE)
     quantized = QUANTIZED.get(kv_cache_dtype)
-    cache = torch.zeros((*shape, head_dim), dtype=quantized or model.dtype, device=device)
-    scales = None if quantized is None else torch.zeros(shape, dtype=torch.float32, device=device)
+    if quantized is None:
+        cache, scales = torch.zeros((*shape, head_dim), dtype=model.dtype, device=device), None
+    else:  # zero bytes, viewed as the type (+0.0 in fp8): no float8 fill kernel needed on any device
+        cache = torch.zeros((*shape, head_dim), dtype=torch.uint8, device=device).view(quantized)
+        scales = torch.zeros(shape, dtype=torch.float32, device=device)
     positions = torch.arange(width * PAGE, device=device)
 
     def zeros(dtype):
