@@ -355,6 +355,23 @@ def test_reference_decode_matches_full_attention_per_row():
         assert torch.allclose(out[b], want[:, 0], atol=1e-5)
 
 
+def gen_smoke(workload: str, tmp_path: Path, model: Path, *args: str) -> dict:
+    """`ops/bench/gen.py WORKLOAD --smoke` (CPU) on `model`, its work under `tmp_path`: it must end well; returns its
+    report."""
+    out = tmp_path / f"{workload}.json"
+    proc = subprocess.run(
+        [sys.executable, "ops/bench/gen.py", workload, "--smoke", "--out", str(out), "--work", str(tmp_path / "work")]
+        + ["--model", str(model), "--qa-model", str(model), *args],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())[workload]
+
+
 def interpreted(script: str, ok: str, model: Path | None = None, timeout: int = 300) -> None:
     """Run `script` (with the repository root and `model` as its arguments) in a process under Triton's CPU
     interpreter (chosen when triton is imported); it must end well and print `ok`."""
@@ -1025,18 +1042,7 @@ def test_the_g1kv_benchmark_times_each_cache_type_and_checks_their_greedy_output
     """`ops/bench/gen.py g1kv --smoke` (CPU, the tiny model): interleaved runs with each cache type (each run on the
     type it names), their ratios to auto, and the memorized model's greedy outputs with each quantized cache
     checked against plain `generate` (the device runs decide by these)."""
-    out = tmp_path / "g1kv.json"
-    proc = subprocess.run(
-        [sys.executable, "ops/bench/gen.py", "g1kv", "--smoke", "--repeat", "1", "--out", str(out)]
-        + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)],
-        cwd=ROOT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())["g1kv"]
+    got = gen_smoke("g1kv", tmp_path, tiny_model, "--repeat", "1")
     kinds = ("auto", "fp8", "int8")
     assert {kind: len(got["g1kv_tok_s"][kind]["runs"]) for kind in kinds} == dict.fromkeys(kinds, 1)
     assert got["ratios"]["fp8/auto"] > 0 and got["ratios"]["int8/auto"] > 0

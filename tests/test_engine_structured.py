@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from core import logprob_store
 from core.spec import GenerateSpec
-from tests.test_engine_fast import interpreted  # a script under Triton's CPU interpreter
+from tests.test_engine_fast import gen_smoke, interpreted  # gen.py's smoke run; a script under Triton's interpreter
 from worker.engines import common, fastgen, grammar, logprobs, slot_state
 from worker.generate import generate
 from worker.loader import Loaded, load
@@ -583,21 +583,8 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     length-matched), their ratios, the grammar settings, and every output valid (the checked run's too). With
     `--tokenizer-size` (151936 on a GPU: a real tokenizer's mask cost) on a model linked beside the given one, whose
     own tokenizer stays as it was."""
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "g1json.json"
     before = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
-    proc = subprocess.run(
-        [sys.executable, "ops/bench/gen.py", "g1json", "--smoke", "--repeat", "2", "--out", str(out)]
-        + ["--work", str(tmp_path / "work"), "--model", str(tiny_model), "--qa-model", str(tiny_model)]
-        + ["--tokenizer-size", "600"],
-        cwd=root,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())["g1json"]
+    got = gen_smoke("g1json", tmp_path, tiny_model, "--repeat", "2", "--tokenizer-size", "600")
     variants = ("constrained", "one_family", "other_advance", "other_pick", "other_threads", "other_threads_advance")
     variants += ("other_overlap", "other_check", "more_families", "length_matched")
     assert {name: len(got["g1json_seconds"][name]["runs"]) for name in variants} == dict.fromkeys(variants, 2)

@@ -102,7 +102,7 @@ def decode(
     return reference_decode(q, k_pages, v_pages, table, lengths, scale, k_scales, v_scales)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (..., D) as vectors of `dtype` (FP8 or int8) and their float32 scales (...,): each vector divided by its
     largest magnitude / LARGEST[dtype] (a zero vector by a tiny scale, giving zeros); int8 rounds half away from
     zero (as `_write_kernel` does: the same bytes)."""
