@@ -68,3 +68,26 @@ def test_the_cache_folder_is_keyed_by_versions_and_an_operators_own_folder_wins(
     compile_cache.use(tmp_path / "home")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
     assert os.environ["TRITON_CACHE_DIR"].startswith(str(tmp_path / "home" / "compile-cache"))
+
+
+def test_torchs_own_default_inherited_from_the_starting_process_is_not_taken_for_an_operators(tmp_path):
+    """A process that imports torch._dynamo (transformers does when it builds a model) has torch's default folder
+    written into its environment, and a worker it starts inherits it: the worker still keeps its compiled code under
+    JOBS_HOME (a benchmark that built its model, then started the stack, gave its workers /tmp)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env["PYTHONPATH"] = str(ROOT)
+
+    def run(code: str, **extra) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env={**env, **extra}, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    inherited = run("import os, torch._dynamo; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    assert inherited == compile_cache.torch_default()
+    worker = "import os, sys; from pathlib import Path; from worker import compile_cache; "
+    worker += "compile_cache.use(Path(sys.argv[1])); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    home = tmp_path / "home"
+    got = run(worker.replace("sys.argv[1]", repr(str(home))), TORCHINDUCTOR_CACHE_DIR=inherited)
+    assert got == str(compile_cache.folder(home) / "inductor")

@@ -13,7 +13,11 @@ empties. `use()` points both at `JOBS_HOME/compile-cache/<versions>/` before tor
 - within a folder the model and its shapes are in Inductor's own keys: another model or other shapes miss;
 - a corrupt entry (a truncated file, a half-written one) is a miss: Inductor logs it, compiles again and writes the
   entry anew (tests/test_compile_cache.py truncates every file and gets the right results);
-- an operator's own TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR win (a shared cache on fast disk, say).
+- an operator's own TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR win (a shared cache on fast disk, say), but not
+  torch's own default (/tmp/torchinductor_<user>): torch writes that into the environment of any process that imports
+  `torch._dynamo` (transformers does when it builds a model), and every process that one starts inherits it. A
+  benchmark or a script that built a model and then started the stack gave its workers /tmp instead of JOBS_HOME
+  (ops/bench/results/2026-12-05-h100-session38, `compile_cache.dir`); `use()` replaces that value.
 
 `stats()` says what the cache did for a preparation: hits and misses of Inductor's FX graph cache since the process
 started, in the load event and the job's engine record.
@@ -21,9 +25,11 @@ started, in the load event and the job's engine record.
 
 from __future__ import annotations
 
+import getpass
 import os
 import platform
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +54,21 @@ def use(home: Path) -> Path:
     """Point Inductor's and Triton's caches under `home` (unless the operator set them); returns the folder. Call
     before torch compiles anything (the worker calls it at start)."""
     where = folder(home)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == torch_default():  # inherited from torch, not an operator's
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(where / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(where / "triton"))
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
+
+
+def torch_default() -> str:
+    """The folder Inductor uses when TORCHINDUCTOR_CACHE_DIR is unset, as torch computes it
+    (torch/_inductor/runtime/cache_dir_utils.py `default_cache_dir`), without importing torch."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def stats() -> dict[str, Any]:
