@@ -1,0 +1,53 @@
+"""Do llguidance's executor threads scale on G1-JSON's masks? 1,024 rows in lockstep along G1-JSON's output, each
+state's first mask; threads x families (independently compiled matchers) x bitmask width (the notes beside this file).
+
+    python ops/bench/results/2026-12-06-cpu-mask-scaling/scale.py [--tokenizer-size 640]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[4]
+sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]
+
+import llguidance  # noqa: E402
+import llguidance.hf  # noqa: E402
+import torch  # noqa: E402
+from gen import SCHEMA_G1JSON  # noqa: E402
+
+from core import structured  # noqa: E402
+from ops.bench import harness  # noqa: E402
+from worker import tinymodel  # noqa: E402
+
+OUTPUT = '{"name":"the people of the world","count":12345,"kind":"beta"}'
+p = argparse.ArgumentParser()
+p.add_argument("--tokenizer-size", type=int, default=640)
+p.add_argument("--rows", type=int, default=1024)
+args = p.parse_args()
+tok = harness.tokenizer(args.tokenizer_size)
+trace = tok(OUTPUT, add_special_tokens=False)["input_ids"]
+eos = [tok.convert_tokens_to_ids(tinymodel.EOS)]
+fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+text = structured.grammar({"response_format": fmt})
+print(f"tokenizer {len(tok)} tokens, output {len(trace)} tokens, {args.rows} rows")
+for width in (None, 151936):
+    lltok = llguidance.hf.from_tokenizer(tok, eos_token=eos, **({"n_vocab": width} if width else {}))
+    words = (lltok.vocab_size + 31) // 32
+    for threads, families in ((1, 1), (2, 1), (2, 2), (2, 8)):
+        ex = llguidance.LLExecutor(num_threads=threads)
+        firsts = [llguidance.LLMatcher(lltok, text, log_level=0) for _ in range(families)]
+        rows = [firsts[i % families].deep_copy() for i in range(args.rows)]
+        order = sorted(range(args.rows), key=lambda i: i % families)  # grouped by family, as grammar.fill
+        bits = torch.empty((args.rows, words), dtype=torch.int32)
+        total = 0.0
+        for token in trace:
+            t = time.perf_counter()
+            ex.unsafe_compute_mask_ptr([(rows[i], i) for i in order], bits.data_ptr(), words * 4, len(bits))
+            total += time.perf_counter() - t
+            for m in rows:
+                assert m.consume_token(token)
+        print(
+            f"width {lltok.vocab_size:>6}  threads {threads}  families {families}: {total / len(trace) * 1e3:6.2f} ms a step"
+        )
