@@ -1,0 +1,49 @@
+"""This box's own two-core scaling, without llguidance's executor in between: one process computing 1,024 rows'
+masks on one thread, two processes computing 512 each at once, and one computing 512 alone.
+
+    python ops/bench/results/2026-12-06-cpu-mask-scaling/processes.py
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[4])
+CODE = r"""
+import sys, time
+ROOT = sys.argv[2]
+sys.path[:0] = [ROOT, ROOT + "/ops/bench"]
+import llguidance, llguidance.hf, torch
+from gen import SCHEMA_G1JSON
+from core import structured
+from ops.bench import harness
+from worker import tinymodel
+rows_n = int(sys.argv[1])
+tok = harness.tokenizer(640)
+trace = tok('{"name":"the people of the world","count":12345,"kind":"beta"}', add_special_tokens=False)["input_ids"]
+eos = [tok.convert_tokens_to_ids(tinymodel.EOS)]
+fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+lltok = llguidance.hf.from_tokenizer(tok, eos_token=eos)
+words = (lltok.vocab_size + 31) // 32
+ex = llguidance.LLExecutor(num_threads=1)
+first = llguidance.LLMatcher(lltok, structured.grammar({"response_format": fmt}), log_level=0)
+for rep in range(2):
+    rows = [first.deep_copy() for _ in range(rows_n)]
+    bits = torch.empty((rows_n, words), dtype=torch.int32)
+    total = 0.0
+    for token in trace:
+        t = time.perf_counter()
+        ex.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(rows)], bits.data_ptr(), words * 4, rows_n)
+        total += time.perf_counter() - t
+        for m in rows:
+            m.consume_token(token)
+print(f"{rows_n} rows: {total / len(trace) * 1e3:.2f} ms a step")
+"""
+for n, procs in ((1024, 1), (512, 2), (512, 1)):
+    ps = [
+        subprocess.Popen(
+            [sys.executable, "-c", CODE, str(n), ROOT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        for _ in range(procs)
+    ]
+    print(f"{procs} process(es) at once:", [p.communicate()[0].strip() for p in ps])
