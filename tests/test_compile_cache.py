@@ -86,8 +86,7 @@ def test_torchs_own_default_inherited_from_the_starting_process_is_not_taken_for
 
     inherited = run("import os, torch._dynamo; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
     assert inherited == compile_cache.torch_default()
-    worker = "import os, sys; from pathlib import Path; from worker import compile_cache; "
-    worker += "compile_cache.use(Path(sys.argv[1])); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
     home = tmp_path / "home"
-    got = run(worker.replace("sys.argv[1]", repr(str(home))), TORCHINDUCTOR_CACHE_DIR=inherited)
+    worker = f"import os, pathlib; from worker import compile_cache; compile_cache.use(pathlib.Path({str(home)!r}))"
+    got = run(worker + "; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])", TORCHINDUCTOR_CACHE_DIR=inherited)
     assert got == str(compile_cache.folder(home) / "inductor")

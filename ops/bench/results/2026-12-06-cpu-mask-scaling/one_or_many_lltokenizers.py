@@ -6,26 +6,13 @@ families through the tokenizer? 1,024 rows, G1-JSON's output in lockstep, the to
 
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[4]
-sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]
+import llguidance
+import llguidance.hf
+import torch
+from g1json_setup import g1json
 
-import llguidance  # noqa: E402
-import llguidance.hf  # noqa: E402
-import torch  # noqa: E402
-from gen import SCHEMA_G1JSON  # noqa: E402
-
-from core import structured  # noqa: E402
-from ops.bench import harness  # noqa: E402
-from worker import tinymodel  # noqa: E402
-
-size = int(sys.argv[1]) if len(sys.argv) > 1 else 640
-tok = harness.tokenizer(size)
-trace = tok('{"name":"the people of the world","count":12345,"kind":"beta"}', add_special_tokens=False)["input_ids"]
-eos = [tok.convert_tokens_to_ids(tinymodel.EOS)]
-fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
-text = structured.grammar({"response_format": fmt})
+tok, trace, eos, text = g1json(int(sys.argv[1]) if len(sys.argv) > 1 else 640)
 N = 1024
 
 

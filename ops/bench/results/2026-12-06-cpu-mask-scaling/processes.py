@@ -11,25 +11,19 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = str(Path(__file__).resolve().parents[4])
+HERE = str(Path(__file__).resolve().parent)
 CODE = r"""
 import sys, time
-ROOT, START = sys.argv[2], float(sys.argv[3])
-sys.path[:0] = [ROOT, ROOT + "/ops/bench"]
+HERE, START = sys.argv[2], float(sys.argv[3])
+sys.path.insert(0, HERE)
 import llguidance, llguidance.hf, torch
-from gen import SCHEMA_G1JSON
-from core import structured
-from ops.bench import harness
-from worker import tinymodel
+from g1json_setup import g1json
 rows_n = int(sys.argv[1])
-tok = harness.tokenizer(640)
-trace = tok('{"name":"the people of the world","count":12345,"kind":"beta"}', add_special_tokens=False)["input_ids"]
-eos = [tok.convert_tokens_to_ids(tinymodel.EOS)]
-fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+tok, trace, eos, text = g1json()
 lltok = llguidance.hf.from_tokenizer(tok, eos_token=eos)
 words = (lltok.vocab_size + 31) // 32
 ex = llguidance.LLExecutor(num_threads=1)
-first = llguidance.LLMatcher(lltok, structured.grammar({"response_format": fmt}), log_level=0)
+first = llguidance.LLMatcher(lltok, text, log_level=0)
 time.sleep(max(0.0, START - time.time()))
 total = 0.0
 for rep in range(11):
@@ -48,7 +42,7 @@ print(f"{rows_n} rows: {total / len(trace) / 10 * 1e3:.2f} ms a step, timed {beg
 for n, procs in ((1024, 1), (512, 2), (512, 1)):
     ps = [
         subprocess.Popen(
-            [sys.executable, "-c", CODE, str(n), ROOT, str(time.time() + 30)],
+            [sys.executable, "-c", CODE, str(n), HERE, str(time.time() + 30)],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,

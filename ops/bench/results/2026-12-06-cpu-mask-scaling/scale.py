@@ -5,32 +5,18 @@ state's first mask; threads x families (independently compiled matchers) x bitma
 """
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[4]
-sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]
+import llguidance
+import llguidance.hf
+import torch
+from g1json_setup import g1json
 
-import llguidance  # noqa: E402
-import llguidance.hf  # noqa: E402
-import torch  # noqa: E402
-from gen import SCHEMA_G1JSON  # noqa: E402
-
-from core import structured  # noqa: E402
-from ops.bench import harness  # noqa: E402
-from worker import tinymodel  # noqa: E402
-
-OUTPUT = '{"name":"the people of the world","count":12345,"kind":"beta"}'
 p = argparse.ArgumentParser()
 p.add_argument("--tokenizer-size", type=int, default=640)
 p.add_argument("--rows", type=int, default=1024)
 args = p.parse_args()
-tok = harness.tokenizer(args.tokenizer_size)
-trace = tok(OUTPUT, add_special_tokens=False)["input_ids"]
-eos = [tok.convert_tokens_to_ids(tinymodel.EOS)]
-fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
-text = structured.grammar({"response_format": fmt})
+tok, trace, eos, text = g1json(args.tokenizer_size)
 print(f"tokenizer {len(tok)} tokens, output {len(trace)} tokens, {args.rows} rows")
 for width in (None, 151936):
     lltok = llguidance.hf.from_tokenizer(tok, eos_token=eos, **({"n_vocab": width} if width else {}))
