@@ -455,8 +455,10 @@ if triton is not None:
         d = tl.arange(0, HEAD_PAD)
         dim = _head_mask(d, HEAD_DIM, HEAD_PAD)
         x = tl.load(X + b * stride_xb + h * stride_xh + d, mask=dim, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / largest, 1e-30)
-        values = x / scale
+        # IEEE division, as torch's: Triton's `/` on float32 is the GPU's approximate one (within 2 ulp), which
+        # moved values across a rounding edge now and then (int8_write_equal False on an H100, 2026-12-06)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), largest), 1e-30)
+        values = tl.math.div_rn(x, scale)
         if INT:
             values = tl.where(values < 0, -tl.floor(0.5 - values), tl.floor(values + 0.5))
         values = tl.minimum(tl.maximum(values, -largest), largest)

@@ -53,10 +53,10 @@ PARALLEL_ADVANCE = False
 # Each family's masks (and, with PARALLEL_ADVANCE, its tokens) on an executor of its own with one thread, the
 # families at once from threads of ours (`by_family`), instead of one executor whose threads take any family's rows:
 # those contend for a family's mutex (12 families on 12 threads made the masks only 3.3x faster than one on the
-# H100 host). Off: on that host it made a 59k tokenizer's masks 1.2-1.7x faster but G1-JSON (640 tokens) no faster
-# (0.978), so it waits for a G1-JSON run on a real-sized tokenizer that gains beyond its spread (--tokenizer-size).
-# (Those grammar_step numbers averaged computed masks with copied ones: ops/bench/results/2026-12-05-cpu-mask-cache.)
-FAMILY_THREADS = False
+# H100 host). On: G1-JSON on a 151,936-token tokenizer ran 1.164 and 1.178x faster with it in two runs on an H100
+# (spreads ~5 %), and on the benchmark model's 640 tokens 0.975x, within that run's spread
+# (ops/bench/results/2026-12-06-h100).
+FAMILY_THREADS = True
 # The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
 # bitmask and the logits the grammar allows, and writes only the tokens) instead of masking the logits (`apply`)
 # and then taking torch's argmax. Off: 0.20 against 1.05 ms a step on an H100, but G1-JSON was no faster with it
