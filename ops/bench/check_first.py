@@ -1,0 +1,154 @@
+"""CHECK_FIRST on a model that writes what its schema allows (issue 26): G1-JSON's schema, a model that follows it.
+
+G1-JSON's benchmark model has random weights: it writes no JSON of its own, so `grammar.CHECK_FIRST` (pick a
+constrained row's token without its mask, check it when booked, mask only after a refusal) gives up after its
+first CHECK_SAMPLE tokens there, and `gen.py g1json`'s `other_check_gain` can only show what that costs. A real
+model asked for JSON mostly writes JSON the schema allows, which is the case the lever is for. This script times
+that case: a tiny model (worker/tinymodel.py) memorizes `--answers` objects of G1-JSON's schema (a name, a count,
+a kind; compact, as the grammar writes them), and the fast engine answers `--rows` prompts (its questions in
+turn) under the schema, CHECK_FIRST off and on, interleaved `--repeat` times, after a warm-up of each.
+
+    python ops/bench/check_first.py --out ops/bench/results/check-first.json    # CPU or GPU
+
+Reports each run's seconds and the engine's timers (`mask_s`: the masks, `book_s`: the booking, `steps`), the
+tokens checked and refused, the median seconds and spread of each way, `check_first_gain` (off / on), and the
+correctness: every output valid against the schema and equal to the memorized answer, the same outputs either
+way. The model is tiny, so a step's forward is short and the host's work (masks, booking) is most of a step: the
+gain here is the lever's upper bound on the host's part, not a GPU workload's. On CPU the fast engine runs
+`--slots` rows at a time (slot_state.CPU_SLOTS).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gen import SCHEMA_G1JSON, valid_g1json  # noqa: E402
+
+from ops.bench import harness  # noqa: E402
+
+FORMAT = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+NAMES = "lamp river copper orbit maple quartz harbor violet ember cedar falcon lantern meadow pebble".split()
+
+
+def answers(n: int) -> list[tuple[str, str]]:
+    """`n` (question, answer) pairs: each answer an object of G1-JSON's schema, compact (the grammar's form)."""
+    rng = random.Random(harness.SEED)
+    pairs = []
+    for i in range(n):
+        name = " ".join(rng.sample(NAMES, rng.randint(1, 3)))
+        obj = {"name": name, "count": rng.randint(0, 100_000), "kind": rng.choice(["alpha", "beta", "gamma"])}
+        pairs.append((f"record {i} as JSON", json.dumps(obj, separators=(",", ":"))))
+    return pairs
+
+
+def main() -> int:
+    p = harness.parser(__doc__, out=harness.RESULTS / "check-first.json")
+    p.add_argument("--model", type=Path, default=Path("/tmp/gpujobs-check-first-model"), help="built there if missing")
+    p.add_argument("--answers", type=int, default=24, help="objects the model memorizes")
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--slots", type=int, default=256, help="rows at a time on CPU (slot_state.CPU_SLOTS)")
+    args = p.parse_args()
+    log = harness.logger("check_first")
+
+    import torch
+
+    from core.spec import GenerateSpec
+    from worker import generate as engine
+    from worker import tinymodel
+    from worker.engines import grammar, slot_state
+    from worker.loader import load
+
+    pairs = answers(args.answers)
+    if not (args.model / "model.safetensors").exists():
+        t = time.monotonic()
+        tinymodel.build_model(args.model, qa=pairs)
+        log(f"built {args.model} in {time.monotonic() - t:.1f} s")
+    meta = json.loads((args.model / "gpujobs_tiny.json").read_text())
+    if not meta.get("memorized"):
+        raise SystemExit(f"{args.model} did not memorize its answers ({meta}): remove it and run again")
+    cuda = torch.cuda.is_available()
+    slot_state.CPU_SLOTS = args.slots
+    spec = GenerateSpec.model_validate(
+        {"model": str(args.model), "input": "x", "engine": "fast", "prefix_cache": "off", "response_format": FORMAT}
+    )
+    loaded = load(spec, gpus=1 if cuda else 0)
+    want = {i: pairs[i % len(pairs)][1] for i in range(args.rows)}
+    rows = [(i, {"prompt": pairs[i % len(pairs)][0], "params": {"max_new_tokens": 48}}) for i in range(args.rows)]
+    out: dict = {"runs": {}, "correctness": {}}
+    outputs: dict[bool, dict[int, str]] = {}
+
+    def timed(name: str, check: bool, these: list) -> dict:
+        grammar.CHECK_FIRST = check
+        info: dict = {}
+        harness.sync()
+        t = time.perf_counter()
+        results = [r for b in engine.generate(loaded, spec, these, batch_rows=256, info=info) for r in b]
+        harness.sync()
+        seconds = time.perf_counter() - t
+        fast = info.get("fast", {})
+        keys = ("steps", "mask_s", "book_s", "wait_s", "grammar_checked", "grammar_refused", "grammar_check_stopped")
+        run = {
+            "seconds": round(seconds, 3),
+            "output_tokens": sum(r.completion_tokens or 0 for r in results),
+            "failed": sum(r.error is not None for r in results),
+            **{key: fast.get(key) for key in keys},
+        }
+        outputs[check] = {r.idx: r.output for r in results}
+        if name:
+            out["runs"][name] = run
+            log(f"{name}: {seconds:.2f} s, {run}")
+        return run
+
+    saved = grammar.CHECK_FIRST
+    try:
+        for check in (False, True):  # warm-up: the grammar compiled, the engine's state made
+            timed("", check, rows[:64])
+        seconds: dict[str, list[float]] = {"masked": [], "check_first": []}
+        for i in range(max(1, args.repeat)):
+            for name, check in (("masked", False), ("check_first", True)):
+                seconds[name].append(timed(f"{name}_{i + 1}", check, rows)["seconds"])
+    finally:
+        grammar.CHECK_FIRST = saved
+    stats = {name: harness.repeated(values) for name, values in seconds.items()}
+    masked, checked = stats["masked"]["median"], stats["check_first"]["median"]
+    for check, name in ((False, "masked"), (True, "check_first")):
+        got = outputs[check]
+        out["correctness"][name] = {
+            "valid": sum(valid_g1json(got[i]) for i in got),
+            "memorized": sum(got[i] == want[i] for i in got),
+            "rows": len(got),
+        }
+    out["correctness"]["same_outputs"] = sum(outputs[True][i] == outputs[False][i] for i in outputs[False])
+    out["correctness"]["passed"] = all(
+        c["valid"] == c["rows"] for k, c in out["correctness"].items() if isinstance(c, dict)
+    ) and out["correctness"]["same_outputs"] == len(rows)
+    out |= {
+        "seconds": stats,
+        "check_first_gain": round(masked / checked, 3) if masked and checked else None,
+        "rows": args.rows,
+        "answers": args.answers,
+        "slots": args.slots if not cuda else None,
+        "tokenizer_size": len(loaded.tokenizer),
+        "grammar": {"families": grammar.FAMILIES, "family_threads": grammar.FAMILY_THREADS, "overlap": grammar.OVERLAP},
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        **harness.commit_info(),
+    }
+    harness.write_json(args.out, out)
+    print(f"\nCHECK_FIRST on a model that follows G1-JSON's schema: {args.rows} rows, {out['device']}")
+    for name, s in stats.items():
+        print(f"  {name:<12} median {s['median']:.3f} s (spread {s['spread']})")
+    print(f"  check_first_gain = {out['check_first_gain']}")
+    print(f"  correctness = {json.dumps(out['correctness'])}")
+    return 0 if out["correctness"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
