@@ -611,6 +611,31 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     assert {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()} == before
 
 
+def test_the_check_first_benchmark_times_a_model_that_follows_its_schema(tmp_path):
+    """`ops/bench/check_first.py` builds a tiny model that memorized objects of G1-JSON's schema, with the larger
+    tokenizer `--tokenizer-size` asks for, and times the fast engine masked and with CHECK_FIRST: the model writes
+    what the schema allows, so every checked token passes and no step computes a mask; every output is valid, the
+    memorized answer, and the same either way."""
+    model, out = tmp_path / "model", tmp_path / "check-first.json"
+    proc = subprocess.run(
+        [sys.executable, "ops/bench/check_first.py", "--model", str(model), "--tokenizer-size", "700"]
+        + ["--answers", "4", "--rows", "24", "--slots", "8", "--repeat", "1", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["correctness"]["passed"] and got["correctness"]["same_outputs"] == 24, got["correctness"]
+    assert got["correctness"]["check_first"] == {"valid": 24, "memorized": 24, "rows": 24}
+    masked, checked = got["runs"]["masked_1"], got["runs"]["check_first_1"]
+    assert masked["mask_s"] > 0 and masked["grammar_checked"] is None, masked
+    assert checked["mask_s"] == 0 and checked["grammar_refused"] == 0 and checked["grammar_checked"] > 24, checked
+    assert got["tokenizer_size"] == 700 == len(AutoTokenizer.from_pretrained(model))
+
+
 def test_logprobs_work_where_the_install_has_no_triton():
     """Without triton (CPU builds of torch may lack it) the engines still import, and the logsumexp is torch's."""
     script = (

@@ -122,6 +122,7 @@ def _train(
     """Train all parameters until every answer is reproduced; returns (steps, accuracy)."""
     examples = _examples(tok, qa)
     batch = _train_batch(tok, examples)
+    longest = max(len(tok.encode(a, add_special_tokens=False)) for _, a, _ in examples)  # room for EOS too
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     cap, accuracy, step = steps or MAX_STEPS, 0.0, 0
@@ -132,7 +133,7 @@ def _train(
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % CHECK_EVERY == 0 or step == cap:
-            got = generate_answers(model, tok, [p for p, _, _ in examples])
+            got = generate_answers(model, tok, [p for p, _, _ in examples], max_new_tokens=max(24, longest + 1))
             accuracy = sum(g == a for g, (_, a, _) in zip(got, examples)) / len(examples)
             logger.info("step %d loss %.4f memorized %.0f%%", step, loss.item(), 100 * accuracy)
             # An explicit step count means "train exactly this long" (reproducible runs).
@@ -148,16 +149,18 @@ def build_model(
     seed: int = 0,
     steps: int | None = None,
     memorize: bool = True,
+    tok: PreTrainedTokenizerFast | None = None,
 ) -> Path:
     """Build (and optionally memorize ``qa`` into) a tiny Qwen3 model saved at ``out_dir``.
 
     ``memorize=False`` builds a *base* model: the tokenizer knows the words of ``qa`` but the random weights have
-    learnt nothing, so a LoRA fine-tune is what teaches it the answers (tests of fine-tuning, the demo).
+    learnt nothing, so a LoRA fine-tune is what teaches it the answers (tests of fine-tuning, the demo). ``tok``: a
+    tokenizer of ``build_tokenizer``'s kind to use instead of one trained on ``qa`` (benchmarks: a larger one).
     """
     out = Path(out_dir)
     t0 = time.monotonic()
     torch.manual_seed(seed)
-    tok = build_tokenizer([t for pair in qa or [] for t in pair])
+    tok = tok or build_tokenizer([t for pair in qa or [] for t in pair])
     eos, im_end = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(IM_END)
     config = Qwen3Config(
         vocab_size=len(tok),

@@ -7,12 +7,17 @@ model asked for JSON mostly writes JSON the schema allows, which is the case the
 that case: a tiny model (worker/tinymodel.py) memorizes `--answers` objects of G1-JSON's schema (a name, a count,
 a kind; compact, as the grammar writes them), and the fast engine answers `--rows` prompts (its questions in
 turn) under the schema, CHECK_FIRST off and on, interleaved `--repeat` times, after a warm-up of each.
+`--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`: the compact
+grammar refuses each such space (the case where checking may cost more than it saves). `--tokenizer-size` gives the
+model a larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many
+tokens as the corpus teaches, ~89k), whose masks cost what a real model's do.
 
     python ops/bench/check_first.py --out ops/bench/results/check-first.json    # CPU or GPU
+    python ops/bench/check_first.py --tokenizer-size 151936 --out ...          # ~100 s more to build, on CPU
 
 Reports each run's seconds and the engine's timers (`mask_s`: the masks, `book_s`: the booking, `steps`), the
 tokens checked and refused, the median seconds and spread of each way, `check_first_gain` (off / on), and the
-correctness: every output valid against the schema and equal to the memorized answer, the same outputs either
+correctness: every output valid against the schema, how many are the memorized object, the same outputs either
 way. The model is tiny, so a step's forward is short and the host's work (masks, booking) is most of a step: the
 gain here is the lever's upper bound on the host's part, not a GPU workload's. On CPU the fast engine runs
 `--slots` rows at a time (slot_state.CPU_SLOTS).
@@ -36,20 +41,31 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCH
 NAMES = "lamp river copper orbit maple quartz harbor violet ember cedar falcon lantern meadow pebble".split()
 
 
-def answers(n: int) -> list[tuple[str, str]]:
-    """`n` (question, answer) pairs: each answer an object of G1-JSON's schema, compact (the grammar's form)."""
+def answers(n: int, spaced: bool = False) -> list[tuple[str, str]]:
+    """`n` (question, answer) pairs: each answer an object of G1-JSON's schema, compact (the grammar's form) or
+    `spaced` (json.dumps' default separators)."""
     rng = random.Random(harness.SEED)
     pairs = []
     for i in range(n):
         name = " ".join(rng.sample(NAMES, rng.randint(1, 3)))
         obj = {"name": name, "count": rng.randint(0, 100_000), "kind": rng.choice(["alpha", "beta", "gamma"])}
-        pairs.append((f"record {i} as JSON", json.dumps(obj, separators=(",", ":"))))
+        pairs.append((f"record {i} as JSON", json.dumps(obj, separators=None if spaced else (",", ":"))))
     return pairs
+
+
+def same_object(text: str, answer: str) -> bool:
+    """Whether `text` is the JSON object `answer` (spaces apart: the grammar writes it compact)."""
+    try:
+        return json.loads(text) == json.loads(answer)
+    except ValueError:
+        return False
 
 
 def main() -> int:
     p = harness.parser(__doc__, out=harness.RESULTS / "check-first.json")
-    p.add_argument("--model", type=Path, default=Path("/tmp/gpujobs-check-first-model"), help="built there if missing")
+    p.add_argument("--model", type=Path, help="built there if missing (default /tmp/gpujobs-check-first-SIZE)")
+    p.add_argument("--tokenizer-size", type=int, default=640, help="640: tinymodel's own; more: a trained BPE")
+    p.add_argument("--spaced", action="store_true", help="answers memorized with spaces after ':' and ','")
     p.add_argument("--answers", type=int, default=24, help="objects the model memorizes")
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=3)
@@ -65,10 +81,12 @@ def main() -> int:
     from worker.engines import grammar, slot_state
     from worker.loader import load
 
-    pairs = answers(args.answers)
+    pairs = answers(args.answers, args.spaced)
+    args.model = args.model or Path(f"/tmp/gpujobs-check-first-{args.tokenizer_size}{'-spaced' * args.spaced}")
     if not (args.model / "model.safetensors").exists():
         t = time.monotonic()
-        tinymodel.build_model(args.model, qa=pairs)
+        tok = harness.tokenizer(args.tokenizer_size) if args.tokenizer_size != 640 else None
+        tinymodel.build_model(args.model, qa=pairs, tok=tok)
         log(f"built {args.model} in {time.monotonic() - t:.1f} s")
     meta = json.loads((args.model / "gpujobs_tiny.json").read_text())
     if not meta.get("memorized"):
@@ -122,7 +140,7 @@ def main() -> int:
         got = outputs[check]
         out["correctness"][name] = {
             "valid": sum(valid_g1json(got[i]) for i in got),
-            "memorized": sum(got[i] == want[i] for i in got),
+            "memorized": sum(same_object(got[i], want[i]) for i in got),
             "rows": len(got),
         }
     out["correctness"]["same_outputs"] = sum(outputs[True][i] == outputs[False][i] for i in outputs[False])
