@@ -9,8 +9,8 @@ a kind; compact, as the grammar writes them), and the fast engine answers `--row
 turn) under the schema, CHECK_FIRST off and on, interleaved `--repeat` times, after a warm-up of each.
 `--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`: the compact
 grammar refuses each such space (the case where checking may cost more than it saves). `--tokenizer-size` gives the
-model a larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many
-tokens as the corpus teaches, ~89k), whose masks cost what a real model's do.
+model a larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches,
+~89k), whose masks cost what a real model's do.
 
     python ops/bench/check_first.py --out ops/bench/results/check-first.json    # CPU or GPU
     python ops/bench/check_first.py --tokenizer-size 151936 --out ...          # ~100 s more to build, on CPU
@@ -18,9 +18,9 @@ tokens as the corpus teaches, ~89k), whose masks cost what a real model's do.
 Reports each run's seconds and the engine's timers (`mask_s`: the masks, `book_s`: the booking, `steps`), the
 tokens checked and refused, the median seconds and spread of each way, `check_first_gain` (off / on), and the
 correctness: every output valid against the schema, how many are the memorized object, the same outputs either
-way. The model is tiny, so a step's forward is short and the host's work (masks, booking) is most of a step: the
-gain here is the lever's upper bound on the host's part, not a GPU workload's. On CPU the fast engine runs
-`--slots` rows at a time (slot_state.CPU_SLOTS).
+way. On a GPU the tiny model's forward is short, so the host's work (masks, booking) is most of a step and the
+gain is an upper bound for a real model's; on CPU the forward is most of a step (ops/bench/results/
+2026-12-06-cpu-check-first), and the fast engine runs `--slots` rows at a time (slot_state.CPU_SLOTS).
 """
 
 from __future__ import annotations
