@@ -54,7 +54,7 @@ PARALLEL_ADVANCE = False
 # families at once from threads of ours (`by_family`), instead of one executor whose threads take any family's rows:
 # those contend for a family's mutex (12 families on 12 threads made the masks only 3.3x faster than one on the
 # H100 host). On: G1-JSON on a 151,936-token tokenizer ran 1.164 and 1.178x faster with it in two runs on an H100
-# (spreads ~5 %), and on the benchmark model's 640 tokens 0.975x, within that run's spread
+# (spreads 8-13 %), and on the benchmark model's 640 tokens 0.975x, within that run's 17 % spread
 # (ops/bench/results/2026-12-06-h100).
 FAMILY_THREADS = True
 # The fast engine picks a greedy step's tokens under a grammar with one Triton kernel (`masked_argmax`: it reads the
