@@ -9,6 +9,7 @@
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel,
 #                                    # fp8 and int8 pages against bf16 ones
+#   PART=writes bash ops/gpu/perf.sh # decode_kernel.py's K/V writes alone (seconds): the kernels' bytes against torch's
 #   PART=g1kv bash ops/gpu/perf.sh   # G1 with kv_cache_dtype fp8 and int8 against auto (3 interleaved runs each),
 #                                    # their greedy outputs on the memorized model; KV=fp8 (or int8) PART=g1-service
 #                                    # (or g1, g2, g2-service): our runs with that cache
@@ -20,13 +21,16 @@
 #   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py),
 #                                          # on the benchmark model's tokenizer; TOKENIZER_SIZE=151936: a real size
 #                                          # (g1json and g1lp take TOKENIZER_SIZE too)
+#   PART=check-first bash ops/gpu/perf.sh  # CHECK_FIRST on a model that follows its schema (ops/bench/check_first.py),
+#                                          # TOKENIZER_SIZE (default 151936: its model built in ~100 s); SPACED=1: a
+#                                          # model that writes its JSON with spaces
 # PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds. PROFILE=1 samples the
 # part's Python stacks with py-spy (carried in .whl), child processes included, into $OUT/PART.speedscope.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source ops/gpu/env.sh || exit 1
 export PYTHONFAULTHANDLER=1
-PART=${PART:?set PART to g1, g2, g1-service, g2-service, g3, g1kv, i26, kernel, prepare, f1, f1-service or grammar}
+PART=${PART:?set PART to one of the parts listed at the top of ops/gpu/perf.sh}
 LIMIT=${PART_S:-540}
 python3 -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers",
 transformers.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
@@ -59,6 +63,10 @@ case $PART in
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
+    writes) cmd=(python3 ops/bench/decode_kernel.py --writes-only --out "$OUT/decode-kernel-writes.json") ;;
+    check-first) size=${TOKENIZER_SIZE:-151936}
+                 cmd=(python3 ops/bench/check_first.py --tokenizer-size "$size" ${SPACED:+--spaced}
+                      --out "$OUT/check-first-$size${SPACED:+-spaced}.json") ;;
     prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # ~40 s a run on an H100: PART_S >= 250
                   --runs cold:2:greedy,warm:2:greedy:lazy,warm:2:greedy,warm:2:greedy:lazy,warm:2:greedy) ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
