@@ -8,7 +8,8 @@ that case: a tiny model (worker/tinymodel.py) memorizes `--answers` objects of G
 a kind; compact, as the grammar writes them), and the fast engine answers `--rows` prompts (its questions in
 turn) under the schema, CHECK_FIRST off and on, interleaved `--repeat` times, after a warm-up of each.
 `--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`: the compact
-grammar refuses each such space (the case where checking may cost more than it saves). `--tokenizer-size` gives the
+grammar refuses each such space (the case where checking may cost more than it saves); `--spaced 0.25` only a
+quarter of them, so that the run's share of refused tokens stays under CHECK_GIVE_UP and it keeps checking. `--tokenizer-size` gives the
 model a larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches,
 ~89k), whose masks cost what a real model's do.
 
@@ -41,15 +42,16 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCH
 NAMES = "lamp river copper orbit maple quartz harbor violet ember cedar falcon lantern meadow pebble".split()
 
 
-def answers(n: int, spaced: bool = False) -> list[tuple[str, str]]:
-    """`n` (question, answer) pairs: each answer an object of G1-JSON's schema, compact (the grammar's form) or
-    `spaced` (json.dumps' default separators)."""
+def answers(n: int, spaced: float = 0.0) -> list[tuple[str, str]]:
+    """`n` (question, answer) pairs: each answer an object of G1-JSON's schema, compact (the grammar's form) or,
+    for the first `spaced` share of them, with json.dumps' default separators."""
     rng = random.Random(harness.SEED)
     pairs = []
     for i in range(n):
         name = " ".join(rng.sample(NAMES, rng.randint(1, 3)))
         obj = {"name": name, "count": rng.randint(0, 100_000), "kind": rng.choice(["alpha", "beta", "gamma"])}
-        pairs.append((f"record {i} as JSON", json.dumps(obj, separators=None if spaced else (",", ":"))))
+        compact = i >= round(spaced * n)
+        pairs.append((f"record {i} as JSON", json.dumps(obj, separators=(",", ":") if compact else None)))
     return pairs
 
 
@@ -65,7 +67,14 @@ def main() -> int:
     p = harness.parser(__doc__, out=harness.RESULTS / "check-first.json")
     p.add_argument("--model", type=Path, help="built there if missing (default /tmp/gpujobs-check-first-SIZE)")
     p.add_argument("--tokenizer-size", type=int, default=640, help="640: tinymodel's own; more: a trained BPE")
-    p.add_argument("--spaced", action="store_true", help="answers memorized with spaces after ':' and ','")
+    p.add_argument(
+        "--spaced",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=0.0,
+        help="the share of answers memorized with spaces after ':' and ',' (alone: all of them)",
+    )
     p.add_argument("--answers", type=int, default=24, help="objects the model memorizes")
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=3)
@@ -82,7 +91,8 @@ def main() -> int:
     from worker.loader import load
 
     pairs = answers(args.answers, args.spaced)
-    args.model = args.model or Path(f"/tmp/gpujobs-check-first-{args.tokenizer_size}{'-spaced' * args.spaced}")
+    spaced = f"-spaced-{args.spaced:g}" if args.spaced else ""
+    args.model = args.model or Path(f"/tmp/gpujobs-check-first-{args.tokenizer_size}{spaced}")
     if not (args.model / "model.safetensors").exists():
         t = time.monotonic()
         tok = harness.tokenizer(args.tokenizer_size) if args.tokenizer_size != 640 else None
@@ -152,6 +162,7 @@ def main() -> int:
         "check_first_gain": round(masked / checked, 3) if masked and checked else None,
         "rows": args.rows,
         "answers": args.answers,
+        "spaced": args.spaced,
         "slots": args.slots if not cuda else None,
         "tokenizer_size": len(loaded.tokenizer),
         "grammar": {"families": grammar.FAMILIES, "family_threads": grammar.FAMILY_THREADS, "overlap": grammar.OVERLAP},
