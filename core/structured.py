@@ -15,8 +15,10 @@ tokenizer, so a schema the engine cannot compile (an unknown `format`, an unimpl
 regex with look-around) is refused at submit with llguidance's own reason. The worker compiles the same grammar
 against the model's tokenizer (worker/engines/grammar.py) and masks the logits with it at every step.
 
-JSON is generated compact (no whitespace between tokens: `whitespace_flexible` false), so a model cannot spend its
-tokens on indentation; a schema may say otherwise in its `x-guidance` object (llguidance's options).
+JSON may hold at most one space between its tokens (`whitespace_pattern` " ?"): no newline, no indentation, so a
+model cannot spend its tokens on layout, but one that writes `{"a": 1, "b": 2}` (as most chat models do) keeps its
+own form instead of being forced off it; a schema may say otherwise in its `x-guidance` object (llguidance's
+options; `{"whitespace_flexible": false}`: compact only).
 
 A constrained row cannot also ask for `stop` strings (a stop string cuts the output where the grammar did not end
 it) nor `ignore_eos` (the grammar ends the output with EOS): both are refused with the reason.
@@ -33,7 +35,7 @@ from typing import Any
 
 CONSTRAINT_KEYS = ("response_format", "guided_choice", "guided_regex")
 RESPONSE_TYPES = ("text", "json_object", "json_schema")
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": " ?"}  # docstring above; docs/design.md
 TOP_LOGPROBS_MAX = 20
 MAX_CHOICES = 1000
 MAX_GRAMMAR_CHARS = 100_000  # a schema or regex as JSON text
