@@ -128,7 +128,11 @@ def _grammar(kind: str, key: str) -> str:
 
     value = json.loads(key)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        # a schema whose x-guidance says anything about whitespace decides it alone (llguidance's whitespace_pattern,
+        # ours by default, would otherwise outrank its `whitespace_flexible: false`)
+        own = value.get("x-guidance") if isinstance(value.get("x-guidance"), dict) else {}
+        ours = {} if {"whitespace_flexible", "whitespace_pattern"} & set(own) else JSON_OPTIONS
+        return LLMatcher.grammar_from_json_schema(value, defaults=ours)
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "choice":

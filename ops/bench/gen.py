@@ -35,7 +35,8 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   after the whole booking (`grammar.OVERLAP` flipped) `ratios.other_overlap_gain`, and picked without the masks
   and checked when booked or not (`grammar.CHECK_FIRST` flipped) `ratios.other_check_gain` (its outputs against the
   constrained run's: `correctness.check_first`), and with four families a thread (`grammar.FAMILIES` = 4 ×
-  THREADS) `ratios.more_families_gain`. These runs and the length-matched run are interleaved `--repeat`
+  THREADS) `ratios.more_families_gain`, and with the compact JSON grammar (no space between tokens; ours allows
+  one) `ratios.compact_gain` (in tok/s: the outputs may differ in length). These runs and the length-matched run are interleaved `--repeat`
   times; the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
 - `g1kv`: G1 with `kv_cache_dtype` auto, fp8 and int8, each quantized type's cold run, then warm runs of the
@@ -324,6 +325,8 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
     else:
         fmt = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
         constrained = {"response_format": fmt}
+        schema = {**SCHEMA_G1JSON, "x-guidance": {"whitespace_flexible": False}}
+        compact = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": schema, "strict": True}}
         for name in ("constrained_cold", "constrained"):
             box.run(name, 60, lambda name=name: timed(name, constrained, rows))
         got = out["engine"].get("constrained")
@@ -364,9 +367,13 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 # four families a thread: rayon's threads would less often take rows of one family at once (they
                 # contend for its mutex: 12 families on 12 threads were only 3.3x faster than one)
                 "more_families": (constrained, rows, {"FAMILIES": 4 * grammar.THREADS}),
+                # the JSON without the one space between tokens that core/structured.py allows (its output may
+                # differ in length: compared in tok/s)
+                "compact": ({"response_format": compact}, rows, {}),
                 "length_matched": (plain, matched, {}),
             }
             seconds: dict[str, list[float]] = {name: [] for name in variants}
+            tokens_of: dict[str, int] = {}
             for i in range(max(1, args.repeat)):
                 for name, (fields, these, settings) in variants.items():
                     saved = {key: getattr(grammar, key) for key in settings}
@@ -374,7 +381,9 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                     def one(name=name, fields=fields, these=these, settings=settings, i=i) -> None:
                         for key, value in settings.items():
                             setattr(grammar, key, value)
-                        seconds[name].append(timed(f"{name}_{i + 1}", fields, these)["seconds"])
+                        run = timed(f"{name}_{i + 1}", fields, these)
+                        seconds[name].append(run["seconds"])
+                        tokens_of[name] = run["output_tokens"]
 
                     try:
                         box.run(f"{name}_{i + 1}", 60, one)
@@ -387,6 +396,12 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
             def ratio(a: str, b: str) -> float | None:  # median seconds of a over b
                 x, y = stats[a]["median"], stats[b]["median"]
                 return round(x / y, 3) if x and y else None
+
+            def compact_gain() -> float | None:  # the compact grammar's tok/s over ours (medians)
+                x, y = stats["compact"]["median"], stats["constrained"]["median"]
+                if not (x and y and tokens_of.get("compact") and tokens_of.get("constrained")):
+                    return None
+                return round(tokens_of["compact"] / x / (tokens_of["constrained"] / y), 3)
 
             g1 = out["engine"].get("g1")
             tokens = got["output_tokens"]
@@ -403,6 +418,7 @@ def compare_runs(args: argparse.Namespace, loaded, rows: list, out: dict, box) -
                 "other_overlap_gain": ratio("constrained", "other_overlap"),
                 "other_check_gain": ratio("constrained", "other_check"),
                 "more_families_gain": ratio("constrained", "more_families"),
+                "compact_gain": compact_gain(),
             }
             checked = out["engine"].get("other_check_1", {}).get("_results")
             if checked:  # greedy: the same tokens either way, but for near-ties a redone step's batch may flip

@@ -105,9 +105,11 @@ def decode(
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` (..., D) as vectors of `dtype` (FP8 or int8) and their float32 scales (...,): each vector divided by its
     largest magnitude / LARGEST[dtype] (a zero vector by a tiny scale, giving zeros); int8 rounds half away from
-    zero (as `_write_kernel` does: the same bytes)."""
+    zero (as `_write_kernel` does: the same bytes). The scale is the largest magnitude times the float32 reciprocal
+    of LARGEST: that is what torch's CUDA `tensor / python_scalar` computes, where its CPU divides, so written this
+    way it is one number on both, and the kernel's."""
     x, largest = x.float(), LARGEST[dtype]
-    scales = (x.abs().amax(dim=-1) / largest).clamp(min=1e-30)
+    scales = (x.abs().amax(dim=-1) * (1.0 / largest)).clamp(min=1e-30)
     values = x / scales[..., None]
     if dtype == torch.int8:
         values = values.sign() * (values.abs() + 0.5).floor()
@@ -177,6 +179,7 @@ def write_step(pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Ten
         *pages.stride()[:3],
         *scales.stride()[:2],
         LARGEST[pages.dtype],
+        1.0 / LARGEST[pages.dtype],
         HEAD_DIM=dim,
         HEAD_PAD=triton.next_power_of_2(dim),
         INT=pages.dtype == torch.int8,
@@ -443,21 +446,23 @@ if triton is not None:
         stride_sp,
         stride_sh,
         largest,
+        inverse,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         INT: tl.constexpr,
     ):
         """Row `program_id(0)`'s vector of kv head `program_id(1)`, as `quantize` does it: divided by its largest
-        magnitude / `largest` (at least 1e-30), rounded (INT: half away from zero; fp8: the conversion's nearest
-        even), clamped, stored at its page and offset, its scale beside it."""
+        magnitude / `largest` (times `inverse`, at least 1e-30), rounded (INT: half away from zero; fp8: the
+        conversion's nearest even), clamped, stored at its page and offset, its scale beside it."""
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         d = tl.arange(0, HEAD_PAD)
         dim = _head_mask(d, HEAD_DIM, HEAD_PAD)
         x = tl.load(X + b * stride_xb + h * stride_xh + d, mask=dim, other=0.0).to(tl.float32)
-        # IEEE division, as torch's: Triton's `/` on float32 is the GPU's approximate one (within 2 ulp), which
-        # moved values across a rounding edge now and then (int8_write_equal False on an H100, 2026-12-06)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), largest), 1e-30)
+        # as `quantize`: the scale times the reciprocal `inverse` (1 / largest, a float32 argument), the values an
+        # IEEE division, as torch's tensor / tensor on CUDA (Triton's `/` on float32 is the GPU's approximate one,
+        # within 2 ulp: int8_write_equal was False on an H100, 2026-12-06)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inverse, 1e-30)
         values = tl.math.div_rn(x, scale)
         if INT:
             values = tl.where(values < 0, -tl.floor(0.5 - values), tl.floor(values + 0.5))
