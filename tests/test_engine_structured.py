@@ -230,6 +230,7 @@ def test_check_first_picks_without_masks_redoes_each_refused_token_and_outputs_s
     monkeypatch.setattr(grammar, "_pool", None)
     monkeypatch.setattr(grammar, "CHECK_BACKOFF", 1)  # back to unmasked picks soon after each refusal
     monkeypatch.setattr(grammar, "CHECK_GIVE_UP", 1.0)  # never stops checking (the next test does)
+    monkeypatch.setattr(grammar, "CHECK_ROW_GIVE_UP", 0)  # nor does a row (the test after it)
     fields = {"temperature": 0.9, "seed": 7} if sampled else {}
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=COMPACT, **fields)
     rows = constrained_rows(compact=True) + [(14, row("the sky", logprobs=True, top_logprobs=2))]
@@ -270,6 +271,7 @@ def test_a_run_whose_model_refuses_too_much_stops_checking_and_outputs_stay_righ
     they were picked), the engine record says so, and the greedy outputs equal the masked run's."""
     slots(4)
     spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=COMPACT)
+    monkeypatch.setattr(grammar, "CHECK_FIRST", False)
     masked = run(loaded, spec, constrained_rows(compact=True))
     monkeypatch.setattr(grammar, "CHECK_FIRST", True)
     monkeypatch.setattr(grammar, "CHECK_SAMPLE", 12)
@@ -284,6 +286,30 @@ def test_a_run_whose_model_refuses_too_much_stops_checking_and_outputs_stay_righ
     assert {i: (r.output, r.finish_reason) for i, r in checked.items()} == {
         i: (r.output, r.finish_reason) for i, r in masked.items()
     }
+
+
+def test_a_row_refused_check_row_give_up_times_is_masked_from_then_on(loaded, tiny_model, slots, monkeypatch):
+    """CHECK_FIRST with CHECK_ROW_GIVE_UP 1: a row's first refused token masks that row for the rest of its output
+    (the tiny model writes no JSON of its own: every constrained row is refused early), so the run refuses at most
+    one token a row, where the same run without the per-row give-up refuses more; greedy outputs equal the masked
+    run's either way."""
+    slots(4)
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=48, response_format=COMPACT)
+    rows = constrained_rows(compact=True)
+    monkeypatch.setattr(grammar, "CHECK_FIRST", False)
+    masked = {i: (r.output, r.finish_reason) for i, r in run(loaded, spec, rows).items()}
+    monkeypatch.setattr(grammar, "CHECK_FIRST", True)
+    monkeypatch.setattr(grammar, "CHECK_BACKOFF", 1)
+    monkeypatch.setattr(grammar, "CHECK_GIVE_UP", 1.0)  # the run never stops checking
+    refused = {}
+    for give_up in (0, 1):
+        monkeypatch.setattr(grammar, "CHECK_ROW_GIVE_UP", give_up)
+        info: dict = {}
+        checked = {r.idx: r for b in generate(loaded, spec, rows, batch_rows=4, info=info) for r in b}
+        refused[give_up] = info["fast"]["grammar_refused"]
+        assert {i: (r.output, r.finish_reason) for i, r in checked.items()} == masked
+    constrained = sum(i != 13 for i, _ in rows)  # row 13 asks for text
+    assert 0 < refused[1] <= constrained < refused[0], refused
 
 
 def test_a_row_cut_by_max_new_tokens_says_length(loaded, tiny_model):
@@ -643,7 +669,8 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     assert got["correctness"]["g1json_valid"]["passed"], got["correctness"]
     check_first = got["correctness"]["check_first"]
     assert check_first["passed"] and check_first["valid"] == check_first["not_truncated"] > 0, check_first
-    assert got["engine"]["other_check_1"]["grammar_refused"] > 0  # the tiny model writes no JSON of its own
+    checked = "constrained_1" if grammar.CHECK_FIRST else "other_check_1"
+    assert got["engine"][checked]["grammar_refused"] > 0  # the tiny model writes no JSON of its own
     assert got["tokenizer_size"] == 600 and len(AutoTokenizer.from_pretrained(tiny_model)) == 640
     assert {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()} == before
 

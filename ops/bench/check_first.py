@@ -5,13 +5,12 @@ constrained row's token without its mask, check it when booked, mask only after 
 first CHECK_SAMPLE tokens there, and `gen.py g1json`'s `other_check_gain` can only show what that costs. A real
 model asked for JSON mostly writes JSON the schema allows, which is the case the lever is for. This script times
 that case: a tiny model (worker/tinymodel.py) memorizes `--answers` objects of G1-JSON's schema (a name, a count,
-a kind; compact, as the grammar writes them), and the fast engine answers `--rows` prompts (its questions in
-turn) under the schema, CHECK_FIRST off and on, interleaved `--repeat` times, after a warm-up of each.
-`--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`: the compact
-grammar refuses each such space (the case where checking may cost more than it saves); `--spaced 0.25` only a
-quarter of them, so that the run's share of refused tokens stays under CHECK_GIVE_UP and it keeps checking. `--tokenizer-size` gives the
-model a larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches,
-~89k), whose masks cost what a real model's do.
+a kind; compact), and the fast engine answers `--rows` prompts (its questions in turn) under the schema, CHECK_FIRST
+off and on, interleaved `--repeat` times, after a warm-up of each. `--spaced` memorizes them as many real models
+write JSON, with a space after each `:` and `,` (which the JSON grammar allows since 2026-12-06: before, it was
+compact and refused each such space); `--spaced 0.25` only a quarter of them. `--tokenizer-size` gives the model a
+larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches, ~89k),
+whose masks cost what a real model's do.
 
     python ops/bench/check_first.py --out ops/bench/results/check-first.json    # CPU or GPU
     python ops/bench/check_first.py --tokenizer-size 151936 --out ...          # ~100 s more to build, on CPU

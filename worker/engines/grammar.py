@@ -76,21 +76,22 @@ OVERLAP = False
 # checked when it is booked (`Guide.check`, ~2-5 µs a row); only a refused token costs a mask, and that row redoes
 # the position (fastgen `Engine._refused`: the step launched after it is dropped), its next CHECK_BACKOFF picks
 # masked (doubled after each refusal, up to CHECK_BACKOFF_MAX). Exact: under greedy the allowed argmax is the masked
-# one; under sampling, a refused draw redone from the masked distribution p/Z gives p(t) + (1 - Z) p(t) / Z = p(t) / Z.
+# one; under sampling (the fast engine samples with temperature alone), a refused draw redone from the masked
+# distribution p/Z gives p(t) + (1 - Z) p(t) / Z = p(t) / Z.
 # Why: a mask costs ~80 µs of one CPU a row inside a JSON string on a ~90k-token tokenizer, so 1,024 rows take
 # ~78 ms of CPU a step, more than a 16-CPU host's threads can hide behind a ~5 ms forward
-# (ops/bench/results/2026-12-05-cpu-mask-cache). Off: it gains only where the model mostly writes what the grammar
-# allows, which G1-JSON's random-weight model does not (there each refusal costs the row two steps); no GPU has
-# timed it.
-# A run whose model writes what its grammars refuse stops checking: once CHECK_SAMPLE tokens were checked, if more
-# than CHECK_GIVE_UP of them were refused, every row of the run is masked from then on (a random-weight model refuses
-# most: this bounds what the lever costs it to the first steps). A model that writes a quarter of its objects in a
-# form the grammar refuses (spaces after ':' and ',': the JSON grammar is compact) had 3.4 % refused, kept checking,
-# and lost the whole gain on CPU (ops/bench/results/2026-12-06-cpu-check-first): the give-up is far too lenient for
-# the lever to be on by default.
-CHECK_FIRST = False
+# (ops/bench/results/2026-12-05-cpu-mask-cache). On: on an H100, with an 89k-token BPE, a model that follows
+# G1-JSON's schema ran 1.65x, 1.70x and 1.75x faster with it (compact JSON, a quarter and all of its objects spaced;
+# no token refused, the same outputs; ops/bench/results/2026-12-06-h100-2).
+# A row that was refused CHECK_ROW_GIVE_UP times is masked from then on (a model that writes what the grammar refuses
+# does it again at the like places: a preamble, a key order of its own), and a run whose model writes what its
+# grammars refuse stops checking: once CHECK_SAMPLE tokens were checked, if more than CHECK_GIVE_UP of them were
+# refused, every row of the run is masked from then on (a random-weight model refuses most: G1-JSON's runs with the
+# lever flipped on gave 0.97-1.13 of those without it in six H100 runs, within their spreads).
+CHECK_FIRST = True
 CHECK_BACKOFF = 4
 CHECK_BACKOFF_MAX = 64
+CHECK_ROW_GIVE_UP = 2  # refusals after which a row is masked for good (0: never)
 CHECK_SAMPLE = 256
 CHECK_GIVE_UP = 0.25
 _executor = None
@@ -208,7 +209,8 @@ class Guide:
 
     def check(self, token: int) -> bool:
         """Advance by `token`, picked without the mask, if the grammar allows it. If not, nothing changes but the
-        count of refusals, and the row's next picks are masked for a while (longer after each refusal)."""
+        count of refusals, and the row's next picks are masked for a while (longer after each refusal), or for good
+        after CHECK_ROW_GIVE_UP refusals."""
         if token in self.eos:
             ok = self.ended = self.matcher.is_accepting()
         else:
@@ -216,6 +218,8 @@ class Guide:
         if not ok:
             self.refusals += 1
             self.masked_for = min(CHECK_BACKOFF << (self.refusals - 1), CHECK_BACKOFF_MAX)
+            if CHECK_ROW_GIVE_UP and self.refusals >= CHECK_ROW_GIVE_UP:
+                self.checks = False
         return ok
 
     def take(self, token: int) -> None:
