@@ -642,9 +642,9 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
     device runs decide levers by: every round's seconds of each variant (the constrained run, one family, booked and
     picked the other way, each family on a thread of its own with and without the booking flipped, the masks
     computed while booking or after it, picked without the masks and checked, four families a thread, the compact
-    JSON grammar, length-matched), their ratios, the grammar settings, and every output valid (the checked run's too). With
-    `--tokenizer-size` (151936 on a GPU: a real tokenizer's mask cost) on a model linked beside the given one, whose
-    own tokenizer stays as it was."""
+    JSON grammar, length-matched), their ratios, the grammar settings, and every output valid (the checked run's
+    too). With `--tokenizer-size` (151936 on a GPU: a real tokenizer's mask cost) on a model linked beside the given
+    one, whose own tokenizer stays as it was."""
     before = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
     got = gen_smoke("g1json", tmp_path, tiny_model, "--repeat", "2", "--tokenizer-size", "600")
     variants = ("constrained", "one_family", "other_advance", "other_pick", "other_threads", "other_threads_advance")

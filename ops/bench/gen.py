@@ -36,8 +36,9 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
   and checked when booked or not (`grammar.CHECK_FIRST` flipped) `ratios.other_check_gain` (its outputs against the
   constrained run's: `correctness.check_first`), and with four families a thread (`grammar.FAMILIES` = 4 ×
   THREADS) `ratios.more_families_gain`, and with the compact JSON grammar (no space between tokens; ours allows
-  one) `ratios.compact_gain` (in tok/s: the outputs may differ in length). These runs and the length-matched run are interleaved `--repeat`
-  times; the ratios are of their median seconds (`g1json_seconds`: each one's runs, median and spread).
+  one) `ratios.compact_gain` (in tok/s: the outputs may differ in length). These runs and the length-matched run
+  are interleaved `--repeat` times; the ratios are of their median seconds (`g1json_seconds`: each one's runs,
+  median and spread).
 - `g1lp`: G1 with logprobs on (top_logprobs 5) vs off, both warm, in one child process (`ratios.logprobs_on/off`).
 - `g1kv`: G1 with `kv_cache_dtype` auto, fp8 and int8, each quantized type's cold run, then warm runs of the
   three interleaved `--repeat` times, in one child process (`ratios.fp8/auto`, `ratios.int8/auto`: median tok/s;

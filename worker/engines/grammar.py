@@ -83,8 +83,8 @@ OVERLAP = False
 # (ops/bench/results/2026-12-05-cpu-mask-cache). On: on an H100, with an 89k-token BPE, a model that follows
 # G1-JSON's schema ran 1.65x, 1.70x and 1.75x faster with it (compact JSON, a quarter and all of its objects spaced;
 # no token refused, the same outputs; ops/bench/results/2026-12-06-h100-2).
-# A row that was refused CHECK_ROW_GIVE_UP times is masked from then on (a model that writes what the grammar refuses
-# does it again at the like places: a preamble, a key order of its own), and a run whose model writes what its
+# A row that was refused CHECK_ROW_GIVE_UP times is masked from then on (a model that writes a form its grammar
+# refuses, a key order or a layout of its own, writes it again further on), and a run whose model writes what its
 # grammars refuse stops checking: once CHECK_SAMPLE tokens were checked, if more than CHECK_GIVE_UP of them were
 # refused, every row of the run is masked from then on (a random-weight model refuses most: G1-JSON's runs with the
 # lever flipped on gave 0.97-1.13 of those without it in six H100 runs, within their spreads).
