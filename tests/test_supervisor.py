@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -261,7 +262,7 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
             "the hand-started worker",
         )
         first = read_stack(tmp_path)
-        os.kill(hand.pid, signal.SIGSTOP)
+        stop_between_writes(hand.pid, tmp_path / "home" / "jobs.db")
         resumer = threading.Thread(target=resume_after, args=(hand.pid, first["redis"]), daemon=True)
         resumer.start()
         try:
@@ -295,6 +296,26 @@ def test_a_hand_started_worker_leaves_with_its_stack_and_up_again_shows_stopped_
         if hand.poll() is None:
             hand.kill()
         jobs(env, "down")
+
+
+def stop_between_writes(pid: int, db) -> None:
+    """SIGSTOP `pid` while this test holds the SQLite store's write lock, so that the stopped process holds none. A
+    process stopped inside a write transaction (a heartbeat's) blocks every writer of the store for as long as it
+    stays stopped, the stack's own too: on a loaded CI box the stack's worker then could not record its stop within
+    `down`'s 30 s and was killed, and the supervisor could not record that either (the worker stayed `lost`)."""
+    con = sqlite3.connect(db, timeout=60, isolation_level=None)
+    try:
+        con.execute("BEGIN IMMEDIATE")  # waits for a write under way in `pid` to end
+        os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: stopped(pid), 30, f"process {pid} stopped")  # before the lock is let go
+        con.execute("ROLLBACK")
+    finally:
+        con.close()
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def resume_after(pid: int, redis_pid: int) -> None:

@@ -6,21 +6,24 @@ first CHECK_SAMPLE tokens there, and `gen.py g1json`'s `other_check_gain` can on
 model asked for JSON mostly writes JSON the schema allows, which is the case the lever is for. This script times
 that case: a tiny model (worker/tinymodel.py) memorizes `--answers` objects of G1-JSON's schema (a name, a count,
 a kind; compact), and the fast engine answers `--rows` prompts (its questions in turn) under the schema, CHECK_FIRST
-off and on, interleaved `--repeat` times, after a warm-up of each. `--spaced` memorizes them as many real models
-write JSON, with a space after each `:` and `,` (which the JSON grammar allows since 2026-12-06: before, it was
-compact and refused each such space); `--spaced 0.25` only a quarter of them. `--tokenizer-size` gives the model a
-larger tokenizer (ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches, ~89k),
-whose masks cost what a real model's do.
+off, on, and on without its per-row give-up (CHECK_ROW_GIVE_UP 0: `rows_kept`), interleaved `--repeat` times, after
+a warm-up of each. `--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`;
+`--spaced 0.25` only a quarter of them. The JSON grammar allows one space between tokens (since 2026-12-06);
+`--compact` constrains to compact JSON, as it did before, which refuses each of a spaced model's spaces (the case
+where checking may cost more than it saves). `--tokenizer-size` gives the model a larger tokenizer
+(ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches, ~89k), whose masks cost what
+a real model's do.
 
     python ops/bench/check_first.py --out ops/bench/results/check-first.json    # CPU or GPU
     python ops/bench/check_first.py --tokenizer-size 151936 --out ...          # ~100 s more to build, on CPU
 
 Reports each run's seconds and the engine's timers (`mask_s`: the masks, `book_s`: the booking, `steps`), the
-tokens checked and refused, the median seconds and spread of each way, `check_first_gain` (off / on), and the
-correctness: every output valid against the schema, how many are the memorized object, the same outputs either
-way. On a GPU the tiny model's forward is short, so the host's work (masks, booking) is most of a step and the
-gain is an upper bound for a real model's; on CPU the forward is most of a step (ops/bench/results/
-2026-12-06-cpu-check-first), and the fast engine runs `--slots` rows at a time (slot_state.CPU_SLOTS).
+tokens checked and refused, the median seconds and spread of each way, `check_first_gain` (off / on),
+`row_give_up_gain` (`rows_kept` / on: > 1, the per-row give-up saves time), and the correctness: every output valid
+against the schema, how many are the memorized object, the same outputs every way. On a GPU the tiny model's
+forward is short, so the host's work (masks, booking) is most of a step and the gain is an upper bound for a real
+model's; on CPU the forward is most of a step (ops/bench/results/2026-12-06-cpu-check-first), and the fast engine
+runs `--slots` rows at a time (slot_state.CPU_SLOTS).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from gen import SCHEMA_G1JSON, valid_g1json  # noqa: E402
 from ops.bench import harness  # noqa: E402
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "g1json", "schema": SCHEMA_G1JSON, "strict": True}}
+COMPACT = {**SCHEMA_G1JSON, "x-guidance": {"whitespace_flexible": False}}  # --compact: no space between tokens
 NAMES = "lamp river copper orbit maple quartz harbor violet ember cedar falcon lantern meadow pebble".split()
 
 
@@ -74,6 +78,11 @@ def main() -> int:
         default=0.0,
         help="the share of answers memorized with spaces after ':' and ',' (alone: all of them)",
     )
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="constrain to compact JSON (no space between tokens: a --spaced model's spaces are refused)",
+    )
     p.add_argument("--answers", type=int, default=24, help="objects the model memorizes")
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=3)
@@ -102,17 +111,21 @@ def main() -> int:
         raise SystemExit(f"{args.model} did not memorize its answers ({meta}): remove it and run again")
     cuda = torch.cuda.is_available()
     slot_state.CPU_SLOTS = args.slots
+    fmt = {**FORMAT, "json_schema": {**FORMAT["json_schema"], "schema": COMPACT}} if args.compact else FORMAT
     spec = GenerateSpec.model_validate(
-        {"model": str(args.model), "input": "x", "engine": "fast", "prefix_cache": "off", "response_format": FORMAT}
+        {"model": str(args.model), "input": "x", "engine": "fast", "prefix_cache": "off", "response_format": fmt}
     )
     loaded = load(spec, gpus=1 if cuda else 0)
     want = {i: pairs[i % len(pairs)][1] for i in range(args.rows)}
     rows = [(i, {"prompt": pairs[i % len(pairs)][0], "params": {"max_new_tokens": 48}}) for i in range(args.rows)]
     out: dict = {"runs": {}, "correctness": {}}
-    outputs: dict[bool, dict[int, str]] = {}
+    outputs: dict[str, dict[int, str]] = {}
+    saved = grammar.CHECK_FIRST, grammar.CHECK_ROW_GIVE_UP
+    ways = {"masked": (False, None), "check_first": (True, None), "rows_kept": (True, 0)}  # CHECK_ROW_GIVE_UP 0
 
-    def timed(name: str, check: bool, these: list) -> dict:
-        grammar.CHECK_FIRST = check
+    def timed(name: str, way: str, these: list) -> dict:
+        grammar.CHECK_FIRST, give_up = ways[way]
+        grammar.CHECK_ROW_GIVE_UP = saved[1] if give_up is None else give_up
         info: dict = {}
         harness.sync()
         t = time.perf_counter()
@@ -127,38 +140,40 @@ def main() -> int:
             "failed": sum(r.error is not None for r in results),
             **{key: fast.get(key) for key in keys},
         }
-        outputs[check] = {r.idx: r.output for r in results}
+        outputs[way] = {r.idx: r.output for r in results}
         if name:
             out["runs"][name] = run
             log(f"{name}: {seconds:.2f} s, {run}")
         return run
 
-    saved = grammar.CHECK_FIRST
     try:
-        for check in (False, True):  # warm-up: the grammar compiled, the engine's state made
-            timed("", check, rows[:64])
-        seconds: dict[str, list[float]] = {"masked": [], "check_first": []}
+        for way in ways:  # warm-up: the grammar compiled, the engine's state made
+            timed("", way, rows[:64])
+        seconds: dict[str, list[float]] = {way: [] for way in ways}
         for i in range(max(1, args.repeat)):
-            for name, check in (("masked", False), ("check_first", True)):
-                seconds[name].append(timed(f"{name}_{i + 1}", check, rows)["seconds"])
+            for way in ways:
+                seconds[way].append(timed(f"{way}_{i + 1}", way, rows)["seconds"])
     finally:
-        grammar.CHECK_FIRST = saved
+        grammar.CHECK_FIRST, grammar.CHECK_ROW_GIVE_UP = saved
     stats = {name: harness.repeated(values) for name, values in seconds.items()}
-    masked, checked = stats["masked"]["median"], stats["check_first"]["median"]
-    for check, name in ((False, "masked"), (True, "check_first")):
-        got = outputs[check]
+    masked, checked, kept = (stats[way]["median"] for way in ways)
+    for name in ways:
+        got = outputs[name]
         out["correctness"][name] = {
             "valid": sum(valid_g1json(got[i]) for i in got),
             "memorized": sum(same_object(got[i], want[i]) for i in got),
             "rows": len(got),
         }
-    out["correctness"]["same_outputs"] = sum(outputs[True][i] == outputs[False][i] for i in outputs[False])
-    ways = (out["correctness"][name] for name in ("masked", "check_first"))
-    all_valid = all(way["valid"] == way["rows"] for way in ways)
-    out["correctness"]["passed"] = all_valid and out["correctness"]["same_outputs"] == len(rows)
+    same = [sum(outputs[way][i] == outputs["masked"][i] for i in outputs["masked"]) for way in ways]
+    out["correctness"]["same_outputs"] = min(same)
+    all_valid = all(out["correctness"][way]["valid"] == out["correctness"][way]["rows"] for way in ways)
+    out["correctness"]["passed"] = all_valid and min(same) == len(rows)
     out |= {
         "seconds": stats,
         "check_first_gain": round(masked / checked, 3) if masked and checked else None,
+        "row_give_up_gain": round(kept / checked, 3) if kept and checked else None,
+        "row_give_up": saved[1],
+        "compact": args.compact,
         "rows": args.rows,
         "answers": args.answers,
         "spaced": args.spaced,
@@ -173,7 +188,7 @@ def main() -> int:
     print(f"\nCHECK_FIRST on a model that follows G1-JSON's schema: {args.rows} rows, {out['device']}")
     for name, s in stats.items():
         print(f"  {name:<12} median {s['median']:.3f} s (spread {s['spread']})")
-    print(f"  check_first_gain = {out['check_first_gain']}")
+    print(f"  check_first_gain = {out['check_first_gain']}, row_give_up_gain = {out['row_give_up_gain']}")
     print(f"  correctness = {json.dumps(out['correctness'])}")
     return 0 if out["correctness"]["passed"] else 1
 
