@@ -23,7 +23,8 @@
 #                                          # (g1json and g1lp take TOKENIZER_SIZE too)
 #   PART=check-first bash ops/gpu/perf.sh  # CHECK_FIRST on a model that follows its schema (ops/bench/check_first.py),
 #                                          # TOKENIZER_SIZE (default 151936: its model built in ~100 s); SPACED=1: a
-#                                          # model that writes its JSON with spaces, SPACED=0.25 a quarter of it
+#                                          # model that writes its JSON with spaces, SPACED=0.25 a quarter of it;
+#                                          # COMPACT=1: under the compact JSON grammar, which refuses those spaces
 # PART_S bounds the part (default 540 s). Set BENCH_COMMIT to the commit the device copy holds. PROFILE=1 samples the
 # part's Python stacks with py-spy (carried in .whl), child processes included, into $OUT/PART.speedscope.json.
 set -uo pipefail
@@ -64,9 +65,10 @@ case $PART in
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
     writes) cmd=(python3 ops/bench/decode_kernel.py --writes-only --out "$OUT/decode-kernel-writes.json") ;;
-    check-first) size=${TOKENIZER_SIZE:-151936}
-                 cmd=(python3 ops/bench/check_first.py --tokenizer-size "$size" ${SPACED:+--spaced "$SPACED"}
-                      --out "$OUT/check-first-$size${SPACED:+-spaced-$SPACED}.json") ;;
+    check-first) size=${TOKENIZER_SIZE:-151936} name=check-first-$size${SPACED:+-spaced-$SPACED}
+                 cmd=(python3 ops/bench/check_first.py --tokenizer-size "$size" ${SPACED:+--spaced "$SPACED"})
+                 if [[ ${COMPACT:-0} == 1 ]]; then cmd+=(--compact) name+=-compact; fi
+                 cmd+=(--out "$OUT/$name.json") ;;
     prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # ~40 s a run on an H100: PART_S >= 250
                   --runs cold:2:greedy,warm:2:greedy:lazy,warm:2:greedy,warm:2:greedy:lazy,warm:2:greedy) ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
