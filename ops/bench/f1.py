@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -236,9 +238,10 @@ def child_engine(args: argparse.Namespace) -> dict:
 
 
 def _profile_training(args: argparse.Namespace, torch) -> None:
-    """Profile `--profile-steps` optimizer steps after the warm ones (torch.profiler, CPU + CUDA): the device time
-    per kernel, grouped by name, goes to `--profile-out` (a table). Patches Trainer.training_step, which the Trainer
-    calls once per micro-batch; the optimizer steps between them are inside the profiled window."""
+    """Profile `--profile-steps` optimizer steps after the warm ones (torch.profiler, CPU + CUDA, Python stacks): the
+    device time per kernel, grouped by name, goes to `--profile-out` (a table), the timeline beside it
+    (`.trace.json.gz`, chrome://tracing or Perfetto: where the GPU waits on the host). Patches Trainer.training_step,
+    which the Trainer calls once per micro-batch; the optimizer steps between them are inside the profiled window."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import Trainer
 
@@ -251,7 +254,7 @@ def _profile_training(args: argparse.Namespace, torch) -> None:
     def training_step(self, *a, **k):
         calls[0] += 1
         if calls[0] == first:
-            holder["prof"] = profile(activities=activities).__enter__()
+            holder["prof"] = profile(activities=activities, with_stack=True).__enter__()
             holder["t"] = time.perf_counter()
         out = original(self, *a, **k)
         if calls[0] == last and "prof" in holder:
@@ -267,6 +270,11 @@ def _profile_training(args: argparse.Namespace, torch) -> None:
                 f"{args.profile_steps} optimizer steps ({last - first + 1} micro-batches, the optimizer steps between "
                 f"them included) in {seconds:.3f} s wall\n{table}\nBy host time:\n{host}"
             )
+            trace = Path(args.profile_out).with_suffix(".trace.json")
+            prof.export_chrome_trace(str(trace))
+            with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+                shutil.copyfileobj(raw, packed)
+            trace.unlink()
         return out
 
     Trainer.training_step = training_step

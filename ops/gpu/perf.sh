@@ -18,6 +18,8 @@
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
+#   PART=f1-profile bash ops/gpu/perf.sh   # F1 auto and batch16 (F1_VARIANTS), 2 steps each profiled: a kernel table
+#                                          # and a timeline (.trace.json.gz) per variant
 #   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py),
 #                                          # on the benchmark model's tokenizer; TOKENIZER_SIZE=151936: a real size
 #                                          # (g1json and g1lp take TOKENIZER_SIZE too)
@@ -71,6 +73,8 @@ case $PART in
                  cmd+=(--out "$OUT/$name.json") ;;
     prepare) cmd=(python3 ops/bench/prepare.py --out "$OUT/prepare.json"  # ~40 s a run on an H100: PART_S >= 250
                   --runs cold:2:greedy,warm:2:greedy:lazy,warm:2:greedy,warm:2:greedy:lazy,warm:2:greedy) ;;
+    f1-profile) cmd=(python3 ops/bench/f1.py --phases variants --variants "${F1_VARIANTS:-auto,batch16}"
+                     --variant-steps 12 --profile-steps 2 --budget-s $((LIMIT - 15)) --out "$OUT/f1-profile.json") ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
     *) echo "perf.sh: unknown PART $PART" >&2; exit 2 ;;
