@@ -196,3 +196,32 @@ def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_fo
     assert f1["baseline"]["steps_logged"] == 12 and f1["variants"]["auto"]["steps_logged"] == 4
     assert f1["loss_agreement"]["passed"] and f1["loss_agreement"]["max_rel_diff"] <= 1e-4
     assert f1["loss_agreement"]["steps_compared"] == 12
+
+
+def test_the_lean_trainer_skips_trainers_per_micro_batch_model_walks_and_counts_the_same(tmp_path, base_model):
+    """Trainer walks the whole model twice a micro-batch (`model.train()` and the parameter count for its FLOPs);
+    the lean trainer skips the walk when the model is in training mode already and counts the parameters once: the
+    same FLOPs, the same modes, and nothing left on the model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_model), LoraConfig(r=4, target_modules="all-linear"))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
+    trainer = setup.lean_trainer(setup.Speed(loss="chunked"))(model=model, args=args)
+    for shape in ((2, 16), (3, 40)):
+        inputs = {"input_ids": torch.zeros(shape, dtype=torch.long)}
+        assert trainer.floating_point_ops(inputs) == Trainer.floating_point_ops(trainer, inputs) > 0
+    batch = {"input_ids": torch.randint(5, 100, (2, 12)), "labels": torch.randint(5, 100, (2, 12))}
+    model.eval()
+    trainer.training_step(model, dict(batch), num_items_in_batch=torch.tensor(22))
+    assert all(m.training for m in model.modules())  # from eval: Trainer's own train() ran
+    walks = []
+    original = type(model).train
+    type(model).train = lambda self, mode=True: walks.append(mode) or original(self, mode)
+    try:
+        trainer.training_step(model, dict(batch), num_items_in_batch=torch.tensor(22))
+        assert walks == [] and "train" not in vars(model)  # already training: no walk, and the shortcut is gone
+        model.eval()
+        assert walks == [False] and not any(m.training for m in model.modules())
+    finally:
+        type(model).train = original

@@ -270,6 +270,9 @@ def finetune(
         use_cpu=device.type == "cpu",
         gradient_checkpointing=spec.gradient_checkpointing and spec.quantization is None,
         logging_steps=1,
+        # a NaN or infinite loss is logged as it is (not replaced by the running mean); and testing each micro-batch's
+        # loss for it would wait on the GPU every micro-batch
+        logging_nan_inf_filter=False,
         save_strategy="steps",
         save_steps=spec.checkpoint_steps,
         eval_strategy="steps" if valid else "no",

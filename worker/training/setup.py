@@ -175,10 +175,17 @@ def apply_speed(speed: Speed, model, mixed: str, spec: FinetuneSpec) -> None:
 
 def fast_args(strategy: str, device: torch.device) -> dict[str, Any]:
     """TrainingArguments for speed on a GPU: fused AdamW (one kernel for every LoRA tensor), TF32 matmuls on
-    Ampere+ (only fp32 matmuls change: LoRA weights under autocast are cast to bf16 anyway). CPU: as before."""
+    Ampere+ (only fp32 matmuls change: LoRA weights under autocast are cast to bf16 anyway), batches copied to the
+    GPU asynchronously. CPU: as before."""
     if device.type != "cuda" or strategy != "single":
         return {}
-    return {"optim": "adamw_torch_fused", "tf32": torch.cuda.get_device_capability(device)[0] >= 8}
+    return {
+        "optim": "adamw_torch_fused",
+        "tf32": torch.cuda.get_device_capability(device)[0] >= 8,
+        # batches are copied from pinned memory without waiting for the GPU (a blocking copy is a sync per batch)
+        "dataloader_pin_memory": True,
+        "accelerator_config": {"non_blocking": True},
+    }
 
 
 def compile_model(
@@ -307,6 +314,27 @@ def lean_trainer(speed: Speed):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.model_accepts_loss_kwargs = True  # our loss is already divided by num_items_in_batch
+            self._flos_per_token: int | None = None
+
+        # Two pieces of Trainer's per-micro-batch host work walk the whole PEFT model (~2,400 modules and 700
+        # parameters for Qwen3-0.6B: 8 and 6 ms on a CPU core), the first while the GPU waits for its next batch.
+
+        def training_step(self, model, *args, **kwargs):
+            """Trainer's own step, without its `model.train()` walk when the model is in training mode already."""
+            if not model.training:
+                return super().training_step(model, *args, **kwargs)
+            model.train = lambda mode=True: model if mode else type(model).train(model, mode)
+            try:
+                return super().training_step(model, *args, **kwargs)
+            finally:
+                del model.train
+
+        def floating_point_ops(self, inputs):
+            """Trainer's count (6 × tokens × parameters), the parameters counted once instead of every micro-batch."""
+            if self._flos_per_token is None:
+                self._flos_per_token = super().floating_point_ops({"input_ids": torch.zeros(1, 1, dtype=torch.long)})
+            main = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+            return self._flos_per_token * main.numel() if isinstance(main, torch.Tensor) else 0
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if speed.loss == "model":
