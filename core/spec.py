@@ -407,8 +407,8 @@ class FinetuneSpec(JobSettings, LoadOptions):
     # speed levers (worker/training/setup.py, docs/design.md "Fine-tune speed"); what ran is recorded in metrics.speed
     liger: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="liger-kernel's fused linear cross-entropy (CUDA); off: our chunked cross-entropy, exact "
-        "on any device; auto: liger where the worker has it and a GPU. Neither materializes the logits",
+        description="on: liger-kernel's fused linear cross-entropy (CUDA); off and auto: our chunked "
+        "cross-entropy, exact on any device and faster on F1 (docs/design.md). Neither materializes the logits",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",

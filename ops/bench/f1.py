@@ -63,7 +63,7 @@ TARGET_TOK_S, TARGET_GIB, AGREEMENT, FALL = 120_000, 40.0, 0.01, 0.5  # issue 25
 VARIANTS = {  # name: spec overrides of one short engine run each
     "auto": {},
     "no-compile": {"compile": "off"},
-    "chunked-ce": {"liger": "off"},
+    "liger": {"liger": "on"},  # liger-kernel's fused linear cross-entropy instead of ours (auto's until 2026-12-06)
     "mask-attention": {"packed_attention": "mask"},
     "batch16": {"batch_size": 16, "gradient_accumulation": 1},
     "qlora": {"quantization": "bnb-4bit"},  # QLoRA (bitsandbytes 4-bit nf4 base): not compiled by auto

@@ -3,7 +3,7 @@
 # spec cannot switch (host-side training code) is measured against its baseline on the same machine at the same time.
 # OLD is a commit the device copy's git holds (its HEAD is the session's first commit); the new tree is this one.
 # Via the device tool, `.whl` carried, timeout_s 590:
-#   OLD=d37e7ef F1_VARIANTS=auto,chunked-ce ROUNDS=2 PART_S=560 bash ops/gpu/f1_ab.sh
+#   OLD=d37e7ef F1_VARIANTS=auto,liger ROUNDS=2 PART_S=560 bash ops/gpu/f1_ab.sh
 # Results: $OUT/f1-ab-{old,new}-ROUND.json (ops/bench/f1.py's JSON each) and $OUT/f1-ab.json (every run's train
 # tok/s per tree and variant, with the medians and the new/old ratio of the medians).
 set -uo pipefail

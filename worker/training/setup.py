@@ -238,16 +238,14 @@ def _choose_loss(spec: FinetuneSpec, device: torch.device, model, notes: list[st
             raise InvalidInput(f"liger=on cannot run: {problem}. Use liger auto or off")
         notes.append(f"loss: the model's own (all logits), since {problem}")
         return "model"
-    if spec.liger == "off":
+    if spec.liger != "on":
+        # auto too: on an H100, F1 ran 1.09x faster chunked (ops/bench/results/2026-12-06-h100-f1): liger's
+        # function reads two values back from the GPU every micro-batch, which stalls it; ours reads none
         return "chunked"
-    if spec.liger == "auto" and spec.quantization is not None:
-        return "chunked"  # QLoRA upcasts lm_head to fp32; liger was checked on bf16 weights only
     problem = linear_ce.liger_problem(device)
-    if problem and spec.liger == "on":
+    if problem:
         raise InvalidInput(f"liger=on cannot run: {problem}. Use liger auto or off (our chunked cross-entropy)")
-    if problem and device.type == "cuda":
-        notes.append(f"liger auto: chunked cross-entropy, since {problem}")
-    return "chunked" if problem else "liger"
+    return "liger"
 
 
 def _choose_attention(spec: FinetuneSpec, device: torch.device, model, notes: list[str]) -> str:
