@@ -352,3 +352,44 @@ def test_a_user_cannot_name_server_paths_for_validation_or_chained_datasets(jobs
     ):
         response = client.post("/jobs", headers=headers, json=ft_spec(base_model, input=uploaded, **extra))
         assert response.status_code == 403 and "server-side dataset paths" in response.text, response.text
+
+
+def test_a_step_whose_loss_is_nan_is_logged_as_nan_and_its_event_stored_on_sqlite_and_postgres(
+    tmp_path, any_jobs_env, base_model
+):
+    """Trainer no longer tests each micro-batch's loss for NaN (a wait on the GPU), so a diverged run logs NaN as it
+    is. JSON has no NaN and Postgres refuses it: the metric event's data holds null and names the value apart, and
+    its line says `loss nan`. (A model whose final norm holds a NaN: every step's loss and gradient norm are NaN.)"""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from core import jobs
+    from core.spec import FinetuneSpec, LoadOptions
+    from tests.test_states import _make_job
+    from worker.runtime import finetune_line
+    from worker.training import finetune
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(base_model, model)
+    (weights,) = model.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    logs: list[dict] = []
+    rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} the sky is blue"}) for i in range(1, 9)]
+    spec = FinetuneSpec(model=str(model), input="file_x", max_steps=2, batch_size=2, lr_scheduler="constant")
+    finetune.finetune(LoadOptions(model=str(model)), spec, rows, tmp_path / "work", on_log=logs.append)
+    steps = [r for r in logs if "loss" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["loss"] is None and record["grad_norm"] is None, record
+        assert record["non_finite"] == {"loss": "nan", "grad_norm": "nan"}, record
+    with session_scope() as session:
+        job_id = _make_job(session, "running").id
+    for record in steps:
+        jobs.event(job_id, finetune_line(record), kind="metric", data=record)
+    with session_scope() as session:
+        stored = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+        assert [e.data["non_finite"] for e in stored] == [{"loss": "nan", "grad_norm": "nan"}] * 2
+        assert all("loss nan" in e.message and "grad_norm nan" in e.message for e in stored), stored[0].message

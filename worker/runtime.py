@@ -584,6 +584,8 @@ def finetune_line(record: dict[str, Any]) -> str:
         if record.get(key) is not None:
             value = record[key] / 2**20 if key == "gpu_peak_memory_bytes" else record[key]
             parts.append(fmt.format(value))
+        elif key in record.get("non_finite", {}):
+            parts.append(f"{key} {record['non_finite'][key]}")
     return " ".join(parts)
 
 

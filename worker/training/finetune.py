@@ -158,7 +158,12 @@ def _callback(
             }
             for key in ("loss", "learning_rate", "grad_norm", "eval_loss", "train_loss"):
                 if key in logs:
-                    record[key] = float(logs[key])
+                    value = float(logs[key])
+                    if math.isfinite(value):
+                        record[key] = value
+                    else:  # JSON has no NaN (Postgres refuses it): null, and the value named apart
+                        record[key] = None
+                        record.setdefault("non_finite", {})[key] = str(value)
             if "loss" in logs and steps > 0:
                 record["tokens_per_s"] = round(steps * tokens_per_step / max(t - self.t_last, 1e-9), 1)
                 record["step_seconds"] = round((t - self.t_last) / steps, 4)
