@@ -205,7 +205,9 @@ def test_the_lean_trainer_skips_trainers_per_micro_batch_model_walks_and_counts_
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_model), LoraConfig(r=4, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_model), LoraConfig(r=4, target_modules="all-linear")
+    )
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1)
     trainer = setup.lean_trainer(setup.Speed(loss="chunked"))(model=model, args=args)
     for shape in ((2, 16), (3, 40)):
