@@ -16,7 +16,8 @@
 #   PART=prepare bash ops/gpu/perf.sh      # the engine's compile in fresh processes, empty then full cache (prepare.py);
 #                                          # the warm runs alternate lazy compiler imports with preloaded ones
 #   PART=i26 bash ops/gpu/perf.sh    # issue 26 in one call: G3, then g1json and g1lp, each a third of the box
-#   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants, 3 interleaved runs each, 30 steps
+#   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants (F1_VARIANTS), 3 interleaved runs each, 30 steps;
+#                                    # F1_VARIANTS=auto,fp8: the FP8 experiment (torchao carried: EXTRA in wheels.sh)
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
 #   PART=f1-profile bash ops/gpu/perf.sh   # F1 auto and batch16 (F1_VARIANTS), 2 steps each profiled: a kernel table
 #                                          # and a timeline (.trace.json.gz) per variant
@@ -61,7 +62,7 @@ case $PART in
     g1json | g1lp) size=${TOKENIZER_SIZE:-640}  # another size: a BPE of that many tokens instead of the model's 640
                    cmd=(python3 ops/bench/gen.py "$PART" --tokenizer-size "$size" --inproc-s $((LIMIT - 20))
                         --out "$OUT/$PART-$size.json") ;;
-    f1) cmd=(python3 ops/bench/f1.py --phases variants --variants auto,batch16 --variant-steps 30 --repeat 3
+    f1) cmd=(python3 ops/bench/f1.py --phases variants --variants "${F1_VARIANTS:-auto,batch16}" --variant-steps 30 --repeat 3
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
