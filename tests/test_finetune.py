@@ -365,8 +365,9 @@ def test_a_step_whose_loss_is_nan_is_logged_as_nan_and_its_event_stored_on_sqlit
     from safetensors.torch import load_file, save_file
 
     from core import jobs
+    from core.models import Job
     from core.spec import FinetuneSpec, LoadOptions
-    from tests.test_states import _make_job
+    from core.store import new_id, now
     from worker.runtime import finetune_line
     from worker.training import finetune
 
@@ -385,8 +386,21 @@ def test_a_step_whose_loss_is_nan_is_logged_as_nan_and_its_event_stored_on_sqlit
     for record in steps:
         assert record["loss"] is None and record["grad_norm"] is None, record
         assert record["non_finite"] == {"loss": "nan", "grad_norm": "nan"}, record
+    job_id = new_id("job")
     with session_scope() as session:
-        job_id = _make_job(session, "running").id
+        spec_json = {"model": "m", "input": "f"}
+        session.add(
+            Job(
+                id=job_id,
+                kind="finetune",
+                state="running",
+                owner="a",
+                spec=spec_json,
+                queue="gpu",
+                gpus=1,
+                created_at=now(),
+            )
+        )
     for record in steps:
         jobs.event(job_id, finetune_line(record), kind="metric", data=record)
     with session_scope() as session:
