@@ -507,11 +507,14 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from core.spec import GenerateSpec
 from worker import generate as engine
-from worker.engines import slot_state
+from worker.engines import decode_attention as da, slot_state
 from worker.loader import load
 spec = lambda **f: GenerateSpec.model_validate({"model": sys.argv[2], "input": "file_x", **f})
 loaded = load(spec(), gpus=0)
 slot_state.CPU_SLOTS = 3
+# two parts a row (the split and merge path, as on a GPU at small batches) instead of the GPU's 32: the interpreter
+# runs each program in Python
+da.TARGET_PROGRAMS = 3 * loaded.model.config.num_key_value_heads * 2
 rows = [(i, {"prompt": p, "params": {"max_new_tokens": n}, "extra": {}}) for i, (p, n) in
         enumerate([("What is the capital of France?", 8), ("hello", 3), ("the sky", 6), ("water", 5)])]
 def run(s, info=None):
