@@ -2,8 +2,10 @@
 # F1's variants in two trees in one call, interleaved round by round (old, new, old, new, ...), so that a change the
 # spec cannot switch (host-side training code) is measured against its baseline on the same machine at the same time.
 # OLD is a commit the device copy's git holds (its HEAD is the session's first commit); the new tree is this one.
-# Via the device tool, `.whl` carried, timeout_s 590:
-#   OLD=d37e7ef F1_VARIANTS=auto,liger ROUNDS=2 PART_S=560 bash ops/gpu/f1_ab.sh
+# Via the device tool, `.whl` carried, timeout_s 595 (ops/bench/results/2026-12-06-h100-f1 ran this):
+#   OLD=d37e7ef F1_VARIANTS=auto ROUNDS=2 F1_STEPS=20 PART_S=580 bash ops/gpu/f1_ab.sh
+# PART_S is split evenly over the 2 × ROUNDS runs. A run needs ~60 s before its first step (start, corpus, model,
+# compile from the cache) plus f1.py's margins: give each variant of a run ≥ 140 s (91 s cut every child short).
 # Results: $OUT/f1-ab-{old,new}-ROUND.json (ops/bench/f1.py's JSON each) and $OUT/f1-ab.json (every run's train
 # tok/s per tree and variant, with the medians and the new/old ratio of the medians).
 set -uo pipefail

@@ -329,9 +329,10 @@ def lean_trainer(speed: Speed):
 
         def floating_point_ops(self, inputs):
             """Trainer's count (6 × tokens × parameters), the parameters counted once instead of every micro-batch."""
+            name = getattr(self.model, "main_input_name", "input_ids")
             if self._flos_per_token is None:
-                self._flos_per_token = super().floating_point_ops({"input_ids": torch.zeros(1, 1, dtype=torch.long)})
-            main = inputs.get(getattr(self.model, "main_input_name", "input_ids"))
+                self._flos_per_token = super().floating_point_ops({name: torch.zeros(1, 1, dtype=torch.long)})
+            main = inputs.get(name)
             return self._flos_per_token * main.numel() if isinstance(main, torch.Tensor) else 0
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
