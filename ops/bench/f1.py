@@ -810,7 +810,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--branch", type=int, default=2, help="successors per word in the Markov corpus")
     p.add_argument("--min-words", type=int, default=64)
     p.add_argument("--max-words", type=int, default=1024)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (default: all of them; --smoke: auto)")
     p.add_argument("--variant-steps", type=int, default=30)
     p.add_argument(
         "--repeat",
@@ -841,7 +841,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.smoke:
         args.seq, args.batch, args.grad_accum, args.baseline_batch = 128, 2, 2, 4
         args.steps, args.warm_steps, args.variant_steps, args.min_words, args.max_words = 12, 2, 4, 8, 60
-        args.estimate_scale, args.variants = 0.0, "auto"
+        args.estimate_scale, args.variants = 0.0, args.variants or "auto"
     args.repeat = args.repeat or (1 if args.smoke else 3)
     args.model = args.model or args.work / ("model-tiny" if args.smoke else "model")
     args.phases = [
@@ -849,7 +849,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ]
     if set(args.phases) - {"service", "engine", "baseline", "variants"}:
         p.error(f"unknown phases in {args.phases}: use service, engine, baseline, variants")
-    args.variants = [x for x in args.variants.split(",") if x]
+    args.variants = [x for x in (args.variants or ",".join(VARIANTS)).split(",") if x]
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}: use {', '.join(VARIANTS)}")
