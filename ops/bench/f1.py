@@ -68,6 +68,9 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     "batch16": {"batch_size": 16, "gradient_accumulation": 1},
     "qlora": {"quantization": "bnb-4bit"},  # QLoRA (bitsandbytes 4-bit nf4 base): not compiled by auto
     "fp8": {"experiment": "fp8"},  # not a spec lever (yet): see _fp8_base_layers
+    # 16 x 1 under 40 GiB? The compiled layers' partitioner recomputes instead of saving, down to a share of the
+    # activations (torch._functorch.config.activation_memory_budget, F1_ACTIVATION_BUDGET, default 0.8)
+    "batch16-budget": {"batch_size": 16, "gradient_accumulation": 1, "experiment": "activation-budget"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
 OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
@@ -218,6 +221,11 @@ def child_engine(args: argparse.Namespace) -> dict:
     out = {"spec": spec.model_dump(exclude_none=True), "experiment": experiment}
     if experiment == "fp8":
         _fp8_base_layers()
+    elif experiment == "activation-budget":
+        from torch._functorch import config as functorch_config
+
+        functorch_config.activation_memory_budget = float(os.environ.get("F1_ACTIVATION_BUDGET", "0.8"))
+        out["activation_memory_budget"] = functorch_config.activation_memory_budget
     elif experiment:
         raise SystemExit(f"unknown experiment {experiment!r}")
 
