@@ -5,7 +5,9 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 
     python ops/bench/decode_kernel.py --out ops/bench/results/decode-kernel.json    # on a GPU
 
-1. configs: every (warps, stages) of CONFIGS at batch 1024 × context 384 (the page is the kernel's block);
+1. configs: every (warps, stages) of CONFIGS at batch 1024 × context 384 (the page is the kernel's block), for bf16
+   pages (the engine's CONFIG; the rest of the run uses the best) and for fp8 and int8 pages (`best_quantized`:
+   on an H100 they read their half of the bytes at ~1.7 TB/s with bf16's config, 2026-12-06);
 2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
    contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
    bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions. Also the
@@ -201,13 +203,19 @@ def main() -> int:
         print_writes(kv_write)
         return 0
     q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
+    quant_pages = {kind: (*da.quantize(kp, dtype), *da.quantize(vp, dtype)) for kind, dtype in da.QUANTIZED.items()}
     configs = []
     for warps, stages in CONFIGS:
         da.CONFIG.update(warps=warps, stages=stages)
         ms = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, 1))
         configs.append({"warps": warps, "stages": stages, "ms": round(ms, 4)})
+        for kind, (kq, ks, vq, vs) in quant_pages.items():  # quantized pages: is another config theirs?
+            run = partial(da._triton_decode, q, kq, vq, table, lengths, scale, 1, None, ks, vs)
+            configs[-1][f"{kind}_ms"] = round(timed(torch, run), 4)
         print(configs[-1], flush=True)
+    del quant_pages
     best = min(configs, key=lambda c: c["ms"])
+    best_quantized = {kind: min(configs, key=lambda c: c[f"{kind}_ms"]) for kind in da.QUANTIZED}
     da.CONFIG.update(warps=best["warps"], stages=best["stages"])
     results = []
     for batch, ctx in SHAPES:
@@ -262,12 +270,15 @@ def main() -> int:
             **harness.commit_info(),
             "configs": configs,
             "best": best,
+            "best_quantized": best_quantized,
             "results": results,
             "cascade": cascade,
             "kv_write": kv_write,
         },
     )
     print(f"best config: {best}")
+    for kind, config in best_quantized.items():
+        print(f"best config for {kind} pages: {config}")
     print(
         f"{'batch':>6}{'ctx':>6}{'splits':>7}{'ours ms':>9}{'sdpa ms':>9}{'ours TB/s':>10}{'sdpa TB/s':>10}"
         f"{'max diff':>10}{'fp8 ms':>8}{'gain':>6}{'TB/s':>6}{'diff':>8}{'int8 ms':>9}{'gain':>6}{'TB/s':>6}{'diff':>8}"
