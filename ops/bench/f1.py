@@ -40,6 +40,7 @@ Targets (issue 25): ≥ 120,000 training tok/s at ≤ 40 GiB through the service
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import gzip
 import json
@@ -71,6 +72,8 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # 16 x 1 under 40 GiB? The compiled layers' partitioner recomputes instead of saving, down to a share of the
     # activations (torch._functorch.config.activation_memory_budget, F1_ACTIVATION_BUDGET, default 0.8)
     "batch16-budget": {"batch_size": 16, "gradient_accumulation": 1, "experiment": "activation-budget"},
+    # one LoRA-A matmul for q/k/v and one for gate/up, which share their input (see _fused_lora_a)
+    "lora-fused": {"experiment": "lora-fused"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
 OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
@@ -221,6 +224,8 @@ def child_engine(args: argparse.Namespace) -> dict:
     out = {"spec": spec.model_dump(exclude_none=True), "experiment": experiment}
     if experiment == "fp8":
         _fp8_base_layers()
+    elif experiment == "lora-fused":
+        _fused_lora_a()
     elif experiment == "activation-budget":
         from torch._functorch import config as functorch_config
 
@@ -270,6 +275,48 @@ def _fp8_base_layers() -> None:
         return wrap(model, spec)
 
     finetune.wrap_lora = fp8_then_lora
+
+
+def _fused_lora_a() -> None:
+    """Experiment `lora-fused`: the LoRA layers that share an input (q/k/v of each attention, gate/up of each MLP)
+    compute their A products in one matmul, x @ [A_q; A_k; A_v]^T, split three ways; the backward then has one
+    input-gradient and one weight-gradient matmul for the group instead of three. The base layers, the B products
+    and the saved adapter stay as PEFT has them. Relies on the call order of transformers' Qwen3/Llama layers (q,
+    k, v; gate, up): the first of a group computes, the others take their part, the last clears it (so no tensor
+    outlives the layer's forward)."""
+    import types
+
+    import torch
+
+    from worker.training import finetune
+
+    wrap = finetune.wrap_lora
+
+    def share(members: list) -> None:
+        rank = members[0].lora_A["default"].weight.shape[0]
+        held: dict[str, tuple] = {}
+
+        def forward(self, x, *args, index: int, **kwargs):
+            result = self.base_layer(x, *args, **kwargs)
+            if index == 0:
+                weight = torch.cat([m.lora_A["default"].weight for m in members])
+                held["parts"] = torch.nn.functional.linear(x, weight).split(rank, dim=-1)
+            part = held["parts"][index]
+            if index == len(members) - 1:
+                held.clear()
+            return result + self.lora_B["default"](part) * self.scaling["default"]
+
+        for index, member in enumerate(members):
+            member.forward = types.MethodType(functools.partial(forward, index=index), member)
+
+    def fused_lora(model, spec):
+        model = wrap(model, spec)
+        for layer in model.get_base_model().get_decoder().layers:
+            share([getattr(layer.self_attn, name) for name in ("q_proj", "k_proj", "v_proj")])
+            share([getattr(layer.mlp, name) for name in ("gate_proj", "up_proj")])
+        return model
+
+    finetune.wrap_lora = fused_lora
 
 
 def _profile_training(args: argparse.Namespace, torch) -> None:
