@@ -279,8 +279,8 @@ def _fp8_base_layers() -> None:
 
 def _fused_lora_a() -> None:
     """Experiment `lora-fused`: the LoRA layers that share an input (q/k/v of each attention, gate/up of each MLP)
-    compute their A products in one matmul, x @ [A_q; A_k; A_v]^T, split three ways; the backward then has one
-    input-gradient and one weight-gradient matmul for the group instead of three. The base layers, the B products
+    compute their A products in one matmul, x @ [A_q; A_k; A_v]^T, split into each layer's part; the backward then
+    has one input-gradient and one weight-gradient matmul for the group instead of one per layer. The base layers, the B products
     and the saved adapter stay as PEFT has them. Relies on the call order of transformers' Qwen3/Llama layers (q,
     k, v; gate, up): the first of a group computes, the others take their part, the last clears it (so no tensor
     outlives the layer's forward)."""
