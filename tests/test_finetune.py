@@ -365,9 +365,7 @@ def test_a_step_whose_loss_is_nan_is_logged_as_nan_and_its_event_stored_on_sqlit
     from safetensors.torch import load_file, save_file
 
     from core import jobs
-    from core.models import Job
     from core.spec import FinetuneSpec, LoadOptions
-    from core.store import new_id, now
     from worker.runtime import finetune_line
     from worker.training import finetune
 
@@ -386,24 +384,12 @@ def test_a_step_whose_loss_is_nan_is_logged_as_nan_and_its_event_stored_on_sqlit
     for record in steps:
         assert record["loss"] is None and record["grad_norm"] is None, record
         assert record["non_finite"] == {"loss": "nan", "grad_norm": "nan"}, record
-    job_id = new_id("job")
-    with session_scope() as session:
-        spec_json = {"model": "m", "input": "f"}
-        session.add(
-            Job(
-                id=job_id,
-                kind="finetune",
-                state="running",
-                owner="a",
-                spec=spec_json,
-                queue="gpu",
-                gpus=1,
-                created_at=now(),
-            )
-        )
+    job_id = service.submit(owner="alice", spec_data=ft_spec(base_model, max_steps=2))["id"]
     for record in steps:
         jobs.event(job_id, finetune_line(record), kind="metric", data=record)
     with session_scope() as session:
-        stored = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)).all()
+        stored = session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.kind == "metric").order_by(JobEvent.id)
+        ).all()
         assert [e.data["non_finite"] for e in stored] == [{"loss": "nan", "grad_norm": "nan"}] * 2
         assert all("loss nan" in e.message and "grad_norm nan" in e.message for e in stored), stored[0].message
