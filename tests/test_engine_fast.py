@@ -979,6 +979,34 @@ def test_a_cached_prefix_serves_the_next_job_on_a_resident_engine(loaded, tiny_m
     assert other["fast"]["prefix_tokens_reused"] < 2 * decode_attention.PAGE * pages
 
 
+def test_the_benchmarks_repeated_runs_send_prompts_the_prefix_cache_has_not_seen(loaded, tiny_model, slots):
+    """ops/bench/gen.py and profile_gen.py time a workload several times on one resident engine, each run on its
+    own prompts (`workload`'s `run`): the same token counts and the same shared instruction within a run, but no
+    page of another run. Sent again, a run's prompts come from the cache (what flattered G1's later runs on
+    2026-12-06); the next run's reuse only what its own rows share, as the first did."""
+    from ops.bench import gen
+
+    tok = loaded.tokenizer
+    for name in ("g1", "g2", "g3"):
+        runs = [gen.workload(name, tok, True, number) for number in range(4)]
+        counts = [[(len(tok(p)["input_ids"]), o) for p, o in rows] for rows in runs]
+        assert counts[1:] == counts[:1] * 3, name  # the workload's lengths: the bound stays the bound
+        assert len({rows[0][0] for rows in runs}) == 4, name
+    slots(8)
+
+    def timed(number: int) -> dict:
+        data = gen.workload("g3", tok, True, number)[:6]  # an instruction of two full pages, then each row's own
+        rows = [(i, {"prompt": p, "params": {"max_new_tokens": 2}}) for i, (p, _) in enumerate(data)]
+        info: dict = {}
+        assert len(run(loaded, make_spec(tiny_model, engine="fast"), rows, info=info)) == len(rows)
+        return info["fast"]
+
+    first = timed(1)["prefix_tokens_reused"]
+    assert first == 5 * 2 * decode_attention.PAGE  # the rows after the one that writes the instruction's pages
+    assert timed(1)["prefix_tokens_reused"] >= 6 * 2 * decode_attention.PAGE  # the same prompts again: all cached
+    assert timed(2)["prefix_tokens_reused"] == first  # another run's prompts: only what its own rows share
+
+
 def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
     loaded, tiny_model, slots, monkeypatch
 ):

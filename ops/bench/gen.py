@@ -52,11 +52,12 @@ tokenizer's do, 4-5x the 640-token one's; `tokenizer_size` in the JSON):
 Steps (each in its own time box; a step that would not fit is listed under `skipped`):
 1. In a child process (it releases the GPU before the service starts):
    a. correctness, greedy: the fast engine vs plain `generate` on the tiny memorized model (96 rows);
-   b. engine: `worker.generate.generate(engine=fast)` over the workload's rows, 1 + `--repeat` times: the first run
-      pays the preparation (compile, CUDA-graph captures; reported as `cold`), the median of the others is
-      `engine.output_tok_s` (`engine.warm_runs`: each run, the median and the spread (max - min) / median); then
-      the other workload and this one again on the same resident state, and both on a fresh state: the outputs
-      must be equal (`correctness.resident_equals_fresh`; issue 12's stall came from a second large run);
+   b. engine: `worker.generate.generate(engine=fast)` over the workload's rows, 1 + `--repeat` times, each run on
+      prompts of its own (`workload`'s `run`: the same lengths, no page another run could have left in the prefix
+      cache): the first run pays the preparation (compile, CUDA-graph captures; reported as `cold`), the median of
+      the others is `engine.output_tok_s` (`engine.warm_runs`: each run, the median and the spread (max - min) /
+      median); then the other workload and this one again on the same resident state, and both on a fresh state:
+      the outputs must be equal (`correctness.resident_equals_fresh`; issue 12's stall came from a second large run);
    c. correctness, logits: 64 of the workload's rows inside a batch of the engine's slot count, teacher-forced
       along plain `generate`'s greedy tokens for 8 steps: per-step logits within a bf16 tolerance;
    d. baselines: plain `generate` padded (batches of 256), and for G1 `generate(cache_implementation="static")`
@@ -66,7 +67,8 @@ Steps (each in its own time box; a step that would not fit is listed under `skip
       cuts records the rate it reached (`run_peer`).
 2. The service: `gpujobs up --gpus 0`, a warm-up job (loads the model, captures graphs), a small second job
    (warm start: seconds from submit to its first committed row), then the workload `--repeat` times, each as one
-   job of one shard (while the next fits the `--service-s` box): `service.output_tok_s` is the median,
+   job of one shard on prompts of its own (as in 1b; while the next fits the `--service-s` box):
+   `service.output_tok_s` is the median,
    `service.runs` each run, the median and the spread. Throughput of a job = Σ completion_tokens ÷ (last row
    committed − first shard started), read from SQL. Unless `--no-restart`, the stack is then restarted and the small
    job sent again: `restart_warm_up` is a fresh worker's first job on a model it compiled before (the compile cache
@@ -109,22 +111,30 @@ log = harness.logger("gen")
 # --- workloads -----------------------------------------------------------------------------------------------
 
 
-def workload(name: str, tok, smoke: bool) -> list[tuple[str, int]]:
-    """(prompt text, max_new_tokens) per row; prompts are one-token words, so a prompt of n words is n tokens."""
+def workload(name: str, tok, smoke: bool, run: int = 0) -> list[tuple[str, int]]:
+    """(prompt text, max_new_tokens) per row; prompts are one-token words, so a prompt of n words is n tokens.
+
+    `run` > 0: the same rows with every word swapped through a permutation of the words drawn for that run. The
+    lengths, and the prefixes rows share (G3's instruction), stay; the prompts are ones no other run sent. The
+    repeated runs of a workload each take their own `run`: on a resident engine the prefix cache would otherwise
+    serve a run's prompts from an earlier run's pages (G1's second run skipped 3/4 of its prefill on 2026-12-06),
+    which no user running a dataset once gets."""
     rng = random.Random(SEED)
     words = harness.one_token_words(tok)
+    swap = dict(zip(words, random.Random(f"{SEED}:{run}").sample(words, len(words)))) if run else {}
+
+    def text(count: int) -> str:
+        return "".join(swap.get(w, w) for w in (rng.choice(words) for _ in range(count)))
+
     if name in ("g1", *COMPARISONS):
         n, lengths = (24, [(16, 96 if name == "g1json" else 16)]) if smoke else (1024, [(256, 256)])
-        return [("".join(rng.choice(words) for _ in range(i)), o) for i, o in lengths * n]
+        return [(text(i), o) for i, o in lengths * n]
     if name == "g3":  # one shared instruction, then a unique part (issue 26: a shared prefix computed once)
         n, shared, unique, out = (16, 130, 8, 8) if smoke else (1024, 1024, 64, 128)
-        instruction = "".join(rng.choice(words) for _ in range(shared))
-        return [(instruction + "".join(rng.choice(words) for _ in range(unique)), out) for _ in range(n)]
+        instruction = text(shared)
+        return [(instruction + text(unique), out) for _ in range(n)]
     n, (lo_in, hi_in), (lo_out, hi_out) = (32, (4, 40), (2, 24)) if smoke else (2048, (32, 1024), (16, 512))
-    return [
-        ("".join(rng.choice(words) for _ in range(rng.randint(lo_in, hi_in))), rng.randint(lo_out, hi_out))
-        for _ in range(n)
-    ]
+    return [(text(rng.randint(lo_in, hi_in)), rng.randint(lo_out, hi_out)) for _ in range(n)]
 
 
 def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
@@ -506,18 +516,23 @@ def run_inproc(args: argparse.Namespace) -> int:
         model=str(args.model), input="x", ignore_eos=True, engine="fast", kv_cache_dtype=args.kv_cache_dtype
     )
 
-    # b. the engine alone: cold (pays the preparation), then --repeat warm runs (median and spread)
+    # b. the engine alone: cold (pays the preparation), then --repeat warm runs (median and spread), each run on
+    # prompts of its own (workload's `run`): the resident prefix cache serves none of them from an earlier run
     def engine_runs() -> None:
         warm = []
         for i in range(1 + args.repeat):
             name = "cold" if i == 0 else "warm"
+            these = [
+                (j, {**row, "prompt": p})
+                for (j, row), (p, _) in zip(rows, workload(args.workload, tok, args.smoke, i + 1))
+            ]
             info: dict = {}
             harness.reset_peak()
             harness.sync()
             t = time.perf_counter()
             tokens = sum(
                 r.completion_tokens or 0
-                for b in engine.generate(loaded, spec, rows, batch_rows=256, info=info)
+                for b in engine.generate(loaded, spec, these, batch_rows=256, info=info)
                 for r in b
             )
             harness.sync()
@@ -536,7 +551,8 @@ def run_inproc(args: argparse.Namespace) -> int:
                 warm.append(run)
             log(
                 f"engine fast ({name}): {tokens / seconds:,.0f} output tok/s, {seconds:.2f} s, "
-                f"{info.get('fast', {}).get('steps')} steps, capture {info.get('fast', {}).get('capture_s')} s"
+                f"{info.get('fast', {}).get('steps')} steps, capture {info.get('fast', {}).get('capture_s')} s, "
+                f"prefix tokens reused {info.get('fast', {}).get('prefix_tokens_reused')}"
             )
         stats = harness.repeated([w["output_tok_s"] for w in warm])
         out["engine"]["warm"] = min(warm, key=lambda w: abs(w["output_tok_s"] - stats["median"]))  # the median run
@@ -918,12 +934,18 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     data = workload(args.workload, tok, args.smoke)
-    main = work / f"{args.workload}.jsonl"
-    main.write_text(
-        "".join(
-            json.dumps({"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"}) + "\n" for i, (p, o) in enumerate(data)
+
+    def dataset(run: int) -> Path:  # each measured run's own prompts (workload's `run`): none served from the cache
+        path = work / f"{args.workload}-{run}.jsonl"
+        rows = workload(args.workload, tok, args.smoke, run)
+        path.write_text(
+            "".join(
+                json.dumps({"prompt": p, "max_new_tokens": o, "custom_id": f"r{i}"}) + "\n"
+                for i, (p, o) in enumerate(rows)
+            )
         )
-    )
+        return path
+
     small = work / "small.jsonl"
     small.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 16}) + "\n" for p, _ in data[:16]))
     t = time.monotonic()
@@ -975,17 +997,22 @@ def run_service(args: argparse.Namespace, work: Path, report: dict) -> None:
         spy = profile_worker(client, args.profile_warm_start)
         small_job("warm_start")  # the model resident
         stop_profile(spy)
-        main_id, runs = client.upload(main)["id"], []
+        runs = []
         for i in range(args.repeat):  # the workload --repeat times, one job each: median and spread
             if runs and time.monotonic() + 1.5 * runs[-1]["window_s"] > deadline:
                 log(f"service: run {i + 1} of {args.repeat} would not fit the time box: stopping at {len(runs)}")
                 break
+            main_id = client.upload(dataset(i + 1))["id"]
             job = client.submit({**base, "input": main_id, "name": f"{args.workload}-{i + 1}"})
             log(f"{args.workload} job {job['id']} submitted (run {i + 1} of {args.repeat})")
             job = client.wait(job["id"], poll=0.5, timeout=max(60, deadline - time.monotonic()))
             run = {k: job.get(k) for k in ("id", "state", "error", "tokens", "metrics", "load_options")}
             runs.append({"job": run, **harness.sql_numbers(job["id"])})
-            log(f"service run {i + 1}: {runs[-1].get('output_tok_s')} output tok/s over {runs[-1].get('window_s')} s")
+            fast = ((run.get("load_options") or {}).get("engine") or {}).get("fast") or {}
+            log(
+                f"service run {i + 1}: {runs[-1].get('output_tok_s')} output tok/s over {runs[-1].get('window_s')} s, "
+                f"prefix tokens reused {fast.get('prefix_tokens_reused')}"
+            )
         stats = harness.repeated([r.get("output_tok_s") for r in runs])
         median_run = min(runs, key=lambda r: abs((r.get("output_tok_s") or 0) - (stats["median"] or 0)))
         report.update(median_run)  # the run at the median, as before: its job, commit times, shards

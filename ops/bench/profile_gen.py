@@ -4,13 +4,14 @@ cProfile, one process.
     python ops/bench/profile_gen.py g1 g2 --out $OUT/profile.json     # GPU host, repo root (~3 minutes)
     python ops/bench/profile_gen.py g1 --smoke --out /tmp/prof.json   # CPU: tiny model, a few rows
 
-For each workload: one cold run (prepares the engine: compile, graph capture), one warm run timed plainly, one
-warm run under torch.profiler (CPU + CUDA activities) and one under cProfile. It writes the device time per kernel
+For each workload: one cold run (prepares the engine: compile, graph capture), `--repeat` warm runs timed plainly,
+one warm run under torch.profiler (CPU + CUDA activities) and one under cProfile. It writes the device time per kernel
 (the 40 largest, grouped by name), the device time split into prefill and decode by the profiler's record_function
 ranges, the host's cumulative time per Python function (the 40 largest), and the engine's own counters
 (prefill_s, decode_s, steps). What it answers: how far each part is from its floor (decode: KV bytes over
 bandwidth; prefill: FLOPs over the matrix rate), and how much of a run is the host's (tokenizing, detokenizing,
-result rows) rather than the GPU's.
+result rows) rather than the GPU's. Each run sends prompts of its own (gen.py's `workload(..., run)`), so the
+resident prefix cache serves none of them from an earlier run.
 """
 
 from __future__ import annotations
@@ -66,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         data = gen.workload(name, tok, args.smoke)
         rows = [(i, {"prompt": p, "params": {"max_new_tokens": o}}) for i, (p, o) in enumerate(data)]
 
-        def run(info: dict, rows=rows) -> tuple[float, int]:
+        def run(info: dict, number: int, name=name, rows=rows) -> tuple[float, int]:
+            """Run `number` on prompts of its own (gen.workload's `run`): the resident prefix cache serves none of
+            them from an earlier run."""
+            prompts = gen.workload(name, tok, args.smoke, number)
+            these = [(i, {**row, "prompt": p}) for (i, row), (p, _) in zip(rows, prompts)]
             harness.sync()
             t = time.perf_counter()
             tokens = sum(
                 r.completion_tokens or 0
-                for b in engine.generate(loaded, spec, rows, batch_rows=256, info=info)
+                for b in engine.generate(loaded, spec, these, batch_rows=256, info=info)
                 for r in b
             )
             harness.sync()
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         result: dict = {"rows": len(rows), "warm": []}
         for i in range(1 + args.repeat):
             info: dict = {}
-            seconds, tokens = run(info)
+            seconds, tokens = run(info, i + 1)
             fast = info.get("fast", {})
             one = {
                 "seconds": round(seconds, 3),
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prefill_s": fast.get("prefill_s"),
                 "decode_s": fast.get("decode_s"),
                 "steps": fast.get("steps"),
+                "prefix_tokens_reused": fast.get("prefix_tokens_reused"),
             }
             if i == 0:
                 result["cold"] = {**one, "fast": fast}
@@ -127,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities, record_shapes=False) as prof:
             info = {}
-            seconds, tokens = run(info)
+            seconds, tokens = run(info, args.repeat + 2)
         result["profiled"] = {"seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
+        averages = prof.key_averages()  # once: on G2's trace it takes minutes (2026-12-06, an H100)
+        events = sorted(averages, key=lambda e: -getattr(e, key, 0))
         total = sum(getattr(e, key, 0) for e in events)
         result["kernels"] = [
             {
@@ -142,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
             for e in events[: args.top]
         ]
         result["device_ms_total"] = round(total / 1e3, 1)
-        table = prof.key_averages().table(sort_by=key, row_limit=args.top, max_name_column_width=90)
+        table = averages.table(sort_by=key, row_limit=args.top, max_name_column_width=90)
         args.out.with_name(f"{args.out.stem}-{name}-kernels.txt").write_text(table)
 
         # the host, warm: cumulative time per function
         profiler = cProfile.Profile()
         profiler.enable()
-        seconds, _ = run({})
+        seconds, _ = run({}, args.repeat + 3)
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
