@@ -1007,6 +1007,22 @@ def test_the_benchmarks_repeated_runs_send_prompts_the_prefix_cache_has_not_seen
     assert timed(2)["prefix_tokens_reused"] == first  # another run's prompts: only what its own rows share
 
 
+def test_the_benchmarks_bound_on_a_gpu_of_another_rate_scales_with_its_measured_rate(tiny_model):
+    """gen.py's bound is the yardstick's (the H200's rate) on any GPU; on a GPU model with a measured rate of its own
+    (an H100) `bound_here` is the same bytes at that rate, and a GPU nobody measured gets none."""
+    from transformers import AutoConfig
+
+    from ops.bench import gen
+
+    assert gen.rate_of("NVIDIA H100 80GB HBM3") == gen.RATES["H100"] < gen.BANDWIDTH
+    assert gen.rate_of("NVIDIA H200") == gen.BANDWIDTH
+    assert gen.rate_of("NVIDIA A100-SXM4-80GB") is None and gen.rate_of(None) is None
+    config, rows = AutoConfig.from_pretrained(tiny_model), [(256, 256)] * 8 + [(32, 512)] * 3
+    ours, here = gen.bound(config, rows), gen.bound(config, rows, bandwidth=gen.BANDWIDTH / 2)
+    assert here["kv_bytes"] == ours["kv_bytes"] and here["weight_bytes"] == ours["weight_bytes"]
+    assert here["bound_tok_s"] == pytest.approx(ours["bound_tok_s"] / 2, rel=1e-3)
+
+
 def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
     loaded, tiny_model, slots, monkeypatch
 ):

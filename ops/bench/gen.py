@@ -77,8 +77,10 @@ Steps (each in its own time box; a step that would not fit is listed under `skip
 
 The bound is computed from the dataset alone: Σ over rows and decode steps of the row's real context × the KV
 bytes per token (112 KiB for this model), plus the weight bytes once per decode step of a full batch of 1024, at
-4.3 TB/s (measured on the H200). Writes `{"g1": {...}}` (or g2) with `service.output_tok_s`, `engine.output_tok_s`,
-`baselines.*`, `bound_tok_s`, `correctness.*`, `ratios`, job ids, commit and device; prints a table.
+4.3 TB/s (measured on the H200): the yardstick's bound on any GPU. On another GPU model whose rate was measured
+(`RATES`: an H100's 3.07 TB/s) `bound_here` is the same sum at that rate, with `ratios.service/bound_here`.
+Writes `{"g1": {...}}` (or g2) with `service.output_tok_s`, `engine.output_tok_s`, `baselines.*`, `bound_tok_s`,
+`correctness.*`, `ratios`, job ids, commit and device; prints a table.
 """
 
 from __future__ import annotations
@@ -100,7 +102,11 @@ if str(ROOT) not in sys.path:
 
 from ops.bench import harness  # after the repository root is on sys.path
 
-BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6)
+BANDWIDTH = 4.3e12  # bytes/s, measured on the H200 (issue 6): the yardstick's bound, whatever GPU runs
+RATES = {  # bytes/s SDPA's decode attention read at G1's shapes (decode_kernel.py), per GPU model: `bound_here`
+    "H200": BANDWIDTH,
+    "H100": 3.07e12,  # H100 80GB HBM3, batch 1,024 x context 512 (results/2026-12-06-h100-session46)
+}
 COMPARISONS = ("g1json", "g1lp", "g1kv")  # G1's rows in other settings, compared in one child process
 QUANTIZED_KV = ("fp8", "int8")  # the quantized kv_cache_dtype values g1kv times against auto
 FULL_BATCH = 1024
@@ -137,8 +143,9 @@ def workload(name: str, tok, smoke: bool, run: int = 0) -> list[tuple[str, int]]
     return [(text(rng.randint(lo_in, hi_in)), rng.randint(lo_out, hi_out)) for _ in range(n)]
 
 
-def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
-    """The bandwidth bound of `rows` = [(prompt tokens, output tokens)] for this model config."""
+def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2, bandwidth: float = BANDWIDTH) -> dict:
+    """The bandwidth bound of `rows` = [(prompt tokens, output tokens)] for this model config, reading at
+    `bandwidth` bytes/s."""
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
@@ -147,7 +154,7 @@ def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
     outputs = sum(o for _, o in rows)
     steps = outputs / min(len(rows), FULL_BATCH)
     weights = params * dtype_bytes * steps
-    seconds = (kv + weights) / BANDWIDTH
+    seconds = (kv + weights) / bandwidth
     return {
         "bound_tok_s": round(outputs / seconds, 1),
         "kv_bytes": kv,
@@ -156,7 +163,7 @@ def bound(config, rows: list[tuple[int, int]], dtype_bytes: int = 2) -> dict:
         "params": params,
         "output_tokens": outputs,
         "definition": "sum over rows and steps of context x KV bytes/token, plus weights once per step of a "
-        f"full batch of {FULL_BATCH}, at {BANDWIDTH / 1e12} TB/s",
+        f"full batch of {FULL_BATCH}, at {bandwidth / 1e12} TB/s",
     }
 
 
@@ -1080,14 +1087,38 @@ def dump_worker_stacks() -> None:
 # --- main ------------------------------------------------------------------------------------------------------
 
 
+def gpu_name() -> str | None:
+    """GPU 0's name from nvidia-smi (None without one): this process must not hold a CUDA context, whose memory
+    the service's cache sizing would count as taken."""
+    try:
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if names.returncode != 0:
+        return None
+    return names.stdout.strip() or None
+
+
+def rate_of(name: str | None) -> float | None:
+    """The measured decode-attention rate of the GPU model `name` names (RATES), None when none was measured."""
+    return next((rate for model, rate in RATES.items() if name and model in name), None)
+
+
 def ratios(r: dict) -> dict:
     out = {}
     service, engine = r["service"].get("output_tok_s"), r["engine"].get("output_tok_s")
-    bound_tok_s = r.get("bound_tok_s")
+    bound_tok_s, here = r.get("bound_tok_s"), (r.get("bound_here") or {}).get("bound_tok_s")
     best = max((b.get("output_tok_s") or 0 for b in r["baselines"].values()), default=0)
     for name, value in (("service", service), ("engine", engine)):
         if value and bound_tok_s:
             out[f"{name}/bound"] = round(value / bound_tok_s, 4)
+        if value and here:
+            out[f"{name}/bound_here"] = round(value / here, 4)
         if value and best:
             out[f"{name}/best_baseline"] = round(value / best, 2)
         for base, b in r["baselines"].items():
@@ -1125,6 +1156,9 @@ def print_table(name: str, r: dict) -> None:
         lines = [(f"ours: engine, {k}", v.get("output_tok_s"), None, None) for k, v in r["engine"].items()]
     lines += [(f"baseline: {k}", b.get("output_tok_s"), None, b.get("compile_s")) for k, b in r["baselines"].items()]
     lines.append(("bound (from the dataset)", r.get("bound_tok_s"), None, None))
+    if r.get("bound_here"):
+        here = r["bound_here"]
+        lines.append((f"bound on this GPU ({here['rate_tb_s']} TB/s)", here["bound_tok_s"], None, None))
     for label, tps, peak, comp in lines:
         print(
             f"{label:44}{(f'{tps:,.0f}' if tps else '-'):>10}{(f'{peak / 2**30:.1f}' if peak else ''):>10}"
@@ -1244,12 +1278,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     r["tokenizer_size"] = len(tok)
-    r["bound"] = bound(
-        AutoConfig.from_pretrained(args.model),
-        [(len(tok(p)["input_ids"]), o) for p, o in workload(args.workload, tok, args.smoke)],
-    )
+    config = AutoConfig.from_pretrained(args.model)
+    lengths = [(len(tok(p)["input_ids"]), o) for p, o in workload(args.workload, tok, args.smoke)]
+    r["bound"] = bound(config, lengths)
     r["bound_tok_s"] = r["bound"]["bound_tok_s"]
     log(f"bound of {args.workload}: {r['bound_tok_s']:,.0f} output tok/s ({r['bound']['output_tokens']:,} tokens)")
+    gpu = gpu_name()
+    rate = rate_of(gpu)
+    if rate and rate != BANDWIDTH:  # another GPU than the yardstick's: its own bound beside it
+        r["bound_here"] = {**bound(config, lengths, bandwidth=rate), "gpu": gpu, "rate_tb_s": rate / 1e12}
+        log(f"bound on this {gpu}: {r['bound_here']['bound_tok_s']:,.0f} output tok/s at {rate / 1e12} TB/s")
     save()
     if "inproc" not in skip:
         child_out = args.work / "child.json"
