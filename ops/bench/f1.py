@@ -834,7 +834,10 @@ def print_table(f1: dict) -> None:
         )
         stats = r.get("runs") or {}
         if len(stats.get("runs") or []) > 1:
-            print(f"{'':<30} runs {', '.join(f'{v:,.0f}' for v in stats['runs'])}: spread {stats['spread']:.1%}")
+            print(
+                f"{'':<30} runs {', '.join(f'{v:,.0f}' for v in stats['runs'])}: median {stats['median']:,.0f}, "
+                f"spread {stats['spread']:.1%} (the row above is the run nearest the median)"
+            )
     for key in ("loss_agreement", "loss_fall", "ratios", "targets"):
         if f1.get(key):
             print(f"{key}: {json.dumps(f1[key])}")
