@@ -677,9 +677,10 @@ def test_the_g1json_benchmark_reports_each_lever_it_times(tmp_path, tiny_model):
 
 def test_the_check_first_benchmark_times_a_model_that_follows_its_schema(tmp_path):
     """`ops/bench/check_first.py` builds a tiny model that memorized objects of G1-JSON's schema, with the larger
-    tokenizer `--tokenizer-size` asks for, and times the fast engine masked, with CHECK_FIRST, and with it but no
-    per-row give-up: the model writes what the schema allows, so every checked token passes and no step computes a
-    mask; every output is valid, the memorized answer, and the same every way."""
+    tokenizer `--tokenizer-size` asks for, and times the fast engine masked, with CHECK_FIRST, with it but no
+    per-row give-up, and unconstrained: the model writes what the schema allows, so every checked token passes and
+    no step computes a mask; every output is valid, the memorized answer, and the same every way; the constrained
+    runs' output tok/s are given against the unconstrained run's."""
     model, out = tmp_path / "model", tmp_path / "check-first.json"
     proc = subprocess.run(
         [sys.executable, "ops/bench/check_first.py", "--model", str(model), "--tokenizer-size", "700"]
@@ -693,8 +694,15 @@ def test_the_check_first_benchmark_times_a_model_that_follows_its_schema(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["correctness"]["passed"] and got["correctness"]["same_outputs"] == 24, got["correctness"]
-    for way in ("masked", "check_first", "rows_kept"):
+    for way in ("masked", "check_first", "rows_kept", "unconstrained"):
         assert got["correctness"][way] == {"valid": 24, "memorized": 24, "rows": 24}, way
+    unconstrained = got["runs"]["unconstrained_1"]
+    assert unconstrained["mask_s"] == 0 and unconstrained["grammar_checked"] is None, unconstrained
+    rates = got["output_tok_s"]
+    assert got["constrained_vs_unconstrained"] == round(
+        rates["check_first"]["median"] / rates["unconstrained"]["median"], 3
+    )
+    assert got["masked_vs_unconstrained"] > 0
     masked, checked = got["runs"]["masked_1"], got["runs"]["check_first_1"]
     assert masked["mask_s"] > 0 and masked["grammar_checked"] is None, masked
     assert checked["mask_s"] == 0 and checked["grammar_refused"] == 0 and checked["grammar_checked"] > 24, checked

@@ -6,8 +6,10 @@ first CHECK_SAMPLE tokens there, and `gen.py g1json`'s `other_check_gain` can on
 model asked for JSON mostly writes JSON the schema allows, which is the case the lever is for. This script times
 that case: a tiny model (worker/tinymodel.py) memorizes `--answers` objects of G1-JSON's schema (a name, a count,
 a kind; compact), and the fast engine answers `--rows` prompts (its questions in turn) under the schema, CHECK_FIRST
-off, on, and on without its per-row give-up (CHECK_ROW_GIVE_UP 0: `rows_kept`), interleaved `--repeat` times, after
-a warm-up of each. `--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`;
+off, on, and on without its per-row give-up (CHECK_ROW_GIVE_UP 0: `rows_kept`), and the same rows unconstrained
+(`unconstrained`: no response_format, the model writes what it memorized), interleaved `--repeat` times, after a
+warm-up of each. `constrained_vs_unconstrained` (CHECK_FIRST's output tok/s over the unconstrained run's) is issue
+26's G1-JSON ratio on a model that writes JSON, where gen.py's g1json measures a random model's worst case. `--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`;
 `--spaced 0.25` only a quarter of them. The JSON grammar allows one space between tokens (since 2026-12-06);
 `--compact` constrains to compact JSON, as it did before, which refuses each of a spaced model's spaces (the case
 where checking may cost more than it saves). `--tokenizer-size` gives the model a larger tokenizer
@@ -112,9 +114,8 @@ def main() -> int:
     cuda = torch.cuda.is_available()
     slot_state.CPU_SLOTS = args.slots
     fmt = {**FORMAT, "json_schema": {**FORMAT["json_schema"], "schema": COMPACT}} if args.compact else FORMAT
-    spec = GenerateSpec.model_validate(
-        {"model": str(args.model), "input": "x", "engine": "fast", "prefix_cache": "off", "response_format": fmt}
-    )
+    fields = {"model": str(args.model), "input": "x", "engine": "fast", "prefix_cache": "off"}
+    plain, spec = GenerateSpec.model_validate(fields), GenerateSpec.model_validate({**fields, "response_format": fmt})
     loaded = load(spec, gpus=1 if cuda else 0)
     want = {i: pairs[i % len(pairs)][1] for i in range(args.rows)}
     rows = [(i, {"prompt": pairs[i % len(pairs)][0], "params": {"max_new_tokens": 48}}) for i in range(args.rows)]
@@ -122,6 +123,7 @@ def main() -> int:
     outputs: dict[str, dict[int, str]] = {}
     saved = grammar.CHECK_FIRST, grammar.CHECK_ROW_GIVE_UP
     ways = {"masked": (False, None), "check_first": (True, None), "rows_kept": (True, 0)}  # CHECK_ROW_GIVE_UP 0
+    ways["unconstrained"] = (False, None)  # the plain spec: no grammar
 
     def timed(name: str, way: str, these: list) -> dict:
         grammar.CHECK_FIRST, give_up = ways[way]
@@ -129,7 +131,8 @@ def main() -> int:
         info: dict = {}
         harness.sync()
         t = time.perf_counter()
-        results = [r for b in engine.generate(loaded, spec, these, batch_rows=256, info=info) for r in b]
+        this = plain if way == "unconstrained" else spec
+        results = [r for b in engine.generate(loaded, this, these, batch_rows=256, info=info) for r in b]
         harness.sync()
         seconds = time.perf_counter() - t
         fast = info.get("fast", {})
@@ -150,13 +153,17 @@ def main() -> int:
         for way in ways:  # warm-up: the grammar compiled, the engine's state made
             timed("", way, rows[:64])
         seconds: dict[str, list[float]] = {way: [] for way in ways}
+        tok_s: dict[str, list[float]] = {way: [] for way in ways}
         for i in range(max(1, args.repeat)):
             for way in ways:
-                seconds[way].append(timed(f"{way}_{i + 1}", way, rows)["seconds"])
+                run = timed(f"{way}_{i + 1}", way, rows)
+                seconds[way].append(run["seconds"])
+                tok_s[way].append(run["output_tokens"] / run["seconds"])
     finally:
         grammar.CHECK_FIRST, grammar.CHECK_ROW_GIVE_UP = saved
     stats = {name: harness.repeated(values) for name, values in seconds.items()}
-    masked, checked, kept = (stats[way]["median"] for way in ways)
+    rates = {name: harness.repeated(values) for name, values in tok_s.items()}
+    masked, checked, kept = (stats[way]["median"] for way in ("masked", "check_first", "rows_kept"))
     for name in ways:
         got = outputs[name]
         out["correctness"][name] = {
@@ -164,13 +171,17 @@ def main() -> int:
             "memorized": sum(same_object(got[i], want[i]) for i in got),
             "rows": len(got),
         }
-    same = [sum(outputs[way][i] == outputs["masked"][i] for i in outputs["masked"]) for way in ways]
+    constrained = [way for way in ways if way != "unconstrained"]  # the model's own outputs need not be valid
+    same = [sum(outputs[way][i] == outputs["masked"][i] for i in outputs["masked"]) for way in constrained]
     out["correctness"]["same_outputs"] = min(same)
-    all_valid = all(out["correctness"][way]["valid"] == out["correctness"][way]["rows"] for way in ways)
+    all_valid = all(out["correctness"][way]["valid"] == out["correctness"][way]["rows"] for way in constrained)
     out["correctness"]["passed"] = all_valid and min(same) == len(rows)
     out |= {
         "seconds": stats,
+        "output_tok_s": rates,
         "check_first_gain": round(masked / checked, 3) if masked and checked else None,
+        "constrained_vs_unconstrained": round(rates["check_first"]["median"] / rates["unconstrained"]["median"], 3),
+        "masked_vs_unconstrained": round(rates["masked"]["median"] / rates["unconstrained"]["median"], 3),
         "row_give_up_gain": round(kept / checked, 3) if kept and checked else None,
         "row_give_up": saved[1],
         "compact": args.compact,
@@ -187,8 +198,12 @@ def main() -> int:
     harness.write_json(args.out, out)
     print(f"\nCHECK_FIRST on a model that follows G1-JSON's schema: {args.rows} rows, {out['device']}")
     for name, s in stats.items():
-        print(f"  {name:<12} median {s['median']:.3f} s (spread {s['spread']})")
+        print(f"  {name:<14} median {s['median']:.3f} s (spread {s['spread']})")
     print(f"  check_first_gain = {out['check_first_gain']}, row_give_up_gain = {out['row_give_up_gain']}")
+    print(
+        f"  output tok/s against the unconstrained run: check_first {out['constrained_vs_unconstrained']}, "
+        f"masked {out['masked_vs_unconstrained']}"
+    )
     print(f"  correctness = {json.dumps(out['correctness'])}")
     return 0 if out["correctness"]["passed"] else 1
 
