@@ -9,8 +9,9 @@ a kind; compact), and the fast engine answers `--rows` prompts (its questions in
 off, on, and on without its per-row give-up (CHECK_ROW_GIVE_UP 0: `rows_kept`), and the same rows unconstrained
 (`unconstrained`: no response_format, the model writes what it memorized), interleaved `--repeat` times, after a
 warm-up of each. `constrained_vs_unconstrained` (CHECK_FIRST's output tok/s over the unconstrained run's) is issue
-26's G1-JSON ratio on a model that writes JSON, where gen.py's g1json measures a random model's worst case. `--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`;
-`--spaced 0.25` only a quarter of them. The JSON grammar allows one space between tokens (since 2026-12-06);
+26's G1-JSON ratio on a model that writes JSON, where gen.py's g1json measures a random model's worst case.
+`--spaced` memorizes them as many real models write JSON, with a space after each `:` and `,`; `--spaced 0.25` only
+a quarter of them. The JSON grammar allows one space between tokens (since 2026-12-06);
 `--compact` constrains to compact JSON, as it did before, which refuses each of a spaced model's spaces (the case
 where checking may cost more than it saves). `--tokenizer-size` gives the model a larger tokenizer
 (ops/bench/harness.py's: 151936 asks for a BPE of as many tokens as its corpus teaches, ~89k), whose masks cost what

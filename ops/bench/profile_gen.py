@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds, tokens = run(info, args.repeat + 2)
         result["profiled"] = {"seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        averages = prof.key_averages()  # once: on G2's trace it takes minutes (2026-12-06, an H100)
+        averages = prof.key_averages()  # once: on G2's trace it took over a minute (2026-12-06, an H100)
         events = sorted(averages, key=lambda e: -getattr(e, key, 0))
         total = sum(getattr(e, key, 0) for e in events)
         result["kernels"] = [
