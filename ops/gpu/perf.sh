@@ -19,6 +19,8 @@
 #   PART=f1 bash ops/gpu/perf.sh     # F1: auto and batch16 variants (F1_VARIANTS), 3 interleaved runs each, 30 steps;
 #                                    # F1_VARIANTS=auto,fp8: the FP8 experiment (torchao carried: EXTRA in wheels.sh)
 #   PART=f1-service bash ops/gpu/perf.sh   # F1 through the service against plain PEFT, 60 steps, 3 interleaved runs
+#   PART=f1-full bash ops/gpu/perf.sh      # F1 as issue 25 states it: 200 steps through the service and of plain PEFT
+#                                          # (the curve rule over all of them), repeated while the box allows
 #   PART=f1-profile bash ops/gpu/perf.sh   # F1 auto and batch16 (F1_VARIANTS), 2 steps each profiled: a kernel table
 #                                          # and a timeline (.trace.json.gz) per variant
 #   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py),
@@ -78,6 +80,7 @@ case $PART in
                      --variant-steps 12 --profile-steps 2 --budget-s $((LIMIT - 15)) --out "$OUT/f1-profile.json") ;;
     f1-service) cmd=(python3 ops/bench/f1.py --phases service,baseline --steps 60 --repeat 3 --budget-s $((LIMIT - 15))
                      --out "$OUT/f1-service.json") ;;
+    f1-full) cmd=(python3 ops/bench/f1.py --budget-s $((LIMIT - 15)) --out "$OUT/f1.json") ;;
     *) echo "perf.sh: unknown PART $PART" >&2; exit 2 ;;
 esac
 if [[ ${PROFILE:-0} == 1 ]]; then
