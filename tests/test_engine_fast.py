@@ -983,7 +983,7 @@ def test_the_benchmarks_repeated_runs_send_prompts_the_prefix_cache_has_not_seen
     """ops/bench/gen.py and profile_gen.py time a workload several times on one resident engine, each run on its
     own prompts (`workload`'s `run`): the same token counts and the same shared instruction within a run, but no
     page of another run. Sent again, a run's prompts come from the cache (what flattered G1's later runs on
-    2026-12-06); the next run's reuse only what its own rows share, as the first did."""
+    2026-12-06); the next run's prompts reuse only what its own rows share, as the first run's did."""
     from ops.bench import gen
 
     tok = loaded.tokenizer
@@ -1018,9 +1018,9 @@ def test_the_benchmarks_bound_on_a_gpu_of_another_rate_scales_with_its_measured_
     assert gen.rate_of("NVIDIA H200") == gen.BANDWIDTH
     assert gen.rate_of("NVIDIA A100-SXM4-80GB") is None and gen.rate_of(None) is None
     config, rows = AutoConfig.from_pretrained(tiny_model), [(256, 256)] * 8 + [(32, 512)] * 3
-    ours, here = gen.bound(config, rows), gen.bound(config, rows, bandwidth=gen.BANDWIDTH / 2)
-    assert here["kv_bytes"] == ours["kv_bytes"] and here["weight_bytes"] == ours["weight_bytes"]
-    assert here["bound_tok_s"] == pytest.approx(ours["bound_tok_s"] / 2, rel=1e-3)
+    full, half = gen.bound(config, rows), gen.bound(config, rows, bandwidth=gen.BANDWIDTH / 2)
+    assert half["kv_bytes"] == full["kv_bytes"] and half["weight_bytes"] == full["weight_bytes"]
+    assert half["bound_tok_s"] == pytest.approx(full["bound_tok_s"] / 2, rel=1e-3)
 
 
 def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
