@@ -73,7 +73,8 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # 16 x 1 under 40 GiB? The compiled layers' partitioner recomputes instead of saving, down to a share of the
     # activations (torch._functorch.config.activation_memory_budget, F1_ACTIVATION_BUDGET, default 0.8)
     "batch16-budget": {"batch_size": 16, "gradient_accumulation": 1, "experiment": "activation-budget"},
-    # one LoRA-A matmul for q/k/v and one for gate/up, which share their input (see _fused_lora_a)
+    # one LoRA-A matmul for q/k/v and one for gate/up, which share their input (see _fused_lora_a); 0.85x auto
+    # on an H100 (results/2026-12-06-h100-session46): kept as a measured dead end, not a lever
     "lora-fused": {"experiment": "lora-fused"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
@@ -281,8 +282,8 @@ def _fp8_base_layers() -> None:
 def _fused_lora_a() -> None:
     """Experiment `lora-fused`: the LoRA layers that share an input (q/k/v of each attention, gate/up of each MLP)
     compute their A products in one matmul, x @ [A_q; A_k; A_v]^T, split into each layer's part; the backward then
-    has one input-gradient and one weight-gradient matmul for the group instead of one per layer. The base layers, the B products
-    and the saved adapter stay as PEFT has them. Relies on the call order of transformers' Qwen3/Llama layers (q,
+    has one input-gradient and one weight-gradient matmul for the group instead of one per layer. The base layers,
+    the B products and the saved adapter stay as PEFT has them. Relies on the call order of transformers' Qwen3/Llama layers (q,
     k, v; gate, up): the first of a group computes, the others take their part, the last clears it (so no tensor
     outlives the layer's forward)."""
     import types
