@@ -1023,6 +1023,24 @@ def test_the_benchmarks_bound_on_a_gpu_of_another_rate_scales_with_its_measured_
     assert half["bound_tok_s"] == pytest.approx(full["bound_tok_s"] / 2, rel=1e-3)
 
 
+def test_the_overlap_experiment_runs_every_way_over_the_same_rows(tmp_path):
+    """ops/bench/overlap.py --smoke (CPU, tiny shapes): every way of running a decode step (whole, halves, quarters)
+    and the prefill beside it runs and is timed, and the halves and quarters pick the tokens the whole batch picks
+    (their slices of the slot inputs are the whole batch's rows)."""
+    out = tmp_path / "overlap.json"
+    done = subprocess.run(
+        [sys.executable, "ops/bench/overlap.py", "--smoke", "--out", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["decode"]
+    assert row["same_tokens"] == dict.fromkeys(("halves_serial", "halves_streams", "quarters_streams"), row["batch"])
+    assert all(row[f"{name}_ms"] > 0 for name in ("one", "halves_serial", "halves_streams", "quarters_streams"))
+    mixed = result["prefill_beside_decode"]
+    assert mixed["gain"] > 0 and mixed["serial_ms"] > 0 and mixed["streams_ms"] > 0
+    assert "| batch × context |" in done.stdout and "side by side" in done.stdout
+
+
 def test_cached_prefixes_are_evicted_when_the_cache_needs_room_and_outputs_stay_right(
     loaded, tiny_model, slots, monkeypatch
 ):

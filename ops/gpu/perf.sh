@@ -9,6 +9,8 @@
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel,
 #                                    # fp8 and int8 pages against bf16 ones
+#   PART=overlap bash ops/gpu/perf.sh # a decode step as halves on two CUDA streams, a prefill chunk beside a decode
+#                                    # step (ops/bench/overlap.py: ~1 minute)
 #   PART=writes bash ops/gpu/perf.sh # decode_kernel.py's K/V writes alone (seconds): the kernels' bytes against torch's
 #   PART=g1kv bash ops/gpu/perf.sh   # G1 with kv_cache_dtype fp8 and int8 against auto (3 interleaved runs each),
 #                                    # their greedy outputs on the memorized model; KV=fp8 (or int8) PART=g1-service
@@ -69,6 +71,7 @@ case $PART in
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
+    overlap) cmd=(python3 ops/bench/overlap.py --out "$OUT/overlap.json") ;;
     writes) cmd=(python3 ops/bench/decode_kernel.py --writes-only --out "$OUT/decode-kernel-writes.json") ;;
     check-first) size=${TOKENIZER_SIZE:-151936} name=check-first-$size${SPACED:+-spaced-$SPACED}
                  cmd=(python3 ops/bench/check_first.py --tokenizer-size "$size" ${SPACED:+--spaced "$SPACED"})
