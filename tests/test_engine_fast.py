@@ -406,6 +406,19 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         diff = (got - ref).abs().max().item()
         assert diff < tol, (dtype, dim, splits, diff)
         assert torch.all(got[0] == 0)
+    # the step's K/V written by the kernel (FOLD_WRITE): the output and the pages of write_step, then the kernel
+    # (row 0, of length 0, a free slot, writes nothing)
+    last = (lengths - 1).clamp(min=0)
+    page, offset = table[torch.arange(5), last // da.PAGE], last % da.PAGE
+    kn, vn = torch.randn(5, 2, dim, dtype=dtype), torch.randn(5, 2, dim, dtype=dtype)
+    for splits in (1, 2, 3):
+        k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+        da.write_step(k1, None, page[1:], offset[1:], kn[1:])
+        da.write_step(v1, None, page[1:], offset[1:], vn[1:])
+        want = da._triton_decode(q, k1, v1, table, lengths, 0.3, splits)
+        got = da.decode(q, k2, v2, table, lengths, 0.3, splits, new=(kn, vn, page, offset))
+        assert torch.equal(got, want) and torch.equal(k1, k2) and torch.equal(v1, v2), (dtype, dim, splits)
+        assert not torch.equal(k1, k), (dtype, dim, splits)  # the new vectors are in the pages
     # quantized pages with a scale per position and head: the kernel equals the reference over the same pages
     for kind in (da.FP8, torch.int8):
         (k8, ks), (v8, vs) = da.quantize(k, kind), da.quantize(v, kind)
@@ -447,9 +460,9 @@ print("kernel ok")
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache, heads of a
-    power-of-two width and not (padded inside the kernels); over fp8 and int8 pages with their scales it equals the
-    reference over the same pages, and the decode step's write kernel leaves the bytes and scales of the torch
-    write. (bf16 is misread by the interpreter; on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py
+    power-of-two width and not (padded inside the kernels); writing the step's K/V itself it gives the output and
+    the pages of the write, then the kernel; over fp8 and int8 pages with their scales it equals the reference over
+    the same pages, and the decode step's write kernel leaves the bytes and scales of the torch write. (bf16 is misread by the interpreter; on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py
     and gen.py's logits check.)"""
     interpreted(TRITON_SCRIPT, "kernel ok")
 
@@ -491,6 +504,16 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
                 diff = (got.float() - ref).abs().max().item()
                 assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, dim, quant is None, n, splits, diff)
                 assert torch.all(got[0] == 0)
+                if kind is None and dtype == torch.float32 and (n, splits) == (2, 3):  # K/V written by the kernel
+                    last = (lengths - 1).clamp(min=0)
+                    page, offset = table[torch.arange(b), last // P], last % P
+                    kn, vn = torch.randn(b, 2, dim, dtype=dtype), torch.randn(b, 2, dim, dtype=dtype)
+                    k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+                    da.write_step(k1, None, page[1:], offset[1:], kn[1:])
+                    da.write_step(v1, None, page[1:], offset[1:], vn[1:])
+                    want = da._triton_decode(q, k1, v1, table, lengths, 0.3, splits, cascade)
+                    got = da.decode(q, k2, v2, table, lengths, 0.3, splits, cascade, new=(kn, vn, page, offset))
+                    assert torch.equal(got, want) and torch.equal(k1, k2) and torch.equal(v1, v2), (n, splits)
 print("cascade ok")
 """
 

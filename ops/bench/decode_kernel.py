@@ -27,7 +27,11 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
    quantized and its scale written beside it: the engine's kernel (`write_step`, `fp8_write_ms`) against torch's
    operations (`write_pages`, `fp8_write_torch_ms`), the same bytes (`fp8_write_equal`; `int8_…` likewise).
 
-`--writes-only` runs section 4 alone (seconds: a check of the writes after a change to them).
+5. The K/V write folded into the kernel (`decode_attention.FOLD_WRITE`): per layer, `write_step` for K and V then the
+   kernel, against the kernel that attends to the new vectors from its registers and stores them (`fold_write`:
+   both times, `gain`, and whether outputs and pages are the same).
+
+`--writes-only` runs sections 4 and 5 alone (seconds: a check of the writes after a change to them).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
 )
 HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
 KV_WRITE_BATCHES = (1024, 256, 64)
+FOLD_SHAPES = ((1024, 384), (1024, 256), (256, 1024), (64, 1024), (8, 1024))  # (batch, context) of fold_row
 CACHE_PAGES = 16384  # one layer's cache in the K/V write (2.1 GB of K and V in bf16)
 
 
@@ -192,15 +197,16 @@ def main() -> int:
     from worker.engines import decode_attention as da
 
     p = harness.parser(__doc__, out=harness.RESULTS / "decode-kernel.json")
-    p.add_argument("--writes-only", action="store_true", help="section 4 alone: the K/V writes")
+    p.add_argument("--writes-only", action="store_true", help="sections 4 and 5 alone: the K/V writes")
     args = p.parse_args()
     scale = DIM**-0.5
     torch.manual_seed(0)
     if args.writes_only:
         kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
+        fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
         info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
-        harness.write_json(args.out, {**info, "kv_write": kv_write})
-        print_writes(kv_write)
+        harness.write_json(args.out, {**info, "kv_write": kv_write, "fold_write": fold})
+        print_writes(kv_write, fold)
         return 0
     q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
     quant_pages = {kind: (*da.quantize(kp, dtype), *da.quantize(vp, dtype)) for kind, dtype in da.QUANTIZED.items()}
@@ -262,6 +268,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     cascade = [cascade_row(torch, da, scale, *shape) for shape in CASCADE_SHAPES]
     kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
+    fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
     harness.write_json(
         args.out,
         {
@@ -274,6 +281,7 @@ def main() -> int:
             "results": results,
             "cascade": cascade,
             "kv_write": kv_write,
+            "fold_write": fold,
         },
     )
     print(f"best config: {best}")
@@ -298,11 +306,11 @@ def main() -> int:
             f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
             f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
         )
-    print_writes(kv_write)
+    print_writes(kv_write, fold)
     return 0
 
 
-def print_writes(kv_write: list[dict]) -> None:
+def print_writes(kv_write: list[dict], fold: list[dict]) -> None:
     print(
         f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}"
         f"{'fp8 kernel ms':>15}{'fp8 torch ms':>14}{'fp8 equal':>10}{'int8 kernel ms':>16}{'int8 torch ms':>15}"
@@ -316,6 +324,47 @@ def print_writes(kv_write: list[dict]) -> None:
             f"{r['fp8_write_torch_ms']:>14.4f}{str(r['fp8_write_equal']):>10}{r['int8_write_ms']:>16.4f}"
             f"{r['int8_write_torch_ms']:>15.4f}{str(r['int8_write_equal']):>11}"
         )
+    print(f"{'batch':>6}{'ctx':>6}{'write + kernel ms':>19}{'kernel writing ms':>19}{'gain':>7}{'same':>6}")
+    for r in fold:
+        print(
+            f"{r['batch']:>6}{r['context']:>6}{r['separate_ms']:>19.4f}{r['fold_ms']:>19.4f}{r['gain']:>7.3f}"
+            f"{str(r['same']):>6}"
+        )
+
+
+def fold_row(torch, da, scale: float, batch: int, ctx: int) -> dict:
+    """A decode step's K/V write and attention at (batch, ctx): the write by `write_step` (torch's index_put, K and V)
+    then the kernel, against the kernel that writes them itself (`decode(..., new=...)`, FOLD_WRITE): milliseconds of
+    each (a graph of the layer's part), and whether the outputs and the pages are the same."""
+    q, _, _, kp, vp, table, lengths = paged(torch, da, batch, ctx)
+    splits = da.splits_for(batch, KV_HEADS)
+    last = lengths.long() - 1
+    page, offset = table.gather(1, (last // da.PAGE)[:, None])[:, 0], last % da.PAGE
+    k_new = torch.randn(batch, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    pages = {way: (kp.clone(), vp.clone()) for way in ("separate", "fold")}
+    del kp, vp
+    out = {}
+
+    def separate():
+        k, v = pages["separate"]
+        da.write_step(k, None, page, offset, k_new)
+        da.write_step(v, None, page, offset, v_new)
+        out["separate"] = da._triton_decode(q, k, v, table, lengths, scale, splits)
+
+    def fold():
+        out["fold"] = da.decode(q, *pages["fold"], table, lengths, scale, splits, new=(k_new, v_new, page, offset))
+
+    separate_ms, fold_ms = timed(torch, separate), timed(torch, fold)
+    separate(), fold()
+    torch.cuda.synchronize()
+    same = torch.equal(out["separate"], out["fold"]) and all(
+        torch.equal(a, b) for a, b in zip(pages["separate"], pages["fold"])
+    )
+    row = {"batch": batch, "context": ctx, "splits": splits, "separate_ms": round(separate_ms, 4)}
+    row |= {"fold_ms": round(fold_ms, 4), "gain": round(separate_ms / fold_ms, 3), "same": same}
+    print(row, flush=True)
+    return row
 
 
 def cascade_row(torch, da, scale: float, batch: int, shared: int, own: int) -> dict:

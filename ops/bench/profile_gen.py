@@ -12,15 +12,19 @@ ranges, the host's cumulative time per Python function (the 40 largest), and the
 bandwidth; prefill: FLOPs over the matrix rate), and how much of a run is the host's (tokenizing, detokenizing,
 result rows) rather than the GPU's. Each run sends prompts of its own (gen.py's `workload(..., run)`), so the
 resident prefix cache serves none of them from an earlier run.
+
+`--flip NAME` (FLIPS) measures one engine lever in the same process: every round runs the flag as it is and flipped,
+interleaved, each way with the CUDA graphs it captured itself (its first run, cold, captures them), and reports
+`flipped` (median and spread of the flipped runs) and `flip_gain`: the median as it is over the flipped median.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +36,9 @@ if str(ROOT) not in sys.path:
 from ops.bench import gen, harness  # after the repository root is on sys.path
 
 log = harness.logger("profile")
+FLIPS = {  # --flip NAME: the module and the flag it flips
+    "fold_write": ("worker.engines.decode_attention", "FOLD_WRITE"),  # the step's K/V write in the decode kernel
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--repeat", type=int, default=3, help="warm runs timed plainly (median and spread reported)")
     p.add_argument("--profile", action="store_true", help="also a warm run under torch.profiler and one under cProfile")
+    p.add_argument("--flip", choices=sorted(FLIPS), help="warm runs alternate this engine flag as it is and flipped")
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -83,28 +91,51 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t, tokens
 
         result: dict = {"rows": len(rows), "warm": []}
+        module, flag = FLIPS[args.flip] if args.flip else (None, None)
+        default = getattr(importlib.import_module(module), flag) if module else None
+        graphs: dict[bool, dict] = {}  # each way's CUDA graphs, swapped into the resident state
+        number = 0
         for i in range(1 + args.repeat):
-            info: dict = {}
-            seconds, tokens = run(info, i + 1)
-            fast = info.get("fast", {})
-            one = {
-                "seconds": round(seconds, 3),
-                "output_tok_s": round(tokens / seconds, 1),
-                "prefill_s": fast.get("prefill_s"),
-                "decode_s": fast.get("decode_s"),
-                "steps": fast.get("steps"),
-                "prefix_tokens_reused": fast.get("prefix_tokens_reused"),
-            }
-            if i == 0:
-                result["cold"] = {**one, "fast": fast}
-            else:
-                result["warm"].append(one)
-            log(f"{name} {'cold' if i == 0 else 'warm'}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
+            for flipped in (False, True) if module else (False,):
+                if module:
+                    setattr(importlib.import_module(module), flag, default ^ flipped)
+                    state = model.__dict__.get("_gpujobs_fast")
+                    if state is not None:
+                        graphs[not flipped] = state.graphs
+                        state.graphs = graphs.get(flipped, {})
+                info: dict = {}
+                number += 1
+                seconds, tokens = run(info, number)
+                fast = info.get("fast", {})
+                one = {
+                    "seconds": round(seconds, 3),
+                    "output_tok_s": round(tokens / seconds, 1),
+                    "prefill_s": fast.get("prefill_s"),
+                    "decode_s": fast.get("decode_s"),
+                    "steps": fast.get("steps"),
+                    "prefix_tokens_reused": fast.get("prefix_tokens_reused"),
+                    "capture_s": fast.get("capture_s"),
+                }
+                way = ("flipped_" if flipped else "") + ("cold" if i == 0 else "warm")
+                if i == 0:
+                    result[way] = {**one, "fast": fast}
+                else:
+                    result.setdefault(way, []).append(one)
+                log(f"{name} {way}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
+        if module:
+            setattr(importlib.import_module(module), flag, default)
+            result["flip"] = {"flag": f"{module}.{flag}", "as_is": default, "flipped": not default}
         if result["warm"]:
-            rates = sorted(r["output_tok_s"] for r in result["warm"])
-            result["warm_median_tok_s"] = statistics.median(rates)
-            result["warm_spread"] = round((rates[-1] - rates[0]) / statistics.median(rates), 4)
+            stats = harness.repeated([r["output_tok_s"] for r in result["warm"]])
+            result["warm_median_tok_s"], result["warm_spread"] = stats["median"], stats["spread"]
             log(f"{name} warm: median {result['warm_median_tok_s']:,.0f} tok/s, spread {result['warm_spread']:.1%}")
+        if result.get("flipped_warm"):
+            result["flipped"] = harness.repeated([r["output_tok_s"] for r in result["flipped_warm"]])
+            result["flip_gain"] = round(result["warm_median_tok_s"] / result["flipped"]["median"], 4)
+            log(
+                f"{name} flipped ({flag} = {not default}): median {result['flipped']['median']:,.0f} tok/s, spread "
+                f"{result['flipped']['spread']:.1%}; as it is over flipped: {result['flip_gain']}"
+            )
         if not args.profile:
             report[name] = result
             harness.write_json(args.out, report)
@@ -133,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities, record_shapes=False) as prof:
             info = {}
-            seconds, tokens = run(info, args.repeat + 2)
+            seconds, tokens = run(info, number + 1)
         result["profiled"] = {"seconds": round(seconds, 3), "output_tok_s": round(tokens / seconds, 1)}
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
         averages = prof.key_averages()  # once: on G2's trace it took over a minute (2026-12-06, an H100)
@@ -155,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         # the host, warm: cumulative time per function
         profiler = cProfile.Profile()
         profiler.enable()
-        seconds, _ = run({}, args.repeat + 3)
+        seconds, _ = run({}, number + 2)
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)

@@ -11,7 +11,8 @@
 #                                    # fp8 and int8 pages against bf16 ones
 #   PART=overlap bash ops/gpu/perf.sh # a decode step as halves on two CUDA streams, a prefill chunk beside a decode
 #                                    # step (ops/bench/overlap.py: ~1 minute)
-#   PART=writes bash ops/gpu/perf.sh # decode_kernel.py's K/V writes alone (seconds): the kernels' bytes against torch's
+#   PART=writes bash ops/gpu/perf.sh # decode_kernel.py's K/V writes alone (seconds): the kernels' bytes against torch's,
+#                                    # and the write folded into the decode kernel against write + kernel
 #   PART=g1kv bash ops/gpu/perf.sh   # G1 with kv_cache_dtype fp8 and int8 against auto (3 interleaved runs each),
 #                                    # their greedy outputs on the memorized model; KV=fp8 (or int8) PART=g1-service
 #                                    # (or g1, g2, g2-service): our runs with that cache

@@ -60,6 +60,9 @@ CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous 
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
+# A decode step's K/V write in the row kernel (bf16/fp16/fp32 pages): the program that reads a slot's last block
+# attends to the new vectors from its registers and stores them; two index_put launches per layer fewer
+FOLD_WRITE = True
 FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
 QUANTIZED = {"fp8": FP8, "int8": torch.int8}  # kv_cache_dtype -> the cache's element type
 LARGEST = {FP8: 448.0, torch.int8: 127.0}  # each one's largest magnitude (a vector's scale maps its amax there)
@@ -89,16 +92,24 @@ def decode(
     cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per slot. q: (B, H, D); k_pages, v_pages: (pages, KVH, PAGE, D) (last dim
     contiguous); table: (B, W) long, the page of each block of PAGE positions of each slot; lengths: (B,) int, the
     positions of each slot to attend to (0..length-1); `splits` parts per slot (see `splits_for`); `cascade`:
     (shared (W,) long, shared_n (1,) int32, start (B,) int32), see the module docstring; `k_scales`, `v_scales`:
-    (pages, KVH, PAGE) float32, the scales of quantized pages (see the module docstring). Returns (B, H, D) in q's
-    dtype. The Triton kernels where they run (see `available`), else the reference (which reads every row's table
-    whole: the same result with or without `cascade`)."""
+    (pages, KVH, PAGE) float32, the scales of quantized pages (see the module docstring); `new`: (k, v, page,
+    offset), the step's K and V of each slot (B, KVH, D), written at `page[b]`, `offset[b]` (its position
+    length - 1) before it is attended to: in the kernel itself where `FOLD_WRITE` applies (see there), else by
+    `write_step`. Returns (B, H, D) in q's dtype. The Triton kernels where they run (see `available`), else the
+    reference (which reads every row's table whole: the same result with or without `cascade`)."""
+    if new is not None and not (FOLD_WRITE and k_scales is None and available(q.device)):
+        k, v, page, offset = new
+        write_step(k_pages, k_scales, page, offset, k)
+        write_step(v_pages, v_scales, page, offset, v)
+        new = None
     if available(q.device):
-        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade, k_scales, v_scales)
+        return _triton_decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade, k_scales, v_scales, new)
     return reference_decode(q, k_pages, v_pages, table, lengths, scale, k_scales, v_scales)
 
 
@@ -231,11 +242,12 @@ def prefix_splits(batch: int, heads: int, kv_heads: int) -> int:
 
 
 def _triton_decode(
-    q, k_pages, v_pages, table, lengths, scale: float, splits: int, cascade=None, k_scales=None, v_scales=None
+    q, k_pages, v_pages, table, lengths, scale: float, splits: int, cascade=None, k_scales=None, v_scales=None, new=None
 ) -> torch.Tensor:
     """One split and no cascade: the kernel writes the normalized output in q's dtype. Otherwise fp32 partial
     results per part (the row kernel's splits, then the prefix kernel's), merged by `_merge`. Quantized pages: the
-    kernels read `k_scales`, `v_scales` (else they are passed K and V again, unread)."""
+    kernels read `k_scales`, `v_scales` (else they are passed K and V again, unread). `new` (unquantized pages
+    only): the step's K/V, written by the row kernel (`decode`)."""
     batch, heads, dim = q.shape
     kv_heads = k_pages.shape[1]
     group = heads // kv_heads
@@ -256,6 +268,8 @@ def _triton_decode(
     # both kernels take these
     strides = (*q.stride()[:2], *k_pages.stride()[:3], *v_pages.stride()[:3], *scale_strides)
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels work in base 2
+    assert new is None or not quant, "quantized pages are written by write_step"
+    k_new, v_new, page, offset = new if new is not None else (q, q, lengths, lengths)  # unread without `new`
     _decode_kernel[(batch, kv_heads, splits)](
         q,
         k_pages,
@@ -267,9 +281,15 @@ def _triton_decode(
         start,
         acc,
         stats,
+        k_new,
+        v_new,
+        page,
+        offset,
         parts,
         *strides,
         table.stride(0),
+        *k_new.stride()[:2],
+        *v_new.stride()[:2],
         scale_log2,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -279,6 +299,7 @@ def _triton_decode(
         DIRECT=direct,
         START=cascade is not None,
         QUANT=quant,
+        WRITE=new is not None,
         num_warps=CONFIG["warps"],
         num_stages=CONFIG["stages"],
     )
@@ -349,6 +370,10 @@ if triton is not None:
         Start,
         Acc,
         Stats,
+        KNew,
+        VNew,
+        WritePage,
+        WriteOffset,
         parts,
         stride_qb,
         stride_qh,
@@ -361,6 +386,10 @@ if triton is not None:
         stride_sp,
         stride_sh,
         stride_tb,
+        stride_knb,
+        stride_knh,
+        stride_vnb,
+        stride_vnh,
         scale_log2,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
@@ -370,7 +399,11 @@ if triton is not None:
         DIRECT: tl.constexpr,
         START: tl.constexpr,
         QUANT: tl.constexpr,
+        WRITE: tl.constexpr,
     ):
+        """Program (slot b, kv head, split): its part of slot b's blocks. WRITE: position length - 1 is the step's
+        new K/V (KNew, VNew), taken from registers where its block is read (the cached position is not written
+        yet), and stored at (WritePage[b], WriteOffset[b]) by the one part that reads that block."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -391,6 +424,10 @@ if triton is not None:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_PAD), tl.float32)
+        if WRITE:
+            lanes = _head_mask(d, HEAD_DIM, HEAD_PAD)
+            k_new = tl.load(KNew + b * stride_knb + kvh * stride_knh + d, mask=lanes, other=0.0)
+            v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + d, mask=lanes, other=0.0)
         for block in range(first + split, tl.cdiv(length, BLOCK), splits):  # this part's: split, split + splits, ...
             page = tl.load(Table + b * stride_tb + block).to(tl.int64)
             valid = block * BLOCK + offs < length
@@ -399,6 +436,9 @@ if triton is not None:
                 mask=valid[:, None] & dim,
                 other=0.0,
             )
+            if WRITE:
+                latest = (block * BLOCK + offs == length - 1)[:, None]
+                k = tl.where(latest, k_new[None, :], k)
             if QUANT:  # fp8 pages: q's dtype for the product, each position's scale on its logit
                 ks = tl.load(KS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
                 s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
@@ -414,12 +454,21 @@ if triton is not None:
                 mask=valid[:, None] & dim,
                 other=0.0,
             )
+            if WRITE:
+                v = tl.where(latest, v_new[None, :], v)
             if QUANT:  # each position's scale on its probability
                 vs = tl.load(VS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        if WRITE:
+            if length > 0:
+                if (length - 1) // BLOCK % splits == (first + split) % splits:  # this part read the last block
+                    at = tl.load(WritePage + b).to(tl.int64)
+                    offset = tl.load(WriteOffset + b).to(tl.int64)
+                    tl.store(K + at * stride_kp + kvh * stride_kh + offset * stride_kn + d, k_new, mask=lanes)
+                    tl.store(V + at * stride_vp + kvh * stride_vh + offset * stride_vn + d, v_new, mask=lanes)
 
         row = (b * GROUP * tl.num_programs(1) + heads) * parts + split  # index into (B, H, parts)
         keep = g < GROUP

@@ -9,8 +9,8 @@ prefill or a decode step it sets the model's `_attn_implementation` to `NAME` an
   each row), then runs causal SDPA over them (FlashAttention on CUDA in half precision, `_prefill_backend`), after
   the rows' shared prefix pages when a cached prompt prefix is reused (`Step.prefix`, lower-right causal);
 - **decode** writes each slot's one new K/V at `write_page`/`write_offset` of the state and attends over each
-  slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), with
-  `Step.cascade` reading the pages many rows share once for all of them.
+  slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA, which also
+  does the write), with `Step.cascade` reading the pages many rows share once for all of them.
 
 A quantized cache (`state.scales` set: `kv_cache_dtype: fp8` or `int8`) is written quantized, a scale per position
 and head, and read dequantized (decode_attention's docstring). The prefill attends over the dequantized values too,
@@ -110,9 +110,7 @@ def fast_attention(
             )
         return out.transpose(1, 2), None
     batch = query.shape[0]
-    page, offset = state.write_page[:batch], state.write_offset[:batch]
-    decode_attention.write_step(k_cache, k_scales, page, offset, key[:, :, 0])
-    decode_attention.write_step(v_cache, v_scales, page, offset, value[:, :, 0])
+    new = (key[:, :, 0], value[:, :, 0], state.write_page[:batch], state.write_offset[:batch])  # written first
     cascade = (state.shared, state.shared_n, state.start[:batch]) if step.cascade else None
     out = decode_attention.decode(
         query[:, :, 0],
@@ -125,6 +123,7 @@ def fast_attention(
         cascade,
         k_scales,
         v_scales,
+        new,
     )
     return out[:, None], None
 
