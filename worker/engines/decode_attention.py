@@ -270,6 +270,7 @@ def _triton_decode(
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels work in base 2
     assert new is None or not quant, "quantized pages are written by write_step"
     k_new, v_new, page, offset = new if new is not None else (q, q, lengths, lengths)  # unread without `new`
+    k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (k_new, v_new))  # the kernel's lanes
     _decode_kernel[(batch, kv_heads, splits)](
         q,
         k_pages,
