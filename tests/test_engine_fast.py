@@ -406,8 +406,9 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         diff = (got - ref).abs().max().item()
         assert diff < tol, (dtype, dim, splits, diff)
         assert torch.all(got[0] == 0)
-    # the step's K/V written by the kernel (FOLD_WRITE): the output and the pages of write_step, then the kernel
-    # (row 0, of length 0, a free slot, writes nothing)
+    # the step's K/V written by the kernel (FOLD_WRITE): the pages of write_step, then the kernel, and its output
+    # within rounding (the new position is summed last); row 0, of length 0 (a free slot), writes nothing
+    da.FOLD_WRITE = True
     last = (lengths - 1).clamp(min=0)
     page, offset = table[torch.arange(5), last // da.PAGE], last % da.PAGE
     kn, vn = torch.randn(5, 2, dim, dtype=dtype), torch.randn(5, 2, dim, dtype=dtype)
@@ -417,8 +418,10 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         da.write_step(v1, None, page[1:], offset[1:], vn[1:])
         want = da._triton_decode(q, k1, v1, table, lengths, 0.3, splits)
         got = da.decode(q, k2, v2, table, lengths, 0.3, splits, new=(kn, vn, page, offset))
-        assert torch.equal(got, want) and torch.equal(k1, k2) and torch.equal(v1, v2), (dtype, dim, splits)
+        diff = (got.float() - want.float()).abs().max().item()
+        assert diff < tol and torch.equal(k1, k2) and torch.equal(v1, v2), (dtype, dim, splits, diff)
         assert not torch.equal(k1, k), (dtype, dim, splits)  # the new vectors are in the pages
+    da.FOLD_WRITE = False
     # quantized pages with a scale per position and head: the kernel equals the reference over the same pages
     for kind in (da.FP8, torch.int8):
         (k8, ks), (v8, vs) = da.quantize(k, kind), da.quantize(v, kind)
@@ -460,8 +463,8 @@ print("kernel ok")
 def test_triton_kernel_matches_the_reference_in_the_interpreter():
     """The Triton decode kernel (Triton's CPU interpreter) over shuffled pages equals SDPA over the contiguous cache
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache, heads of a
-    power-of-two width and not (padded inside the kernels); writing the step's K/V itself it gives the output and
-    the pages of the write, then the kernel; over fp8 and int8 pages with their scales it equals the reference over
+    power-of-two width and not (padded inside the kernels); writing the step's K/V itself (FOLD_WRITE) it leaves
+    the pages of the write, then the kernel, and its output within rounding; over fp8 and int8 pages with their scales it equals the reference over
     the same pages, and the decode step's write kernel leaves the bytes and scales of the torch write. (bf16 is misread by the interpreter; on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py
     and gen.py's logits check.)"""
     interpreted(TRITON_SCRIPT, "kernel ok")
@@ -505,6 +508,7 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
                 assert diff < (1e-5 if dtype == torch.float32 else 5e-3), (dtype, dim, quant is None, n, splits, diff)
                 assert torch.all(got[0] == 0)
                 if kind is None and dtype == torch.float32 and (n, splits) == (2, 3):  # K/V written by the kernel
+                    da.FOLD_WRITE = True
                     last = (lengths - 1).clamp(min=0)
                     page, offset = table[torch.arange(b), last // P], last % P
                     kn, vn = torch.randn(b, 2, dim, dtype=dtype), torch.randn(b, 2, dim, dtype=dtype)
@@ -513,7 +517,9 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
                     da.write_step(v1, None, page[1:], offset[1:], vn[1:])
                     want = da._triton_decode(q, k1, v1, table, lengths, 0.3, splits, cascade)
                     got = da.decode(q, k2, v2, table, lengths, 0.3, splits, cascade, new=(kn, vn, page, offset))
-                    assert torch.equal(got, want) and torch.equal(k1, k2) and torch.equal(v1, v2), (n, splits)
+                    diff = (got - want).abs().max().item()
+                    assert diff < 1e-5 and torch.equal(k1, k2) and torch.equal(v1, v2), (n, splits, diff)
+                    da.FOLD_WRITE = False
 print("cascade ok")
 """
 
@@ -548,6 +554,9 @@ info = {}
 fast, padded = run(spec(engine="fast"), info), run(spec(engine="padded"))
 assert info["attn_implementation"] == "gpujobs_fast (decode: triton)", info
 assert fast == padded, (fast, padded)
+da.FOLD_WRITE = True  # each step's K/V written by the decode kernel itself
+assert run(spec(engine="fast")) == padded
+da.FOLD_WRITE = False
 info = {}  # an fp8 cache: the write kernel and the kernel's fp8 pages; the memorized answer stays exact
 fp8 = run(spec(engine="fast", kv_cache_dtype="fp8"), info)
 assert info["fast"]["kv_cache_dtype"] == "fp8" and fp8[0] == padded[0], (fp8, padded)
@@ -595,7 +604,8 @@ def test_the_engine_with_the_cascade_on_the_triton_kernels_equals_it_without(tin
 
 def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     """The whole fast engine with the Triton kernel (interpreter) instead of the reference: same greedy results
-    as the padded engine, with admission into 3 slots; with an fp8 cache, the memorized answer."""
+    as the padded engine, with admission into 3 slots, also with the step's K/V written by the kernel
+    (FOLD_WRITE); with an fp8 cache, the memorized answer."""
     interpreted(ENGINE_SCRIPT, "engine ok", tiny_model, timeout=600)
 
 

@@ -60,9 +60,9 @@ CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous 
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
-# A decode step's K/V write in the row kernel (bf16/fp16/fp32 pages): the program that reads a slot's last block
-# attends to the new vectors from its registers and stores them; two index_put launches per layer fewer
-FOLD_WRITE = True
+# A decode step's K/V write in the row kernel (bf16/fp16/fp32 pages): the kernel attends to the new vectors from its
+# registers and stores them, two index_put launches per layer fewer. Off until measured on a GPU (docs/design.md)
+FOLD_WRITE = False
 FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
 QUANTIZED = {"fp8": FP8, "int8": torch.int8}  # kv_cache_dtype -> the cache's element type
 LARGEST = {FP8: 448.0, torch.int8: 127.0}  # each one's largest magnitude (a vector's scale maps its amax there)
@@ -331,6 +331,7 @@ def _triton_decode(
             BLOCK=PAGE,
             BLOCK_M=BLOCK_M,
             QUANT=quant,
+            WRITE=new is not None,
             num_warps=CONFIG["warps"],
             num_stages=CONFIG["stages"],
         )
@@ -403,8 +404,10 @@ if triton is not None:
         WRITE: tl.constexpr,
     ):
         """Program (slot b, kv head, split): its part of slot b's blocks. WRITE: position length - 1 is the step's
-        new K/V (KNew, VNew), taken from registers where its block is read (the cached position is not written
-        yet), and stored at (WritePage[b], WriteOffset[b]) by the one part that reads that block."""
+        new K/V (KNew, VNew), not in the pages yet: the loop reads positions 0..length - 2, and part 0 then adds the
+        new position to its online softmax from registers and stores the vectors at (WritePage[b],
+        WriteOffset[b]). (Substituting the new vectors inside the loop, a `where` on every block, cost 9-10 % of
+        the kernel on an H100.)"""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -425,21 +428,17 @@ if triton is not None:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_PAD), tl.float32)
-        if WRITE:
-            lanes = _head_mask(d, HEAD_DIM, HEAD_PAD)
-            k_new = tl.load(KNew + b * stride_knb + kvh * stride_knh + d, mask=lanes, other=0.0)
-            v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + d, mask=lanes, other=0.0)
-        for block in range(first + split, tl.cdiv(length, BLOCK), splits):  # this part's: split, split + splits, ...
+        cached = length
+        if WRITE:  # the last position is the step's new K/V: attended to after the loop, from registers
+            cached = length - 1
+        for block in range(first + split, tl.cdiv(cached, BLOCK), splits):  # this part's: split, split + splits, ...
             page = tl.load(Table + b * stride_tb + block).to(tl.int64)
-            valid = block * BLOCK + offs < length
+            valid = block * BLOCK + offs < cached
             k = tl.load(
                 K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
                 mask=valid[:, None] & dim,
                 other=0.0,
             )
-            if WRITE:
-                latest = (block * BLOCK + offs == length - 1)[:, None]
-                k = tl.where(latest, k_new[None, :], k)
             if QUANT:  # fp8 pages: q's dtype for the product, each position's scale on its logit
                 ks = tl.load(KS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
                 s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
@@ -455,8 +454,6 @@ if triton is not None:
                 mask=valid[:, None] & dim,
                 other=0.0,
             )
-            if WRITE:
-                v = tl.where(latest, v_new[None, :], v)
             if QUANT:  # each position's scale on its probability
                 vs = tl.load(VS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
@@ -465,7 +462,19 @@ if triton is not None:
             m_i = m_new
         if WRITE:
             if length > 0:
-                if (length - 1) // BLOCK % splits == (first + split) % splits:  # this part read the last block
+                if split == 0:  # one part per slot: the new position's logit and value, then its store
+                    lanes = _head_mask(d, HEAD_DIM, HEAD_PAD)
+                    k_new = tl.load(KNew + b * stride_knb + kvh * stride_knh + d, mask=lanes, other=0.0)
+                    v_new = tl.load(VNew + b * stride_vnb + kvh * stride_vnh + d, mask=lanes, other=0.0)
+                    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2
+                    m_new = tl.maximum(m_i, s_new)
+                    alpha = tl.exp2(m_i - m_new)
+                    p_new = tl.exp2(s_new - m_new)
+                    l_i = l_i * alpha + p_new
+                    # p in v's dtype, as the loop's product takes it
+                    p_v = p_new.to(v_new.dtype).to(tl.float32)
+                    acc = acc * alpha[:, None] + p_v[:, None] * v_new.to(tl.float32)[None, :]
+                    m_i = m_new
                     at = tl.load(WritePage + b).to(tl.int64)
                     offset = tl.load(WriteOffset + b).to(tl.int64)
                     tl.store(K + at * stride_kp + kvh * stride_kh + offset * stride_kn + d, k_new, mask=lanes)
@@ -559,6 +568,7 @@ if triton is not None:
         BLOCK: tl.constexpr,
         BLOCK_M: tl.constexpr,
         QUANT: tl.constexpr,
+        WRITE: tl.constexpr,
     ):
         """The cascade's shared pages: a program takes BLOCK_M query vectors (row b, query head of kv head `kvh`)
         and reads its part's shared pages once for all of them; a row attends only to blocks before its `start`
@@ -572,6 +582,8 @@ if triton is not None:
         inside = b < batch
         first = tl.load(Start + b, mask=inside, other=0).to(tl.int32)
         length = tl.load(Lengths + b, mask=inside, other=0).to(tl.int32)
+        if WRITE:  # the last position is the step's new K/V, which the row kernel adds
+            length = length - 1
         n = tl.load(SharedN).to(tl.int32)
 
         d = tl.arange(0, HEAD_PAD)
