@@ -1040,6 +1040,23 @@ def test_the_benchmarks_repeated_runs_send_prompts_the_prefix_cache_has_not_seen
     assert timed(2)["prefix_tokens_reused"] == first  # another run's prompts: only what its own rows share
 
 
+def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
+    """ops/bench/profile_gen.py --flip (CPU smoke): every round runs the engine as it is and with the flag flipped,
+    each run on prompts of its own, and reports both medians and their ratio."""
+    out = tmp_path / "flip.json"
+    cmd = [sys.executable, "ops/bench/profile_gen.py", "g1", "--smoke", "--repeat", "2", "--flip", "fold_write"]
+    done = subprocess.run(
+        [*cmd, "--model", str(tmp_path / "model"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    g1 = json.loads(out.read_text())["g1"]
+    assert g1["flip"] == {"flag": "worker.engines.decode_attention.FOLD_WRITE", "as_is": False, "flipped": True}
+    assert len(g1["warm"]) == len(g1["flipped_warm"]) == 2 and g1["cold"] and g1["flipped_cold"]
+    assert all(r["prefix_tokens_reused"] == 0 for r in g1["warm"] + g1["flipped_warm"])
+    assert g1["flip_gain"] == round(g1["warm_median_tok_s"] / g1["flipped"]["median"], 4)
+    assert "as it is over flipped" in done.stdout
+
+
 def test_the_benchmarks_bound_on_a_gpu_of_another_rate_scales_with_its_measured_rate(tiny_model):
     """gen.py's bound is the yardstick's (the H200's rate) on any GPU; on a GPU model with a measured rate of its own
     (an H100) `bound_here` is the same bytes at that rate, and a GPU nobody measured gets none."""
