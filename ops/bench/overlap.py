@@ -7,7 +7,8 @@ them one after the other on one stream, so the bandwidth idles during the matmul
 attention. Two halves of the batch on two streams, captured in one CUDA graph, let the GPU run one half's attention
 beside the other half's matmuls where the block scheduler finds room (NanoFlow's nano-batches, without its SM
 partitioning). The same question for a prefill chunk (compute-bound) beside a decode step (bandwidth-bound): issue
-25's "prefill beside decode".
+25's "prefill beside decode". Answered on an H100 (ops/bench/results/2026-12-06-h100-session47): two halves 0.985×
+the whole batch, a prefill beside a decode step 1.043×; neither was built into the engine.
 
 The layers are Qwen3-0.6B's decode step built from torch operations and the engine's own decode attention
 (worker/engines/decode_attention.py) and K/V write, not the compiled transformers layers the engine runs: the

@@ -10,7 +10,7 @@ prefill or a decode step it sets the model's `_attn_implementation` to `NAME` an
   the rows' shared prefix pages when a cached prompt prefix is reused (`Step.prefix`, lower-right causal);
 - **decode** writes each slot's one new K/V at `write_page`/`write_offset` of the state and attends over each
   slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA, which also
-  does the write), with `Step.cascade` reading the pages many rows share once for all of them.
+  does the write under `FOLD_WRITE`), with `Step.cascade` reading the pages many rows share once for all of them.
 
 A quantized cache (`state.scales` set: `kv_cache_dtype: fp8` or `int8`) is written quantized, a scale per position
 and head, and read dequantized (decode_attention's docstring). The prefill attends over the dequantized values too,
