@@ -31,7 +31,6 @@ side by side; `gain` = serial / streams. Outputs of the ways are compared (they 
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ops.bench import harness  # after the repository root is on sys.path
+from ops.bench import decode_kernel, harness  # after the repository root is on sys.path
 
 # Qwen3-0.6B (ops/bench/gen.py's model)
 HIDDEN, HEADS, KV_HEADS, DIM, INTER, LAYERS, VOCAB = 1024, 16, 8, 128, 3072, 28, 151936
@@ -173,28 +172,13 @@ NAMES = ("one", "halves_serial", "halves_streams", "quarters_streams")
 
 
 def timed(torch, fn, reps: int, cuda: bool) -> float:
-    """Milliseconds of `fn`, replayed from a CUDA graph (median of `reps`), or one eager call off CUDA."""
-    if not cuda:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    for _ in range(3):  # Triton compiles outside the capture; the side streams warm up too
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Milliseconds of `fn`, replayed from a CUDA graph (decode_kernel.py's `timed`: median of `reps`), or one eager
+    call off CUDA."""
+    if cuda:
+        return decode_kernel.timed(torch, fn, reps)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
 
 
 def main() -> int:

@@ -92,13 +92,14 @@ def main(argv: list[str] | None = None) -> int:
 
         result: dict = {"rows": len(rows), "warm": []}
         module, flag = FLIPS[args.flip] if args.flip else (None, None)
-        default = getattr(importlib.import_module(module), flag) if module else None
+        owner = importlib.import_module(module) if module else None  # the module whose flag is flipped
+        default = getattr(owner, flag) if owner else None
         graphs: dict[bool, dict] = {}  # each way's CUDA graphs, swapped into the resident state
         number = 0
         for i in range(1 + args.repeat):
             for flipped in (False, True) if module else (False,):
                 if module:
-                    setattr(importlib.import_module(module), flag, default ^ flipped)
+                    setattr(owner, flag, default ^ flipped)
                     state = model.__dict__.get("_gpujobs_fast")
                     if state is not None:
                         graphs[not flipped] = state.graphs
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     result.setdefault(way, []).append(one)
                 log(f"{name} {way}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
         if module:
-            setattr(importlib.import_module(module), flag, default)
+            setattr(owner, flag, default)
             result["flip"] = {"flag": f"{module}.{flag}", "as_is": default, "flipped": not default}
         if result["warm"]:
             stats = harness.repeated([r["output_tok_s"] for r in result["warm"]])
