@@ -422,6 +422,18 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         assert diff < tol and torch.equal(k1, k2) and torch.equal(v1, v2), (dtype, dim, splits, diff)
         assert not torch.equal(k1, k), (dtype, dim, splits)  # the new vectors are in the pages
     da.FOLD_WRITE = False
+    # a prefill chunk's write in one kernel (PREFILL_WRITE): the pages of write_pages' index_put. Three rows of 150
+    # positions (the last block partial) into shuffled pages; row 2 holds two pages, so its positions past 128 go to
+    # the trash page 0, which rows may share and nothing reads
+    da.PREFILL_WRITE = True
+    xs = torch.randn(3, 2, 150, dim, dtype=dtype).transpose(1, 2)  # (rows, positions, kv heads, dim), as the layers
+    rows_pages = torch.tensor([[5, 2, 7], [1, 8, 3], [6, 4, 0]])
+    at = (rows_pages[:, torch.arange(150) // da.PAGE], torch.arange(150) % da.PAGE)
+    want, got = torch.zeros(9, 2, da.PAGE, dim, dtype=dtype), torch.zeros(9, 2, da.PAGE, dim, dtype=dtype)
+    assert da.write_prefill(got, None, *at, xs) is xs
+    da.write_pages(want, None, (at[0], slice(None), at[1]), xs)
+    assert torch.equal(got[1:], want[1:]) and not torch.equal(got[1:], torch.zeros_like(got[1:])), (dtype, dim)
+    da.PREFILL_WRITE = False
     # quantized pages with a scale per position and head: the kernel equals the reference over the same pages
     for kind in (da.FP8, torch.int8):
         (k8, ks), (v8, vs) = da.quantize(k, kind), da.quantize(v, kind)
@@ -554,9 +566,9 @@ info = {}
 fast, padded = run(spec(engine="fast"), info), run(spec(engine="padded"))
 assert info["attn_implementation"] == "gpujobs_fast (decode: triton)", info
 assert fast == padded, (fast, padded)
-da.FOLD_WRITE = True  # each step's K/V written by the decode kernel itself
-assert run(spec(engine="fast")) == padded
-da.FOLD_WRITE = False
+da.FOLD_WRITE = da.PREFILL_WRITE = True  # every K/V write in a kernel: each step's in the decode kernel itself,
+assert run(spec(engine="fast")) == padded  # each prefill chunk's in the prefill write kernel
+da.FOLD_WRITE = da.PREFILL_WRITE = False
 info = {}  # an fp8 cache: the write kernel and the kernel's fp8 pages; the memorized answer stays exact
 fp8 = run(spec(engine="fast", kv_cache_dtype="fp8"), info)
 assert info["fast"]["kv_cache_dtype"] == "fp8" and fp8[0] == padded[0], (fp8, padded)

@@ -31,7 +31,12 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
    kernel, against the kernel that attends to the new vectors from its registers and stores them (`fold_write`:
    both times, `gain`, whether the pages are the same, and the outputs' max |diff|: the new position is summed last).
 
-`--writes-only` runs sections 4 and 5 alone (seconds: a check of the writes after a change to them).
+6. A prefill chunk's K/V write (`decode_attention.PREFILL_WRITE`): per layer, K and V of a chunk of `rows` prompts of
+   `length` positions into shuffled pages, by torch's index_put (`write_pages`, the default) against the Triton
+   kernel (`write_prefill`): both times, `gain`, the bandwidth each reaches over the bytes written, and whether
+   the pages are the same. Shapes of G1's chunks (128 × 256), G2's (64 × 512) and long prompts (16 × 2048).
+
+`--writes-only` runs sections 4 to 6 alone (seconds: a check of the writes after a change to them).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
 HEADS, KV_HEADS, DIM, WIDTH = 16, 8, 128, 16384
 KV_WRITE_BATCHES = (1024, 256, 64)
 FOLD_SHAPES = ((1024, 384), (1024, 256), (256, 1024), (64, 1024), (8, 1024))  # (batch, context) of fold_row
+PREFILL_SHAPES = ((128, 256), (64, 512), (16, 2048))  # (rows, length) of a prefill chunk: prefill_write_row
 CACHE_PAGES = 16384  # one layer's cache in the K/V write (2.1 GB of K and V in bf16)
 
 
@@ -197,16 +203,17 @@ def main() -> int:
     from worker.engines import decode_attention as da
 
     p = harness.parser(__doc__, out=harness.RESULTS / "decode-kernel.json")
-    p.add_argument("--writes-only", action="store_true", help="sections 4 and 5 alone: the K/V writes")
+    p.add_argument("--writes-only", action="store_true", help="sections 4 to 6 alone: the K/V writes")
     args = p.parse_args()
     scale = DIM**-0.5
     torch.manual_seed(0)
     if args.writes_only:
         kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
         fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
+        prefill = [prefill_write_row(torch, da, *shape) for shape in PREFILL_SHAPES]
         info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
-        harness.write_json(args.out, {**info, "kv_write": kv_write, "fold_write": fold})
-        print_writes(kv_write, fold)
+        harness.write_json(args.out, {**info, "kv_write": kv_write, "fold_write": fold, "prefill_write": prefill})
+        print_writes(kv_write, fold, prefill)
         return 0
     q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
     quant_pages = {kind: (*da.quantize(kp, dtype), *da.quantize(vp, dtype)) for kind, dtype in da.QUANTIZED.items()}
@@ -269,6 +276,7 @@ def main() -> int:
     cascade = [cascade_row(torch, da, scale, *shape) for shape in CASCADE_SHAPES]
     kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
     fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
+    prefill = [prefill_write_row(torch, da, *shape) for shape in PREFILL_SHAPES]
     harness.write_json(
         args.out,
         {
@@ -282,6 +290,7 @@ def main() -> int:
             "cascade": cascade,
             "kv_write": kv_write,
             "fold_write": fold,
+            "prefill_write": prefill,
         },
     )
     print(f"best config: {best}")
@@ -306,11 +315,11 @@ def main() -> int:
             f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
             f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
         )
-    print_writes(kv_write, fold)
+    print_writes(kv_write, fold, prefill)
     return 0
 
 
-def print_writes(kv_write: list[dict], fold: list[dict]) -> None:
+def print_writes(kv_write: list[dict], fold: list[dict], prefill: list[dict]) -> None:
     print(
         f"{'batch':>6}{'index_put ms':>14}{'index_copy ms':>15}{'(index once) ms':>17}{'equal':>7}"
         f"{'fp8 kernel ms':>15}{'fp8 torch ms':>14}{'fp8 equal':>10}{'int8 kernel ms':>16}{'int8 torch ms':>15}"
@@ -329,6 +338,14 @@ def print_writes(kv_write: list[dict], fold: list[dict]) -> None:
         print(
             f"{r['batch']:>6}{r['context']:>6}{r['separate_ms']:>19.4f}{r['fold_ms']:>19.4f}{r['gain']:>7.3f}"
             f"{str(r['same_pages']):>7}{r['max_abs_diff']:>9.4f}"
+        )
+    print(
+        f"{'rows':>6}{'length':>7}{'index_put ms':>14}{'kernel ms':>11}{'gain':>7}{'TB/s':>7}{'kernel TB/s':>13}{'pages':>7}"
+    )
+    for r in prefill:
+        print(
+            f"{r['rows']:>6}{r['length']:>7}{r['index_put_ms']:>14.4f}{r['kernel_ms']:>11.4f}{r['gain']:>7.2f}"
+            f"{r['index_put_tb_s']:>7.2f}{r['kernel_tb_s']:>13.2f}{str(r['same_pages']):>7}"
         )
 
 
@@ -367,6 +384,45 @@ def fold_row(torch, da, scale: float, batch: int, ctx: int) -> dict:
     row = {"batch": batch, "context": ctx, "splits": splits, "separate_ms": round(separate_ms, 4)}
     row |= {"fold_ms": round(fold_ms, 4), "gain": round(separate_ms / fold_ms, 3), "same_pages": same_pages}
     row["max_abs_diff"] = diff
+    print(row, flush=True)
+    return row
+
+
+def prefill_write_row(torch, da, rows: int, length: int) -> dict:
+    """A prefill chunk's K and V write at (rows, length), laid out as the layers hand them over (a view of the
+    projection's (rows, length, kv_heads × dim)): index_put against the kernel, each into its own shuffled pages."""
+    per = -(-length // da.PAGE)
+    page = (torch.randperm(rows * per, device="cuda") + 1).view(rows, per)[
+        :, torch.arange(length, device="cuda") // da.PAGE
+    ]
+    offset = torch.arange(length, device="cuda") % da.PAGE
+    k, v = (torch.randn(rows, length, KV_HEADS * DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (x.view(rows, length, KV_HEADS, DIM) for x in (k, v))
+    pages = {
+        way: [
+            torch.zeros((rows * per + 1, KV_HEADS, da.PAGE, DIM), device="cuda", dtype=torch.bfloat16) for _ in range(2)
+        ]
+        for way in ("index_put", "kernel")
+    }
+
+    def write(way: str) -> None:
+        for cache, x in zip(pages[way], (k, v)):
+            da.write_prefill(cache, None, page, offset, x)
+
+    before = da.PREFILL_WRITE
+    try:
+        da.PREFILL_WRITE = False
+        put_ms = timed(torch, partial(write, "index_put"))
+        da.PREFILL_WRITE = True
+        kernel_ms = timed(torch, partial(write, "kernel"))
+    finally:
+        da.PREFILL_WRITE = before
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(pages["index_put"], pages["kernel"]))
+    gb = 8 * k.numel() / 1e9  # K and V, 2 bytes a value, read once and written once
+    row = {"rows": rows, "length": length, "index_put_ms": round(put_ms, 4), "kernel_ms": round(kernel_ms, 4)}
+    row |= {"gain": round(put_ms / kernel_ms, 2), "index_put_tb_s": round(gb / put_ms, 2)}
+    row |= {"kernel_tb_s": round(gb / kernel_ms, 2), "same_pages": same}
     print(row, flush=True)
     return row
 

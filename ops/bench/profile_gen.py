@@ -38,6 +38,7 @@ from ops.bench import gen, harness  # after the repository root is on sys.path
 log = harness.logger("profile")
 FLIPS = {  # --flip NAME: the module and the flag it flips
     "fold_write": ("worker.engines.decode_attention", "FOLD_WRITE"),  # the step's K/V write in the decode kernel
+    "prefill_write": ("worker.engines.decode_attention", "PREFILL_WRITE"),  # a prefill chunk's K/V write kernel
 }
 
 

@@ -63,6 +63,10 @@ BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the casca
 # A decode step's K/V write in the row kernel (bf16/fp16/fp32 pages): the kernel attends to the new vectors from its
 # registers and stores them, two index_put launches per layer fewer. Off until measured on a GPU (docs/design.md)
 FOLD_WRITE = False
+# A prefill chunk's K/V write (bf16/fp16/fp32 pages) by one Triton kernel storing whole vectors, instead of torch's
+# index_put, which indexes element by element: 432 ms of G2's prefill on the H200 (2026-12-06, ~10 ms of each ~83 ms
+# chunk), where the bytes take ~1 ms. Off until measured on a GPU (docs/design.md)
+PREFILL_WRITE = False
 FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
 QUANTIZED = {"fp8": FP8, "int8": torch.int8}  # kv_cache_dtype -> the cache's element type
 LARGEST = {FP8: 448.0, torch.int8: 127.0}  # each one's largest magnitude (a vector's scale maps its amax there)
@@ -195,6 +199,34 @@ def write_step(pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Ten
         HEAD_PAD=triton.next_power_of_2(dim),
         INT=pages.dtype == torch.int8,
     )
+
+
+def write_prefill(
+    pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Tensor, offset: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """A prefill chunk's write: row r's `x[r, i]` (R, L, KVH, D) at `pages[page[r, i], :, offset[i]]`; returns what
+    the pages now hold, as `write_pages` does. Under `PREFILL_WRITE`, unquantized pages where the Triton kernels run
+    take one kernel (`_prefill_write_kernel`: a block of positions of one head a program, whole vectors); the rest
+    `write_pages`. Rows may write the same page (the trash page, past their own pages): what it then holds is
+    garbage either way, which nothing reads."""
+    if not (PREFILL_WRITE and scales is None and available(x.device) and x.stride(-1) == 1 and page.stride(-1) == 1):
+        return write_pages(pages, scales, (page, slice(None), offset), x)
+    rows, length, kv_heads, dim = x.shape
+    _prefill_write_kernel[(rows, triton.cdiv(length, PAGE), kv_heads)](
+        x,
+        pages,
+        page,
+        offset,
+        length,
+        *x.stride()[:3],
+        *pages.stride()[:3],
+        page.stride(0),
+        offset.stride(0),
+        HEAD_DIM=dim,
+        HEAD_PAD=triton.next_power_of_2(dim),
+        BLOCK=PAGE,
+    )
+    return x
 
 
 def reference_decode(
@@ -534,6 +566,39 @@ if triton is not None:
             stored = values.to(Pages.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(Pages + page * stride_pp + h * stride_ph + offset * stride_pn + d, stored, mask=dim)
         tl.store(Scales + page * stride_sp + h * stride_sh + offset, scale)
+
+    @triton.jit
+    def _prefill_write_kernel(
+        X,
+        Pages,
+        Page,
+        Offset,
+        length,
+        stride_xr,
+        stride_xl,
+        stride_xh,
+        stride_pp,
+        stride_ph,
+        stride_pn,
+        stride_gr,
+        stride_o,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """Positions BLOCK * `program_id(1)` onward (below `length`) of row `program_id(0)`, kv head
+        `program_id(2)`: each vector stored whole at its page (`Page`, a row of pages per row) and offset."""
+        r = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        h = tl.program_id(2).to(tl.int64)
+        d = tl.arange(0, HEAD_PAD)
+        keep = i < length
+        mask = keep[:, None] & _head_mask(d, HEAD_DIM, HEAD_PAD)[None, :]
+        x = tl.load(X + r * stride_xr + i[:, None] * stride_xl + h * stride_xh + d[None, :], mask=mask)
+        page = tl.load(Page + r * stride_gr + i, mask=keep, other=0).to(tl.int64)
+        offset = tl.load(Offset + i * stride_o, mask=keep, other=0).to(tl.int64)
+        at = page[:, None] * stride_pp + h * stride_ph + offset[:, None] * stride_pn + d[None, :]
+        tl.store(Pages + at, x.to(Pages.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _prefix_kernel(

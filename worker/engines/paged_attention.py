@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from worker.engines import decode_attention
-from worker.engines.decode_attention import PAGE, read_pages, write_pages
+from worker.engines.decode_attention import PAGE, read_pages, write_prefill
 
 if TYPE_CHECKING:
     from worker.engines.slot_state import SlotState
@@ -88,11 +88,13 @@ def fast_attention(
     k_scales, v_scales = (None, None) if state.scales is None else (state.scales[0, layer], state.scales[1, layer])
     if step.mode == "prefill":
         length = key.shape[2]
-        at = (step.pages[:, :length], slice(None), state.offsets[:length])
+        at = (step.pages[:, :length], state.offsets[:length])
         # attend over what the cache holds (a quantized cache: the values dequantized), as a later prefill that reuses
         # these pages will: outputs do not depend on whether a prefix came from the cache
-        key = write_pages(k_cache, k_scales, at, key.transpose(1, 2)).transpose(1, 2)  # (rows, length, kv_heads, dim)
-        value = write_pages(v_cache, v_scales, at, value.transpose(1, 2)).transpose(1, 2)
+        key = write_prefill(k_cache, k_scales, *at, key.transpose(1, 2)).transpose(
+            1, 2
+        )  # (rows, length, kv_heads, dim)
+        value = write_prefill(v_cache, v_scales, *at, value.transpose(1, 2)).transpose(1, 2)
         causal: Any = True
         if step.prefix is not None:  # the rows' shared prefix pages come first: (rows, kv_heads, prefix, dim)
             key = torch.cat((_gather(k_cache, step.prefix, k_scales, key.dtype), key), dim=2)
