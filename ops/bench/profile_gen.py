@@ -16,17 +16,25 @@ resident prefix cache serves none of them from an earlier run.
 `--flip NAME` (FLIPS) measures one engine lever in the same process: every round runs the flag as it is and flipped,
 interleaved, each way with the CUDA graphs it captured itself (its first run, cold, captures them), and reports
 `flipped` (median and spread of the flipped runs) and `flip_gain`: the median as it is over the flipped median.
+
+`--syncs`: one more warm run under CUDA's sync debug mode, counting the torch calls that made the host wait on the
+device, by where in this repository they came from (`syncs`; a prefill chunk's launch waited ~41 ms of its ~85 ms
+on the H200, 2026-12-06, with no Python line to show for it).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import importlib
 import io
 import pstats
 import sys
 import time
+import traceback
+import warnings
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +50,32 @@ FLIPS = {  # --flip NAME: the module and the flag it flips
 }
 
 
+def synchronizing(torch, run) -> list[dict]:
+    """Run `run()` under CUDA's sync debug mode: every torch call that makes the host wait on the device warns
+    (`.item()`, a copy to pageable memory, ...; not an explicit event's wait). Returns where they came from, as this
+    repository's innermost three frames, by count (nothing on a CPU)."""
+    if not torch.cuda.is_available():
+        run()
+        return []
+    sites: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(ROOT))]
+        frames = [f for f in frames if not f.filename.endswith("profile_gen.py")][-3:]
+        where = " <- ".join(f"{Path(f.filename).relative_to(ROOT)}:{f.lineno}" for f in reversed(frames))
+        sites[f"{str(message)[:80]} @ {where or filename + ':' + str(lineno)}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [{"site": site, "calls": n} for site, n in sites.most_common()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("workloads", nargs="+", choices=["g1", "g2"])
@@ -52,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="warm runs timed plainly (median and spread reported)")
     p.add_argument("--profile", action="store_true", help="also a warm run under torch.profiler and one under cProfile")
     p.add_argument("--flip", choices=sorted(FLIPS), help="warm runs alternate this engine flag as it is and flipped")
+    p.add_argument("--syncs", action="store_true", help="also a warm run that counts where the host waits on CUDA")
     args = p.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -138,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name} flipped ({flag} = {not default}): median {result['flipped']['median']:,.0f} tok/s, spread "
                 f"{result['flipped']['spread']:.1%}; as it is over flipped: {result['flip_gain']}"
             )
+        if args.syncs:
+            number += 1
+            result["syncs"] = synchronizing(torch, partial(run, {}, number))
+            for site in result["syncs"][:10]:
+                log(f"{name} sync: {site['calls']} × {site['site']}")
         if not args.profile:
             report[name] = result
             harness.write_json(args.out, report)
