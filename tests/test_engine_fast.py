@@ -1056,7 +1056,17 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     """ops/bench/profile_gen.py --flip (CPU smoke): every round runs the engine as it is and with the flag flipped,
     each run on prompts of its own, and reports both medians and their ratio."""
     out = tmp_path / "flip.json"
-    cmd = [sys.executable, "ops/bench/profile_gen.py", "g1", "--smoke", "--repeat", "2", "--flip", "fold_write"]
+    cmd = [
+        sys.executable,
+        "ops/bench/profile_gen.py",
+        "g1",
+        "--smoke",
+        "--repeat",
+        "2",
+        "--flip",
+        "fold_write",
+        "--syncs",
+    ]
     done = subprocess.run(
         [*cmd, "--model", str(tmp_path / "model"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True
     )
@@ -1067,6 +1077,35 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     assert all(r["prefix_tokens_reused"] == 0 for r in g1["warm"] + g1["flipped_warm"])
     assert g1["flip_gain"] == round(g1["warm_median_tok_s"] / g1["flipped"]["median"], 4)
     assert "as it is over flipped" in done.stdout
+    assert g1["syncs"] == []  # no CUDA here: nothing to count (the next test counts a stand-in's)
+
+
+def test_profile_gen_counts_where_the_host_waits_on_the_device():
+    """profile_gen.py --syncs: the warnings CUDA's sync debug mode raises during a run, counted by the repository
+    frames they came from (innermost first); the debug mode is set for the run only. (A stand-in for torch.cuda:
+    this host has no CUDA; the smoke run above covers the CPU path, which counts nothing.)"""
+    import warnings
+    from types import SimpleNamespace
+
+    from ops.bench import profile_gen
+
+    modes = []
+    fake = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: True, set_sync_debug_mode=modes.append))
+
+    def launch():
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    def run():
+        for _ in range(3):
+            launch()
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    sites = profile_gen.synchronizing(fake, run)
+    line = launch.__code__.co_firstlineno + 1
+    assert [s["calls"] for s in sites] == [3, 1], sites
+    here = "tests/test_engine_fast.py"
+    assert f"operation @ {here}:{line} <- {here}:{line + 4} <- {here}:" in sites[0]["site"], sites  # 3 frames
+    assert modes == ["warn", "default"]
 
 
 def test_the_benchmarks_bound_on_a_gpu_of_another_rate_scales_with_its_measured_rate(tiny_model):

@@ -60,7 +60,8 @@ def synchronizing(torch, run) -> list[dict]:
     sites: collections.Counter = collections.Counter()
 
     def show(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(ROOT))]
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(ROOT) + "/")]
+        frames = [f for f in frames if "site-packages" not in f.filename]  # a virtual environment inside the tree
         frames = [f for f in frames if not f.filename.endswith("profile_gen.py")][-3:]
         where = " <- ".join(f"{Path(f.filename).relative_to(ROOT)}:{f.lineno}" for f in reversed(frames))
         sites[f"{str(message)[:80]} @ {where or filename + ':' + str(lineno)}"] += 1
