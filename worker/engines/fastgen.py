@@ -379,7 +379,7 @@ class Engine:
         st.table[slots] = table
         st.tok[slots] = first
         st.pos[slots] = start + last + 1
-        st.active[slots] = 1
+        st.active.index_fill_(0, slots, 1)  # not `active[slots] = 1`, which waits for the GPU (see `move`)
         st.temp[slots] = temps
         st.no_eos[slots] = no_eos
         return first
@@ -502,14 +502,20 @@ class Engine:
                             self._capture(batch, sample)
         st.active.zero_()
 
-    def move(self, src: int, dst: int) -> None:
-        """Move the sequence in slot `src` to the free slot `dst`: its page-table row and inputs (its K/V stay)."""
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Move the sequences in slots `src` to the free slots `dst` (pairwise; no slot in both): their page-table
+        rows and inputs (their K/V stay), in a dozen kernels for any number of slots, without waiting for the GPU.
+
+        On torch 2.11 (the GPU host's), a Python number assigned to one element of a CUDA tensor or through a tensor
+        index (`pos[src] = 0`, `active[slots] = 1`) is copied to the device synchronously (pytorch/pytorch#186482,
+        #188267): a move per slot so waited for the step in flight at every compaction, and each prefill chunk
+        for itself (41 of its ~85 ms on the H200, ops/bench/results/2026-12-06-h200-session48)."""
         st = self.state
+        index = _to(st.tok.device, [src, dst], torch.long)
         for buf in (st.table, st.tok, st.pos, st.active, st.temp, st.no_eos):
-            buf[dst] = buf[src]
-        st.active[src] = 0
-        st.pos[src] = 0  # a free slot writes at position 0 of the trash page (see _deactivate)
-        st.table[src] = 0
+            buf.index_copy_(0, index[1], buf.index_select(0, index[0]))
+        for buf in (st.active, st.pos, st.table):  # a free slot writes at position 0 of the trash page (_deactivate)
+            buf.index_fill_(0, index[0], 0)
 
     def record(self, stats: dict[str, Any]) -> None:
         """Add this run's figures to the job's `info["fast"]`."""
@@ -1025,13 +1031,15 @@ class Engine:
         target = bucket(self.sizes, len(running))
         if target >= batch:
             return
+        moves = []
         for src in sorted((s for s in running if s >= target), reverse=True):
-            dst = heapq.heappop(free)
-            self.move(src, dst)
+            dst = heapq.heappop(free)  # below target: fewer rows run than it holds
             seq = running.pop(src)
             seq.slot = dst
             running[dst] = seq
             heapq.heappush(free, src)
+            moves.append((src, dst))
+        self.move(*map(list, zip(*moves)))
 
 
 def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
