@@ -1031,15 +1031,17 @@ class Engine:
         target = bucket(self.sizes, len(running))
         if target >= batch:
             return
-        moves = []
-        for src in sorted((s for s in running if s >= target), reverse=True):
-            dst = heapq.heappop(free)  # below target: fewer rows run than it holds
-            seq = running.pop(src)
-            seq.slot = dst
-            running[dst] = seq
-            heapq.heappush(free, src)
-            moves.append((src, dst))
-        self.move(*map(list, zip(*moves)))
+        src = sorted((s for s in running if s >= target), reverse=True)  # none if the rows above it just finished
+        if not src:
+            return
+        dst = [heapq.heappop(free) for _ in src]  # each below target: fewer rows run than it holds
+        for a, b in zip(src, dst):
+            seq = running.pop(a)
+            seq.slot = b
+            running[b] = seq
+        for a in src:
+            heapq.heappush(free, a)
+        self.move(src, dst)
 
 
 def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
