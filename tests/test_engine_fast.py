@@ -140,11 +140,14 @@ def test_rows_are_yielded_in_micro_batches_as_they_finish(loaded, tiny_model, sl
     assert [[r.idx for r in b] for b in batches] == [list(range(8))]
 
 
-def test_moving_rows_down_keeps_their_cache(loaded, tiny_model, slots):
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_moving_rows_down_keeps_their_cache(loaded, tiny_model, slots, monkeypatch, sync_free):
     """With the queue empty, rows still running are moved into lower free slots (so the step shrinks to a smaller
     bucket); their outputs equal the padded engine's, so the move carried their K/V. Rows are admitted longest
-    (prompt + max_new_tokens) first, so long prompts with short outputs take the low slots and finish first."""
+    (prompt + max_new_tokens) first, so long prompts with short outputs take the low slots and finish first. The
+    same with the slot state written by index kernels, all of a compaction's moves at once (SYNC_FREE)."""
     slots(4)
+    monkeypatch.setattr(fastgen, "SYNC_FREE", sync_free)
     moved = []
     real_move = fastgen.Engine.move
 

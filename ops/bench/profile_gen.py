@@ -47,6 +47,7 @@ log = harness.logger("profile")
 FLIPS = {  # --flip NAME: the module and the flag it flips
     "fold_write": ("worker.engines.decode_attention", "FOLD_WRITE"),  # the step's K/V write in the decode kernel
     "prefill_write": ("worker.engines.decode_attention", "PREFILL_WRITE"),  # a prefill chunk's K/V write kernel
+    "sync_free": ("worker.engines.fastgen", "SYNC_FREE"),  # the slot state written without waiting for the GPU
 }
 
 

@@ -71,6 +71,12 @@ from worker.progress import Progress
 log = logging.getLogger(__name__)
 
 PREFIX_TOKENS = 4 * PREFILL_TOKENS  # cached prefix positions a prefill chunk reads (their K/V gathered per layer)
+# The slot state written without waiting for the GPU (a prefill chunk's active slots, a compaction's moves). On
+# torch 2.11 (the GPU host's) a Python number assigned to one element of a CUDA tensor or through a tensor index
+# (`pos[src] = 0`, `active[slots] = 1`) is copied to the device synchronously (pytorch/pytorch#186482, #188267): each
+# prefill chunk so waited for itself (41 of its ~85 ms on the H200, ops/bench/results/2026-12-06-h200-session48), and
+# each compaction for the step in flight. Off until a GPU measures it (`profile_gen.py --flip sync_free`).
+SYNC_FREE = False
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
@@ -379,7 +385,10 @@ class Engine:
         st.table[slots] = table
         st.tok[slots] = first
         st.pos[slots] = start + last + 1
-        st.active.index_fill_(0, slots, 1)  # not `active[slots] = 1`, which waits for the GPU (see `move`)
+        if SYNC_FREE:
+            st.active.index_fill_(0, slots, 1)
+        else:
+            st.active[slots] = 1  # waits for the GPU on torch 2.11 (SYNC_FREE)
         st.temp[slots] = temps
         st.no_eos[slots] = no_eos
         return first
@@ -504,18 +513,23 @@ class Engine:
 
     def move(self, src: list[int], dst: list[int]) -> None:
         """Move the sequences in slots `src` to the free slots `dst` (pairwise; no slot in both): their page-table
-        rows and inputs (their K/V stay), in a dozen kernels for any number of slots, without waiting for the GPU.
-
-        On torch 2.11 (the GPU host's), a Python number assigned to one element of a CUDA tensor or through a tensor
-        index (`pos[src] = 0`, `active[slots] = 1`) is copied to the device synchronously (pytorch/pytorch#186482,
-        #188267): a move per slot so waited for the step in flight at every compaction, and each prefill chunk
-        for itself (41 of its ~85 ms on the H200, ops/bench/results/2026-12-06-h200-session48)."""
+        rows and inputs (their K/V stay). Under SYNC_FREE a dozen kernels for any number of slots, without
+        waiting for the GPU; else slot by slot."""
         st = self.state
-        index = _to(st.tok.device, [src, dst], torch.long)
-        for buf in (st.table, st.tok, st.pos, st.active, st.temp, st.no_eos):
-            buf.index_copy_(0, index[1], buf.index_select(0, index[0]))
-        for buf in (st.active, st.pos, st.table):  # a free slot writes at position 0 of the trash page (_deactivate)
-            buf.index_fill_(0, index[0], 0)
+        bufs = (st.table, st.tok, st.pos, st.active, st.temp, st.no_eos)
+        if SYNC_FREE:
+            index = _to(st.tok.device, [src, dst], torch.long)
+            for buf in bufs:
+                buf.index_copy_(0, index[1], buf.index_select(0, index[0]))
+            for buf in (st.active, st.pos, st.table):  # a free slot writes at position 0 of the trash page
+                buf.index_fill_(0, index[0], 0)
+            return
+        for a, b in zip(src, dst):
+            for buf in bufs:
+                buf[b] = buf[a]
+            st.active[a] = 0
+            st.pos[a] = 0  # a free slot writes at position 0 of the trash page (see _deactivate)
+            st.table[a] = 0
 
     def record(self, stats: dict[str, Any]) -> None:
         """Add this run's figures to the job's `info["fast"]`."""
