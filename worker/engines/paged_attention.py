@@ -6,8 +6,9 @@ prefill or a decode step it sets the model's `_attn_implementation` to `NAME` an
 (`running`), and every decoder layer calls `fast_attention` with its layer index:
 
 - **prefill** writes the K/V of the chunk's prompts into their pages (`Step.pages`: the page of each position of
-  each row), then runs causal SDPA over them (FlashAttention on CUDA in half precision, `_prefill_backend`), after
-  the rows' shared prefix pages when a cached prompt prefix is reused (`Step.prefix`, lower-right causal);
+  each row; `decode_attention.write_prefill`, one Triton kernel under `PREFILL_WRITE`), then runs causal SDPA over
+  them (FlashAttention on CUDA in half precision, `_prefill_backend`), after the rows' shared prefix pages when a
+  cached prompt prefix is reused (`Step.prefix`, lower-right causal);
 - **decode** writes each slot's one new K/V at `write_page`/`write_offset` of the state and attends over each
   slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA, which also
   does the write under `FOLD_WRITE`), with `Step.cascade` reading the pages many rows share once for all of them.
@@ -91,9 +92,7 @@ def fast_attention(
         at = (step.pages[:, :length], state.offsets[:length])
         # attend over what the cache holds (a quantized cache: the values dequantized), as a later prefill that reuses
         # these pages will: outputs do not depend on whether a prefix came from the cache
-        key = write_prefill(k_cache, k_scales, *at, key.transpose(1, 2)).transpose(
-            1, 2
-        )  # (rows, length, kv_heads, dim)
+        key = write_prefill(k_cache, k_scales, *at, key.transpose(1, 2)).transpose(1, 2)  # as (rows, length, ...)
         value = write_prefill(v_cache, v_scales, *at, value.transpose(1, 2)).transpose(1, 2)
         causal: Any = True
         if step.prefix is not None:  # the rows' shared prefix pages come first: (rows, kv_heads, prefix, dim)
