@@ -340,7 +340,8 @@ def print_writes(kv_write: list[dict], fold: list[dict], prefill: list[dict]) ->
             f"{str(r['same_pages']):>7}{r['max_abs_diff']:>9.4f}"
         )
     print(
-        f"{'rows':>6}{'length':>7}{'index_put ms':>14}{'kernel ms':>11}{'gain':>7}{'TB/s':>7}{'kernel TB/s':>13}{'pages':>7}"
+        f"{'rows':>6}{'length':>7}{'index_put ms':>14}{'kernel ms':>11}{'gain':>7}{'TB/s':>7}{'kernel TB/s':>13}"
+        f"{'pages':>7}"
     )
     for r in prefill:
         print(
