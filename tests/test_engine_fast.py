@@ -1056,8 +1056,8 @@ def test_the_benchmarks_repeated_runs_send_prompts_the_prefix_cache_has_not_seen
 
 
 def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
-    """ops/bench/profile_gen.py --flip (CPU smoke): every round runs the engine as it is and with the flag flipped,
-    each run on prompts of its own, and reports both medians and their ratio."""
+    """ops/bench/profile_gen.py --flip (CPU smoke): every round runs the engine as it is and with the flags flipped
+    (two at once here), each run on prompts of its own, and reports both medians and their ratio."""
     out = tmp_path / "flip.json"
     cmd = [
         sys.executable,
@@ -1067,7 +1067,7 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
         "--repeat",
         "2",
         "--flip",
-        "fold_write",
+        "prefill_both",
         "--syncs",
     ]
     done = subprocess.run(
@@ -1075,12 +1075,20 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     g1 = json.loads(out.read_text())["g1"]
-    assert g1["flip"] == {"flag": "worker.engines.decode_attention.FOLD_WRITE", "as_is": False, "flipped": True}
+    names = ["worker.engines.decode_attention.PREFILL_WRITE", "worker.engines.fastgen.SYNC_FREE"]
+    assert g1["flip"] == {
+        "flag": ", ".join(names),
+        "as_is": False,
+        "flipped": True,
+        "flags": {n: {"as_is": False, "flipped": True} for n in names},
+    }
     assert len(g1["warm"]) == len(g1["flipped_warm"]) == 2 and g1["cold"] and g1["flipped_cold"]
     assert all(r["prefix_tokens_reused"] == 0 for r in g1["warm"] + g1["flipped_warm"])
     assert g1["flip_gain"] == round(g1["warm_median_tok_s"] / g1["flipped"]["median"], 4)
     assert "as it is over flipped" in done.stdout
-    assert g1["syncs"] == []  # no CUDA here: nothing to count (the next test counts a stand-in's)
+    assert (
+        g1["syncs"] == g1["flipped_syncs"] == []
+    )  # no CUDA here: nothing to count (the next test counts a stand-in's)
 
 
 def test_profile_gen_counts_where_the_host_waits_on_the_device():

@@ -16,10 +16,11 @@ resident prefix cache serves none of them from an earlier run.
 `--flip NAME` (FLIPS) measures one engine lever in the same process: every round runs the flag as it is and flipped,
 interleaved, each way with the CUDA graphs it captured itself (its first run, cold, captures them), and reports
 `flipped` (median and spread of the flipped runs) and `flip_gain`: the median as it is over the flipped median.
+A name may flip several flags at once (`prefill_both`): the levers together, for a call that has time for one pair.
 
-`--syncs`: one more warm run under CUDA's sync debug mode, counting the torch calls that made the host wait on the
-device, by where in this repository they came from (`syncs`; a prefill chunk's launch waited ~41 ms of its ~85 ms
-on the H200, 2026-12-06, with no Python line to show for it).
+`--syncs`: one more warm run under CUDA's sync debug mode (with `--flip`, one each way: `flipped_syncs`), counting
+the torch calls that made the host wait on the device, by where in this repository they came from (`syncs`; a
+prefill chunk's launch waited ~41 ms of its ~85 ms on the H200, 2026-12-06, with no Python line to show for it).
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ if str(ROOT) not in sys.path:
 from ops.bench import gen, harness  # after the repository root is on sys.path
 
 log = harness.logger("profile")
-FLIPS = {  # --flip NAME: the module and the flag it flips
-    "fold_write": ("worker.engines.decode_attention", "FOLD_WRITE"),  # the step's K/V write in the decode kernel
-    "prefill_write": ("worker.engines.decode_attention", "PREFILL_WRITE"),  # a prefill chunk's K/V write kernel
-    "sync_free": ("worker.engines.fastgen", "SYNC_FREE"),  # the slot state written without waiting for the GPU
+FLIPS = {  # --flip NAME: the flags it flips, as (module, flag)
+    "fold_write": [("worker.engines.decode_attention", "FOLD_WRITE")],  # the step's K/V write in the decode kernel
+    "prefill_write": [("worker.engines.decode_attention", "PREFILL_WRITE")],  # a prefill chunk's K/V write kernel
+    "sync_free": [("worker.engines.fastgen", "SYNC_FREE")],  # the slot state written without waiting for the GPU
+    "prefill_both": [("worker.engines.decode_attention", "PREFILL_WRITE"), ("worker.engines.fastgen", "SYNC_FREE")],
 }
 
 
@@ -129,19 +131,24 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t, tokens
 
         result: dict = {"rows": len(rows), "warm": []}
-        module, flag = FLIPS[args.flip] if args.flip else (None, None)
-        owner = importlib.import_module(module) if module else None  # the module whose flag is flipped
-        default = getattr(owner, flag) if owner else None
-        graphs: dict[bool, dict] = {}  # each way's CUDA graphs, swapped into the resident state
+        flags = [(importlib.import_module(m), flag) for m, flag in FLIPS[args.flip]] if args.flip else []
+        defaults = [getattr(owner, flag) for owner, flag in flags]  # each flag as it is
+        graphs: dict[bool, dict] = {}  # the CUDA graphs of the way not running, swapped into the resident state
+        ways, now = ((False, True) if flags else (False,)), [False]  # the way the flags are
+
+        def turn(flipped: bool, flags=flags, defaults=defaults, graphs=graphs, now=now) -> None:
+            """The flags flipped (or as they are), with the CUDA graphs that way captured itself."""
+            for (owner, flag), default in zip(flags, defaults):
+                setattr(owner, flag, default ^ flipped)
+            state = model.__dict__.get("_gpujobs_fast")
+            if state is not None and now[0] != flipped:
+                graphs[now[0]], state.graphs = state.graphs, graphs.get(flipped, {})
+            now[0] = flipped
+
         number = 0
         for i in range(1 + args.repeat):
-            for flipped in (False, True) if module else (False,):
-                if module:
-                    setattr(owner, flag, default ^ flipped)
-                    state = model.__dict__.get("_gpujobs_fast")
-                    if state is not None:
-                        graphs[not flipped] = state.graphs
-                        state.graphs = graphs.get(flipped, {})
+            for flipped in ways:
+                turn(flipped)
                 info: dict = {}
                 number += 1
                 seconds, tokens = run(info, number)
@@ -161,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     result.setdefault(way, []).append(one)
                 log(f"{name} {way}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
-        if module:
-            setattr(owner, flag, default)
-            result["flip"] = {"flag": f"{module}.{flag}", "as_is": default, "flipped": not default}
+        turn(False)
+        if flags:
+            names = [f"{owner.__name__}.{flag}" for owner, flag in flags]
+            result["flip"] = {"flag": ", ".join(names), "as_is": defaults[0], "flipped": not defaults[0]}
+            if len(flags) > 1:
+                result["flip"]["flags"] = {n: {"as_is": d, "flipped": not d} for n, d in zip(names, defaults)}
         if result["warm"]:
             stats = harness.repeated([r["output_tok_s"] for r in result["warm"]])
             result["warm_median_tok_s"], result["warm_spread"] = stats["median"], stats["spread"]
@@ -171,15 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         if result.get("flipped_warm"):
             result["flipped"] = harness.repeated([r["output_tok_s"] for r in result["flipped_warm"]])
             result["flip_gain"] = round(result["warm_median_tok_s"] / result["flipped"]["median"], 4)
+            turned = ", ".join(f"{flag} = {not default}" for (_, flag), default in zip(flags, defaults))
             log(
-                f"{name} flipped ({flag} = {not default}): median {result['flipped']['median']:,.0f} tok/s, spread "
+                f"{name} flipped ({turned}): median {result['flipped']['median']:,.0f} tok/s, spread "
                 f"{result['flipped']['spread']:.1%}; as it is over flipped: {result['flip_gain']}"
             )
-        if args.syncs:
+        for flipped in ways if args.syncs else ():
+            turn(flipped)
             number += 1
-            result["syncs"] = synchronizing(torch, partial(run, {}, number))
-            for site in result["syncs"][:10]:
-                log(f"{name} sync: {site['calls']} × {site['site']}")
+            way = "flipped_syncs" if flipped else "syncs"
+            result[way] = synchronizing(torch, partial(run, {}, number))
+            for site in result[way][:10]:
+                log(f"{name} {way}: {site['calls']} × {site['site']}")
+        turn(False)
         if not args.profile:
             report[name] = result
             harness.write_json(args.out, report)
