@@ -566,12 +566,13 @@ def run(s, info=None):
     return {r.idx: (r.output, r.completion_tokens) for b in engine.generate(loaded, s, rows, batch_rows=2,
             info=info) for r in b}
 info = {}
+assert da.PREFILL_WRITE and not da.FOLD_WRITE  # the defaults: each prefill chunk's K/V by the prefill write kernel
 fast, padded = run(spec(engine="fast"), info), run(spec(engine="padded"))
 assert info["attn_implementation"] == "gpujobs_fast (decode: triton)", info
 assert fast == padded, (fast, padded)
-da.FOLD_WRITE = da.PREFILL_WRITE = True  # every K/V write in a kernel: each step's in the decode kernel itself,
-assert run(spec(engine="fast")) == padded  # each prefill chunk's in the prefill write kernel
-da.FOLD_WRITE = da.PREFILL_WRITE = False
+da.FOLD_WRITE, da.PREFILL_WRITE = True, False  # each step's K/V by the decode kernel itself, each chunk's by index_put
+assert run(spec(engine="fast")) == padded
+da.FOLD_WRITE, da.PREFILL_WRITE = False, True
 info = {}  # an fp8 cache: the write kernel and the kernel's fp8 pages; the memorized answer stays exact
 fp8 = run(spec(engine="fast", kv_cache_dtype="fp8"), info)
 assert info["fast"]["kv_cache_dtype"] == "fp8" and fp8[0] == padded[0], (fp8, padded)
@@ -619,8 +620,9 @@ def test_the_engine_with_the_cascade_on_the_triton_kernels_equals_it_without(tin
 
 def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     """The whole fast engine with the Triton kernel (interpreter) instead of the reference: same greedy results
-    as the padded engine, with admission into 3 slots, also with the step's K/V written by the kernel
-    (FOLD_WRITE); with an fp8 cache, the memorized answer."""
+    as the padded engine, with admission into 3 slots (each prefill chunk's K/V by the prefill write kernel, the
+    default), also with the step's K/V written by the decode kernel (FOLD_WRITE) and each chunk's by index_put;
+    with an fp8 cache, the memorized answer."""
     interpreted(ENGINE_SCRIPT, "engine ok", tiny_model, timeout=600)
 
 
@@ -1076,11 +1078,11 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     g1 = json.loads(out.read_text())["g1"]
     names = ["worker.engines.decode_attention.PREFILL_WRITE", "worker.engines.fastgen.SYNC_FREE"]
-    assert g1["flip"] == {
+    assert g1["flip"] == {  # both on by default: the flipped runs take the old paths
         "flag": ", ".join(names),
-        "as_is": False,
-        "flipped": True,
-        "flags": {n: {"as_is": False, "flipped": True} for n in names},
+        "as_is": True,
+        "flipped": False,
+        "flags": {n: {"as_is": True, "flipped": False} for n in names},
     }
     assert len(g1["warm"]) == len(g1["flipped_warm"]) == 2 and g1["cold"] and g1["flipped_cold"]
     assert all(r["prefix_tokens_reused"] == 0 for r in g1["warm"] + g1["flipped_warm"])

@@ -61,12 +61,14 @@ TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batche
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
 # A decode step's K/V write in the row kernel (bf16/fp16/fp32 pages): the kernel attends to the new vectors from its
-# registers and stores them, two index_put launches per layer fewer. Off until measured on a GPU (docs/design.md)
+# registers and stores them, two index_put launches per layer fewer. Off: no gain at G1's and G2's batches on the
+# GPU (docs/design.md)
 FOLD_WRITE = False
 # A prefill chunk's K/V write (bf16/fp16/fp32 pages) by one Triton kernel storing whole vectors, instead of torch's
 # index_put, which indexes element by element: 432 ms of G2's prefill on the H200 (2026-12-06, ~10 ms of each ~83 ms
-# chunk), where the bytes take ~1 ms. Off until measured on a GPU (docs/design.md)
-PREFILL_WRITE = False
+# chunk), where the bytes take ~1 ms. On: with SYNC_FREE, G2 1.030x and G1 1.025x on an H100, outside the spreads
+# (ops/bench/results/2026-12-07-h100-session50; alone it did not gain: the host waited inside each chunk anyway)
+PREFILL_WRITE = True
 FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
 QUANTIZED = {"fp8": FP8, "int8": torch.int8}  # kv_cache_dtype -> the cache's element type
 LARGEST = {FP8: 448.0, torch.int8: 127.0}  # each one's largest magnitude (a vector's scale maps its amax there)

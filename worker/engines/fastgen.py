@@ -75,8 +75,9 @@ PREFIX_TOKENS = 4 * PREFILL_TOKENS  # cached prefix positions a prefill chunk re
 # torch 2.11 (the GPU host's) a Python number assigned to one element of a CUDA tensor or through a tensor index
 # (`pos[src] = 0`, `active[slots] = 1`) is copied to the device synchronously (pytorch/pytorch#186482, #188267): each
 # prefill chunk so waited for itself (41 of its ~85 ms on the H200, ops/bench/results/2026-12-06-h200-session48), and
-# each compaction for the step in flight. Off until a GPU measures it (`profile_gen.py --flip sync_free`).
-SYNC_FREE = False
+# each compaction for the step in flight. On: no wait left in G1's run (`profile_gen.py --syncs`), and with
+# decode_attention.PREFILL_WRITE G2 1.030x, G1 1.025x on an H100 (ops/bench/results/2026-12-07-h100-session50).
+SYNC_FREE = True
 ADMIT_DIVISOR = 8  # refill once at least slots // ADMIT_DIVISOR rows can be admitted (or nothing runs)
 REPLACEABLE_ATTENTION = ("sdpa", "sdpa_gqa", "eager")  # what the job may have asked for: no specific kernel
 # CUDA: the decoder layers run compiled (torch.compile, dynamic shapes, the attention left out as an opaque call),
