@@ -76,6 +76,9 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # one LoRA-A matmul for q/k/v and one for gate/up, which share their input (see _fused_lora_a); 0.85x auto
     # on an H100 (results/2026-12-06-h100-session46): kept as a measured dead end, not a lever
     "lora-fused": {"experiment": "lora-fused"},
+    # the layers compiled with Inductor's autotuning (F1_COMPILE_MODE, default max-autotune-no-cudagraphs): each matmul
+    # timed against Triton templates, which can fuse the LoRA adds into the matmul (see _autotuned_layers)
+    "max-autotune": {"experiment": "max-autotune"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
 OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
@@ -228,6 +231,8 @@ def child_engine(args: argparse.Namespace) -> dict:
         _fp8_base_layers()
     elif experiment == "lora-fused":
         _fused_lora_a()
+    elif experiment == "max-autotune":
+        out["compile_mode"] = _autotuned_layers()
     elif experiment == "activation-budget":
         from torch._functorch import config as functorch_config
 
@@ -319,6 +324,28 @@ def _fused_lora_a() -> None:
         return model
 
     finetune.wrap_lora = fused_lora
+
+
+def _autotuned_layers() -> str:
+    """Experiment `max-autotune`: each decoder layer compiled with Inductor's autotuning (F1_COMPILE_MODE, default
+    `max-autotune-no-cudagraphs`; the training loop changes no tensor address rule, so no CUDA graphs). Inductor then
+    times each matmul of the layer against its Triton templates and keeps the fastest, which may take the LoRA
+    products' adds into its epilogue. Asks: do F1's matmuls (K = 1,024, and the rank-16 LoRA ones that cuBLAS runs
+    as split-K kernels) gain enough to pay for the longer compile (cached on disk by the worker after the first)?
+    Returns the mode."""
+    from worker.training import setup
+
+    mode = os.environ.get("F1_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    compile_layers = setup._compile_layers
+
+    def autotuned(model) -> int:
+        count = compile_layers(model)
+        for layer in model.get_base_model().get_decoder().layers:
+            layer.compile(mode=mode)
+        return count
+
+    setup._compile_layers = autotuned
+    return mode
 
 
 def _profile_training(args: argparse.Namespace, torch) -> None:
