@@ -132,6 +132,94 @@ def test_gradient_accumulation_trains_like_one_big_batch_and_records_the_levers(
     assert 0.5 < speed["fill"] <= 1 and not results[0].stopped
 
 
+def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resume_across_the_choice(
+    tmp_path, base_model, monkeypatch
+):
+    """setup.MERGE_MICRO_BATCHES: 2 rows x 2 accumulated run as one micro-batch of 4 where one eager micro-batch's
+    peak, doubled, fits the GPU's memory, and stay 2 x 2 (with a note) where it does not; either way the losses of
+    the spec's own micro-batches, as where the probe runs out of memory. A run checkpointed at 2 x 2 resumes merged
+    with an unbroken run's losses. (This host has no GPU: the memory figures are a stand-in for torch.cuda's; the
+    probe, the forward passes and the Trainer are real.)"""
+    rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} " + "the sky is blue " * (i % 3)}) for i in range(1, 40)]
+    monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
+    gib = 1 << 30
+    reads = iter(())
+
+    def memory(device):  # (allocated, peak since the last read, total): the probe adds 1 GiB at its peak
+        return next(reads)
+
+    monkeypatch.setattr(setup, "gpu_memory", memory)
+    widths = []  # rows of each forward pass the loss saw
+    loss = linear_ce.causal_lm_loss
+    monkeypatch.setattr(
+        linear_ce, "causal_lm_loss", lambda hidden, *a, **k: widths.append(len(hidden)) or loss(hidden, *a, **k)
+    )
+
+    def run(name: str, gpu_gib: float, **extra):
+        nonlocal reads
+        reads = iter([(gib, gib, int(gpu_gib * gib)), (gib, 2 * gib, int(gpu_gib * gib))])
+        widths.clear()
+        logs: list[dict] = []
+        result = finetune.finetune(
+            LoadOptions(model=str(base_model)),
+            spec(
+                model=str(base_model),
+                packing=True,
+                max_seq_length=48,
+                batch_size=2,
+                gradient_accumulation=2,
+                learning_rate=1e-2,
+                lora_dropout=0.0,
+                lr_scheduler="constant",
+                **{"max_steps": 4, **extra},
+            ),
+            rows,
+            tmp_path / name,
+            on_log=logs.append,
+        )
+        return result, {r["step"]: r["loss"] for r in logs if "loss" in r}, list(widths)
+
+    merged, merged_curve, merged_widths = run("room", 10)
+    assert merged.metrics["speed"]["micro_batches"] == {
+        "rows": 4,
+        "accumulation": 1,
+        "merged": True,
+        "asked": "2 x 2",
+        "predicted_gib": 3.0,
+        "limit_gib": 9.0,
+    }
+    # the probe's micro-batch, then one pass a step (of 4 rows; 3 for the epoch's last, of 11 blocks)
+    assert merged_widths[0] == 2 and len(merged_widths) == 1 + 4 and max(merged_widths) == 4
+    kept, kept_curve, kept_widths = run("tight", 3)  # 3 GiB predicted, over 0.9 x 3
+    record = kept.metrics["speed"]["micro_batches"]
+    assert (record["rows"], record["accumulation"], record["merged"]) == (2, 2, False)
+    assert (
+        len(kept_widths) == 1 + 8
+        and max(kept_widths) == 2
+        and "micro-batches kept at 2 x 2" in " ".join(kept.metrics["speed"]["notes"])
+    )
+    assert len(merged_curve) == 4 and merged_curve == pytest.approx(kept_curve, rel=1e-4)
+    # stopped at step 2 (a checkpoint) on a GPU without room, then resumed on one with room: the rows of steps 3
+    # and 4 are the unbroken run's
+    run("resume", 3, max_steps=2, checkpoint_steps=2)
+    resumed, resumed_curve, _ = run("resume", 10, checkpoint_steps=2)
+    assert resumed.resumed_from == 2 and resumed.metrics["speed"]["micro_batches"]["merged"]
+    assert sorted(resumed_curve) == [3, 4] and [resumed_curve[3], resumed_curve[4]] == pytest.approx(
+        [kept_curve[3], kept_curve[4]], rel=1e-4
+    )
+    # a probe that runs out of memory (eager holds more than compiled layers) keeps the spec's, and the job runs
+    monkeypatch.setattr(setup, "_warm_up", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("probe")))
+    short, short_curve, _ = run("probe-oom", 10)
+    assert short.metrics["speed"]["micro_batches"] == {
+        "rows": 2,
+        "accumulation": 2,
+        "merged": False,
+        "asked": "2 x 2",
+        "probe": "out of memory",
+    }
+    assert short_curve == pytest.approx(kept_curve, rel=1e-4)
+
+
 def test_levers_a_worker_cannot_run_are_refused_at_submit_and_before_training(base_model):
     cpu = {"cuda_available": False, "versions": {"peft": "0.21", "liger-kernel": None}, "varlen_attention": False}
     gpu = {"cuda_available": True, "versions": {"peft": "0.21", "liger-kernel": "0.8.5"}, "varlen_attention": True}

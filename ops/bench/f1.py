@@ -79,6 +79,9 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # the layers compiled with Inductor's autotuning (F1_COMPILE_MODE, default max-autotune-no-cudagraphs): each matmul
     # timed against Triton templates, which can fuse the LoRA adds into the matmul (see _autotuned_layers)
     "max-autotune": {"experiment": "max-autotune"},
+    # the worker's own merge (setup.MERGE_MICRO_BATCHES, off until measured): auto's 8 x 2 as one micro-batch of 16
+    # where its memory probe predicts room, the compiled layers held to setup.MERGE_ACTIVATION_BUDGET
+    "merge": {"experiment": "merge"},
     # both together: the two F1 levers of under 10 % each, in one run for the H200 (experiments join with "+")
     "batch16-budget-autotune": {
         "batch_size": 16,
@@ -240,6 +243,10 @@ def child_engine(args: argparse.Namespace) -> dict:
             _fused_lora_a()
         elif name == "max-autotune":
             out["compile_mode"] = _autotuned_layers()
+        elif name == "merge":
+            from worker.training import setup
+
+            setup.MERGE_MICRO_BATCHES = True
         elif name == "activation-budget":
             from torch._functorch import config as functorch_config
 

@@ -50,12 +50,14 @@ from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
 from worker.training.data import ExampleDataset, build_examples, pack, packed_collate, padded_collate, split_validation
 from worker.training.setup import (
+    activation_budget,
     apply_speed,
     choose_speed,
     compile_model,
     fast_args,
     lean_trainer,
     load_base,
+    plan_micro_batches,
     precision,
     speed_record,
     training_args,
@@ -258,77 +260,88 @@ def finetune(
     real_tokens = sum(e.real_tokens if e.real_tokens is not None else len(e.input_ids) for e in examples)
     tokens_per_step = real_tokens / len(examples) * spec.batch_size * spec.gradient_accumulation
     eval_every = spec.checkpoint_steps if valid else None
-    args = TrainingArguments(
-        output_dir=str(checkpoints),
-        per_device_train_batch_size=spec.batch_size,
-        per_device_eval_batch_size=spec.batch_size,
-        gradient_accumulation_steps=spec.gradient_accumulation,
-        learning_rate=spec.learning_rate,
-        lr_scheduler_type=spec.lr_scheduler,
-        warmup_steps=spec.warmup_steps,
-        num_train_epochs=spec.epochs,
-        max_steps=spec.max_steps or -1,
-        seed=spec.seed,
-        data_seed=spec.seed,
-        bf16=mixed == "bf16",
-        fp16=mixed == "fp16",
-        use_cpu=device.type == "cpu",
-        gradient_checkpointing=spec.gradient_checkpointing and spec.quantization is None,
-        logging_steps=1,
-        # a NaN or infinite loss is logged as it is (not replaced by the running mean); and testing each micro-batch's
-        # loss for it would wait on the GPU every micro-batch
-        logging_nan_inf_filter=False,
-        save_strategy="steps",
-        save_steps=spec.checkpoint_steps,
-        eval_strategy="steps" if valid else "no",
-        eval_steps=eval_every,
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        remove_unused_columns=False,
-        weight_decay=0.0,
-        prediction_loss_only=True,
-        **fast_args(strategy, device),
-        **training_args(strategy, device.type),
-    )
-    tokens_per_step *= args.world_size  # every process trains on its own batches
-    reporter = _callback(
-        should_stop=should_stop,
-        should_yield=should_yield,
-        on_log=on_log,
-        device=device,
-        tokens_per_step=tokens_per_step,
-        progress=progress,
-    )
     collate = packed_collate(speed.packed_attention == "varlen") if spec.packing else padded_collate(tok.pad_token_id)
-    trainer = (lean_trainer(speed) if speed.loss != "model" else Trainer)(
-        model=model,
-        args=args,
-        train_dataset=ExampleDataset(examples),
-        eval_dataset=ExampleDataset(valid) if valid else None,
-        data_collator=collate,
-        callbacks=[reporter],
-    )
+
+    def batch(rows: int) -> dict[str, Any]:  # the first `rows` examples, collated: what the probe and warm-up run
+        return collate([ExampleDataset(examples)[i] for i in range(min(rows, len(examples)))])
+
+    def make_trainer(rows: int, accumulation: int):
+        args = TrainingArguments(
+            output_dir=str(checkpoints),
+            per_device_train_batch_size=rows,
+            per_device_eval_batch_size=spec.batch_size,
+            gradient_accumulation_steps=accumulation,
+            learning_rate=spec.learning_rate,
+            lr_scheduler_type=spec.lr_scheduler,
+            warmup_steps=spec.warmup_steps,
+            num_train_epochs=spec.epochs,
+            max_steps=spec.max_steps or -1,
+            seed=spec.seed,
+            data_seed=spec.seed,
+            bf16=mixed == "bf16",
+            fp16=mixed == "fp16",
+            use_cpu=device.type == "cpu",
+            gradient_checkpointing=spec.gradient_checkpointing and spec.quantization is None,
+            logging_steps=1,
+            # a NaN or infinite loss is logged as it is (not replaced by the running mean); and testing each
+            # micro-batch's loss for it would wait on the GPU every micro-batch
+            logging_nan_inf_filter=False,
+            save_strategy="steps",
+            save_steps=spec.checkpoint_steps,
+            eval_strategy="steps" if valid else "no",
+            eval_steps=eval_every,
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            remove_unused_columns=False,
+            weight_decay=0.0,
+            prediction_loss_only=True,
+            **fast_args(strategy, device),
+            **training_args(strategy, device.type),
+        )
+        return (lean_trainer(speed) if speed.loss != "model" else Trainer)(
+            model=model,
+            args=args,
+            train_dataset=ExampleDataset(examples),
+            eval_dataset=ExampleDataset(valid) if valid else None,
+            data_collator=collate,
+        )
+
+    trainer = make_trainer(spec.batch_size, spec.gradient_accumulation)
     if strategy == "fsdp2" and not trainer.is_fsdp_enabled:  # never a quiet fallback to plain data parallel
         raise InvalidInput("strategy fsdp2 did not enable FSDP in this process (accelerate shards only on GPUs)")
+    micro = plan_micro_batches(spec, speed, trainer, batch, device, strategy)
+    if micro.merged:  # the same rows a step, in one forward and backward
+        trainer = make_trainer(micro.rows, micro.accumulation)
+    tokens_per_step *= trainer.args.world_size  # every process trains on its own batches
+    trainer.add_callback(
+        _callback(
+            should_stop=should_stop,
+            should_yield=should_yield,
+            on_log=on_log,
+            device=device,
+            tokens_per_step=tokens_per_step,
+            progress=progress,
+        )
+    )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    first = collate([ExampleDataset(examples)[i] for i in range(min(spec.batch_size, len(examples)))])
-    compile_s = compile_model(speed, spec, trainer, model, first, device, progress)
-    log.info(
-        "%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s",
-        spec.model,
-        len(examples),
-        len(valid),
-        trainable,
-        total,
-        mixed,
-        resume_from,
-        speed_record(speed, compile_s),
-    )
-    t0 = time.perf_counter()
-    output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    seconds = time.perf_counter() - t0
+    with activation_budget(micro, speed):  # a merged step's compiled layers save less (setup.py says why)
+        compile_s = compile_model(speed, spec, trainer, model, batch(micro.rows), device, progress)
+        log.info(
+            "%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s",
+            spec.model,
+            len(examples),
+            len(valid),
+            trainable,
+            total,
+            mixed,
+            resume_from,
+            speed_record(speed, compile_s, micro),
+        )
+        t0 = time.perf_counter()
+        output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        seconds = time.perf_counter() - t0
     steps = trainer.state.global_step
     resumed_step = int(CHECKPOINT.match(resume_from.name)[1]) if resume_from else None
     trained_steps = steps - (resumed_step or 0)
@@ -351,7 +364,7 @@ def finetune(
         "load": loaded.resolved,
         "packing": spec.packing,
         "speed": {
-            **speed_record(speed, compile_s),
+            **speed_record(speed, compile_s, micro),
             "tokens_per_step": round(tokens_per_step, 1),
             **({"fill": round(real_tokens / (len(examples) * spec.max_seq_length), 4)} if spec.packing else {}),
         },

@@ -23,8 +23,10 @@ Trainer gets the strategy's arguments (`training_args`); collectives time out af
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,14 +155,118 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
     return speed
 
 
-def speed_record(speed: Speed, compile_s: float | None) -> dict[str, Any]:
-    """What ran, for the job's metrics: loss kernel, packed attention, compile (and its seconds), auto's notes."""
+# --- micro-batches ----------------------------------------------------------------------------------------------
+
+# A step's micro-batches (`gradient_accumulation` of `batch_size` rows) run as one micro-batch of all the step's rows
+# when the GPU has room: F1's 16 rows in one forward and backward instead of two of 8 ran 1.034x faster on an H100
+# (ops/bench/results/2026-12-06-h100-f1-2; the loss is the same sum over the step's target tokens over their count,
+# the curve moved 0.006 %), with each compiled layer's partitioner held to MERGE_ACTIVATION_BUDGET of its saved
+# activations (recomputing cheap ones in the backward): 32.7 GiB where 16 rows would take 41.8. The room is probed,
+# not assumed (`plan_micro_batches`). The rows of a step, their order and the checkpoints' step numbers stay the
+# spec's, so a run resumed on a GPU that decides otherwise trains on the same rows. Off until a GPU runs it through
+# finetune() (f1.py's `merge` variant) and the soak passes with it.
+MERGE_MICRO_BATCHES = False
+MERGE_MEMORY_SHARE = 0.9  # the most of the GPU's memory a merged step may be predicted to take
+MERGE_ACTIVATION_BUDGET = 0.8  # torch._functorch.config.activation_memory_budget while a merged step compiles
+GIB = 1 << 30
+
+
+@dataclass
+class MicroBatches:
+    """How a step's rows are run: `rows` per forward and backward, `accumulation` of them; `record` (for
+    metrics.speed.micro_batches) when merging was considered."""
+
+    rows: int
+    accumulation: int
+    record: dict[str, Any] | None = None
+
+    @property
+    def merged(self) -> bool:
+        return bool(self.record and self.record["merged"])
+
+
+def gpu_memory(device: torch.device) -> tuple[int, int, int] | None:
+    """(bytes allocated now, the peak since the last reset, the GPU's total); None off CUDA. Resets the peak."""
+    if device.type != "cuda":
+        return None
+    stats = (
+        torch.cuda.memory_allocated(device),
+        torch.cuda.max_memory_allocated(device),
+        torch.cuda.get_device_properties(device).total_memory,
+    )
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
+def plan_micro_batches(
+    spec: FinetuneSpec,
+    speed: Speed,
+    trainer,
+    batch: Callable[[int], dict[str, Any]],
+    device: torch.device,
+    strategy: str,
+) -> MicroBatches:
+    """The spec's micro-batches, or all of a step's rows in one when MERGE_MICRO_BATCHES is on, the run is on one
+    GPU, and the step is predicted to fit. The probe: one eager forward and backward of a spec micro-batch
+    (`batch(rows)` collates the first rows) before anything is compiled; the merged step is predicted to hold what
+    was allocated before it plus `gradient_accumulation` times what it added at its peak. Eager saves at least what
+    the compiled layers save, so the prediction errs high. A step predicted not to fit keeps the spec's
+    micro-batches, with a note; so does one whose probe ran out of memory (eager holds more than compiled layers, so
+    a job that fits compiled may not fit eager: the probe must never be what fails it)."""
+    if not MERGE_MICRO_BATCHES or strategy != "single" or spec.gradient_accumulation == 1:
+        return MicroBatches(spec.batch_size, spec.gradient_accumulation)
+    before = gpu_memory(device)
+    if before is None:
+        return MicroBatches(spec.batch_size, spec.gradient_accumulation)
+    asked, rows = f"{spec.batch_size} x {spec.gradient_accumulation}", spec.batch_size * spec.gradient_accumulation
+
+    def kept(why: str, **record) -> MicroBatches:
+        speed.notes.append(f"micro-batches kept at {asked}: {why}")
+        return MicroBatches(spec.batch_size, spec.gradient_accumulation, {"merged": False, "asked": asked, **record})
+
+    try:
+        _warm_up(trainer, batch(spec.batch_size), device)
+    except torch.OutOfMemoryError:
+        trainer.model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return kept("the memory probe (one eager micro-batch) ran out of memory", probe="out of memory")
+    _, peak, total = gpu_memory(device)
+    predicted = before[0] + spec.gradient_accumulation * (peak - before[0])
+    limit = MERGE_MEMORY_SHARE * total
+    figures = {"predicted_gib": round(predicted / GIB, 2), "limit_gib": round(limit / GIB, 2)}
+    if predicted > limit:
+        return kept(
+            f"{rows} rows at once were predicted to take {predicted / GIB:.1f} GiB, over "
+            f"{MERGE_MEMORY_SHARE:.0%} of the GPU's {total / GIB:.1f}",
+            **figures,
+        )
+    return MicroBatches(rows, 1, {"merged": True, "asked": asked, **figures})
+
+
+@contextlib.contextmanager
+def activation_budget(micro: MicroBatches, speed: Speed) -> Iterator[None]:
+    """While a merged step's layers compile (and train: a later recompile too), their partitioner keeps at most
+    MERGE_ACTIVATION_BUDGET of the activations (process-wide torch config, restored after)."""
+    if not (micro.merged and speed.compile):
+        yield
+        return
+    from torch._functorch import config
+
+    with config.patch(activation_memory_budget=MERGE_ACTIVATION_BUDGET):
+        yield
+
+
+def speed_record(speed: Speed, compile_s: float | None, micro: MicroBatches | None = None) -> dict[str, Any]:
+    """What ran, for the job's metrics: loss kernel, packed attention, compile (and its seconds), the micro-batches
+    where merging them was considered, auto's notes."""
     record = {
         "loss": speed.loss,
         "packed_attention": speed.packed_attention,
         "compile": speed.compile,
         "compile_seconds": None if compile_s is None else round(compile_s, 2),
     }
+    if micro is not None and micro.record is not None:
+        record["micro_batches"] = {"rows": micro.rows, "accumulation": micro.accumulation, **micro.record}
     return {**record, "notes": speed.notes} if speed.notes else record
 
 
