@@ -342,8 +342,8 @@ def _fused_lora_a() -> None:
 
 def _autotuned_layers() -> str:
     """Experiment `max-autotune`: each decoder layer compiled with Inductor's autotuning (F1_COMPILE_MODE, default
-    `max-autotune-no-cudagraphs`; the training loop changes no tensor address rule, so no CUDA graphs). Inductor then
-    times each matmul of the layer against its Triton templates and keeps the fastest, which may take the LoRA
+    `max-autotune-no-cudagraphs`: no CUDA graphs, as the layers' inputs are new tensors every micro-batch). Inductor
+    then times each matmul of the layer against its Triton templates and keeps the fastest, which may take the LoRA
     products' adds into its epilogue. Asks: do F1's matmuls (K = 1,024, and the rank-16 LoRA ones that cuBLAS runs
     as split-K kernels) gain enough to pay for the longer compile (cached on disk by the worker after the first)?
     Returns the mode."""
