@@ -1086,6 +1086,10 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     }
     assert len(g1["warm"]) == len(g1["flipped_warm"]) == 2 and g1["cold"] and g1["flipped_cold"]
     assert all(r["prefix_tokens_reused"] == 0 for r in g1["warm"] + g1["flipped_warm"])
+    for r in g1["warm"] + g1["flipped_warm"]:  # the time outside the engine's two timers, and the host's parts
+        assert r["outside_s"] == pytest.approx(r["seconds"] - r["prefill_s"] - r["decode_s"], abs=0.002), r
+        assert r["prefill_chunks"] >= 1, r
+        assert min(r["wait_s"], r["book_s"], r["mask_s"], r["caller_s"]) >= 0, r
     assert g1["flip_gain"] == round(g1["warm_median_tok_s"] / g1["flipped"]["median"], 4)
     assert "as it is over flipped" in done.stdout
     # no CUDA here: nothing to count either way (the next test counts a stand-in's)

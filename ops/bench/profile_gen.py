@@ -8,7 +8,8 @@ For each workload: one cold run (prepares the engine: compile, graph capture), `
 one warm run under torch.profiler (CPU + CUDA activities) and one under cProfile. It writes the device time per kernel
 (the 40 largest, grouped by name), the device time split into prefill and decode by the profiler's record_function
 ranges, the host's cumulative time per Python function (the 40 largest), and the engine's own counters
-(prefill_s, decode_s, steps). What it answers: how far each part is from its floor (decode: KV bytes over
+(prefill_s, decode_s, steps; each run's time outside both, `outside_s`, beside the host's booking and caller time
+in it). What it answers: how far each part is from its floor (decode: KV bytes over
 bandwidth; prefill: FLOPs over the matrix rate), and how much of a run is the host's (tokenizing, detokenizing,
 result rows) rather than the GPU's. Each run sends prompts of its own (gen.py's `workload(..., run)`), so the
 resident prefix cache serves none of them from an earlier run.
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": fast.get("steps"),
                     "prefix_tokens_reused": fast.get("prefix_tokens_reused"),
                     "capture_s": fast.get("capture_s"),
+                    # the run's time outside both engine timers, and the host's parts of it (fastgen.Engine's
+                    # book_s, mask_s, caller_s; wait_s is inside decode_s)
+                    "outside_s": round(seconds - fast["prefill_s"] - fast["decode_s"], 3) if fast else None,
+                    **{k: fast.get(k) for k in ("wait_s", "book_s", "mask_s", "caller_s", "prefill_chunks")},
                 }
                 way = ("flipped_" if flipped else "") + ("cold" if i == 0 else "warm")
                 if i == 0:
