@@ -18,6 +18,29 @@ def spec(**extra) -> FinetuneSpec:
     return FinetuneSpec(**{"model": "m", "input": "file_x", **extra})
 
 
+ROWS = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} " + "the sky is blue " * (i % 3)}) for i in range(1, 40)]
+
+
+def packed_run(base_model, workdir, logs: list[dict], **fields):
+    """A few steps of packed training on ROWS (blocks of 48 tokens, constant rate, no dropout): `fields` set the
+    rest of the spec (steps, micro-batches, checkpoints)."""
+    return finetune.finetune(
+        LoadOptions(model=str(base_model)),
+        spec(
+            model=str(base_model),
+            packing=True,
+            max_seq_length=48,
+            learning_rate=1e-2,
+            lora_dropout=0.0,
+            lr_scheduler="constant",
+            **fields,
+        ),
+        ROWS,
+        workdir,
+        on_log=logs.append,
+    )
+
+
 @pytest.fixture(scope="module")
 def tok(base_model):
     from transformers import AutoTokenizer
@@ -102,27 +125,17 @@ def test_a_packed_batch_loss_is_its_rows_losses_run_one_by_one(tok, base_model, 
 def test_gradient_accumulation_trains_like_one_big_batch_and_records_the_levers(tmp_path, base_model):
     """4 rows × 1 step and 2 rows × 2 accumulated micro-batches give the same losses (each token weighs alike:
     the loss is divided by the whole step's target count), and the job's metrics say which levers ran."""
-    rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} " + "the sky is blue " * (i % 3)}) for i in range(1, 40)]
     curves, results = [], []
     for batch, accumulate in ((4, 1), (2, 2)):
         logs: list[dict] = []
         results.append(
-            finetune.finetune(
-                LoadOptions(model=str(base_model)),
-                spec(
-                    model=str(base_model),
-                    packing=True,
-                    max_seq_length=48,
-                    max_steps=3,
-                    batch_size=batch,
-                    gradient_accumulation=accumulate,
-                    learning_rate=1e-2,
-                    lora_dropout=0.0,
-                    lr_scheduler="constant",
-                ),
-                rows,
+            packed_run(
+                base_model,
                 tmp_path / f"b{batch}",
-                on_log=logs.append,
+                logs,
+                max_steps=3,
+                batch_size=batch,
+                gradient_accumulation=accumulate,
             )
         )
         curves.append([r["loss"] for r in logs if "loss" in r])
@@ -140,7 +153,6 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     the spec's own micro-batches, as where the probe runs out of memory. A run checkpointed at 2 x 2 resumes merged
     with an unbroken run's losses. (This host has no GPU: the memory figures are a stand-in for torch.cuda's; the
     probe, the forward passes and the Trainer are real.)"""
-    rows = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} " + "the sky is blue " * (i % 3)}) for i in range(1, 40)]
     monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
     gib = 1 << 30
     reads = iter(())
@@ -160,22 +172,8 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
         reads = iter([(gib, gib, int(gpu_gib * gib)), (gib, 2 * gib, int(gpu_gib * gib))])
         widths.clear()
         logs: list[dict] = []
-        result = finetune.finetune(
-            LoadOptions(model=str(base_model)),
-            spec(
-                model=str(base_model),
-                packing=True,
-                max_seq_length=48,
-                batch_size=2,
-                gradient_accumulation=2,
-                learning_rate=1e-2,
-                lora_dropout=0.0,
-                lr_scheduler="constant",
-                **{"max_steps": 4, **extra},
-            ),
-            rows,
-            tmp_path / name,
-            on_log=logs.append,
+        result = packed_run(
+            base_model, tmp_path / name, logs, batch_size=2, gradient_accumulation=2, **{"max_steps": 4, **extra}
         )
         return result, {r["step"]: r["loss"] for r in logs if "loss" in r}, list(widths)
 

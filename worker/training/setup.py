@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from core.errors import InvalidInput
+from core.settings import get_settings
 from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
 
@@ -166,7 +167,6 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
 # spec's, so a run resumed on a GPU that decides otherwise trains on the same rows. Off until a GPU runs it through
 # finetune() (f1.py's `merge` variant) and the soak passes with it.
 MERGE_MICRO_BATCHES = False
-MERGE_MEMORY_SHARE = 0.9  # the most of the GPU's memory a merged step may be predicted to take
 MERGE_ACTIVATION_BUDGET = 0.8  # torch._functorch.config.activation_memory_budget while a merged step compiles
 GIB = 1 << 30
 
@@ -232,12 +232,13 @@ def plan_micro_batches(
         return kept("the memory probe (one eager micro-batch) ran out of memory", probe="out of memory")
     _, peak, total = gpu_memory(device)
     predicted = before[0] + spec.gradient_accumulation * (peak - before[0])
-    limit = MERGE_MEMORY_SHARE * total
+    share = get_settings().gpu_memory_utilization  # the worker's share of its GPU, as the generation cache's
+    limit = share * total
     figures = {"predicted_gib": round(predicted / GIB, 2), "limit_gib": round(limit / GIB, 2)}
     if predicted > limit:
         return kept(
             f"{rows} rows at once were predicted to take {predicted / GIB:.1f} GiB, over "
-            f"{MERGE_MEMORY_SHARE:.0%} of the GPU's {total / GIB:.1f}",
+            f"{share:.0%} of the GPU's {total / GIB:.1f} (JOBS_GPU_MEMORY_UTILIZATION)",
             **figures,
         )
     return MicroBatches(rows, 1, {"merged": True, "asked": asked, **figures})
