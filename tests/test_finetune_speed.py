@@ -149,15 +149,15 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     tmp_path, base_model, monkeypatch
 ):
     """setup.MERGE_MICRO_BATCHES: 2 rows x 2 accumulated run as one micro-batch of 4 where one eager micro-batch's
-    peak, doubled, fits the GPU's memory, and stay 2 x 2 (with a note) where it does not; either way the losses of
-    the spec's own micro-batches, as where the probe runs out of memory. A run checkpointed at 2 x 2 resumes merged
-    with an unbroken run's losses. (This host has no GPU: the memory figures are a stand-in for torch.cuda's; the
-    probe, the forward passes and the Trainer are real.)"""
+    peak, doubled, fits the worker's share of the GPU, and stay 2 x 2 (with a note) where it does not beside what
+    other processes hold; either way the losses of the spec's own micro-batches, as where the probe runs out of
+    memory. A run checkpointed at 2 x 2 resumes merged with an unbroken run's losses. (This host has no GPU: the
+    memory figures are a stand-in for torch.cuda's; the probe, the forward passes and the Trainer are real.)"""
     monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
     gib = 1 << 30
     reads = iter(())
 
-    def memory(device):  # (allocated, peak since the last read, total): the probe adds 1 GiB at its peak
+    def memory(device):  # (allocated, peak since the last read, total, held by others): the probe adds 1 GiB
         return next(reads)
 
     monkeypatch.setattr(setup, "gpu_memory", memory)
@@ -167,9 +167,10 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
         linear_ce, "causal_lm_loss", lambda hidden, *a, **k: widths.append(len(hidden)) or loss(hidden, *a, **k)
     )
 
-    def run(name: str, gpu_gib: float, **extra):
+    def run(name: str, gpu_gib: float, others_gib: float = 0, **extra):
         nonlocal reads
-        reads = iter([(gib, gib, int(gpu_gib * gib)), (gib, 2 * gib, int(gpu_gib * gib))])
+        total, others = int(gpu_gib * gib), int(others_gib * gib)
+        reads = iter([(gib, gib, total, others), (gib, 2 * gib, total, others)])
         widths.clear()
         logs: list[dict] = []
         result = packed_run(
@@ -188,13 +189,14 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     }
     # the probe's micro-batch, then one pass a step (of 4 rows; 3 for the epoch's last, of 11 blocks)
     assert merged_widths[0] == 2 and len(merged_widths) == 1 + 4 and max(merged_widths) == 4
-    kept, kept_curve, kept_widths = run("tight", 3)  # 3 GiB predicted, over 0.9 x 3
+    kept, kept_curve, kept_widths = run("crowded", 10, 6.5)  # 3 GiB predicted, over 0.9 x 10 less 6.5 for others
     record = kept.metrics["speed"]["micro_batches"]
-    assert (record["rows"], record["accumulation"], record["merged"]) == (2, 2, False)
+    assert (record["rows"], record["accumulation"], record["merged"], record["limit_gib"]) == (2, 2, False, 2.5)
+    assert len(kept_widths) == 1 + 8 and max(kept_widths) == 2
     assert (
-        len(kept_widths) == 1 + 8
-        and max(kept_widths) == 2
-        and "micro-batches kept at 2 x 2" in " ".join(kept.metrics["speed"]["notes"])
+        "micro-batches kept at 2 x 2: 4 rows at once were predicted to take 3.0 GiB, over 90% of the GPU's 10.0 "
+        "(JOBS_GPU_MEMORY_UTILIZATION), less 6.5 held by other processes and the CUDA context"
+        in kept.metrics["speed"]["notes"]
     )
     assert len(merged_curve) == 4 and merged_curve == pytest.approx(kept_curve, rel=1e-4)
     # stopped at step 2 (a checkpoint) on a GPU without room, then resumed on one with room: the rows of steps 3
@@ -313,3 +315,20 @@ def test_the_lean_trainer_skips_trainers_per_micro_batch_model_walks_and_counts_
         assert walks == [False] and not any(m.training for m in model.modules())
     finally:
         type(model).train = original
+
+
+def test_f1_reports_a_finished_run_and_counts_a_cut_one_in_the_median():
+    """f1.py's repeated phases: the run reported (whose loss curve is compared with the other side's) is the finished
+    run nearest the median, not a run the budget cut, though the cut run counts in the median and spread."""
+    from ops.bench import f1
+
+    runs = [
+        {"train_tok_s": 30_914.0, "steps_logged": 60, "partial": False},
+        {"train_tok_s": 31_130.0, "steps_logged": 13, "partial": True},  # cut by the budget, at the median
+        {"train_tok_s": 31_171.0, "steps_logged": 60, "partial": False},
+    ]
+    reported = f1.median_run(runs)
+    assert reported["runs"]["median"] == 31_130.0 and reported["runs"]["runs"] == [30_914.0, 31_130.0, 31_171.0]
+    assert (reported["train_tok_s"], reported["steps_logged"]) == (31_171.0, 60)
+    alone = f1.median_run(runs[1:2])  # nothing finished: the cut run is all there is
+    assert (alone["steps_logged"], alone["partial"]) == (13, True)

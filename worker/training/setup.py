@@ -159,14 +159,14 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
 # --- micro-batches ----------------------------------------------------------------------------------------------
 
 # A step's micro-batches (`gradient_accumulation` of `batch_size` rows) run as one micro-batch of all the step's rows
-# when the GPU has room: F1's 16 rows in one forward and backward instead of two of 8 ran 1.034x faster on an H100
-# (ops/bench/results/2026-12-06-h100-f1-2; the loss is the same sum over the step's target tokens over their count,
-# the curve moved 0.006 %), with each compiled layer's partitioner held to MERGE_ACTIVATION_BUDGET of its saved
-# activations (recomputing cheap ones in the backward): 32.7 GiB where 16 rows would take 41.8. The room is probed,
-# not assumed (`plan_micro_batches`). The rows of a step, their order and the checkpoints' step numbers stay the
-# spec's, so a run resumed on a GPU that decides otherwise trains on the same rows. Off until a GPU runs it through
-# finetune() (f1.py's `merge` variant) and the soak passes with it.
-MERGE_MICRO_BATCHES = False
+# when the GPU has room: F1's 8 x 2 as one micro-batch of 16 ran 1.056x faster through finetune() on an H100
+# (ops/bench/results/2026-12-07-h100-session51; 1.034x as session 46's batch16-budget experiment; the loss is the same
+# sum over the step's target tokens over their count, the curve moved 0.07 %), with each compiled layer's partitioner
+# held to MERGE_ACTIVATION_BUDGET of its saved activations (recomputing cheap ones in the backward): 32.7 GiB where 16
+# rows would take 41.8. The room is probed, not assumed (`plan_micro_batches`). The rows of a step, their order and
+# the checkpoints' step numbers stay the spec's, so a run resumed on a GPU that decides otherwise trains on the same
+# rows.
+MERGE_MICRO_BATCHES = True
 MERGE_ACTIVATION_BUDGET = 0.8  # torch._functorch.config.activation_memory_budget while a merged step compiles
 GIB = 1 << 30
 
@@ -185,14 +185,17 @@ class MicroBatches:
         return bool(self.record and self.record["merged"])
 
 
-def gpu_memory(device: torch.device) -> tuple[int, int, int] | None:
-    """(bytes allocated now, the peak since the last reset, the GPU's total); None off CUDA. Resets the peak."""
+def gpu_memory(device: torch.device) -> tuple[int, int, int, int] | None:
+    """(bytes allocated now, the peak since the last reset, the GPU's total, what the CUDA context and other
+    processes hold: the GPU's used bytes less this process's cache); None off CUDA. Resets the peak."""
     if device.type != "cuda":
         return None
+    free, total = torch.cuda.mem_get_info(device)
     stats = (
         torch.cuda.memory_allocated(device),
         torch.cuda.max_memory_allocated(device),
-        torch.cuda.get_device_properties(device).total_memory,
+        total,
+        max(0, total - free - torch.cuda.memory_reserved(device)),
     )
     torch.cuda.reset_peak_memory_stats(device)
     return stats
@@ -210,9 +213,12 @@ def plan_micro_batches(
     GPU, and the step is predicted to fit. The probe: one eager forward and backward of a spec micro-batch
     (`batch(rows)` collates the first rows) before anything is compiled; the merged step is predicted to hold what
     was allocated before it plus `gradient_accumulation` times what it added at its peak. Eager saves at least what
-    the compiled layers save, so the prediction errs high. A step predicted not to fit keeps the spec's
-    micro-batches, with a note; so does one whose probe ran out of memory (eager holds more than compiled layers, so
-    a job that fits compiled may not fit eager: the probe must never be what fails it)."""
+    the compiled layers save, so the prediction errs high. It fits when that, beside what the CUDA context and other
+    processes hold, is within the worker's share of the GPU (JOBS_GPU_MEMORY_UTILIZATION, as the generation cache's
+    budget counts them). A step predicted not to fit keeps the spec's micro-batches, with a note; so does one whose
+    probe ran out of memory (eager holds more than compiled layers, so a job that fits compiled may not fit eager:
+    the probe must never be what fails it). The probe's blocks leave PyTorch's cache after it: beside the merged
+    step's blocks of other sizes they held 45.7 GiB reserved for 32.7 allocated on an H100."""
     if not MERGE_MICRO_BATCHES or strategy != "single" or spec.gradient_accumulation == 1:
         return MicroBatches(spec.batch_size, spec.gradient_accumulation)
     before = gpu_memory(device)
@@ -228,17 +234,19 @@ def plan_micro_batches(
         _warm_up(trainer, batch(spec.batch_size), device)
     except torch.OutOfMemoryError:
         trainer.model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
         return kept("the memory probe (one eager micro-batch) ran out of memory", probe="out of memory")
-    _, peak, total = gpu_memory(device)
+    finally:
+        torch.cuda.empty_cache()
+    _, peak, total, others = gpu_memory(device)
     predicted = before[0] + spec.gradient_accumulation * (peak - before[0])
-    share = get_settings().gpu_memory_utilization  # the worker's share of its GPU, as the generation cache's
-    limit = share * total
+    share = get_settings().gpu_memory_utilization
+    limit = share * total - others
     figures = {"predicted_gib": round(predicted / GIB, 2), "limit_gib": round(limit / GIB, 2)}
     if predicted > limit:
+        held = f", less {others / GIB:.1f} held by other processes and the CUDA context" if others >= GIB else ""
         return kept(
-            f"{rows} rows at once were predicted to take {predicted / GIB:.1f} GiB, over "
-            f"{share:.0%} of the GPU's {total / GIB:.1f} (JOBS_GPU_MEMORY_UTILIZATION)",
+            f"{rows} rows at once were predicted to take {predicted / GIB:.1f} GiB, over {share:.0%} of the GPU's "
+            f"{total / GIB:.1f} (JOBS_GPU_MEMORY_UTILIZATION){held}",
             **figures,
         )
     return MicroBatches(rows, 1, {"merged": True, "asked": asked, **figures})
