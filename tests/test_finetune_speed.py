@@ -218,6 +218,13 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
         "probe": "out of memory",
     }
     assert short_curve == pytest.approx(kept_curve, rel=1e-4)
+    # padded rows are never merged (a micro-batch is as long as its longest row: the first rows' probe cannot
+    # speak for later steps), and nothing is probed
+    reads = iter(())
+    unpacked = setup.plan_micro_batches(
+        spec(batch_size=2, gradient_accumulation=2), setup.Speed(), None, None, torch.device("cuda"), "single"
+    )
+    assert (unpacked.rows, unpacked.accumulation, unpacked.record) == (2, 2, None)
 
 
 def test_levers_a_worker_cannot_run_are_refused_at_submit_and_before_training(base_model):
