@@ -163,9 +163,9 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
 # (ops/bench/results/2026-12-07-h100-session51; 1.034x as session 46's batch16-budget experiment; the loss is the same
 # sum over the step's target tokens over their count, the curve moved 0.07 %), with each compiled layer's partitioner
 # held to MERGE_ACTIVATION_BUDGET of its saved activations (recomputing cheap ones in the backward): 32.7 GiB where 16
-# rows would take 41.8. The room is probed, not assumed (`plan_micro_batches`). The rows of a step, their order and
-# the checkpoints' step numbers stay the spec's, so a run resumed on a GPU that decides otherwise trains on the same
-# rows.
+# rows would take 41.8. Packed rows only, and the room is probed, not assumed (`plan_micro_batches`). The rows of a
+# step, their order and the checkpoints' step numbers stay the spec's, so a run resumed on a GPU that decides
+# otherwise trains on the same rows.
 MERGE_MICRO_BATCHES = True
 MERGE_ACTIVATION_BUDGET = 0.8  # torch._functorch.config.activation_memory_budget while a merged step compiles
 GIB = 1 << 30
@@ -212,9 +212,10 @@ def plan_micro_batches(
     """The spec's micro-batches, or all of a step's rows in one when MERGE_MICRO_BATCHES is on, the run is on one
     GPU, its rows are packed, and the step is predicted to fit. Packed, every micro-batch has the same shape (blocks
     of max_seq_length), so one probe speaks for every step; padded micro-batches are as long as their longest row,
-    and a probe on the first rows could not promise that a later step of long ones fits. The probe: one eager forward and backward of a spec micro-batch
-    (`batch(rows)` collates the first rows) before anything is compiled; the merged step is predicted to hold what
-    was allocated before it plus `gradient_accumulation` times what it added at its peak. Eager saves at least what
+    and a probe on the first rows could not promise that a later step of long ones fits. The probe: one eager
+    forward and backward of a spec micro-batch (`batch(rows)` collates the first rows) before anything is compiled;
+    the merged step is predicted to hold what was allocated before it plus `gradient_accumulation` times what it
+    added at its peak. Eager saves at least what
     the compiled layers save, so the prediction errs high. It fits when that, beside what the CUDA context and other
     processes hold, is within the worker's share of the GPU (JOBS_GPU_MEMORY_UTILIZATION, as the generation cache's
     budget counts them). A step predicted not to fit keeps the spec's micro-batches, with a note; so does one whose
