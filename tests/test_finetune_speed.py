@@ -151,7 +151,8 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     """setup.MERGE_MICRO_BATCHES: 2 rows x 2 accumulated run as one micro-batch of 4 where one eager micro-batch's
     peak, doubled, fits the worker's share of the GPU, and stay 2 x 2 (with a note) where it does not beside what
     other processes hold; either way the losses of the spec's own micro-batches, as where the probe runs out of
-    memory. A run checkpointed at 2 x 2 resumes merged with an unbroken run's losses. (This host has no GPU: the
+    memory. A run checkpointed at 2 x 2 resumes merged with an unbroken run's losses; a merged run that runs out of
+    memory fails its attempt, and the retry resumes unmerged. (This host has no GPU: the
     memory figures are a stand-in for torch.cuda's; the probe, the forward passes and the Trainer are real.)"""
     monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
     gib = 1 << 30
@@ -162,10 +163,17 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
 
     monkeypatch.setattr(setup, "gpu_memory", memory)
     widths = []  # rows of each forward pass the loss saw
+    fail_at = []  # the forward pass (counted in `widths`) that runs out of memory, once
     loss = linear_ce.causal_lm_loss
-    monkeypatch.setattr(
-        linear_ce, "causal_lm_loss", lambda hidden, *a, **k: widths.append(len(hidden)) or loss(hidden, *a, **k)
-    )
+
+    def counted(hidden, *a, **k):
+        widths.append(len(hidden))
+        if fail_at and len(widths) == fail_at[0]:
+            fail_at.clear()
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return loss(hidden, *a, **k)
+
+    monkeypatch.setattr(linear_ce, "causal_lm_loss", counted)
 
     def run(name: str, gpu_gib: float, others_gib: float = 0, **extra):
         nonlocal reads
@@ -207,6 +215,25 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     assert sorted(resumed_curve) == [3, 4] and [resumed_curve[3], resumed_curve[4]] == pytest.approx(
         [kept_curve[3], kept_curve[4]], rel=1e-4
     )
+    # a merged run that runs out of memory all the same (at step 3: the probe's pass, then steps 1 to 3) fails its
+    # attempt and leaves word for the next, which resumes from step 2's checkpoint with the spec's micro-batches
+    fail_at.append(4)
+    with pytest.raises(torch.OutOfMemoryError):
+        run("merged-oom", 10, checkpoint_steps=2)
+    retried, retried_curve, retried_widths = run("merged-oom", 10, checkpoint_steps=2)
+    assert retried.resumed_from == 2 and max(retried_widths) == 2
+    assert retried.metrics["speed"]["micro_batches"] == {
+        "rows": 2,
+        "accumulation": 2,
+        "merged": False,
+        "asked": "2 x 2",
+        "probe": "skipped",
+    }
+    assert (
+        "micro-batches kept at 2 x 2: an earlier attempt ran 4 rows at once out of memory"
+        in (retried.metrics["speed"]["notes"])
+    )
+    assert [retried_curve[3], retried_curve[4]] == pytest.approx([kept_curve[3], kept_curve[4]], rel=1e-4)
     # a probe that runs out of memory (eager holds more than compiled layers) keeps the spec's, and the job runs
     monkeypatch.setattr(setup, "_warm_up", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("probe")))
     short, short_curve, _ = run("probe-oom", 10)

@@ -50,6 +50,7 @@ from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
 from worker.training.data import ExampleDataset, build_examples, pack, packed_collate, padded_collate, split_validation
 from worker.training.setup import (
+    MERGE_REFUSED,
     activation_budget,
     apply_speed,
     choose_speed,
@@ -57,6 +58,7 @@ from worker.training.setup import (
     fast_args,
     lean_trainer,
     load_base,
+    merged_out_of_memory,
     plan_micro_batches,
     precision,
     speed_record,
@@ -310,7 +312,8 @@ def finetune(
     trainer = make_trainer(spec.batch_size, spec.gradient_accumulation)
     if strategy == "fsdp2" and not trainer.is_fsdp_enabled:  # never a quiet fallback to plain data parallel
         raise InvalidInput("strategy fsdp2 did not enable FSDP in this process (accelerate shards only on GPUs)")
-    micro = plan_micro_batches(spec, speed, trainer, batch, device, strategy)
+    refused = (workdir / MERGE_REFUSED).exists()
+    micro = plan_micro_batches(spec, speed, trainer, batch, device, strategy, refused)
     if micro.merged:  # the same rows a step, in one forward and backward
         trainer = make_trainer(micro.rows, micro.accumulation)
     tokens_per_step *= trainer.args.world_size  # every process trains on its own batches
@@ -326,7 +329,7 @@ def finetune(
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with activation_budget(micro, speed):  # a merged step's compiled layers save less (setup.py says why)
+    with merged_out_of_memory(micro, workdir), activation_budget(micro, speed):
         compile_s = compile_model(speed, spec, trainer, model, batch(micro.rows), device, progress)
         log.info(
             "%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s",

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -168,6 +169,9 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
 # otherwise trains on the same rows.
 MERGE_MICRO_BATCHES = True
 MERGE_ACTIVATION_BUDGET = 0.8  # torch._functorch.config.activation_memory_budget while a merged step compiles
+# a file in the job's work directory, written when a merged run ran out of memory: the next attempt (which resumes
+# from the last checkpoint) runs the spec's micro-batches, so a wrong prediction costs one attempt, not the job
+MERGE_REFUSED = "merged-micro-batches-ran-out-of-memory"
 GIB = 1 << 30
 
 
@@ -208,9 +212,11 @@ def plan_micro_batches(
     batch: Callable[[int], dict[str, Any]],
     device: torch.device,
     strategy: str,
+    refused: bool = False,
 ) -> MicroBatches:
     """The spec's micro-batches, or all of a step's rows in one when MERGE_MICRO_BATCHES is on, the run is on one
-    GPU, its rows are packed, and the step is predicted to fit. Packed, every micro-batch has the same shape (blocks
+    GPU, its rows are packed, no earlier attempt of the job ran out of memory merged (`refused`: MERGE_REFUSED),
+    and the step is predicted to fit. Packed, every micro-batch has the same shape (blocks
     of max_seq_length), so one probe speaks for every step; padded micro-batches are as long as their longest row,
     and a probe on the first rows could not promise that a later step of long ones fits. The probe: one eager
     forward and backward of a spec micro-batch (`batch(rows)` collates the first rows) before anything is compiled;
@@ -233,6 +239,8 @@ def plan_micro_batches(
         speed.notes.append(f"micro-batches kept at {asked}: {why}")
         return MicroBatches(spec.batch_size, spec.gradient_accumulation, {"merged": False, "asked": asked, **record})
 
+    if refused:
+        return kept(f"an earlier attempt ran {rows} rows at once out of memory", probe="skipped")
     try:
         _warm_up(trainer, batch(spec.batch_size), device)
     except torch.OutOfMemoryError:
@@ -266,6 +274,21 @@ def activation_budget(micro: MicroBatches, speed: Speed) -> Iterator[None]:
 
     with config.patch(activation_memory_budget=MERGE_ACTIVATION_BUDGET):
         yield
+
+
+@contextlib.contextmanager
+def merged_out_of_memory(micro: MicroBatches, workdir: Path) -> Iterator[None]:
+    """A merged run that runs out of memory (the probe's prediction was wrong) leaves MERGE_REFUSED in its work
+    directory and fails this attempt, as any out-of-memory does: the retry resumes from the last checkpoint with the
+    spec's micro-batches."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        if micro.merged:
+            log.warning("%d rows at once ran out of memory: the next attempt runs the spec's micro-batches", micro.rows)
+            workdir.mkdir(parents=True, exist_ok=True)
+            (workdir / MERGE_REFUSED).write_text(f"{micro.rows} rows at once ran out of memory\n")
+        raise
 
 
 def speed_record(speed: Speed, compile_s: float | None, micro: MicroBatches | None = None) -> dict[str, Any]:
