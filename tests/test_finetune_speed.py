@@ -152,8 +152,8 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     peak, doubled, fits the worker's share of the GPU, and stay 2 x 2 (with a note) where it does not beside what
     other processes hold; either way the losses of the spec's own micro-batches, as where the probe runs out of
     memory. A run checkpointed at 2 x 2 resumes merged with an unbroken run's losses; a merged run that runs out of
-    memory fails its attempt, and the retry resumes unmerged. (This host has no GPU: the
-    memory figures are a stand-in for torch.cuda's; the probe, the forward passes and the Trainer are real.)"""
+    memory fails its attempt, and the retry resumes unmerged. (This host has no GPU: the memory figures are a
+    stand-in for torch.cuda's; the probe, the forward passes and the Trainer are real.)"""
     monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
     gib = 1 << 30
     reads = iter(())
@@ -229,10 +229,8 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
         "asked": "2 x 2",
         "probe": "skipped",
     }
-    assert (
-        "micro-batches kept at 2 x 2: an earlier attempt ran 4 rows at once out of memory"
-        in (retried.metrics["speed"]["notes"])
-    )
+    notes = retried.metrics["speed"]["notes"]
+    assert "micro-batches kept at 2 x 2: an earlier attempt ran 4 rows at once out of memory" in notes
     assert [retried_curve[3], retried_curve[4]] == pytest.approx([kept_curve[3], kept_curve[4]], rel=1e-4)
     # a probe that runs out of memory (eager holds more than compiled layers) keeps the spec's, and the job runs
     monkeypatch.setattr(setup, "_warm_up", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("probe")))

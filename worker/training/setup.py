@@ -215,19 +215,18 @@ def plan_micro_batches(
     refused: bool = False,
 ) -> MicroBatches:
     """The spec's micro-batches, or all of a step's rows in one when MERGE_MICRO_BATCHES is on, the run is on one
-    GPU, its rows are packed, no earlier attempt of the job ran out of memory merged (`refused`: MERGE_REFUSED),
-    and the step is predicted to fit. Packed, every micro-batch has the same shape (blocks
-    of max_seq_length), so one probe speaks for every step; padded micro-batches are as long as their longest row,
-    and a probe on the first rows could not promise that a later step of long ones fits. The probe: one eager
-    forward and backward of a spec micro-batch (`batch(rows)` collates the first rows) before anything is compiled;
-    the merged step is predicted to hold what was allocated before it plus `gradient_accumulation` times what it
-    added at its peak. Eager saves at least what
-    the compiled layers save, so the prediction errs high. It fits when that, beside what the CUDA context and other
-    processes hold, is within the worker's share of the GPU (JOBS_GPU_MEMORY_UTILIZATION, as the generation cache's
-    budget counts them). A step predicted not to fit keeps the spec's micro-batches, with a note; so does one whose
-    probe ran out of memory (eager holds more than compiled layers, so a job that fits compiled may not fit eager:
-    the probe must never be what fails it). The probe's blocks leave PyTorch's cache after it: beside the merged
-    step's blocks of other sizes they held 45.7 GiB reserved for 32.7 allocated on an H100."""
+    GPU, its rows are packed, no earlier attempt of the job ran out of memory merged (`refused`: MERGE_REFUSED), and
+    the step is predicted to fit. Packed, every micro-batch has the same shape (blocks of max_seq_length), so one
+    probe speaks for every step; padded micro-batches are as long as their longest row, and a probe on the first
+    rows could not promise that a later step of long ones fits. The probe: one eager forward and backward of a spec
+    micro-batch (`batch(rows)` collates the first rows) before anything is compiled; the merged step is predicted to
+    hold what was allocated before it plus `gradient_accumulation` times what it added at its peak. Eager saves at
+    least what the compiled layers save, so the prediction errs high. It fits when that, beside what the CUDA
+    context and other processes hold, is within the worker's share of the GPU (JOBS_GPU_MEMORY_UTILIZATION, as the
+    generation cache's budget counts them). A step predicted not to fit keeps the spec's micro-batches, with a note;
+    so does one whose probe ran out of memory (eager holds more than compiled layers, so a job that fits compiled
+    may not fit eager: the probe must never be what fails it). The probe's blocks leave PyTorch's cache after it:
+    beside the merged step's blocks of other sizes they held 45.7 GiB reserved for 32.7 allocated on an H100."""
     if not (MERGE_MICRO_BATCHES and strategy == "single" and spec.packing) or spec.gradient_accumulation == 1:
         return MicroBatches(spec.batch_size, spec.gradient_accumulation)
     before = gpu_memory(device)
