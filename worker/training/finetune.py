@@ -265,7 +265,8 @@ def finetune(
     collate = packed_collate(speed.packed_attention == "varlen") if spec.packing else padded_collate(tok.pad_token_id)
 
     def batch(rows: int) -> dict[str, Any]:  # the first `rows` examples, collated: what the probe and warm-up run
-        return collate([ExampleDataset(examples)[i] for i in range(min(rows, len(examples)))])
+        dataset = ExampleDataset(examples)
+        return collate([dataset[i] for i in range(min(rows, len(examples)))])
 
     def make_trainer(rows: int, accumulation: int):
         args = TrainingArguments(
