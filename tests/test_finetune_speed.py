@@ -278,7 +278,8 @@ def test_levers_a_worker_cannot_run_are_refused_at_submit_and_before_training(ba
 def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_for_step(tmp_path):
     """ops/bench/f1.py --smoke (CPU, tiny model): a fine-tune job through a real stack, the plain PEFT baseline on
     the same blocks in the Trainer's order, and a variant; on the CPU both compute the same function in fp32, so the
-    loss curves agree to rounding from the first step (same data, same LoRA init, same masking)."""
+    loss curves agree to rounding from the first step (same data, same LoRA init, same masking). The variant's
+    last steps are profiled (a kernel table)."""
     import json
     import os
     import subprocess
@@ -301,6 +302,8 @@ def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_fo
             str(out),
             "--port",
             str(free_port()),
+            "--profile-steps",  # past the variant's 4 steps: the window ends with the run (a profiler left running
+            "3",  # when the child exits kills it)
         ],
         cwd=root,
         env=env,
@@ -316,6 +319,8 @@ def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_fo
     assert f1["baseline"]["steps_logged"] == 12 and f1["variants"]["auto"]["steps_logged"] == 4
     assert f1["loss_agreement"]["passed"] and f1["loss_agreement"]["max_rel_diff"] <= 1e-4
     assert f1["loss_agreement"]["steps_compared"] == 12
+    profile = (tmp_path / "f1-profile-f1-auto.txt").read_text()
+    assert profile.startswith("3 optimizer steps (6 micro-batches") and "Self CPU" in profile, profile[:500]
 
 
 def test_the_lean_trainer_skips_trainers_per_micro_batch_model_walks_and_counts_the_same(tmp_path, base_model):

@@ -360,43 +360,63 @@ def _profile_training(args: argparse.Namespace, torch) -> None:
     """Profile `--profile-steps` optimizer steps after the warm ones (torch.profiler, CPU + CUDA, Python stacks): the
     device time per kernel, grouped by name, goes to `--profile-out` (a table), the timeline beside it
     (`.trace.json.gz`, chrome://tracing or Perfetto: where the GPU waits on the host). Patches Trainer.training_step,
-    which the Trainer calls once per micro-batch; the optimizer steps between them are inside the profiled window."""
+    which the Trainer calls once per micro-batch; the optimizer steps between them are inside the profiled window.
+    The window is counted in the Trainer's own micro-batches (a merged run takes one a step, whatever the spec
+    asked) and ends by the run's last step at the latest. A profiler left running when the interpreter exits kills
+    it (session 52), so one still open when training ends (a run cut by its budget) is stopped, with no table: its
+    events cannot be read once the training loop is gone (torch 2.13 fails decoding their names)."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import Trainer
 
-    spec = json.loads(args.spec_json)
-    micro = spec.get("gradient_accumulation", 1)
-    first, last = args.warm_steps * micro + 1, (args.warm_steps + args.profile_steps) * micro
-    original, calls, holder = Trainer.training_step, [0], {}
+    original_step, original_train, calls, holder = Trainer.training_step, Trainer.train, [0], {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+    def close() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - holder["t"]
+        prof = holder.pop("prof")
+        prof.__exit__(None, None, None)
+        key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90)
+        Path(args.profile_out).write_text(
+            f"{holder['steps']} optimizer steps ({holder['micro']} micro-batches, the optimizer steps between them "
+            f"included) in {seconds:.3f} s wall\n{table}\nBy host time:\n{host}"
+        )
+        trace = Path(args.profile_out).with_suffix(".trace.json")
+        prof.export_chrome_trace(str(trace))
+        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        trace.unlink()
 
     def training_step(self, *a, **k):
         calls[0] += 1
+        micro = self.args.gradient_accumulation_steps
+        last_step = min(args.warm_steps + args.profile_steps, self.state.max_steps)
+        first_step = max(last_step - args.profile_steps, 0) + 1
+        first, last = (first_step - 1) * micro + 1, last_step * micro
         if calls[0] == first:
+            holder.update(steps=last_step - first_step + 1, micro=last - first + 1)
             holder["prof"] = profile(activities=activities, with_stack=True).__enter__()
             holder["t"] = time.perf_counter()
-        out = original(self, *a, **k)
+        out = original_step(self, *a, **k)
         if calls[0] == last and "prof" in holder:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - holder["t"]
-            prof = holder.pop("prof")
-            prof.__exit__(None, None, None)
-            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
-            host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90)
-            Path(args.profile_out).write_text(
-                f"{args.profile_steps} optimizer steps ({last - first + 1} micro-batches, the optimizer steps between "
-                f"them included) in {seconds:.3f} s wall\n{table}\nBy host time:\n{host}"
-            )
-            trace = Path(args.profile_out).with_suffix(".trace.json")
-            prof.export_chrome_trace(str(trace))
-            with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-                shutil.copyfileobj(raw, packed)
-            trace.unlink()
+            close()
         return out
 
+    def train(self, *a, **k):
+        try:
+            return original_train(self, *a, **k)
+        finally:
+            if "prof" in holder:
+                holder.pop("prof").__exit__(None, None, None)
+                Path(args.profile_out).write_text(
+                    f"no profile: training stopped at micro-batch {calls[0]}, inside the window (its budget?)\n"
+                )
+
     Trainer.training_step = training_step
+    Trainer.train = train
 
 
 def child_baseline(args: argparse.Namespace) -> dict:
