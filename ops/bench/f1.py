@@ -341,12 +341,18 @@ def _autotuned_layers() -> str:
     products' adds into its epilogue. Asks: do F1's matmuls (K = 1,024, and the rank-16 LoRA ones that cuBLAS runs
     as split-K kernels) gain enough to pay for the longer compile (cached on disk by the worker after the first)?
     Returns the mode."""
+    import torch
+
     from worker.training import setup
 
     mode = os.environ.get("F1_COMPILE_MODE", "max-autotune-no-cudagraphs")
     compile_layers = setup._compile_layers
 
     def autotuned(model) -> int:
+        # TrainingArguments(tf32=True) wrote TF32 through torch's new per-backend API, and Inductor's autotuning
+        # (torch 2.11) reads the legacy one, which raises on such a mix (session 52; pytorch/pytorch#189955 moves
+        # the readers): the same setting written again through the legacy API makes both agree
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
         count = compile_layers(model)
         for layer in model.get_base_model().get_decoder().layers:
             layer.compile(mode=mode)
