@@ -152,7 +152,7 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     peak, doubled, fits the worker's share of the GPU, and stay 2 x 2 (with a note) where it does not beside what
     other processes hold; either way the losses of the spec's own micro-batches, as where the probe runs out of
     memory. A run checkpointed at 2 x 2 resumes merged with an unbroken run's losses; a merged run that runs out of
-    memory fails its attempt, and the retry resumes unmerged. (This host has no GPU: the memory figures are a
+    memory, in training or while it compiles, fails its attempt, and the retry resumes unmerged. (This host has no GPU: the memory figures are a
     stand-in for torch.cuda's; the probe, the forward passes and the Trainer are real.)"""
     monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
     gib = 1 << 30
@@ -232,6 +232,26 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     notes = retried.metrics["speed"]["notes"]
     assert "micro-batches kept at 2 x 2: an earlier attempt ran 4 rows at once out of memory" in notes
     assert [retried_curve[3], retried_curve[4]] == pytest.approx([kept_curve[3], kept_curve[4]], rel=1e-4)
+    # so does a merged step that runs out of memory while it compiles (Inductor wraps what it catches): never eager
+    # and merged, which holds more than compiled and ran F1 at half the speed; the retry compiles the spec's
+    compiles = []
+
+    def compile_layers(model):  # this host does not compile: the first compile runs out of memory, later ones pass
+        compiles.append(model)
+        if len(compiles) == 1:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory while autotuning (a stand-in)")
+            except torch.OutOfMemoryError as exc:
+                raise RuntimeError("InductorError: LoweringException") from exc
+        return 0
+
+    monkeypatch.setattr(setup, "_compile_layers", compile_layers)
+    monkeypatch.setattr(setup, "_uncompile_layers", lambda model: None)
+    with pytest.raises(torch.OutOfMemoryError, match="while autotuning"):
+        run("compile-oom", 10, compile="on")
+    retried, _, retried_widths = run("compile-oom", 10, compile="on")
+    assert len(compiles) == 2 and max(retried_widths) == 2 and retried.metrics["speed"]["compile"]
+    assert retried.metrics["speed"]["micro_batches"]["probe"] == "skipped"
     # a probe that runs out of memory (eager holds more than compiled layers) keeps the spec's, and the job runs
     monkeypatch.setattr(setup, "_warm_up", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("probe")))
     short, short_curve, _ = run("probe-oom", 10)

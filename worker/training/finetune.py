@@ -331,7 +331,7 @@ def finetune(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with merged_out_of_memory(micro, workdir), activation_budget(micro, speed):
-        compile_s = compile_model(speed, spec, trainer, model, batch(micro.rows), device, progress)
+        compile_s = compile_model(speed, spec, trainer, model, batch(micro.rows), device, progress, micro.merged)
         log.info(
             "%s: %d examples (%d validation), %d/%d trainable parameters, %s, resume from %s, %s",
             spec.model,
