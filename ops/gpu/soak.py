@@ -25,8 +25,9 @@ with `api.client.Client`; rows and the worker registry are then read from its SQ
                    kept), then `retry`: the rest run and the job succeeds.
 7. oom             a forced CUDA out-of-memory on the padded engine (sizes below), which must split its batch, say
                    so in the job's events, and finish every row.
-8. finetune_chain  a LoRA fine-tune of a tiny base that knows no answer (examples/finetune.yaml) chained to a
-                   generation job with the new adapter: the memorized answers come out.
+8. finetune_chain  a LoRA fine-tune of a tiny base that knows no answer (examples/finetune.yaml, packed, 2 blocks
+                   x 2 a step) chained to a generation job with the new adapter: the memorized answers come out; on
+                   one GPU the step's blocks ran as one micro-batch (the path F1 takes).
 9. adapter         a generation job naming that adapter (plain prompts and chat messages): the same answers.
 
 Every job: the expected end state within the step's bound; every row exactly once (`job_rows.executions` = 1, state
@@ -953,6 +954,12 @@ class Soak:
         spec.update(
             model=str(self.paths["tiny_base"]),
             name="soak fine-tune",
+            # packed, 2 blocks x 2 a step: on a GPU the worker runs them as one micro-batch of 4 (the default for
+            # packed rows on one GPU, setup.MERGE_MICRO_BATCHES), the path F1 takes; the CPU runs 2 x 2
+            packing=True,
+            max_seq_length=48,
+            batch_size=2,
+            gradient_accumulation=2,
             input=self.client.upload(ROOT / "examples" / "finetune_qa.jsonl")["id"],
             then_generate={"input": qa_file, "max_new_tokens": 16, "name": "soak chained generation"},
         )
@@ -965,6 +972,8 @@ class Soak:
             error=(tune.get("error") or "")[-500:] or None,
             final_loss=((tune.get("metrics") or {}).get("training") or {}).get("final_loss"),
         )
+        micro = (((tune.get("metrics") or {}).get("training") or {}).get("speed") or {}).get("micro_batches")
+        step.check("micro_batches_merged_on_a_gpu", bool(micro and micro["merged"]) == (self.mode.gpus == 1), got=micro)
         gen_id = (tune.get("metrics") or {}).get("then_generate_job")
         if not step.check("chained_job_created", bool(gen_id)):
             step.record["state"] = tune["state"]
