@@ -46,6 +46,35 @@ def test_loss_is_only_on_the_completion_and_the_assistant_turns(tok):
     assert ex.labels == ex.input_ids
 
 
+def test_rows_encoded_in_batches_are_what_each_row_gives_alone(tok, monkeypatch):
+    """build_examples encodes every row's texts in batched tokenizer calls (data.ENCODE_BATCH texts each; 3 here, so
+    batches end inside rows): each row's ids and labels are those of encoding its texts one by one."""
+    monkeypatch.setattr(data, "ENCODE_BATCH", 3)
+    eos = [tok.eos_token_id]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    rows = [
+        {"text": "the sky is blue"},
+        {"prompt": "What is 2 + 2?", "completion": "Four."},
+        {"messages": chat},
+        {"prompt": "Say nothing.", "completion": ""},
+        {"text": "ok"},
+        {"messages": [*chat, {"role": "user", "content": "Sky?"}, {"role": "assistant", "content": "Blue."}]},
+    ]
+    examples, _ = data.build_examples(tok, list(enumerate(rows, 1)), spec())
+    assert [e.input_ids for e in examples] == [data.tokenize_row(tok, r).input_ids for r in rows]
+    assert [e.labels for e in examples] == [data.tokenize_row(tok, r).labels for r in rows]
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    assert examples[0].input_ids == examples[0].labels == encode("the sky is blue") + eos
+    assert examples[1].input_ids == encode("What is 2 + 2?") + encode("Four.") + eos
+    assert examples[3].labels == [data.IGNORE] * len(encode("Say nothing.")) + eos  # only EOS to learn
+    for ex, row in ((examples[2], rows[2]), (examples[5], rows[5])):
+        assert tok.decode(ex.input_ids) == tok.apply_chat_template(row["messages"], tokenize=False)
+    assert learned(tok, examples[5]) == "Hello.<|im_end|>\nBlue.<|im_end|>\n"
+
+
 def test_long_rows_are_refused_by_line_or_truncated_by_choice_and_packing_splits_them(tok):
     rows = [(1, {"text": "short"}), (2, {"text": "the sky is blue " * 20}), (3, {"text": "ok"})]
     with pytest.raises(InvalidInput, match=r"1 row\(s\) are longer than max_seq_length=16 tokens: line 2 \("):

@@ -33,8 +33,16 @@ class Example:
     real_tokens: int | None = None  # tokens that are not padding
 
 
-def _encode(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False) if text else []
+ENCODE_BATCH = 4096  # texts per tokenizer call: a fast tokenizer spreads each call over the CPUs
+
+
+def _encode(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, in batches: a fast tokenizer encodes a batch on all the CPUs (F1's 13,423 rows, 7.3M
+    tokens: 9.4 s one row at a time on 2 cores, see build_examples), where one call per text runs on one."""
+    ids: list[list[int]] = []
+    for i in range(0, len(texts), ENCODE_BATCH):
+        ids += tok(texts[i : i + ENCODE_BATCH], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return ids
 
 
 def _chat_text(tok, messages: list[dict[str, str]], *, generation_prompt: bool = False) -> str:
@@ -43,33 +51,54 @@ def _chat_text(tok, messages: list[dict[str, str]], *, generation_prompt: bool =
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def tokenize_row(tok, row: dict[str, Any]) -> Example:
-    """Token ids and labels of one training row; labels are -100 except on what the model must learn to say."""
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+def _texts(tok, row: dict[str, Any]) -> tuple[list[tuple[str, bool]], bool]:
+    """A training row as texts in order, each with whether the model learns its tokens, and whether a learned EOS
+    ends the row (text and prompt/completion rows; a chat template writes its own turn ends)."""
     if "text" in row:
-        ids = _encode(tok, row["text"]) + eos
-        return Example(ids, list(ids))
+        return [(row["text"], True)], True
     if "prompt" in row:
-        prompt, completion = _encode(tok, row["prompt"]), _encode(tok, row["completion"]) + eos
-        return Example(prompt + completion, [IGNORE] * len(prompt) + completion)
+        return [(row["prompt"], False), (row["completion"], True)], True
     if not getattr(tok, "chat_template", None):
         raise InvalidInput(
             "the dataset has chat `messages` rows but the model's tokenizer has no chat template: "
             "use prompt/completion rows, or a model whose tokenizer_config.json has one"
         )
     # Turn by turn: an assistant turn's tokens are what follows the generation prompt of the turns before it.
-    messages, ids, labels, done = row["messages"], [], [], ""
+    messages, texts, done = row["messages"], [], ""
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
             head = _chat_text(tok, messages[:i], generation_prompt=True)
-            part = _encode(tok, head[len(done) :])
-            ids, labels, done = ids + part, labels + [IGNORE] * len(part), head
+            texts.append((head[len(done) :], False))
+            done = head
         text = _chat_text(tok, messages[: i + 1])
-        part = _encode(tok, text[len(done) :])
-        ids += part
-        labels += part if message["role"] == "assistant" else [IGNORE] * len(part)
+        texts.append((text[len(done) :], message["role"] == "assistant"))
         done = text
-    return Example(ids, labels)
+    return texts, False
+
+
+def tokenize_rows(tok, rows: list[dict[str, Any]]) -> list[Example]:
+    """Token ids and labels of training rows; labels are -100 except on what the model must learn to say. Every
+    row's texts are encoded together (`_encode`), each text on its own, so a row's tokens are what encoding it alone
+    gives."""
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    layouts = [_texts(tok, row) for row in rows]
+    encoded = iter(_encode(tok, [text for texts, _ in layouts for text, _ in texts]))
+    examples = []
+    for texts, ends in layouts:
+        ids, labels = [], []
+        for _, learned in texts:
+            part = next(encoded)
+            ids += part
+            labels += part if learned else [IGNORE] * len(part)
+        if ends:
+            ids, labels = ids + eos, labels + eos
+        examples.append(Example(ids, labels))
+    return examples
+
+
+def tokenize_row(tok, row: dict[str, Any]) -> Example:
+    """Token ids and labels of one training row (tokenize_rows)."""
+    return tokenize_rows(tok, [row])[0]
 
 
 def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSpec) -> tuple[list[Example], int]:
@@ -79,8 +108,7 @@ def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSp
     packing, rows are concatenated and cut into blocks of max_seq_length, so a long row is split, never refused.
     """
     examples, too_long = [], []
-    for line, row in rows:
-        ex = tokenize_row(tok, row)
+    for (line, _), ex in zip(rows, tokenize_rows(tok, [row for _, row in rows]), strict=True):
         if len(ex.input_ids) > spec.max_seq_length and not spec.packing:
             too_long.append((line, len(ex.input_ids)))
             ex = Example(ex.input_ids[: spec.max_seq_length], ex.labels[: spec.max_seq_length])
