@@ -150,3 +150,27 @@ def test_a_short_run_without_a_queue_logs_eval_loss_and_saves_the_adapter(tmp_pa
     assert [s for s, _ in finetune.complete_checkpoints(tmp_path / "checkpoints")] == [2, 4]
     assert (result.adapter_dir / "adapter_model.safetensors").is_file() and not result.stopped
     assert result.metrics["validation_examples"] == 2 and result.metrics["examples"] == 6
+
+
+def test_the_finetune_data_benchmark_times_both_ways_and_finds_them_equal(base_model, tmp_path):
+    """ops/bench/finetune_data.py on a few rows of the tiny base's tokenizer: a table, JSON, equal examples."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "data.json"
+    proc = subprocess.run(
+        [sys.executable, "ops/bench/finetune_data.py", "--model", str(base_model), "--steps", "2", "--repeat", "2"]
+        + ["--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())["finetune_data"]
+    assert report["same_examples"] and report["rows"] > 0 and report["blocks"] > 0
+    assert len(report["seconds"]["one call per text"]["runs"]) == 2 and "batched over" in proc.stdout
