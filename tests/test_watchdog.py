@@ -178,17 +178,26 @@ def test_every_generation_engine_reports_each_decode_step(loaded, tiny_model, en
 
 
 def test_training_reports_each_step_and_its_loading_and_preparing_phases(tmp_path, base_model):
-    """A 3-step fine-tune reports 3 training steps, and runs its load and its preparation as phases."""
+    """A 3-step fine-tune reports 3 training steps, and runs its load and its preparation as phases, the
+    tokenizing and the packing as phases inside the preparation (the log gives each its seconds)."""
     from core.training_data import parse_training_jsonl
     from worker.training import finetune
 
-    spec = FinetuneSpec.model_validate({**ft_spec(base_model, max_steps=3), "model": str(base_model)})
+    spec = FinetuneSpec.model_validate(
+        {**ft_spec(base_model, max_steps=3), "model": str(base_model), "packing": True, "max_seq_length": 48}
+    )
     with open(FT_DATA, "rb") as stream:
         rows = [(r.line, r.input) for r in parse_training_jsonl(stream, max_rows=100, max_row_bytes=1 << 20)]
     recorder = Recorder()
     finetune.finetune(LoadOptions(model=str(base_model)), spec, rows, tmp_path, progress=recorder)
     assert recorder.kinds.count("training step") == 3
-    assert recorder.phases[:4] == ["loading model", None, "preparing training", None]
+    preparing = "preparing training"
+    assert recorder.phases == [
+        *("loading model", None, preparing),
+        *("tokenizing 12 rows", None, preparing),
+        *("packing", None, preparing),
+        None,
+    ]
 
 
 # --- real workers ---------------------------------------------------------------------------------------------------

@@ -243,11 +243,13 @@ def finetune(
     train_rows, valid_rows = split_validation(rows, spec.validation_split, spec.seed)
     if not train_rows:
         raise InvalidInput("the dataset has no training rows")
-    examples, truncated = build_examples(tok, train_rows, spec)
-    valid = build_examples(tok, valid_rows, spec)[0] if valid_rows else []
+    with progress.phase(f"tokenizing {len(train_rows) + len(valid_rows)} rows"):  # in the log with its seconds
+        examples, truncated = build_examples(tok, train_rows, spec)
+        valid = build_examples(tok, valid_rows, spec)[0] if valid_rows else []
     if spec.packing:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        examples, valid = pack(examples, spec.max_seq_length, pad), pack(valid, spec.max_seq_length, pad)
+        with progress.phase("packing"):
+            examples, valid = pack(examples, spec.max_seq_length, pad), pack(valid, spec.max_seq_length, pad)
         if not examples:
             raise InvalidInput(
                 "no training row has a token to learn after its first one (a row's first token is "
