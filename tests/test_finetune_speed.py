@@ -152,8 +152,9 @@ def test_a_steps_micro_batches_run_as_one_where_the_probe_predicts_room_and_resu
     peak, doubled, fits the worker's share of the GPU, and stay 2 x 2 (with a note) where it does not beside what
     other processes hold; either way the losses of the spec's own micro-batches, as where the probe runs out of
     memory. A run checkpointed at 2 x 2 resumes merged with an unbroken run's losses; a merged run that runs out of
-    memory, in training or while it compiles, fails its attempt, and the retry resumes unmerged. (This host has no GPU: the memory figures are a
-    stand-in for torch.cuda's; the probe, the forward passes and the Trainer are real.)"""
+    memory, in training or while it compiles, fails its attempt, and the retry resumes unmerged. (This host has no
+    GPU: the memory figures are a stand-in for torch.cuda's; the probe, the forward passes and the Trainer are
+    real.)"""
     monkeypatch.setattr(setup, "MERGE_MICRO_BATCHES", True)
     gib = 1 << 30
     reads = iter(())
