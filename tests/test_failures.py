@@ -79,3 +79,39 @@ def _probe(pid: int) -> dict | None:
     with session_scope() as session:
         caps = session.scalar(select(Worker.capabilities).where(Worker.pid == pid))
     return (caps or {}).get("flex_attention")
+
+
+def test_an_out_of_memory_is_retried_even_inside_a_compilers_error():
+    """final_cause: a compile error is final, but one raised from running out of memory is not (the next attempt may
+    find the memory, or run smaller micro-batches: setup.MERGE_REFUSED), nor the out-of-memory that the fine-tune
+    raises again from it (setup.compile_model, merged)."""
+    import torch
+
+    from worker.failures import final_cause
+
+    class InductorError(RuntimeError):  # torch._inductor's, by the name final_cause knows it by
+        pass
+
+    def raised(make):
+        try:
+            make()
+        except BaseException as exc:
+            return exc
+
+    def compile_fails():
+        raise InductorError("LoweringException: a kernel that does not compile")
+
+    def compile_runs_out_of_memory():
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory while autotuning")
+        except torch.OutOfMemoryError as oom:
+            raise InductorError("LoweringException") from oom
+
+    wrapped = raised(compile_runs_out_of_memory)
+    assert final_cause(raised(compile_fails)).startswith("torch.compile failed on this worker, InductorError")
+    assert final_cause(wrapped) is None
+
+    def raised_again():
+        raise torch.OutOfMemoryError(str(wrapped.__cause__)) from wrapped
+
+    assert final_cause(raised(raised_again)) is None

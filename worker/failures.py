@@ -1,7 +1,9 @@
 """What a failure means for a retry, decided in one place: `final_cause` names the errors that fail the same way on
 every attempt (a kernel that does not compile on this worker, a bad parameter that passed the submit checks), so
 the runner fails the shard once with that cause in one line instead of retrying it (worker/runtime.py,
-core/leases.py `fail_final`); every other error is retried as possibly transient. `name_rows` puts a row's line
+core/leases.py `fail_final`); every other error is retried as possibly transient, and so is any error raised from
+running out of memory, even inside a compiler's (the next attempt may find the memory, or take a smaller
+micro-batch: worker/training/setup.py MERGE_REFUSED). `name_rows` puts a row's line
 (or row) in front of every row error the engines write, as the submit checks do.
 """
 
@@ -39,7 +41,9 @@ MAX_CAUSE = 400  # characters of the one-line cause
 
 def final_cause(exc: BaseException) -> str | None:
     """One line naming the root cause when `exc` would fail the same way on every attempt, else None."""
-    chain = _chain(exc)
+    chain = exception_chain(exc)
+    if any(type(e).__name__ == "OutOfMemoryError" for e in chain):  # torch's, by name: no torch import here
+        return None
     compiled = [e for e in chain if type(e).__name__ in COMPILE_ERRORS]
     if compiled:
         root = compiled[-1]  # the innermost: the compiler's own error, not Dynamo's wrapper
@@ -59,7 +63,7 @@ def name_rows(results: list[RowResult], lines: dict[int, int], where: str) -> No
                 result.error = prefix + result.error
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
+def exception_chain(exc: BaseException) -> list[BaseException]:
     """`exc` and the exceptions it was raised from (or during), outermost first, each once."""
     seen: list[BaseException] = []
     current: BaseException | None = exc

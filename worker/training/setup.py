@@ -36,6 +36,7 @@ import torch
 from core.errors import InvalidInput
 from core.settings import get_settings
 from core.spec import FinetuneSpec, LoadOptions
+from worker.failures import exception_chain
 from worker.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -353,7 +354,7 @@ def compile_model(
         raise
     except Exception as exc:  # torch.compile raises many kinds; the message says which
         _uncompile_layers(model)
-        oom = _out_of_memory(exc)
+        oom = next((e for e in exception_chain(exc) if isinstance(e, torch.OutOfMemoryError)), None)
         if merged and oom is not None:
             if oom is exc:
                 raise
@@ -366,16 +367,6 @@ def compile_model(
         speed.notes.append(f"compile auto: off, torch.compile failed ({type(exc).__name__}: {str(exc)[:300]})")
         log.warning("%s: torch.compile failed, training eagerly: %s", spec.model, exc)
         return None
-
-
-def _out_of_memory(exc: BaseException) -> torch.OutOfMemoryError | None:
-    """The out-of-memory error an exception is or was raised from, if any."""
-    seen: BaseException | None = exc
-    for _ in range(16):  # a chain, never a cycle, in practice
-        if seen is None or isinstance(seen, torch.OutOfMemoryError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _lean_loss_problem(model) -> str | None:
