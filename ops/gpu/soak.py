@@ -965,14 +965,15 @@ class Soak:
         )
         tune_id = step.submit(spec)
         tune = step.wait(tune_id)
+        training = (tune.get("metrics") or {}).get("training") or {}
         step.check(
             "finetune_succeeded",
             tune["state"] == "succeeded",
             state=tune["state"],
             error=(tune.get("error") or "")[-500:] or None,
-            final_loss=((tune.get("metrics") or {}).get("training") or {}).get("final_loss"),
+            final_loss=training.get("final_loss"),
         )
-        micro = (((tune.get("metrics") or {}).get("training") or {}).get("speed") or {}).get("micro_batches")
+        micro = (training.get("speed") or {}).get("micro_batches")
         step.check("micro_batches_merged_on_a_gpu", bool(micro and micro["merged"]) == (self.mode.gpus == 1), got=micro)
         gen_id = (tune.get("metrics") or {}).get("then_generate_job")
         if not step.check("chained_job_created", bool(gen_id)):
