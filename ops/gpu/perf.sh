@@ -29,6 +29,8 @@
 #                                          # (the curve rule over all of them), repeated while the box allows
 #   PART=f1-profile bash ops/gpu/perf.sh   # F1 auto and batch16 (F1_VARIANTS), 2 steps each profiled: a kernel table
 #                                          # and a timeline (.trace.json.gz) per variant
+#   PART=attention bash ops/gpu/perf.sh    # packed-row attention alone on F1's shapes: torch's flash varlen kernel
+#                                          # against cuDNN's ragged one (ops/bench/varlen_attention.py: ~1 minute)
 #   PART=grammar bash ops/gpu/perf.sh      # the host parts of a structured-output step (ops/bench/grammar_step.py),
 #                                          # on the benchmark model's tokenizer; TOKENIZER_SIZE=151936: a real size
 #                                          # (g1json and g1lp take TOKENIZER_SIZE too)
@@ -74,6 +76,7 @@ case $PART in
              --budget-s $((LIMIT - 15)) --out "$OUT/f1-variants.json") ;;
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
+    attention) cmd=(python3 ops/bench/varlen_attention.py --out "$OUT/varlen-attention.json") ;;
     kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
     overlap) cmd=(python3 ops/bench/overlap.py --out "$OUT/overlap.json") ;;
     flip) flag=${FLIP:?set FLIP to a name in FLIPS of ops/bench/profile_gen.py}

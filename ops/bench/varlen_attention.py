@@ -1,0 +1,180 @@
+"""Packed-row attention for fine-tunes, alone: torch's flash varlen kernel (what `packed_attention: varlen` runs)
+against cuDNN's ragged attention (`aten._cudnn_attention_forward` with cumulative row lengths, the kernel torch's
+nested-tensor SDPA calls), on F1's shapes: 16 blocks of 2,048 tokens packed from rows of 65-1,025 tokens, Qwen3-0.6B's
+16 query and 8 K/V heads of 128.
+
+For each backend, in rounds that interleave them (`--repeat`): the forward alone and forward + backward, each the
+median of `--iters` CUDA-event timings after warm-up; the output and the gradients against the flash kernel's
+(relative norm of the difference); and the same call compiled (`torch.compile(fullgraph=True)`, forward and backward),
+to see that Inductor traces it. A backend that fails records its error and the others go on.
+
+    python ops/bench/varlen_attention.py --out /tmp/varlen-attention.json     # CUDA only (~1 minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from worker.training.data import Example, pack  # noqa: E402
+
+
+def packed_lengths(blocks: int, seq: int, seed: int = 0) -> list[int]:
+    """Row lengths of `blocks` packed blocks of `seq` tokens, as F1's corpus packs (rows of 64-1,024 words)."""
+    rng = random.Random(seed)
+    rows, total = [], 0
+    while total < blocks * seq * 1.1:
+        n = rng.randint(64, 1024) + 1
+        rows.append(Example(list(range(n)), list(range(n))))
+        total += n
+    out = []
+    for block in pack(rows, seq)[:blocks]:
+        out.extend(block.segments)
+    return out
+
+
+def flash(q, k, v, cu, max_len):
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+
+
+def cudnn(q, k, v, cu, max_len):
+    """cuDNN ragged attention; its ragged path takes as many K/V heads as query heads."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)[0]
+
+
+BACKENDS = {"flash": flash, "cudnn": cudnn}
+
+
+def timed(fn, iters: int) -> float:
+    """Median milliseconds of `fn()` over `iters` calls, by CUDA events."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("varlen_attention.py: CUDA only", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    lengths = packed_lengths(args.blocks, args.seq)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    tokens = int(cu[-1])
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def tensor(heads: int) -> torch.Tensor:
+        x = torch.randn(tokens, heads, args.dim, device=device, dtype=torch.bfloat16, generator=gen)
+        return x.requires_grad_()
+
+    q, k, v = tensor(args.heads), tensor(args.kv_heads), tensor(args.kv_heads)
+    grad = torch.randn(tokens, args.heads, args.dim, device=device, dtype=torch.bfloat16, generator=gen)
+    result: dict = {
+        "shape": {
+            "tokens": tokens,
+            "rows": len(lengths),
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "dim": args.dim,
+            "max_len": args.seq,
+        },
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"torch": torch.__version__, "cudnn": torch.backends.cudnn.version()},
+        "backends": {},
+    }
+    reference = None
+    for name, fn in BACKENDS.items():
+        entry = result["backends"].setdefault(name, {"fwd_ms": [], "fwd_bwd_ms": []})
+        try:
+            out = fn(q, k, v, cu, args.seq)
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+            if reference is None:
+                reference = (out.detach(), *grads)
+            else:
+                entry["rel_diff"] = {
+                    n: round(rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), reference)
+                }
+            compiled = torch.compile(fn, fullgraph=True)
+            c_out = compiled(q, k, v, cu, args.seq)
+            c_grads = torch.autograd.grad(c_out, (q, k, v), grad)
+            entry["compiled_rel_diff"] = {
+                n: round(rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"), (c_out, *c_grads), reference)
+            }
+        except Exception as exc:  # noqa: BLE001  a backend that fails here is a finding
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            traceback.print_exc()
+    for _ in range(args.repeat):
+        for name, fn in BACKENDS.items():
+            entry = result["backends"][name]
+            if "error" in entry:
+                continue
+            with torch.no_grad():
+                for _ in range(3):
+                    fn(q, k, v, cu, args.seq)
+                entry["fwd_ms"].append(round(timed(lambda fn=fn: fn(q, k, v, cu, args.seq), args.iters), 3))
+
+            def step(fn=fn):
+                torch.autograd.grad(fn(q, k, v, cu, args.seq), (q, k, v), grad)
+
+            for _ in range(3):
+                step()
+            entry["fwd_bwd_ms"].append(round(timed(step, args.iters), 3))
+    flops = sum(n * n for n in lengths) / 2 * 4 * args.dim * args.heads  # causal: half of QK^T and PV
+    for entry in result["backends"].values():
+        if entry["fwd_ms"]:
+            entry["fwd_median_ms"] = statistics.median(entry["fwd_ms"])
+            entry["fwd_bwd_median_ms"] = statistics.median(entry["fwd_bwd_ms"])
+            entry["fwd_tflops"] = round(flops / entry["fwd_median_ms"] / 1e9, 1)
+            entry["fwd_bwd_tflops"] = round(3.5 * flops / entry["fwd_bwd_median_ms"] / 1e9, 1)
+    base = result["backends"]["flash"].get("fwd_bwd_median_ms")
+    print(f"{'backend':<8} {'fwd ms':>8} {'fwd+bwd ms':>11} {'vs flash':>9}  rel diff / error")
+    for name, entry in result["backends"].items():
+        if "error" in entry:
+            print(f"{name:<8} {'-':>8} {'-':>11} {'-':>9}  {entry['error'][:150]}")
+            continue
+        ratio = base / entry["fwd_bwd_median_ms"] if base else None
+        print(
+            f"{name:<8} {entry['fwd_median_ms']:>8.3f} {entry['fwd_bwd_median_ms']:>11.3f} "
+            f"{ratio:>8.2f}x  {entry.get('rel_diff', '')} compiled {entry.get('compiled_rel_diff')}"
+        )
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
