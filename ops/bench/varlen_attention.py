@@ -51,12 +51,18 @@ def flash(q, k, v, cu, max_len):
 
 
 def cudnn(q, k, v, cu, max_len):
-    """cuDNN ragged attention; its ragged path takes as many K/V heads as query heads."""
+    """cuDNN ragged attention with the K/V heads repeated to the query heads' count."""
     k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return cudnn_gqa(q, k, v, cu, max_len)
+
+
+def cudnn_gqa(q, k, v, cu, max_len):
+    """cuDNN ragged attention as called (its ragged path takes query, key and value head counts apart); autograd is
+    the aten op's own (its backward passes no attention bias, which Python cannot)."""
     return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False)[0]
 
 
-BACKENDS = {"flash": flash, "cudnn": cudnn}
+BACKENDS = {"flash": flash, "cudnn": cudnn, "cudnn-gqa": cudnn_gqa}
 
 
 def timed(fn, iters: int) -> float:
@@ -74,6 +80,42 @@ def timed(fn, iters: int) -> float:
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+
+def compiled_check(entry: dict, fn, inputs: tuple, grad: torch.Tensor, reference: tuple) -> None:
+    """The call compiled as one graph, else (its error kept) with the call left to eager (a graph break, as a
+    compiled decoder layer would run it): its numbers against the reference."""
+    for how in ("fullgraph", "graph-break"):
+        try:
+            torch._dynamo.reset()
+            if how == "fullgraph":
+                compiled = torch.compile(fn, fullgraph=True)
+            else:
+                eager = torch.compiler.disable(fn)
+                compiled = torch.compile(lambda *a, eager=eager: eager(*a) * 1.0)
+            out = compiled(*inputs)
+            grads = torch.autograd.grad(out, inputs[:3], grad)
+            entry["compiled"] = how
+            entry["compiled_rel_diff"] = {
+                n: round(rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), reference)
+            }
+            return
+        except Exception as exc:  # noqa: BLE001
+            entry[f"compile_{how}_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+def time_backend(entry: dict, fn, inputs: tuple, grad: torch.Tensor, iters: int) -> None:
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*inputs)
+        entry["fwd_ms"].append(round(timed(lambda: fn(*inputs), iters), 3))
+
+    def step():
+        torch.autograd.grad(fn(*inputs), inputs[:3], grad)
+
+    for _ in range(3):
+        step()
+    entry["fwd_bwd_ms"].append(round(timed(step, iters), 3))
 
 
 def main() -> int:
@@ -127,31 +169,18 @@ def main() -> int:
                 entry["rel_diff"] = {
                     n: round(rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), reference)
                 }
-            compiled = torch.compile(fn, fullgraph=True)
-            c_out = compiled(q, k, v, cu, args.seq)
-            c_grads = torch.autograd.grad(c_out, (q, k, v), grad)
-            entry["compiled_rel_diff"] = {
-                n: round(rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"), (c_out, *c_grads), reference)
-            }
+            compiled_check(entry, fn, (q, k, v, cu, args.seq), grad, reference)
         except Exception as exc:  # noqa: BLE001  a backend that fails here is a finding
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
             traceback.print_exc()
     for _ in range(args.repeat):
         for name, fn in BACKENDS.items():
             entry = result["backends"][name]
-            if "error" in entry:
-                continue
-            with torch.no_grad():
-                for _ in range(3):
-                    fn(q, k, v, cu, args.seq)
-                entry["fwd_ms"].append(round(timed(lambda fn=fn: fn(q, k, v, cu, args.seq), args.iters), 3))
-
-            def step(fn=fn):
-                torch.autograd.grad(fn(q, k, v, cu, args.seq), (q, k, v), grad)
-
-            for _ in range(3):
-                step()
-            entry["fwd_bwd_ms"].append(round(timed(step, args.iters), 3))
+            if "error" not in entry:
+                try:
+                    time_backend(entry, fn, (q, k, v, cu, args.seq), grad, args.iters)
+                except Exception as exc:  # noqa: BLE001
+                    entry["error"] = f"timing: {type(exc).__name__}: {str(exc)[:500]}"
     flops = sum(n * n for n in lengths) / 2 * 4 * args.dim * args.heads  # causal: half of QK^T and PV
     for entry in result["backends"].values():
         if entry["fwd_ms"]:
@@ -162,13 +191,15 @@ def main() -> int:
     base = result["backends"]["flash"].get("fwd_bwd_median_ms")
     print(f"{'backend':<8} {'fwd ms':>8} {'fwd+bwd ms':>11} {'vs flash':>9}  rel diff / error")
     for name, entry in result["backends"].items():
-        if "error" in entry:
+        if "error" in entry or not entry["fwd_ms"]:
+            entry.setdefault("error", "not timed")
             print(f"{name:<8} {'-':>8} {'-':>11} {'-':>9}  {entry['error'][:150]}")
             continue
-        ratio = base / entry["fwd_bwd_median_ms"] if base else None
+        ratio = f"{base / entry['fwd_bwd_median_ms']:.2f}x" if base else "-"
+        errors = {k: v[:120] for k, v in entry.items() if k.startswith("compile_")}
         print(
-            f"{name:<8} {entry['fwd_median_ms']:>8.3f} {entry['fwd_bwd_median_ms']:>11.3f} "
-            f"{ratio:>8.2f}x  {entry.get('rel_diff', '')} compiled {entry.get('compiled_rel_diff')}"
+            f"{name:<8} {entry['fwd_median_ms']:>8.3f} {entry['fwd_bwd_median_ms']:>11.3f} {ratio:>9}  "
+            f"{entry.get('rel_diff', '')} compiled ({entry.get('compiled')}) {entry.get('compiled_rel_diff')} {errors}"
         )
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     args.out.parent.mkdir(parents=True, exist_ok=True)
