@@ -82,6 +82,9 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # auto without the worker's merge (setup.MERGE_MICRO_BATCHES, on since 2026-12-07: 1.056x this on an H100): the
     # spec's 8 x 2 micro-batches as asked, where auto runs them as one of 16 when its memory probe predicts room
     "no-merge": {"experiment": "no-merge"},
+    # packed rows through cuDNN's ragged fused attention instead of torch's flash varlen kernel (packed_attention
+    # KERNELS; ops/bench/varlen_attention.py times the two alone), called eagerly from the compiled layers
+    "cudnn-attention": {"experiment": "cudnn-attention"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
 OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
@@ -241,6 +244,10 @@ def child_engine(args: argparse.Namespace) -> dict:
             from worker.training import setup
 
             setup.MERGE_MICRO_BATCHES = False
+        elif name == "cudnn-attention":
+            from worker.training import packed_attention
+
+            packed_attention.KERNELS = ("cudnn", "flash")
         elif name == "activation-budget":
             from torch._functorch import config as functorch_config
 
