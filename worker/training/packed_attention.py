@@ -103,11 +103,9 @@ def _per_row_sdpa(q, k, v, cu, scaling):
     return out
 
 
-# the kernel and the keyword arguments this torch release takes; set by problem() (outside any compiled region, so a
-# compiled layer reads a plain module global)
+# varlen_attn and the keyword arguments this torch release takes; set by problem() (outside any compiled region, so
+# a compiled layer reads a plain module global)
 _flash: dict | None = None
-# the kernels problem() tries, in this order; the first that runs here and matches SDPA is used
-KERNELS = ("flash", "cudnn")
 
 
 def _flash_call() -> dict | None:
@@ -117,7 +115,6 @@ def _flash_call() -> dict | None:
         return None
     params = inspect.signature(varlen_attn).parameters
     return {
-        "name": "flash",
         "fn": varlen_attn,
         "causal": {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True},
         "scale": "scale" in params,
@@ -126,60 +123,32 @@ def _flash_call() -> dict | None:
     }
 
 
-def _cudnn_call() -> dict | None:
-    if not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
-        return None
-    return {"name": "cudnn", "fn": _cudnn_varlen, "causal": {}, "scale": True, "gqa_keyword": False, "native_gqa": True}
-
-
-@torch.compiler.disable  # its ragged form has no fake implementation to trace: a compiled layer calls it eagerly
-def _cudnn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-    """cuDNN's fused attention over ragged rows (the kernel torch's nested-tensor SDPA calls); its backward is the
-    aten op's own autograd formula."""
-    return torch.ops.aten._cudnn_attention_forward(
-        q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False, scale=scale
-    )[0]
-
-
-CALLS = {"flash": _flash_call, "cudnn": _cudnn_call}
-
-
-def kernel() -> str | None:
-    """The varlen kernel problem() chose ("flash" or "cudnn"), None before it ran or where none runs."""
-    return _flash["name"] if _flash else None
-
-
 def problem(device: torch.device) -> str | None:
-    """None if a varlen kernel (KERNELS, in order) runs on `device` and matches per-row SDPA (output and gradients,
-    with grouped K/V heads as Qwen3 has); else why not. Cached per device; must run before a fine-tune uses
-    `packed_varlen`."""
-    return _problem(str(device), KERNELS)
+    """None if the varlen kernel runs on `device` and matches per-row SDPA (output and gradients, with grouped K/V
+    heads as Qwen3 has); else why not. Cached per device; must run before a fine-tune uses `packed_varlen`."""
+    return _problem(str(device))
 
 
 @cache
-def _problem(device: str, kernels: tuple[str, ...]) -> str | None:
+def _problem(device: str) -> str | None:
     global _flash
     if not device.startswith("cuda"):
         return "the varlen kernel runs on CUDA only (this fine-tune runs on the CPU)"
+    flash = _flash_call()
+    if flash is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch 2.10+)"
     if torch.cuda.get_device_capability(torch.device(device))[0] < 8:
-        return "the varlen kernels need compute capability 8.0 or newer"
-    problems = []
-    for name in kernels:
-        call = CALLS[name]()
-        if call is None:
-            problems.append(f"{name}: torch {torch.__version__} lacks it")
-            continue
-        _flash = call
-        first = _check(device)
-        if first is None:
-            return None
-        call["native_gqa"] = False  # an older kernel may want as many K/V heads as query heads: try with them repeated
-        second = _check(device)
-        if second is None:
-            return None
-        problems.append(f"{name}: {first}; with K/V heads repeated: {second}")
+        return "the varlen flash kernel needs compute capability 8.0 or newer"
+    _flash = flash
+    first = _check(device)
+    if first is None:
+        return None
+    flash["native_gqa"] = False  # an older kernel may want as many K/V heads as query heads: try with them repeated
+    second = _check(device)
+    if second is None:
+        return None
     _flash = None
-    return "; ".join(problems) or "no varlen kernel is named in KERNELS"
+    return f"{first}; with K/V heads repeated: {second}"
 
 
 def _check(device: str) -> str | None:

@@ -127,7 +127,6 @@ class Speed:
 
     loss: str = "model"  # chunked | liger: from the hidden states, logits never held; model: the model's own loss
     packed_attention: str | None = None  # varlen | mask (packed rows only)
-    varlen_kernel: str | None = None  # flash | cudnn: the kernel `varlen` runs (packed_attention.KERNELS)
     compile: bool = False
     notes: list[str] = field(default_factory=list)  # where an `auto` did not take its first choice, and why
 
@@ -150,10 +149,6 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
         speed.loss = _choose_loss(spec, device, model, speed.notes)
     if spec.packing:
         speed.packed_attention = _choose_attention(spec, device, model, speed.notes)
-        if speed.packed_attention == "varlen":
-            from worker.training import packed_attention
-
-            speed.varlen_kernel = packed_attention.kernel()
     cuda = device.type == "cuda"
     speed.compile = strategy == "single" and (
         spec.compile == "on" or (spec.compile == "auto" and cuda and spec.packing and spec.quantization is None)
@@ -302,7 +297,6 @@ def speed_record(speed: Speed, compile_s: float | None, micro: MicroBatches | No
     record = {
         "loss": speed.loss,
         "packed_attention": speed.packed_attention,
-        **({"varlen_kernel": speed.varlen_kernel} if speed.varlen_kernel else {}),
         "compile": speed.compile,
         "compile_seconds": None if compile_s is None else round(compile_s, 2),
     }
