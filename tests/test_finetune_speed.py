@@ -5,6 +5,9 @@ gradient accumulation weighs every token alike, and explicit levers a worker can
 
 from __future__ import annotations
 
+import json
+import types
+
 import pytest
 import torch
 
@@ -22,19 +25,12 @@ ROWS = [(i, {"prompt": f"Q{i}?", "completion": f"A{i} " + "the sky is blue " * (
 
 
 def packed_run(base_model, workdir, logs: list[dict], **fields):
-    """A few steps of packed training on ROWS (blocks of 48 tokens, constant rate, no dropout): `fields` set the
-    rest of the spec (steps, micro-batches, checkpoints)."""
+    """A few steps of packed training on ROWS (blocks of 48 tokens, constant rate unless `fields` say otherwise, no
+    dropout): `fields` set the rest of the spec (steps, micro-batches, checkpoints)."""
+    defaults = {"packing": True, "max_seq_length": 48, "learning_rate": 1e-2, "lora_dropout": 0.0}
     return finetune.finetune(
         LoadOptions(model=str(base_model)),
-        spec(
-            model=str(base_model),
-            packing=True,
-            max_seq_length=48,
-            learning_rate=1e-2,
-            lora_dropout=0.0,
-            lr_scheduler="constant",
-            **fields,
-        ),
+        spec(**{**defaults, "lr_scheduler": "constant", **fields, "model": str(base_model)}),
         ROWS,
         workdir,
         on_log=logs.append,
@@ -373,6 +369,94 @@ def test_the_lean_trainer_skips_trainers_per_micro_batch_model_walks_and_counts_
         assert walks == [False] and not any(m.training for m in model.modules())
     finally:
         type(model).train = original
+
+
+def test_the_lean_trainer_logs_every_step_a_step_late_with_the_numbers_trainers_own_logging_gives(
+    tmp_path, base_model, monkeypatch
+):
+    """The lean trainer reads a step's loss and gradient norm back one step late (no wait on the GPU at every
+    step's end), yet logs every step in order with its own step number, epoch, learning rate and time, the values
+    Trainer's own logging gives, and a checkpoint's log history up to its step; the run's mean loss is the same."""
+    from transformers import Trainer
+
+    lean = setup.lean_trainer
+
+    def eager(speed):  # Trainer's own logging: each step's values read at its end
+        return type("EagerLogging", (lean(speed),), {"_maybe_log_save_evaluate": Trainer._maybe_log_save_evaluate})
+
+    runs = {}
+    for name in ("late", "eager"):
+        if name == "eager":
+            monkeypatch.setattr(finetune, "lean_trainer", eager)
+        logs: list[dict] = []
+        result = packed_run(
+            base_model,
+            tmp_path / name,
+            logs,
+            max_steps=5,
+            batch_size=2,
+            lr_scheduler="linear",
+            checkpoint_steps=2,
+        )
+        history = json.loads((tmp_path / name / "checkpoints/checkpoint-4/trainer_state.json").read_text())
+        runs[name] = (logs, result.metrics["train_loss"], history["log_history"])
+    (late, late_mean, late_history), (want, want_mean, want_history) = runs["late"], runs["eager"]
+    keys = ("step", "epoch", "loss", "grad_norm", "learning_rate")
+    steps = [r for r in late if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert all(r["step_seconds"] > 0 for r in steps)  # each step's own time, the ones logged together included
+    assert len({r["learning_rate"] for r in steps}) == 5  # a linear decay: each step logged with its own rate
+    assert [{k: r[k] for k in keys} for r in steps] == [
+        {k: pytest.approx(r[k], rel=1e-6) for k in keys} for r in want if "loss" in r
+    ]
+    assert late_mean == pytest.approx(want_mean, rel=1e-6)
+    assert [h["step"] for h in late_history] == [h["step"] for h in want_history] == [1, 2, 3, 4]
+    assert [h["loss"] for h in late_history] == pytest.approx([h["loss"] for h in want_history], rel=1e-6)
+
+
+def test_a_late_logged_step_is_timed_from_its_own_end_on_the_gpu(tmp_path, base_model, monkeypatch):
+    """On CUDA each step's values come with an event recorded behind its work: a step still running when it is
+    logged is timed when the wait for it returns; one that had already ended, from the last such moment plus the GPU
+    time between the two events (here fake events: this machine has no GPU)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    class Event:  # a step's CUDA event: `gpu_s` when it completes on the GPU's clock
+        def __init__(self, gpu_s: float, ended: bool):
+            self.gpu_s, self.ended = gpu_s, ended
+
+        def query(self) -> bool:
+            return self.ended
+
+        def synchronize(self) -> None:
+            self.ended = True
+
+        def elapsed_time(self, other) -> float:
+            return (other.gpu_s - self.gpu_s) * 1000
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_model), LoraConfig(r=4, target_modules="all-linear")
+    )
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=4)
+    trainer = setup.lean_trainer(setup.Speed(loss="chunked"))(model=model, args=args)
+    trainer._total_loss_scalar = 0.0  # as Trainer.train sets it
+    clock = iter([100.0, 103.0])  # perf_counter when each wait returns
+    monkeypatch.setattr(setup, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    logged = []
+    monkeypatch.setattr(trainer, "log", lambda logs: logged.append((trainer.state.global_step, trainer.step_ended)))
+
+    def pending(step: int, gpu_s: float, ended: bool):
+        values = torch.tensor([2.0 * step, 0.5])
+        return setup._PendingLog(step, step / 4, 1, 1e-3, True, values, Event(gpu_s, ended))
+
+    trainer._pending.extend([pending(1, 10.0, False), pending(2, 10.4, True), pending(3, 10.9, False)])
+    trainer._pending.append(pending(4, 11.5, False))
+    trainer._log_pending(False)  # the newest (step 4) waits for the next step's end
+    assert logged == [(1, 100.0), (2, pytest.approx(100.4)), (3, 103.0)]
+    assert [e.step for e in trainer._pending] == [4] and trainer.state.global_step == 0
+    trainer._pending[0].done.ended = True
+    trainer._log_pending(True)
+    assert logged[-1] == (4, pytest.approx(103.6))  # ended before it was looked at: 0.6 s of GPU time after step 3
 
 
 def test_f1_reports_a_finished_run_and_counts_a_cut_one_in_the_median():

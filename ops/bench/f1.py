@@ -82,9 +82,6 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # auto without the worker's merge (setup.MERGE_MICRO_BATCHES, on since 2026-12-07: 1.056x this on an H100): the
     # spec's 8 x 2 micro-batches as asked, where auto runs them as one of 16 when its memory probe predicts room
     "no-merge": {"experiment": "no-merge"},
-    # packed rows through cuDNN's ragged fused attention instead of torch's flash varlen kernel (packed_attention
-    # KERNELS; ops/bench/varlen_attention.py times the two alone), called eagerly from the compiled layers
-    "cudnn-attention": {"experiment": "cudnn-attention"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
 OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
@@ -244,10 +241,6 @@ def child_engine(args: argparse.Namespace) -> dict:
             from worker.training import setup
 
             setup.MERGE_MICRO_BATCHES = False
-        elif name == "cudnn-attention":
-            from worker.training import packed_attention
-
-            packed_attention.KERNELS = ("cudnn", "flash")
         elif name == "activation-budget":
             from torch._functorch import config as functorch_config
 
@@ -595,8 +588,9 @@ def run_child(args: argparse.Namespace, phase: str, spec: dict, budget_s: float)
     try:
         proc = subprocess.run(cmd, timeout=budget_s, capture_output=True, text=True, check=False)
         error = None if proc.returncode == 0 else (proc.stderr or proc.stdout)[-3000:]
-    except subprocess.TimeoutExpired:
-        error = f"cut at {budget_s:.0f} s"
+    except subprocess.TimeoutExpired as exc:
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        error = f"{stderr[-6000:]}\ncut at {budget_s:.0f} s" if "Thread 0x" in stderr else f"cut at {budget_s:.0f} s"
     result = json.loads(out.read_text()) if out.exists() else {}
     result["wall_s"] = round(time.monotonic() - t0, 1)
     if error:
@@ -748,6 +742,11 @@ def prepare(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
+        import faulthandler
+
+        # every thread's stack on stderr before the parent's time box (the child's budget + 30 s) kills us: a child
+        # cut while compiling says where it was
+        faulthandler.dump_traceback_later(args.child_budget_s + 20)
         result = child_engine(args) if args.child == "engine" else child_baseline(args)
         harness.write_json(args.child_out, result, indent=None)
         return 0

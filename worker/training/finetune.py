@@ -123,7 +123,10 @@ def _callback(
     device: torch.device,
     tokens_per_step: float,
     progress: Progress,
+    step_ended: Callable[[], float | None] = lambda: None,
 ):
+    """The callback that reports the run. `step_ended()`: when the step being logged ended its work (the lean
+    trainer logs a step one step late), None for now."""
     from transformers import TrainerCallback
 
     class Reporter(TrainerCallback):
@@ -152,7 +155,7 @@ def _callback(
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = dict(logs or {})
-            t = time.perf_counter()
+            t = step_ended() or time.perf_counter()
             steps = state.global_step - (self.step_last or 0)
             record = {
                 "step": state.global_step,
@@ -328,6 +331,7 @@ def finetune(
             device=device,
             tokens_per_step=tokens_per_step,
             progress=progress,
+            step_ended=lambda: getattr(trainer, "step_ended", None),
         )
     )
     if device.type == "cuda":

@@ -23,6 +23,7 @@ Trainer gets the strategy's arguments (`training_args`); collectives time out af
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -469,6 +470,97 @@ def lean_trainer(speed: Speed):
             super().__init__(*args, **kwargs)
             self.model_accepts_loss_kwargs = True  # our loss is already divided by num_items_in_batch
             self._flos_per_token: int | None = None
+            self._causal: tuple[Any, Any] | None = None  # (the model compute_loss was given, its causal LM)
+            self._pending: collections.deque[_PendingLog] = collections.deque()
+            self._clock: tuple[Any, float] | None = None  # (a step's CUDA event, perf_counter when it was seen done)
+            self.step_ended: float | None = None  # perf_counter when the step being logged ended its work
+
+        # A step's loss and gradient norm are read back one step late. Trainer's own logging reads them at once
+        # (`.item()` at every step's end, with logging_steps=1), so the CPU waits for the GPU there and the GPU then
+        # idles while the CPU logs, collates the next batch and launches its first kernels: ~18 ms of a 347 ms F1
+        # step on an H100 (ops/bench/results/2026-12-07-h100-session53). Here the values are copied to the host
+        # behind the step's work; the next step's end, already queued behind it, reads them. Every step is still
+        # logged, in order, with its own step number, epoch and learning rate; all are read before a checkpoint, an
+        # evaluation, the last step, a stop and a failure, so a checkpoint's log history is complete.
+
+        def train(self, *args, **kwargs):
+            try:
+                return super().train(*args, **kwargs)
+            finally:  # a run that fails still logs the steps it finished
+                with contextlib.suppress(Exception):
+                    self._log_pending(True)
+
+        def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, learning_rate=None, **kwargs):
+            snapped = self.control.should_log and self.state.global_step > self._globalstep_last_logged
+            if snapped:
+                self._snapshot(tr_loss, grad_norm, learning_rate)
+            control = self.control  # Trainer stops at max_steps with should_training_stop
+            self._log_pending(
+                not snapped or control.should_save or control.should_evaluate or control.should_training_stop
+            )
+            self.control.should_log = False  # logged above; Trainer's own evaluates and saves
+            super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, learning_rate=learning_rate, **kwargs)
+
+        def _snapshot(self, tr_loss, grad_norm, learning_rate) -> None:
+            norm = grad_norm.detach() if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm or 0))
+            values = torch.stack([tr_loss.detach().float().reshape(()), norm.float().reshape(()).to(tr_loss.device)])
+            host = values.to("cpu", non_blocking=True)  # into pinned memory, behind the step's kernels
+            done, ended = None, None
+            if values.is_cuda:
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+            else:  # computed already
+                ended = time.perf_counter()
+            tr_loss -= tr_loss
+            self._pending.append(
+                _PendingLog(
+                    step=self.state.global_step,
+                    epoch=self.state.epoch,
+                    steps=self.state.global_step - self._globalstep_last_logged,
+                    learning_rate=learning_rate if learning_rate is not None else self._get_learning_rate(),
+                    has_norm=grad_norm is not None,
+                    values=host,
+                    done=done,
+                    ended=ended,
+                )
+            )
+            self._globalstep_last_logged = self.state.global_step
+            self.store_flos()
+
+        def _log_pending(self, everything: bool) -> None:
+            """Log the pending steps, in order: all of them, or all but the newest (whose values may still be on their
+            way). `step_ended` is when each step's work ended, for the step times the callbacks report: the moment
+            a wait for it returned, or, for one that had ended before it was looked at, the last such moment plus the
+            GPU time between the two."""
+            while len(self._pending) > (0 if everything else 1):
+                entry = self._pending.popleft()
+                if entry.done is not None and entry.done.query() and self._clock is not None:
+                    event, at = self._clock
+                    entry.ended = at + event.elapsed_time(entry.done) / 1000
+                elif entry.done is not None:
+                    entry.done.synchronize()
+                    entry.ended = time.perf_counter()
+                    self._clock = (entry.done, entry.ended)
+                self.step_ended = entry.ended
+                loss, norm = entry.values.tolist()
+                self._total_loss_scalar += loss
+                logs = {"loss": loss / entry.steps}
+                if entry.has_norm:
+                    logs["grad_norm"] = norm
+                logs["learning_rate"] = entry.learning_rate
+                now = self.state.global_step, self.state.epoch
+                self.state.global_step, self.state.epoch = entry.step, entry.epoch  # Trainer.log reads them
+                try:
+                    self.log(logs)
+                finally:
+                    self.state.global_step, self.state.epoch = now
+
+        def _causal_lm(self, model):
+            """The causal LM inside `model`, found once: accelerate's unwrap_model walks every module looking for
+            compiled ones (15 ms a step for Qwen3-0.6B's PEFT model, while the GPU waited)."""
+            if self._causal is None or self._causal[0] is not model:
+                self._causal = (model, self.accelerator.unwrap_model(model).get_base_model())
+            return self._causal[1]
 
         # Two pieces of Trainer's per-micro-batch host work walk the whole PEFT model (~2,400 modules and 700
         # parameters for Qwen3-0.6B: 8 and 6 ms on a CPU core), the first while the GPU waits for its next batch.
@@ -498,7 +590,7 @@ def lean_trainer(speed: Speed):
             labels = inputs.pop("labels")
             if speed.compile and "cu_seq_lens_q" in inputs:  # the row count varies per batch: one dynamic graph
                 torch._dynamo.maybe_mark_dynamic(inputs["cu_seq_lens_q"], 0)
-            causal = self.accelerator.unwrap_model(model).get_base_model()
+            causal = self._causal_lm(model)
             with self.accelerator.autocast():
                 hidden = causal.get_decoder()(**inputs, use_cache=False).last_hidden_state
                 total, count = linear_ce.causal_lm_loss(
@@ -508,6 +600,20 @@ def lean_trainer(speed: Speed):
             return (loss, {"loss": loss}) if return_outputs else loss
 
     return LeanLossTrainer
+
+
+@dataclass
+class _PendingLog:
+    """A step's loss (summed over `steps`) and gradient norm, on their way to the host (`done` once there)."""
+
+    step: int
+    epoch: float | None
+    steps: int
+    learning_rate: float
+    has_norm: bool
+    values: torch.Tensor
+    done: Any  # torch.cuda.Event (timing) recorded behind the step's work; None off CUDA
+    ended: float | None = None  # perf_counter when the step's work ended, once known
 
 
 def _warm_up(trainer, batch: dict[str, Any], device: torch.device) -> float:
