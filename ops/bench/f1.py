@@ -82,6 +82,9 @@ VARIANTS = {  # name: spec overrides of one short engine run each
     # auto without the worker's merge (setup.MERGE_MICRO_BATCHES, on since 2026-12-07: 1.056x this on an H100): the
     # spec's 8 x 2 micro-batches as asked, where auto runs them as one of 16 when its memory probe predicts room
     "no-merge": {"experiment": "no-merge"},
+    # auto with Trainer's own logging: each step's loss read with `.item()` at its end, the GPU idle while the host
+    # logs and queues the next step (what the lean trainer's late logging replaced on 2026-12-07)
+    "log-at-once": {"experiment": "log-at-once"},
 }
 # rough seconds per phase beyond its steps (process start, model load, tokenizing, compile): the budget check
 OVERHEAD_S = {"service": 75, "engine": 60, "baseline": 25, "variant": 55}
@@ -241,6 +244,15 @@ def child_engine(args: argparse.Namespace) -> dict:
             from worker.training import setup
 
             setup.MERGE_MICRO_BATCHES = False
+        elif name == "log-at-once":
+            from transformers import Trainer
+
+            from worker.training import finetune as finetune_module
+            from worker.training import setup
+
+            finetune_module.lean_trainer = lambda speed, lean=setup.lean_trainer: type(
+                "LogAtOnce", (lean(speed),), {"_maybe_log_save_evaluate": Trainer._maybe_log_save_evaluate}
+            )
         elif name == "activation-budget":
             from torch._functorch import config as functorch_config
 
