@@ -474,3 +474,35 @@ def test_f1_reports_a_finished_run_and_counts_a_cut_one_in_the_median():
     assert (reported["train_tok_s"], reported["steps_logged"]) == (31_171.0, 60)
     alone = f1.median_run(runs[1:2])  # nothing finished: the cut run is all there is
     assert (alone["steps_logged"], alone["partial"]) == (13, True)
+
+
+def test_f1_compares_every_repeats_curve_with_every_plain_one_and_plain_with_itself():
+    """`loss_agreement` judges the reported runs only; with repeats f1.py also gives each finished run of ours
+    against each finished plain PEFT run, and the plain runs against each other (the rule's noise floor). A cut run's
+    short curve is left out."""
+    from ops.bench import f1
+
+    plain = {s: 2.0 for s in range(1, 11)}
+    spiky = {**plain, 3: 2.4}  # one step 20 % off: mean 2 %, last half 0
+    runs = {
+        "service": [{"loss": plain}, {"loss": spiky}, {"loss": {1: 9.0}, "partial": True}],
+        "baseline": [{"loss": plain}, {"loss": {s: 2.02 for s in range(1, 11)}}],
+    }
+    every = f1.repeats_agreement(runs)
+    pairs = {(p["ours_run"], p["plain_run"]): p for p in every["ours_vs_plain"]}
+    assert set(pairs) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert pairs[1, 1]["passed"] and pairs[1, 1]["mean_rel_diff"] == 0
+    assert not pairs[2, 1]["passed"] and pairs[2, 1]["mean_rel_diff"] == 0.02 and pairs[2, 1]["worst_step"] == 3
+    assert pairs[2, 1]["mean_rel_diff_last_half"] == 0
+    assert every["plain_vs_plain"] == [
+        {
+            "plain_run": 1,
+            "against": 2,
+            "passed": True,
+            "mean_rel_diff": 0.0099,
+            "mean_rel_diff_last_half": 0.0099,
+            "max_rel_diff": 0.0099,
+            "worst_step": 1,
+        }
+    ]
+    assert f1.repeats_agreement({"service": [{"loss": plain}], "baseline": [{"loss": plain}]}) is None  # one each
