@@ -977,9 +977,19 @@ def print_table(f1: dict) -> None:
                 f"{'':<30} runs {', '.join(f'{v:,.0f}' for v in stats['runs'])}: median {stats['median']:,.0f}, "
                 f"spread {stats['spread']:.1%} (the row above is the run nearest the median)"
             )
-    for key in ("loss_agreement", "loss_agreement_repeats", "loss_fall", "ratios", "targets"):
+    for key in ("loss_agreement", "loss_fall", "ratios", "targets"):
         if f1.get(key):
             print(f"{key}: {json.dumps(f1[key])}")
+    if every := f1.get("loss_agreement_repeats"):  # mean over all steps / over the last half, each pair of runs
+
+        def means(pairs: list[dict], a: str, b: str) -> str:
+            return ", ".join(
+                f"{p[a]}-{p[b]} {p['mean_rel_diff']:.2%}/{p['mean_rel_diff_last_half']:.2%}" for p in pairs
+            )
+
+        print(f"loss agreement of every repeat, ours-plain: {means(every['ours_vs_plain'], 'ours_run', 'plain_run')}")
+        if every["plain_vs_plain"]:
+            print(f"  plain-plain (its own spread): {means(every['plain_vs_plain'], 'plain_run', 'against')}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
