@@ -120,3 +120,5 @@ def test_soak_smoke_passes_every_step(tmp_path, tiny_model, base_model):
     assert engines["checks"]["fast_int8_memorized_answers"]["ok"]
     oom = next(s for s in report["steps"] if s["name"] == "oom")
     assert oom["checks"]["out_of_memory_split"]["events"]
+    tune = next(s for s in report["steps"] if s["name"] == "finetune_chain")
+    assert tune["checks"]["every_step_logged_once_in_order"]["count"] == 60  # examples/finetune.yaml's max_steps

@@ -27,7 +27,8 @@ with `api.client.Client`; rows and the worker registry are then read from its SQ
                    so in the job's events, and finish every row.
 8. finetune_chain  a LoRA fine-tune of a tiny base that knows no answer (examples/finetune.yaml, packed, 2 blocks
                    x 2 a step) chained to a generation job with the new adapter: the memorized answers come out; on
-                   one GPU the step's blocks ran as one micro-batch (the path F1 takes).
+                   one GPU the step's blocks ran as one micro-batch (the path F1 takes); every step's loss, gradient
+                   norm and time were logged once, in order (the lean trainer reads them one step late).
 9. adapter         a generation job naming that adapter (plain prompts and chat messages): the same answers.
 
 Every job: the expected end state within the step's bound; every row exactly once (`job_rows.executions` = 1, state
@@ -975,6 +976,18 @@ class Soak:
         )
         micro = (training.get("speed") or {}).get("micro_batches")
         step.check("micro_batches_merged_on_a_gpu", bool(micro and micro["merged"]) == (self.mode.gpus == 1), got=micro)
+        # each step's loss and gradient norm are read back one step late (setup.lean_trainer): on a GPU through a
+        # CUDA event, which the CPU tests fake; every step must still come once, in order, with its own time
+        logged = [e["data"] for e in self.client.all_events(tune_id) if e["kind"] == "metric" and "loss" in e["data"]]
+        step.check(
+            "every_step_logged_once_in_order",
+            [r["step"] for r in logged] == list(range(1, spec["max_steps"] + 1))
+            and all(r["loss"] is not None and r.get("grad_norm") is not None for r in logged)
+            and all((r.get("step_seconds") or 0) > 0 for r in logged),
+            steps=[r["step"] for r in logged][-5:],
+            count=len(logged),
+            unlogged_or_untimed=[r["step"] for r in logged if not (r.get("step_seconds") or 0) > 0][:5],
+        )
         gen_id = (tune.get("metrics") or {}).get("then_generate_job")
         if not step.check("chained_job_created", bool(gen_id)):
             step.record["state"] = tune["state"]
