@@ -417,13 +417,17 @@ def test_the_lean_trainer_logs_every_step_a_step_late_with_the_numbers_trainers_
 def test_a_late_logged_step_is_timed_from_its_own_end_on_the_gpu(tmp_path, base_model, monkeypatch):
     """On CUDA each step's values come with an event recorded behind its work: a step still running when it is
     logged is timed when the wait for it returns; one that had already ended, from the last such moment plus the GPU
-    time between the two events (here fake events: this machine has no GPU)."""
+    time between the two events; a run's first step is waited for at once, so the steps after it have a true clock
+    (here fake events: this machine has no GPU)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     class Event:  # a step's CUDA event: `gpu_s` when it completes on the GPU's clock
         def __init__(self, gpu_s: float, ended: bool):
             self.gpu_s, self.ended = gpu_s, ended
+
+        def record(self) -> None:  # behind the step's work
+            pass
 
         def query(self) -> bool:
             return self.ended
@@ -457,6 +461,27 @@ def test_a_late_logged_step_is_timed_from_its_own_end_on_the_gpu(tmp_path, base_
     trainer._pending[0].done.ended = True
     trainer._log_pending(True)
     assert logged[-1] == (4, pytest.approx(103.6))  # ended before it was looked at: 0.6 s of GPU time after step 3
+
+    # a run's first step is waited for when it is taken: had it ended before it was looked at, the moment it was
+    # looked at would have been its end and the clock of the steps after it (on an H100 that put 0.25 s of the
+    # first steps into a later one)
+    gpu = iter([20.0, 20.3])  # the GPU's clock at each event the trainer records
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: Event(next(gpu), ended=False))
+    fresh = setup.lean_trainer(setup.Speed(loss="chunked"))(model=model, args=args)
+    fresh._total_loss_scalar = 0.0
+    clock = iter([200.0])
+    first, at = fresh._end_marker(on_gpu=True)
+    assert first.ended and at == 200.0 and fresh._clock == (first, 200.0)  # waited for at once
+    second, at = fresh._end_marker(on_gpu=True)
+    assert not second.ended and at is None  # the later ones are not
+    second.ended = True
+    fresh._pending.extend(
+        [setup._PendingLog(1, 0.25, 1, 1e-3, True, torch.tensor([2.0, 0.5]), first, 200.0)]
+        + [setup._PendingLog(2, 0.5, 1, 1e-3, True, torch.tensor([1.0, 0.5]), second)]
+    )
+    monkeypatch.setattr(fresh, "log", lambda logs: logged.append((fresh.state.global_step, fresh.step_ended)))
+    fresh._log_pending(True)
+    assert logged[-2:] == [(1, 200.0), (2, pytest.approx(200.3))]
 
 
 def test_f1_reports_a_finished_run_and_counts_a_cut_one_in_the_median():
