@@ -526,7 +526,7 @@ def lean_trainer(speed: Speed):
             """(a timing CUDA event recorded behind the step's work, None) on a GPU, (None, now) off it. The first
             step's event is waited for at once: its end is the clock that later steps which had ended before they
             were looked at are timed from (taking the moment it was looked at instead put up to a step's time into
-            the next step waited for: 3.6 % too fast over F1's 30-step variants on an H100, session 54)."""
+            the next step waited for: F1's 30-step variants read ~3 % too fast on an H100, session 54)."""
             if not on_gpu:
                 return None, time.perf_counter()  # computed already
             done = torch.cuda.Event(enable_timing=True)
