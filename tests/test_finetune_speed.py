@@ -336,6 +336,10 @@ def test_f1_benchmark_smoke_runs_every_phase_and_ours_matches_plain_peft_step_fo
     assert f1["baseline"]["steps_logged"] == 12 and f1["variants"]["auto"]["steps_logged"] == 4
     assert f1["loss_agreement"]["passed"] and f1["loss_agreement"]["max_rel_diff"] <= 1e-4
     assert f1["loss_agreement"]["steps_compared"] == 12
+    service = f1["service"]  # all 12 steps' tokens over the whole train() call, its setup and saves included
+    assert service["tokens"] > 0 and service["train_tok_s_wall"] == round(
+        service["tokens"] / service["train_seconds"], 1
+    )
     profile = (tmp_path / "f1-profile-f1-auto.txt").read_text()
     assert profile.startswith("3 optimizer steps (6 micro-batches") and "Self CPU" in profile, profile[:500]
 
