@@ -29,7 +29,8 @@ Phases, each in its own process so each starts on an empty GPU (default `service
 Throughput counts real tokens (padding excluded) over the steps after the first `--warm-steps`, from each step's
 logged time: "steady" = tokens / seconds over those steps (checkpoint saves included), "median" = the median step;
 ours also "wall" (`train_tok_s_wall`): every step's tokens over the wall time of the job's whole `Trainer.train()`
-(its setup, first steps and saves included: a floor that depends on no step's own timing). Compile time (ours compiles before step 1) and the first steps are reported apart. JSON: `f1.service.train_tok_s`,
+(its setup, first steps and saves included: a floor that depends on no step's own timing). Compile time (ours
+compiles before step 1) and the first steps are reported apart. JSON: `f1.service.train_tok_s`,
 `f1.engine.train_tok_s`, `f1.baseline.train_tok_s`, `f1.peak_gib` (ours), `f1.loss_agreement` (the mean of
 |ours − plain| / plain over every step both logged and over the last half, each ≤ 1 %; the worst step reported),
 `f1.loss_agreement_repeats` (with `--repeat`: every finished run of ours against every plain one, and the plain
