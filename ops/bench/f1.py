@@ -216,12 +216,12 @@ def repeats_agreement(runs: dict[str, list[dict]]) -> dict | None:
     each plain PEFT run, and the plain runs against each other, the noise floor of the rule. Between steps ~27 and
     ~65 F1's loss wanders on a plateau in bf16; on 2026-12-07 one service run had a spike there (mean 1.30 %), the
     next run of the same code did not (0.65 %), and plain PEFT against itself across sessions gave 0.54-0.60 %."""
-    ours = runs.get("service") or runs.get("engine") or []
-    curves = {
-        "ours": [r["loss"] for r in ours if r.get("loss") and not r.get("partial")],
-        "plain": [r["loss"] for r in runs.get("baseline", []) if r.get("loss") and not r.get("partial")],
-    }
-    if len(curves["ours"]) + len(curves["plain"]) < 3 or not curves["plain"]:
+
+    def curves(phase_runs: list[dict]) -> list[dict]:
+        return [r["loss"] for r in phase_runs if r.get("loss") and not r.get("partial")]
+
+    ours, plain = curves(runs.get("service") or runs.get("engine") or []), curves(runs.get("baseline", []))
+    if len(ours) + len(plain) < 3 or not plain:
         return None
 
     def short(a: dict, b: dict) -> dict:
@@ -231,11 +231,10 @@ def repeats_agreement(runs: dict[str, list[dict]]) -> dict | None:
             for k in ("passed", "mean_rel_diff", "mean_rel_diff_last_half", "max_rel_diff", "worst_step")
         }
 
-    plain = curves["plain"]
     return {
         "ours_vs_plain": [
             {"ours_run": i + 1, "plain_run": j + 1, **short(a, b)}
-            for i, a in enumerate(curves["ours"])
+            for i, a in enumerate(ours)
             for j, b in enumerate(plain)
         ],
         "plain_vs_plain": [

@@ -534,8 +534,9 @@ def lean_trainer(speed: Speed):
             if self._clock is not None:
                 return done, None
             done.synchronize()
-            self._clock = (done, time.perf_counter())
-            return done, self._clock[1]
+            ended = time.perf_counter()
+            self._clock = (done, ended)
+            return done, ended
 
         def _log_pending(self, everything: bool) -> None:
             """Log the pending steps, in order: all of them, or all but the newest (whose values may still be on their
