@@ -494,13 +494,15 @@ def test_f1_reports_a_finished_run_and_counts_a_cut_one_in_the_median():
     from ops.bench import f1
 
     runs = [
-        {"train_tok_s": 30_914.0, "steps_logged": 60, "partial": False},
+        {"train_tok_s": 30_914.0, "steps_logged": 60, "partial": False, "train_tok_s_wall": 29_000.0},
         {"train_tok_s": 31_130.0, "steps_logged": 13, "partial": True},  # cut by the budget, at the median
-        {"train_tok_s": 31_171.0, "steps_logged": 60, "partial": False},
+        {"train_tok_s": 31_171.0, "steps_logged": 60, "partial": False, "train_tok_s_wall": 27_000.0},
     ]
     reported = f1.median_run(runs)
     assert reported["runs"]["median"] == 31_130.0 and reported["runs"]["runs"] == [30_914.0, 31_130.0, 31_171.0]
     assert (reported["train_tok_s"], reported["steps_logged"]) == (31_171.0, 60)
+    # the wall column is the finished runs' own median, not the reported run's figure
+    assert reported["train_tok_s_wall"] == 27_000.0 and reported["wall_runs"]["median"] == 28_000.0
     alone = f1.median_run(runs[1:2])  # nothing finished: the cut run is all there is
     assert (alone["steps_logged"], alone["partial"]) == (13, True)
 

@@ -6,6 +6,9 @@
 #   bash ops/gpu/soak.sh --quick      # at most 6.5 minutes: after every engine change
 #   bash ops/gpu/soak.sh --smoke      # CPU (NO_WHEELS=1 where the service is installed): the same steps, tiny
 #
+# SOAK_S sets the hard limit; the soak's own budget (--budget-s) is then 30 s less, so a short limit skips the steps
+# that no longer fit instead of cutting one mid-step (session 55's SOAK_S=300 cut the quick soak's yield step).
+#
 # $OUT gets soak.log (this output), soak-<mode>.json, worker-0.log, api.log, up.log and, if a step passed its
 # bound, stacks.txt. Exit status: the soak's (0 passed, 1 failed), 124 if the hard limit cut it.
 set -uo pipefail
@@ -16,9 +19,13 @@ case " $* " in
     *" --quick "*) limit=${SOAK_S:-390} ;;
     *) limit=${SOAK_S:-590} ;;
 esac
+budget=()  # a SOAK_S below the mode's own: the soak fits its steps into it (skips, not a cut mid-step)
+if [[ -n ${SOAK_S:-} && " $* " != *" --budget-s "* ]]; then
+    budget=(--budget-s $((limit - 30)))
+fi
 WORK=${SOAK_WORK:-/tmp/gpujobs-soak}
 command -v nvidia-smi > /dev/null && nvidia-smi -L
-timeout -k 15 "$limit" "$PYTHON" ops/gpu/soak.py --work "$WORK" "$@" 2>&1 | tee "$OUT/soak.log"
+timeout -k 15 "$limit" "$PYTHON" ops/gpu/soak.py --work "$WORK" "$@" "${budget[@]}" 2>&1 | tee "$OUT/soak.log"
 rc=${PIPESTATUS[0]}
 if ((rc == 124 || rc == 137)); then  # cut by the limit: the soak may not have stopped its stack
     JOBS_HOME=$WORK/home "$PYTHON" -m api down > /dev/null 2>&1
