@@ -5,9 +5,10 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 
     python ops/bench/decode_kernel.py --out ops/bench/results/decode-kernel.json    # on a GPU
 
-1. configs: every (warps, stages) of CONFIGS at batch 1024 × context 384 (the page is the kernel's block), for bf16
-   pages (the engine's CONFIG; the rest of the run uses the best) and for fp8 and int8 pages (`best_quantized`:
-   on an H100 they read their half of the bytes at ~1.7 TB/s with bf16's config, 2026-12-06);
+1. configs: every (warps, stages, pages per inner step) of CONFIGS at batch 1024 × context 384, for bf16 pages (the
+   engine's CONFIG; the rest of the run uses the best) and for fp8 and int8 pages (QUANTIZED_CONFIG;
+   `best_quantized`, each kind's used for its own times below: on an H100 they read their half of the bytes at
+   ~1.7 TB/s with bf16's config and one page a step, 2026-12-06; more pages a step put more bytes in flight);
 2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
    contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
    bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions. Also the
@@ -36,7 +37,8 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
    kernel (`write_prefill`): both times, `gain`, the bandwidth each reaches over the bytes written, and whether
    the pages are the same. Shapes of G1's chunks (128 × 256), G2's (64 × 512) and long prompts (16 × 2048).
 
-`--writes-only` runs sections 4 to 6 alone (seconds: a check of the writes after a change to them).
+`--writes-only` runs sections 4 to 6 alone (seconds: a check of the writes after a change to them); `--configs-only`
+sections 1 and 2 (the configs, then the shapes with the best of them).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from ops.bench import harness  # after the repository root is on sys.path
 
-CONFIGS = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3)]
+CONFIGS = [(w, s, p) for p in (1, 2, 4) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]  # warps, stages, pages
 SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
 # (batch, shared, own): G3's (1024, 1024, 64), and the grid that places the engine's CASCADE_MIN_READS
 CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
@@ -204,6 +206,7 @@ def main() -> int:
 
     p = harness.parser(__doc__, out=harness.RESULTS / "decode-kernel.json")
     p.add_argument("--writes-only", action="store_true", help="sections 4 to 6 alone: the K/V writes")
+    p.add_argument("--configs-only", action="store_true", help="sections 1 and 2 alone: the configs and the shapes")
     args = p.parse_args()
     scale = DIM**-0.5
     torch.manual_seed(0)
@@ -218,10 +221,11 @@ def main() -> int:
     q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
     quant_pages = {kind: (*da.quantize(kp, dtype), *da.quantize(vp, dtype)) for kind, dtype in da.QUANTIZED.items()}
     configs = []
-    for warps, stages in CONFIGS:
-        da.CONFIG.update(warps=warps, stages=stages)
+    for warps, stages, pages in CONFIGS:
+        da.CONFIG.update(warps=warps, stages=stages, pages=pages)
+        da.QUANTIZED_CONFIG.update(da.CONFIG)
         ms = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, 1))
-        configs.append({"warps": warps, "stages": stages, "ms": round(ms, 4)})
+        configs.append({"warps": warps, "stages": stages, "pages": pages, "ms": round(ms, 4)})
         for kind, (kq, ks, vq, vs) in quant_pages.items():  # quantized pages: is another config theirs?
             run = partial(da._triton_decode, q, kq, vq, table, lengths, scale, 1, None, ks, vs)
             configs[-1][f"{kind}_ms"] = round(timed(torch, run), 4)
@@ -229,7 +233,8 @@ def main() -> int:
     del quant_pages
     best = min(configs, key=lambda c: c["ms"])
     best_quantized = {kind: min(configs, key=lambda c: c[f"{kind}_ms"]) for kind in da.QUANTIZED}
-    da.CONFIG.update(warps=best["warps"], stages=best["stages"])
+    launch = ("warps", "stages", "pages")
+    da.CONFIG.update({k: best[k] for k in launch})
     results = []
     for batch, ctx in SHAPES:
         q, k, v, kp, vp, table, lengths = paged(torch, da, batch, ctx)
@@ -241,6 +246,7 @@ def main() -> int:
         read = 2 * batch * KV_HEADS * ctx * DIM * 2  # bf16 K and V bytes
         quantized = {}
         for kind, dtype in da.QUANTIZED.items():
+            da.QUANTIZED_CONFIG.update({k: best_quantized[kind][k] for k in launch})
             (kq, ks), (vq, vs) = da.quantize(kp, dtype), da.quantize(vp, dtype)
             run = partial(da._triton_decode, q, kq, vq, table, lengths, scale, splits, None, ks, vs)
             ms = timed(torch, run)
@@ -273,10 +279,13 @@ def main() -> int:
         print(row, flush=True)
         del q, k, v, kp, vp
         torch.cuda.empty_cache()
-    cascade = [cascade_row(torch, da, scale, *shape) for shape in CASCADE_SHAPES]
-    kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
-    fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
-    prefill = [prefill_write_row(torch, da, *shape) for shape in PREFILL_SHAPES]
+    if args.configs_only:
+        cascade = kv_write = fold = prefill = []
+    else:
+        cascade = [cascade_row(torch, da, scale, *shape) for shape in CASCADE_SHAPES]
+        kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
+        fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
+        prefill = [prefill_write_row(torch, da, *shape) for shape in PREFILL_SHAPES]
     harness.write_json(
         args.out,
         {
@@ -293,6 +302,9 @@ def main() -> int:
             "prefill_write": prefill,
         },
     )
+    print(f"{'warps':>6}{'stages':>7}{'pages':>6}{'bf16 ms':>9}{'fp8 ms':>8}{'int8 ms':>9}  (batch 1024 x context 384)")
+    for c in configs:
+        print(f"{c['warps']:>6}{c['stages']:>7}{c['pages']:>6}{c['ms']:>9.4f}{c['fp8_ms']:>8.4f}{c['int8_ms']:>9.4f}")
     print(f"best config: {best}")
     for kind, config in best_quantized.items():
         print(f"best config for {kind} pages: {config}")
@@ -309,13 +321,15 @@ def main() -> int:
                 for k, w in (("fp8", 8), ("int8", 9))
             )
         )
-    print(f"{'batch':>6}{'shared':>7}{'own':>5}{'plain ms':>10}{'cascade ms':>11}{'gain':>7}{'max diff':>10}")
+    if cascade:
+        print(f"{'batch':>6}{'shared':>7}{'own':>5}{'plain ms':>10}{'cascade ms':>11}{'gain':>7}{'max diff':>10}")
     for r in cascade:
         print(
             f"{r['batch']:>6}{r['shared']:>7}{r['own']:>5}{r['plain_ms']:>10.3f}{r['cascade_ms']:>11.3f}"
             f"{r['gain']:>7.2f}{r['max_abs_diff']:>10.4f}"
         )
-    print_writes(kv_write, fold, prefill)
+    if not args.configs_only:
+        print_writes(kv_write, fold, prefill)
     return 0
 
 

@@ -8,7 +8,8 @@
 #                                         # PROFILE_WARM_START=1: on the resident worker's second small job
 #   PART=g3 bash ops/gpu/perf.sh     # G3: the prefix cache off, on, on without the cascade (3 interleaved runs each)
 #   PART=kernel bash ops/gpu/perf.sh # the decode attention alone (decode_kernel.py), the cascade against the plain kernel,
-#                                    # fp8 and int8 pages against bf16 ones
+#                                    # fp8 and int8 pages against bf16 ones; CONFIGS_ONLY=1: the launch configs (warps,
+#                                    # stages, pages a step) and the shapes alone
 #   PART=overlap bash ops/gpu/perf.sh # a decode step as halves on two CUDA streams, a prefill chunk beside a decode
 #                                    # step (ops/bench/overlap.py: ~1 minute)
 #   PART=writes bash ops/gpu/perf.sh # decode_kernel.py's K/V writes alone (seconds): the kernels' bytes against torch's,
@@ -77,7 +78,7 @@ case $PART in
     grammar) size=${TOKENIZER_SIZE:-640}
              cmd=(python3 ops/bench/grammar_step.py --tokenizer-size "$size" --out "$OUT/grammar-step-$size.json") ;;
     attention) cmd=(python3 ops/bench/varlen_attention.py --out "$OUT/varlen-attention.json") ;;
-    kernel) cmd=(python3 ops/bench/decode_kernel.py --out "$OUT/decode-kernel.json") ;;
+    kernel) cmd=(python3 ops/bench/decode_kernel.py ${CONFIGS_ONLY:+--configs-only} --out "$OUT/decode-kernel.json") ;;
     overlap) cmd=(python3 ops/bench/overlap.py --out "$OUT/overlap.json") ;;
     flip) flag=${FLIP:?set FLIP to a name in FLIPS of ops/bench/profile_gen.py}
           cmd=(python3 ops/bench/profile_gen.py "${ON:-g1}" --repeat 3 --flip "$flag" --model /tmp/g1-model

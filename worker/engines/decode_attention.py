@@ -31,8 +31,8 @@ rare 20× outliers fp8's is smaller (ops/bench/results/2026-12-05-cpu-kv-quant).
 Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade,
 k_scales, v_scales)`:
 
-- `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, one page per inner
-  step; optionally split over the context in `splits` parts that take every splits-th page, merged by `_merge`,
+- `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, `CONFIG["pages"]` pages
+  per inner step; optionally split over the context in `splits` parts that take every splits-th step, merged by `_merge`,
   so a small batch still fills the GPU whatever the lengths), and the cascade's `_prefix_kernel`. Lengths, the
   page table and the shared pages are read from device tensors, so the launch has fixed shapes and is captured in
   a CUDA graph once per batch size. Both also run under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU
@@ -53,10 +53,15 @@ import os
 
 import torch
 
-PAGE = 64  # positions per page of the KV cache; also the kernel's inner step (one page per iteration)
-# launch configuration of the kernel: (warps, pipeline stages); ops/bench/fast_tune.py measures the alternatives on
-# a GPU (the block of positions per inner step is the page)
-CONFIG = {"warps": 4, "stages": 3}  # best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
+PAGE = 64  # positions per page of the KV cache; the row kernel's inner step takes CONFIG["pages"] of them
+# launch configuration of the row kernel: warps, pipeline stages and pages per inner step (its block of positions:
+# pages x PAGE, each page found in the table); ops/bench/decode_kernel.py measures the alternatives on a GPU.
+# warps 4, stages 3: best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
+CONFIG = {"warps": 4, "stages": 3, "pages": 1}
+# the same for fp8 and int8 pages: a page of them is half the bytes of a bf16 one, so one page per inner step puts
+# half as many bytes in flight (2026-12-06, H100: ~1.7 TB/s, 1.07-1.19x bf16's time where the bytes allow ~1.9x);
+# more pages per step is the lever decode_kernel.py times (untimed as of 2026-12-07)
+QUANTIZED_CONFIG = {"warps": 4, "stages": 3, "pages": 1}
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
@@ -299,6 +304,7 @@ def _triton_decode(
     if not quant:
         k_scales, v_scales = k_pages, v_pages
     scale_strides = k_scales.stride()[:2] if quant else (0, 0)  # v_scales' are the same
+    config = QUANTIZED_CONFIG if quant else CONFIG
     # both kernels take these
     strides = (*q.stride()[:2], *k_pages.stride()[:3], *v_pages.stride()[:3], *scale_strides)
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels work in base 2
@@ -331,12 +337,13 @@ def _triton_decode(
         HEAD_DIM=dim,
         HEAD_PAD=triton.next_power_of_2(dim),
         BLOCK=PAGE,
+        PAGES=config["pages"],
         DIRECT=direct,
         START=cascade is not None,
         QUANT=quant,
         WRITE=new is not None,
-        num_warps=CONFIG["warps"],
-        num_stages=CONFIG["stages"],
+        num_warps=config["warps"],
+        num_stages=config["stages"],
     )
     if direct:
         return acc[:, :, 0]
@@ -366,8 +373,8 @@ def _triton_decode(
             BLOCK_M=BLOCK_M,
             QUANT=quant,
             WRITE=new is not None,
-            num_warps=CONFIG["warps"],
-            num_stages=CONFIG["stages"],
+            num_warps=config["warps"],
+            num_stages=config["stages"],
         )
     return _merge(acc, stats).to(q.dtype)
 
@@ -432,12 +439,15 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         BLOCK: tl.constexpr,
+        PAGES: tl.constexpr,
         DIRECT: tl.constexpr,
         START: tl.constexpr,
         QUANT: tl.constexpr,
         WRITE: tl.constexpr,
     ):
-        """Program (slot b, kv head, split): its part of slot b's blocks. WRITE: position length - 1 is the step's
+        """Program (slot b, kv head, split): its part of slot b's pages, PAGES of them (PAGES * BLOCK positions) per
+        inner step, each found in the table; part `split` takes steps split, split + splits, .... WRITE: position
+        length - 1 is the step's
         new K/V (KNew, VNew), not in the pages yet: the loop reads positions 0..length - 2, and part 0 then adds the
         new position to its online softmax from registers and stores the vectors at (WritePage[b],
         WriteOffset[b]). (Substituting the new vectors inside the loop, a `where` on every block, cost 9-10 % of
@@ -454,7 +464,10 @@ if triton is not None:
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_PAD)
         dim = _head_mask(d, HEAD_DIM, HEAD_PAD)[None, :]
-        offs = tl.arange(0, BLOCK)
+        offs = tl.arange(0, PAGES * BLOCK)  # the inner step's positions
+        within = offs  # each one's offset in its page
+        if PAGES > 1:
+            within = offs % BLOCK
         heads = kvh * GROUP + g
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g[:, None] < GROUP) & dim, other=0.0
@@ -465,16 +478,23 @@ if triton is not None:
         cached = length
         if WRITE:  # the last position is the step's new K/V: attended to after the loop, from registers
             cached = length - 1
-        for block in range(first + split, tl.cdiv(cached, BLOCK), splits):  # this part's: split, split + splits, ...
-            page = tl.load(Table + b * stride_tb + block).to(tl.int64)
+        # this part's steps, by their first page: first + PAGES * (split, split + splits, ...)
+        for block in range(first + split * PAGES, tl.cdiv(cached, BLOCK), splits * PAGES):
             valid = block * BLOCK + offs < cached
+            if PAGES == 1:
+                page = tl.load(Table + b * stride_tb + block).to(tl.int64)
+                row_page = page
+            else:  # each position's page (past the slot's last one: masked, never read)
+                page = tl.load(Table + b * stride_tb + block + offs // BLOCK, mask=valid, other=0).to(tl.int64)
+                row_page = page[:, None]
             k = tl.load(
-                K + page * stride_kp + kvh * stride_kh + offs[:, None] * stride_kn + d[None, :],
+                K + row_page * stride_kp + kvh * stride_kh + within[:, None] * stride_kn + d[None, :],
                 mask=valid[:, None] & dim,
                 other=0.0,
             )
             if QUANT:  # fp8 pages: q's dtype for the product, each position's scale on its logit
-                ks = tl.load(KS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
+                scale_at = page * stride_sp + kvh * stride_sh + within
+                ks = tl.load(KS + scale_at, mask=valid, other=0.0)
                 s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
             else:
                 s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits
@@ -484,12 +504,12 @@ if triton is not None:
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(
-                V + page * stride_vp + kvh * stride_vh + offs[:, None] * stride_vn + d[None, :],
+                V + row_page * stride_vp + kvh * stride_vh + within[:, None] * stride_vn + d[None, :],
                 mask=valid[:, None] & dim,
                 other=0.0,
             )
             if QUANT:  # each position's scale on its probability
-                vs = tl.load(VS + page * stride_sp + kvh * stride_sh + offs, mask=valid, other=0.0)
+                vs = tl.load(VS + scale_at, mask=valid, other=0.0)
                 acc = acc * alpha[:, None] + tl.dot((p * vs[None, :]).to(q.dtype), v.to(q.dtype))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
