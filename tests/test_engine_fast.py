@@ -562,20 +562,22 @@ for r in (2, 3):  # rows 2 and 3 start with row 1's first two pages (the cascade
     table[r, :2] = table[1, :2]
 lengths = torch.tensor([0, 1, 2 * P + 7, w * P, P, P + 1, 4 * P + 3, 3 * P], dtype=torch.int32)
 exact = da.masked_decode(q, cache[0], cache[1], lengths, 0.3)
-shared = torch.full((w,), -1, dtype=torch.long)
-shared[:2] = table[1, :2]
-cascade = (shared, torch.tensor([2], dtype=torch.int32), da.cascade_start(table, shared))
-assert cascade[2].tolist() == [0, 2, 2, 2, 0, 0, 0, 0], cascade[2]
+cascades = []  # rows 1-3 share two pages, then one (an odd first page: a step of 2 or 4 starts inside it)
+for n, starts in ((2, [0, 2, 2, 2, 0, 0, 0, 0]), (1, [0, 1, 1, 1, 0, 0, 0, 0])):
+    shared = torch.full((w,), -1, dtype=torch.long)
+    shared[:n] = table[1, :n]
+    cascades.append((shared, torch.tensor([n], dtype=torch.int32), da.cascade_start(table, shared)))
+    assert cascades[-1][2].tolist() == starts, (n, cascades[-1][2])
 quantized = {kind: (*da.quantize(k, kind), *da.quantize(v, kind)) for kind in (da.FP8, torch.int8)}
 for pages in (2, 4):
     da.CONFIG["pages"] = da.QUANTIZED_CONFIG["pages"] = pages
     for splits in (1, 2, 3):  # 3 parts of 4 pages: parts past a row's last page read nothing
-        for c in (None, cascade):
+        for c in (None, *cascades):
             diff = (da._triton_decode(q, k, v, table, lengths, 0.3, splits, c) - exact).abs().max().item()
             assert diff < 1e-5, (pages, splits, c is None, diff)
     for kind, (k8, ks, v8, vs) in quantized.items():
         ref = da.reference_decode(q, k8, v8, table, lengths, 0.3, ks, vs)
-        for splits, c in ((1, None), (3, None), (2, cascade)):
+        for splits, c in ((1, None), (3, None), (2, cascades[0]), (3, cascades[1])):
             got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, c, ks, vs)
             assert (got - ref).abs().max().item() < 1e-5, (pages, kind, splits, c is None)
     # the step's K/V written by the kernel (FOLD_WRITE): as write_step then the kernel

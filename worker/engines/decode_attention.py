@@ -31,11 +31,11 @@ rare 20× outliers fp8's is smaller (ops/bench/results/2026-12-05-cpu-kv-quant).
 Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengths, scale, splits, cascade,
 k_scales, v_scales)`:
 
-- `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, `CONFIG["pages"]` pages
-  per inner step; optionally split over the context in `splits` parts that take every splits-th step, merged by `_merge`,
-  so a small batch still fills the GPU whatever the lengths), and the cascade's `_prefix_kernel`. Lengths, the
-  page table and the shared pages are read from device tensors, so the launch has fixed shapes and is captured in
-  a CUDA graph once per batch size. Both also run under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU
+- `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, `CONFIG["pages"]`
+  pages per inner step; optionally split over the context in `splits` parts that take every splits-th step, merged
+  by `_merge`, so a small batch still fills the GPU whatever the lengths), and the cascade's `_prefix_kernel`.
+  Lengths, the page table and the shared pages are read from device tensors, so the launch has fixed shapes and is
+  captured in a CUDA graph once per batch size. Both also run under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU
   tests check them against the reference.
 - `reference_decode`: the same result by gathering the pages and running `scaled_dot_product_attention` with a
   length mask; what runs on CPU (there is no Triton CPU backend outside the interpreter), and the yardstick of the
@@ -268,8 +268,9 @@ def masked_decode(
 
 def splits_for(batch: int, kv_heads: int) -> int:
     """How many parts to split each slot's context into so that about TARGET_PROGRAMS kernel programs run: one for
-    large batches, up to MAX_SPLITS for small ones. Part j of `splits` reads pages j, j + splits, j + 2 splits, ...
-    of its slot, so the parts share any length evenly (and parts past a short slot's last page exit at once)."""
+    large batches, up to MAX_SPLITS for small ones. Part j of `splits` reads inner steps j, j + splits,
+    j + 2 splits, ... of its slot (a step: CONFIG["pages"] pages), so the parts share any length evenly (and parts
+    past a short slot's last page exit at once)."""
     return max(1, min(MAX_SPLITS, math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
 
 
@@ -447,10 +448,9 @@ if triton is not None:
     ):
         """Program (slot b, kv head, split): its part of slot b's pages, PAGES of them (PAGES * BLOCK positions) per
         inner step, each found in the table; part `split` takes steps split, split + splits, .... WRITE: position
-        length - 1 is the step's
-        new K/V (KNew, VNew), not in the pages yet: the loop reads positions 0..length - 2, and part 0 then adds the
-        new position to its online softmax from registers and stores the vectors at (WritePage[b],
-        WriteOffset[b]). (Substituting the new vectors inside the loop, a `where` on every block, cost 9-10 % of
+        length - 1 is the step's new K/V (KNew, VNew), not in the pages yet: the loop reads positions
+        0..length - 2, and part 0 then adds the new position to its online softmax from registers and stores the
+        vectors at (WritePage[b], WriteOffset[b]). (Substituting the new vectors inside the loop, a `where` on every block, cost 9-10 % of
         the kernel on an H100.)"""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -497,7 +497,7 @@ if triton is not None:
                 ks = tl.load(KS + scale_at, mask=valid, other=0.0)
                 s = tl.dot(q, tl.trans(k.to(q.dtype))) * (ks * scale_log2)[None, :]
             else:
-                s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, BLOCK), base-2 logits
+                s = tl.dot(q, tl.trans(k)) * scale_log2  # (GROUP_PAD, PAGES * BLOCK), base-2 logits
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
