@@ -229,13 +229,17 @@ def tokens_revoke(token_id: str) -> None:
         auth.revoke(session, token_id)
 
 
+# what `demo` reads from --examples: the tiny model's answers, the fine-tune's spec and rows, the prompts
+DEMO_FILES = ("qa.jsonl", "finetune.yaml", "finetune_qa.jsonl", "prompts.jsonl")
+
+
 @cli.command()
 @click.option(
     "--examples",
     type=click.Path(file_okay=False, exists=True),
     default=str(EXAMPLES),
     show_default=True,
-    help="folder with qa.jsonl and prompts.jsonl",
+    help="folder with the demo's files: " + ", ".join(DEMO_FILES),
 )
 @click.option("--port", default=8765, show_default=True, help="API port if the stack must be started")
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
@@ -247,6 +251,8 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
 
     from api import stack
 
+    if missing := [name for name in DEMO_FILES if not (Path(examples) / name).is_file()]:  # before anything starts
+        raise click.BadParameter(f"{examples} has no {', '.join(missing)}", param_hint="--examples")
     settings = get_settings()
     if not stack.read_stack():
         click.echo("starting the local stack (`gpujobs up --detach`) ...", err=True)

@@ -151,7 +151,10 @@ def pack_adapter(folder: Path):
         yield packed
 
 
-def common_submit_options(fn):
+def common_submit_options(kind: str):
+    """The options both submit commands take; the help of --quantization and --set, and --adapter (generate only:
+    a fine-tune trains a new adapter), follow `kind`."""
+    generate = kind == "generate"
     options = [
         click.option(
             "--spec", "spec_file", type=click.Path(dir_okay=False), help="YAML or JSON spec; flags override it"
@@ -186,28 +189,44 @@ def common_submit_options(fn):
             "attn_implementation",
             help="sdpa (default), sdpa_gqa, eager, flex_attention, flash_attention_2/3/4, paged|…, or a Hub kernel repo",
         ),
-        click.option("--quantization", help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"),
-        click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
         click.option(
-            "--adapter",
-            help="LoRA adapter: a fine-tune job id, a file id, a Hub LoRA repo (org/name), "
-            "or a local PEFT adapter directory (uploaded as a zip)",
+            "--quantization",
+            help="bnb-4bit, bnb-8bit, torchao-int8, torchao-int4, torchao-float8, fp8"
+            if generate
+            else "bnb-4bit: QLoRA, a 4-bit base (the one quantization a fine-tune trains on)",
+        ),
+        click.option("--device-map", type=click.Choice(["cuda", "auto", "cpu"]), help="cuda: one GPU; auto: split"),
+        *(
+            [
+                click.option(
+                    "--adapter",
+                    help="LoRA adapter: a fine-tune job id, a file id, a Hub LoRA repo (org/name), "
+                    "or a local PEFT adapter directory (uploaded as a zip)",
+                )
+            ]
+            if generate
+            else []
         ),
         click.option(
             "--set",
             "sets",
             multiple=True,
             metavar="KEY=VALUE",
-            help="any other spec field (repeatable), e.g. engine=continuous, num_return_sequences=4",
+            help="any other spec field (repeatable), e.g. "
+            + ("engine=continuous, num_return_sequences=4" if generate else "warmup_steps=10, liger=off"),
         ),
         click.option(
             "--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"
         ),
         json_option("print the job as JSON instead of its id"),
     ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+
+    def decorate(fn):
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
 
 
 def submit_spec(kind: str, spec_file: str | None, sets: tuple[str, ...], flags: dict[str, Any]) -> dict[str, Any]:
@@ -277,7 +296,7 @@ def submit() -> None:
 
 
 @submit.command("generate")
-@common_submit_options
+@common_submit_options("generate")
 @click.option("--max-new-tokens", type=click.IntRange(1), help="tokens to generate per row (256)")
 @click.option("--temperature", type=float, help="sampling temperature; > 0 samples, default greedy")
 @click.option("--top-p", type=float, help="nucleus sampling")
@@ -359,7 +378,7 @@ def schema_format(path: Path) -> dict[str, Any]:
 
 
 @submit.command("finetune")
-@common_submit_options
+@common_submit_options("finetune")
 @click.option("--max-steps", type=click.IntRange(1), help="training steps (overrides --epochs)")
 @click.option("--epochs", type=float, help="passes over the dataset (1)")
 @click.option("--learning-rate", type=float, help="peak learning rate (2e-4)")

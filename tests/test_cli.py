@@ -497,3 +497,42 @@ def test_the_cli_imports_no_server_side_package():
     code = f"import sys, api.cli; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_each_submit_command_offers_only_what_its_kind_takes():
+    """`submit finetune --help` offered --adapter (a fine-tune trains a new adapter: the spec refuses one), listed
+    quantizations a fine-tune refuses and gave `--set engine=continuous` as its example. Each command's options and
+    examples are now its kind's: every quantization its help names validates, every `--set` example is a field."""
+    from api.cli import cli
+    from core.spec import FinetuneSpec, GenerateSpec
+
+    for kind, model in (("generate", GenerateSpec), ("finetune", FinetuneSpec)):
+        params = {p.name: p for p in cli.commands["submit"].commands[kind].params}
+        assert ("adapter" in params) == (kind == "generate"), kind
+        methods = re.findall(r"(?:bnb|torchao)-\w+|\bfp8\b", params["quantization"].help)
+        assert methods and all(
+            model.model_validate({"model": "m", "input": "file_x", "quantization": m}).quantization for m in methods
+        ), (kind, methods)
+        examples = re.findall(r"(\w+)=", params["sets"].help.split("e.g.")[1])
+        assert examples and set(examples) <= set(model.model_fields), (kind, examples)
+
+
+def test_demo_names_the_example_files_it_lacks_before_starting_anything(tmp_path):
+    """`gpujobs demo --examples DIR` reads four files from DIR; its help named two, and a folder built from the help
+    failed after the stack had started and the model had been built. A missing file is now refused at once (exit
+    2, the files named) and nothing is started or written."""
+    from click.testing import CliRunner
+
+    from api.cli import cli
+
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    for name in ("qa.jsonl", "prompts.jsonl"):
+        (examples / name).write_text((ROOT / "examples" / name).read_text())
+    home = tmp_path / "home"
+    result = CliRunner().invoke(cli, ["demo", "--examples", str(examples)], env={"JOBS_HOME": str(home)})
+    assert result.exit_code == 2, result.output
+    assert f"{examples} has no finetune.yaml, finetune_qa.jsonl" in result.output
+    assert not home.exists()
+    helped = " ".join(CliRunner().invoke(cli, ["demo", "--help"]).output.split())
+    assert "qa.jsonl, finetune.yaml, finetune_qa.jsonl, prompts.jsonl" in helped
