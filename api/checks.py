@@ -123,14 +123,30 @@ def priority(spec: Spec, *, may_prioritize: bool) -> None:
 
 
 def _then_generate_spec(spec: FinetuneSpec) -> dict[str, Any] | None:
-    """The chained generation spec, checked before anything is stored (its adapter id is filled in later)."""
+    """The chained generation spec, checked as a generation job's is (its fields, then its sampling) before anything
+    is stored: a chained spec refused after the fine-tune was stored would leave that fine-tune failed. Its adapter
+    id is filled in later; the model, the adapter and the kind are the chain's, never the user's."""
     if spec.then_generate is None:
         return None
+    given = spec.then_generate
+    if taken := [k for k in ("model", "adapter", "adapter_revision") if k in given] + (
+        ["kind"] if given.get("kind", "generate") != "generate" else []
+    ):
+        raise InvalidInput(
+            f"invalid finetune spec: then_generate: {', '.join(taken)}: the chained job is a generation job on the "
+            "fine-tune's base model with the adapter it trains: leave them out"
+        )
     data = {k: getattr(spec, k) for k in INHERITED if getattr(spec, k) is not None}
-    data.update(spec.then_generate, kind="generate", model=spec.model, adapter="job_pending")
+    data.update(given, kind="generate", model=spec.model, adapter="job_pending")
     data.setdefault("name", f"{spec.name or 'fine-tune'}: generate")
-    parsed = parse_spec(data)
-    assert isinstance(parsed, GenerateSpec)
+    try:
+        parsed = parse_spec(data)
+        assert isinstance(parsed, GenerateSpec)
+        _check_sampling(parsed)
+    except InvalidInput as exc:
+        raise InvalidInput(
+            f"invalid finetune spec: then_generate: {str(exc).removeprefix('invalid generate spec: ')}"
+        ) from None
     return data
 
 

@@ -44,13 +44,23 @@ def load_spec_file(path: str | None) -> dict[str, Any]:
 
 
 def parse_sets(pairs: tuple[str, ...]) -> dict[str, Any]:
-    """--set key=value, the value read as YAML (numbers, booleans, lists)."""
+    """--set key=value, the value read as YAML (numbers, booleans, lists). A value YAML cannot read, or reads as
+    nothing (empty, or a `#` comment), is refused with how to quote it; `null` clears a field."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise InvalidInput(f"--set {pair!r}: expected key=value")
-        out[key.strip().replace("-", "_")] = yaml.load(value, Loader=SpecLoader)  # noqa: S506  (a SafeLoader)
+        quote = f"quote it as YAML text: --set \"{key}='{value}'\""
+        if not value.strip():
+            raise InvalidInput(f"--set {pair!r}: no value: give one, or null to clear the field")
+        if value.lstrip().startswith("#"):
+            raise InvalidInput(f"--set {pair!r}: the value reads as nothing (`#` starts a YAML comment): {quote}")
+        try:
+            out[key.strip().replace("-", "_")] = yaml.load(value, Loader=SpecLoader)  # noqa: S506  (a SafeLoader)
+        except yaml.YAMLError as exc:
+            reason = str(getattr(exc, "problem", None) or exc).strip()
+            raise InvalidInput(f"--set {pair!r}: the value is not valid YAML ({reason}): {quote}") from None
     return out
 
 
@@ -234,7 +244,14 @@ def submit_spec(kind: str, spec_file: str | None, sets: tuple[str, ...], flags: 
     spec.update({k: v for k, v in flags.items() if v not in (None, ())})
     spec.update(parse_sets(sets))
     if spec.setdefault("kind", kind) != kind:
-        raise InvalidInput(f"the spec file is a {spec['kind']!r} job, not {kind!r}")
+        raise InvalidInput(
+            f"kind {spec['kind']!r} (from --spec or --set) does not match `submit {kind}`: leave kind out"
+            + (
+                f", or submit it with `gpujobs submit {spec['kind']}`"
+                if spec["kind"] in ("generate", "finetune")
+                else ""
+            )
+        )
     for field in ("model", "input"):
         if not spec.get(field) and not (field == "model" and _model_in_lines(kind, spec)):
             raise InvalidInput(

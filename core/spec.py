@@ -17,6 +17,7 @@ with a message that names the rule.
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Any, Literal
 
@@ -532,6 +533,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
 
 
 Spec = GenerateSpec | FinetuneSpec
+OTHER_FIELDS = {"generate": GenerateSpec.model_fields, "finetune": FinetuneSpec.model_fields}  # for describe's hints
 
 
 def parse_spec(data: dict[str, Any]) -> Spec:
@@ -547,7 +549,9 @@ def parse_spec(data: dict[str, Any]) -> Spec:
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
-        raise InvalidInput(f"invalid {kind} spec: {describe(exc)}") from None
+        other = "finetune" if kind == "generate" else "generate"
+        hint = {other: set(OTHER_FIELDS[other]) - set(model.model_fields), "near": set(model.model_fields)}
+        raise InvalidInput(f"invalid {kind} spec: {describe(exc, hint)}") from None
 
 
 def whole_number(value: Any) -> Any:
@@ -556,16 +560,33 @@ def whole_number(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def describe(exc: ValidationError) -> str:
-    """One readable line per problem, e.g. `max_new_tokens: Input should be greater than or equal to 1`."""
+def describe(exc: ValidationError, hint: dict[str, set[str]] | None = None) -> str:
+    """One readable line per problem, e.g. `max_new_tokens: Input should be greater than or equal to 1`; a rule of
+    ours gives its own words (no "Value error,"; a rule over several fields names no field). `hint` (parse_spec's):
+    an unknown field is matched against `near`, the spec's own fields (`max_tokens`: did you mean 'max_new_tokens'?),
+    and against the other kind's (`temperature` on a fine-tune: a generate field)."""
     parts = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "value"
+        where = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown field {where!r}")
+            parts.append(f"unknown field {where!r}{_unknown_hint(where, hint or {})}")
+        elif err["type"] == "value_error" and "error" in err.get("ctx", {}):  # raised by a validator of ours
+            parts.append(f"{where}: {err['ctx']['error']}" if where else str(err["ctx"]["error"]))
         else:
-            parts.append(f"{where}: {err['msg']}")
+            parts.append(f"{where or 'value'}: {err['msg']}")
     return "; ".join(parts)
+
+
+def _unknown_hint(field: str, hint: dict[str, set[str]]) -> str:
+    for kind in ("generate", "finetune"):
+        if field in hint.get(kind, ()):
+            return (
+                " (a generate field: a fine-tune's chained generation takes it under then_generate)"
+                if kind == "generate"
+                else " (a finetune field: submit a fine-tune with kind finetune)"
+            )
+    near = difflib.get_close_matches(field, sorted(hint.get("near", ())), n=1, cutoff=0.75)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def sampling_of(spec: GenerateSpec, overrides: dict[str, Any] | None) -> dict[str, Any]:

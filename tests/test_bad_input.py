@@ -161,7 +161,12 @@ def rows_of(job_id: str) -> list[JobRow]:
 SPEC_CASES = [
     # (case, spec fields over a valid spec, HTTP status, exact message)
     ("unknown field", {"bogus": 1}, 422, "invalid generate spec: unknown field 'bogus'"),
-    ("a misspelt field", {"max_tokens": 5}, 422, "invalid generate spec: unknown field 'max_tokens'"),
+    (
+        "a misspelt field",
+        {"max_tokens": 5},
+        422,
+        "invalid generate spec: unknown field 'max_tokens' (did you mean 'max_new_tokens'?)",
+    ),
     (
         "no model",
         {"model": DROP},
@@ -248,7 +253,7 @@ SPEC_CASES = [
         "a fine-tune with an unknown scheduler",
         {"kind": "finetune", "lr_scheduler": "cosinus"},
         422,
-        "invalid finetune spec: lr_scheduler: Value error, unknown lr_scheduler 'cosinus': use one of linear, cosine, "
+        "invalid finetune spec: lr_scheduler: unknown lr_scheduler 'cosinus': use one of linear, cosine, "
         "cosine_with_restarts, polynomial, constant, constant_with_warmup, inverse_sqrt, cosine_with_min_lr, "
         "warmup_stable_decay",
     ),
@@ -258,7 +263,7 @@ SPEC_CASES = [
         "unknown attention backend",
         {"attn_implementation": "bogus"},
         422,
-        f"invalid generate spec: attn_implementation: Value error, {ATTN}",
+        f"invalid generate spec: attn_implementation: {ATTN}",
     ),
     (
         "unknown quantization",

@@ -278,7 +278,14 @@ def test_submit_reads_a_spec_file_and_flags_override_it(tmp_path, cli_env, spawn
     assert job["name"] == "from-file" and job["spec"]["max_new_tokens"] == 16
     assert json.loads(jobs(cli_env, "results", job_id, check=True).stdout)["output"] == "Paris."
     wrong_kind = jobs(cli_env, "submit", "finetune", "--spec", str(spec))
-    assert wrong_kind.returncode == 2 and "is a 'generate' job, not 'finetune'" in wrong_kind.stderr
+    assert (
+        wrong_kind.returncode == 2
+        and (
+            "kind 'generate' (from --spec or --set) does not match `submit finetune`: leave kind out, or submit it "
+            "with `gpujobs submit generate`"
+        )
+        in wrong_kind.stderr
+    )
 
 
 def test_api_url_and_token_options_override_their_environment_variables_and_show_them_in_help(jobs_env, api_server):
@@ -536,3 +543,40 @@ def test_demo_names_the_example_files_it_lacks_before_starting_anything(tmp_path
     assert not home.exists()
     helped = " ".join(CliRunner().invoke(cli, ["demo", "--help"]).output.split())
     assert "qa.jsonl, finetune.yaml, finetune_qa.jsonl, prompts.jsonl" in helped
+
+
+def test_a_set_value_yaml_cannot_read_is_refused_with_how_to_quote_it(tmp_path):
+    """`--set guided_regex=[0-9]+` ended in a YAML traceback (exit 1); `--set stop=#` and `--set temperature=`
+    silently read as nothing. Each is now refused (exit 2) saying how to write it, and the quoting it suggests
+    reads back as the text given; `null` still clears a field. A kind that does not match the command says which
+    command takes it."""
+    from click.testing import CliRunner
+
+    from api.cli import cli
+    from api.cli_submit import parse_sets, submit_spec
+    from core.errors import InvalidInput
+
+    for pair, said in (
+        ("guided_regex=[0-9]+", "the value is not valid YAML"),
+        ("stop=[", "the value is not valid YAML"),
+        ("stop=#", "the value reads as nothing (`#` starts a YAML comment)"),
+        ("stop=# END", "the value reads as nothing"),
+        ("temperature=", "no value: give one, or null to clear the field"),
+        (" =1", "expected key=value"),
+    ):
+        with pytest.raises(InvalidInput, match=re.escape(f"--set {pair!r}: {said}")):
+            parse_sets((pair,))
+    suggested = str(pytest.raises(InvalidInput, parse_sets, ("guided_regex=[0-9]{3}",)).value).split("--set ")[-1]
+    assert shlex.split(suggested) == ["guided_regex='[0-9]{3}'"]
+    assert parse_sets(tuple(shlex.split(suggested))) == {"guided_regex": "[0-9]{3}"}
+    assert parse_sets(("adapter=null",)) == {"adapter": None}
+
+    result = CliRunner().invoke(
+        cli,
+        ["submit", "generate", "--model", "m", "--input", "x.jsonl", "--set", "guided_regex=[0-9]+"],
+        env={"JOBS_HOME": str(tmp_path / "home")},
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "quote it as YAML text" in result.output
+    with pytest.raises(InvalidInput, match=r"kind 'finetune' .* `submit generate`: .* `gpujobs submit finetune`$"):
+        submit_spec("generate", None, ("kind=finetune",), {"model": "m", "input": "x"})

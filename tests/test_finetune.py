@@ -255,6 +255,25 @@ def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_p
     refused([{"text": "ok"}], "fine-tunes take bnb-4bit", quantization="bnb-8bit")
     refused([{"text": "ok"}], "not both", validation_split=0.2, validation_input=str(FT_DATA))
     refused([{"text": "ok"}], "target_modules", target_modules=[])
+    # the chained generation spec, checked as a generation job's: refused before the fine-tune is stored (a chained
+    # spec refused after it would leave it failed), its errors naming then_generate
+    prompts = str(PROMPTS)
+    refused(
+        [{"text": "ok"}],
+        r"then_generate: unknown field 'temprature'",
+        then_generate={"input": prompts, "temprature": 1},
+    )
+    refused(
+        [{"text": "ok"}],
+        r"^invalid finetune spec: then_generate: give one constraint",
+        then_generate={"input": prompts, "guided_choice": ["a", "b"], "response_format": {"type": "json_object"}},
+    )
+    refused([{"text": "ok"}], "then_generate: top_logprobs", then_generate={"input": prompts, "top_logprobs": 2})
+    refused(
+        [{"text": "ok"}],
+        r"then_generate: model, adapter: the chained job is a generation job on the fine-tune's base model",
+        then_generate={"input": prompts, "model": "org/other", "adapter": "job_x"},
+    )
     from sqlalchemy import func
 
     from core.models import Job

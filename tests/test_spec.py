@@ -9,7 +9,7 @@ from core.spec import ATTN_BACKENDS, FinetuneSpec, GenerateSpec, Quantization, p
 
 BASE = {"model": "Qwen/Qwen3-0.6B", "input": "file_abc"}
 ATTN_ERROR = (
-    "invalid generate spec: attn_implementation: Value error, unknown attention backend {value!r}: use one of "
+    "invalid generate spec: attn_implementation: unknown attention backend {value!r}: use one of "
     "sdpa, sdpa_gqa, eager, flex_attention, flash_attention_2, flash_attention_3, flash_attention_4, 'paged|<backend>', "
     "or a Hub kernel repo id such as 'kernels-community/flash-attn'"
 )
@@ -47,7 +47,15 @@ def test_unknown_fields_are_refused_by_name():
     """A typo is never silently ignored: each unknown field is named."""
     assert refused({**BASE, "bogus": 1}) == "invalid generate spec: unknown field 'bogus'"
     assert refused({**BASE, "bogus": 1, "max_tokens": 5}) == (
-        "invalid generate spec: unknown field 'bogus'; unknown field 'max_tokens'"
+        "invalid generate spec: unknown field 'bogus'; unknown field 'max_tokens' (did you mean 'max_new_tokens'?)"
+    )
+    # a field of the other kind says so; a rule of ours over several fields gives its own words, naming no field
+    assert refused({**BASE, "learning_rate": 1e-3}) == (
+        "invalid generate spec: unknown field 'learning_rate' (a finetune field: submit a fine-tune with kind finetune)"
+    )
+    assert refused({**BASE, "num_return_sequences": 4}) == (
+        "invalid generate spec: num_return_sequences > 1 needs sampling (greedy decoding returns the same text n "
+        "times): set temperature > 0 or do_sample true"
     )
 
 
@@ -161,7 +169,8 @@ def test_a_finetune_spec_refuses_generation_parameters():
     """Sampling parameters are not finetune fields: refused by name under the finetune kind."""
     assert (
         refused({**BASE, "kind": "finetune", "temperature": 0.5})
-        == "invalid finetune spec: unknown field 'temperature'"
+        == "invalid finetune spec: unknown field 'temperature' (a generate field: a fine-tune's chained generation "
+        "takes it under then_generate)"
     )
     assert refused({**BASE, "kind": "finetune", "validation_split": 1}) == (
         "invalid finetune spec: validation_split: Input should be less than 1"
