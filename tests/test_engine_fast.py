@@ -554,33 +554,36 @@ from worker.engines import decode_attention as da
 from tests.test_engine_fast import paged
 P = da.PAGE
 torch.manual_seed(0)
-b, w = 8, 5  # five pages a row: 2 and 4 pages a step leave a last step short of the table's end
+b, w = 11, 5  # five pages a row: 2 and 4 pages a step leave a last step short of the table's end
 q, cache = torch.randn(b, 4, 32), torch.randn(2, b, 2, w * P, 32)
 (k, table), (v, _) = paged(cache[0], 3), paged(cache[1], 3)
 for r in (2, 3):  # rows 2 and 3 start with row 1's first two pages (the cascade's shared pages)
     cache[:, r, :, : 2 * P] = cache[:, 1, :, : 2 * P]
     table[r, :2] = table[1, :2]
-lengths = torch.tensor([0, 1, 2 * P + 7, w * P, P, P + 1, 4 * P + 3, 3 * P], dtype=torch.int32)
+# page edges, and steps filled exactly (2P, 4P) or but one position (4P + 1: the folded write reads one less)
+lengths = torch.tensor([0, 1, 2 * P + 7, w * P, P, P + 1, 4 * P + 3, 3 * P, 2 * P, 4 * P, 4 * P + 1], dtype=torch.int32)
+# the kernels get the table with columns past its end holding an id no page has: a read of one fails
+padded = torch.cat([table, torch.full((b, 4), 10**12, dtype=table.dtype)], dim=1)
 exact = da.masked_decode(q, cache[0], cache[1], lengths, 0.3)
 cascades = []  # rows 1-3 share two pages, then one (an odd first page: a step of 2 or 4 starts inside it)
-for n, starts in ((2, [0, 2, 2, 2, 0, 0, 0, 0]), (1, [0, 1, 1, 1, 0, 0, 0, 0])):
-    shared = torch.full((w,), -1, dtype=torch.long)
+for n, starts in ((2, [0, 2, 2, 2] + [0] * 7), (1, [0, 1, 1, 1] + [0] * 7)):
+    shared = torch.full((w + 4,), -1, dtype=torch.long)
     shared[:n] = table[1, :n]
-    cascades.append((shared, torch.tensor([n], dtype=torch.int32), da.cascade_start(table, shared)))
+    cascades.append((shared, torch.tensor([n], dtype=torch.int32), da.cascade_start(padded, shared)))
     assert cascades[-1][2].tolist() == starts, (n, cascades[-1][2])
 quantized = {kind: (*da.quantize(k, kind), *da.quantize(v, kind)) for kind in (da.FP8, torch.int8)}
 for pages in (2, 4):
     da.CONFIG["pages"] = da.QUANTIZED_CONFIG["pages"] = pages
-    for splits in (1, 2, 3):  # 3 parts of 4 pages: parts past a row's last page read nothing
-        for c in (None, *cascades):
-            diff = (da._triton_decode(q, k, v, table, lengths, 0.3, splits, c) - exact).abs().max().item()
-            assert diff < 1e-5, (pages, splits, c is None, diff)
+    # one part a row (several pages a step), then 3 parts (a split row takes one page a step)
+    for splits, c in ((1, None), (1, cascades[0]), (1, cascades[1]), (3, None), (3, cascades[1])):
+        diff = (da._triton_decode(q, k, v, padded, lengths, 0.3, splits, c) - exact).abs().max().item()
+        assert diff < 1e-5, (pages, splits, c is None, diff)
     for kind, (k8, ks, v8, vs) in quantized.items():
         ref = da.reference_decode(q, k8, v8, table, lengths, 0.3, ks, vs)
-        for splits, c in ((1, None), (3, None), (2, cascades[0]), (3, cascades[1])):
-            got = da._triton_decode(q, k8, v8, table, lengths, 0.3, splits, c, ks, vs)
+        for splits, c in ((1, None), (1, cascades[1]), (3, None)):
+            got = da._triton_decode(q, k8, v8, padded, lengths, 0.3, splits, c, ks, vs)
             assert (got - ref).abs().max().item() < 1e-5, (pages, kind, splits, c is None)
-    # the step's K/V written by the kernel (FOLD_WRITE): as write_step then the kernel
+    # the step's K/V written by the kernel (FOLD_WRITE): the pages of write_step, and SDPA over them
     da.FOLD_WRITE = True
     last = (lengths - 1).clamp(min=0)
     page, offset = table[torch.arange(b), last // P], last % P
@@ -588,9 +591,11 @@ for pages in (2, 4):
     k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
     da.write_step(k1, None, page[1:], offset[1:], kn[1:])
     da.write_step(v1, None, page[1:], offset[1:], vn[1:])
-    want = da._triton_decode(q, k1, v1, table, lengths, 0.3, 2)
-    got = da.decode(q, k2, v2, table, lengths, 0.3, 2, new=(kn, vn, page, offset))
-    assert (got - want).abs().max().item() < 1e-5 and torch.equal(k1, k2) and torch.equal(v1, v2), pages
+    want = da.reference_decode(q, k1, v1, table, lengths, 0.3)
+    for c in (None, cascades[1]):
+        k2, v2 = k.clone(), v.clone()
+        got = da.decode(q, k2, v2, padded, lengths, 0.3, 1, c, new=(kn, vn, page, offset))
+        assert (got - want).abs().max().item() < 1e-5 and torch.equal(k1, k2) and torch.equal(v1, v2), pages
     da.FOLD_WRITE = False
 print("pages ok")
 """
@@ -598,9 +603,10 @@ print("pages ok")
 
 def test_row_kernel_takes_several_pages_a_step_in_the_interpreter():
     """CONFIG["pages"] (and QUANTIZED_CONFIG's) of 2 and 4: the row kernel's inner step finds each of its pages in
-    the table, so it equals SDPA over the contiguous cache at one, two and three splits, under the cascade (its
-    rows starting past the shared pages), over fp8 and int8 pages (the reference over the same pages) and writing
-    the step's K/V itself; a last step reaching past the row's pages reads nothing there."""
+    the table, so it equals SDPA over the contiguous cache, under the cascade (its rows starting past the shared
+    pages, at an odd page too), over fp8 and int8 pages (the reference over the same pages) and writing the step's
+    K/V itself; a last step reaching past the row's pages reads nothing there (the table's columns past its end hold
+    an id no page has); split rows (one page a step) are unchanged."""
     interpreted(PAGES_SCRIPT, "pages ok")
 
 

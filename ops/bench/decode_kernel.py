@@ -5,10 +5,13 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 
     python ops/bench/decode_kernel.py --out ops/bench/results/decode-kernel.json    # on a GPU
 
-1. configs: every (warps, stages, pages per inner step) of CONFIGS at batch 1024 × context 384, for bf16 pages (the
-   engine's CONFIG; the rest of the run uses the best) and for fp8 and int8 pages (QUANTIZED_CONFIG;
-   `best_quantized`, each kind's used for its own times below: on an H100 they read their half of the bytes at
-   ~1.7 TB/s with bf16's config and one page a step, 2026-12-06; more pages a step put more bytes in flight);
+1. configs: every (warps, stages, pages per inner step) of CONFIGS at batch 1024 × context 512 (before 2026-12-07:
+   384, six pages, which a step of 4 pages covers in two steps, half of one empty), for bf16 pages (the engine's
+   CONFIG; the rest of the run uses the best) and for fp8 and int8 pages (QUANTIZED_CONFIG; `best_quantized`, each
+   kind's used for its own times below: on an H100 they read their half of the bytes at ~1.7 TB/s with bf16's
+   config and one page a step, 2026-12-06; more pages a step put more bytes in flight). Each config's output is
+   checked (bf16 against SDPA, fp8 and int8 against the first config's over the same pages); one that disagrees or
+   fails is recorded and never chosen, and the configs are written before anything else runs;
 2. shapes: with the best config, for each (batch, context): max |diff| against SDPA on the same K/V laid out
    contiguously, the kernel's time per layer (CUDA events, median of 50 after warm-up), SDPA's time, and the
    bandwidth each reaches (K and V bytes read / time). Pages are shuffled, as after many admissions. Also the
@@ -54,6 +57,8 @@ sys.path.insert(0, str(ROOT))
 from ops.bench import harness  # after the repository root is on sys.path
 
 CONFIGS = [(w, s, p) for p in (1, 2, 4) for w, s in ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))]  # warps, stages, pages
+SWEEP = (1024, 512)  # the configs' (batch, context): 8 pages a row, whole steps of 1, 2 and 4 pages
+SWEEP_TOLERANCE = 0.02  # a config's largest difference from its reference, over the reference's largest value
 SHAPES = ((1024, 512), (1024, 384), (1024, 256), (512, 800), (256, 1024), (64, 1024), (8, 1024), (1, 1024))
 # (batch, shared, own): G3's (1024, 1024, 64), and the grid that places the engine's CASCADE_MIN_READS
 CASCADE_SHAPES = ((1024, 1024, 64),) + tuple(
@@ -218,21 +223,40 @@ def main() -> int:
         harness.write_json(args.out, {**info, "kv_write": kv_write, "fold_write": fold, "prefill_write": prefill})
         print_writes(kv_write, fold, prefill)
         return 0
-    q, k, v, kp, vp, table, lengths = paged(torch, da, 1024, 384)
+    q, k, v, kp, vp, table, lengths = paged(torch, da, *SWEEP)
+    exact = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)
     quant_pages = {kind: (*da.quantize(kp, dtype), *da.quantize(vp, dtype)) for kind, dtype in da.QUANTIZED.items()}
-    configs = []
+    configs, refs = [], {"bf16": exact[:, :, 0].float()}
     for warps, stages, pages in CONFIGS:
         da.CONFIG.update(warps=warps, stages=stages, pages=pages)
         da.QUANTIZED_CONFIG.update(da.CONFIG)
-        ms = timed(torch, partial(da._triton_decode, q, kp, vp, table, lengths, scale, 1))
-        configs.append({"warps": warps, "stages": stages, "pages": pages, "ms": round(ms, 4)})
+        config = {"warps": warps, "stages": stages, "pages": pages}
+        runs = {"bf16": partial(da._triton_decode, q, kp, vp, table, lengths, scale, 1)}
         for kind, (kq, ks, vq, vs) in quant_pages.items():  # quantized pages: is another config theirs?
-            run = partial(da._triton_decode, q, kq, vq, table, lengths, scale, 1, None, ks, vs)
-            configs[-1][f"{kind}_ms"] = round(timed(torch, run), 4)
-        print(configs[-1], flush=True)
+            runs[kind] = partial(da._triton_decode, q, kq, vq, table, lengths, scale, 1, None, ks, vs)
+        for kind, run in runs.items():
+            key = "ms" if kind == "bf16" else f"{kind}_ms"
+            try:  # a config that fails to compile or launch is recorded, and the sweep goes on
+                out = run().float()
+                ref = refs.setdefault(kind, out)  # quantized: the first config's output over the same pages
+                config[f"{kind}_rel_diff"] = round(((out - ref).abs().max() / ref.abs().max()).item(), 5)
+                config[key] = round(timed(torch, run), 4)
+            except Exception as exc:  # noqa: BLE001  (the record says what it was)
+                config[f"{kind}_error"] = repr(exc)[:300]
+        configs.append(config)
+        print(config, flush=True)
     del quant_pages
-    best = min(configs, key=lambda c: c["ms"])
-    best_quantized = {kind: min(configs, key=lambda c: c[f"{kind}_ms"]) for kind in da.QUANTIZED}
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
+    harness.write_json(args.out, {**info, "configs": configs})  # kept if a later section fails
+
+    def fastest(kind: str) -> dict:
+        """The fastest config whose output agrees (a wrong one is never chosen, however fast)."""
+        key = "ms" if kind == "bf16" else f"{kind}_ms"
+        agree = [c for c in configs if key in c and c[f"{kind}_rel_diff"] <= SWEEP_TOLERANCE]
+        return min(agree, key=lambda c: c[key])
+
+    best = fastest("bf16")
+    best_quantized = {kind: fastest(kind) for kind in da.QUANTIZED}
     launch = ("warps", "stages", "pages")
     da.CONFIG.update({k: best[k] for k in launch})
     results = []
@@ -302,9 +326,15 @@ def main() -> int:
             "prefill_write": prefill,
         },
     )
-    print(f"{'warps':>6}{'stages':>7}{'pages':>6}{'bf16 ms':>9}{'fp8 ms':>8}{'int8 ms':>9}  (batch 1024 x context 384)")
+    print(f"{'warps':>6}{'stages':>7}{'pages':>6}{'bf16 ms':>9}{'fp8 ms':>8}{'int8 ms':>9}  (batch x context {SWEEP})")
     for c in configs:
-        print(f"{c['warps']:>6}{c['stages']:>7}{c['pages']:>6}{c['ms']:>9.4f}{c['fp8_ms']:>8.4f}{c['int8_ms']:>9.4f}")
+        times = "".join(
+            f"{c.get(key, float('nan')):>{width}.4f}" for key, width in (("ms", 9), ("fp8_ms", 8), ("int8_ms", 9))
+        )
+        print(
+            f"{c['warps']:>6}{c['stages']:>7}{c['pages']:>6}{times}"
+            + ("  ERROR" if any("_error" in k for k in c) else "")
+        )
     print(f"best config: {best}")
     for kind, config in best_quantized.items():
         print(f"best config for {kind} pages: {config}")

@@ -6,8 +6,9 @@
 #   bash ops/gpu/soak.sh --quick      # at most 6.5 minutes: after every engine change
 #   bash ops/gpu/soak.sh --smoke      # CPU (NO_WHEELS=1 where the service is installed): the same steps, tiny
 #
-# SOAK_S sets the hard limit; the soak's own budget (--budget-s) is then 30 s less, so a short limit skips the steps
-# that no longer fit instead of cutting one mid-step (session 55's SOAK_S=300 cut the quick soak's yield step).
+# SOAK_S (whole seconds) sets the hard limit; the soak's own budget (--budget-s, unless given) is then 30 s less (a
+# quarter less under 120 s), so a short limit skips the steps that no longer fit instead of cutting one mid-step
+# (session 55's SOAK_S=300 cut the quick soak's yield step).
 #
 # $OUT gets soak.log (this output), soak-<mode>.json, worker-0.log, api.log, up.log and, if a step passed its
 # bound, stacks.txt. Exit status: the soak's (0 passed, 1 failed), 124 if the hard limit cut it.
@@ -19,9 +20,15 @@ case " $* " in
     *" --quick "*) limit=${SOAK_S:-390} ;;
     *) limit=${SOAK_S:-590} ;;
 esac
-budget=()  # a SOAK_S below the mode's own: the soak fits its steps into it (skips, not a cut mid-step)
-if [[ -n ${SOAK_S:-} && " $* " != *" --budget-s "* ]]; then
-    budget=(--budget-s $((limit - 30)))
+budget=()  # a SOAK_S: the soak fits its steps into it (skips, not a cut mid-step), unless --budget-s is given
+if [[ -n ${SOAK_S:-} ]]; then
+    if [[ ! $SOAK_S =~ ^[0-9]+$ ]]; then
+        echo "soak.sh: SOAK_S=$SOAK_S: give whole seconds" >&2
+        exit 2
+    fi
+    if [[ " $* " != *" --budget-s"* ]]; then
+        budget=(--budget-s $((limit > 120 ? limit - 30 : limit * 3 / 4)))
+    fi
 fi
 WORK=${SOAK_WORK:-/tmp/gpujobs-soak}
 command -v nvidia-smi > /dev/null && nvidia-smi -L

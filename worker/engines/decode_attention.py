@@ -32,11 +32,12 @@ Two implementations with one contract, `decode(q, k_pages, v_pages, table, lengt
 k_scales, v_scales)`:
 
 - `_triton_decode`: a Triton flash-decoding kernel (online softmax over the pages of a slot, `CONFIG["pages"]`
-  pages per inner step; optionally split over the context in `splits` parts that take every splits-th step, merged
-  by `_merge`, so a small batch still fills the GPU whatever the lengths), and the cascade's `_prefix_kernel`.
+  pages per inner step where a row is one part; optionally split over the context in `splits` parts that take every
+  splits-th page, merged by `_merge`, so a small batch still fills the GPU whatever the lengths), and the cascade's
+  `_prefix_kernel`.
   Lengths, the page table and the shared pages are read from device tensors, so the launch has fixed shapes and is
-  captured in a CUDA graph once per batch size. Both also run under `TRITON_INTERPRET=1` on CPU tensors, which is how the CPU
-  tests check them against the reference.
+  captured in a CUDA graph once per batch size. Both also run under `TRITON_INTERPRET=1` on CPU tensors, which is
+  how the CPU tests check them against the reference.
 - `reference_decode`: the same result by gathering the pages and running `scaled_dot_product_attention` with a
   length mask; what runs on CPU (there is no Triton CPU backend outside the interpreter), and the yardstick of the
   tests.
@@ -55,7 +56,8 @@ import torch
 
 PAGE = 64  # positions per page of the KV cache; the row kernel's inner step takes CONFIG["pages"] of them
 # launch configuration of the row kernel: warps, pipeline stages and pages per inner step (its block of positions:
-# pages x PAGE, each page found in the table); ops/bench/decode_kernel.py measures the alternatives on a GPU.
+# pages x PAGE, each page found in the table; a power of two, and used only where a row is one part: splits 1);
+# ops/bench/decode_kernel.py measures the alternatives on a GPU.
 # warps 4, stages 3: best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
 CONFIG = {"warps": 4, "stages": 3, "pages": 1}
 # the same for fp8 and int8 pages: a page of them is half the bytes of a bf16 one, so one page per inner step puts
@@ -268,9 +270,9 @@ def masked_decode(
 
 def splits_for(batch: int, kv_heads: int) -> int:
     """How many parts to split each slot's context into so that about TARGET_PROGRAMS kernel programs run: one for
-    large batches, up to MAX_SPLITS for small ones. Part j of `splits` reads inner steps j, j + splits,
-    j + 2 splits, ... of its slot (a step: CONFIG["pages"] pages), so the parts share any length evenly (and parts
-    past a short slot's last page exit at once)."""
+    large batches, up to MAX_SPLITS for small ones. Part j of `splits` reads pages j, j + splits, j + 2 splits, ...
+    of its slot (a split row's kernel takes one page a step, whatever CONFIG["pages"]), so the parts share any
+    length evenly (and parts past a short slot's last page exit at once)."""
     return max(1, min(MAX_SPLITS, math.ceil(TARGET_PROGRAMS / (batch * kv_heads))))
 
 
@@ -306,6 +308,10 @@ def _triton_decode(
         k_scales, v_scales = k_pages, v_pages
     scale_strides = k_scales.stride()[:2] if quant else (0, 0)  # v_scales' are the same
     config = QUANTIZED_CONFIG if quant else CONFIG
+    # several pages a step only where one part takes a row: the parts of a split row take whole steps, and a short
+    # context would leave most of them empty (splits_for counts pages)
+    pages = config["pages"] if splits == 1 else 1
+    assert pages in (1, 2, 4, 8), f"pages per step {pages}: give a power of two (tl.arange's block)"
     # both kernels take these
     strides = (*q.stride()[:2], *k_pages.stride()[:3], *v_pages.stride()[:3], *scale_strides)
     scale_log2 = scale * 1.4426950408889634  # log2(e): the kernels work in base 2
@@ -338,7 +344,7 @@ def _triton_decode(
         HEAD_DIM=dim,
         HEAD_PAD=triton.next_power_of_2(dim),
         BLOCK=PAGE,
-        PAGES=config["pages"],
+        PAGES=pages,
         DIRECT=direct,
         START=cascade is not None,
         QUANT=quant,
@@ -450,8 +456,8 @@ if triton is not None:
         inner step, each found in the table; part `split` takes steps split, split + splits, .... WRITE: position
         length - 1 is the step's new K/V (KNew, VNew), not in the pages yet: the loop reads positions
         0..length - 2, and part 0 then adds the new position to its online softmax from registers and stores the
-        vectors at (WritePage[b], WriteOffset[b]). (Substituting the new vectors inside the loop, a `where` on every block, cost 9-10 % of
-        the kernel on an H100.)"""
+        vectors at (WritePage[b], WriteOffset[b]). (Substituting the new vectors inside the loop, a `where` on every
+        block, cost 9-10 % of the kernel on an H100.)"""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
