@@ -174,12 +174,13 @@ class SamplingParams(Strict):
     def _stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("response_format")
+    # before the type's own check, so that `response_format: json_object` or `guided_choice: yes` gets what to give
+    @field_validator("response_format", mode="before", json_schema_input_type=dict[str, Any] | None)
     @classmethod
     def _response_format(cls, value: Any) -> Any:
         return structured.check_response_format(value)
 
-    @field_validator("guided_choice")
+    @field_validator("guided_choice", mode="before", json_schema_input_type=list[str] | None)
     @classmethod
     def _choice(cls, value: Any) -> Any:
         return structured.check_choice(value)
@@ -452,11 +453,13 @@ class FinetuneSpec(JobSettings, LoadOptions):
     @classmethod
     def _targets(cls, value: Any) -> Any:
         """Before the type's own checks (the same ones), for a message that says what to give."""
-        if isinstance(value, list) and (
-            not value or not all(isinstance(v, str) and re.match(MODULE_NAME, v) for v in value)
+        if (isinstance(value, str) and value != "all-linear") or (
+            isinstance(value, list)
+            and (not value or not all(isinstance(v, str) and re.match(MODULE_NAME, v) for v in value))
         ):
             raise ValueError(
-                "give module names such as ['q_proj', 'v_proj'] (letters, digits, _ and .), or 'all-linear'"
+                f"{value!r}: give a list of module names such as [q_proj, v_proj] (letters, digits, _ and .; "
+                "--target-modules q_proj,v_proj on the command line), or 'all-linear'"
             )
         return value
 

@@ -47,7 +47,8 @@ def check_response_format(value: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(value, dict) or value.get("type") not in RESPONSE_TYPES:
         raise ValueError(
-            'use {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, {"type": "json_object"} '
+            (f"{value!r} is not an object: " if not isinstance(value, dict) else "")
+            + 'use {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, {"type": "json_object"} '
             'or {"type": "text"}'
         )
     kind = value["type"]

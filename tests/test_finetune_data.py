@@ -127,6 +127,9 @@ def test_finetune_spec_refuses_untrainable_settings_with_a_reason():
         ({"adapter": "job_x"}, "continuing an adapter"),
         ({"truncation": "cut"}, "truncation"),
         ({"then_generate": {"max_new_tokens": 3}}, "then_generate needs an input"),
+        # a comma string (as --set gives it) or a misspelt all-linear: what to give, not the type checks' internals
+        ({"target_modules": "q_proj,v_proj"}, r"^invalid finetune spec: target_modules: 'q_proj,v_proj': give a list"),
+        ({"target_modules": "all_linear"}, r"'all_linear': give a list of module names .* or 'all-linear'$"),
     ):
         with pytest.raises(InvalidInput, match=match):
             parse_spec({"kind": "finetune", "model": "m", "input": "file_x", **extra})

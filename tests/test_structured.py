@@ -65,6 +65,18 @@ SUBMIT_CASES = [
         INVALID + "top_logprobs: Input should be less than or equal to 20",
     ),
     (
+        "a response_format written as its type alone",
+        {"response_format": "json_object"},
+        INVALID + "response_format: 'json_object' is not an object: use "
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, {"type": "json_object"} or '
+        '{"type": "text"}',
+    ),
+    (
+        "guided_choice written as one string",
+        {"guided_choice": "yes"},
+        INVALID + "guided_choice: guided_choice must be a non-empty list of non-empty strings",
+    ),
+    (
         "a response_format of another shape",
         {"response_format": {"type": "json_schema", "schema": SCHEMA}},
         INVALID + "response_format: unknown key(s) 'schema' for type json_schema",
