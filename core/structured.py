@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 CONSTRAINT_KEYS = ("response_format", "guided_choice", "guided_regex")
@@ -179,8 +180,13 @@ def problem(params: dict[str, Any]) -> str | None:
 
 
 def _first_lines(text: str, limit: int = 400) -> str:
-    """llguidance's message, on one line (a regex error draws a caret under the pattern over several lines)."""
-    flat = " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    """llguidance's message, on one line. A regex error draws a caret under the pattern over several lines and
+    adds the grammar's own lines: it is given as the pattern and the error's line alone (`invalid regex "([a-z":
+    unclosed character class`)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    pattern = re.search(r'invalid regex "(.*)" \(in regex\)', lines[0]) if lines else None
+    reason = next((line.removeprefix("error:").strip() for line in lines if line.startswith("error:")), None)
+    flat = f'invalid regex "{pattern[1]}": {reason}' if pattern and reason else " ".join(lines)
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 

@@ -225,7 +225,7 @@ SPEC_CASES = [
         "17 stop strings",
         {"stop": [f"s{i}" for i in range(17)]},
         422,
-        "invalid generate spec: stop: List should have at most 16 items after validation, not 17",
+        "invalid generate spec: stop: at most 16 items, not 17",
     ),
     (
         "sampling at temperature 0",
@@ -626,7 +626,7 @@ ROW_CASES = [
     (
         "17 stop strings in a row",
         {"prompt": "x", "stop": ["s"] * 17},
-        "invalid per-row parameter: stop: List should have at most 16 items after validation, not 17",
+        "invalid per-row parameter: stop: at most 16 items, not 17",
     ),
     ("non-UTF-8 bytes", b'{"prompt": "caf\xe9"}', "not valid UTF-8 at byte 15: save the file as UTF-8"),
     (

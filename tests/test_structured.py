@@ -37,9 +37,14 @@ SUBMIT_CASES = [
         "look-around regex",
         {"guided_regex": "(?<=a)b"},
         INVALID
-        + 'guided_regex cannot be compiled by the grammar engine (llguidance): at 1(8): invalid regex "(?<=a)b" '
-        "(in regex): regex parse error: (?<=a)b ^^^^ error: look-around, including look-ahead and look-behind, is not "
-        "supported 1 | start: /(?<=a)b/ ^",
+        + 'guided_regex cannot be compiled by the grammar engine (llguidance): invalid regex "(?<=a)b": look-around, '
+        "including look-ahead and look-behind, is not supported",
+    ),
+    (
+        "an unclosed class",
+        {"guided_regex": "([a-z"},
+        INVALID + 'guided_regex cannot be compiled by the grammar engine (llguidance): invalid regex "([a-z": unclosed '
+        "character class",
     ),
     (
         "two constraints",
