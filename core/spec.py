@@ -575,6 +575,11 @@ def describe(exc: ValidationError, hint: dict[str, set[str]] | None = None) -> s
             parts.append(f"unknown field {where!r}{_unknown_hint(where, hint or {})}")
         elif err["type"] == "value_error" and "error" in err.get("ctx", {}):  # raised by a validator of ours
             parts.append(f"{where}: {err['ctx']['error']}" if where else str(err["ctx"]["error"]))
+        elif err["type"] == "string_type" and type(err.get("input")) in (int, float) and where:
+            parts.append(  # a commit id of digits (or digits and one e) written unquoted in YAML or --set
+                f"{where}: give a string, not the number {err['input']!r} (YAML and --set read unquoted digits, "
+                "and digits with one e, as a number: quote it)"
+            )
         elif err["type"] == "too_long" and "max_length" in err.get("ctx", {}):  # pydantic's says "after validation"
             parts.append(f"{where}: at most {err['ctx']['max_length']} items, not {err['ctx'].get('actual_length')}")
         else:

@@ -175,7 +175,20 @@ SPEC_CASES = [
         "batch lines may name it instead, in body.model",
     ),
     ("no input", {"input": DROP}, 422, "invalid generate spec: input: Field required"),
-    ("model as a number", {"model": 5}, 422, "invalid generate spec: model: Input should be a valid string"),
+    (
+        "model as a number",
+        {"model": 5},
+        422,
+        "invalid generate spec: model: give a string, not the number 5 (YAML and --set read unquoted digits, and "
+        "digits with one e, as a number: quote it)",
+    ),
+    (
+        "a commit id YAML reads as a number",
+        {"revision": 1234567},  # `revision: 1234567` unquoted in a spec file or --set
+        422,
+        "invalid generate spec: revision: give a string, not the number 1234567 (YAML and --set read unquoted "
+        "digits, and digits with one e, as a number: quote it)",
+    ),
     (
         "max_new_tokens 0",
         {"max_new_tokens": 0},

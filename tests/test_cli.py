@@ -555,6 +555,7 @@ def test_a_set_value_yaml_cannot_read_is_refused_with_how_to_quote_it(tmp_path):
     from api.cli import cli
     from api.cli_submit import parse_sets, submit_spec
     from core.errors import InvalidInput
+    from core.spec import parse_spec
 
     for pair, said in (
         ("guided_regex=[0-9]+", "the value is not valid YAML"),
@@ -570,6 +571,9 @@ def test_a_set_value_yaml_cannot_read_is_refused_with_how_to_quote_it(tmp_path):
     assert shlex.split(suggested) == ["guided_regex='[0-9]{3}'"]
     assert parse_sets(tuple(shlex.split(suggested))) == {"guided_regex": "[0-9]{3}"}
     assert parse_sets(("adapter=null",)) == {"adapter": None}
+    # a commit id YAML reads as a number (5e10293: a float, inf) is refused saying so, not as "a valid string"
+    with pytest.raises(InvalidInput, match=r"revision: give a string, not the number inf \(.*quote it\)$"):
+        parse_spec(submit_spec("generate", None, ("revision=5e10293",), {"model": "m", "input": "x"}))
 
     result = CliRunner().invoke(
         cli,
