@@ -35,8 +35,9 @@ def load_spec_file(path: str | None) -> dict[str, Any]:
     if not path:
         return {}
     try:
-        data = yaml.load(Path(path).read_text(), Loader=SpecLoader)  # noqa: S506  (a SafeLoader)
-    except (OSError, yaml.YAMLError) as exc:
+        with open(path, encoding="utf-8") as text:  # a stream: YAML's error marks name the file, not "<unicode string>"
+            data = yaml.load(text, Loader=SpecLoader)  # noqa: S506  (a SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise InvalidInput(f"cannot read spec file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidInput(f"spec file {path} must hold a mapping of spec fields")

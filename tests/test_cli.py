@@ -494,6 +494,17 @@ def test_a_spec_file_and_set_read_exponent_numbers_as_numbers(tmp_path):
         "epochs": 2.5,
         "lr_scheduler": "cosine",
     }
+    # a file YAML cannot read names itself where the error is; one that is not UTF-8 is refused too (a traceback)
+    from core.errors import InvalidInput
+
+    spec.write_text("model: m\ninput: [unclosed\n")
+    with pytest.raises(
+        InvalidInput, match=f'(?s)cannot read spec file {re.escape(str(spec))}: .*in "{re.escape(str(spec))}", line 2'
+    ):
+        load_spec_file(str(spec))
+    spec.write_bytes(b"\xff\xfe model: m")
+    with pytest.raises(InvalidInput, match="cannot read spec file .*can't decode byte 0xff"):
+        load_spec_file(str(spec))
 
 
 def test_the_cli_imports_no_server_side_package():
