@@ -536,7 +536,7 @@ class FinetuneSpec(JobSettings, LoadOptions):
 
 
 Spec = GenerateSpec | FinetuneSpec
-OTHER_FIELDS = {"generate": GenerateSpec.model_fields, "finetune": FinetuneSpec.model_fields}  # for describe's hints
+KINDS: dict[str, type[GenerateSpec] | type[FinetuneSpec]] = {"generate": GenerateSpec, "finetune": FinetuneSpec}
 
 
 def parse_spec(data: dict[str, Any]) -> Spec:
@@ -545,7 +545,7 @@ def parse_spec(data: dict[str, Any]) -> Spec:
     if not isinstance(data, dict):
         raise InvalidInput("a job spec must be a JSON/YAML object")
     kind = data.get("kind", "generate")
-    model = {"generate": GenerateSpec, "finetune": FinetuneSpec}.get(kind) if isinstance(kind, str) else None
+    model = KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise InvalidInput(f"unknown job kind {kind!r}: use 'generate' or 'finetune'")
     data = {k: whole_number(v) for k, v in data.items()}
@@ -553,7 +553,7 @@ def parse_spec(data: dict[str, Any]) -> Spec:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
         other = "finetune" if kind == "generate" else "generate"
-        hint = {other: set(OTHER_FIELDS[other]) - set(model.model_fields), "near": set(model.model_fields)}
+        hint = {other: set(KINDS[other].model_fields) - set(model.model_fields), "near": set(model.model_fields)}
         raise InvalidInput(f"invalid {kind} spec: {describe(exc, hint)}") from None
 
 
@@ -588,13 +588,10 @@ def describe(exc: ValidationError, hint: dict[str, set[str]] | None = None) -> s
 
 
 def _unknown_hint(field: str, hint: dict[str, set[str]]) -> str:
-    for kind in ("generate", "finetune"):
-        if field in hint.get(kind, ()):
-            return (
-                " (a generate field: a fine-tune's chained generation takes it under then_generate)"
-                if kind == "generate"
-                else " (a finetune field: submit a fine-tune with kind finetune)"
-            )
+    if field in hint.get("generate", ()):
+        return " (a generate field: a fine-tune's chained generation takes it under then_generate)"
+    if field in hint.get("finetune", ()):
+        return " (a finetune field: submit a fine-tune with kind finetune)"
     near = difflib.get_close_matches(field, sorted(hint.get("near", ())), n=1, cutoff=0.75)
     return f" (did you mean {near[0]!r}?)" if near else ""
 

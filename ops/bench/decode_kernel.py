@@ -215,11 +215,11 @@ def main() -> int:
     args = p.parse_args()
     scale = DIM**-0.5
     torch.manual_seed(0)
+    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
     if args.writes_only:
         kv_write = [kv_write_row(torch, da, batch) for batch in KV_WRITE_BATCHES]
         fold = [fold_row(torch, da, scale, *shape) for shape in FOLD_SHAPES]
         prefill = [prefill_write_row(torch, da, *shape) for shape in PREFILL_SHAPES]
-        info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
         harness.write_json(args.out, {**info, "kv_write": kv_write, "fold_write": fold, "prefill_write": prefill})
         print_writes(kv_write, fold, prefill)
         return 0
@@ -246,7 +246,6 @@ def main() -> int:
         configs.append(config)
         print(config, flush=True)
     del quant_pages
-    info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, **harness.commit_info()}
     harness.write_json(args.out, {**info, "configs": configs})  # kept if a later section fails
 
     def fastest(kind: str) -> dict:
@@ -313,9 +312,7 @@ def main() -> int:
     harness.write_json(
         args.out,
         {
-            "device": torch.cuda.get_device_name(0),
-            "torch": torch.__version__,
-            **harness.commit_info(),
+            **info,
             "configs": configs,
             "best": best,
             "best_quantized": best_quantized,
