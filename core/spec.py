@@ -583,8 +583,19 @@ def describe(exc: ValidationError, hint: dict[str, set[str]] | None = None) -> s
         elif err["type"] == "too_long" and "max_length" in err.get("ctx", {}):  # pydantic's says "after validation"
             parts.append(f"{where}: at most {err['ctx']['max_length']} items, not {err['ctx'].get('actual_length')}")
         else:
-            parts.append(f"{where or 'value'}: {err['msg']}")
+            parts.append(f"{where or 'value'}: {err['msg']}{_received(err)}")
     return "; ".join(parts)
+
+
+def _received(err: dict[str, Any]) -> str:
+    """`, not 'abc'` where a short scalar had the wrong type or was not one of the choices, so the line shows what was
+    read (YAML reads `yes` as true and `0x1F` as 31 in a spec file and in --set); a bound's message says enough."""
+    value, kind = err.get("input"), err["type"]
+    if not (kind.endswith(("_type", "_parsing")) or kind in ("enum", "literal_error")):
+        return ""
+    if not isinstance(value, (str, int, float, bool)) or len(repr(value)) > 60:
+        return ""
+    return f", not {value!r}"
 
 
 def _unknown_hint(field: str, hint: dict[str, set[str]]) -> str:

@@ -205,19 +205,19 @@ SPEC_CASES = [
         "max_new_tokens not a number",
         {"max_new_tokens": "many"},
         422,
-        "invalid generate spec: max_new_tokens: Input should be a valid integer",
+        "invalid generate spec: max_new_tokens: Input should be a valid integer, not 'many'",
     ),
     (  # strict, as the schema: a number in a string is not a number (the fuzzer found "5" accepted)
         "max_new_tokens a numeric string",
         {"max_new_tokens": "5"},
         422,
-        "invalid generate spec: max_new_tokens: Input should be a valid integer",
+        "invalid generate spec: max_new_tokens: Input should be a valid integer, not '5'",
     ),
     (
         "ignore_eos 1",
         {"ignore_eos": 1},
         422,
-        "invalid generate spec: ignore_eos: Input should be a valid boolean",
+        "invalid generate spec: ignore_eos: Input should be a valid boolean, not 1",
     ),
     (
         "temperature -1",
@@ -283,13 +283,13 @@ SPEC_CASES = [
         {"quantization": "int3"},
         422,
         "invalid generate spec: quantization.method: Input should be 'bnb-4bit', 'bnb-8bit', 'torchao-int8', "
-        "'torchao-int4', 'torchao-float8' or 'fp8'",
+        "'torchao-int4', 'torchao-float8' or 'fp8', not 'int3'",
     ),
     (
         "unknown dtype",
         {"dtype": "int8"},
         422,
-        "invalid generate spec: dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32'",
+        "invalid generate spec: dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32', not 'int8'",
     ),
     (
         "trust_remote_code forbidden",
@@ -617,12 +617,12 @@ ROW_CASES = [
     (
         "max_new_tokens as a string",
         {"prompt": "x", "max_new_tokens": "12"},
-        "invalid per-row parameter: max_new_tokens: Input should be a valid integer",
+        "invalid per-row parameter: max_new_tokens: Input should be a valid integer, not '12'",
     ),
     (
         "do_sample as a number",
         {"prompt": "x", "do_sample": 1},
-        "invalid per-row parameter: do_sample: Input should be a valid boolean",
+        "invalid per-row parameter: do_sample: Input should be a valid boolean, not 1",
     ),
     (
         "temperature -1 in a row",

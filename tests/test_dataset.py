@@ -99,7 +99,7 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
             "invalid per-row parameter: max_new_tokens: Input should be greater than or equal to 1; "
             "top_p: Input should be less than or equal to 1",
         ),
-        (b'{"prompt": "x", "stop": 5}', "invalid per-row parameter: stop: Input should be a valid list"),
+        (b'{"prompt": "x", "stop": 5}', "invalid per-row parameter: stop: Input should be a valid list, not 5"),
         (b'{"prompt": "x", "custom_id": ""}', CUSTOM_ID),
         (b'{"prompt": "x", "custom_id": 7}', CUSTOM_ID),
         (b'{"prompt": "x", "custom_id": "' + b"c" * 256 + b'"}', CUSTOM_ID),

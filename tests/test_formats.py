@@ -299,7 +299,7 @@ def test_csv_rows_with_a_column_mapping(tmp_path):
     assert [r.error for r in rows[2:5]] == [
         "line 6: has 6 fields, the header has 5: quote fields that hold commas or line breaks",
         "line 7: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)",
-        "line 8: invalid per-row parameter: max_new_tokens: Input should be a valid integer",
+        "line 8: invalid per-row parameter: max_new_tokens: Input should be a valid integer, not 'many'",
     ]
     assert rows[5].error is None and rows[5].input["extra"] == {"topic": "no id"}
 

@@ -109,7 +109,7 @@ def test_an_unknown_quantization_method_lists_the_options():
     """A quantization method outside the supported list is refused and the options are named."""
     assert refused({**BASE, "quantization": "gptq"}) == (
         "invalid generate spec: quantization.method: Input should be 'bnb-4bit', 'bnb-8bit', 'torchao-int8', "
-        "'torchao-int4', 'torchao-float8' or 'fp8'"
+        "'torchao-int4', 'torchao-float8' or 'fp8', not 'gptq'"
     )
 
 
