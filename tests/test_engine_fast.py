@@ -10,6 +10,7 @@ and 5.17 (.ci/run).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -1157,6 +1158,26 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     assert "as it is over flipped" in done.stdout
     # no CUDA here: nothing to count either way (the next test counts a stand-in's)
     assert g1["syncs"] == g1["flipped_syncs"] == []
+
+
+def test_profile_gen_flips_a_decode_kernel_setting_to_a_number(monkeypatch):
+    """--flip pages sets the decode kernel's CONFIG["pages"] to --flip-to's value and back; without --flip-to it is
+    refused before anything loads."""
+    from ops.bench import profile_gen
+
+    monkeypatch.setitem(decode_attention.CONFIG, "pages", 1)
+    (flag,) = [profile_gen.Flag(importlib.import_module(m), *rest, to=4) for m, *rest in profile_gen.FLIPS["pages"]]
+    assert flag.name == "worker.engines.decode_attention.CONFIG['pages']"
+    assert (flag.get(), flag.other(flag.get())) == (1, 4)
+    flag.set(flag.other(1))
+    assert decode_attention.CONFIG["pages"] == 4
+    flag.set(1)
+    assert decode_attention.CONFIG["pages"] == 1
+    fold = profile_gen.Flag(decode_attention, "FOLD_WRITE", to=4)  # a bool flips to its opposite, whatever `to`
+    assert fold.other(True) is False
+    with pytest.raises(SystemExit) as refused:
+        profile_gen.main(["g1", "--flip", "pages", "--out", "/dev/null"])
+    assert refused.value.code == 2
 
 
 def test_profile_gen_counts_where_the_host_waits_on_the_device():

@@ -18,6 +18,7 @@ resident prefix cache serves none of them from an earlier run.
 interleaved, each way with the CUDA graphs it captured itself (its first run, cold, captures them), and reports
 `flipped` (median and spread of the flipped runs) and `flip_gain`: the median as it is over the flipped median.
 A name may flip several flags at once (`prefill_both`): the levers together, for a call that has time for one pair.
+A setting that is a number (`pages`: the decode kernel's pages a step) is flipped to `--flip-to`'s value.
 
 `--syncs`: one more warm run under CUDA's sync debug mode (with `--flip`, one each way: `flipped_syncs`), counting
 the torch calls that made the host wait on the device, by where in this repository they came from (`syncs`; a
@@ -51,7 +52,32 @@ FLIPS = {  # --flip NAME: the flags it flips, as (module, flag)
     "prefill_write": [("worker.engines.decode_attention", "PREFILL_WRITE")],  # a prefill chunk's K/V write kernel
     "sync_free": [("worker.engines.fastgen", "SYNC_FREE")],  # the slot state written without waiting for the GPU
     "prefill_both": [("worker.engines.decode_attention", "PREFILL_WRITE"), ("worker.engines.fastgen", "SYNC_FREE")],
+    # a launch setting of the decode kernel (a key of a dict), flipped to --flip-to's value: pages a step, warps
+    "pages": [("worker.engines.decode_attention", "CONFIG", "pages")],
+    "warps": [("worker.engines.decode_attention", "CONFIG", "warps")],
 }
+
+
+class Flag:
+    """One flipped setting: a module's bool (`FOLD_WRITE`), or a key of a module's dict (`CONFIG["pages"]`), which is
+    flipped to `to`."""
+
+    def __init__(self, owner, attr: str, key: str | None = None, to: int | None = None):
+        self.owner, self.attr, self.key, self.to = owner, attr, key, to
+        self.name = f"{owner.__name__}.{attr}" + (f"[{key!r}]" if key else "")
+
+    def get(self):
+        value = getattr(self.owner, self.attr)
+        return value[self.key] if self.key else value
+
+    def set(self, value) -> None:
+        if self.key:
+            getattr(self.owner, self.attr)[self.key] = value
+        else:
+            setattr(self.owner, self.attr, value)
+
+    def other(self, default):
+        return self.to if self.key else not default
 
 
 def synchronizing(torch, run) -> list[dict]:
@@ -91,8 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3, help="warm runs timed plainly (median and spread reported)")
     p.add_argument("--profile", action="store_true", help="also a warm run under torch.profiler and one under cProfile")
     p.add_argument("--flip", choices=sorted(FLIPS), help="warm runs alternate this engine flag as it is and flipped")
+    p.add_argument("--flip-to", type=int, help="the value a numeric --flip (pages, warps) is set to")
     p.add_argument("--syncs", action="store_true", help="also a warm run that counts where the host waits on CUDA")
     args = p.parse_args(argv)
+    numeric = args.flip and any(len(target) == 3 for target in FLIPS[args.flip])
+    if numeric and args.flip_to is None:
+        p.error(f"--flip {args.flip} is a number: give the value to flip it to with --flip-to")
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     import torch
@@ -132,15 +162,15 @@ def main(argv: list[str] | None = None) -> int:
             return time.perf_counter() - t, tokens
 
         result: dict = {"rows": len(rows), "warm": []}
-        flags = [(importlib.import_module(m), flag) for m, flag in FLIPS[args.flip]] if args.flip else []
-        defaults = [getattr(owner, flag) for owner, flag in flags]  # each flag as it is
+        flags = [Flag(importlib.import_module(m), *rest, to=args.flip_to) for m, *rest in FLIPS.get(args.flip, [])]
+        defaults = [flag.get() for flag in flags]  # each flag as it is
         graphs: dict[bool, dict] = {}  # the CUDA graphs of the way not running, swapped into the resident state
         ways, now = ((False, True) if flags else (False,)), [False]  # the way the flags are
 
         def turn(flipped: bool, flags=flags, defaults=defaults, graphs=graphs, now=now) -> None:
             """The flags flipped (or as they are), with the CUDA graphs that way captured itself."""
-            for (owner, flag), default in zip(flags, defaults):
-                setattr(owner, flag, default ^ flipped)
+            for flag, default in zip(flags, defaults):
+                flag.set(flag.other(default) if flipped else default)
             state = model.__dict__.get("_gpujobs_fast")
             if state is not None and now[0] != flipped:
                 graphs[now[0]], state.graphs = state.graphs, graphs.get(flipped, {})
@@ -175,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{name} {way}: {tokens / seconds:,.0f} tok/s, {seconds:.2f} s, {one}")
         turn(False)
         if flags:
-            names = [f"{owner.__name__}.{flag}" for owner, flag in flags]
-            result["flip"] = {"flag": ", ".join(names), "as_is": defaults[0], "flipped": not defaults[0]}
+            names = [flag.name for flag in flags]
+            as_is, other = defaults[0], flags[0].other(defaults[0])
+            result["flip"] = {"flag": ", ".join(names), "as_is": as_is, "flipped": other}
             if len(flags) > 1:
-                result["flip"]["flags"] = {n: {"as_is": d, "flipped": not d} for n, d in zip(names, defaults)}
+                result["flip"]["flags"] = {f.name: {"as_is": d, "flipped": f.other(d)} for f, d in zip(flags, defaults)}
         if result["warm"]:
             stats = harness.repeated([r["output_tok_s"] for r in result["warm"]])
             result["warm_median_tok_s"], result["warm_spread"] = stats["median"], stats["spread"]
@@ -186,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.get("flipped_warm"):
             result["flipped"] = harness.repeated([r["output_tok_s"] for r in result["flipped_warm"]])
             result["flip_gain"] = round(result["warm_median_tok_s"] / result["flipped"]["median"], 4)
-            turned = ", ".join(f"{flag} = {not default}" for (_, flag), default in zip(flags, defaults))
+            turned = ", ".join(f"{flag.name} = {flag.other(default)}" for flag, default in zip(flags, defaults))
             log(
                 f"{name} flipped ({turned}): median {result['flipped']['median']:,.0f} tok/s, spread "
                 f"{result['flipped']['spread']:.1%}; as it is over flipped: {result['flip_gain']}"
