@@ -252,6 +252,10 @@ def main() -> int:
         """The fastest config whose output agrees (a wrong one is never chosen, however fast)."""
         key = "ms" if kind == "bf16" else f"{kind}_ms"
         agree = [c for c in configs if key in c and c[f"{kind}_rel_diff"] <= SWEEP_TOLERANCE]
+        if not agree:
+            raise SystemExit(
+                f"no config ran {kind} pages within {SWEEP_TOLERANCE:.0%} of the reference: see {args.out}"
+            )
         return min(agree, key=lambda c: c[key])
 
     best = fastest("bf16")
