@@ -17,6 +17,7 @@ handle `timeout` read it the same way, and it is far from the small codes above 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import click
@@ -72,6 +73,19 @@ class Group(click.Group):
             where = exc.ctx.command_path if exc.ctx else ctx.command_path
             click.echo(f"Error: {exc.format_message().rstrip('.')} (see `{where} -h`)", err=True)
             ctx.exit(EXIT_USAGE)
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds, 0 or more: click's FloatRange lets `nan` and `inf` through, and JSON (the API's
+    body) carries neither."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number) or number < 0:
+            self.fail(f"{value!r} is not a number of seconds (0 or more)", param, ctx)
+        return number
 
 
 def emit(data: Any, as_json: bool, human) -> None:

@@ -3,15 +3,20 @@ HTTP API about jobs and the service (`gpujobs submit` is api/cli_submit.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
 import webbrowser
+from pathlib import Path
 from typing import Any
 
 import click
 
-from api.cli_base import cli, client, emit, job_exit_code, json_option
+from api.cli_base import Seconds, cli, client, emit, job_exit_code, json_option
+from api.client import job_path
 from core.errors import InvalidInput
 from core.hub import human_bytes
 from core.text import counted
@@ -28,6 +33,7 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[str, Any]:
+    job_path(job_id)  # a bad id is refused before the bar draws anything
     with click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar:
 
         def update(job: dict[str, Any]) -> None:
@@ -207,7 +213,11 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--timeout", type=float, help="give up after this many seconds (exit 124; the job goes on)")
+@click.option(
+    "--timeout",
+    type=Seconds(),
+    help="give up after this many seconds (exit 124; the job goes on); 0: look once",
+)
 @json_option("print the finished job as JSON")
 def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows,
@@ -219,7 +229,12 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="write here, not to stdout")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False),
+    help="write here (replaced only once every row has come; - is stdout), not to stdout",
+)
 @click.option("--errors", is_flag=True, help="failed rows (with their line and error) instead of results")
 @click.option(
     "--format",
@@ -245,22 +260,41 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
 def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str, with_input: bool) -> None:
     """Finished rows (or, with --errors, failed rows); works while the job still runs. How many is said on
     stderr ("0 failed rows")."""
+    output = None if output == "-" else output
     if fmt == "parquet" and not output and sys.stdout.isatty():
         raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")
     chunks = client().download(job_id, format=fmt, errors=errors, order=order, with_input=with_input)
-    out = open(output, "wb") if output else click.get_binary_stream("stdout")
     records = RecordCount(fmt)
-    try:
+    if output:
+        with replacing(Path(output)) as out:
+            for chunk in chunks:
+                out.write(chunk)
+                records.feed(chunk)
+    else:
+        out = click.get_binary_stream("stdout")
         for chunk in chunks:
             out.write(chunk)
             records.feed(chunk)
-    finally:
-        if output:
-            out.close()
     rows = records.records(output)
     noun = "failed row" if errors else "finished row"
     what = f"{records.size} bytes of Parquet" if rows is None else counted(rows, noun)
     click.echo(what + (f" written to {output}" if output else ""), err=True)
+
+
+@contextlib.contextmanager
+def replacing(path: Path):
+    """A file written beside `path` and renamed over it once complete: a download that fails (a wrong id, the API
+    gone, the connection cut) leaves a file already there as it was, and never a part of the results."""
+    if not path.parent.is_dir():
+        raise InvalidInput(f"-o {path}: there is no folder {str(path.parent)!r}: create it first")
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            yield out
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
 
 
 class RecordCount:
@@ -447,7 +481,7 @@ def quota() -> None:
 )
 @click.option(
     "--max-gpu-seconds-per-day",
-    type=click.FloatRange(0),
+    type=Seconds(),
     metavar="S",
     help="at most S GPU-seconds over the last 24 hours (a CPU shard counts 1 a second); past it new shards wait, "
     "running ones finish",

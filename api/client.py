@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from core.settings import get_settings
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 LONG = httpx.Timeout(60.0, read=1800.0)  # uploads and submits of large datasets
+JOB_ID = re.compile(r"job_[0-9a-f]{12}")  # core.store.new_id's; an adapter's id is its fine-tune's job id
 
 
 class Rows(TypedDict):
@@ -162,7 +164,7 @@ class Client:
             return self._json("POST", "/jobs", json=spec, timeout=LONG)
 
     def job(self, job_id: str) -> Job:
-        return self._json("GET", f"/jobs/{job_id}")
+        return self._json("GET", f"/jobs/{job_path(job_id)}")
 
     status = job  # `gpujobs status`
 
@@ -184,7 +186,7 @@ class Client:
         each row's `prompt` (or `messages`) beside its output."""
         params = {"errors": errors} | ({"with_input": True} if with_input else {})
         try:
-            with self.http.stream("GET", f"/jobs/{job_id}/results", params=params) as response:
+            with self.http.stream("GET", f"/jobs/{job_path(job_id)}/results", params=params) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise _error(response)
@@ -208,7 +210,7 @@ class Client:
         prompt (or messages) beside its output."""
         params = {"errors": errors, "format": format, "order": order} | ({"with_input": True} if with_input else {})
         try:
-            with self.http.stream("GET", f"/jobs/{job_id}/results", params=params, timeout=LONG) as response:
+            with self.http.stream("GET", f"/jobs/{job_path(job_id)}/results", params=params, timeout=LONG) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise _error(response)
@@ -229,7 +231,7 @@ class Client:
     ) -> tuple[list[dict[str, Any]], bool]:
         """One page of events after `after`, and whether more exist after it (ask again from its last id)."""
         params = {"after": after, "limit": limit, "superseded": superseded} | ({"run": run} if run else {})
-        return self._page(f"/jobs/{job_id}/events", params)
+        return self._page(f"/jobs/{job_path(job_id)}/events", params)
 
     def all_events(
         self, job_id: str, *, after: int = 0, run: int | str | None = None, superseded: bool = False
@@ -243,10 +245,10 @@ class Client:
             after = page[-1]["id"]
 
     def cancel(self, job_id: str) -> Job:
-        return self._json("POST", f"/jobs/{job_id}/cancel")
+        return self._json("POST", f"/jobs/{job_path(job_id)}/cancel")
 
     def retry(self, job_id: str, *, failed_only: bool = False) -> Job:
-        return self._json("POST", f"/jobs/{job_id}/retry", params={"failed_only": failed_only})
+        return self._json("POST", f"/jobs/{job_path(job_id)}/retry", params={"failed_only": failed_only})
 
     def dashboard_url(self) -> str:
         """A URL that opens the dashboard signed in with this client's token, once, within a minute: it carries a
@@ -276,7 +278,7 @@ class Client:
         return self._page("/adapters", {"limit": limit})
 
     def adapter(self, adapter_id: str) -> dict[str, Any]:
-        return self._json("GET", f"/adapters/{adapter_id}")
+        return self._json("GET", f"/adapters/{job_path(adapter_id, 'adapter')}")
 
     def models(self, *, repo: str | None = None) -> list[dict[str, Any]]:
         """Hub models in each host's cache (and downloads or requests in flight)."""
@@ -306,7 +308,7 @@ class Client:
     ) -> Job:
         """Poll until the job ends and return it; `on_update` sees every poll (progress bars), `progress=True`
         prints one updating line on stderr. Raises WaitTimeout after `timeout` seconds (the job keeps running)."""
-        deadline = time.monotonic() + timeout if timeout else None
+        deadline = None if timeout is None else time.monotonic() + timeout  # 0: one look
         while True:
             job = self.job(job_id)
             if on_update:
@@ -315,11 +317,23 @@ class Client:
                 print_progress(job)
             if job["state"] in TERMINAL:
                 return job
-            if deadline and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise errors.WaitTimeout(
                     f"job {job_id} is still {job['state']} after {timeout} s: wait again, or `gpujobs cancel {job_id}`"
                 )
             time.sleep(poll)
+
+
+def job_path(job_id: str, what: str = "job") -> str:
+    """`job_id` as it goes into a URL, once it is a job id: an empty $ID (a submit that failed) or a path such as
+    `../workers` would otherwise reach another route, whose answer a script would take for the job's."""
+    if not isinstance(job_id, str) or not JOB_ID.fullmatch(job_id):
+        hint = ": the variable that should hold it is empty" if job_id == "" else ""
+        raise errors.InvalidInput(
+            f"{job_id!r} is not {'an adapter' if what == 'adapter' else 'a job'} id (job_ and 12 hex digits, as "
+            f"`gpujobs submit` prints){hint}"
+        )
+    return job_id
 
 
 def print_progress(job: Job) -> None:

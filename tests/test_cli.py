@@ -435,6 +435,33 @@ def test_read_commands_say_what_they_show(tmp_path, cli_env):
     out = tmp_path / "errors.csv"
     written = jobs(cli_env, "results", job_id, "--errors", "--format", "csv", "-o", str(out), check=True)
     assert written.stderr == f"1 failed row written to {out}\n"
+    wrong = jobs(cli_env, "results", "job_000000000000", "-o", str(out))  # a typo in the id: the file stays as it was
+    assert wrong.returncode == 1 and "no job 'job_000000000000'" in wrong.stderr
+    assert out.read_text().startswith("custom_id,line,error")
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+    nowhere = tmp_path / "no" / "x.jsonl"
+    refused = jobs(cli_env, "results", job_id, "-o", str(nowhere))
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"Error: -o {nowhere}: there is no folder '{nowhere.parent}': create it first\n",
+    )
+    dash = jobs(cli_env, "results", job_id, "--errors", "-o", "-", check=True)  # -: stdout
+    assert len(dash.stdout.splitlines()) == 1 and dash.stderr == "1 failed row\n"
+
+    # an id that is no job id never reaches the API (an empty $ID, or a path that would reach another route)
+    for command in (["status"], ["wait"], ["events"], ["cancel"], ["results"], ["adapters", "show"]):
+        for bad in ("", "../workers"):
+            refused = jobs(cli_env, *command, bad)
+            assert (refused.returncode, refused.stdout) == (2, ""), (command, bad, refused.stderr)
+            what = "an adapter" if command[0] == "adapters" else "a job"
+            assert refused.stderr.startswith(f"Error: {bad!r} is not {what} id (job_ and 12 hex digits"), refused.stderr
+            assert ("is empty" in refused.stderr) == (bad == ""), refused.stderr
+    looked = jobs(cli_env, "wait", job_id, "--timeout", "0")  # 0: one look (it waited for ever)
+    assert looked.returncode == 124 and f"job {job_id} is still running after 0.0 s" in looked.stderr
+    for bad in ("-1", "nan", "inf"):
+        assert jobs(cli_env, "wait", job_id, "--timeout", bad).returncode == 2, bad
+        refused = jobs(cli_env, "quota", "set", "alice", "--max-gpu-seconds-per-day", bad)
+        assert refused.returncode == 2 and "is not a number of seconds (0 or more)" in refused.stderr, refused.stderr
 
     listed = jobs(cli_env, "list", check=True).stdout.splitlines()
     assert listed[0].split() == ["job", "state", "priority", "done/rows", "kind", "model"]
