@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from functools import partial
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
@@ -108,7 +109,23 @@ async def _invalid_request(_request: Request, exc: RequestValidationError) -> JS
         + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "")
         for e in exc.errors()
     )
-    return _error(422, "InvalidInput", f"invalid request: {problems}", detail=jsonable_encoder(exc.errors()))
+    return _error(422, "InvalidInput", f"invalid request: {problems}", detail=_finite(jsonable_encoder(exc.errors())))
+
+
+def _finite(value: Any) -> Any:
+    """`value` with NaN and ±Infinity as text: Python's JSON reader takes them from a body, and an error that echoes
+    one back could not be written as JSON (it was a 500 from the error handler itself)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not a JSON number: give a finite number, or leave the field out")
 
 
 def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
@@ -159,9 +176,11 @@ async def submit(caller: Caller, request: Request) -> dict[str, Any]:
     # The body is read here, not by FastAPI: `parse_spec` validates it (api/openapi.py documents it from the same
     # models), and its messages name each bad field.
     try:
-        spec = json.loads(await request.body())
+        spec = json.loads(await request.body(), parse_constant=_not_json)
     except ValueError as exc:
         return _error(400, "BadRequest", f"the body is not valid JSON: {exc}")
+    except RecursionError:
+        return _error(400, "BadRequest", "the body is nested too deeply to be a job spec")
     if not isinstance(spec, dict):
         raise InvalidInput(f"a job spec must be a JSON object, not {type(spec).__name__}")
     checks.request(spec, admin=caller.is_admin)

@@ -115,6 +115,8 @@ def file_content(who: Who, file_id: str):
     with session_scope() as session:
         stored = files.get(session, file_id, owner=who.visible_owner)
         path, name = files.absolute(stored), stored.filename
+    if not path.is_file():  # removed from the artifacts store behind the database's back
+        raise NotFound(f"file {file_id}'s stored copy is gone from the server's artifacts store: upload it again")
     return FileResponse(path, media_type="application/octet-stream", filename=name)
 
 

@@ -174,6 +174,13 @@ class SamplingParams(Strict):
     def _stop_string(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value and "" in value:  # every text starts with "": each row would end at once, empty, as if it stopped
+            raise ValueError("an empty stop string would end every row before its first token: remove it")
+        return value
+
     # before the type's own check, so that `response_format: json_object` or `guided_choice: yes` gets what to give
     @field_validator("response_format", mode="before", json_schema_input_type=dict[str, Any] | None)
     @classmethod

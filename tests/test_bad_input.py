@@ -235,6 +235,12 @@ SPEC_CASES = [
         "invalid generate spec: repetition_penalty: Input should be greater than 0",
     ),
     (
+        "an empty stop string",
+        {"stop": ["\n", ""]},
+        422,
+        "invalid generate spec: stop: an empty stop string would end every row before its first token: remove it",
+    ),
+    (
         "17 stop strings",
         {"stop": [f"s{i}" for i in range(17)]},
         422,
@@ -407,8 +413,14 @@ def test_remote_code_passes_that_check_when_the_server_allows_it(api, model):
         (b"[1, 2]", 422, "a job spec must be a JSON object, not list"),
         (b'"a spec"', 422, "a job spec must be a JSON object, not str"),
         (b"{not json", 400, "the body is not valid JSON: Expecting property name enclosed in double quotes: line 1"),
+        (  # Python's reader takes NaN and Infinity; JSON has neither
+            b'{"model": "m", "input": "file_000000000000", "temperature": NaN}',
+            400,
+            "the body is not valid JSON: NaN is not a JSON number: give a finite number, or leave the field out",
+        ),
+        (b"[" * 5000 + b"]" * 5000, 400, "the body is nested too deeply to be a job spec"),  # a RecursionError: 500
     ],
-    ids=["a JSON list", "a JSON string", "not JSON"],
+    ids=["a JSON list", "a JSON string", "not JSON", "NaN", "nested too deeply"],
 )
 def test_a_body_that_is_not_a_json_object_is_refused(api, body, status, message):
     """POST /jobs with a JSON array or a string is a 422 naming the problem, broken JSON a 400 (malformed, not
@@ -418,6 +430,37 @@ def test_a_body_that_is_not_a_json_object_is_refused(api, body, status, message)
     assert response.status_code == status, response.text
     assert response.json()["error"]["message"].startswith(message)
     assert api.stored() == before
+
+
+def test_nan_in_a_body_that_fails_validation_is_a_422_not_a_500(api):
+    """A body with NaN or Infinity where pydantic validates it: the 422 echoes the value as text (the error handler
+    itself failed to write it as JSON, a 500), also on the one route that needs no token."""
+    for method, path, body, headers in (
+        ("PUT", "/quotas", b'{"owner": "bob", "max_gpu_seconds_per_day": NaN}', api.admin),
+        ("POST", "/dashboard/session", b'{"code": Infinity}', {}),
+    ):
+        response = api.client.request(
+            method, path, content=body, headers={**headers, "Content-Type": "application/json"}
+        )
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["type"] == "InvalidInput"
+        assert response.json()["detail"][0]["input"] in ("nan", "inf"), response.text
+
+
+def test_a_file_whose_stored_copy_is_gone_is_a_404(api):
+    """GET /v1/files/{id}/content of a file removed from the artifacts store behind the database's back: a 404 that
+    says so (a 500 from FileResponse before)."""
+    from core import files
+    from core.db import session_scope
+
+    file_id = api.upload(lines({"prompt": "hi"}))
+    with session_scope() as session:
+        files.absolute(files.get(session, file_id, owner=None)).unlink()
+    response = api.client.get(f"/v1/files/{file_id}/content", headers=api.admin)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["message"] == (
+        f"file {file_id}'s stored copy is gone from the server's artifacts store: upload it again"
+    )
 
 
 def test_another_owners_file_is_not_found(api, model):
@@ -623,6 +666,11 @@ ROW_CASES = [
         "do_sample as a number",
         {"prompt": "x", "do_sample": 1},
         "invalid per-row parameter: do_sample: Input should be a valid boolean, not 1",
+    ),
+    (
+        "an empty stop string in a row",
+        {"prompt": "x", "stop": ""},
+        "invalid per-row parameter: stop: an empty stop string would end every row before its first token: remove it",
     ),
     (
         "temperature -1 in a row",
