@@ -34,6 +34,7 @@ from starlette.routing import Match
 
 from api import checks, dashboard, metrics, openai_api, openapi, service, service_models, views
 from api.access import Caller, Credentials
+from api.limits import BodyGuard
 from api.openapi import errors
 from api.results import export
 from core import files, formats, scheduling
@@ -54,6 +55,7 @@ app = FastAPI(
     summary="Queued generation and LoRA fine-tune jobs on GPU workers",
     version="0.1.0",
 )
+app.add_middleware(BodyGuard)  # a body's size, and past a few KiB its token, checked before it is read (api/limits.py)
 app.include_router(metrics.router)  # GET /metrics (Prometheus; the metrics or admin scope)
 app.include_router(dashboard.router)  # the web dashboard's static page at /dashboard (its data: the routes below)
 app.include_router(openai_api.router)  # /v1/files and /v1/batches: the OpenAI Batch API over our jobs

@@ -585,6 +585,45 @@ def test_an_oversized_upload_is_refused_and_leaves_nothing(api):
     assert not list(api.artifacts.rglob("*.part"))
 
 
+def test_a_large_body_is_refused_before_it_is_read(api):
+    """api/limits.py: a body over its limit is a 413 from its Content-Length alone, and one of unknown length once
+    it passes the limit; a body over a few KiB without a valid token is a 401 before any of it is read (FastAPI
+    read and spooled a whole upload before the route's token check)."""
+    api.setenv(JOBS_MAX_UPLOAD_BYTES="1000")
+    sent = []
+
+    def body(chunks: int, size: int = 1 << 20):
+        for _ in range(chunks):
+            sent.append(size)
+            yield b"x" * size
+
+    before = api.stored()
+    multipart = {"Content-Type": "multipart/form-data; boundary=b"}
+    for headers in ({}, {"Authorization": "Bearer nope"}):  # no token, a wrong one: nothing read
+        response = api.client.post("/files", content=body(3), headers={**headers, **multipart})
+        assert response.status_code == 401 and response.json()["error"]["type"] == "Unauthorized", response.text
+        assert sent == [] and response.headers["WWW-Authenticate"] == "Bearer"
+    over = (5 << 20) + 1
+    response = api.client.post(
+        "/v1/files", headers={**api.admin, **multipart, "Content-Length": str(over)}, content=b""
+    )
+    assert error_of(response) == (
+        413,
+        "the upload is larger than the upload limit of 1000 bytes (JOBS_MAX_UPLOAD_BYTES): split the dataset into "
+        "several jobs",
+    )
+    response = api.client.post("/files", content=body(3), headers={**api.admin, **multipart})  # chunked: counted
+    assert response.status_code == 413 and response.json()["error"]["type"] == "TooLarge", response.text
+    response = api.client.post(
+        "/jobs", headers={**api.admin, "Content-Type": "application/json", "Content-Length": str(17 << 20)}, content=b""
+    )
+    assert error_of(response) == (
+        413,
+        f"the request body is over {16 << 20} bytes: a job spec or request holds settings, not data",
+    )
+    assert api.stored() == before
+
+
 # --- datasets refused as a whole ------------------------------------------------------------------------------
 
 DATASET_CASES = [
