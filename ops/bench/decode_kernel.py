@@ -245,8 +245,8 @@ def main() -> int:
                 config[f"{kind}_error"] = repr(exc)[:300]
         configs.append(config)
         print(config, flush=True)
+        harness.write_json(args.out, {**info, "configs": configs})  # kept if the time box ends the sweep
     del quant_pages
-    harness.write_json(args.out, {**info, "configs": configs})  # kept if a later section fails
 
     def fastest(kind: str) -> dict:
         """The fastest config whose output agrees (a wrong one is never chosen, however fast)."""
