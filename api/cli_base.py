@@ -4,8 +4,9 @@ Commands are thin: parse, call the HTTP client or a stack function, format. They
 point.
 
 Exit codes (a contract for scripts; see README):
-    0 succeeded    1 failed or cancelled (or another error)    2 usage or invalid input (also: `retry` of a job
-    that has not finished)    3 server, Redis or database unreachable    4 succeeded with some failed rows
+    0 succeeded    1 failed or cancelled (or an unexpected error)    2 usage or invalid input (also: an id that
+    names no job of the caller's, a command the job's state refuses such as `retry` of a job that has not finished
+    or `cancel` of one that has)    3 server, Redis or database unreachable    4 succeeded with some failed rows
     5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
     130 `gpujobs up` interrupted while starting (it stopped what it started)
 
@@ -45,8 +46,8 @@ def exit_code_for(exc: errors.JobsError) -> int:
             errors.Unschedulable,
             errors.Unauthorized,
             errors.Forbidden,
-            errors.NotFinished,
-            errors.NothingToRetry,
+            errors.NotFound,  # a mistyped or foreign id: `wait "$ID" || resubmit` must not read it as a failed job
+            errors.Conflict,  # a command the job's state refuses: `retry` of a running job, `cancel` of an ended one
         ),
     ):
         return EXIT_USAGE

@@ -221,7 +221,7 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
 @json_option("print the finished job as JSON")
 def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows,
-    124 when --timeout passed first (the job goes on)."""
+    2 no such job of yours, 124 when --timeout passed first (the job goes on)."""
     job = wait_with_progress(client(), job_id, timeout=timeout)
     emit(job, as_json, describe)
     raise SystemExit(job_exit_code(job))

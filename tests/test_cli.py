@@ -188,15 +188,15 @@ def _load_events(env, ids) -> list[dict]:
 
 def test_cancelled_job_waits_with_exit_1(tmp_path, cli_env, tiny_model):
     """A job cancelled before any worker took it ends `cancelled`; `jobs wait` exits 1, `jobs cancel` again is
-    refused with a clear message."""
+    refused with a clear message (exit 2)."""
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 4)
     job_id = jobs(
         cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
     ).stdout.strip()
     assert jobs(cli_env, "cancel", job_id, check=True).stdout.split() == [job_id, "cancelled"]
     assert jobs(cli_env, "wait", job_id).returncode == 1
-    again = jobs(cli_env, "cancel", job_id)
-    assert again.returncode == 1 and "already cancelled" in again.stderr
+    again = jobs(cli_env, "cancel", job_id)  # the state refuses the command: 2, as `retry` of a running job
+    assert again.returncode == 2 and "already cancelled" in again.stderr
 
 
 def ignore_job_control_signals() -> None:
@@ -436,7 +436,7 @@ def test_read_commands_say_what_they_show(tmp_path, cli_env):
     written = jobs(cli_env, "results", job_id, "--errors", "--format", "csv", "-o", str(out), check=True)
     assert written.stderr == f"1 failed row written to {out}\n"
     wrong = jobs(cli_env, "results", "job_000000000000", "-o", str(out))  # a typo in the id: the file stays as it was
-    assert wrong.returncode == 1 and "no job 'job_000000000000'" in wrong.stderr
+    assert wrong.returncode == 2 and "no job 'job_000000000000'" in wrong.stderr  # 1 is a failed job's
     assert out.read_text().startswith("custom_id,line,error")
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
     nowhere = tmp_path / "no" / "x.jsonl"
