@@ -85,19 +85,22 @@ def update_row(session: Session, row_id: int, **values: Any) -> None:
 
 def sync(session: Session, *, host: str, cache_dir: str, records: Iterable[dict[str, Any]]) -> None:
     """Make the place's rows match a scan of its cache (core.hub_cache.scan): found snapshots upserted, vanished ones
-    dropped. Rows of downloads and requests in flight are left alone."""
+    dropped. Rows of downloads and requests in flight are left alone. A failed request's row keeps its state and
+    error (its figures follow the scan) until a later pull or removal replaces it: the worker scans right after a
+    failure, and `models pull --wait` and `models list` must still see why."""
     seen = set()
     for r in records:
         seen.add((r["repo"], r["commit"]))
         row = upsert(session, host=host, cache_dir=cache_dir, repo=r["repo"], commit=r["commit"])
         if row.state in ("downloading", *REQUESTS):
             continue
-        row.kind, row.refs, row.files, row.bytes, row.state = r["kind"], r["refs"], r["files"], r["bytes"], r["state"]
-        row.error = None
+        row.kind, row.refs, row.files, row.bytes = r["kind"], r["refs"], r["files"], r["bytes"]
+        if row.state != "failed":
+            row.state, row.error = r["state"], None
     for row in session.scalars(
         select(CachedModel).where(CachedModel.host == host, CachedModel.cache_dir == cache_dir)
     ).all():
-        if (row.repo, row.commit) not in seen and row.state in ("ready", "partial", "failed"):
+        if (row.repo, row.commit) not in seen and row.state in ("ready", "partial"):
             session.delete(row)
 
 

@@ -603,7 +603,8 @@ def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_
     """With HF_TOKEN on the API and the worker a gated repo runs; the token is sent to the Hub only (never to the
     CDN a download is redirected to) and appears in no table and no log. `gpujobs models pull --workers all --wait`
     has the worker's host fetch a model (the API here is offline: the worker resolves the revision), `models list`
-    shows it, `models rm --workers all --wait` deletes it; without --workers both act on this host's cache."""
+    shows it, `models rm --workers all --wait` deletes it; without --workers both act on this host's cache. A pull
+    that fails on the worker exits 1 with the host's error, which the worker logs and `models list` keeps."""
     from tests.test_e2e import jobs
 
     monkeypatch.setenv("HF_TOKEN", SECRET)
@@ -636,6 +637,14 @@ def test_a_gated_model_runs_with_the_token_that_is_stored_nowhere_and_operators_
     assert (tmp_path / "cache-host-t" / hub.folder(GATED)).exists()
     assert REPO not in {m["repo"] for m in json.loads(jobs(env, "models", "list", "--json", check=True).stdout)}
     assert SECRET not in api.log.read_text(errors="replace")
+
+    missing = jobs(env, "models", "pull", "acme/missing", "--workers", "all", "--wait")
+    assert missing.returncode == 1, (missing.stdout, missing.stderr)
+    (error,) = re.findall(r"error: (.+)", missing.stdout)
+    assert "acme/missing" in error, missing.stdout
+    listed = json.loads(jobs(env, "models", "list", "--repo", "acme/missing", "--json", check=True).stdout)
+    assert [(m["host"], m["state"], m["error"]) for m in listed] == [("host-t", "failed", error)]
+    assert f"could not pull acme/missing@main in {tmp_path / 'cache-host-t'}: {error}" in worker.log.read_text()
 
     here = {**env, "HF_HUB_CACHE": str(tmp_path / "cache-here"), "HF_ENDPOINT": hub_env.server.url}
     here.pop("HF_HUB_OFFLINE", None)
@@ -741,7 +750,8 @@ def test_the_api_reads_a_hub_models_config_and_tokenizer_without_importing_torch
 def test_the_cache_record_claims_each_request_once_and_follows_scans_on_sqlite_and_postgres(any_jobs_env):
     """A pull request per place is claimed by one worker only (a conditional UPDATE), a second claim finds none; an
     upsert of an existing (place, repo, commit) reuses its row; a scan's sync adds what it found and drops what
-    vanished, leaving requests in flight alone."""
+    vanished, leaving requests in flight alone; a failed request's row keeps its state and error through scans,
+    whether the scan finds its snapshot (partial) or not."""
     from core import model_cache
 
     places = {("h1", "/c1"), ("h2", "/c2")}
@@ -768,9 +778,23 @@ def test_the_cache_record_claims_each_request_once_and_follows_scans_on_sqlite_a
         again = model_cache.upsert(session, host="h2", cache_dir="/c2", repo=REPO, commit="a" * 40, last_used_at=1.0)
         assert again.state == "ready" and again.bytes == 10
         model_cache.sync(session, host="h2", cache_dir="/c2", records=[])
+        for commit in ("b" * 40, "c" * 40):
+            model_cache.upsert(
+                session, host="h2", cache_dir="/c2", repo=REPO, commit=commit, state="failed", error="Hub said 503"
+            )
     with session_scope() as session:
-        left = {(r.host, r.commit, r.state) for r in model_cache.listing(session, REPO)}
-    assert left == {("h1", "", "downloading"), ("h1", "a" * 40, "ready"), ("h2", "", "pull_requested")}
+        model_cache.sync(
+            session, host="h2", cache_dir="/c2", records=[{**record, "commit": "c" * 40, "state": "partial"}]
+        )
+    with session_scope() as session:
+        left = {(r.host, r.commit, r.state, r.error) for r in model_cache.listing(session, REPO)}
+    assert left == {
+        ("h1", "", "downloading", None),
+        ("h1", "a" * 40, "ready", None),
+        ("h2", "", "pull_requested", None),
+        ("h2", "b" * 40, "failed", "Hub said 503"),
+        ("h2", "c" * 40, "failed", "Hub said 503"),
+    }
 
 
 def test_a_cache_scan_names_refs_only_never_a_ref_being_written(tmp_path):

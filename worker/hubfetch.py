@@ -363,7 +363,9 @@ def carry_out(
         with session_scope() as session:
             model_cache.update_row(session, row_id, state="failed", error=str(exc), finished_at=now())
         if not isinstance(exc, (JobsError, OSError)):
-            raise
+            raise  # serve() logs it with its traceback
+        action = "remove" if state == "removing" else "pull"
+        log.warning("%s: could not %s %s@%s in %s: %s", worker, action, repo, commit or revision, cache, exc)
     inventory(worker)
 
 
