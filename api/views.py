@@ -113,14 +113,16 @@ def _metrics(session: Session, job: Job) -> dict[str, Any]:
 
 
 def _live_rates(session: Session, job: Job, p: dict[str, int]) -> dict[str, Any]:
-    """Rows and tokens per second over the last minute, and an ETA from that rate."""
-    since = now() - 60
+    """Rows and tokens per second over the last minute of the current run, and an ETA from that rate. Rows an
+    earlier run finished in that minute (right after a retry) are left out: the window is this run's age."""
+    started = job.started_at or now()  # None until the run's first claim: nothing of it has finished yet
+    since = max(now() - 60, started)
     rows, tokens = session.execute(
         select(func.count(), func.coalesce(func.sum(JobRow.completion_tokens), 0)).where(
             JobRow.job_id == job.id, JobRow.finished_at > since, JobRow.worker.is_not(None)
         )
     ).one()
-    window = min(60.0, now() - (job.started_at or now())) or 1.0
+    window = min(60.0, now() - started) or 1.0
     rate = rows / window if rows else 0.0
     return {
         "rows_per_s": round(rate, 3),
