@@ -13,7 +13,8 @@ OpenAI batch line also keeps `"openai": {"url", "model"}` for its response.
 
 The token check (a prompt plus `max_new_tokens` against the model's context, without torch) and the submit's pass
 over the parsed rows that runs it are core/preflight.py; the reason it gives a row too long, `too_long`, is here,
-since the worker gives the same one.
+since the worker gives the same one, and so is the worker's refusal of fine-tune rows longer than max_seq_length
+(`too_long_to_train`): `retry_can_change` knows both.
 
 Limits (settings): a row longer than `JOBS_MAX_ROW_BYTES` becomes a failed row and only its first bytes are kept
 (it is never read into memory whole); a dataset of more than `JOBS_MAX_ROWS` rows is refused as a whole.
@@ -52,6 +53,7 @@ ONE_OF = "a row needs exactly one of 'prompt' (a string) or 'messages' (a list o
 
 
 TOO_LONG = "exceeds the model's context"
+TOO_LONG_TO_TRAIN = "longer than max_seq_length"
 
 
 def too_long(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
@@ -62,14 +64,26 @@ def too_long(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
     )
 
 
+def too_long_to_train(too_long: list[tuple[int, int]], max_seq_length: int) -> str:
+    """The reason the worker refuses a fine-tune whose rows, as (line, tokens), exceed max_seq_length under
+    `truncation: refuse`; every row of the shard fails with it, and a retry keeps them failed."""
+    shown = ", ".join(f"line {line} ({n} tokens)" for line, n in too_long[:5])
+    more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+    return (
+        f"{len(too_long)} row(s) are {TOO_LONG_TO_TRAIN}={max_seq_length} tokens: {shown}{more}. Raise "
+        "max_seq_length, shorten the rows, or set truncation: truncate"
+    )
+
+
 def retry_can_change(row: Any, spec: Any) -> bool:
     """Can running this failed row again end otherwise? Not when it was refused at submit (it never ran: its
     error names its place and it has no execution), when the submit checks refuse its parameters now (a job stored
-    before a check existed), or when the worker found it too long for the model's context. A row that failed in
-    the engine for another reason (a chat template, a shard that gave up) may: the model or the worker may have
-    been fixed."""
+    before a check existed), or when the worker found it too long for the model's context (or a fine-tune's rows
+    longer than its max_seq_length: the same spec and input are refused the same way). A row that failed in the
+    engine for another reason (a chat template, a shard that gave up, a worker lost or out of memory) may: the
+    model or the worker may have been fixed."""
     stored, error = row.input or {}, row.error or ""
-    if "raw" in stored or TOO_LONG in error:
+    if "raw" in stored or TOO_LONG in error or TOO_LONG_TO_TRAIN in error:
         return False
     if not row.executions and error.startswith((f"line {row.line}: ", f"row {row.line}: ")):
         return False

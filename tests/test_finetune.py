@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from api import results, service, views
 from core.db import session_scope
-from core.errors import Conflict, InvalidInput
+from core.errors import Conflict, InvalidInput, NothingToRetry
 from core.models import Adapter, JobEvent
 from tests.conftest import ROOT, qa_pairs, wait_for
 
@@ -286,7 +286,8 @@ def test_finetune_refuses_unknown_modules_and_too_long_rows_before_training_and_
     tmp_path, jobs_env, spawn_worker, base_model
 ):
     """On the worker, before any step: target modules the model lacks and rows longer than max_seq_length (with
-    truncation: refuse) fail the job naming modules and lines; a truncated adapter file fails the registry's check."""
+    truncation: refuse) fail the job naming modules and lines, and a retry of the too-long one is refused ("fix the
+    input": it would fail the same way); a truncated adapter file fails the registry's check."""
     worker = spawn_worker([], JOBS_TEST_FAULTS="truncate@adapter_saved")
     bad_modules = service.submit(owner="alice", spec_data=ft_spec(base_model, target_modules=["q_proj", "w_nope"]))
     too_long = service.submit(owner="alice", spec_data=ft_spec(base_model, max_seq_length=12))
@@ -298,6 +299,10 @@ def test_finetune_refuses_unknown_modules_and_too_long_rows_before_training_and_
     assert "q_proj" in job["error"]  # it names the modules the model has
     job = finished(too_long["id"], 60, [worker])
     assert job["state"] == "failed" and "longer than max_seq_length=12" in job["error"] and "line 7" in job["error"]
+    for failed_only in (True, False):
+        with pytest.raises(NothingToRetry, match=r"12 failed rows were refused for their input .* fix the input"):
+            service.retry(too_long["id"], owner=None, failed_only=failed_only, by="alice")
+    assert views.get(too_long["id"], owner=None)["retries"] == 0
     job = finished(truncated["id"], 60, [worker])
     assert job["state"] == "failed" and "registry error" in job["error"]
     for failed in (bad_modules, too_long):

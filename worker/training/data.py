@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.dataset import too_long_to_train
 from core.errors import InvalidInput
 from core.spec import FinetuneSpec
 
@@ -115,12 +116,7 @@ def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSp
         if any(label != IGNORE for label in ex.labels):
             examples.append(ex)
     if too_long and spec.truncation == "refuse":
-        shown = ", ".join(f"line {line} ({n} tokens)" for line, n in too_long[:5])
-        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
-        raise InvalidInput(
-            f"{len(too_long)} row(s) are longer than max_seq_length={spec.max_seq_length} tokens: "
-            f"{shown}{more}. Raise max_seq_length, shorten the rows, or set truncation: truncate"
-        )
+        raise InvalidInput(too_long_to_train(too_long, spec.max_seq_length))
     if not examples:
         raise InvalidInput(
             "no training row has a token to learn (every completion/assistant turn was empty or cut "
