@@ -147,8 +147,11 @@ def _describe_generation(job: dict[str, Any]) -> None:
 
 
 def _describe_training(job: dict[str, Any]) -> None:
-    """Step, epoch, loss, training tok/s and ETA (the job's `training`: its current run's last logged step)."""
+    """Step, epoch, loss, training tok/s and ETA (the job's `training`: its current run's last logged step). The
+    rate is the last step's while the job runs; once it ended, the run's (metrics.training.train_tokens_per_s, as
+    `adapters show` gives it): one step's rate can be many times the run's."""
     training, metrics = job.get("training"), job.get("metrics") or {}
+    run_rate = (metrics.get("training") or {}).get("train_tokens_per_s") if job["state"] in TERMINAL else None
     if training:
         loss = training.get("loss", training.get("train_loss"))
         parts = [
@@ -156,7 +159,10 @@ def _describe_training(job: dict[str, Any]) -> None:
             f"epoch {training.get('epoch') or 0:.2f}",
         ]
         parts += [f"loss {loss:.4f}"] if loss is not None else []
-        parts += [f"{training['tokens_per_s']} training tok/s"] if training.get("tokens_per_s") is not None else []
+        if run_rate is not None:
+            parts.append(f"{run_rate} training tok/s (whole run)")
+        elif training.get("tokens_per_s") is not None:
+            parts.append(f"{training['tokens_per_s']} training tok/s (last step)")
         eta = f"; ETA {training['eta_s']:.0f} s" if training.get("eta_s") is not None else ""
         click.echo(f"  training {', '.join(parts)}{eta}")
     elif job["state"] not in TERMINAL:

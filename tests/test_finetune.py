@@ -86,8 +86,9 @@ def test_lora_finetune_memorizes_answers_and_generation_with_its_adapter_reprodu
     tmp_path, jobs_env, spawn_worker, base_model, capsys
 ):
     """A fine-tune on the untrained base registers an adapter; a generation job naming it answers >= 5 of 6 exactly;
-    training events (loss, learning rate, grad norm, tokens/s) are recorded, `status` shows the step and epoch,
-    and the precision is fp32 on CPU; adapters are listed to their owner only."""
+    training events (loss, learning rate, grad norm, tokens/s) are recorded, `status` shows the step and epoch
+    and, once ended, the run's training tok/s (while running: the last step's, so labelled), and the precision is
+    fp32 on CPU; adapters are listed to their owner only."""
     from api.cli_jobs import describe
 
     worker = spawn_worker([])
@@ -95,8 +96,12 @@ def test_lora_finetune_memorizes_answers_and_generation_with_its_adapter_reprodu
     ft = finished(ft["id"], 120, [worker])
     assert ft["state"] == "succeeded", ft["error"]
     describe(ft)
-    assert "training step 60/60, epoch 60.00, loss 0.0" in capsys.readouterr().out
-    training = ft["metrics"]["training"]
+    training, out = ft["metrics"]["training"], capsys.readouterr().out
+    assert "training step 60/60, epoch 60.00, loss 0.0" in out
+    assert f", {training['train_tokens_per_s']} training tok/s (whole run)\n" in out, out
+    assert "(last step)" not in out  # ended: the run's figure, not the last step's
+    describe({**ft, "state": "running"})  # as `status` showed it before the end
+    assert f", {ft['training']['tokens_per_s']} training tok/s (last step)" in capsys.readouterr().out
     assert training["steps"] == 60 and training["precision"] == "fp32"
     events = metric_events(ft["id"])
     steps = [e["step"] for e in events if "loss" in e]
