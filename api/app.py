@@ -36,7 +36,7 @@ from api import checks, dashboard, metrics, openai_api, openapi, service, servic
 from api.access import Caller, Credentials
 from api.limits import BodyGuard
 from api.openapi import errors
-from api.results import export
+from api.results import export, readable
 from core import files, formats, scheduling
 from core.db import check_reachable, session_scope
 from core.errors import Forbidden, InvalidInput, JobsError
@@ -220,14 +220,15 @@ def get_job(caller: Caller, job_id: str) -> dict[str, Any]:
 
 @app.get(
     "/jobs/{job_id}/results",
-    summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while the job runs)",
+    summary="Finished rows as JSONL, OpenAI batch output, CSV or Parquet (also while the job runs); a fine-tune "
+    "generates no rows (409: its adapter is GET /adapters/{job_id})",
     response_class=StreamingResponse,
     responses={
         200: {
             "description": "the rows, in the format asked (a file download)",
             "content": {media: {"schema": {"type": "string"}} for media in sorted(set(formats.MEDIA_TYPES.values()))},
         },
-        **errors(401, 403, 404, 422, 503),
+        **errors(401, 403, 404, 409, 422, 503),
     },
 )
 def results(
@@ -249,7 +250,7 @@ def results(
         ),
     ] = False,
 ) -> StreamingResponse:
-    views.get(job_id, owner=caller.visible_owner)  # 404 before the stream starts
+    readable(job_id, owner=caller.visible_owner)  # 404 (or 409 for a fine-tune) before the stream starts
     kind = ("-errors" if errors else "") + ("-with-input" if with_input else "")
     name = f"{job_id}{kind}.{'jsonl' if format == 'openai' else format}"
     return StreamingResponse(

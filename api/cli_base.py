@@ -5,8 +5,9 @@ point.
 
 Exit codes (a contract for scripts; see README):
     0 succeeded    1 failed or cancelled (or an unexpected error)    2 usage or invalid input (also: an id that
-    names no job of the caller's, a command the job's state refuses such as `retry` of a job that has not finished
-    or `cancel` of one that has)    3 server, Redis or database unreachable    4 succeeded with some failed rows
+    names no job of the caller's, a command the job's state or kind refuses such as `retry` of a job that has not
+    finished, `cancel` of one that has, `results` of a fine-tune)    3 server, Redis or database unreachable
+    4 succeeded with some failed rows
     5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
     130 `gpujobs up` interrupted while starting (it stopped what it started)
 

@@ -265,7 +265,7 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
 )
 def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str, with_input: bool) -> None:
     """Finished rows (or, with --errors, failed rows); works while the job still runs. How many is said on
-    stderr ("0 failed rows")."""
+    stderr ("0 failed rows"). A fine-tune has none (exit 2): its adapter is `gpujobs adapters show ID`."""
     output = None if output == "-" else output
     if fmt == "parquet" and not output and sys.stdout.isatty():
         raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")

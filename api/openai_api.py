@@ -20,7 +20,8 @@ How it maps (choices that clients see, hence written down here):
   `expires_at` is cancelled, its finished rows kept.
 - The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
   rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
-  deleted on their own. Uploaded files are ordinary stored files (`file_…`), usable by `gpujobs submit` too.
+  deleted on their own; a job that is no batch (a fine-tune above all) has none (404). Uploaded files are ordinary
+  stored files (`file_…`), usable by `gpujobs submit` too.
 - `metadata.priority` (`low`, `normal`, `high`) is the job's priority (core/scheduling.py); `high` needs a token
   with the priority or admin scope, like any submit. It stays in the batch's metadata too.
 - `request_counts` are the job's rows: total, succeeded (`completed`), failed; `usage` its tokens.
@@ -90,7 +91,7 @@ def retrieve_file(who: Who, file_id: str) -> dict[str, Any]:
     if job_id := _virtual(file_id):
         size = sum(len(chunk) for chunk in _virtual_content(who, file_id, job_id))
         with session_scope() as session:
-            job = get_job(session, job_id, owner=who.visible_owner)
+            job = _batch_of_file(session, who, file_id, job_id)
             return {
                 "id": file_id,
                 "object": "file",
@@ -124,7 +125,7 @@ def file_content(who: Who, file_id: str):
 def delete_file(who: Who, file_id: str) -> dict[str, Any]:
     if job_id := _virtual(file_id):
         with session_scope() as session:
-            get_job(session, job_id, owner=who.visible_owner)
+            _batch_of_file(session, who, file_id, job_id)
         raise Conflict(f"{file_id} is built from batch {job_id}'s rows: it cannot be deleted on its own")
     with session_scope() as session:
         stored = files.get(session, file_id, owner=who.visible_owner)
@@ -164,7 +165,27 @@ def _virtual(file_id: str) -> str | None:
 
 
 def _virtual_content(who: access.Principal, file_id: str, job_id: str) -> Iterator[bytes]:
+    """The output or error file's bytes; 404 (raised here, before any byte) for a job that is not a batch."""
+    with session_scope() as session:
+        _batch_of_file(session, who, file_id, job_id)
     return results.export(job_id, owner=who.visible_owner, fmt="openai", errors=file_id.endswith(ERRORS))
+
+
+def _batch_of_file(session: Session, who: access.Principal, file_id: str, job_id: str) -> Job:
+    """The batch behind an output or error file id: only an OpenAI batch has them (another job, a fine-tune
+    above all, answers 404, as /v1/batches/{id} does)."""
+    job = get_job(session, job_id, owner=who.visible_owner)
+    if not is_batch(job):
+        raise NotFound(
+            f"no file {file_id!r}: job {job_id} is not an OpenAI batch, and only a batch has output and error "
+            f"files; read the job with GET /jobs/{job_id}"
+        )
+    return job
+
+
+def is_batch(job: Job) -> bool:
+    """A generation job whose input is OpenAI batch lines (however it was submitted)."""
+    return job.kind == "generate" and job.spec.get("input_format") == "openai"
 
 
 def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
@@ -284,7 +305,7 @@ def _view(who: access.Principal, batch_id: str) -> dict[str, Any]:
     expire_if_due(who, batch_id)
     with session_scope() as session:
         job = get_job(session, batch_id, owner=who.visible_owner)
-        if job.kind != "generate" or job.spec.get("input_format") != "openai":
+        if not is_batch(job):
             raise NotFound(
                 f"no batch {batch_id!r}: job {batch_id} is not an OpenAI batch (its input is not batch "
                 "lines); read it with `gpujobs status`"

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 
 from core import formats, logprob_store, openai_batch, writers
 from core.db import session_scope
-from core.errors import InvalidInput
-from core.models import JobRow
+from core.errors import InvalidInput, WrongKind
+from core.models import Job, JobRow
 from core.states import RowState
 from core.store import get_job
 
@@ -39,6 +39,7 @@ def results(
     JSONL records; works while the job still runs."""
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
+        only_generation(job)
         where = formats.location(job.spec.get("input_format") or "jsonl")
         for row in _finished_rows(session, job_id, errors=errors, order=order):
             yield result_record(row, errors=errors, where=where, with_input=with_input)
@@ -74,6 +75,7 @@ def export(
         )
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
+        only_generation(job)
         spec, info = job.spec, (job.metrics or {}).get("input") or {}
         where = formats.location(spec.get("input_format") or "jsonl")
         rows = _finished_rows(session, job_id, errors=errors, order=order)
@@ -114,6 +116,35 @@ def export(
             **({"output": "list", "finish_reason": "list"} if several else {}),
         }
         yield from writers.parquet_chunks(records, columns, types)
+
+
+def readable(job_id: str, *, owner: str | None) -> None:
+    """What `export` would refuse (no such job: 404; a fine-tune: 409), raised before a results stream starts."""
+    with session_scope() as session:
+        only_generation(get_job(session, job_id, owner=owner))
+
+
+def only_generation(job: Job) -> None:
+    """Results are generated rows, and a fine-tune has none: its rows are training data, all marked done when its
+    adapter is registered or all failed with the job's one error (a bad row refuses it at submit; the worker fails
+    the whole shard). So a fine-tune's results, and its failed rows too, are refused with what it made instead: its
+    adapter, its then_generate job, or once the error it failed with (not once per training row)."""
+    if job.kind != "finetune":
+        return
+    message = f"job {job.id} is a fine-tune: it has no generated rows"
+    chained = (job.metrics or {}).get("then_generate_job")
+    if chained:
+        message += f" (its then_generate job {chained} holds the generations: `gpujobs results {chained}`)"
+    adapter = f"GET /adapters/{job.id} (`gpujobs adapters show {job.id}`)"
+    if job.state == "succeeded":
+        message += f"; its adapter is {adapter}"
+    elif job.state == "failed":
+        message += f"; it failed and registered no adapter: {job.error or 'no error recorded'}"
+    elif job.state == "cancelled":
+        message += "; it was cancelled and registered no adapter"
+    else:
+        message += f"; once it succeeds, its adapter is {adapter}"
+    raise WrongKind(message)
 
 
 def _finished_rows(session: Session, job_id: str, *, errors: bool, order: str) -> Iterator[JobRow]:

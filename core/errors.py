@@ -88,6 +88,11 @@ class NotFinished(IllegalTransition):
     (usage) rather than 1, which scripts read as "the job failed"."""
 
 
+class WrongKind(Conflict):
+    """An operation of one kind of job asked of another (the generated rows of a fine-tune): the job, not the
+    request's form, is in the way (409, as for a job in the wrong state); the CLI exits 2, as for a usage error."""
+
+
 class WaitTimeout(JobsError):
     """A wait gave up after its timeout; the job goes on. The CLI exits 124 (as `timeout(1)` does)."""
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from sqlalchemy import select
 
+from api.client import Client
 from tests.conftest import ROOT, qa_pairs
 from tests.test_e2e import jobs
 
@@ -97,3 +99,47 @@ def test_then_generate_with_wait_prints_and_waits_for_both_and_status_shows_trai
     status = jobs(cli_env, "status", ft_id, check=True).stdout
     assert "training step 3/3, epoch" in status and "loss " in status and "training tok/s" in status, status
     assert "  tokens " not in status and "first    result" not in status and ", 0.0 tok/s" not in status, status
+
+
+def test_results_of_a_finetune_are_refused_naming_its_adapter_chained_job_and_error(cli_env, api_server, base_model):
+    """A fine-tune generates no rows: `results` (HTTP 409) names its adapter and its then_generate job, exits 2 and
+    writes nothing; `--errors` of a failed one gives its error once, not once per training row; its OpenAI output
+    file does not exist (404), as it is no batch."""
+    import httpx
+
+    from core import leases
+    from core.db import session_scope
+    from core.models import Shard
+
+    url, token, _ = api_server
+    client = Client(url, token)
+    prompts = str(ROOT / "examples" / "prompts.jsonl")
+    spec = {"kind": "finetune", "model": str(base_model), "gpus": 0, "max_steps": 3, "then_generate": prompts}
+    ft = client.submit(spec, input=ROOT / "examples" / "finetune_qa.jsonl")  # no worker: it stays queued
+    chained = ft["metrics"]["then_generate_job"]
+    refused = jobs(cli_env, "results", ft["id"])
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"Error: job {ft['id']} is a fine-tune: it has no generated rows (its then_generate job {chained} holds the "
+        f"generations: `gpujobs results {chained}`); once it succeeds, its adapter is GET /adapters/{ft['id']} "
+        f"(`gpujobs adapters show {ft['id']}`)"
+    ]
+    headers = {"Authorization": f"Bearer {token}"}
+    answer = httpx.get(f"{url}/jobs/{ft['id']}/results", params={"format": "openai"}, headers=headers)
+    assert answer.status_code == 409 and answer.json()["error"]["type"] == "WrongKind"
+    for path in (
+        f"/v1/files/{ft['id']}-output",
+        f"/v1/files/{ft['id']}-output/content",
+        f"/v1/files/{ft['id']}-errors",
+    ):
+        answer = httpx.get(url + path, headers=headers)
+        assert answer.status_code == 404 and "not an OpenAI batch" in answer.json()["error"]["message"], path
+
+    reason = "12 row(s) are longer than max_seq_length=8 tokens: raise max_seq_length"
+    with session_scope() as session:  # as a worker that refuses the training data does (core/leases.py)
+        [shard_id] = session.scalars(select(Shard.id).where(Shard.job_id == ft["id"])).all()
+    leases.fail(shard_id, reason)
+    assert client.job(ft["id"])["state"] == "failed"
+    errors = jobs(cli_env, "results", ft["id"], "--errors")
+    assert errors.returncode == 2 and errors.stdout == "", errors.stderr
+    assert errors.stderr.count(reason) == 1 and "failed and registered no adapter" in errors.stderr
