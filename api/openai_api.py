@@ -129,12 +129,12 @@ def delete_file(who: Who, file_id: str) -> dict[str, Any]:
         raise Conflict(f"{file_id} is built from batch {job_id}'s rows: it cannot be deleted on its own")
     with session_scope() as session:
         stored = files.get(session, file_id, owner=who.visible_owner)
-        live = [s.value for s in JobState if not s.terminal]
-        busy = session.scalar(select(Job.id).where(Job.input_file_id == file_id, Job.state.in_(live)).limit(1))
-        if busy:
+        if used := files.live_use(session, file_id):
+            job, role = used
+            what, state = ("batch", STATUS[job.state]) if is_batch(job) else ("job", job.state)
             raise Conflict(
-                f"file {file_id} is the input of batch {busy}, which is still {_live_state(session, busy)}:"
-                " delete it once the batch has ended (or cancel the batch)"
+                f"file {file_id} is the {role} of {what} {job.id}, which is still {state}: delete it once the "
+                f"{what} has ended (or cancel the {what})"
             )
         path = files.absolute(stored)
         session.delete(stored)
@@ -192,10 +192,6 @@ def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
     if first:
         yield first
     yield from rest
-
-
-def _live_state(session: Session, job_id: str) -> str:
-    return STATUS[session.get(Job, job_id).state]
 
 
 # --- batches -------------------------------------------------------------------------------------------------

@@ -13,12 +13,13 @@ import unicodedata
 from pathlib import Path
 from typing import BinaryIO
 
-from sqlalchemy import event
+from sqlalchemy import event, or_, select
 from sqlalchemy.orm import Session
 
 from core.errors import Forbidden, InvalidInput, NoSuchPath, NotFound, TooLarge
-from core.models import File
+from core.models import File, Job
 from core.settings import get_settings
+from core.states import JobState
 from core.store import new_id, now
 
 CHUNK = 1 << 20
@@ -110,6 +111,24 @@ def get(session: Session, file_id: str, *, owner: str | None) -> File:
     if file is None or (owner is not None and file.owner != owner):
         raise NotFound(f"no file {file_id!r}: upload it with the job (`gpujobs submit --input FILE`)")
     return file
+
+
+def live_use(session: Session, file_id: str) -> tuple[Job, str] | None:
+    """The oldest live (not ended) job that names the file, and what the file is to it: its `input` (a fine-tune's
+    training data; a then_generate input is its chained job's input), its `adapter` (read by the worker when the
+    job runs) or its `validation_input`. None when no live job names it, so it may be deleted."""
+    live = [s.value for s in JobState if not s.terminal]
+    names = or_(
+        Job.input_file_id == file_id,
+        Job.spec["adapter"].as_string() == file_id,
+        Job.spec["validation_input"].as_string() == file_id,
+    )
+    stmt = select(Job).where(Job.state.in_(live), names).order_by(Job.created_at, Job.id).limit(1)
+    job = session.scalar(stmt)
+    if job is None:
+        return None
+    named = {"input": job.input_file_id, **{k: (job.spec or {}).get(k) for k in ("adapter", "validation_input")}}
+    return job, next(role for role, ref in named.items() if ref == file_id)
 
 
 def resolve(path: str, *, what: str) -> Path:

@@ -224,3 +224,52 @@ def test_the_cli_packs_only_the_two_adapter_files_and_refuses_pickle_weights(tmp
         with pack_adapter(folder):
             pass
     assert not Path(packed).exists()  # the temporary zip is removed after the upload
+
+
+def test_a_file_a_live_job_needs_is_not_deleted_until_the_job_has_ended(jobs_env, base_model):
+    """DELETE /v1/files/{id} answers 409 naming the job for a file that a live job names as its adapter, its input,
+    its validation_input or (its chained job's input) its then_generate input; once the job ended it deletes."""
+    from fastapi.testclient import TestClient
+
+    from api.app import app
+    from core import auth
+    from tests.test_finetune import FT_DATA
+
+    with session_scope() as session:
+        headers = {"Authorization": f"Bearer {auth.create_token(session, owner='alice', scopes=['user'])}"}
+    client = TestClient(app)
+    adapter = upload("alice", "a.zip", zipped(fake_adapter()))
+    prompts, then_input = (upload("alice", "p.jsonl", PROMPTS.read_bytes()) for _ in range(2))
+    train, validation = (upload("alice", "t.jsonl", FT_DATA.read_bytes()) for _ in range(2))
+    gen = service.submit(
+        owner="alice",
+        spec_data={"model": str(base_model), "input": prompts, "adapter": adapter, "gpus": 0},
+    )
+    ft = service.submit(
+        owner="alice",
+        spec_data={
+            "kind": "finetune",
+            "model": str(base_model),
+            "input": train,
+            "validation_input": validation,
+            "then_generate": then_input,
+            "gpus": 0,
+        },
+    )
+    chained = ft["metrics"]["then_generate_job"]
+    assert gen["state"] == ft["state"] == "running"  # no worker: they stay live
+    for file_id, role, job_id in (
+        (adapter, "adapter", gen["id"]),
+        (prompts, "input", gen["id"]),
+        (train, "input", ft["id"]),
+        (validation, "validation_input", ft["id"]),
+        (then_input, "input", chained),
+    ):
+        answer = client.delete(f"/v1/files/{file_id}", headers=headers)
+        assert answer.status_code == 409, (file_id, answer.text)
+        assert f"file {file_id} is the {role} of job {job_id}, which is still " in answer.json()["error"]["message"]
+    for job_id in (gen["id"], ft["id"], chained):
+        assert service.cancel(job_id, owner=None, by="alice")["state"] == "cancelled"
+    for file_id in (adapter, prompts, train, validation, then_input):
+        answer = client.delete(f"/v1/files/{file_id}", headers=headers)
+        assert answer.status_code == 200 and answer.json()["deleted"], answer.text
