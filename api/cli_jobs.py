@@ -400,7 +400,7 @@ def cancel(job_id: str, as_json: bool) -> None:
 @json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     """Re-open a finished job under the same id and re-run its failed rows. A job that has not finished is
-    refused (exit 2): wait for it or cancel it first."""
+    refused (exit 2): wait for it or cancel it first; so is an OpenAI batch past its 24 h completion window."""
     api = client()
     job = api.retry(job_id, failed_only=failed_only)
     if wait_:

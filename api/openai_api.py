@@ -17,7 +17,8 @@ How it maps (choices that clients see, hence written down here):
   cancelled by its completion window → `expired` (`finalizing` while that cancel is under way).
 - `completion_window` is `24h` only (JOBS_BATCH_WINDOW_SECONDS shortens it in tests). The window is enforced when
   a batch is read (retrieve, list) and by every worker's reaper (`core.jobs.expire_batches`): a live batch past
-  `expires_at` is cancelled, its finished rows kept.
+  `expires_at` is cancelled, its finished rows kept. `expires_at` is `created_at` + the window for every run: a
+  retry (`gpujobs retry`, POST /jobs/{id}/retry) of a batch past it is refused (409; why: docs/design.md).
 - The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
   rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
   deleted on their own; a job that is no batch (a fine-tune above all) has none (404). Uploaded files are ordinary
@@ -47,7 +48,7 @@ from api import access, results, service, views
 from core import files
 from core.db import session_scope
 from core.errors import Conflict, IllegalTransition, InvalidInput, NotFound
-from core.jobs import BATCH_EXPIRED_BY
+from core.jobs import BATCH_EXPIRED_BY, batch_deadline
 from core.models import File as StoredFile
 from core.models import Job, JobEvent
 from core.settings import get_settings
@@ -316,8 +317,8 @@ def expire_if_due(who: access.Principal, batch_id: str) -> None:
             job is not None
             and (who.visible_owner in (None, job.owner))
             and not JobState(job.state).terminal
-            and job.spec.get("input_format") == "openai"
-            and now() > job.created_at + get_settings().batch_window_seconds
+            and (deadline := batch_deadline(job)) is not None
+            and now() > deadline
         )
     if due:
         try:

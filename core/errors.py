@@ -83,6 +83,11 @@ class NothingToRetry(IllegalTransition):
     the job's state, not the request, is in the way (409); the CLI exits 2, as for a usage error."""
 
 
+class BatchExpired(NothingToRetry):
+    """A retry of an OpenAI batch whose completion window has passed: a batch never runs past its `expires_at`
+    (OpenAI's `expired` is final), so nothing in it can run again (409; the CLI exits 2, as for NothingToRetry)."""
+
+
 class NotFinished(IllegalTransition):
     """An operation that needs a finished job (retry) asked of a live one: the caller's mistake, so the CLI exits 2
     (usage) rather than 1, which scripts read as "the job failed"."""

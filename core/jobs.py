@@ -25,6 +25,7 @@ core/leases.py.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from sqlalchemy.orm import Session
 from core import adapters, dispatch, files, scheduling
 from core.dataset import nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
-from core.errors import IllegalTransition, JobsError, NotFinished, NothingToRetry
+from core.errors import BatchExpired, IllegalTransition, JobsError, NotFinished, NothingToRetry
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
 from core.preflight import InputCheck
 from core.queue import queue_for
@@ -263,6 +264,12 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
                 f"job {job_id} is {job.state}: retry a job once it has finished (`gpujobs wait "
                 f"{job_id}`), or cancel it first (`gpujobs cancel {job_id}`)"
             )
+        if (deadline := batch_deadline(job)) is not None and now() > deadline:
+            raise BatchExpired(
+                f"batch {job_id}'s completion window ended at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(deadline))}, and a batch never runs past it: "
+                f"create a new batch from its input file {job.input_file_id} (the finished rows of this one are kept)"
+            )
         states = [RowState.failed.value] + ([] if failed_only else [RowState.pending.value])
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
         spec = _generate_spec(job)
@@ -406,6 +413,14 @@ def cancel_job(session: Session, job: Job, *, by: str) -> None:
         except IllegalTransition:
             pass  # a worker claimed it just now; it will see the job is cancelling and stop
     maybe_finalize(session, job.id)
+
+
+def batch_deadline(job: Job) -> float | None:
+    """When an OpenAI batch (a generation job whose input is batch lines) must have ended: `created_at` plus the
+    completion window, for every run (a retry neither moves it nor may run past it); None for another job."""
+    if job.kind != "generate" or (job.spec or {}).get("input_format") != "openai":
+        return None
+    return job.created_at + get_settings().batch_window_seconds
 
 
 def expire_batches(session: Session, window_seconds: float) -> list[str]:

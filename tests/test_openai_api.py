@@ -195,3 +195,37 @@ def test_a_batch_past_its_completion_window_expires_and_keeps_finished_rows(
     output = client.files.content(expired.output_file_id).text.splitlines()
     assert len(output) == counts.completed
     assert ours.job(batch.id)["state"] == "cancelled"
+
+
+def test_a_batch_past_its_completion_window_is_not_retried_one_within_it_is(tmp_path, jobs_env, tiny_model):
+    """A retry of an ended batch whose window has passed is refused (409 BatchExpired, saying to create a new batch
+    from its input file) and the batch stays as it was, instead of answering `running` and being cancelled again by
+    the next read; a batch still within its window is retried."""
+    from fastapi.testclient import TestClient
+
+    from api import service
+    from api.app import app
+    from core.models import Job
+
+    with session_scope() as session:
+        headers = {"Authorization": f"Bearer {auth.create_token(session, owner='alice', scopes=['user'])}"}
+    client = TestClient(app)
+    lines = [chat_line(f"r{i}", f"row {i}", max_tokens=2) for i in range(3)]
+    spec = {"model": str(tiny_model), "input": write_lines(tmp_path / "batch.jsonl", lines), "gpus": 0}
+    old, fresh = (service.submit(owner="alice", spec_data=spec)["id"] for _ in range(2))
+    for batch_id in (old, fresh):
+        assert client.post(f"/jobs/{batch_id}/cancel", headers=headers).json()["state"] == "cancelled"
+    with session_scope() as session:  # as if created two days ago: its 24 h window has passed
+        job = session.get(Job, old)
+        job.created_at -= 2 * 86400
+        input_file = job.input_file_id
+
+    refused = client.post(f"/jobs/{old}/retry", headers=headers)
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "BatchExpired", refused.text
+    message = refused.json()["error"]["message"]
+    assert f"batch {old}'s completion window ended at " in message
+    assert f"create a new batch from its input file {input_file}" in message
+    assert client.get(f"/jobs/{old}", headers=headers).json()["state"] == "cancelled"
+    assert client.get(f"/v1/batches/{old}", headers=headers).json()["status"] == "cancelled"
+    assert client.post(f"/jobs/{fresh}/retry", headers=headers).json()["state"] == "running"
+    assert client.get(f"/v1/batches/{fresh}", headers=headers).json()["status"] == "in_progress"
