@@ -74,7 +74,7 @@ async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own answers (a body it cannot parse: 400; no such route: 404; a method the path lacks: 405) in
     our error body. A 405's Allow lists the methods of every route of the path (Starlette's names only the first
-    route's, e.g. POST for /jobs, which GET serves too)."""
+    route's, e.g. POST for /jobs, which GET serves too; RFC 9110 wants them all)."""
     try:
         kind = "".join(word.capitalize() for word in HTTPStatus(exc.status_code).name.split("_"))
     except ValueError:
@@ -82,9 +82,19 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     response = _error(exc.status_code, kind, f"{exc.detail}")
     response.headers.update(exc.headers or {})
     if exc.status_code == 405:
-        routes = [r for r in app.router.routes if r.matches(request.scope)[0] == Match.PARTIAL]
-        response.headers["Allow"] = ", ".join(sorted({m for r in routes for m in getattr(r, "methods", None) or ()}))
+        response.headers["Allow"] = ", ".join(_allowed(request.scope))
     return response
+
+
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE")  # those a route may declare
+
+
+def _allowed(scope: dict[str, Any]) -> list[str]:
+    """The methods some route serves at the request's path, each found by matching the path with that method: the
+    routers included above (/v1, /metrics, /dashboard) sit behind FastAPI's wrapper, which has no `methods` to
+    read, but matches like any route."""
+    routes = app.router.routes
+    return [m for m in HTTP_METHODS if any(r.matches({**scope, "method": m})[0] == Match.FULL for r in routes)]
 
 
 @app.exception_handler(DataError)
