@@ -14,7 +14,7 @@ import click
 from api.cli_base import cli, client, emit, job_exit_code, json_option
 from api.cli_jobs import wait_with_progress
 from core.errors import InvalidInput, JobsError
-from core.settings import get_settings
+from core.settings import Settings, get_settings
 from core.slices import parse_slice, parse_slices, worker_command, worker_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -32,7 +32,14 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     show_default=True,
     help="API listen address (beyond loopback needs JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)",
 )
-@click.option("--port", default=8765, show_default=True, help="API port")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    metavar="PORT",
+    default=lambda: get_settings().api_port,
+    show_default=f"JOBS_API_PORT, else {Settings.api_port}",
+    help="API port; one that another program listens on is refused before anything starts",
+)
 @click.option(
     "--detach",
     "-d",
@@ -47,7 +54,8 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 6), stays down and `gpujobs workers`
     says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
     Exit codes: 0 stopped on request (or detached and healthy), 1 the stack failed to start or a part of it
-    exited, 5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted while starting.
+    exited, 2 --port is in use (nothing was started), 5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted
+    while starting.
     """
     from api import stack
     from api.supervisor import StopSignals
@@ -58,6 +66,7 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     if host not in ("127.0.0.1", "localhost", "::1") and not (get_settings().model_roots and get_settings().data_roots):
         raise InvalidInput(f"--host {host} listens beyond loopback: set JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS first")
     slices = stack.prepare(slices)
+    stack.check_port(host, port)
     if not detach:
         _log_supervisor_to_stderr()
     sup = None
@@ -241,7 +250,14 @@ DEMO_FILES = ("qa.jsonl", "finetune.yaml", "finetune_qa.jsonl", "prompts.jsonl")
     show_default=True,
     help="folder with the demo's files: " + ", ".join(DEMO_FILES),
 )
-@click.option("--port", default=8765, show_default=True, help="API port if the stack must be started")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    metavar="PORT",
+    default=lambda: get_settings().api_port,
+    show_default=f"JOBS_API_PORT, else {Settings.api_port}",
+    help="API port if the stack must be started",
+)
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
 def demo(examples: str, port: int, keep_running: bool) -> None:
     """Run a fine-tune and a generation job end to end on this machine: start the stack, build a tiny base model

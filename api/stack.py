@@ -10,6 +10,7 @@ NVLink multicast off (core/slices.py); the worker passes the same variables on t
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import getpass
 import json
@@ -17,6 +18,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +29,7 @@ from api.supervisor import StopSignals, Supervisor
 from core import auth
 from core.db import session_scope, upgrade
 from core.embedded import start_redis
-from core.errors import GpuConflict, JobsError, StartInterrupted
+from core.errors import GpuConflict, InvalidInput, JobsError, StartInterrupted
 from core.logs import setup_logging
 from core.settings import get_settings, reset
 from core.slices import parse_slice, parse_slices, worker_command, worker_env  # noqa: F401  (ops/bench/load.py imports them from here)
@@ -129,6 +131,25 @@ def prepare(slices: list[list[str]] | None) -> list[list[str]]:
     for s in slices:
         check_inherited_for_up(s)
     return slices
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse an API port that another program listens on, before anything starts: uvicorn would otherwise exit after
+    Redis and the workers had started, with the cause only in api.log. Binds as uvicorn does (SO_REUSEADDR, so a
+    socket left in TIME_WAIT by a stack just stopped does not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise InvalidInput(
+                    f"port {port} on {host} is in use (by another program): pick another with --port"
+                ) from None
+            raise InvalidInput(
+                f"cannot listen on {host} port {port} ({exc.strerror or exc}): pick another --host or --port"
+            ) from None
 
 
 def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:

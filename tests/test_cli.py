@@ -65,6 +65,26 @@ def test_up_demo_down_on_a_fresh_home(tmp_path, redis_server):
     assert not (tmp_path / "home" / "run" / "stack.json").exists()
 
 
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    """`up` on an API port another program listens on (given with --port, or by JOBS_API_PORT, which --port defaults
+    to) names the port and exits 2 before Redis, the API or a worker starts: no stack.json, no Redis directory."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
+    env["JOBS_HOME"] = str(tmp_path / "home")
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        for args, extra in ((["--port", str(port)], {}), ([], {"JOBS_API_PORT": str(port)})):
+            up = jobs(dict(env, **extra), "up", "--detach", *args)
+            assert (up.returncode, up.stderr) == (
+                2,
+                f"Error: port {port} on 127.0.0.1 is in use (by another program): pick another with --port\n",
+            )
+    assert not (tmp_path / "home" / "run").exists()
+
+
 @pytest.fixture
 def cli_env(jobs_env, api_server):
     url, token, _ = api_server
