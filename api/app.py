@@ -468,7 +468,11 @@ class QuotaRequest(BaseModel):
         json_schema_extra={"anyOf": [{"required": [cap]} for cap in scheduling.LIMITS]},
     )
 
-    owner: str = Field(min_length=1, max_length=128, description="the owner the quota holds for")
+    owner: str = Field(
+        min_length=1,
+        max_length=128,
+        description="the owner the quota holds for: a name without spaces or control characters, as tokens have",
+    )
     max_running_shards: int | None = Field(
         None,
         description="shards of the owner that run at once at most (0 holds new work); null: no cap",
@@ -502,7 +506,8 @@ def list_quotas(caller: Caller) -> list[dict[str, Any]]:
 
 @app.put(
     "/quotas",
-    summary="Set an owner's quota (admins): the caps given change (null removes one), the others stay",
+    summary="Set an owner's quota (admins): the caps given change (null removes one), the others stay; a quota left "
+    "with no cap is removed",
     responses=errors(400, 401, 403, 422, 503),
 )
 def set_quota(caller: Caller, body: QuotaRequest) -> dict[str, Any]:

@@ -492,13 +492,13 @@ def quota() -> None:
     help="at most S GPU-seconds over the last 24 hours (a CPU shard counts 1 a second); past it new shards wait, "
     "running ones finish",
 )
-@click.option("--no-cap", is_flag=True, help="remove both of the owner's caps")
+@click.option("--no-cap", is_flag=True, help="remove both of the owner's caps: the owner has no quota any more")
 @click.option("--json", "as_json", is_flag=True, help="print the quota as JSON")
 def quota_set(
     owner: str, max_running_shards: int | None, max_gpu_seconds_per_day: float | None, no_cap: bool, as_json: bool
 ) -> None:
     """Set OWNER's quota: `--max-running-shards N` and/or `--max-gpu-seconds-per-day S` (a cap not given stays as it
-    is), or `--no-cap`."""
+    is), or `--no-cap`. OWNER is a name as `tokens create --owner` takes it (no spaces or control characters)."""
     limits = {
         k: v
         for k, v in (("max_running_shards", max_running_shards), ("max_gpu_seconds_per_day", max_gpu_seconds_per_day))

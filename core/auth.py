@@ -22,13 +22,19 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def check_owner(owner: str) -> str:
+    """An owner name as jobs are filed under it: what a token is created for and what a quota is set on."""
+    if not OWNER.fullmatch(owner):
+        raise InvalidInput(f"owner {owner!r}: give a name of 1 to 128 characters without spaces or control characters")
+    return owner
+
+
 def create_token(session: Session, *, owner: str, scopes: list[str], name: str | None = None) -> str:
     """Create a token and return its secret; only its hash is stored, so it is shown once."""
     bad = sorted(set(scopes) - set(SCOPES))
     if bad or not scopes:
         raise InvalidInput(f"unknown scope(s) {bad or scopes}: use {', '.join(SCOPES)}")
-    if not OWNER.fullmatch(owner):
-        raise InvalidInput(f"owner {owner!r}: give a name of 1 to 128 characters without spaces or control characters")
+    check_owner(owner)
     secret = "jt_" + secrets.token_urlsafe(32)
     scope_list = ",".join(s for s in SCOPES if s in scopes)
     session.add(

@@ -52,6 +52,7 @@ from typing import Any
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
+from core.auth import check_owner
 from core.errors import InvalidInput
 from core.models import Job, Quota, Shard, ShardRun
 from core.settings import get_settings
@@ -403,8 +404,10 @@ def queue_depth(session: Session) -> list[tuple[str, str, str, int]]:
 LIMITS = ("max_running_shards", "max_gpu_seconds_per_day")  # a quota's fields: a value caps, None removes the cap
 
 
-def set_quota(session: Session, owner: str, *, by: str, **limits: int | float | None) -> Quota:
-    """Set the `limits` given (a subset of LIMITS) of `owner`'s quota; the others stay as they are."""
+def set_quota(session: Session, owner: str, *, by: str, **limits: int | float | None) -> Quota | None:
+    """Set the `limits` given (a subset of LIMITS) of `owner`'s quota; the others stay as they are. A quota left with
+    no cap is deleted (None), so `quotas` lists only owners with a cap or with work."""
+    check_owner(owner)
     unknown = set(limits) - set(LIMITS)
     if unknown or not limits:
         raise InvalidInput(f"give one or more of {', '.join(LIMITS)} (null removes a cap); got {sorted(limits)}")
@@ -417,6 +420,11 @@ def set_quota(session: Session, owner: str, *, by: str, **limits: int | float | 
                 "of the owner), or null for no cap"
             )
     quota = session.get(Quota, owner)
+    if all(limits.get(f, getattr(quota, f, None)) is None for f in LIMITS):
+        if quota is not None:
+            session.delete(quota)
+            session.flush()
+        return None
     if quota is None:
         quota = Quota(owner=owner)
         session.add(quota)

@@ -287,7 +287,8 @@ def test_a_yielded_fine_tune_resumes_from_its_yield_checkpoint_with_the_loss_of_
 
 def test_cli_sets_each_cap_alone_keeps_the_other_and_refuses_bad_ones_with_exit_2(api_server, jobs_env):
     """`quota set --max-gpu-seconds-per-day`, then `--max-running-shards`: both caps stand; `quota show` prints the
-    24 h use against the cap; `--no-cap` clears both; no cap, `--no-cap` with a cap, a negative cap: exit 2 with
+    24 h use against the cap; `--no-cap` removes the quota (`quota show` lists no owner again); no cap, `--no-cap`
+    with a cap, a negative cap, an owner name a token could not have (a space, a control character): exit 2 with
     the reason, the quota unchanged."""
     from tests.test_e2e import jobs as cli
 
@@ -309,6 +310,15 @@ def test_cli_sets_each_cap_alone_keeps_the_other_and_refuses_bad_ones_with_exit_
     ):
         refused = cli(env, "quota", "set", "ann", *bad)
         assert refused.returncode == 2 and says in refused.stderr, (bad, refused.stderr)
+    for owner in ("bad name", "tab\there", "ann\x7f"):
+        refused = cli(env, "quota", "set", owner, "--max-running-shards", "1")
+        assert (refused.returncode, refused.stderr) == (
+            2,
+            f"Error: owner {owner!r}: give a name of 1 to 128 characters without spaces or control characters\n",
+        )
     assert (shown()["max_gpu_seconds_per_day"], shown()["max_running_shards"]) == (3600, 2)
+    assert [q["owner"] for q in json.loads(cli(env, "quota", "show", "--json", check=True).stdout)] == ["ann"]
     cli(env, "quota", "set", "ann", "--no-cap", check=True)
     assert (shown()["max_gpu_seconds_per_day"], shown()["max_running_shards"]) == (None, None)
+    assert json.loads(cli(env, "quota", "show", "--json", check=True).stdout) == []
+    assert "no owner has a quota" in cli(env, "quota", "show", check=True).stdout
