@@ -385,15 +385,43 @@ def _with_input_format(spec: GenerateSpec, fmt: str) -> GenerateSpec:
 
 
 def request(spec: Any, *, admin: bool) -> None:
-    """What a submit over HTTP must pass before the spec is read: no NUL character anywhere, and a user (not an
-    admin) names server paths only under JOBS_DATA_ROOTS, never inside the store (for `input`, a fine-tune's
-    `validation_input` and its `then_generate` input alike)."""
+    """What a submit over HTTP must pass before the spec is read: no NUL character anywhere, a model that is no
+    relative path, and a user (not an admin) names server paths only under JOBS_DATA_ROOTS, never inside the store
+    (for `input`, a fine-tune's `validation_input` and its `then_generate` input alike)."""
     _refuse_nul(spec, "spec")
+    _refuse_relative_model(spec.get("model"))
     if not admin:
         _check_user_server_path(spec.get("input"))
         _check_user_server_path(spec.get("validation_input"))  # a fine-tune's other datasets, checked the same way
         then = spec.get("then_generate")
         _check_user_server_path(then.get("input") if isinstance(then, dict) else then)
+
+
+def _refuse_relative_model(model: Any) -> None:
+    """A relative model path means the API server's working directory (or its user's home, for `~`), which an HTTP
+    client neither knows nor chose; and one that is not there was taken as a Hub id. Refused when it reads as a
+    path: `./`, `../` or `~` in front, or (without JOBS_MODEL_ROOTS, whose checks confine paths and must not tell
+    what lies outside them) present in that directory. Any other `org/name` stays a Hub id. The CLI sends local
+    paths absolute (api/cli_submit.py `resolve_local_paths`)."""
+    if not isinstance(model, str) or not model.strip() or Path(model).is_absolute():
+        return  # an empty model: `model` says what to give
+    if (
+        model.startswith(("./", "../", "~"))
+        or model in (".", "..")
+        or (not get_settings().model_roots and _exists(model))
+    ):
+        where = "its user's home" if model.startswith("~") else "its own working directory"
+        raise InvalidInput(
+            f"model {model!r} is a relative path (the API server would read it from {where}): give an absolute "
+            "path on the server, or a Hub id (org/name)"
+        )
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _refuse_nul(spec: Any, where: str) -> None:

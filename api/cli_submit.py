@@ -78,7 +78,8 @@ def parse_columns(pairs: tuple[str, ...]) -> dict[str, str]:
 
 def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     """Upload the local datasets a spec names (its input; a fine-tune's validation input and chained input too) and
-    a local LoRA adapter, so they work against a remote server, and make a local model path absolute."""
+    a local LoRA adapter, so they work against a remote server, and make a local model path absolute (also one
+    that is missing but reads as a path, so the server says it does not exist rather than that it is relative)."""
     spec = dict(spec)
     spec["input"] = _uploaded(spec.get("input"), api)
     for key in ("validation_input", "then_generate"):
@@ -87,7 +88,7 @@ def resolve_local_paths(spec: dict[str, Any], api) -> dict[str, Any]:
     if isinstance(spec.get("then_generate"), dict):
         spec["then_generate"] = {**spec["then_generate"], "input": _uploaded(spec["then_generate"].get("input"), api)}
     model = spec.get("model")
-    if model and Path(model).expanduser().exists():
+    if model and (Path(model).expanduser().exists() or str(model).startswith(("./", "../", "~"))):
         spec["model"] = str(Path(model).expanduser().resolve())
     adapter = spec.get("adapter")
     if (

@@ -77,7 +77,9 @@ class LoadOptions(Strict):
 
     model: str = Field(
         description="a local model directory, or a Hub id (org/name): fetched once per host into the "
-        "Hugging Face cache, or read from it offline (core/hub.py)",
+        "Hugging Face cache, or read from it offline (core/hub.py). Over HTTP a directory is an absolute path on the "
+        "API server: a relative one that reads as a path (./, ../ or ~ in front, or present in the server's working "
+        "directory) is refused",
         json_schema_extra={"minLength": 1},  # not a pydantic constraint: api/checks.py says what to give
     )
     revision: str | None = Field(

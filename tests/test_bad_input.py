@@ -313,8 +313,9 @@ SPEC_CASES = [
     (
         "a relative path that is not a Hub id",
         {"model": "../nope"},
-        404,
-        "model '../nope' does not exist: give a local model directory or a Hub id (org/name)",
+        422,
+        "model '../nope' is a relative path (the API server would read it from its own working directory): give an "
+        "absolute path on the server, or a Hub id (org/name)",
     ),
     ("model path empty", {"model": " "}, 422, "model is empty: give a local model directory or a Hub id (org/name)"),
     (
@@ -395,6 +396,34 @@ def test_a_model_directory_that_is_not_a_saved_model_is_refused(api, tmp_path, l
     JSON object is refused before anything is stored."""
     m = fake_model(tmp_path / "m", **layout)
     refused(api, {"model": str(m), "input": api.upload(lines({"prompt": "hi"})), "gpus": 0}, 422, message.format(m=m))
+
+
+def test_a_relative_model_path_is_refused_over_http_and_an_org_name_not_there_stays_a_hub_id(api, tmp_path):
+    """Over HTTP a model path relative to the API server's working directory (one present there, Hub-id shaped or
+    not) or with ./, ../ or ~ in front is refused naming what to give, nothing written; an org/name that is not
+    there passes this check (a Hub id)."""
+    from api import checks
+
+    fake_model(tmp_path / "home" / "models" / "tiny")
+    api.monkeypatch.chdir(tmp_path)
+    data = api.upload(lines({"prompt": "hi"}))
+    cwd, home = "its own working directory", "its user's home"
+    for model, where in [
+        ("home/models/tiny", cwd),
+        ("home/models", cwd),  # org/name shaped, but present in the working directory
+        ("./home/models/tiny", cwd),
+        ("../x/y", cwd),
+        (".", cwd),
+        ("~/models/tiny", home),
+    ]:
+        refused(
+            api,
+            {"model": model, "input": data, "gpus": 0},
+            422,
+            f"model {model!r} is a relative path (the API server would read it from {where}): give an absolute path "
+            "on the server, or a Hub id (org/name)",
+        )
+    assert checks.request({"model": "models/tiny", "input": data}, admin=True) is None
 
 
 def test_remote_code_passes_that_check_when_the_server_allows_it(api, model):

@@ -105,6 +105,7 @@ def test_bad_submissions_exit_2_and_write_nothing(tmp_path, cli_env, spawn_worke
     cases = [
         (["--model", str(tiny_model), "--set", "bogus=1"], "unknown field 'bogus'"),
         (["--model", str(tmp_path / "nope")], "does not exist"),
+        (["--model", "./nope"], f"model '{ROOT / 'nope'}' does not exist"),  # made absolute, not sent relative
         (["--model", str(tiny_model), "--max-new-tokens", "0"], "Invalid value for '--max-new-tokens'"),
         (["--model", str(tiny_model), "--attn", "bogus"], "unknown attention backend 'bogus'"),
     ]
