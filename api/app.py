@@ -110,12 +110,23 @@ async def _data_error(request: Request, exc: DataError) -> JSONResponse:
 
 
 @app.exception_handler(RequestValidationError)
-async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     """FastAPI's own 422 (`detail`, kept for its clients), plus our `error` with one readable line for the CLI. A
-    body that is not JSON at all is a 400: malformed, rather than invalid."""
+    body that is not JSON at all is a 400: malformed, rather than invalid. A JSON route reads its body as JSON only
+    under a JSON Content-Type (FastAPI's strict content type; POST /jobs reads its own): otherwise the body reaches
+    validation as bytes, and the 422 says which header to send (`curl -d` sends a form's)."""
     malformed = [e for e in exc.errors() if e.get("type") == "json_invalid"]
     if malformed:
         return _error(400, "BadRequest", f"the body is not valid JSON: {malformed[0]['ctx']['error']}")
+    if any(tuple(e["loc"]) == ("body",) and isinstance(e.get("input"), bytes) for e in exc.errors()):
+        sent = request.headers.get("content-type")
+        return _error(
+            422,
+            "InvalidInput",
+            f"the body was not read as JSON because its Content-Type is {repr(sent) if sent else 'missing'}: send "
+            "the body as JSON with Content-Type: application/json",
+            detail=jsonable_encoder(exc.errors()),
+        )
     problems = "; ".join(
         f"{' '.join(map(str, e['loc']))}: {e['msg']}"
         + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "")

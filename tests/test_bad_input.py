@@ -492,6 +492,40 @@ def test_a_file_whose_stored_copy_is_gone_is_a_404(api):
     )
 
 
+JSON_ROUTES = [
+    ("PUT", "/quotas", {"owner": "ann", "max_running_shards": 1}),
+    (
+        "POST",
+        "/v1/batches",
+        {"input_file_id": "file_x", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    ),
+    ("POST", "/models/pull", {"repo": "org/name"}),
+    ("POST", "/models/remove", {"repo": "org/name"}),
+    ("POST", "/dashboard/session", {"code": "x"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), JSON_ROUTES, ids=[f"{m} {p}" for m, p, _ in JSON_ROUTES])
+def test_a_json_route_given_a_body_without_a_json_content_type_says_which_header_to_send(api, method, path, body):
+    """A JSON body sent as a form (`curl -d`), as text/plain or with no Content-Type is a 422 that says to send
+    Content-Type: application/json, nothing written; the same body as application/json passes that point, and a
+    JSON array as application/json keeps the validation message."""
+    before = api.stored()
+    for sent in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {**api.admin, **({"Content-Type": sent} if sent else {})}
+        response = api.client.request(method, path, content=json.dumps(body).encode(), headers=headers)
+        assert error_of(response) == (
+            422,
+            f"the body was not read as JSON because its Content-Type is {repr(sent) if sent else 'missing'}: send "
+            "the body as JSON with Content-Type: application/json",
+        )
+    assert api.stored() == before
+    listed = api.client.request(method, path, content=b"[1]", headers={**api.admin, "Content-Type": "application/json"})
+    assert error_of(listed)[0] == 422 and "Content-Type" not in error_of(listed)[1], listed.text
+    sent_as_json = api.client.request(method, path, json=body, headers=api.admin)
+    assert "Content-Type" not in sent_as_json.text, sent_as_json.text
+
+
 def test_another_owners_file_is_not_found(api, model):
     """bob cannot submit on alice's file: it answers 404 as if it did not exist, and nothing is written."""
     alices = api.upload(lines({"prompt": "hi"}))
