@@ -1,4 +1,5 @@
-"""Who is calling: the bearer-token dependency every user-facing route takes (api.app and api.openai_api).
+"""Who is calling: the bearer-token dependency every user-facing route takes (api.app and api.openai_api); and the
+check both upload routes (POST /files, POST /v1/files) take after it, that the body holds one file.
 
 A token with the user or admin scope passes; an admin sees every owner's jobs and files (`visible_owner` None).
 """
@@ -8,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from core import auth
 from core.db import session_scope
-from core.errors import Forbidden
+from core.errors import Forbidden, InvalidInput
 
 bearer = HTTPBearer(
     auto_error=False,
@@ -56,3 +57,16 @@ def principal(credentials: Annotated[HTTPAuthorizationCredentials | None, Depend
 
 Caller = Annotated[Principal, Depends(principal)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]  # the bearer token as sent
+
+
+async def one_file_part(request: Request) -> None:
+    """An upload holds one part named `file`: FastAPI binds the last of several and would drop the others without a
+    word. The form was parsed already (FastAPI read the body first); this reads it again from the request's cache."""
+    parts = (await request.form()).getlist("file")
+    if len(parts) > 1:
+        raise InvalidInput(
+            f"the upload holds {len(parts)} parts named file: send exactly one part named file (one upload per file)"
+        )
+
+
+OneFile = Annotated[None, Depends(one_file_part)]  # after the Caller: a request without a token gets its 401 first

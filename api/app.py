@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from api import checks, dashboard, metrics, openai_api, openapi, service, service_models, views
-from api.access import Caller, Credentials
+from api.access import Caller, Credentials, OneFile
 from api.limits import BodyGuard
 from api.openapi import errors
 from api.results import export, readable
@@ -170,11 +170,13 @@ def healthz() -> dict[str, Any]:
 )
 def upload(
     caller: Caller,
+    _one: OneFile,
     file: Annotated[
         UploadFile,
         File(
-            description="the file, as a multipart part named `file`: a dataset (JSONL, OpenAI batch lines, CSV, "
-            "Parquet) or a packed saved dataset; its format is detected when a job reads it",
+            description="the file, as the one multipart part named `file` (several are refused): a dataset "
+            "(JSONL, OpenAI batch lines, CSV, Parquet) or a packed saved dataset; its format is detected when a job "
+            "reads it",
             json_schema_extra={"format": "binary"},  # any bytes (OpenAPI 3.0's spelling, which clients know)
         ),
     ],

@@ -77,7 +77,9 @@ Who = access.Caller
 
 
 @router.post("/files")
-def create_file(who: Who, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]) -> dict[str, Any]:
+def create_file(
+    who: Who, _one: access.OneFile, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
+) -> dict[str, Any]:
     if purpose != "batch":
         raise InvalidInput(f"purpose {purpose!r} is not supported here: upload batch input files with purpose='batch'")
     with session_scope() as session:

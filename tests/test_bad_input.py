@@ -687,6 +687,23 @@ def test_a_large_body_is_refused_before_it_is_read(api):
     assert api.stored() == before
 
 
+@pytest.mark.parametrize("path", ["/files", "/v1/files"])
+def test_an_upload_with_two_file_parts_is_refused_and_stores_neither(api, path):
+    """Two multipart parts named file (POST /files and the OpenAI route alike) are a 422 that says to send one,
+    and neither is stored (FastAPI would have kept the last and dropped the first without a word); one part still
+    uploads."""
+    parts = [("file", ("one.jsonl", b'{"prompt": "hi"}\n')), ("file", ("empty.jsonl", b""))]
+    before = api.stored()
+    response = api.client.post(path, files=parts, data={"purpose": "batch"}, headers=api.admin)
+    assert error_of(response) == (
+        422,
+        "the upload holds 2 parts named file: send exactly one part named file (one upload per file)",
+    )
+    assert api.stored() == before
+    one = api.client.post(path, files=parts[:1], data={"purpose": "batch"}, headers=api.admin)
+    assert one.status_code in (200, 201) and one.json()["filename"] == "one.jsonl", one.text
+
+
 # --- datasets refused as a whole ------------------------------------------------------------------------------
 
 DATASET_CASES = [
