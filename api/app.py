@@ -37,7 +37,7 @@ from api.access import Caller, Credentials, OneFile
 from api.limits import BodyGuard
 from api.openapi import errors
 from api.results import export, readable
-from core import files, formats, scheduling
+from core import auth, files, formats, scheduling
 from core.db import check_reachable, session_scope
 from core.errors import Forbidden, InvalidInput, JobsError
 from core.hub import HUB_ID
@@ -481,9 +481,10 @@ class QuotaRequest(BaseModel):
         json_schema_extra={"anyOf": [{"required": [cap]} for cap in scheduling.LIMITS]},
     )
 
-    owner: str = Field(
+    owner: str = Field(  # the pattern is documented, and checked by scheduling.set_quota, whose error says it
         min_length=1,
         max_length=128,
+        json_schema_extra={"pattern": auth.OWNER_PATTERN},
         description="the owner the quota holds for: a name without spaces or control characters, as tokens have",
     )
     max_running_shards: int | None = Field(

@@ -15,7 +15,10 @@ from core.models import Token
 from core.store import new_id, now
 
 SCOPES = ("user", "admin", "metrics", "priority")
-OWNER = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")  # the name jobs are filed under: no spaces, no control characters
+# The name jobs are filed under: no spaces, no control characters. Written out rather than with \s, so that the API
+# document's pattern (api/app.py) means the same in Python, in Rust's regex (pydantic) and in JSON Schema's (ECMA).
+OWNER_PATTERN = r"^[^\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]{1,128}$"
+OWNER = re.compile(OWNER_PATTERN)
 
 
 def digest(token: str) -> str:

@@ -157,39 +157,6 @@ def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_mo
     assert row_counts(job["id"]) == {"succeeded": 120}
 
 
-@pytest.mark.usefixtures("jobs_env")
-def test_status_right_after_a_retry_rates_the_last_minute_of_the_current_run_only():
-    """`live` (status's "last minute" rate and ETA) leaves out the rows run 1 finished seconds before the retry:
-    none of run 2's before its first claim, then run 2's rows over run 2's age (was: run 1's rows too, over run 2's
-    few seconds, ~10x too fast)."""
-    from api import views
-    from core.store import now
-    from tests.test_scheduling import make_job
-
-    def finish(session, idxs, at: float) -> None:
-        for row in session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.idx.in_(idxs))):
-            row.state, row.worker, row.finished_at, row.completion_tokens = "succeeded", "w", at, 10
-        for shard in session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.row_start.in_(idxs))):
-            shard.state, shard.finished_at = "succeeded", at
-
-    job_id, _ = make_job("ann", shards=40)
-    with session_scope() as session:  # run 1: 30 rows, finished 20 s ago (in the last minute)
-        session.get(Job, job_id).started_at = now() - 40
-        finish(session, range(30), now() - 20)
-    service.cancel(job_id, owner=None, by="t")
-    assert service.retry(job_id, owner=None, failed_only=False, by="t")["live"] == {
-        "rows_per_s": 0.0,
-        "tokens_per_s": 0.0,
-        "eta_s": None,
-    }
-    with session_scope() as session:  # run 2: first claimed 10 s ago, 5 rows done since
-        session.get(Job, job_id).started_at = now() - 10
-        finish(session, range(30, 35), now() - 1)
-    live = views.get(job_id, owner=None)["live"]
-    assert live["rows_per_s"] == pytest.approx(0.5, rel=0.05) and live["tokens_per_s"] == pytest.approx(5, rel=0.05)
-    assert live["eta_s"] == pytest.approx(10, rel=0.05)  # 5 rows left at 0.5 rows/s
-
-
 def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_env, spawn_worker, tiny_model):
     """A row that failed in the engine (a chat template that refuses its messages on the worker) lives in a
     succeeded shard; `retry --failed-only` re-opens that shard, re-runs only that row (it fails again, for the same

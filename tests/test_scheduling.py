@@ -552,3 +552,33 @@ def test_the_reaper_leaves_a_shard_held_by_its_owners_quota_and_sends_it_once_th
     assert waiting_messages("cpu") == 1
     with session_scope() as session:
         assert session.get(Shard, second).enqueued_at > long_ago
+
+
+@pytest.mark.usefixtures("jobs_env")
+def test_status_right_after_a_retry_rates_the_last_minute_of_the_current_run_only():
+    """`live` (status's "last minute" rate and ETA) leaves out the rows run 1 finished within the minute before the
+    retry: none of run 2's before its first claim, then run 2's rows over run 2's age (was: run 1's rows too, over
+    run 2's age: 7x too fast here). The bounds allow a loaded machine 30 s between the writes and the read."""
+
+    def finish(session, idxs, at: float) -> None:
+        for row in session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.idx.in_(idxs))):
+            row.state, row.worker, row.finished_at, row.completion_tokens = "succeeded", "w", at, 10
+        for shard in session.scalars(select(Shard).where(Shard.job_id == job_id, Shard.row_start.in_(idxs))):
+            shard.state, shard.finished_at = "succeeded", at
+
+    job_id, _ = make_job("ann", shards=40)
+    with session_scope() as session:  # run 1: 30 rows, finished 55 s ago (in the last minute)
+        session.get(Job, job_id).started_at = now() - 70
+        finish(session, range(30), now() - 55)
+    service.cancel(job_id, owner=None, by="t")
+    assert service.retry(job_id, owner=None, failed_only=False, by="t")["live"] == {
+        "rows_per_s": 0.0,
+        "tokens_per_s": 0.0,
+        "eta_s": None,
+    }
+    with session_scope() as session:  # run 2: first claimed 50 s ago, 5 rows done since
+        session.get(Job, job_id).started_at = now() - 50
+        finish(session, range(30, 35), now() - 1)
+    live = views.get(job_id, owner=None)["live"]
+    assert 5 / 80 <= live["rows_per_s"] <= 5 / 50 + 1e-3, live  # run 1's rows counted too: 35 / 50 = 0.7
+    assert 50 <= live["eta_s"] <= 80, live  # 5 rows left at that rate
