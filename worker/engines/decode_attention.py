@@ -60,10 +60,13 @@ PAGE = 64  # positions per page of the KV cache; the row kernel's inner step tak
 # ops/bench/decode_kernel.py measures the alternatives on a GPU.
 # warps 4, stages 3: best at G1 decode on the H200 (contiguous cache): 3.94 TB/s (ops/bench/results)
 CONFIG = {"warps": 4, "stages": 3, "pages": 1}
-# the same for fp8 and int8 pages: a page of them is half the bytes of a bf16 one, so one page per inner step puts
-# half as many bytes in flight (2026-12-06, H100: ~1.7 TB/s, 1.07-1.19x bf16's time where the bytes allow ~1.9x);
-# more pages per step is the lever decode_kernel.py times (untimed as of 2026-12-07)
-QUANTIZED_CONFIG = {"warps": 4, "stages": 3, "pages": 1}
+# the same for fp8 and int8 pages: a page of them is half the bytes of a bf16 one, so one page per inner step put
+# half as many bytes in flight (2026-12-06, H100: ~1.7 TB/s, 1.07-1.19x bf16's time where the bytes allow ~1.9x).
+# Two pages a step at batch 1024 x context 512 on an H100 (ops/bench/results/2026-12-07-h100-session56): fp8 0.555
+# against 0.659 ms (1.19x), int8 0.532 against 0.600 (1.13x); 4 pages won int8 there by 0.2 % but waste a half step
+# at contexts of 6 pages (int8 at 384: 1.02x bf16). bf16 pages stay at one: two ran 0.694 against 0.692 ms, the
+# kernel already at 3.11 TB/s.
+QUANTIZED_CONFIG = {"warps": 4, "stages": 3, "pages": 2}
 TARGET_PROGRAMS = 1024  # kernel programs to aim for when splitting short batches over the context
 MAX_SPLITS = 32  # the most parts a slot's context is cut into (the merge reads every part)
 BLOCK_M = 64  # query vectors (row, head of a kv group) per program of the cascade's prefix kernel
