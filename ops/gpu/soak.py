@@ -634,7 +634,10 @@ class Soak:
         if worker:
             self.ensure_worker(name)
         step = Step(self, name, bound)
-        log(f"{name}: start (bound {bound:.0f} s)")
+        cut = f", cut from its {self.mode.bounds[name]:.0f} s by the budget" if bound < self.mode.bounds[name] else ""
+        log(f"{name}: start (bound {bound:.0f} s{cut})")
+        if cut:  # past it the step fails as slow or stuck: the record says the budget, not the step, set the bound
+            step.record["bound_cut_by_budget"] = True
         try:
             fn(step)
         except Stuck as exc:
