@@ -255,6 +255,11 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
     if not path.is_file() or (fmt == "auto" and formats.detect(path, name) != "openai"):
         raise missing
     models, unnamed = openai_models(path)
+    if not models and unnamed is None:  # empty, CSV, plain prompts, not UTF-8: no line to take a model from
+        raise InvalidInput(
+            f"{name!r} holds no OpenAI batch line: each line must be a JSON object with custom_id, method, url and "
+            "body, the model in body.model"
+        )
     if not models:
         raise InvalidInput(
             "model is missing: the job names none and no OpenAI batch line names one in body.model: "

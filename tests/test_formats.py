@@ -263,6 +263,14 @@ def test_body_model_chooses_the_model_when_the_job_names_none(api, tmp_path):
         "model is missing: the job names none and no OpenAI batch line names one in body.model: name one "
         "(--model, or `model:` in the spec)",
     )
+    for data in (b"", b"\xe9t\xe9\n", b'{"prompt": "hi"}\n'):  # no line to name a model: say what the file lacks
+        refused(
+            api,
+            {"input": api.upload(data, name="batch.jsonl"), "input_format": "openai", "gpus": 0},
+            422,
+            "'batch.jsonl' holds no OpenAI batch line: each line must be a JSON object with custom_id, method, url "
+            "and body, the model in body.model",
+        )
 
 
 # --- CSV ------------------------------------------------------------------------------------------------------
