@@ -214,7 +214,11 @@ async def submit(caller: Caller, request: Request) -> dict[str, Any]:
     )
 
 
-HAS_MORE = "X-Has-More"  # a list route's header: "true" when its `limit` cut the list (ask with a larger limit)
+HAS_MORE = "X-Has-More"  # a list route's header: "true" when its `limit` cut the list (ask for the next page)
+HAS_MORE_HEADER = {
+    "description": "true when `limit` cut the list",
+    "schema": {"type": "string", "enum": ["true", "false"]},
+}
 
 
 def _page(response: Response, found: list, limit: int) -> list:
@@ -226,13 +230,19 @@ def _page(response: Response, found: list, limit: int) -> list:
 
 @app.get(
     "/jobs",
-    summary="List jobs, newest first (header X-Has-More: true when `limit` cut the list)",
-    responses=errors(401, 403, 422, 503),
+    summary="List jobs, newest first (header X-Has-More: true when `limit` cut the list: ask again with `after` the "
+    "last id listed)",
+    responses={200: {"headers": {HAS_MORE: HAS_MORE_HEADER}}, **errors(401, 403, 404, 422, 503)},
 )
 def list_jobs(
-    caller: Caller, response: Response, state: JobState | None = None, limit: Annotated[int, Query(ge=1, le=1000)] = 50
+    caller: Caller,
+    response: Response,
+    state: JobState | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    after: Annotated[str | None, Query(description="a job id: the jobs listed after it (the next page)")] = None,
 ) -> list[dict]:
-    found = views.list_jobs(owner=caller.visible_owner, state=state.value if state else None, limit=limit + 1)
+    state_value = state.value if state else None
+    found = views.list_jobs(owner=caller.visible_owner, state=state_value, limit=limit + 1, after=after)
     return _page(response, found, limit)
 
 
@@ -393,13 +403,18 @@ def usage(
 @app.get(
     "/adapters",
     summary="Registered LoRA adapters (id = the fine-tune job that made it), newest first "
-    "(header X-Has-More: true when `limit` cut the list)",
-    responses=errors(401, 403, 422, 503),
+    "(header X-Has-More: true when `limit` cut the list: ask again with `after` the last id listed)",
+    responses={200: {"headers": {HAS_MORE: HAS_MORE_HEADER}}, **errors(401, 403, 404, 422, 503)},
 )
 def list_adapters(
-    caller: Caller, response: Response, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    caller: Caller,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[
+        str | None, Query(description="an adapter id: the adapters listed after it (the next page)")
+    ] = None,
 ) -> list[dict[str, Any]]:
-    return _page(response, views.list_adapters(owner=caller.visible_owner, limit=limit + 1), limit)
+    return _page(response, views.list_adapters(owner=caller.visible_owner, limit=limit + 1, after=after), limit)
 
 
 @app.get(

@@ -33,13 +33,14 @@ def _line(a: dict[str, Any]) -> str:
     show_default=True,
     help="how many, newest first (stderr says when older adapters exist beyond them)",
 )
+@click.option("--after", metavar="ADAPTER_ID", help="the adapters listed after this one: the next page")
 @json_option()
-def list_adapters(limit: int, as_json: bool) -> None:
+def list_adapters(limit: int, after: str | None, as_json: bool) -> None:
     """Registered adapters, newest first."""
-    found, more = client().adapters_page(limit=limit)
+    found, more = client().adapters_page(limit=limit, after=after)
     emit(found, as_json, lambda rows: [click.echo(_line(a)) for a in rows])
     if more:
-        click.echo(f"(the newest {limit} shown; older adapters exist: --limit {min(limit * 4, 1000)})", err=True)
+        click.echo(f"(older adapters exist: the next page is --after {found[-1]['id']})", err=True)
 
 
 @adapters.command("show")

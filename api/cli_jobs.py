@@ -193,8 +193,9 @@ def status(job_id: str, all_runs: bool, as_json: bool) -> None:
     show_default=True,
     help="how many, newest first (stderr says when older jobs exist beyond them)",
 )
+@click.option("--after", metavar="JOB_ID", help="the jobs listed after this one: the next page")
 @json_option()
-def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
+def list_jobs(state: str | None, limit: int, after: str | None, as_json: bool) -> None:
     """List jobs, newest first."""
 
     def table(jobs):
@@ -211,10 +212,10 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
                 f"{j['rows']['total']:<7} {j['kind']:<9} {j['model']}{waits}"
             )
 
-    found, more = client().jobs_page(state=state, limit=limit)
+    found, more = client().jobs_page(state=state, limit=limit, after=after)
     emit(found, as_json, table)
     if more:
-        click.echo(f"(the newest {limit} shown; older jobs exist: --limit {min(limit * 4, 1000)})", err=True)
+        click.echo(f"(older jobs exist: the next page is --after {found[-1]['id']})", err=True)
 
 
 @cli.command()

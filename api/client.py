@@ -172,9 +172,11 @@ class Client:
         """The newest `limit` jobs (`jobs_page` also says whether more exist)."""
         return self.jobs_page(state=state, limit=limit)[0]
 
-    def jobs_page(self, *, state: str | None = None, limit: int = 50) -> tuple[list[Job], bool]:
-        """The newest `limit` jobs, and whether older ones exist beyond them."""
-        params = {"limit": limit} | ({"state": state} if state else {})
+    def jobs_page(
+        self, *, state: str | None = None, limit: int = 50, after: str | None = None
+    ) -> tuple[list[Job], bool]:
+        """The newest `limit` jobs (after the job `after`: the next page), and whether older ones exist beyond."""
+        params = {"limit": limit} | ({"state": state} if state else {}) | ({"after": job_path(after)} if after else {})
         return self._page("/jobs", params)
 
     def _page(self, path: str, params: dict[str, Any]) -> tuple[list[Any], bool]:
@@ -273,9 +275,9 @@ class Client:
         """Registered LoRA adapters (id = the fine-tune job that made it), newest first."""
         return self.adapters_page(limit=limit)[0]
 
-    def adapters_page(self, *, limit: int = 100) -> tuple[list[dict[str, Any]], bool]:
-        """The newest `limit` adapters, and whether older ones exist beyond them."""
-        return self._page("/adapters", {"limit": limit})
+    def adapters_page(self, *, limit: int = 100, after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """The newest `limit` adapters (after the adapter `after`: the next page), and whether older ones exist."""
+        return self._page("/adapters", {"limit": limit} | ({"after": job_path(after, "adapter")} if after else {}))
 
     def adapter(self, adapter_id: str) -> dict[str, Any]:
         return self._json("GET", f"/adapters/{job_path(adapter_id, 'adapter')}")

@@ -131,13 +131,21 @@ def _live_rates(session: Session, job: Job, p: dict[str, int]) -> dict[str, Any]
     }
 
 
-def list_jobs(*, owner: str | None, state: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+def list_jobs(
+    *, owner: str | None, state: str | None = None, limit: int = 50, after: str | None = None
+) -> list[dict[str, Any]]:
+    """Newest first (ties by id, so a page ends at one place); `after`: a job id, the jobs listed after it."""
     with session_scope() as session:
-        stmt = select(Job).order_by(Job.created_at.desc()).limit(limit)
+        stmt = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
         if owner is not None:
             stmt = stmt.where(Job.owner == owner)
         if state:
             stmt = stmt.where(Job.state == state)
+        if after:
+            last = get_job(session, after, owner=owner)
+            stmt = stmt.where(
+                (Job.created_at < last.created_at) | ((Job.created_at == last.created_at) & (Job.id < last.id))
+            )
         return [job_view(session, job) for job in session.scalars(stmt).all()]
 
 
@@ -247,9 +255,9 @@ def workers(*, all: bool = False) -> list[dict[str, Any]]:
         ]
 
 
-def list_adapters(*, owner: str | None, limit: int = 100) -> list[dict[str, Any]]:
+def list_adapters(*, owner: str | None, limit: int = 100, after: str | None = None) -> list[dict[str, Any]]:
     with session_scope() as session:
-        return [adapters.view(a) for a in adapters.list_for(session, owner=owner, limit=limit)]
+        return [adapters.view(a) for a in adapters.list_for(session, owner=owner, limit=limit, after=after)]
 
 
 def get_adapter(adapter_id: str, *, owner: str | None) -> dict[str, Any]:

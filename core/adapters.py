@@ -91,10 +91,16 @@ def get(session: Session, adapter_id: str, *, owner: str | None) -> Adapter:
     return row
 
 
-def list_for(session: Session, *, owner: str | None, limit: int = 100) -> list[Adapter]:
-    stmt = select(Adapter).order_by(Adapter.created_at.desc()).limit(limit)
+def list_for(session: Session, *, owner: str | None, limit: int = 100, after: str | None = None) -> list[Adapter]:
+    """Newest first (ties by id, so a page ends at one place); `after`: an adapter id, those listed after it."""
+    stmt = select(Adapter).order_by(Adapter.created_at.desc(), Adapter.id.desc()).limit(limit)
     if owner is not None:
         stmt = stmt.where(Adapter.owner == owner)
+    if after:
+        last = get(session, after, owner=owner)
+        stmt = stmt.where(
+            (Adapter.created_at < last.created_at) | ((Adapter.created_at == last.created_at) & (Adapter.id < last.id))
+        )
     return list(session.scalars(stmt).all())
 
 

@@ -375,9 +375,14 @@ def test_lists_never_stop_without_saying_so(tmp_path, cli_env, tiny_model):
     )
     assert len(rest.json()) == 7 and rest.headers["X-Has-More"] == "false"
     cut = jobs(cli_env, "list", "--limit", "1", check=True)
-    assert cut.stdout.splitlines()[1].split()[0] == ids[1] and "older jobs exist: --limit 4" in cut.stderr
+    assert cut.stdout.splitlines()[1].split()[0] == ids[1]
+    assert f"older jobs exist: the next page is --after {ids[1]}" in cut.stderr
+    rest = jobs(cli_env, "list", "--limit", "1", "--after", ids[1], check=True)  # the next page: the older job
+    assert [line.split()[0] for line in rest.stdout.splitlines()[1:]] == [ids[0]] and "older" not in rest.stderr
     whole = jobs(cli_env, "list", "--limit", "2", check=True)
     assert len(whole.stdout.splitlines()) == 1 + 2 and "older jobs exist" not in whole.stderr
+    gone = jobs(cli_env, "list", "--after", "job_000000000000")
+    assert gone.returncode == 2 and "no job 'job_000000000000'" in gone.stderr
 
 
 def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old(

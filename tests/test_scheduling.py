@@ -582,3 +582,53 @@ def test_status_right_after_a_retry_rates_the_last_minute_of_the_current_run_onl
     live = views.get(job_id, owner=None)["live"]
     assert 5 / 80 <= live["rows_per_s"] <= 5 / 50 + 1e-3, live  # run 1's rows counted too: 35 / 50 = 0.7
     assert 50 <= live["eta_s"] <= 80, live  # 5 rows left at that rate
+
+
+@pytest.mark.usefixtures("jobs_env")
+def test_jobs_and_adapters_page_with_after_the_last_id_listed():
+    """GET /jobs and GET /adapters page with `after` = the last id listed: newest first, ties in created_at broken by
+    id, so pages of 2 give the whole list once, in order, even where rows share an instant; another owner's id is
+    a 404 (it names nothing of theirs)."""
+    from core import adapters as adapter_store
+    from core.errors import NotFound
+    from core.models import Adapter
+
+    t = now()
+    ids = [make_job("ann", created_at=t - i // 2)[0] for i in range(5)]  # pairs made in one instant
+    with session_scope() as session:
+        for i, job_id in enumerate(ids):
+            session.add(
+                Adapter(
+                    id=job_id,
+                    job_id=job_id,
+                    owner="ann",
+                    base_model="m",
+                    tokenizer="m",
+                    path=f"a/{i}",
+                    bytes=0,
+                    sha256="0" * 64,
+                    lora_config={},
+                    load_options={},
+                    created_at=t - i // 2,
+                )
+            )
+
+    def paged(list_page) -> list[str]:
+        seen, after = [], None
+        while page := list_page(after):
+            seen += page
+            after = page[-1]
+        return seen
+
+    whole = [j["id"] for j in views.list_jobs(owner="ann", limit=10)]
+    assert sorted(whole) == sorted(ids)
+    assert paged(lambda after: [j["id"] for j in views.list_jobs(owner="ann", limit=2, after=after)]) == whole
+    with session_scope() as session:
+        listed = [a.id for a in adapter_store.list_for(session, owner="ann", limit=10)]
+        assert (
+            paged(lambda after: [a.id for a in adapter_store.list_for(session, owner="ann", limit=2, after=after)])
+            == listed
+        )
+    assert sorted(listed) == sorted(ids)
+    with pytest.raises(NotFound):
+        views.list_jobs(owner="bob", after=ids[0])
