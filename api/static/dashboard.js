@@ -41,10 +41,17 @@ function when(ts) { return ts ? new Date(ts * 1000).toLocaleString() : ""; }
 function gib(bytes) { return bytes == null ? "?" : (bytes / 2 ** 30).toFixed(1) + " GiB"; }
 function done(job) { return job.rows.succeeded + job.rows.failed; }
 
+// A fine-tune's training tok/s: the whole run's once it ended (as `gpujobs status` and `adapters show` give it),
+// else the last logged step's, which can be many times the run's.
+function trainingRate(job) {
+  const run = TERMINAL.includes(job.state) ? ((job.metrics || {}).training || {}).train_tokens_per_s : null;
+  return run != null ? run : (job.training || {}).tokens_per_s;
+}
+
 function rate(job) {
   if (job.kind === "finetune") {  // training throughput; a fine-tune generates no tokens
-    const t = job.training || {};
-    return t.tokens_per_s != null ? `${t.tokens_per_s} training tok/s` : "";
+    const r = trainingRate(job);
+    return r != null ? `${r} training tok/s` : "";
   }
   if (job.live && job.live.tokens_per_s) return `${job.live.tokens_per_s} tok/s`;
   if (job.metrics && job.metrics.output_tok_s != null) return `${job.metrics.output_tok_s} tok/s`;
@@ -264,7 +271,7 @@ function trainingCards(job) {
   return `<div class="card">step<b><span id="job-step">${esc(t.step ?? 0)}</span> / ${esc(t.max_steps ?? "?")}</b></div>
       <div class="card">epoch<b id="job-epoch">${t.epoch != null ? esc(t.epoch.toFixed(2)) : ""}</b></div>
       <div class="card">loss<b id="job-loss">${loss != null ? esc(loss.toFixed(4)) : ""}</b></div>
-      <div class="card">training tok/s<b id="job-train-rate">${esc(t.tokens_per_s ?? "")}</b></div>
+      <div class="card">training tok/s<b id="job-train-rate">${esc(trainingRate(job) ?? "")}</b></div>
       <div class="card">ETA<b id="job-eta">${t.eta_s != null ? esc(t.eta_s) + " s"
         : dash(TERMINAL.includes(job.state) ? (job.state === "succeeded" ? "finished" : job.state) : "after the first steps")}</b></div>`;
 }
