@@ -34,7 +34,7 @@ from starlette.routing import Match
 
 from api import checks, dashboard, metrics, openai_api, openapi, service, service_models, views
 from api.access import Caller, Credentials, OneFile
-from api.limits import BodyGuard
+from api.limits import BodyGuard, error_response
 from api.openapi import errors
 from api.results import export, readable
 from core import auth, files, formats, scheduling
@@ -64,10 +64,7 @@ app.openapi = partial(openapi.openapi, app)  # FastAPI's document plus the job s
 
 @app.exception_handler(JobsError)
 async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
-    response = _error(exc.http_status, type(exc).__name__, str(exc))
-    if exc.http_status == 401:
-        response.headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 names the scheme that would pass
-    return response
+    return error_response(exc)
 
 
 @app.exception_handler(HTTPException)

@@ -20,6 +20,18 @@ from core.slices import parse_slice, parse_slices, worker_command, worker_env
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+def port_option(help: str):  # noqa: A002  (click's own name for it)
+    """`--port` of `up` and `demo`: JOBS_API_PORT (the setting the rest of the code reads), else its default."""
+    return click.option(
+        "--port",
+        type=click.IntRange(1, 65535),
+        metavar="PORT",
+        default=lambda: get_settings().api_port,
+        show_default=f"JOBS_API_PORT, else {Settings.api_port}",
+        help=help,
+    )
+
+
 @cli.command()
 @click.option(
     "--gpus",
@@ -32,14 +44,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
     show_default=True,
     help="API listen address (beyond loopback needs JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)",
 )
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    metavar="PORT",
-    default=lambda: get_settings().api_port,
-    show_default=f"JOBS_API_PORT, else {Settings.api_port}",
-    help="API port; one that another program listens on is refused before anything starts",
-)
+@port_option("API port; one that another program listens on is refused before anything starts")
 @click.option(
     "--detach",
     "-d",
@@ -250,14 +255,7 @@ DEMO_FILES = ("qa.jsonl", "finetune.yaml", "finetune_qa.jsonl", "prompts.jsonl")
     show_default=True,
     help="folder with the demo's files: " + ", ".join(DEMO_FILES),
 )
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    metavar="PORT",
-    default=lambda: get_settings().api_port,
-    show_default=f"JOBS_API_PORT, else {Settings.api_port}",
-    help="API port if the stack must be started",
-)
+@port_option("API port if the stack must be started")
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
 def demo(examples: str, port: int, keep_running: bool) -> None:
     """Run a fine-tune and a generation job end to end on this machine: start the stack, build a tiny base model

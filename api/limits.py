@@ -110,9 +110,9 @@ def too_large(upload: bool, limit: int) -> TooLarge:
 
 
 def error_response(exc: JobsError) -> JSONResponse:
-    """The body app.py's handler gives the same error (kept in step by tests/test_bad_input.py)."""
+    """Our error body for `exc`, here and in app.py's handler of every JobsError."""
     content = {"error": {"type": type(exc).__name__, "message": str(exc)}}
     response = JSONResponse(status_code=exc.http_status, content=content)
     if exc.http_status == 401:
-        response.headers["WWW-Authenticate"] = "Bearer"
+        response.headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 names the scheme that would pass
     return response
