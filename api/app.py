@@ -9,8 +9,9 @@ text, metrics or admin scope: tests/test_metrics.py), `/dashboard` (a static pag
 here), `/v1/files` and `/v1/batches` (OpenAI's specification describes them: tests/test_openai_api.py).
 
 Every route declares the errors it answers (`responses=errors(...)`, api/openapi.py), and every error, ours or
-Starlette's, has the one body `{"error": {"type", "message"}}`. tests/test_fuzz.py checks the document against the
-answers with Schemathesis.
+Starlette's, has the one body `{"error": {"type", "message"}}`, and a query parameter a route does not declare is one
+of those errors (`KnownQueryRoute`), not ignored. tests/test_fuzz.py checks the document against the answers with
+Schemathesis.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from functools import partial
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, File, Query, Request, Response, UploadFile
+from fastapi import Depends, FastAPI, File, Query, Request, Response, UploadFile
+from fastapi.dependencies.models import Dependant
+from fastapi.dependencies.utils import get_parameterless_sub_dependant
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
@@ -50,11 +54,47 @@ log = logging.getLogger(__name__)
 MAX_EVENT_ID = 2**31 - 1
 
 
+class KnownQueryRoute(APIRoute):
+    """A route of ours (each `@app.get` etc. below): a query parameter it does not declare is refused with a 422
+    naming it and those the route takes, where FastAPI would ignore it (`GET /jobs?stat=failed`, a typo of `state`,
+    listed every job). The routers included below keep FastAPI's own route class: /v1's OpenAI clients may send
+    parameters of their own, and /metrics and /dashboard take none that matter."""
+
+    def __init__(self, path: str, endpoint: Any, **kwargs: Any) -> None:
+        responses = kwargs.get("responses") or {}
+        kwargs["responses"] = responses if 422 in responses else {**responses, **errors(422)}
+        super().__init__(path, endpoint, **kwargs)
+        self.query_names = tuple(dict.fromkeys(_query_names(self.dependant)))
+        # last, after the route's own dependencies (`dependencies=` would put it first): a request without a token
+        # still gets its 401 first, and the route acts only once the check has passed
+        check = get_parameterless_sub_dependant(depends=Depends(_refuse_unknown_query), path=self.path_format)
+        self.dependant.dependencies.append(check)
+
+
+def _query_names(dependant: Dependant) -> list[str]:
+    """The query parameters a route reads: its own and those of its dependencies, as sent (aliases)."""
+    return [field.alias for field in dependant.query_params] + [
+        name for sub in dependant.dependencies for name in _query_names(sub)
+    ]
+
+
+def _refuse_unknown_query(request: Request) -> None:
+    route = request.scope["route"]
+    unknown = [name for name in dict.fromkeys(request.query_params) if name not in route.query_names]
+    if not unknown:
+        return
+    named = ", ".join(repr(name) for name in unknown)
+    takes = f"it takes {', '.join(route.query_names)}" if route.query_names else "it takes none"
+    plural = "s" if len(unknown) > 1 else ""
+    raise InvalidInput(f"unknown query parameter{plural} {named} for {request.method} {route.path}: {takes}")
+
+
 app = FastAPI(
     title="gpujobs",
     summary="Queued generation and LoRA fine-tune jobs on GPU workers",
     version="0.1.0",
 )
+app.router.route_class = KnownQueryRoute  # before the routes below are declared
 app.add_middleware(BodyGuard)  # a body's size, and past a few KiB its token, checked before it is read (api/limits.py)
 app.include_router(metrics.router)  # GET /metrics (Prometheus; the metrics or admin scope)
 app.include_router(dashboard.router)  # the web dashboard's static page at /dashboard (its data: the routes below)

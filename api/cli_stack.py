@@ -32,18 +32,24 @@ def port_option(help: str):  # noqa: A002  (click's own name for it)
     )
 
 
+def host_option(help: str):  # noqa: A002  (click's own name for it)
+    """`--host` of `up` and `demo`: JOBS_API_HOST (the setting the rest of the code reads), else its default."""
+    return click.option(
+        "--host",
+        metavar="ADDRESS",
+        default=lambda: get_settings().api_host,
+        show_default=f"JOBS_API_HOST, else {Settings.api_host}",
+        help=help,
+    )
+
+
 @cli.command()
 @click.option(
     "--gpus",
     help="worker slices, ';' between workers: '0,1;2;3'; 'none' = one CPU worker "
     "(default: one worker per GPU that nvidia-smi lists, else one CPU worker)",
 )
-@click.option(
-    "--host",
-    default="127.0.0.1",
-    show_default=True,
-    help="API listen address (beyond loopback needs JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)",
-)
+@host_option("API listen address (beyond loopback needs JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS)")
 @port_option("API port; one that another program listens on is refused before anything starts")
 @click.option(
     "--detach",
@@ -255,9 +261,10 @@ DEMO_FILES = ("qa.jsonl", "finetune.yaml", "finetune_qa.jsonl", "prompts.jsonl")
     show_default=True,
     help="folder with the demo's files: " + ", ".join(DEMO_FILES),
 )
+@host_option("API listen address if the stack must be started")
 @port_option("API port if the stack must be started")
 @click.option("--keep-running/--stop", default=True, help="leave the stack up afterwards (default) or stop it")
-def demo(examples: str, port: int, keep_running: bool) -> None:
+def demo(examples: str, host: str, port: int, keep_running: bool) -> None:
     """Run a fine-tune and a generation job end to end on this machine: start the stack, build a tiny base model
     that knows no answer, fine-tune a LoRA adapter on examples/finetune_qa.jsonl through the service, then generate
     answers for examples/prompts.jsonl with that adapter (a chained job), and print them."""
@@ -270,7 +277,7 @@ def demo(examples: str, port: int, keep_running: bool) -> None:
     settings = get_settings()
     if not stack.read_stack():
         click.echo("starting the local stack (`gpujobs up --detach`) ...", err=True)
-        up.callback(gpus=None, host="127.0.0.1", port=port, detach=True)
+        up.callback(gpus=None, host=host, port=port, detach=True)
     model = settings.home / "models" / "tiny-base"
     if not (model / "model.safetensors").exists():
         click.echo(f"building a tiny base model (untrained weights) into {model} ...", err=True)

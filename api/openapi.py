@@ -58,7 +58,8 @@ ERRORS: dict[int, str] = {
     409: "The object's state does not allow it (a finished job cancelled, a live job retried), or no live worker can "
     "run the job now",
     413: "The upload is larger than the server's limit (JOBS_MAX_UPLOAD_BYTES)",
-    422: "Well formed, but invalid: the message names each field and what it takes",
+    422: "Well formed, but invalid: the message names each field and what it takes (a query parameter the route "
+    "does not take is refused, not ignored)",
     503: "The database or Redis does not answer: retry later",
 }
 

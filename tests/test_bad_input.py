@@ -526,6 +526,40 @@ def test_a_json_route_given_a_body_without_a_json_content_type_says_which_header
     assert "Content-Type" not in sent_as_json.text, sent_as_json.text
 
 
+def test_a_query_parameter_a_route_does_not_take_is_refused_naming_those_it_takes(api, model):
+    """FastAPI ignores a query parameter a route does not declare: `GET /jobs?stat=failed` (a typo of `state`) or
+    `?owner=alice` listed every job. Our routes refuse one (422 InvalidInput) naming it and those the route takes,
+    before they act (a submit with one writes nothing), after the token is checked (401 first); the declared ones
+    still work. /v1 (OpenAI clients send their own), /metrics, /dashboard and the document are left as they were."""
+    job = api.submit({"model": str(model), "input": api.upload(lines({"prompt": "hi"})), "gpus": 0}).json()
+    cases = {
+        "/jobs?stat=failed": "unknown query parameter 'stat' for GET /jobs: it takes state, limit, after",
+        "/jobs?owner=alice&limit=5&Limit=1&owner=bob": (
+            "unknown query parameters 'owner', 'Limit' for GET /jobs: it takes state, limit, after"
+        ),
+        "/jobs/job_000000000000/results?fmt=csv": (
+            "unknown query parameter 'fmt' for GET /jobs/{job_id}/results: it takes errors, format, order, with_input"
+        ),
+        "/quotas?owner=ann": "unknown query parameter 'owner' for GET /quotas: it takes none",
+        "/healthz?verbose": "unknown query parameter 'verbose' for GET /healthz: it takes none",
+    }
+    for url, message in cases.items():
+        response = api.client.get(url, headers=api.admin)
+        assert error_of(response) == (422, message), url
+        assert response.json()["error"]["type"] == "InvalidInput"
+    assert api.client.get("/jobs?stat=failed", headers={"Authorization": "Bearer nope"}).status_code == 401
+    for state, ids in ((job["state"], [job["id"]]), ("failed", [])):
+        listed = api.client.get(f"/jobs?state={state}&limit=5", headers=api.admin)
+        assert listed.status_code == 200 and [j["id"] for j in listed.json()] == ids, listed.text
+    spec = {"model": str(model), "input": api.upload(lines({"prompt": "hi"})), "gpus": 0}
+    before = api.stored()
+    submitted = api.client.post("/jobs?priority=high", json=spec, headers=api.admin)
+    assert error_of(submitted) == (422, "unknown query parameter 'priority' for POST /jobs: it takes none")
+    assert api.stored() == before
+    for url in ("/v1/batches?foo=1", "/metrics?foo=1", "/dashboard?foo=1", "/openapi.json?foo=1", "/docs?foo=1"):
+        assert api.client.get(url, headers=api.admin).status_code == 200, url
+
+
 def test_another_owners_file_is_not_found(api, model):
     """bob cannot submit on alice's file: it answers 404 as if it did not exist, and nothing is written."""
     alices = api.upload(lines({"prompt": "hi"}))

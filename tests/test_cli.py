@@ -85,6 +85,32 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
     assert not (tmp_path / "home" / "run").exists()
 
 
+def test_up_and_demo_listen_on_JOBS_API_HOST_unless_given_host(tmp_path):
+    """`up --host` defaulted to 127.0.0.1 whatever JOBS_API_HOST said, while --port followed JOBS_API_PORT. Both
+    `up` and `demo` now take the setting (their help says so), and --host still overrides it: a JOBS_API_HOST beyond
+    loopback is refused (no roots set) before anything starts, and `--host 127.0.0.1` gets past that check."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_") and k != "CUDA_VISIBLE_DEVICES"}
+    env.update(JOBS_HOME=str(tmp_path / "home"), JOBS_API_HOST="192.0.2.1")  # TEST-NET-1: never this host's
+    refused = "Error: --host 192.0.2.1 listens beyond loopback: set JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS first\n"
+    with socket.socket() as other:  # a busy port: nothing starts here even if the host were not refused
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = str(other.getsockname()[1])
+        for command in (["up", "--detach"], ["demo"]):
+            helped = " ".join(jobs(env, command[0], "--help", check=True).stdout.split())
+            assert "--host ADDRESS" in helped and "[default: (JOBS_API_HOST, else 127.0.0.1)]" in helped, helped
+            ran = jobs(env, *command, "--port", port)
+            assert ran.returncode == 2 and ran.stderr.endswith(refused), (command, ran.stderr)
+        up = jobs(env, "up", "--detach", "--host", "127.0.0.1", "--port", port)
+        assert (up.returncode, up.stderr) == (
+            2,
+            f"Error: port {port} on 127.0.0.1 is in use (by another program): pick another with --port\n",
+        )
+    assert not (tmp_path / "home" / "run").exists()
+
+
 @pytest.fixture
 def cli_env(jobs_env, api_server):
     url, token, _ = api_server
