@@ -196,7 +196,7 @@ def test_every_error_answer_has_the_error_body(jobs_env, request_, status, kind)
     [
         ("DELETE", "/jobs", "GET, POST"),
         ("PUT", "/v1/batches", "GET, POST"),
-        ("GET", "/v1/files", "POST"),
+        ("DELETE", "/v1/files", "GET, POST"),
         ("PUT", "/v1/files/file_000000000000", "DELETE, GET"),
         ("POST", "/metrics", "GET"),
         ("POST", "/dashboard", "GET"),

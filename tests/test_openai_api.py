@@ -338,3 +338,49 @@ def test_the_body_guard_answers_v1_in_openai_shape(jobs_env):
     assert (
         client.post("/v1/files", headers=multipart, content=iter([b"x"])).json()["error"]["code"] == "invalid_api_key"
     )
+
+
+def test_files_list_pages_filters_and_shows_only_the_callers_files(tmp_path, api_server):
+    """files.list(): the caller's stored files (an uploaded batch file and one of POST /files alike, purpose
+    `batch`), newest first; `limit` pages with has_more and the client's auto-paging follows `after`; order=asc;
+    `purpose` filters (batch output files are not listed); another user sees only theirs and gets 404 for a cursor
+    of ann's; an admin sees everyone's."""
+    url, admin_token, _ = api_server
+    with session_scope() as session:
+        tokens = {owner: auth.create_token(session, owner=owner, scopes=["user"]) for owner in ("ann", "bob")}
+    ann, bob, admin = (OpenAI(base_url=f"{url}/v1", api_key=t, max_retries=0) for t in (*tokens.values(), admin_token))
+    data = b'{"prompt": "hi"}\n'
+    anns = [ann.files.create(file=(f"{n}.jsonl", data), purpose="batch").id for n in ("one", "two", "three")]
+    anns.append(Client(url, tokens["ann"]).upload(write_lines(tmp_path / "four.jsonl", [{"prompt": "x"}]))["id"])
+    bobs = [bob.files.create(file=("bob.jsonl", data), purpose="batch").id]
+
+    listed = ann.files.list()
+    assert [f.id for f in listed.data] == anns[::-1] and not listed.has_more
+    assert [(f.filename, f.purpose, f.bytes) for f in listed.data[-3:]] == [
+        (f"{n}.jsonl", "batch", len(data)) for n in ("three", "two", "one")
+    ]
+    assert listed.data[0].purpose == "batch"  # POST /files stores it as input: OpenAI's batch
+    first = ann.files.list(limit=3)
+    assert [f.id for f in first.data] == anns[::-1][:3] and first.has_more
+    assert [f.id for f in ann.files.list(limit=3)] == anns[::-1]  # auto-paging follows `after`
+    assert [f.id for f in ann.files.list(limit=1, order="asc")] == anns
+    assert [f.id for f in ann.files.list(after=anns[2], limit=1).data] == [anns[1]]
+    assert [f.id for f in ann.files.list(after=anns[1], order="asc").data] == anns[2:]
+    assert [f.id for f in ann.files.list(purpose="batch")] == anns[::-1]
+    assert ann.files.list(purpose="batch_output").data == []
+    raw = httpx.get(f"{url}/v1/files", params={"limit": 2}, headers={"Authorization": f"Bearer {tokens['ann']}"})
+    assert raw.json() | {"data": None} == {
+        "object": "list",
+        "data": None,
+        "first_id": anns[3],
+        "last_id": anns[2],
+        "has_more": True,
+    }
+
+    assert [f.id for f in bob.files.list()] == bobs
+    assert raises(lambda: bob.files.list(after=anns[0]), openai.NotFoundError, 404).param == "after"
+    assert [f.id for f in admin.files.list()] == bobs + anns[::-1]
+    assert raises(lambda: ann.files.list(limit=10_001), openai.BadRequestError, 400).param == "limit"
+    assert raises(lambda: ann.files.list(order="sideways"), openai.BadRequestError, 400).param == "order"
+    assert ann.files.delete(anns[0]).deleted
+    assert [f.id for f in ann.files.list(order="asc")] == anns[1:]
