@@ -65,7 +65,8 @@ async def one_file_part(request: Request) -> None:
     parts = (await request.form()).getlist("file")
     if len(parts) > 1:
         raise InvalidInput(
-            f"the upload holds {len(parts)} parts named file: send exactly one part named file (one upload per file)"
+            f"the upload holds {len(parts)} parts named file: send exactly one part named file (one upload per file)",
+            param="file",
         )
 
 

@@ -11,7 +11,8 @@ here), `/v1/files` and `/v1/batches` (OpenAI's specification describes them: tes
 Every route declares the errors it answers (`responses=errors(...)`, api/openapi.py), and every error, ours or
 Starlette's, has the one body `{"error": {"type", "message"}}`, and a query parameter a route does not declare is one
 of those errors (`KnownQueryRoute`), not ignored. tests/test_fuzz.py checks the document against the answers with
-Schemathesis.
+Schemathesis. Under /v1 every error has OpenAI's body and statuses instead (`openai_api.error`:
+`{"error": {"message", "type", "param", "code"}}`, an invalid request a 400), as OpenAI's clients read them.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ app.openapi = partial(openapi.openapi, app)  # FastAPI's document plus the job s
 
 
 @app.exception_handler(JobsError)
-async def _jobs_error(_request: Request, exc: JobsError) -> JSONResponse:
-    return error_response(exc)
+async def _jobs_error(request: Request, exc: JobsError) -> JSONResponse:
+    return error_response(exc, request.scope["path"])
 
 
 @app.exception_handler(HTTPException)
@@ -116,7 +117,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "".join(word.capitalize() for word in HTTPStatus(exc.status_code).name.split("_"))
     except ValueError:
         kind = "HTTPError"
-    response = _error(exc.status_code, kind, f"{exc.detail}")
+    response = _error(request, exc.status_code, kind, f"{exc.detail}")
     response.headers.update(exc.headers or {})
     if exc.status_code == 405:
         response.headers["Allow"] = ", ".join(_allowed(request.scope))
@@ -139,6 +140,7 @@ async def _data_error(request: Request, exc: DataError) -> JSONResponse:
     """A value the database refuses (a NUL character in a string, a number out of range): the request's fault."""
     log.warning("%s %r: the database refused a value: %s", request.method, request.url.path, exc.orig)
     return _error(
+        request,
         422,
         "InvalidInput",
         f"the request holds a value the database cannot store ({exc.orig}): "
@@ -151,13 +153,15 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
     """FastAPI's own 422 (`detail`, kept for its clients), plus our `error` with one readable line for the CLI. A
     body that is not JSON at all is a 400: malformed, rather than invalid. A JSON route reads its body as JSON only
     under a JSON Content-Type (FastAPI's strict content type; POST /jobs reads its own): otherwise the body reaches
-    validation as bytes, and the 422 says which header to send (`curl -d` sends a form's)."""
+    validation as bytes, and the 422 says which header to send (`curl -d` sends a form's). Under /v1 each is
+    OpenAI's 400 (api/openai_api.py), naming the first field at fault as its `param`."""
     malformed = [e for e in exc.errors() if e.get("type") == "json_invalid"]
     if malformed:
-        return _error(400, "BadRequest", f"the body is not valid JSON: {malformed[0]['ctx']['error']}")
+        return _error(request, 400, "BadRequest", f"the body is not valid JSON: {malformed[0]['ctx']['error']}")
     if any(tuple(e["loc"]) == ("body",) and isinstance(e.get("input"), bytes) for e in exc.errors()):
         sent = request.headers.get("content-type")
         return _error(
+            request,
             422,
             "InvalidInput",
             f"the body was not read as JSON because its Content-Type is {repr(sent) if sent else 'missing'}: send "
@@ -169,7 +173,16 @@ async def _invalid_request(request: Request, exc: RequestValidationError) -> JSO
         + (f" ({e['ctx']['error']})" if "error" in (e.get("ctx") or {}) else "")
         for e in exc.errors()
     )
-    return _error(422, "InvalidInput", f"invalid request: {problems}", detail=_finite(jsonable_encoder(exc.errors())))
+    first = exc.errors()[0]
+    return _error(
+        request,
+        422,
+        "InvalidInput",
+        f"invalid request: {problems}",
+        param=".".join(map(str, first["loc"][1:])) or None,  # ("body", "metadata", "k"): metadata.k
+        code="missing_required_parameter" if first["type"] == "missing" else None,
+        detail=_finite(jsonable_encoder(exc.errors())),
+    )
 
 
 def _finite(value: Any) -> Any:
@@ -188,7 +201,20 @@ def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not a JSON number: give a finite number, or leave the field out")
 
 
-def _error(status: int, kind: str, message: str, **extra: Any) -> JSONResponse:
+def _error(
+    request: Request,
+    status: int,
+    kind: str,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    """Our error body (with `extra`, FastAPI's `detail` for one), or under /v1 OpenAI's, which names the field at
+    fault (`param`) and may carry one of OpenAI's codes."""
+    if openai_api.serves(request.scope["path"]):
+        return openai_api.error(status, message, param=param, code=code)
     return JSONResponse(status_code=status, content={"error": {"type": kind, "message": message}, **extra})
 
 
@@ -240,9 +266,9 @@ async def submit(caller: Caller, request: Request) -> dict[str, Any]:
     try:
         spec = json.loads(await request.body(), parse_constant=_not_json)
     except ValueError as exc:
-        return _error(400, "BadRequest", f"the body is not valid JSON: {exc}")
+        return _error(request, 400, "BadRequest", f"the body is not valid JSON: {exc}")
     except RecursionError:
-        return _error(400, "BadRequest", "the body is nested too deeply to be a job spec")
+        return _error(request, 400, "BadRequest", "the body is nested too deeply to be a job spec")
     if not isinstance(spec, dict):
         raise InvalidInput(f"a job spec must be a JSON object, not {type(spec).__name__}")
     checks.request(spec, admin=caller.is_admin)

@@ -351,11 +351,25 @@ def errors_unreachable(url: str, exc: Exception) -> errors.ServiceUnavailable:
     return errors.ServiceUnavailable(f"cannot reach the jobs API at {url} ({exc}): start one with `gpujobs up`")
 
 
+# Our exception type by status, for an error in OpenAI's shape (under /v1: api/openai_api.py), whose type is OpenAI's
+BY_STATUS = {
+    400: "InvalidInput",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    409: "Conflict",
+    413: "TooLarge",
+    503: "ServiceUnavailable",
+}
+
+
 def _error(response: httpx.Response) -> errors.JobsError:
     """Rebuild our exception type from the API's error body, so the CLI maps it to the same exit code."""
     try:
         body = response.json()["error"]
         kind, message = body["type"], body["message"]
+        if "code" in body:  # OpenAI's body: its type says little, its status what ours would have said
+            kind = BY_STATUS.get(response.status_code, "JobsError")
     except (ValueError, KeyError, TypeError):
         kind, message = "JobsError", f"HTTP {response.status_code}: {response.text[:500]}"
         if response.status_code == 422:

@@ -15,7 +15,7 @@ answers first:
   /dashboard/session`, a sign-in code) takes a few bytes.
 
 The routes' own checks stay as they are (a token on every request, core/files.py's size while copying): this only
-answers sooner.
+answers sooner, and under /v1 in OpenAI's error shape, as the routes there answer.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import openai_api
 from api.access import principal
 from core.errors import JobsError, TooLarge
 from core.settings import get_settings
@@ -50,13 +51,13 @@ class BodyGuard:
         length = headers.get("content-length")
         size = int(length) if length and length.isdigit() else None  # the server refused a malformed one
         if size is not None and size > limit:
-            await error_response(too_large(upload, limit))(scope, receive, send)
+            await error_response(too_large(upload, limit), scope["path"])(scope, receive, send)
             return
         if size is None or size > OPEN_LIMIT:
             try:
                 await run_in_threadpool(principal, bearer(headers.get("authorization")))
             except JobsError as exc:
-                await error_response(exc)(scope, receive, send)
+                await error_response(exc, scope["path"])(scope, receive, send)
                 return
         await Counted(self.app, limit, upload)(scope, receive, send)
 
@@ -86,11 +87,11 @@ class Counted:
                 await send(message)
             elif message["type"] == "http.response.start" and not self.started:
                 self.started = True
-                await error_response(too_large(self.upload, self.limit))(scope, receive, send)
+                await error_response(too_large(self.upload, self.limit), scope["path"])(scope, receive, send)
 
         await self.app(scope, counted, answer)
         if self.over and not self.started:  # the app gave up without answering (a disconnect mid-body)
-            await error_response(too_large(self.upload, self.limit))(scope, receive, send)
+            await error_response(too_large(self.upload, self.limit), scope["path"])(scope, receive, send)
 
 
 def bearer(header: str | None) -> HTTPAuthorizationCredentials | None:
@@ -109,10 +110,14 @@ def too_large(upload: bool, limit: int) -> TooLarge:
     return TooLarge(f"the request body is over {limit} bytes: a job spec or request holds settings, not data")
 
 
-def error_response(exc: JobsError) -> JSONResponse:
-    """Our error body for `exc`, here and in app.py's handler of every JobsError."""
-    content = {"error": {"type": type(exc).__name__, "message": str(exc)}}
-    response = JSONResponse(status_code=exc.http_status, content=content)
+def error_response(exc: JobsError, path: str) -> JSONResponse:
+    """The answer to `exc`, here and in app.py's handler of every JobsError: our error body, or OpenAI's under /v1
+    (api/openai_api.py), whose clients read only that."""
+    if openai_api.serves(path):
+        response = openai_api.error(exc.http_status, str(exc), param=exc.param)
+    else:
+        content = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+        response = JSONResponse(status_code=exc.http_status, content=content)
     if exc.http_status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"  # RFC 9110: a 401 names the scheme that would pass
     return response

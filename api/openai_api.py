@@ -2,7 +2,8 @@
 
 A script written for the OpenAI Batch API runs unchanged with `OpenAI(base_url="http://HOST:8765/v1",
 api_key=<a gpujobs token>)`: `files.create(purpose="batch")`, `batches.create(...)`, `batches.retrieve` until
-`completed`, `files.content(output_file_id)`, `batches.list` (cursor pagination), `batches.cancel`.
+`completed`, `files.content(output_file_id)`, `batches.list` and `files.list` (cursor pagination),
+`batches.cancel`, `files.delete`.
 
 How it maps (choices that clients see, hence written down here):
 
@@ -22,7 +23,20 @@ How it maps (choices that clients see, hence written down here):
 - The output and error files are not copies: `<batch id>-output` / `<batch id>-errors` are built from the job's
   rows when read, so they exist as soon as rows do (OpenAI names them once the batch ends; so do we) and cannot be
   deleted on their own; a job that is no batch (a fine-tune above all) has none (404). Uploaded files are ordinary
-  stored files (`file_…`), usable by `gpujobs submit` too.
+  stored files (`file_…`), usable by `gpujobs submit` too, and a file uploaded with POST /files shows here too, as
+  purpose `batch`.
+- `files.list` lists the stored files the caller may read (an admin: everyone's), newest first (`order=asc` for
+  oldest first), `limit` 1 to 10,000 (default 10,000), `after` a file id, `purpose` a filter. It does not list the
+  output and error files: they are a batch's rows, named by its `output_file_id` / `error_file_id`, not stored
+  files, so `purpose=batch_output` lists none.
+- Errors have OpenAI's body, `{"error": {"message", "type", "param", "code"}}`, on every path under /v1 (routed or
+  not, and the size and token checks of api/limits.py made before routing), so that OpenAI's clients raise their
+  matching exception (`openai.BadRequestError`, `NotFoundError`, …). An invalid request (a field missing or
+  invalid, a bad query parameter, a body that is not JSON or not sent as JSON, a request our checks refuse) is a
+  400 `invalid_request_error` whose `param` names the field where one is known (code `missing_required_parameter`
+  for a missing one); the other statuses are ours (401 with code `invalid_api_key`, 403, 404, 405, 409, 413), each
+  an `invalid_request_error`, and a 5xx a `server_error`. The message is our own, saying what to do. Elsewhere the
+  API keeps its own body (api/app.py).
 - `metadata.priority` (`low`, `normal`, `high`) is the job's priority (core/scheduling.py); `high` needs a token
   with the priority or admin scope, like any submit. It stays in the batch's metadata too.
 - `request_counts` are the job's rows: total, succeeded (`completed`), failed; `usage` its tokens.
@@ -34,13 +48,13 @@ How it maps (choices that clients see, hence written down here):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import Annotated, Any
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, case, or_, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -68,9 +82,34 @@ STATUS = {
     "cancelled": "cancelled",
 }
 OUTPUT, ERRORS = "-output", "-errors"
+BATCH_PURPOSES = ("batch", "input")  # stored purposes shown as OpenAI's "batch" (POST /files stores "input")
+PREFIX = "/v1"
+# OpenAI's error type by status where it is neither invalid_request_error (4xx) nor server_error (5xx); no error of
+# ours answers 429 today, one that comes will read as OpenAI's
+ERROR_TYPES = {429: "rate_limit_error"}
 
-router = APIRouter(prefix="/v1", include_in_schema=False)
+router = APIRouter(prefix=PREFIX, include_in_schema=False)
 Who = access.Caller
+T = TypeVar("T")
+
+
+# --- errors --------------------------------------------------------------------------------------------------
+
+
+def serves(path: str) -> bool:
+    """Whether a request's path is this API's, routed or not: its errors take OpenAI's shape."""
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """An error as OpenAI's API answers it, for api/app.py's handlers and api/limits.py: a request we call invalid
+    (our 422) is OpenAI's 400, so that its clients raise BadRequestError; the other statuses stay."""
+    status = 400 if status == 422 else status
+    kind = "server_error" if status >= 500 else ERROR_TYPES.get(status, "invalid_request_error")
+    if status == 401:
+        code = code or "invalid_api_key"
+    content = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(status_code=status, content=content)
 
 
 # --- files ---------------------------------------------------------------------------------------------------
@@ -81,12 +120,46 @@ def create_file(
     who: Who, _one: access.OneFile, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()]
 ) -> dict[str, Any]:
     if purpose != "batch":
-        raise InvalidInput(f"purpose {purpose!r} is not supported here: upload batch input files with purpose='batch'")
+        raise InvalidInput(
+            f"purpose {purpose!r} is not supported here: upload batch input files with purpose='batch'", param="purpose"
+        )
     with session_scope() as session:
         stored = files.save(
             session, owner=who.owner, filename=file.filename or "batch.jsonl", stream=file.file, purpose="batch"
         )
         return file_object(stored)
+
+
+@router.get("/files")
+def list_files(
+    who: Who,
+    purpose: Annotated[str | None, Query(description="only files of this purpose")] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Annotated[Literal["asc", "desc"], Query(description="by created_at")] = "desc",
+    after: Annotated[str | None, Query(description="the last file id of the previous page")] = None,
+) -> dict[str, Any]:
+    """The stored files the caller may read (an admin: everyone's), newest first by default. A batch's output and
+    error files are not listed: they are views of its rows, not stored files (its output_file_id and error_file_id
+    name them), so `purpose=batch_output` lists none."""
+    shown = case((StoredFile.purpose.in_(BATCH_PURPOSES), "batch"), else_=StoredFile.purpose)  # file_object's
+    with session_scope() as session:
+        stmt = select(StoredFile)
+        if who.visible_owner is not None:
+            stmt = stmt.where(StoredFile.owner == who.visible_owner)
+        if purpose is not None:
+            stmt = stmt.where(shown == purpose)
+        if after:
+            cursor = _named(lambda: files.get(session, after, owner=who.visible_owner), "after")
+            at, key = StoredFile.created_at, StoredFile.id
+            stmt = stmt.where(
+                or_(at < cursor.created_at, and_(at == cursor.created_at, key < cursor.id))
+                if order == "desc"
+                else or_(at > cursor.created_at, and_(at == cursor.created_at, key > cursor.id))
+            )
+        keys = (StoredFile.created_at, StoredFile.id)
+        stmt = stmt.order_by(*(k.desc() if order == "desc" else k.asc() for k in keys)).limit(limit + 1)
+        found = list(session.scalars(stmt))
+        return page([file_object(f) for f in found[:limit]], has_more=len(found) > limit)
 
 
 @router.get("/files/{file_id}")
@@ -152,11 +225,31 @@ def file_object(f: StoredFile) -> dict[str, Any]:
         "bytes": f.bytes,
         "created_at": int(f.created_at),
         "filename": f.filename,
-        "purpose": "batch" if f.purpose in ("batch", "input") else f.purpose,
+        "purpose": "batch" if f.purpose in BATCH_PURPOSES else f.purpose,
         "status": "processed",
         "expires_at": None,
         "status_details": None,
     }
+
+
+def page(data: list[dict[str, Any]], *, has_more: bool) -> dict[str, Any]:
+    """A list as OpenAI's cursor pages read it: the client asks again with `after` = the last id while has_more."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+def _named(find: Callable[[], T], param: str) -> T:
+    """`find()`, whose NotFound names the request field that named what is missing (OpenAI's `param`)."""
+    try:
+        return find()
+    except NotFound as exc:
+        exc.param = param
+        raise
 
 
 def _virtual(file_id: str) -> str | None:
@@ -221,16 +314,24 @@ async def create_batch(who: Who, request: BatchRequest) -> dict[str, Any]:
 def batch_spec(who: access.Principal, request: BatchRequest) -> dict[str, Any]:
     """The job spec of a batch request, after the checks OpenAI makes when a batch is created."""
     if request.endpoint not in ENDPOINTS:
-        raise InvalidInput(f"endpoint {request.endpoint!r} is not supported: use {' or '.join(ENDPOINTS)}")
+        raise InvalidInput(
+            f"endpoint {request.endpoint!r} is not supported: use {' or '.join(ENDPOINTS)}", param="endpoint"
+        )
     if request.completion_window != "24h":
-        raise InvalidInput(f"completion_window {request.completion_window!r}: only '24h' is supported")
+        raise InvalidInput(
+            f"completion_window {request.completion_window!r}: only '24h' is supported", param="completion_window"
+        )
     metadata = request.metadata or {}
     if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-        raise InvalidInput("metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512")
+        raise InvalidInput(
+            "metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512", param="metadata"
+        )
     if any(k.startswith(META) for k in metadata):
-        raise InvalidInput(f"metadata keys starting with {META!r} are reserved by this server: rename them")
+        raise InvalidInput(
+            f"metadata keys starting with {META!r} are reserved by this server: rename them", param="metadata"
+        )
     with session_scope() as session:
-        stored = files.get(session, request.input_file_id, owner=who.owner)
+        stored = _named(lambda: files.get(session, request.input_file_id, owner=who.owner), "input_file_id")
         path = files.absolute(stored)
     check_urls(path, request.endpoint)
     spec = {
@@ -285,19 +386,12 @@ def list_batches(
         if who.visible_owner is not None:
             stmt = stmt.where(Job.owner == who.visible_owner)
         if after:
-            cursor = get_job(session, after, owner=who.visible_owner)
+            cursor = _named(lambda: get_job(session, after, owner=who.visible_owner), "after")
             stmt = stmt.where(
                 or_(Job.created_at < cursor.created_at, and_(Job.created_at == cursor.created_at, Job.id < cursor.id))
             )
         ids = list(session.scalars(stmt.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit + 1)))
-    data = [_view(who, job_id) for job_id in ids[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(ids) > limit,
-    }
+    return page([_view(who, job_id) for job_id in ids[:limit]], has_more=len(ids) > limit)
 
 
 def _view(who: access.Principal, batch_id: str) -> dict[str, Any]:

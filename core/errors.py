@@ -7,9 +7,14 @@ from __future__ import annotations
 
 
 class JobsError(Exception):
-    """Base of every error we raise on purpose."""
+    """Base of every error we raise on purpose. `param`: the request field at fault, where one is (OpenAI's error
+    body names it: api/openai_api.py)."""
 
     http_status = 500
+
+    def __init__(self, *args: object, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class InvalidInput(JobsError):

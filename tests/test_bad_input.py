@@ -507,21 +507,22 @@ JSON_ROUTES = [
 
 @pytest.mark.parametrize(("method", "path", "body"), JSON_ROUTES, ids=[f"{m} {p}" for m, p, _ in JSON_ROUTES])
 def test_a_json_route_given_a_body_without_a_json_content_type_says_which_header_to_send(api, method, path, body):
-    """A JSON body sent as a form (`curl -d`), as text/plain or with no Content-Type is a 422 that says to send
-    Content-Type: application/json, nothing written; the same body as application/json passes that point, and a
-    JSON array as application/json keeps the validation message."""
+    """A JSON body sent as a form (`curl -d`), as text/plain or with no Content-Type is a 422 (OpenAI's 400 under
+    /v1) that says to send Content-Type: application/json, nothing written; the same body as application/json passes
+    that point, and a JSON array as application/json keeps the validation message."""
+    invalid = 400 if path.startswith("/v1/") else 422
     before = api.stored()
     for sent in ("application/x-www-form-urlencoded", "text/plain", None):
         headers = {**api.admin, **({"Content-Type": sent} if sent else {})}
         response = api.client.request(method, path, content=json.dumps(body).encode(), headers=headers)
         assert error_of(response) == (
-            422,
+            invalid,
             f"the body was not read as JSON because its Content-Type is {repr(sent) if sent else 'missing'}: send "
             "the body as JSON with Content-Type: application/json",
         )
     assert api.stored() == before
     listed = api.client.request(method, path, content=b"[1]", headers={**api.admin, "Content-Type": "application/json"})
-    assert error_of(listed)[0] == 422 and "Content-Type" not in error_of(listed)[1], listed.text
+    assert error_of(listed)[0] == invalid and "Content-Type" not in error_of(listed)[1], listed.text
     sent_as_json = api.client.request(method, path, json=body, headers=api.admin)
     assert "Content-Type" not in sent_as_json.text, sent_as_json.text
 
@@ -723,14 +724,15 @@ def test_a_large_body_is_refused_before_it_is_read(api):
 
 @pytest.mark.parametrize("path", ["/files", "/v1/files"])
 def test_an_upload_with_two_file_parts_is_refused_and_stores_neither(api, path):
-    """Two multipart parts named file (POST /files and the OpenAI route alike) are a 422 that says to send one,
-    and neither is stored (FastAPI would have kept the last and dropped the first without a word); one part still
-    uploads."""
+    """Two multipart parts named file (POST /files and the OpenAI route alike) are a 422 (OpenAI's 400, naming the
+    field `file`) that says to send one, and neither is stored (FastAPI would have kept the last and dropped the
+    first without a word); one part still uploads."""
     parts = [("file", ("one.jsonl", b'{"prompt": "hi"}\n')), ("file", ("empty.jsonl", b""))]
     before = api.stored()
     response = api.client.post(path, files=parts, data={"purpose": "batch"}, headers=api.admin)
+    assert path == "/files" or response.json()["error"]["param"] == "file", response.text
     assert error_of(response) == (
-        422,
+        400 if path.startswith("/v1/") else 422,
         "the upload holds 2 parts named file: send exactly one part named file (one upload per file)",
     )
     assert api.stored() == before

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
 
 from api.client import Client
-from core import auth
+from core import auth, errors
 from core.db import session_scope
 from tests.conftest import qa_pairs, wait_for
 
@@ -126,14 +127,14 @@ def test_the_documented_batch_workflow_list_cancel_and_isolation(
             call()
     assert bob.batches.list().data == []
 
-    with pytest.raises(openai.UnprocessableEntityError, match="only '24h'"):
+    with pytest.raises(openai.BadRequestError, match="only '24h'"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="48h")
     with open(
         write_lines(tmp_path / "other.jsonl", [chat_line("a", "hi") | {"body": {"model": "gpt-4o", "messages": []}}]),
         "rb",
     ) as f:
         other = client.files.create(file=f, purpose="batch")
-    with pytest.raises(openai.UnprocessableEntityError, match="not a model directory under the model roots"):
+    with pytest.raises(openai.BadRequestError, match="not a model directory under the model roots"):
         client.batches.create(input_file_id=other.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
@@ -229,3 +230,157 @@ def test_a_batch_past_its_completion_window_is_not_retried_one_within_it_is(tmp_
     assert client.get(f"/v1/batches/{old}", headers=headers).json()["status"] == "cancelled"
     assert client.post(f"/jobs/{fresh}/retry", headers=headers).json()["state"] == "running"
     assert client.get(f"/v1/batches/{fresh}", headers=headers).json()["status"] == "in_progress"
+
+
+OPENAI_ERROR = {"message", "type", "param", "code"}  # the keys of OpenAI's error body, every one always there
+
+
+def raises(call, kind: type[openai.APIStatusError], status: int) -> openai.APIStatusError:
+    """The call fails with `kind` and `status`, its body in OpenAI's shape with our message; the error, to read."""
+    with pytest.raises(kind) as caught:
+        call()
+    error = caught.value
+    assert error.status_code == status and set(error.body) == OPENAI_ERROR and error.body["message"], error.body
+    return error
+
+
+def test_errors_under_v1_have_openai_shape_and_statuses_and_elsewhere_ours(tmp_path, jobs_env, request):
+    """Under /v1 every error is OpenAI's body with OpenAI's statuses, so its client raises the matching exception:
+    an invalid request (our checks, FastAPI's validation, a body that is not JSON or not sent as JSON) is a 400
+    BadRequestError naming the field in `param`, no such batch or file a 404 NotFoundError, a bad key a 401 with
+    code invalid_api_key, an over-size upload a 413, no such route a 404 and a wrong method a 405; outside /v1 an
+    invalid query is still our 422 with our body; our Python client rebuilds our exception types from OpenAI's body."""
+    jobs_env.env["JOBS_MAX_UPLOAD_BYTES"] = "1000"
+    url, token, _ = request.getfixturevalue("api_server")
+    client = OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
+    with open(write_lines(tmp_path / "b.jsonl", [chat_line("a", "hi")]), "rb") as f:
+        uploaded = client.files.create(file=f, purpose="batch")
+    request_ = {"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+
+    def create(**changes):
+        return lambda: client.post("/batches", body={**request_, **changes}, cast_to=object)
+
+    error = raises(create(endpoint="/v1/embeddings"), openai.BadRequestError, 400)
+    assert (error.type, error.param, error.code) == ("invalid_request_error", "endpoint", None)
+    assert (
+        error.body["message"]
+        == "endpoint '/v1/embeddings' is not supported: use /v1/chat/completions or /v1/completions"
+    )
+    assert raises(create(completion_window="48h"), openai.BadRequestError, 400).param == "completion_window"
+    missing = lambda: client.post("/batches", body={"endpoint": "/v1/chat/completions"}, cast_to=object)  # noqa: E731
+    error = raises(missing, openai.BadRequestError, 400)
+    assert (error.type, error.param, error.code) == (
+        "invalid_request_error",
+        "input_file_id",
+        "missing_required_parameter",
+    )
+    assert "input_file_id: Field required" in error.body["message"]
+    assert raises(create(metadata={"run": 1}), openai.BadRequestError, 400).param == "metadata.run"
+    error = raises(create(input_file_id="file_000000000000"), openai.NotFoundError, 404)
+    assert (error.type, error.param) == ("invalid_request_error", "input_file_id")
+    error = raises(lambda: client.batches.retrieve("job_000000000000"), openai.NotFoundError, 404)
+    assert error.type == "invalid_request_error" and "job_000000000000" in error.body["message"]
+    raises(lambda: client.files.retrieve("file_000000000000"), openai.NotFoundError, 404)
+    assert raises(lambda: client.batches.list(limit=0), openai.BadRequestError, 400).param == "limit"
+    assert raises(lambda: client.batches.list(after="job_000000000000"), openai.NotFoundError, 404).param == "after"
+    error = raises(lambda: OpenAI(base_url=f"{url}/v1", api_key="nope").batches.list(), openai.AuthenticationError, 401)
+    assert (error.type, error.code) == ("invalid_request_error", "invalid_api_key")
+    big = lambda: client.files.create(file=("big.jsonl", b"x" * 5000), purpose="batch")  # noqa: E731
+    assert "JOBS_MAX_UPLOAD_BYTES" in raises(big, openai.APIStatusError, 413).body["message"]
+    tune = lambda: client.files.create(file=("t.jsonl", b"{}\n"), purpose="fine-tune")  # noqa: E731
+    assert raises(tune, openai.BadRequestError, 400).param == "purpose"
+
+    headers = {"Authorization": f"Bearer {token}"}
+    for method, path, kwargs, status, message in (
+        (
+            "POST",
+            "/v1/batches",
+            {"content": b"{not json", "headers": {"Content-Type": "application/json"}},
+            400,
+            "the body is not valid JSON",
+        ),
+        ("POST", "/v1/batches", {"data": request_}, 400, "the body was not read as JSON because its Content-Type is"),
+        ("GET", "/v1/nowhere", {}, 404, "Not Found"),
+        ("PUT", "/v1/batches", {}, 405, "Method Not Allowed"),
+    ):
+        answer = httpx.request(method, url + path, headers=headers | kwargs.pop("headers", {}), **kwargs)
+        body = answer.json()
+        assert answer.status_code == status and set(body) == {"error"} and set(body["error"]) == OPENAI_ERROR, body
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"].startswith(message)
+    with pytest.raises(errors.NotFound, match="no file 'file_000000000000'"):  # our client reads OpenAI's body too
+        Client(url, token).delete_file("file_000000000000")
+    ours = httpx.get(f"{url}/jobs", params={"limit": 0}, headers=headers)
+    assert ours.status_code == 422 and set(ours.json()) == {"error", "detail"}, ours.text
+    assert ours.json()["error"] == {"type": "InvalidInput", "message": ours.json()["error"]["message"]}
+    ours = httpx.get(f"{url}/files/file_000000000000", headers=headers)
+    assert ours.status_code == 404 and set(ours.json()["error"]) == {"type", "message"}, ours.text
+
+
+def test_the_body_guard_answers_v1_in_openai_shape(jobs_env):
+    """api/limits.py answers before any route: under /v1 its 413 (a Content-Length over the upload limit) and its
+    401 (a body of unknown length without a valid token) have OpenAI's body, and POST /files keeps ours."""
+    from fastapi.testclient import TestClient
+
+    from api.app import app
+    from core.settings import get_settings
+
+    with session_scope() as session:
+        headers = {"Authorization": f"Bearer {auth.create_token(session, owner='ann', scopes=['user'])}"}
+    client = TestClient(app)
+    multipart = {"Content-Type": "multipart/form-data; boundary=b"}
+    over = {"Content-Length": str(get_settings().max_upload_bytes + (2 << 20))}
+    for path, shape in (("/v1/files", OPENAI_ERROR), ("/files", {"type", "message"})):
+        answer = client.post(path, headers={**headers, **multipart, **over}, content=b"")
+        assert answer.status_code == 413 and set(answer.json()["error"]) == shape, answer.text
+        answer = client.post(path, headers={"Authorization": "Bearer nope", **multipart}, content=iter([b"x" * 10]))
+        assert answer.status_code == 401 and set(answer.json()["error"]) == shape, answer.text
+        assert answer.headers["WWW-Authenticate"] == "Bearer"
+    assert (
+        client.post("/v1/files", headers=multipart, content=iter([b"x"])).json()["error"]["code"] == "invalid_api_key"
+    )
+
+
+def test_files_list_pages_filters_and_shows_only_the_callers_files(tmp_path, api_server):
+    """files.list(): the caller's stored files (an uploaded batch file and one of POST /files alike, purpose
+    `batch`), newest first; `limit` pages with has_more and the client's auto-paging follows `after`; order=asc;
+    `purpose` filters (batch output files are not listed); another user sees only theirs and gets 404 for a cursor
+    of ann's; an admin sees everyone's."""
+    url, admin_token, _ = api_server
+    with session_scope() as session:
+        tokens = {owner: auth.create_token(session, owner=owner, scopes=["user"]) for owner in ("ann", "bob")}
+    ann, bob, admin = (OpenAI(base_url=f"{url}/v1", api_key=t, max_retries=0) for t in (*tokens.values(), admin_token))
+    data = b'{"prompt": "hi"}\n'
+    anns = [ann.files.create(file=(f"{n}.jsonl", data), purpose="batch").id for n in ("one", "two", "three")]
+    anns.append(Client(url, tokens["ann"]).upload(write_lines(tmp_path / "four.jsonl", [{"prompt": "x"}]))["id"])
+    bobs = [bob.files.create(file=("bob.jsonl", data), purpose="batch").id]
+
+    listed = ann.files.list()
+    assert [f.id for f in listed.data] == anns[::-1] and not listed.has_more
+    assert [(f.filename, f.purpose, f.bytes) for f in listed.data[-3:]] == [
+        (f"{n}.jsonl", "batch", len(data)) for n in ("three", "two", "one")
+    ]
+    assert listed.data[0].purpose == "batch"  # POST /files stores it as input: OpenAI's batch
+    first = ann.files.list(limit=3)
+    assert [f.id for f in first.data] == anns[::-1][:3] and first.has_more
+    assert [f.id for f in ann.files.list(limit=3)] == anns[::-1]  # auto-paging follows `after`
+    assert [f.id for f in ann.files.list(limit=1, order="asc")] == anns
+    assert [f.id for f in ann.files.list(after=anns[2], limit=1).data] == [anns[1]]
+    assert [f.id for f in ann.files.list(after=anns[1], order="asc").data] == anns[2:]
+    assert [f.id for f in ann.files.list(purpose="batch")] == anns[::-1]
+    assert ann.files.list(purpose="batch_output").data == []
+    raw = httpx.get(f"{url}/v1/files", params={"limit": 2}, headers={"Authorization": f"Bearer {tokens['ann']}"})
+    assert raw.json() | {"data": None} == {
+        "object": "list",
+        "data": None,
+        "first_id": anns[3],
+        "last_id": anns[2],
+        "has_more": True,
+    }
+
+    assert [f.id for f in bob.files.list()] == bobs
+    assert raises(lambda: bob.files.list(after=anns[0]), openai.NotFoundError, 404).param == "after"
+    assert [f.id for f in admin.files.list()] == bobs + anns[::-1]
+    assert raises(lambda: ann.files.list(limit=10_001), openai.BadRequestError, 400).param == "limit"
+    assert raises(lambda: ann.files.list(order="sideways"), openai.BadRequestError, 400).param == "order"
+    assert ann.files.delete(anns[0]).deleted
+    assert [f.id for f in ann.files.list(order="asc")] == anns[1:]
