@@ -37,7 +37,15 @@ from sqlalchemy.orm import Session
 from core import adapters, dispatch, files, scheduling
 from core.dataset import nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
-from core.errors import CANNOT_TRAIN, BatchExpired, IllegalTransition, JobsError, NotFinished, NothingToRetry
+from core.errors import (
+    CANNOT_TRAIN,
+    BatchExpired,
+    IllegalTransition,
+    InvalidInput,
+    JobsError,
+    NotFinished,
+    NothingToRetry,
+)
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
 from core.preflight import InputCheck
 from core.queue import queue_for
@@ -46,7 +54,7 @@ from core.spec import GenerateSpec, Spec
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, insert_rows, new_id, now, open_shards, progress, transition
 from core.text import counted
-from core.training_data import parse_training_file
+from core.training_data import parse_training_file, split_problem
 
 log = logging.getLogger(__name__)
 BATCH_EXPIRED_BY = "the batch's completion window (24h)"  # the cancel reason that makes an OpenAI batch `expired`
@@ -167,6 +175,8 @@ def _open_finetune(session: Session, new: NewJob) -> _Opened:
     (train_ref, fmt), *validation = new.inputs
     train = files.stored(session, train_ref, owner=new.owner)
     rows = parse_training_file(files.absolute(train), fmt, **limits)
+    if problem := split_problem(len(rows), spec.validation_split):  # the worker would refuse it, model loaded
+        raise InvalidInput(f"invalid finetune spec: {problem}")
     read_as = {"format": fmt}
     for valid_ref, valid_fmt in validation:
         valid = files.stored(session, valid_ref, owner=new.owner)

@@ -262,6 +262,12 @@ def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_p
     refused([{"text": "ok"}], "fine-tunes take bnb-4bit", quantization="bnb-8bit")
     refused([{"text": "ok"}], "not both", validation_split=0.2, validation_input=str(FT_DATA))
     refused([{"text": "ok"}], "target_modules", target_modules=[])
+    # a split that would hold out every training row: the worker would refuse it only after loading the model
+    refused(
+        [{"text": "ok"}, {"text": "fine"}],
+        r"^invalid finetune spec: validation_split=0.75 leaves no training row of 2: lower it",
+        validation_split=0.75,
+    )
     # the chained generation spec, checked as a generation job's: refused before the fine-tune is stored (a chained
     # spec refused after it would leave it failed), its errors naming then_generate
     prompts = str(PROMPTS)

@@ -94,7 +94,7 @@ def test_validation_split_is_seeded_and_validation_rows_are_kept_apart():
     assert data.split_validation(rows, 0.2, seed=3) == (train, valid)
     marked = rows + [(1, {"text": "v", "split": "validation"})]
     assert data.split_validation(marked, None, seed=0) == (rows, [(1, {"text": "v", "split": "validation"})])
-    # holding out every row fails the same way on every run
+    # holding out every row is refused at submit, and by the worker (a job stored before that check) for good
     with pytest.raises(CannotTrain, match=r"^cannot train as submitted: validation_split=0.75 leaves no training"):
         data.split_validation(rows[:2], 0.75, seed=0)
 

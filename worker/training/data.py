@@ -20,6 +20,7 @@ import torch
 from core.dataset import too_long_to_train
 from core.errors import CannotTrain
 from core.spec import FinetuneSpec
+from core.training_data import split_problem, validation_rows
 
 IGNORE = -100
 
@@ -228,10 +229,10 @@ def split_validation(rows: list[tuple[int, dict[str, Any]]], fraction: float | N
     train = [(line, r) for line, r in rows if r.get("split") != "validation"]
     valid = [(line, r) for line, r in rows if r.get("split") == "validation"]
     if fraction and not valid:
+        if problem := split_problem(len(train), fraction):  # refused at submit too: a job stored before that check
+            raise CannotTrain(problem)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-        n = max(1, round(len(train) * fraction))
-        if n >= len(train):
-            raise CannotTrain(f"validation_split={fraction} leaves no training row of {len(train)}: lower it")
+        n = validation_rows(len(train), fraction)
         picked = set(order[:n])
         valid = [train[i] for i in sorted(picked)]
         train = [row for i, row in enumerate(train) if i not in picked]
