@@ -401,7 +401,8 @@ def cancel(job_id: str, as_json: bool) -> None:
 @json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     """Re-open a finished job under the same id and re-run its failed rows. A job that has not finished is
-    refused (exit 2): wait for it or cancel it first; so is an OpenAI batch past its 24 h completion window."""
+    refused (exit 2): wait for it or cancel it first; so is an OpenAI batch past its 24 h completion window, and a
+    fine-tune the worker refused for its spec and input (`cannot train as submitted: …`): submit a new one."""
     api = client()
     job = api.retry(job_id, failed_only=failed_only)
     if wait_:

@@ -14,7 +14,8 @@ OpenAI batch line also keeps `"openai": {"url", "model"}` for its response.
 The token check (a prompt plus `max_new_tokens` against the model's context, without torch) and the submit's pass
 over the parsed rows that runs it are core/preflight.py; the reason it gives a row too long, `too_long`, is here,
 since the worker gives the same one, and so is the worker's refusal of fine-tune rows longer than max_seq_length
-(`too_long_to_train`): `retry_can_change` knows both.
+(`too_long_to_train`): `retry_can_change` knows both, and every other refusal of a fine-tune for its spec and input
+(`core.errors.CannotTrain`, whose message starts with CANNOT_TRAIN).
 
 Limits (settings): a row longer than `JOBS_MAX_ROW_BYTES` becomes a failed row and only its first bytes are kept
 (it is never read into memory whole); a dataset of more than `JOBS_MAX_ROWS` rows is refused as a whole.
@@ -32,7 +33,7 @@ from typing import Any, BinaryIO, get_args
 from pydantic import ValidationError
 
 from core import formats, openai_batch, structured
-from core.errors import InvalidInput
+from core.errors import CANNOT_TRAIN, InvalidInput
 from core.formats import Record
 from core.settings import get_settings
 from core.spec import SamplingParams, describe, sampling_of
@@ -78,12 +79,13 @@ def too_long_to_train(too_long: list[tuple[int, int]], max_seq_length: int) -> s
 def retry_can_change(row: Any, spec: Any) -> bool:
     """Can running this failed row again end otherwise? Not when it was refused at submit (it never ran: its
     error names its place and it has no execution), when the submit checks refuse its parameters now (a job stored
-    before a check existed), or when the worker found it too long for the model's context (or a fine-tune's rows
-    longer than its max_seq_length: the same spec and input are refused the same way). A row that failed in the
-    engine for another reason (a chat template, a shard that gave up, a worker lost or out of memory) may: the
-    model or the worker may have been fixed."""
+    before a check existed), when the worker found it too long for the model's context, or when the worker refused
+    a fine-tune for its spec and input (`core.errors.CannotTrain`: its error starts with CANNOT_TRAIN; rows longer
+    than max_seq_length failed before that mark with TOO_LONG_TO_TRAIN): the same spec and input are refused the
+    same way. A row that failed in the engine for another reason (a chat template, a shard that gave up, a worker
+    lost or out of memory) may: the model or the worker may have been fixed."""
     stored, error = row.input or {}, row.error or ""
-    if "raw" in stored or TOO_LONG in error or TOO_LONG_TO_TRAIN in error:
+    if "raw" in stored or TOO_LONG in error or TOO_LONG_TO_TRAIN in error or error.startswith(CANNOT_TRAIN):
         return False
     if not row.executions and error.startswith((f"line {row.line}: ", f"row {row.line}: ")):
         return False

@@ -41,6 +41,23 @@ class Conflict(JobsError):
     http_status = 409
 
 
+CANNOT_TRAIN = "cannot train as submitted"
+
+
+class CannotTrain(InvalidInput):
+    """The worker refuses a fine-tune for its spec and input alone, before any step (target modules the model
+    lacks, rows longer than max_seq_length, no token to learn, ...): the same spec on the same rows is refused the
+    same way on every run, so `retry` refuses it (`core.dataset.retry_can_change`) and says to submit a new job.
+
+    The mark is the message's stable prefix, CANNOT_TRAIN, not the class: a retry sees only the error stored with
+    the job's rows, and the prefix also survives a distributed rank's error file (worker/training/distributed.py).
+    Failures that may pass (out of memory, a lost worker, the Hub, a package or GPU this worker lacks) are never
+    this: they stay retryable."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason if reason.startswith(CANNOT_TRAIN) else f"{CANNOT_TRAIN}: {reason}")
+
+
 class NoSuchPath(InvalidInput):
     """A path the request names (a model directory, a dataset on the server) does not exist: 404, as for an id
     that names nothing; still the caller's mistake, so the CLI exits 2 (usage)."""

@@ -37,7 +37,15 @@ from sqlalchemy.orm import Session
 from core import adapters, dispatch, files, scheduling
 from core.dataset import nothing_runs, parse_dataset, retry_can_change
 from core.db import session_scope
-from core.errors import BatchExpired, IllegalTransition, JobsError, NotFinished, NothingToRetry
+from core.errors import (
+    CANNOT_TRAIN,
+    BatchExpired,
+    IllegalTransition,
+    InvalidInput,
+    JobsError,
+    NotFinished,
+    NothingToRetry,
+)
 from core.models import Adapter, File, Job, JobEvent, JobRow, Shard
 from core.preflight import InputCheck
 from core.queue import queue_for
@@ -46,7 +54,7 @@ from core.spec import GenerateSpec, Spec
 from core.states import JobState, RowState, ShardState
 from core.store import add_event, create_shards, get_job, insert_rows, new_id, now, open_shards, progress, transition
 from core.text import counted
-from core.training_data import parse_training_file
+from core.training_data import parse_training_file, split_problem
 
 log = logging.getLogger(__name__)
 BATCH_EXPIRED_BY = "the batch's completion window (24h)"  # the cancel reason that makes an OpenAI batch `expired`
@@ -167,6 +175,8 @@ def _open_finetune(session: Session, new: NewJob) -> _Opened:
     (train_ref, fmt), *validation = new.inputs
     train = files.stored(session, train_ref, owner=new.owner)
     rows = parse_training_file(files.absolute(train), fmt, **limits)
+    if problem := split_problem(len(rows), spec.validation_split):  # the worker would refuse it, model loaded
+        raise InvalidInput(f"invalid finetune spec: {problem}")
     read_as = {"format": fmt}
     for valid_ref, valid_fmt in validation:
         valid = files.stored(session, valid_ref, owner=new.owner)
@@ -255,7 +265,8 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
     """Re-open a finished job under the same id and re-run its failed (and, unless failed_only, unfinished) rows.
 
     Failed rows whose failure cannot change are kept failed (`core.dataset.retry_can_change`: refused at submit,
-    or refused by the worker for their own input); when that leaves nothing to run, the error says how many.
+    or refused by the worker for their own input); when that leaves nothing to run, the error says how many, or,
+    for a fine-tune the worker refused for its spec and input, why and to submit a new one.
     """
     with session_scope() as session:
         job = get_job(session, job_id, owner=owner)
@@ -274,6 +285,8 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
         rows = session.scalars(select(JobRow).where(JobRow.job_id == job_id, JobRow.state.in_(states))).all()
         spec = _generate_spec(job)
         rerun = [r for r in rows if r.state == RowState.pending.value or retry_can_change(r, spec)]
+        if not rerun and job.kind == "finetune" and rows:
+            raise NothingToRetry(_cannot_train_again(job_id, rows[0].error or ""))
         if not rerun:
             raise NothingToRetry(_nothing_to_retry(job_id, len(rows), failed_only))
         for row in rerun:
@@ -317,6 +330,17 @@ def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
     return (
         f"job {job_id}: {rows} refused for their input (at submit, or by the worker) and cannot be retried; fix "
         f"the input (`gpujobs results {job_id} --errors` names each row's line and problem) and submit it again"
+    )
+
+
+def _cannot_train_again(job_id: str, error: str) -> str:
+    """Why a fine-tune the worker refused for its spec and input (`core.errors.CannotTrain`) is not retried: a retry
+    runs the same spec on the same rows, so it would load the model only to be refused the same way."""
+    return (
+        f"fine-tune {job_id} cannot be retried: the worker refused its spec and input before training "
+        f"({error.removeprefix(CANNOT_TRAIN + ': ')}), and a retry runs the same spec on the same rows, so it would "
+        "be refused the same way. Submit a new fine-tune with the change the error names (`gpujobs status "
+        f"{job_id} --json` shows this one's spec)"
     )
 
 

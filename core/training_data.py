@@ -150,6 +150,22 @@ def training_rows(
     return rows
 
 
+def validation_rows(train: int, fraction: float) -> int:
+    """How many of `train` rows a `validation_split` of `fraction` holds out (at least one)."""
+    return max(1, round(train * fraction))
+
+
+def split_problem(train: int, fraction: float | None) -> str | None:
+    """Why a `validation_split` of `fraction` cannot split `train` training rows (it would hold out every one), or
+    None: refused at submit, and by the worker (worker/training/data.py) for a job stored before that check."""
+    if not fraction or validation_rows(train, fraction) < train:
+        return None
+    return (
+        f"validation_split={fraction} leaves no training row of {train}: lower it, give more rows, or hold "
+        "out rows with validation_input"
+    )
+
+
 def _cells(data: dict[str, Any], fmt: str) -> dict[str, Any]:
     """A table's row as a training row: an empty CSV cell or a null is missing; `messages` may be JSON text."""
     if fmt == "jsonl":

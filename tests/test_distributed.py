@@ -433,6 +433,23 @@ def test_a_failing_rank_fails_the_attempt_promptly_with_its_error_and_leaves_no_
     assert left == []
 
 
+def test_a_rank_that_refused_the_spec_fails_the_run_as_cannot_train_and_one_this_worker_lacks_as_invalid_input(
+    tmp_path,
+):
+    """A rank's CannotTrain (the spec and input fail the same way anywhere: no retry) reaches the worker as
+    CannotTrain, with its mark once; a rank's other InvalidInput (this worker lacks something) stays retryable."""
+    from core.errors import CannotTrain, InvalidInput
+    from worker.training import distributed
+
+    (tmp_path / "children.log").write_text("")
+    for message in (str(CannotTrain("target_modules ['w_nope'] do not exist in m")), "strategy ddp needs CUDA"):
+        error = {"rank": 0, "time": 1.0, "type": "X", "message": message, "invalid_input": True, "traceback": ""}
+        (tmp_path / "error-rank0.json").write_text(json.dumps(error))
+        failure = distributed._failure(tmp_path, 1)
+        assert type(failure) is (CannotTrain if message.startswith("cannot train") else InvalidInput)
+        assert str(failure) == message
+
+
 def test_a_killed_worker_leaves_no_training_process_behind(jobs_env, spawn_worker, base_model):
     """SIGKILL a worker while its two ranks train: torchrun (told by the kernel that its parent died) and both ranks
     are gone within seconds, so none can go on writing checkpoints that another worker resumes from."""

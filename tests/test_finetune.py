@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -260,6 +262,12 @@ def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_p
     refused([{"text": "ok"}], "fine-tunes take bnb-4bit", quantization="bnb-8bit")
     refused([{"text": "ok"}], "not both", validation_split=0.2, validation_input=str(FT_DATA))
     refused([{"text": "ok"}], "target_modules", target_modules=[])
+    # a split that would hold out every training row: the worker would refuse it only after loading the model
+    refused(
+        [{"text": "ok"}, {"text": "fine"}],
+        r"^invalid finetune spec: validation_split=0.75 leaves no training row of 2: lower it",
+        validation_split=0.75,
+    )
     # the chained generation spec, checked as a generation job's: refused before the fine-tune is stored (a chained
     # spec refused after it would leave it failed), its errors naming then_generate
     prompts = str(PROMPTS)
@@ -287,31 +295,63 @@ def test_finetune_refuses_bad_input_at_submit_with_the_line_and_what_to_do(tmp_p
         assert session.scalar(select(func.count()).select_from(Job)) == 0
 
 
-def test_finetune_refuses_unknown_modules_and_too_long_rows_before_training_and_a_truncated_adapter_fails(
+def test_finetune_refused_for_its_spec_and_input_fails_before_training_and_a_retry_is_refused(
     tmp_path, jobs_env, spawn_worker, base_model
 ):
-    """On the worker, before any step: target modules the model lacks and rows longer than max_seq_length (with
-    truncation: refuse) fail the job naming modules and lines, and a retry of the too-long one is refused ("fix the
-    input": it would fail the same way); a truncated adapter file fails the registry's check."""
+    """On the worker, before any step: target modules the model lacks, rows longer than max_seq_length (with
+    truncation: refuse), rows whose every learned token truncation cuts off, and chat rows on a model without a chat
+    template fail the job naming what to change (`cannot train as submitted: …`), and a retry of each is refused
+    (NothingToRetry: 409, the CLI exits 2) saying why and to submit a new job, since the same spec on the same rows
+    fails the same way; a truncated adapter file fails the registry's check. A fine-tune that failed otherwise (out
+    of memory, a lost worker) stays retryable: test_recovery.py
+    test_a_row_the_worker_refused_for_its_parameters_cannot_change_on_retry, test_finetune_cli.py
+    test_a_finetune_refused_for_its_spec_is_not_retried_but_one_out_of_memory_is."""
     worker = spawn_worker([], JOBS_TEST_FAULTS="truncate@adapter_saved")
-    bad_modules = service.submit(owner="alice", spec_data=ft_spec(base_model, target_modules=["q_proj", "w_nope"]))
-    too_long = service.submit(owner="alice", spec_data=ft_spec(base_model, max_seq_length=12))
+    no_template = tmp_path / "no-template"
+    shutil.copytree(base_model, no_template, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            for q, a in qa_pairs()
+        )
+    )
+    long_prompts = tmp_path / "long_prompts.jsonl"  # each prompt fills max_seq_length=8: no completion token is left
+    long_prompts.write_text("".join(json.dumps({"prompt": q * 3, "completion": a}) + "\n" for q, a in qa_pairs()))
+    refused = {
+        "bad_modules": ft_spec(base_model, target_modules=["q_proj", "w_nope"]),
+        "too_long": ft_spec(base_model, max_seq_length=12),
+        "no_labels": ft_spec(base_model, input=str(long_prompts), max_seq_length=8, truncation="truncate"),
+        "no_template": ft_spec(no_template, input=str(chat)),
+    }
+    submitted = {name: service.submit(owner="alice", spec_data=spec) for name, spec in refused.items()}
     truncated = service.submit(
         owner="alice", spec_data=ft_spec(base_model, max_steps=3, max_seq_length=12, truncation="truncate")
     )
-    job = finished(bad_modules["id"], 60, [worker])
-    assert job["state"] == "failed" and "target_modules ['w_nope'] do not exist" in job["error"]
-    assert "q_proj" in job["error"]  # it names the modules the model has
-    job = finished(too_long["id"], 60, [worker])
-    assert job["state"] == "failed" and "longer than max_seq_length=12" in job["error"] and "line 7" in job["error"]
-    for failed_only in (True, False):
-        with pytest.raises(NothingToRetry, match=r"12 failed rows were refused for their input .* fix the input"):
-            service.retry(too_long["id"], owner=None, failed_only=failed_only, by="alice")
-    assert views.get(too_long["id"], owner=None)["retries"] == 0
+    errors = {name: finished(job["id"], 60, [worker]) for name, job in submitted.items()}
+    assert all(job["state"] == "failed" for job in errors.values()), errors
+    errors = {name: re.sub(r"^shard 0 \(rows 0-\d+\): ", "", job["error"]) for name, job in errors.items()}
+    assert errors["bad_modules"].startswith("cannot train as submitted: target_modules ['w_nope'] do not exist")
+    assert "q_proj" in errors["bad_modules"]  # it names the modules the model has
+    assert errors["too_long"].startswith("cannot train as submitted: 9 row(s) are longer than max_seq_length=12")
+    assert "line 7" in errors["too_long"]
+    assert errors["no_labels"].startswith("cannot train as submitted: no training row has a token to learn")
+    assert errors["no_template"].startswith("cannot train as submitted: the dataset has chat `messages` rows but")
+    for name, job in submitted.items():
+        reason = errors[name].removeprefix("cannot train as submitted: ")
+        for failed_only in (True, False):
+            with pytest.raises(NothingToRetry) as refusal:
+                service.retry(job["id"], owner=None, failed_only=failed_only, by="alice")
+            assert str(refusal.value) == (
+                f"fine-tune {job['id']} cannot be retried: the worker refused its spec and input before training "
+                f"({reason}), and a retry runs the same spec on the same rows, so it would be refused the same way. "
+                f"Submit a new fine-tune with the change the error names (`gpujobs status {job['id']} --json` "
+                "shows this one's spec)"
+            )
+        assert views.get(job["id"], owner=None)["retries"] == 0
+        assert not metric_events(job["id"])  # refused before the first step
     job = finished(truncated["id"], 60, [worker])
     assert job["state"] == "failed" and "registry error" in job["error"]
-    for failed in (bad_modules, too_long):
-        assert not metric_events(failed["id"])  # refused before the first step
     with session_scope() as session:
         assert session.get(Adapter, truncated["id"]) is None
 

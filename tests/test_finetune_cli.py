@@ -143,3 +143,47 @@ def test_results_of_a_finetune_are_refused_naming_its_adapter_chained_job_and_er
     errors = jobs(cli_env, "results", ft["id"], "--errors")
     assert errors.returncode == 2 and errors.stdout == "", errors.stderr
     assert errors.stderr.count(reason) == 1 and "failed and registered no adapter" in errors.stderr
+
+
+def test_a_finetune_refused_for_its_spec_is_not_retried_but_one_out_of_memory_is(cli_env, api_server, base_model):
+    """A fine-tune the worker refused for its spec and input (`core.errors.CannotTrain`, as worker/training/ raises
+    it: test_finetune.py runs each on a real worker) is not retried: `retry` exits 2 (HTTP 409) saying why the same
+    spec fails again and to submit a new job, and the job stays failed; one that ran out of memory is retried."""
+    import httpx
+
+    from core import leases
+    from core.db import session_scope
+    from core.errors import CannotTrain
+    from core.models import Shard
+
+    url, token, _ = api_server
+    client = Client(url, token)
+
+    def failed(reason: str) -> str:  # no worker: the job stays queued until its shard fails as a worker's would
+        ft = client.submit(
+            {"kind": "finetune", "model": str(base_model), "gpus": 0}, input=ROOT / "examples" / "finetune_qa.jsonl"
+        )
+        with session_scope() as session:
+            [shard_id] = session.scalars(select(Shard.id).where(Shard.job_id == ft["id"])).all()
+        leases.fail(shard_id, reason)
+        assert client.job(ft["id"])["state"] == "failed"
+        return ft["id"]
+
+    refusal = str(CannotTrain("target_modules ['w_nope'] do not exist in M: its linear layers are ['q_proj']"))
+    refused = failed(refusal)
+    retried = jobs(cli_env, "retry", refused)
+    assert retried.returncode == 2 and retried.stdout == "", retried.stderr
+    assert retried.stderr.splitlines() == [
+        f"Error: fine-tune {refused} cannot be retried: the worker refused its spec and input before training "
+        "(target_modules ['w_nope'] do not exist in M: its linear layers are ['q_proj']), and a retry runs the same "
+        "spec on the same rows, so it would be refused the same way. Submit a new fine-tune with the change the "
+        f"error names (`gpujobs status {refused} --json` shows this one's spec)"
+    ]
+    answer = httpx.post(f"{url}/jobs/{refused}/retry", headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code == 409 and answer.json()["error"]["type"] == "NothingToRetry"
+    assert client.job(refused)["state"] == "failed" and client.job(refused)["retries"] == 0
+
+    out_of_memory = failed("failed 3 times; last error: torch.OutOfMemoryError: CUDA out of memory")
+    retried = jobs(cli_env, "retry", out_of_memory)
+    assert retried.returncode == 0 and retried.stdout.strip() == out_of_memory, retried.stderr
+    assert client.job(out_of_memory)["state"] == "running" and client.job(out_of_memory)["retries"] == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.errors import InvalidInput
+from core.errors import CannotTrain, InvalidInput
 from core.spec import FinetuneSpec
 from worker.training import data, finetune, setup
 
@@ -77,7 +77,7 @@ def test_rows_encoded_in_batches_are_what_each_row_gives_alone(tok, monkeypatch)
 
 def test_long_rows_are_refused_by_line_or_truncated_by_choice_and_packing_splits_them(tok):
     rows = [(1, {"text": "short"}), (2, {"text": "the sky is blue " * 20}), (3, {"text": "ok"})]
-    with pytest.raises(InvalidInput, match=r"1 row\(s\) are longer than max_seq_length=16 tokens: line 2 \("):
+    with pytest.raises(CannotTrain, match=r"1 row\(s\) are longer than max_seq_length=16 tokens: line 2 \("):
         data.build_examples(tok, rows, spec(max_seq_length=16))
     examples, truncated = data.build_examples(tok, rows, spec(max_seq_length=16, truncation="truncate"))
     assert truncated == 1 and max(len(e.input_ids) for e in examples) == 16
@@ -94,13 +94,16 @@ def test_validation_split_is_seeded_and_validation_rows_are_kept_apart():
     assert data.split_validation(rows, 0.2, seed=3) == (train, valid)
     marked = rows + [(1, {"text": "v", "split": "validation"})]
     assert data.split_validation(marked, None, seed=0) == (rows, [(1, {"text": "v", "split": "validation"})])
+    # holding out every row is refused at submit, and by the worker (a job stored before that check) for good
+    with pytest.raises(CannotTrain, match=r"^cannot train as submitted: validation_split=0.75 leaves no training"):
+        data.split_validation(rows[:2], 0.75, seed=0)
 
 
 def test_unknown_target_modules_are_refused_naming_the_models_linear_layers(base_model):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_model)
-    with pytest.raises(InvalidInput, match=r"target_modules \['qkv'\] do not exist.*'q_proj'"):
+    with pytest.raises(CannotTrain, match=r"target_modules \['qkv'\] do not exist.*'q_proj'"):
         setup.check_target_modules(model, spec(target_modules=["q_proj", "qkv"]))
     with pytest.raises(InvalidInput, match="modules_to_save"):
         setup.check_target_modules(model, spec(modules_to_save=["wte"]))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.capability import missing
-from core.errors import InvalidInput
+from core.errors import CannotTrain, InvalidInput
 from core.spec import FinetuneSpec, LoadOptions, parse_spec
 from worker.training import data, finetune, linear_ce, packed_attention, setup
 
@@ -283,10 +283,18 @@ def test_levers_a_worker_cannot_run_are_refused_at_submit_and_before_training(ba
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_model)
-    with pytest.raises(InvalidInput, match="liger=on cannot run: liger-kernel runs on CUDA only"):
+    with pytest.raises(InvalidInput, match="liger=on cannot run: liger-kernel runs on CUDA only") as liger:
         setup.choose_speed(spec(liger="on"), torch.device("cpu"), model)
-    with pytest.raises(InvalidInput, match="packed_attention=varlen cannot run: the varlen kernel runs on CUDA"):
+    with pytest.raises(
+        InvalidInput, match="packed_attention=varlen cannot run: the varlen kernel runs on CUDA"
+    ) as varlen:
         setup.choose_speed(spec(packing=True, packed_attention="varlen"), torch.device("cpu"), model)
+    # this worker's lack, not the spec's: never CannotTrain, so a retry may find a worker with CUDA
+    assert type(liger.value) is type(varlen.value) is InvalidInput
+    with pytest.raises(CannotTrain, match="packed_attention=varlen cannot run: it replaces attn_implementation eager"):
+        setup.choose_speed(
+            spec(packing=True, packed_attention="varlen", attn_implementation="eager"), torch.device("cpu"), model
+        )
     auto = setup.choose_speed(spec(packing=True), torch.device("cpu"), model)
     assert (auto.loss, auto.packed_attention, auto.compile, auto.notes) == ("chunked", "mask", False, [])
 

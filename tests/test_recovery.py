@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from api import results, service
 from core.dataset import retry_can_change, too_long_to_train
 from core.db import session_scope
-from core.errors import NothingToRetry
+from core.errors import CannotTrain, NothingToRetry
 from core.models import Job, JobRow, Shard, Worker
 from core.spec import GenerateSpec
 from tests.conftest import wait_for
@@ -229,8 +229,8 @@ def test_retry_failed_only_keeps_rows_that_fail_the_same_way_and_says_so(tmp_pat
 def test_a_row_the_worker_refused_for_its_parameters_cannot_change_on_retry():
     """`retry_can_change`: a row whose parameters the submit checks refuse (stored before the check existed, then
     refused by the worker) or that the worker found too long fails the same way again, as does a fine-tune's row
-    refused for rows longer than max_seq_length; an engine failure may not, nor a fine-tune's lost worker or out of
-    memory."""
+    refused for rows longer than max_seq_length or for any other reason of its spec and input (CannotTrain); an
+    engine failure may not, nor a fine-tune's lost worker or out of memory."""
     spec = GenerateSpec(model="m", input="file_x")
 
     def row(params, error, executions=1):
@@ -252,7 +252,13 @@ def test_a_row_the_worker_refused_for_its_parameters_cannot_change_on_retry():
     def training_row(error):  # a fine-tune's: no generation spec, the shard's reason on every row it failed
         return JobRow(line=3, input={"prompt": "q", "completion": "a", "extra": {}}, error=error, executions=0)
 
-    assert not retry_can_change(training_row(too_long_to_train([(7, 20), (9, 31)], 12)), None)
+    assert not retry_can_change(training_row(too_long_to_train([(7, 20), (9, 31)], 12)), None)  # stored unmarked
+    for refusal in (  # any refusal the worker marks CannotTrain
+        too_long_to_train([(7, 20)], 12),
+        "target_modules ['w_nope'] do not exist in m: its linear layers are ['q_proj'] (or use 'all-linear')",
+        "no training row has a token to learn (...): raise max_seq_length or shorten the prompts",
+    ):
+        assert not retry_can_change(training_row(str(CannotTrain(refusal))), None)
     assert retry_can_change(
         training_row("failed 3 times; last error: torch.OutOfMemoryError: CUDA out of memory"), None
     )

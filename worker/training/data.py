@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from core.dataset import too_long_to_train
-from core.errors import InvalidInput
+from core.errors import CannotTrain
 from core.spec import FinetuneSpec
+from core.training_data import split_problem, validation_rows
 
 IGNORE = -100
 
@@ -60,7 +61,7 @@ def _texts(tok, row: dict[str, Any]) -> tuple[list[tuple[str, bool]], bool]:
     if "prompt" in row:
         return [(row["prompt"], False), (row["completion"], True)], True
     if not getattr(tok, "chat_template", None):
-        raise InvalidInput(
+        raise CannotTrain(
             "the dataset has chat `messages` rows but the model's tokenizer has no chat template: "
             "use prompt/completion rows, or a model whose tokenizer_config.json has one"
         )
@@ -103,7 +104,7 @@ def tokenize_row(tok, row: dict[str, Any]) -> Example:
 
 
 def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSpec) -> tuple[list[Example], int]:
-    """Tokenized rows; a too-long row is truncated or refused (InvalidInput naming the rows), as the spec says.
+    """Tokenized rows; a too-long row is truncated or refused (CannotTrain naming the rows), as the spec says.
 
     Returns (examples, truncated count). `rows` are (line, row) pairs, so a refusal names the input lines. With
     packing, rows are concatenated and cut into blocks of max_seq_length, so a long row is split, never refused.
@@ -116,11 +117,11 @@ def build_examples(tok, rows: list[tuple[int, dict[str, Any]]], spec: FinetuneSp
         if any(label != IGNORE for label in ex.labels):
             examples.append(ex)
     if too_long and spec.truncation == "refuse":
-        raise InvalidInput(too_long_to_train(too_long, spec.max_seq_length))
+        raise CannotTrain(too_long_to_train(too_long, spec.max_seq_length))
     if not examples:
-        raise InvalidInput(
+        raise CannotTrain(
             "no training row has a token to learn (every completion/assistant turn was empty or cut "
-            "off by max_seq_length)"
+            "off by max_seq_length): raise max_seq_length or shorten the prompts"
         )
     return examples, len(too_long)
 
@@ -228,10 +229,10 @@ def split_validation(rows: list[tuple[int, dict[str, Any]]], fraction: float | N
     train = [(line, r) for line, r in rows if r.get("split") != "validation"]
     valid = [(line, r) for line, r in rows if r.get("split") == "validation"]
     if fraction and not valid:
+        if problem := split_problem(len(train), fraction):  # refused at submit too: a job stored before that check
+            raise CannotTrain(problem)
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-        n = max(1, round(len(train) * fraction))
-        if n >= len(train):
-            raise InvalidInput(f"validation_split={fraction} leaves no training row of {len(train)}: lower it")
+        n = validation_rows(len(train), fraction)
         picked = set(order[:n])
         valid = [train[i] for i in sorted(picked)]
         train = [row for i, row in enumerate(train) if i not in picked]

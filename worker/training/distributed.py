@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from core.errors import ChildFailed, InvalidInput
+from core.errors import CANNOT_TRAIN, CannotTrain, ChildFailed, InvalidInput
 from core.slices import pinned_env, plan
 from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
@@ -246,8 +246,9 @@ def _failure(run_dir: Path, returncode: int | None) -> Exception:
         )
     if errors:
         first = min(errors.values(), key=lambda e: e["time"])
-        if first["invalid_input"]:
-            return InvalidInput(first["message"])
+        if first["invalid_input"]:  # a CannotTrain's message keeps its mark (core/errors.py), so its class too
+            refusal = CannotTrain if first["message"].startswith(CANNOT_TRAIN) else InvalidInput
+            return refusal(first["message"])
         return ChildFailed(
             f"{first['traceback'].rstrip()}\ndistributed run failed: rank {first['rank']} failed "
             f"first: {first['type']}: {first['message']}"

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from core.errors import InvalidInput
+from core.errors import CannotTrain, InvalidInput
 from core.spec import FinetuneSpec, LoadOptions
 from worker.progress import Progress
 from worker.training.data import ExampleDataset, build_examples, pack, packed_collate, padded_collate, split_validation
@@ -226,8 +226,9 @@ def finetune(
 ) -> FinetuneResult:
     """Train a LoRA adapter on `rows` ((line, row) pairs) and save it under `workdir/adapter`.
 
-    Checkpoints go to `workdir/checkpoints`; with `resume`, the newest complete one is picked up. Raises
-    InvalidInput for data or settings that cannot train (before any step runs). `result.stopped` is True when
+    Checkpoints go to `workdir/checkpoints`; with `resume`, the newest complete one is picked up. Before any step
+    runs, raises CannotTrain for data or settings that cannot train on any worker, and InvalidInput for what this
+    worker cannot run (a package, a kernel or GPUs it lacks; another worker may). `result.stopped` is True when
     `should_stop()` ended training early (cancel, shutdown, lost lease), or `should_yield()` did (the scheduler gives
     the GPU to other work: a complete checkpoint of the step that just ended is saved first): no adapter is saved
     then. Both are asked at each step's end, on every process at the same step. `strategy` is `single`, or the
@@ -245,7 +246,7 @@ def finetune(
     tok, device = loaded.tokenizer, loaded.device
     train_rows, valid_rows = split_validation(rows, spec.validation_split, spec.seed)
     if not train_rows:
-        raise InvalidInput("the dataset has no training rows")
+        raise CannotTrain("the dataset has no training rows (every row is a validation row): give training rows")
     with progress.phase(f"tokenizing {len(train_rows) + len(valid_rows)} rows"):  # in the log with its seconds
         examples, truncated = build_examples(tok, train_rows, spec)
         valid = build_examples(tok, valid_rows, spec)[0] if valid_rows else []
@@ -254,7 +255,7 @@ def finetune(
         with progress.phase("packing"):
             examples, valid = pack(examples, spec.max_seq_length, pad), pack(valid, spec.max_seq_length, pad)
         if not examples:
-            raise InvalidInput(
+            raise CannotTrain(
                 "no training row has a token to learn after its first one (a row's first token is "
                 "never a target): give rows longer completions"
             )

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from core.errors import InvalidInput
+from core.errors import CannotTrain, InvalidInput
 from core.settings import get_settings
 from core.spec import FinetuneSpec, LoadOptions
 from worker.failures import exception_chain
@@ -74,13 +74,13 @@ def check_target_modules(model, spec: FinetuneSpec) -> None:
     if spec.target_modules != "all-linear":
         missing = [m for m in spec.target_modules if m not in leaf_names]
         if missing:
-            raise InvalidInput(
+            raise CannotTrain(
                 f"target_modules {missing} do not exist in {spec.model}: its linear layers are "
                 f"{sorted(linear_module_names(model))} (or use 'all-linear')"
             )
     missing = [m for m in spec.modules_to_save or [] if m not in leaf_names]
     if missing:
-        raise InvalidInput(f"modules_to_save {missing} do not exist in {spec.model}; e.g. embed_tokens or lm_head")
+        raise CannotTrain(f"modules_to_save {missing} do not exist in {spec.model}; e.g. embed_tokens or lm_head")
 
 
 def lora_config(spec: FinetuneSpec):
@@ -134,7 +134,9 @@ class Speed:
 
 def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str = "single") -> Speed:
     """Resolve liger / packed_attention / compile for this model on this device. An explicit `on`/`varlen` that
-    cannot run raises InvalidInput (before any step); an `auto` that cannot takes the next choice and notes why.
+    cannot run raises (before any step) CannotTrain where the spec or the model is why, InvalidInput where this
+    worker is (no CUDA, a kernel missing: another worker may run it); an `auto` that cannot takes the next choice
+    and notes why.
 
     Under a distributed strategy the loss and compile stay the Trainer's own: the lean loss calls the decoder
     directly, past the DDP/FSDP/DeepSpeed wrapper's forward that those strategies rely on.
@@ -142,7 +144,7 @@ def choose_speed(spec: FinetuneSpec, device: torch.device, model, strategy: str 
     speed = Speed()
     if strategy != "single":
         if spec.liger == "on" or spec.compile == "on":
-            raise InvalidInput(
+            raise CannotTrain(  # the strategy is the spec's on the job's slice, whichever worker runs it
                 f"liger=on and compile=on run with strategy single only (this job runs {strategy}): use auto or off"
             )
         speed.notes.append(f"strategy {strategy}: the model's own loss, not compiled")
@@ -392,7 +394,7 @@ def _choose_loss(spec: FinetuneSpec, device: torch.device, model, notes: list[st
     problem = _lean_loss_problem(base)
     if problem:
         if spec.liger == "on":
-            raise InvalidInput(f"liger=on cannot run: {problem}. Use liger auto or off")
+            raise CannotTrain(f"liger=on cannot run: {problem}. Use liger auto or off")
         notes.append(f"loss: the model's own (all logits), since {problem}")
         return "model"
     if spec.liger != "on":
@@ -411,16 +413,17 @@ def _choose_attention(spec: FinetuneSpec, device: torch.device, model, notes: li
     if spec.packed_attention == "mask":
         return "mask"
     config = model.config
-    problem = None
+    fixed = None  # a problem of the spec or the model, on any worker
     if spec.attn_implementation not in ("sdpa", "sdpa_gqa"):
-        problem = f"it replaces attn_implementation {spec.attn_implementation}"
+        fixed = f"it replaces attn_implementation {spec.attn_implementation}"
     elif getattr(config, "attention_dropout", 0.0) or set(
         getattr(config, "layer_types", None) or ["full_attention"]
     ) != {"full_attention"}:
-        problem = "the model has attention dropout or sliding-window layers"
-    problem = problem or packed_attention.problem(device)
+        fixed = "the model has attention dropout or sliding-window layers"
+    problem = fixed or packed_attention.problem(device)
     if problem and spec.packed_attention == "varlen":
-        raise InvalidInput(f"packed_attention=varlen cannot run: {problem}. Use packed_attention auto or mask")
+        refusal = CannotTrain if fixed else InvalidInput
+        raise refusal(f"packed_attention=varlen cannot run: {problem}. Use packed_attention auto or mask")
     if problem and device.type == "cuda":
         notes.append(f"packed_attention auto: mask, since {problem}")
     return "mask" if problem else "varlen"
@@ -444,7 +447,7 @@ def _compile_layers(model) -> int:
     decoder = model.get_base_model().get_decoder()
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        raise InvalidInput(f"compile=on: {type(decoder).__name__} has no `layers` to compile: use compile auto or off")
+        raise CannotTrain(f"compile=on: {type(decoder).__name__} has no `layers` to compile: use compile auto or off")
     # all layers share one code object: room for their guards plus the train and eval variants
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in layers:
