@@ -472,6 +472,30 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
     da.write_step(pages8, scales, page, offset, x.to(dtype))
     da.write_pages(want8, want_scales, (page, slice(None), offset), x.to(dtype))
     assert torch.equal(pages8, want8) and torch.equal(scales, want_scales), (dtype, dim)
+    # a prefill chunk's quantized write in one kernel (QUANT_PREFILL_WRITE): the bytes and scales of write_pages over
+    # the pages rows own (row 2's positions past 128 go to the trash page 0, as above), and its returned values. fp8:
+    # values that need no rounding (see the step's write above); int8: any values, ties among them
+    assert da.QUANT_PREFILL_WRITE
+    grid = torch.randint(0, 256, (3, 150, 2, dim), dtype=torch.uint8).view(da.FP8).float().nan_to_num(0)
+    grid = grid.clamp(-448, 448)
+    grid[..., 3] = 448.0
+    ints = torch.randn(3, 150, 2, dim) * torch.tensor([1e-3, 1.0, 1e3])[:, None, None, None]
+    ints[2, 5, 0, :4] = torch.tensor([0.5, -0.5, 1.5, -2.5]) * ints[2, 5, 0].abs().max() / 127
+    for kind, x in ((da.FP8, grid * 2.0 ** torch.randint(-8, 4, (3, 150, 2, 1))), (torch.int8, ints)):
+        x[1, 7] = 0
+        xs = x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)  # (rows, positions, kv heads, dim) as the layers
+        got8, got_scales = torch.zeros(9, 2, da.PAGE, dim, dtype=kind), torch.zeros(9, 2, da.PAGE)
+        want8, want_scales = got8.clone(), got_scales.clone()
+        held = da.write_prefill(got8, got_scales, *at, xs)
+        want_held = da.write_pages(want8, want_scales, (at[0], slice(None), at[1]), xs)
+        assert torch.equal(got8[1:].view(torch.uint8), want8[1:].view(torch.uint8)), (kind, dtype, dim)
+        assert torch.equal(got_scales[1:], want_scales[1:]) and got_scales[5].min() > 0, (kind, dtype, dim)  # row 0's
+        assert torch.equal(held, want_held) and held.shape == xs.shape, (kind, dtype, dim)
+        assert held.transpose(1, 2).is_contiguous(), (kind, dtype, dim)  # as the layers' (rows, heads, length, dim)
+        da.QUANT_PREFILL_WRITE = False  # write_pages itself: the same
+        again8, again_scales = torch.zeros_like(got8), torch.zeros_like(got_scales)
+        assert torch.equal(da.write_prefill(again8, again_scales, *at, xs), want_held)
+        da.QUANT_PREFILL_WRITE = True
 print("kernel ok")
 """
 
@@ -481,7 +505,8 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter():
     for fp32 and fp16, one and several context splits, lengths 0, 1, a page edge and the full cache, heads of a
     power-of-two width and not (padded inside the kernels); writing the step's K/V itself (FOLD_WRITE) it leaves
     the pages of the write, then the kernel, and its output within rounding; over fp8 and int8 pages with their scales it equals the reference over
-    the same pages, and the decode step's write kernel leaves the bytes and scales of the torch write. (bf16 is misread by the interpreter; on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py
+    the same pages, and the decode step's and a prefill chunk's write kernels leave the bytes and scales of the torch
+    write. (bf16 is misread by the interpreter; on the H200 the bf16 kernel is checked by ops/bench/decode_kernel.py
     and gen.py's logits check.)"""
     interpreted(TRITON_SCRIPT, "kernel ok")
 
@@ -640,6 +665,11 @@ da.FOLD_WRITE, da.PREFILL_WRITE = False, True
 info = {}  # an fp8 cache: the write kernel and the kernel's fp8 pages; the memorized answer stays exact
 fp8 = run(spec(engine="fast", kv_cache_dtype="fp8"), info)
 assert info["fast"]["kv_cache_dtype"] == "fp8" and fp8[0] == padded[0], (fp8, padded)
+assert da.QUANT_PREFILL_WRITE  # an int8 cache's prefill chunks by the write kernel, or by write_pages: the same bytes
+int8 = run(spec(engine="fast", kv_cache_dtype="int8"))
+da.QUANT_PREFILL_WRITE = False
+assert run(spec(engine="fast", kv_cache_dtype="int8")) == int8 and int8[0] == padded[0], (int8, padded)
+da.QUANT_PREFILL_WRITE = True
 print("engine ok")
 """
 
@@ -686,7 +716,8 @@ def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     """The whole fast engine with the Triton kernel (interpreter) instead of the reference: same greedy results
     as the padded engine, with admission into 3 slots (each prefill chunk's K/V by the prefill write kernel, the
     default), also with the step's K/V written by the decode kernel (FOLD_WRITE) and each chunk's by index_put;
-    with an fp8 cache, the memorized answer."""
+    with an fp8 cache, the memorized answer; with an int8 cache, the same results whether each chunk's quantized
+    K/V is written by the prefill write kernel (QUANT_PREFILL_WRITE, the default) or by torch's operations."""
     interpreted(ENGINE_SCRIPT, "engine ok", tiny_model, timeout=600)
 
 
@@ -1123,7 +1154,8 @@ def test_the_benchmarks_repeated_runs_send_prompts_the_prefix_cache_has_not_seen
 
 def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
     """ops/bench/profile_gen.py --flip (CPU smoke): every round runs the engine as it is and with the flags flipped
-    (two at once here), each run on prompts of its own, and reports both medians and their ratio."""
+    (two at once here), each run on prompts of its own, on the cache type given (int8 here), and reports both
+    medians and their ratio."""
     out = tmp_path / "flip.json"
     cmd = [
         sys.executable,
@@ -1135,12 +1167,16 @@ def test_profile_gen_flips_an_engine_flag_between_interleaved_runs(tmp_path):
         "--flip",
         "prefill_both",
         "--syncs",
+        "--kv-cache-dtype",
+        "int8",
     ]
     done = subprocess.run(
         [*cmd, "--model", str(tmp_path / "model"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    g1 = json.loads(out.read_text())["g1"]
+    report = json.loads(out.read_text())
+    g1 = report["g1"]
+    assert report["kv_cache_dtype"] == g1["cold"]["fast"]["kv_cache_dtype"] == "int8"
     names = ["worker.engines.decode_attention.PREFILL_WRITE", "worker.engines.fastgen.SYNC_FREE"]
     assert g1["flip"] == {  # both on by default: the flipped runs take the old paths
         "flag": ", ".join(names),
@@ -1173,6 +1209,12 @@ def test_profile_gen_flips_a_decode_kernel_setting_to_a_number(monkeypatch):
     assert decode_attention.CONFIG["pages"] == 4
     flag.set(1)
     assert decode_attention.CONFIG["pages"] == 1
+    monkeypatch.setitem(decode_attention.QUANTIZED_CONFIG, "pages", 2)  # fp8/int8 pages' own setting
+    (quant,) = [
+        profile_gen.Flag(importlib.import_module(m), *rest, to=1) for m, *rest in profile_gen.FLIPS["quant_pages"]
+    ]
+    quant.set(quant.other(quant.get()))
+    assert decode_attention.QUANTIZED_CONFIG["pages"] == 1 and decode_attention.CONFIG["pages"] == 1
     fold = profile_gen.Flag(decode_attention, "FOLD_WRITE", to=4)  # a bool flips to its opposite, whatever `to`
     assert fold.other(True) is False
     with pytest.raises(SystemExit) as refused:

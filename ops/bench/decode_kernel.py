@@ -38,7 +38,9 @@ bound 0.50 ms at 4.3 TB/s). Every time is of a CUDA graph's replay, as the engin
 6. A prefill chunk's K/V write (`decode_attention.PREFILL_WRITE`): per layer, K and V of a chunk of `rows` prompts of
    `length` positions into shuffled pages, by torch's index_put (`write_pages`, the default) against the Triton
    kernel (`write_prefill`): both times, `gain`, the bandwidth each reaches over the bytes written, and whether
-   the pages are the same. Shapes of G1's chunks (128 × 256), G2's (64 × 512) and long prompts (16 × 2048).
+   the pages are the same. Shapes of G1's chunks (128 × 256), G2's (64 × 512) and long prompts (16 × 2048). The same
+   chunks into fp8 and int8 pages (`QUANT_PREFILL_WRITE`): `write_pages`' torch chain against the kernel, their
+   times and whether the bytes, the scales and the returned values are the same (`fp8_same`, `int8_same`).
 
 `--writes-only` runs sections 4 to 6 alone (seconds: a check of the writes after a change to them); `--configs-only`
 sections 1 and 2 (the configs, then the shapes with the best of them).
@@ -386,12 +388,15 @@ def print_writes(kv_write: list[dict], fold: list[dict], prefill: list[dict]) ->
         )
     print(
         f"{'rows':>6}{'length':>7}{'index_put ms':>14}{'kernel ms':>11}{'gain':>7}{'TB/s':>7}{'kernel TB/s':>13}"
-        f"{'pages':>7}"
+        f"{'pages':>7}{'fp8 torch ms':>14}{'fp8 kernel ms':>15}{'same':>6}{'int8 torch ms':>15}{'int8 kernel ms':>16}"
+        f"{'same':>6}"
     )
     for r in prefill:
         print(
             f"{r['rows']:>6}{r['length']:>7}{r['index_put_ms']:>14.4f}{r['kernel_ms']:>11.4f}{r['gain']:>7.2f}"
             f"{r['index_put_tb_s']:>7.2f}{r['kernel_tb_s']:>13.2f}{str(r['same_pages']):>7}"
+            f"{r['fp8_torch_ms']:>14.4f}{r['fp8_kernel_ms']:>15.4f}{str(r['fp8_same']):>6}"
+            f"{r['int8_torch_ms']:>15.4f}{r['int8_kernel_ms']:>16.4f}{str(r['int8_same']):>6}"
         )
 
 
@@ -469,8 +474,43 @@ def prefill_write_row(torch, da, rows: int, length: int) -> dict:
     row = {"rows": rows, "length": length, "index_put_ms": round(put_ms, 4), "kernel_ms": round(kernel_ms, 4)}
     row |= {"gain": round(put_ms / kernel_ms, 2), "index_put_tb_s": round(gb / put_ms, 2)}
     row |= {"kernel_tb_s": round(gb / kernel_ms, 2), "same_pages": same}
+    pages.clear()  # the bf16 pages freed before the quantized ones
+    for kind, dtype in da.QUANTIZED.items():  # QUANT_PREFILL_WRITE: the kernel against write_pages' torch chain
+        row |= quantized_prefill_write(torch, da, kind, dtype, k, v, page, offset, rows * per + 1)
     print(row, flush=True)
     return row
+
+
+def quantized_prefill_write(torch, da, kind: str, dtype, k, v, page, offset, n_pages: int) -> dict:
+    """The same chunk into `kind` pages: torch's chain (`write_pages`) against the kernel (`QUANT_PREFILL_WRITE`),
+    each into pages of its own; whether the bytes, the scales and the returned (dequantized) values are the same."""
+    shape = (n_pages, KV_HEADS, da.PAGE, DIM)
+    caches = {
+        way: [(torch.zeros(shape, device="cuda", dtype=dtype), torch.zeros(shape[:3], device="cuda")) for _ in range(2)]
+        for way in ("torch", "kernel")
+    }
+    held = {}
+
+    def write(way: str) -> None:
+        held[way] = [da.write_prefill(*cache, page, offset, x) for cache, x in zip(caches[way], (k, v))]
+
+    before = da.QUANT_PREFILL_WRITE
+    try:
+        da.QUANT_PREFILL_WRITE = False
+        torch_ms = timed(torch, partial(write, "torch"))
+        da.QUANT_PREFILL_WRITE = True
+        kernel_ms = timed(torch, partial(write, "kernel"))
+    finally:
+        da.QUANT_PREFILL_WRITE = before
+    torch.cuda.synchronize()
+    pairs = list(zip(caches["torch"], caches["kernel"]))
+    same_bytes = all(torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) for a, b in pairs)
+    same_scales = all(torch.equal(a[1], b[1]) for a, b in pairs)
+    same_held = all(torch.equal(a, b) for a, b in zip(held["torch"], held["kernel"]))
+    out = {f"{kind}_torch_ms": round(torch_ms, 4), f"{kind}_kernel_ms": round(kernel_ms, 4)}
+    out |= {f"{kind}_gain": round(torch_ms / kernel_ms, 2), f"{kind}_same": same_bytes and same_scales and same_held}
+    out[f"{kind}_same_parts"] = {"bytes": same_bytes, "scales": same_scales, "held": same_held}
+    return out
 
 
 def cascade_row(torch, da, scale: float, batch: int, shared: int, own: int) -> dict:

@@ -52,9 +52,12 @@ FLIPS = {  # --flip NAME: the flags it flips, as (module, flag)
     "prefill_write": [("worker.engines.decode_attention", "PREFILL_WRITE")],  # a prefill chunk's K/V write kernel
     "sync_free": [("worker.engines.fastgen", "SYNC_FREE")],  # the slot state written without waiting for the GPU
     "prefill_both": [("worker.engines.decode_attention", "PREFILL_WRITE"), ("worker.engines.fastgen", "SYNC_FREE")],
+    # a quantized cache's prefill write kernel (with --kv-cache-dtype fp8 or int8)
+    "quant_prefill_write": [("worker.engines.decode_attention", "QUANT_PREFILL_WRITE")],
     # a launch setting of the decode kernel (a key of a dict), flipped to --flip-to's value: pages a step, warps
     "pages": [("worker.engines.decode_attention", "CONFIG", "pages")],
     "warps": [("worker.engines.decode_attention", "CONFIG", "warps")],
+    "quant_pages": [("worker.engines.decode_attention", "QUANTIZED_CONFIG", "pages")],  # fp8/int8 pages' (with --kv...)
 }
 
 
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flip", choices=sorted(FLIPS), help="warm runs alternate this engine flag as it is and flipped")
     p.add_argument("--flip-to", type=int, help="the value a numeric --flip (pages, warps) is set to")
     p.add_argument("--syncs", action="store_true", help="also a warm run that counts where the host waits on CUDA")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto", help="the spec's cache type")
     args = p.parse_args(argv)
     numeric = args.flip and any(len(target) == 3 for target in FLIPS[args.flip])
     if numeric and args.flip_to is None:
@@ -137,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     built_s = harness.ensure_model(args.model, *build)
     model, tok = harness.load_plain(args.model, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     loaded = Loaded(model, tok, model.device, {})
-    spec = GenerateSpec(model=str(args.model), input="x", ignore_eos=True, engine="fast")
+    spec = GenerateSpec(
+        model=str(args.model), input="x", ignore_eos=True, engine="fast", kv_cache_dtype=args.kv_cache_dtype
+    )
     report: dict = {"commit": harness.commit_info(), "machine": harness.machine(), "model_built_s": built_s}
+    report["kv_cache_dtype"] = args.kv_cache_dtype
     if not cuda:
         fastgen.COMPILE_BACKEND = "eager"
 

@@ -17,7 +17,8 @@
 #   FLIP=fold_write PART=flip bash ops/gpu/perf.sh  # G1, the engine alone, with an engine flag as it is and flipped
 #                                    # (profile_gen.py --flip: 3 interleaved rounds in one process; ~150 s);
 #                                    # ON=g2: G2 instead (~250 s on an H200); FLIP=pages FLIP_TO=2: the decode
-#                                    # kernel's pages a step (a number) as it is and at FLIP_TO
+#                                    # kernel's pages a step (a number) as it is and at FLIP_TO; KV=fp8 (or
+#                                    # int8): with that cache (FLIP=quant_prefill_write, FLIP=quant_pages FLIP_TO=1)
 #   PART=g1kv bash ops/gpu/perf.sh   # G1 with kv_cache_dtype fp8 and int8 against auto (3 interleaved runs each),
 #                                    # their greedy outputs on the memorized model; KV=fp8 (or int8) PART=g1-service
 #                                    # (or g1, g2, g2-service): our runs with that cache
@@ -83,8 +84,8 @@ case $PART in
     overlap) cmd=(python3 ops/bench/overlap.py --out "$OUT/overlap.json") ;;
     flip) flag=${FLIP:?set FLIP to a name in FLIPS of ops/bench/profile_gen.py}
           cmd=(python3 ops/bench/profile_gen.py "${ON:-g1}" --repeat 3 --flip "$flag" ${FLIP_TO:+--flip-to "$FLIP_TO"}
-               --model /tmp/g1-model
-               --out "$OUT/flip-$flag${FLIP_TO:+-$FLIP_TO}${ON:+-$ON}.json") ;;
+               --model /tmp/g1-model --kv-cache-dtype "${KV:-auto}"
+               --out "$OUT/flip-$flag${FLIP_TO:+-$FLIP_TO}${ON:+-$ON}${KV:+-$KV}.json") ;;
     writes) cmd=(python3 ops/bench/decode_kernel.py --writes-only --out "$OUT/decode-kernel-writes.json") ;;
     check-first) size=${TOKENIZER_SIZE:-151936} name=check-first-$size${SPACED:+-spaced-$SPACED}
                  cmd=(python3 ops/bench/check_first.py --tokenizer-size "$size" ${SPACED:+--spaced "$SPACED"})

@@ -79,6 +79,11 @@ FOLD_WRITE = False
 # chunk), where the bytes take ~1 ms. On: with SYNC_FREE, G2 1.030x and G1 1.025x on an H100, outside the spreads
 # (ops/bench/results/2026-12-07-h100-session50; alone it did not gain: the host waited inside each chunk anyway)
 PREFILL_WRITE = True
+# The same for quantized pages (fp8, int8): the chunk quantized, its scales and values stored, and the dequantized
+# values the prefill attends over, in one kernel, where `write_pages` chains a dozen torch operations over the chunk
+# (index_put element by element among them). Not yet measured on a GPU: `profile_gen.py --flip quant_prefill_write
+# --kv-cache-dtype fp8` flips it in one process
+QUANT_PREFILL_WRITE = True
 FP8 = torch.float8_e4m3fn  # the element type of an fp8 cache (`kv_cache_dtype: fp8`)
 QUANTIZED = {"fp8": FP8, "int8": torch.int8}  # kv_cache_dtype -> the cache's element type
 LARGEST = {FP8: 448.0, torch.int8: 127.0}  # each one's largest magnitude (a vector's scale maps its amax there)
@@ -217,28 +222,41 @@ def write_prefill(
     pages: torch.Tensor, scales: torch.Tensor | None, page: torch.Tensor, offset: torch.Tensor, x: torch.Tensor
 ) -> torch.Tensor:
     """A prefill chunk's write: row r's `x[r, i]` (R, L, KVH, D) at `pages[page[r, i], :, offset[i]]`; returns what
-    the pages now hold, as `write_pages` does. Under `PREFILL_WRITE`, unquantized pages where the Triton kernels run
-    take one kernel (`_prefill_write_kernel`: a block of positions of one head a program, whole vectors); the rest
-    `write_pages`. Rows may write the same page (the trash page, past their own pages): what it then holds is
-    garbage either way, which nothing reads."""
-    if not (PREFILL_WRITE and scales is None and available(x.device) and x.stride(-1) == 1 and page.stride(-1) == 1):
+    the pages now hold, as `write_pages` does. Where the Triton kernels run, one kernel (`_prefill_write_kernel`: a
+    block of positions of one head a program, whole vectors): unquantized pages under `PREFILL_WRITE`, quantized ones
+    (the bytes and scales of `quantize`, and the dequantized values returned) under `QUANT_PREFILL_WRITE`; otherwise
+    `write_pages`. Rows may write the same page (the trash page, past their own pages): what it then holds is garbage
+    either way, which nothing reads."""
+    quant = scales is not None
+    kernel = QUANT_PREFILL_WRITE if quant else PREFILL_WRITE
+    if not (kernel and available(x.device) and x.stride(-1) == 1 and page.stride(-1) == 1):
         return write_pages(pages, scales, (page, slice(None), offset), x)
     rows, length, kv_heads, dim = x.shape
+    # what the pages hold, laid out as the layers' (rows, kv heads, length, dim) seen through x's transpose
+    out = torch.empty((rows, kv_heads, length, dim), dtype=x.dtype, device=x.device).transpose(1, 2) if quant else x
     _prefill_write_kernel[(rows, triton.cdiv(length, PAGE), kv_heads)](
         x,
         pages,
+        scales if quant else pages,  # unread unless QUANT
+        out,
         page,
         offset,
         length,
         *x.stride()[:3],
         *pages.stride()[:3],
+        *(scales.stride()[:2] if quant else (0, 0)),
+        *out.stride()[:3],
         page.stride(0),
         offset.stride(0),
+        LARGEST.get(pages.dtype, 1.0),
+        1.0 / LARGEST.get(pages.dtype, 1.0),
         HEAD_DIM=dim,
         HEAD_PAD=triton.next_power_of_2(dim),
         BLOCK=PAGE,
+        QUANT=quant,
+        INT=pages.dtype == torch.int8,
     )
-    return x
+    return out
 
 
 def reference_decode(
@@ -602,6 +620,8 @@ if triton is not None:
     def _prefill_write_kernel(
         X,
         Pages,
+        Scales,
+        Out,
         Page,
         Offset,
         length,
@@ -611,25 +631,53 @@ if triton is not None:
         stride_pp,
         stride_ph,
         stride_pn,
+        stride_sp,
+        stride_sh,
+        stride_or,
+        stride_ol,
+        stride_oh,
         stride_gr,
         stride_o,
+        largest,
+        inverse,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         BLOCK: tl.constexpr,
+        QUANT: tl.constexpr,
+        INT: tl.constexpr,
     ):
         """Positions BLOCK * `program_id(1)` onward (below `length`) of row `program_id(0)`, kv head
-        `program_id(2)`: each vector stored whole at its page (`Page`, a row of pages per row) and offset."""
+        `program_id(2)`: each vector stored whole at its page (`Page`, a row of pages per row) and offset. QUANT:
+        each vector quantized as `_write_kernel` does it, its scale stored beside it, and the dequantized vector
+        (what the pages now hold) stored in `Out` for the prefill's attention."""
         r = tl.program_id(0).to(tl.int64)
         i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         h = tl.program_id(2).to(tl.int64)
         d = tl.arange(0, HEAD_PAD)
         keep = i < length
         mask = keep[:, None] & _head_mask(d, HEAD_DIM, HEAD_PAD)[None, :]
-        x = tl.load(X + r * stride_xr + i[:, None] * stride_xl + h * stride_xh + d[None, :], mask=mask)
+        x = tl.load(X + r * stride_xr + i[:, None] * stride_xl + h * stride_xh + d[None, :], mask=mask, other=0.0)
         page = tl.load(Page + r * stride_gr + i, mask=keep, other=0).to(tl.int64)
         offset = tl.load(Offset + i * stride_o, mask=keep, other=0).to(tl.int64)
         at = page[:, None] * stride_pp + h * stride_ph + offset[:, None] * stride_pn + d[None, :]
-        tl.store(Pages + at, x.to(Pages.dtype.element_ty), mask=mask)
+        if QUANT:
+            x = x.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(x), axis=1) * inverse, 1e-30)
+            values = tl.math.div_rn(x, scale[:, None])
+            if INT:
+                values = tl.where(values < 0, -tl.floor(0.5 - values), tl.floor(values + 0.5))
+            values = tl.minimum(tl.maximum(values, -largest), largest)
+            if INT:
+                stored = values.to(Pages.dtype.element_ty)
+            else:
+                stored = values.to(Pages.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(Pages + at, stored, mask=mask)
+            tl.store(Scales + page * stride_sp + h * stride_sh + offset, scale, mask=keep)
+            held = stored.to(tl.float32) * scale[:, None]
+            to = r * stride_or + i[:, None] * stride_ol + h * stride_oh + d[None, :]
+            tl.store(Out + to, held.to(Out.dtype.element_ty), mask=mask)
+        else:
+            tl.store(Pages + at, x.to(Pages.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _prefix_kernel(
