@@ -14,10 +14,10 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.errors import ServiceUnavailable
+from core.errors import InvalidInput, ServiceUnavailable
 from core.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,15 @@ _engines: dict[str, Engine] = {}
 def get_engine(url: str | None = None) -> Engine:
     url = url or get_settings().database_url
     if url not in _engines:
-        _engines[url] = _create_engine(url)
+        try:
+            _engines[url] = _create_engine(url)
+        except (ArgumentError, ImportError) as exc:  # `postgres://…` (no such dialect), a typo, no psycopg
+            shown = url.split("://", 1)[0] + "://…@" + url.rsplit("@", 1)[-1] if "@" in url else url
+            raise InvalidInput(
+                f"JOBS_DATABASE_URL {shown} is not a URL SQLAlchemy can open ({exc}): give "
+                "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE (pip install -e '.[postgres]') or "
+                "sqlite:///PATH"
+            ) from exc
     return _engines[url]
 
 
