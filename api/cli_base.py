@@ -119,7 +119,7 @@ def client():
     envvar="JOBS_API_URL",
     show_envvar=True,
     metavar="URL",
-    help="the jobs API [default: the one `gpujobs up` started, else http://127.0.0.1:8765]",
+    help="the jobs API [default: the one `gpujobs up` started, else http://$JOBS_API_HOST:$JOBS_API_PORT, i.e. http://127.0.0.1:8765 unless set]",
 )
 @click.option(
     "--token",

@@ -211,7 +211,8 @@ def tokens_create(owner: str, scopes: tuple[str, ...], name: str | None) -> None
     from core.db import session_scope
 
     with session_scope() as session:
-        click.echo(auth.create_token(session, owner=owner, scopes=list(scopes), name=name))
+        token = auth.create_token(session, owner=owner, scopes=list(scopes), name=name)
+    click.echo(token)  # only once stored: a token printed before a failed commit would exist nowhere
 
 
 @tokens.command("list")

@@ -31,7 +31,7 @@ from core.db import session_scope, upgrade
 from core.embedded import start_redis
 from core.errors import GpuConflict, InvalidInput, JobsError, StartInterrupted
 from core.logs import setup_logging
-from core.settings import get_settings, reset
+from core.settings import api_url_for, get_settings, reset
 from core.slices import parse_slice, parse_slices, worker_command, worker_env  # noqa: F401  (ops/bench/load.py imports them from here)
 
 
@@ -166,7 +166,7 @@ def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
         redis = start_redis(settings.run_dir / "redis")
         stack.update(redis=redis.proc.pid, redis_url=redis.url)
         log(f"redis    {redis.url} (pid {redis.proc.pid})")
-    stack["api_url"] = f"http://{host}:{port}"
+    stack["api_url"] = api_url_for(host, port)
     write_stack(stack)
     _check(interrupted)
     reset()

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
-from core.errors import ServiceUnavailable
+from core.errors import InvalidInput, ServiceUnavailable
 from core.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,15 @@ _engines: dict[str, Engine] = {}
 def get_engine(url: str | None = None) -> Engine:
     url = url or get_settings().database_url
     if url not in _engines:
-        _engines[url] = _create_engine(url)
+        try:
+            _engines[url] = _create_engine(url)
+        except (ArgumentError, ImportError) as exc:  # `postgres://…` (no such dialect), a typo, no psycopg
+            shown = url.split("://", 1)[0] + "://…@" + url.rsplit("@", 1)[-1] if "@" in url else url
+            raise InvalidInput(
+                f"JOBS_DATABASE_URL {shown} is not a URL SQLAlchemy can open ({exc}): give "
+                "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE (pip install -e '.[postgres]') or "
+                "sqlite:///PATH"
+            ) from exc
     return _engines[url]
 
 
@@ -84,14 +92,38 @@ def session_scope(url: str | None = None) -> Iterator[Session]:
     try:
         yield session
         session.commit()
-    except OperationalError as exc:
+    except (OperationalError, ProgrammingError) as exc:
         session.rollback()
+        unmigrated = _unmigrated(exc, session)
+        if unmigrated is not None:
+            raise ServiceUnavailable(unmigrated) from exc
+        if isinstance(exc, ProgrammingError):
+            raise
         raise ServiceUnavailable(f"the database cannot be reached or is locked: {exc.orig}") from exc
     except BaseException:
         session.rollback()
         raise
     finally:
         session.close()
+
+
+def _unmigrated(exc: OperationalError | ProgrammingError, session: Session) -> str | None:
+    """The message for a store that lacks a table or column of ours (the migrations were never applied, or not the
+    newest: `gpujobs db upgrade` forgotten on a new cluster or after an upgrade), else None. Without it a new
+    Postgres answered with a traceback in the CLI and a 500 from the API, SQLite with 'cannot be reached'."""
+    code = getattr(exc.orig, "sqlstate", None)  # psycopg: 42P01 undefined table, 42703 undefined column
+    text = str(exc.orig).strip()
+    if (
+        code not in ("42P01", "42703")
+        and not text.startswith(("no such table", "no such column"))
+        and ("has no column named" not in text)
+    ):
+        return None
+    where = session.get_bind().url.render_as_string(hide_password=True)
+    return (
+        f"the database {where} lacks gpujobs' tables or columns ({text.splitlines()[0]}): apply the migrations with "
+        "`gpujobs db upgrade` (with the same JOBS_DATABASE_URL), then try again"
+    )
 
 
 def alembic_config(url: str | None = None):

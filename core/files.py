@@ -152,7 +152,15 @@ def check_server_path(path: str, roots: list[Path], *, what: str) -> Path:
             names = os.pathsep.join(str(r) for r in roots)
             raise Forbidden(f"{what} path {path!r} is outside the allowed roots ({names}): move it under one of them")
     elif not settings.is_loopback:
-        raise Forbidden(f"server-side {what} paths are disabled: the API listens beyond loopback and no roots are set")
+        setting, instead = {
+            "model": ("JOBS_MODEL_ROOTS", "name a Hub model id instead"),
+            "dataset": ("JOBS_DATA_ROOTS", "upload the dataset instead (`gpujobs submit … --input LOCAL_FILE` does)"),
+        }.get(what, ("JOBS_MODEL_ROOTS and JOBS_DATA_ROOTS", "upload it instead"))
+        raise Forbidden(
+            f"server-side {what} paths are disabled: the API listens beyond loopback (JOBS_API_HOST="
+            f"{settings.api_host}) and {setting} is not set: the operator sets it on the API host, with the same "
+            f"paths on every worker host (docs/cluster.md); or {instead}"
+        )
     if not real.exists():
         looked = f"looked for {real}" + (f"; the allowed roots: {os.pathsep.join(map(str, roots))}" if roots else "")
         raise NoSuchPath(

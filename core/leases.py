@@ -401,10 +401,21 @@ def complete_training(
         finish(session, shard, worker, metrics)
 
 
+def error_line(error: str) -> str:
+    """The line of a traceback that names its exception (`RuntimeError: CUDA error: …`), for events and the job's
+    error. Not the traceback's last line: a message of several lines ends in advice (CUDA's `Compile with
+    TORCH_USE_CUDA_DSA …`, pydantic's `For further information visit …`) that says nothing of what failed."""
+    lines = error.strip().splitlines()
+    if not lines:
+        return ""
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), default=-1)
+    return next((line for line in lines[start + 1 :] if line and not line[0].isspace()), lines[-1])
+
+
 def fail_attempt(shard_id: int, worker: str, error: str) -> None:
     """This worker's attempt failed with `error` (a traceback): an error event with it, then the shard goes back to
     the queue and is sent again, or fails once its attempts are used up. Nothing when another process owns it."""
-    last_line = error.strip().splitlines()[-1]
+    last_line = error_line(error)
     with session_scope() as session:
         shard = session.get(Shard, shard_id)
         add_event(

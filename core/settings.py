@@ -241,6 +241,13 @@ def _number(name: str) -> int | float:
         raise ValueError(f"{_NUMBERS[name]}={value!r}: give {kind} (the default is {default})") from None
 
 
+def api_url_for(host: str, port: int | str) -> str:
+    """The URL that reaches an API listening on `host`: an IPv6 address goes in brackets (`http://[::1]:8765`);
+    without them (`http://:::8765`) every CLI command failed with a traceback on the port."""
+    host = host.strip("[]")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @cache
 def get_settings() -> Settings:
     home = Path(_env("JOBS_HOME", "~/.gpujobs")).expanduser().resolve()
@@ -266,7 +273,7 @@ def get_settings() -> Settings:
         home=home,
         database_url=_env("JOBS_DATABASE_URL", f"sqlite:///{home / 'jobs.db'}"),
         redis_url=_env("JOBS_REDIS_URL", stack.get("redis_url")),
-        api_url=_env("JOBS_API_URL", stack.get("api_url", f"http://{host}:{numbers['api_port']}")).rstrip("/"),
+        api_url=_env("JOBS_API_URL", stack.get("api_url", api_url_for(host, numbers["api_port"]))).rstrip("/"),
         api_host=host,
         artifacts=Path(_env("JOBS_ARTIFACTS", str(home / "artifacts"))).expanduser().resolve(),
         token=_env("JOBS_TOKEN") or _token(home),

@@ -519,3 +519,26 @@ def test_with_data_roots_a_user_still_cannot_read_the_store_by_path(world, tmp_p
     for odd in ("~no-such-user-x/d.jsonl", "a\x00b", 42, ["a"], ""):  # refused with a message, never a 500
         response = world.call(BOB, "POST", "/jobs", json={"model": world.model, "input": odd, "gpus": 0})
         assert 400 <= response.status_code < 500, (odd, response.text)
+
+
+def test_beyond_loopback_without_roots_a_server_path_is_refused_with_the_setting_to_set(world, tmp_path, monkeypatch):
+    """An API listening beyond loopback (JOBS_API_HOST=0.0.0.0) with no roots refuses server-side model and dataset
+    paths; the refusal names the setting the operator must set for each and what a user can do meanwhile (it said
+    only that 'no roots are set')."""
+    monkeypatch.setenv("JOBS_API_HOST", "0.0.0.0")
+    get_settings.cache_clear()
+    data = tmp_path / "mine.jsonl"
+    data.write_bytes(rows_file({"prompt": "a server-side dataset"}))
+    spec = {"model": world.model, "input": str(data), "gpus": 0}
+    model = world.call(ROOT_ADMIN, "POST", "/jobs", json=spec)
+    assert model.status_code == 403, model.text
+    message = model.json()["error"]["message"]
+    assert "JOBS_MODEL_ROOTS is not set" in message and "JOBS_API_HOST=0.0.0.0" in message, message
+    assert "docs/cluster.md" in message and "Hub model id" in message, message
+
+    monkeypatch.setenv("JOBS_MODEL_ROOTS", str(Path(world.model).parent))
+    get_settings.cache_clear()
+    dataset = world.call(ROOT_ADMIN, "POST", "/jobs", json=spec)
+    assert dataset.status_code == 403, dataset.text
+    message = dataset.json()["error"]["message"]
+    assert "JOBS_DATA_ROOTS is not set" in message and "upload the dataset" in message, message

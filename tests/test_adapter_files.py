@@ -273,3 +273,61 @@ def test_a_file_a_live_job_needs_is_not_deleted_until_the_job_has_ended(jobs_env
     for file_id in (adapter, prompts, train, validation, then_input):
         answer = client.delete(f"/v1/files/{file_id}", headers=headers)
         assert answer.status_code == 200 and answer.json()["deleted"], answer.text
+
+
+def test_a_worker_that_does_not_see_a_stored_adapter_blames_its_artifacts_setting_not_the_job(
+    jobs_env, tmp_path, monkeypatch
+):
+    """A worker host whose JOBS_ARTIFACTS is not the shared directory (docs/cluster.md) cannot find an adapter the
+    store lists, a fine-tune's or an uploaded file's: the error names its artifacts directory and the setting to fix,
+    and is not InvalidInput (which would fail the job's rows at once): the attempt is retried, perhaps on a worker
+    that sees the adapter."""
+    from core.errors import JobsError
+    from core.models import Adapter
+    from core.settings import reset
+    from core.store import new_id, now
+    from worker.loader import adapter_path
+
+    file_id = upload("alice", "a.zip", zipped(fake_adapter()))
+    with session_scope() as session:
+        job = Job(
+            id=new_id("job"),
+            kind="finetune",
+            state="succeeded",
+            owner="alice",
+            spec={},
+            queue="cpu",
+            gpus=0,
+            rows_total=1,
+            created_at=now(),
+        )
+        session.add(job)
+        session.flush()
+        session.add(
+            Adapter(
+                id=job.id,
+                job_id=job.id,
+                owner="alice",
+                base_model="m",
+                tokenizer="m",
+                path=f"adapters/{job.id}",
+                bytes=1,
+                sha256="0" * 64,
+                lora_config={},
+                load_options={},
+                created_at=now(),
+            )
+        )
+    adapters.adapter_dir(job.id).mkdir(parents=True)
+    assert adapter_path(job.id) == adapters.adapter_dir(job.id)  # seen where it is stored
+
+    elsewhere = tmp_path / "another-hosts-artifacts"
+    monkeypatch.setenv("JOBS_ARTIFACTS", str(elsewhere))
+    reset()
+    for ref in (job.id, file_id):
+        with pytest.raises(JobsError) as caught:
+            adapter_path(ref)
+        assert not isinstance(caught.value, InvalidInput), caught.value
+        message = str(caught.value)
+        assert f"adapter {'file ' if ref == file_id else ''}{ref} is stored" in message, message
+        assert str(elsewhere) in message and "JOBS_ARTIFACTS" in message and "docs/cluster.md" in message, message

@@ -350,6 +350,48 @@ def test_api_url_and_token_options_override_their_environment_variables_and_show
     assert unreachable.returncode == 3 and "cannot reach the jobs API" in unreachable.stderr
 
 
+def test_without_JOBS_API_URL_the_cli_reaches_an_api_listening_on_an_ipv6_JOBS_API_HOST(tmp_path, jobs_env):
+    """On an API host whose settings say JOBS_API_HOST=::1 (or ::), the CLI's default URL was `http://::1:PORT`
+    and every command died with a traceback on its port; it is `http://[::1]:PORT` now and reaches the API."""
+    import httpx
+
+    from core import auth
+    from core.db import session_scope
+    from tests.conftest import Proc, wait_for
+
+    with session_scope() as session:
+        token = auth.create_token(session, owner="alice", scopes=["user"], name="tests")
+    port = free_port()
+    env = dict(jobs_env.env, JOBS_API_HOST="::1", JOBS_API_PORT=str(port), JOBS_TOKEN=token)
+    with open(tmp_path / "api.log", "wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "api.app:app", "--host", "::1", "--port", str(port)],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    api = Proc(popen, tmp_path / "api.log")
+    try:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://[::1]:{port}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 60, "the API on ::1", procs=[api])
+        listed = jobs(env, "list", "--json")
+        assert (listed.returncode, listed.stdout.strip()) == (0, "[]"), listed.stderr
+        help_text = " ".join(jobs(env, "--help", check=True).stdout.split())
+        assert "else http://$JOBS_API_HOST:$JOBS_API_PORT" in help_text, help_text
+    finally:
+        api.stop()
+    unreachable = jobs(env, "list")
+    assert unreachable.returncode == 3, unreachable.stderr
+    assert f"cannot reach the jobs API at http://[::1]:{port}" in unreachable.stderr, unreachable.stderr
+
+
 def test_wait_timeout_exits_124_and_retry_of_a_live_job_exits_2(tmp_path, cli_env, tiny_model):
     """`wait --timeout` on a job that has not ended exits 124 (not 1, a failed job's code) and says the job goes on;
     `retry` of a job that has not finished is a usage error (exit 2) that says what to do; nothing changes."""

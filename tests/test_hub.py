@@ -808,3 +808,43 @@ def test_a_cache_scan_names_refs_only_never_a_ref_being_written(tmp_path):
         (root / "refs" / name).write_text(commit)
     (found,) = hub_cache.scan(tmp_path)
     assert (found["repo"], found["refs"]) == ("acme/tiny", ["main", "v1"])
+
+
+def test_the_models_thread_rides_out_a_store_outage_with_one_traceback_then_one_line_per_poll(
+    jobs_env, monkeypatch, caplog
+):
+    """While the store is unreachable, the models thread logs its first failure with the traceback and each later
+    one in a single line (not a traceback every poll: thousands of lines a minute), then says when it works again."""
+    import logging
+
+    from core import db
+    from core.embedded import free_port
+    from worker import hubfetch
+
+    monkeypatch.setattr(hubfetch, "POLL_SECONDS", 0.05)
+    caplog.set_level(logging.INFO, logger="worker.hubfetch")
+    monkeypatch.setenv("JOBS_DATABASE_URL", f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none")
+    settings.reset()
+    db.dispose()
+    closed = threading.Event()
+    thread = threading.Thread(target=hubfetch.serve, args=("w1-cpu@h", closed), daemon=True)
+    thread.start()
+    try:
+
+        def records() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if r.name == "worker.hubfetch" and "models thread" in r.getMessage()]
+
+        wait_for(lambda: len(records()) >= 4, 60, "four failed polls")
+        failing = records()[:4]
+        assert failing[0].exc_info is not None and "failed; retrying" in failing[0].getMessage()
+        for record in failing[1:]:
+            assert record.exc_info is None, record.getMessage()
+            assert "still failing after" in record.getMessage() and "\n" not in record.getMessage(), record.getMessage()
+
+        monkeypatch.setenv("JOBS_DATABASE_URL", jobs_env.database_url)
+        settings.reset()
+        db.dispose()
+        wait_for(lambda: any("works again" in r.getMessage() for r in records()), 60, "the store back")
+    finally:
+        closed.set()
+        thread.join(10)

@@ -553,3 +553,31 @@ def test_a_cancelling_job_whose_shards_all_stopped_ends_cancelled():
     assert rows_of(job_id)[0].output == "done before cancel"
     assert messages(job_id, "state")[-1] == "job → cancelled: every shard stopped"
     assert finalize(job_id) is False
+
+
+def test_a_failed_attempt_is_summed_up_by_its_exception_line_not_the_last_line_of_a_long_message():
+    """An error of several lines (CUDA's, pydantic's) ends in advice; the event and the job's error name the
+    exception's own line (`RuntimeError: CUDA error: …`), and the whole traceback stays in the event's data."""
+    import traceback
+
+    job_id, (s0,) = make_job(rows=2, shard_rows=2, max_attempts=1)
+    assert claim(s0, "w1") is not None
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered\n"
+                "CUDA kernel errors might be asynchronously reported at some other API call.\n"
+                "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+            ) from None
+    except RuntimeError:
+        error = traceback.format_exc()
+    leases.fail_attempt(s0, "w1", error)
+    line = "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert job_of(job_id).error == f"shard 0 (rows 0-1): failed 1 times; last error: {line}"
+    with session_scope() as session:
+        event = session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.level == "error")).one()
+    assert event.message == f"shard 0 failed on w1 (attempt 1 of 1): {line}"
+    assert event.data["traceback"] == error
+    assert leases.error_line("a plain message\n  with more") == "a plain message"

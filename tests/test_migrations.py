@@ -130,6 +130,61 @@ def test_jobs_db_upgrade_command_migrates_a_fresh_sqlite_file(tmp_path):
         db.dispose()
 
 
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("postgres://jobs:s3cret@127.0.0.1:5432/jobs", "sqlalchemy.dialects:postgres"),  # Heroku's and libpq's scheme
+        ("postgresq+psycopg://jobs:s3cret@127.0.0.1:5432/jobs", "sqlalchemy.dialects:postgresq.psycopg"),
+        ("127.0.0.1:5432/jobs", "Could not parse"),
+    ],
+)
+def test_jobs_db_upgrade_with_a_url_sqlalchemy_cannot_open_says_which_form_to_give(tmp_path, url, why):
+    """A JOBS_DATABASE_URL that names no dialect SQLAlchemy has (`postgres://`, a typo) or is no URL at all was a
+    traceback ending in NoSuchModuleError; it is one line, exit 2, that shows the URL without its password and the
+    forms to give."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_")}
+    env.update(JOBS_DATABASE_URL=url, JOBS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-m", "api", "db", "upgrade"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "s3cret" not in result.stderr, result.stderr
+    assert result.stderr.startswith("Error: JOBS_DATABASE_URL ") and why in result.stderr, result.stderr
+    assert "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE" in result.stderr, result.stderr
+
+
+def test_a_store_without_the_migrations_says_to_run_db_upgrade_and_tokens_create_prints_no_token(tmp_path, blank_url):
+    """A store whose migrations were never applied (a new cluster database, `gpujobs db upgrade` forgotten) or not
+    the newest: every use says to run `gpujobs db upgrade` (a ServiceUnavailable: CLI exit 3, API 503) instead of a
+    traceback (Postgres) or 'cannot be reached' (SQLite); `tokens create` prints no token it could not store."""
+    from core import auth
+    from core.db import session_scope
+    from core.errors import ServiceUnavailable
+    from core.models import JobRow
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_")}
+    env.update(JOBS_DATABASE_URL=blank_url, JOBS_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
+    created = subprocess.run(
+        [sys.executable, "-m", "api", "tokens", "create", "--owner", "dave"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (created.returncode, created.stdout) == (3, ""), created.stdout + created.stderr
+    assert "Traceback" not in created.stderr and "`gpujobs db upgrade`" in created.stderr, created.stderr
+    assert "lacks gpujobs' tables or columns" in created.stderr and "tokens" in created.stderr, created.stderr
+    with pytest.raises(ServiceUnavailable, match="gpujobs db upgrade"):
+        with session_scope(blank_url) as session:
+            auth.list_tokens(session)
+
+    db.upgrade(blank_url, "0009")  # one migration behind: job_rows has no logprobs column yet
+    with pytest.raises(ServiceUnavailable, match="lacks gpujobs' tables or columns .*gpujobs db upgrade"):
+        with session_scope(blank_url) as session:
+            session.get(JobRow, ("job_1", 0))
+
+
 def test_0002_keeps_outputs_and_stores_nul_characters(blank_url):
     """Upgrading from 0001 turns stored output text into JSON strings unchanged, and afterwards an output with a
     NUL character (which a Postgres text column refuses) round-trips exactly."""

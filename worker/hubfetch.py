@@ -317,8 +317,12 @@ def inventory(worker: str) -> None:
 
 
 def serve(worker: str, closed: threading.Event) -> None:
-    """Carry out pull/remove requests for this worker's place until `closed` is set; rescan every 10 minutes."""
+    """Carry out pull/remove requests for this worker's place until `closed` is set; rescan every 10 minutes.
+    A poll that fails (the store unreachable) is retried at the next one; as the heartbeat does, the first failure
+    is logged with its traceback, the next ones in one line each, and the first poll that works again says so (a
+    traceback every POLL_SECONDS filled a worker's log with thousands of lines per minute of a store outage)."""
     last_scan = time.monotonic()
+    failing_since: float | None = None
     while not closed.wait(POLL_SECONDS):
         try:
             if time.monotonic() - last_scan > RESCAN_SECONDS:
@@ -331,8 +335,22 @@ def serve(worker: str, closed: threading.Event) -> None:
                 claimed = (row.id, row.repo, row.commit, row.revision, row.state) if row else None
             if claimed:
                 carry_out(worker, *claimed, should_stop=closed.is_set)
-        except Exception:  # the thread must outlive a database outage; the request stays claimed and goes stale
-            log.exception("%s: the models thread failed; retrying", worker)
+            if failing_since is not None:
+                log.warning("%s: the models thread works again after %.0f s", worker, time.time() - failing_since)
+                failing_since = None
+        except Exception as exc:  # the thread must outlive a database outage; the request stays claimed and goes stale
+            if failing_since is None:
+                failing_since = time.time()
+                log.exception("%s: the models thread failed; retrying", worker)
+            else:
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                log.warning(
+                    "%s: the models thread still failing after %.0f s: %s: %s",
+                    worker,
+                    time.time() - failing_since,
+                    type(exc).__name__,
+                    first_line,
+                )
 
 
 def carry_out(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.errors import InvalidInput
+from core.errors import InvalidInput, JobsError
 from core.spec import LoadOptions
 from worker import faults, hubfetch
 
@@ -189,7 +189,7 @@ def adapter_path(ref: str, revision: str | None = None) -> Path:
     """The adapter's folder for `ref`: a fine-tune job id (its registered folder), a stored file id (extracted
     once per file into the artifacts store, `core.adapters.extract_file`), or a Hub LoRA repo (its verified snapshot
     in this host's cache, fetched by hubfetch.prepare); the submit checked owner and base."""
-    from core import adapters, hub, hub_download
+    from core import adapters, files, hub, hub_download
     from core.db import session_scope
     from core.models import Adapter, File
 
@@ -200,6 +200,8 @@ def adapter_path(ref: str, revision: str | None = None) -> Path:
             file = session.get(File, ref)
             if file is None:
                 raise InvalidInput(f"adapter file {ref} no longer exists: upload the adapter again and resubmit")
+            if not adapters.file_dir(file.id).is_dir():
+                _on_this_host(files.absolute(file), f"adapter file {ref}")
             return adapters.extract_file(file)
         row = session.get(Adapter, ref)
         if row is None:
@@ -207,7 +209,24 @@ def adapter_path(ref: str, revision: str | None = None) -> Path:
                 f"adapter {ref!r} is not registered (its fine-tune has not succeeded): list adapters "
                 "with `gpujobs adapters list`"
             )
-        return adapters.absolute(row)
+        return _on_this_host(adapters.absolute(row), f"adapter {ref}")
+
+
+def _on_this_host(path: Path, what: str) -> Path:
+    """`path`, a stored artifact the store lists, if this host sees it. If not, this worker's JOBS_ARTIFACTS is not
+    the directory every host mounts (docs/cluster.md): the worker's fault, not the job's, so a plain error (the
+    attempt fails and is retried, perhaps on a worker that sees it) rather than InvalidInput (the rows fail)."""
+    from core.hub import host
+    from core.settings import get_settings
+
+    if path.exists():
+        return path
+    artifacts = get_settings().artifacts
+    raise JobsError(
+        f"{what} is stored, but not in this worker's artifacts directory {artifacts} on host {host()} "
+        f"(no {path}): set JOBS_ARTIFACTS on every worker to the artifacts directory all hosts mount, the one the "
+        "API stores into (docs/cluster.md), restart this worker, then `gpujobs retry` the job"
+    )
 
 
 def apply_adapter(model: Any, opts: LoadOptions) -> dict[str, Any]:
