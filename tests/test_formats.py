@@ -781,6 +781,35 @@ def test_table_results_keep_pass_through_columns_and_parquet_rows(api, model, tm
     }
 
 
+def test_pass_through_keys_named_like_result_keys_come_back_under_extra_in_every_format(api, model):
+    """A row's own `output`, `error`, `extra` and (in a line-numbered input) `row` keys are neither overwritten nor
+    dropped: JSONL keeps the result's keys and puts the row's colliding ones under `extra`; CSV and Parquet have one
+    `extra` column (a readable Parquet file) and `row` as a plain column."""
+    data = lines(
+        {"prompt": "p", "output": "gold", "error": "none", "extra": "mine", "row": 5, "topic": "t"},
+        {"prompt": "q", "extra": {"k": 1}},
+    )
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "A", 1: "B"})
+    jsonl = [json.loads(x) for x in get(api, job["id"]).text.splitlines()]
+    assert [(r["output"], r["extra"], r["row"] if "row" in r else None) for r in jsonl] == [
+        ("A", {"output": "gold", "error": "none", "extra": "mine"}, 5),
+        ("B", {"extra": {"k": 1}}, None),
+    ]
+    table = list(csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text)))
+    header = next(csv.reader(io.StringIO(get(api, job["id"], format="csv").text)))
+    assert header.count("extra") == 1 and "row" in header
+    assert [(r["output"], json.loads(r["extra"]), r["row"], r["topic"]) for r in table] == [
+        ("A", {"output": "gold", "error": "none", "extra": "mine"}, "5", "t"),
+        ("B", {"extra": {"k": 1}}, "", ""),
+    ]
+    parquet = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet").content)).to_pylist()
+    assert [(r["output"], json.loads(r["extra"]), r["row"]) for r in parquet] == [
+        ("A", {"output": "gold", "error": "none", "extra": "mine"}, "5"),
+        ("B", {"extra": {"k": 1}}, None),
+    ]
+
+
 # --- through a real worker and the CLI ------------------------------------------------------------------------
 
 
