@@ -24,8 +24,9 @@ def jsonl_chunks(records: Iterable[dict[str, Any]], chunk_rows: int = 500) -> It
 
 
 def cell(value: Any) -> Any:
-    """A value for one CSV or Parquet cell: text and numbers as they are, lists and objects JSON-encoded."""
-    if value is None or isinstance(value, (str, int, float)):
+    """A value for one CSV or Parquet cell: text and numbers as they are, booleans, lists and objects JSON-encoded
+    (`true`, as the row had it, not Python's `True`)."""
+    if value is None or (isinstance(value, (str, int, float)) and not isinstance(value, bool)):
         return value
     return json.dumps(value, ensure_ascii=False)
 
@@ -86,7 +87,7 @@ def _typed(value: Any, kind: str) -> Any:
         return [str(v) for v in value] if isinstance(value, list) else [str(value)]
     if kind in ("int", "float"):
         return value
-    return value if isinstance(value, str) else cell(value) if not isinstance(value, (int, float)) else str(value)
+    return value if isinstance(value, str) else str(cell(value))
 
 
 class _Drain(io.RawIOBase):

@@ -810,6 +810,23 @@ def test_pass_through_keys_named_like_result_keys_come_back_under_extra_in_every
     ]
 
 
+def test_boolean_pass_through_values_are_json_text_in_csv_and_parquet(api, model, tmp_path):
+    """A JSONL row's `true` and a Parquet input's boolean column come back as `true`/`false` (JSON, like the lists
+    and objects beside them), not Python's `True`; numbers stay as written and a null is an empty cell."""
+    data = lines({"prompt": "p", "flag": True, "n": 3, "x": 1.5, "nil": None}, {"prompt": "q", "flag": False})
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "A", 1: "B"})
+    table = list(csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text)))
+    assert [(r["flag"], r["n"], r["x"], r["nil"]) for r in table] == [("true", "3", "1.5", ""), ("false", "", "", "")]
+    parquet = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet").content)).to_pylist()
+    assert [(r["flag"], r["n"], r["nil"]) for r in parquet] == [("true", "3", None), ("false", None, None)]
+
+    path = parquet_file(tmp_path / "b.parquet", {"prompt": ["x", "y"], "ok": [True, None]})
+    job = api.submit({"model": str(model), "input": api.upload(path.read_bytes(), "b.parquet"), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "X", 1: "Y"})
+    assert [r["ok"] for r in csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text))] == ["true", ""]
+
+
 # --- through a real worker and the CLI ------------------------------------------------------------------------
 
 
