@@ -540,8 +540,17 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     failed_shards = session.scalars(
         select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.failed.value)
     ).all()
+    left = session.scalar(
+        select(func.count()).where(JobRow.job_id == job_id, JobRow.state == RowState.pending.value)
+    )  # rows a cancel left that `retry --failed-only` did not re-open: no run will do them
     if failed_shards:
         fail(session, job, _shards_error(failed_shards), **totals)
+    elif left:
+        reason = (
+            f"{counted(left, 'row')} {'was' if left == 1 else 'were'} not run: a cancel stopped them and `retry "
+            f"--failed-only` re-runs failed rows only; `gpujobs retry {job_id}` runs them"
+        )
+        transition(session, job, JobState.cancelled, reason=reason, finished_at=now(), **totals)
     else:
         transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
     return True
