@@ -436,7 +436,7 @@ def _csv_cells(obj: dict[str, Any]) -> dict[str, Any]:
             except ValueError:
                 raise ValueError("the messages column must hold a JSON list of {role, content} objects") from None
         elif key in ("messages", "prompt") and value == "":
-            continue
+            out[key] = None  # an empty cell: a row with no other prompt says which one is empty
         else:
             out[key] = value
     return out
@@ -499,7 +499,10 @@ def _encodable(obj: Any) -> bool:
 
 
 def _row_input(obj: dict[str, Any], spec: Any = None) -> dict[str, Any]:
+    empty = [repr(k) for k in ("prompt", "messages") if k in obj and obj[k] is None]
     prompt, messages = obj.pop("prompt", None), obj.pop("messages", None)
+    if prompt is None and messages is None and empty:  # a null, or an empty CSV cell, in the prompt's column
+        raise ValueError(f"{ONE_OF}; this row's {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
     if (prompt is None) == (messages is None):
         raise ValueError(ONE_OF)
     params = _row_params({k: obj.pop(k) for k in PARAMS.intersection(obj)}, spec)

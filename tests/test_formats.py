@@ -306,7 +306,8 @@ def test_csv_rows_with_a_column_mapping(tmp_path):
     assert rows[1].input["prompt"] == "A prompt\nover two lines" and rows[1].input["params"] == {"stop": ["a", "b"]}
     assert [r.error for r in rows[2:5]] == [
         "line 6: has 6 fields, the header has 5: quote fields that hold commas or line breaks",
-        "line 7: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)",
+        "line 7: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages); this row's "
+        "'prompt' is empty",
         "line 8: invalid per-row parameter: max_new_tokens: Input should be a valid integer, not 'many'",
     ]
     assert rows[5].error is None and rows[5].input["extra"] == {"topic": "no id"}
@@ -376,7 +377,10 @@ def test_parquet_rows_are_numbered_from_0_and_typed_cells_kept(tmp_path):
     rows = parse(path, "parquet", {"prompt": "q", "custom_id": "id"})
     assert [(r.line, r.custom_id) for r in rows] == [(0, "10"), (1, "11"), (2, "12")]
     assert rows[0].input == {"prompt": "Hi", "params": {"temperature": 0.5}, "extra": {"score": 1.5}}
-    assert rows[1].error == "row 1: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
+    assert rows[1].error == (
+        "row 1: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages); this row's "
+        "'prompt' is empty"
+    )
     assert rows[2].error == "row 2: invalid per-row parameter: temperature: Input should be greater than or equal to 0"
     messages = parquet_file(tmp_path / "m.parquet", {"messages": [[{"role": "user", "content": "hi"}]]})
     assert parse(messages, "parquet")[0].input["messages"] == [{"role": "user", "content": "hi"}]
