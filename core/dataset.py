@@ -400,7 +400,7 @@ def _parse_record(idx: int, record: Record, fmt: str, spec: Any = None) -> Parse
             record.pos,
             fallback_id,
             record.raw,
-            "custom_id must be a non-empty string of at most 255 printable characters",
+            "custom_id must be a non-empty string of at most 255 printable characters" + _not(custom_id, str),
             where,
             record.data,
         )

@@ -102,7 +102,8 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
         ),
         (b'{"prompt": "x", "stop": 5}', "invalid per-row parameter: stop: Input should be a valid list, not 5"),
         (b'{"prompt": "x", "custom_id": ""}', CUSTOM_ID),
-        (b'{"prompt": "x", "custom_id": 7}', CUSTOM_ID),
+        (b'{"prompt": "x", "custom_id": 7}', f"{CUSTOM_ID}, not a number"),
+        (b'{"prompt": "x", "custom_id": ["a"]}', f"{CUSTOM_ID}, not a list"),
         (b'{"prompt": "x", "custom_id": "' + b"c" * 256 + b'"}', CUSTOM_ID),
     ],
 )

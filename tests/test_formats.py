@@ -382,6 +382,10 @@ def test_parquet_rows_are_numbered_from_0_and_typed_cells_kept(tmp_path):
         "'prompt' is empty"
     )
     assert rows[2].error == "row 2: invalid per-row parameter: temperature: Input should be greater than or equal to 0"
+    floats = parse(parquet_file(tmp_path / "f.parquet", {"prompt": ["a"], "custom_id": [1.0]}), "parquet")
+    assert floats[0].error == (  # pandas stores an integer column with a null as floats
+        "row 0: custom_id must be a non-empty string of at most 255 printable characters, not a number"
+    )
     messages = parquet_file(tmp_path / "m.parquet", {"messages": [[{"role": "user", "content": "hi"}]]})
     assert parse(messages, "parquet")[0].input["messages"] == [{"role": "user", "content": "hi"}]
 
