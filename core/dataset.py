@@ -265,9 +265,15 @@ def parse_records(
 def check_prompt_columns(path: Path, fmt: str, columns: dict[str, str] | None) -> None:
     """Refuse a table input (CSV, Parquet, saved dataset) in which no row can run because no column gives a row its
     `prompt` or `messages`, naming the columns it has and the mapping that would use one. Read from the header or
-    schema alone, before a single row is parsed. A file whose header the reader refuses, and a mapping to a column
-    the file lacks, are left to the reader, which names the problem."""
+    schema alone, before a single row is parsed. A CSV file separated by semicolons or tabs (its header one column
+    holding them) is refused as such, not with a mapping to that one column. A file whose header the reader
+    refuses, and a mapping to a column the file lacks, are left to the reader, which names the problem."""
     names = formats.columns_of(path, fmt)
+    if fmt == "csv" and names and (separator := formats.other_separator(names)):
+        raise InvalidInput(
+            f"the CSV header (line 1) is one column, {names[0][:200]!r}: the file looks separated by {separator}, "
+            f"not commas; {formats.NOT_COMMAS}"
+        )
     if not names or not any(n.strip() for n in names) or len(set(names)) < len(names):
         return  # no header, an empty one or a repeated name: the reader refuses the file with its own reason
     if any(theirs not in names for theirs in (columns or {}).values()):

@@ -511,6 +511,33 @@ def test_a_table_without_a_prompt_column_is_refused_at_submit_naming_its_columns
     assert ok.status_code == 201 and ok.json()["rows"] == {"total": 2, "succeeded": 0, "failed": 0, "pending": 2}
 
 
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        (
+            "q.csv",
+            "prompt;id\r\nWhat is 2+2?;a\r\n",
+            "the CSV header (line 1) is one column, 'prompt;id': the file looks separated by semicolons, not commas",
+        ),
+        (
+            "q.csv",
+            "question\tid\nWhat is 2+2?\ta\n",
+            "the CSV header (line 1) is one column, 'question\\tid': the file looks separated by tabs, not commas",
+        ),
+        ("q.tsv", "prompt\tid\nWhat is 2+2?\ta\n", "a tab-separated (.tsv) file is not read"),
+    ],
+)
+def test_a_table_separated_by_semicolons_or_tabs_is_refused_saying_so(api, model, tmp_path, name, data, message):
+    """A spreadsheet's CSV saved with semicolons or tabs reads as one column: the submit says the file is not
+    comma separated and how to save it, instead of offering a mapping to that one column (or reading a .tsv as
+    JSONL lines that all fail); a mapping does not hide it."""
+    file_id = api.upload(data.encode(), name)
+    for columns in ({}, {"input_columns": {"prompt": "question"}}):
+        response = api.submit({"model": str(model), "input": file_id, "gpus": 0, **columns})
+        assert response.status_code == 422, response.text
+        assert message in error_of(response)[1] and "save it with commas" in error_of(response)[1], response.text
+
+
 def test_the_cli_and_the_client_refuse_a_dataset_no_row_can_run_and_leave_no_upload(
     tmp_path, jobs_env, api_server, model
 ):
