@@ -144,7 +144,7 @@ def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, s
 
 def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_model):
     """After a cancel, `retry` re-runs the unfinished rows under the same id; `--failed-only` has nothing to do
-    for rows a cancel left pending."""
+    for rows a cancel left pending, and its refusal says how many there are and that the plain retry runs them."""
     worker = spawn_worker([])
     job = service.submit(
         owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120), shard_rows=40)
@@ -152,6 +152,13 @@ def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_mo
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 4, 120, "first rows", procs=[worker])
     service.cancel(job["id"], owner=None, by="t")
     wait_for(lambda: job_state(job["id"]) == "cancelled", 15, "cancelled", procs=[worker])
+    left = row_counts(job["id"])["pending"]
+    with pytest.raises(NothingToRetry) as refused:  # no failed row: says what a plain retry would run
+        service.retry(job["id"], owner=None, failed_only=True, by="t")
+    assert str(refused.value) == (
+        f"job {job['id']} has no rows to retry (--failed-only); its {left} rows a cancel left unfinished run with "
+        f"`gpujobs retry {job['id']}` (without --failed-only)"
+    )
     retried = service.retry(job["id"], owner=None, failed_only=False, by="t")
     assert retried["id"] == job["id"] and retried["retries"] == 1
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the retried job", procs=[worker])
