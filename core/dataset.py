@@ -217,8 +217,7 @@ def read_jsonl(
     """JSON-object records of JSONL bytes, by 1-based physical line; blank lines are skipped."""
     max_row_bytes = get_settings().max_row_bytes if max_row_bytes is None else max_row_bytes
     for line_no, (raw, size) in enumerate(_lines(source, max_row_bytes), start=1):
-        if line_no == 1:
-            raw = _strip_bom(raw)
+        raw = _strip_bom(raw) if line_no == 1 else raw.removeprefix(UTF8_BOM)  # files joined with `cat` keep theirs
         if size <= max_row_bytes and not raw.strip():
             continue
         text = raw[:RAW_KEPT].decode("utf-8", "replace")
