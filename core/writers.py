@@ -36,10 +36,17 @@ def csv_chunks(records: Iterable[dict[str, Any]], columns: list[str], chunk_rows
     every key it wants, see `table_columns`)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(columns)
+    # A lone carriage return ends a line for CSV readers, but the writer quotes only what holds a character of its
+    # "\n" terminator: a cell with one would go out bare and split its row. Such a row has every cell quoted.
+    quoted = csv.writer(buffer, lineterminator="\n", quoting=csv.QUOTE_ALL)
+
+    def write(cells: list[Any]) -> None:
+        (quoted if any(isinstance(v, str) and "\r" in v for v in cells) else writer).writerow(cells)
+
+    write(columns)
     count = 0
     for record in records:
-        writer.writerow(["" if (v := cell(record.get(c))) is None else v for c in columns])
+        write(["" if (v := cell(record.get(c))) is None else v for c in columns])
         count += 1
         if count % chunk_rows == 0:
             yield buffer.getvalue().encode()

@@ -862,6 +862,26 @@ def test_boolean_pass_through_values_are_json_text_in_csv_and_parquet(api, model
     assert [r["ok"] for r in csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text))] == ["true", ""]
 
 
+def test_csv_results_keep_a_lone_carriage_return_inside_its_cell(api, model, tmp_path):
+    """An output, prompt or pass-through value holding a lone \\r (old Mac line ends, terminal output) is quoted in
+    CSV results: read back, every row is one record with its text unchanged, as in JSONL."""
+    data = lines(
+        {"prompt": "a\rb", "v": "cr\ronly"},
+        {"prompt": "c", "v": "crlf\r\nend"},
+        {"prompt": "d", "v": "plain"},
+    )
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "out\r", 1: "x", 2: "y"})
+    text = get(api, job["id"], format="csv", with_input=True).text
+    table = list(csv.DictReader(io.StringIO(text, newline="")))
+    assert [(r["custom_id"], r["prompt"], r["output"], r["v"]) for r in table] == [
+        ("line-1", "a\rb", "out\r", "cr\ronly"),
+        ("line-2", "c", "x", "crlf\r\nend"),
+        ("line-3", "d", "y", "plain"),
+    ]
+    assert text.splitlines()[-1] == "line-3,3,d,y,length,3,4,plain"  # other rows as before: quoted only where needed
+
+
 # --- through a real worker and the CLI ------------------------------------------------------------------------
 
 
