@@ -744,6 +744,24 @@ def test_results_in_every_format_and_order(api, model):
     assert bad.status_code == 422 and "format" in error_of(bad)[1]
 
 
+def test_the_openai_error_file_tells_rows_refused_at_submit_from_rows_failed_with_their_shard(api, model):
+    """A row refused at submit is a 400 invalid_request_error; rows a failed shard left (they never reached a
+    worker either: the worker was lost on every attempt) are a 500 server_error, as a row failed in the engine, so
+    an OpenAI client retries them instead of taking its request for invalid."""
+    from core.store import fail_pending_rows
+
+    data = lines({"prompt": "a"}, {"prompt": "b"}, {"prompt": 7})
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    with session_scope() as session:
+        fail_pending_rows(session, job["id"], 0, 3, "gave up after 3 attempts: the worker was lost each time")
+    out = [json.loads(x) for x in get(api, job["id"], format="openai", errors=True).text.splitlines()]
+    assert [(r["custom_id"], r["response"]["status_code"], r["response"]["body"]["error"]["type"]) for r in out] == [
+        ("line-1", 500, "server_error"),
+        ("line-2", 500, "server_error"),
+        ("line-3", 400, "invalid_request_error"),
+    ]
+
+
 def test_with_input_puts_the_prompt_or_messages_beside_the_output_in_every_format(api, model):
     """`with_input=true` adds each row's prompt (or messages) to JSONL records, OpenAI output and error lines, and
     as columns after `line` to CSV and Parquet (messages as JSON text); without it no format carries them."""
