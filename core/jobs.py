@@ -555,9 +555,7 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     failed_shards = session.scalars(
         select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.failed.value)
     ).all()
-    left = session.scalar(
-        select(func.count()).where(JobRow.job_id == job_id, JobRow.state == RowState.pending.value)
-    )  # rows a cancel left that `retry --failed-only` did not re-open: no run will do them
+    left = _left_by_cancel(session, job_id)
     if failed_shards:
         fail(session, job, _shards_error(failed_shards), **totals)
     elif left:
@@ -569,6 +567,23 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     else:
         transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
     return True
+
+
+def _left_by_cancel(session: Session, job_id: str) -> int:
+    """Pending rows of the job's cancelled shards: rows a cancel stopped that `retry --failed-only` did not re-open,
+    which no run of this job will do."""
+    cancelled = (
+        select(Shard.id)
+        .where(
+            Shard.job_id == JobRow.job_id,
+            Shard.state == ShardState.cancelled.value,
+            JobRow.idx >= Shard.row_start,
+            JobRow.idx < Shard.row_end,
+        )
+        .exists()
+    )
+    stmt = select(func.count()).where(JobRow.job_id == job_id, JobRow.state == RowState.pending.value, cancelled)
+    return session.scalar(stmt) or 0
 
 
 def _shards_error(failed: list[Shard]) -> str:
