@@ -396,7 +396,11 @@ def cancel(job_id: str, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--failed-only", is_flag=True, help="re-run only failed rows, not rows a cancel left unfinished")
+@click.option(
+    "--failed-only",
+    is_flag=True,
+    help="re-run only failed rows, not rows a cancel left unfinished (the job then ends cancelled again)",
+)
 @click.option("--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code")
 @json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:

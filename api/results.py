@@ -32,6 +32,12 @@ RESULT_FIELDS = (
 INPUT_KEYS = ("prompt", "messages")  # what `with_input` puts beside a row's output
 
 
+def shadowed_keys(where: str) -> frozenset[str]:
+    """Pass-through keys that would collide with a result record's own (`output`, `error`, `line`, ...) or with
+    the `extra` key that holds them: such keys come back under `extra`, the same in every format."""
+    return frozenset({*RESULT_FIELDS, where, "extra"})
+
+
 def results(
     job_id: str, *, owner: str | None, errors: bool = False, order: str = "input", with_input: bool = False
 ) -> Iterator[dict[str, Any]]:
@@ -102,9 +108,9 @@ def export(
             if errors
             else ["output", "finish_reason", "prompt_tokens", "completion_tokens"] + ["logprobs"] * asked
         )
-        keys = info.get("extra_keys") or []
-        columns = fixed + [k for k in keys if k not in RESULT_FIELDS and k != "row"]
-        columns += ["extra"] if any(k in RESULT_FIELDS or k == "row" for k in keys) else []
+        keys, shadowed = info.get("extra_keys") or [], shadowed_keys(where)
+        columns = fixed + [k for k in keys if k not in shadowed]
+        columns += ["extra"] if any(k in shadowed for k in keys) else []
         if fmt == "csv":
             yield from writers.csv_chunks(records, columns)
             return
@@ -164,10 +170,11 @@ def result_record(row: JobRow, *, errors: bool, where: str = "line", with_input:
     saved-dataset inputs), with `with_input` its prompt or messages, and output, finish_reason and token counts
     (or error). Several outputs are a list. A row that asked for log-probabilities has `logprobs`: per generated
     token {token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}, OpenAI's `choices[].logprobs.content`
-    (a list of them per output with several outputs)."""
-    extra = (row.input or {}).get("extra", {})
-    record: dict[str, Any] = {k: v for k, v in extra.items() if k not in RESULT_FIELDS and k != where}
-    shadowed = {k: v for k, v in extra.items() if k in RESULT_FIELDS or k == where}
+    (a list of them per output with several outputs). Pass-through keys named like one of these, or `extra`, are
+    under `extra` (`shadowed_keys`)."""
+    extra, reserved = (row.input or {}).get("extra", {}), shadowed_keys(where)
+    record: dict[str, Any] = {k: v for k, v in extra.items() if k not in reserved}
+    shadowed = {k: v for k, v in extra.items() if k in reserved}
     record.update({"custom_id": row.custom_id, where: row.line})
     if with_input:
         record.update(input_of(row))

@@ -217,8 +217,7 @@ def read_jsonl(
     """JSON-object records of JSONL bytes, by 1-based physical line; blank lines are skipped."""
     max_row_bytes = get_settings().max_row_bytes if max_row_bytes is None else max_row_bytes
     for line_no, (raw, size) in enumerate(_lines(source, max_row_bytes), start=1):
-        if line_no == 1:
-            raw = _strip_bom(raw)
+        raw = _strip_bom(raw) if line_no == 1 else raw.removeprefix(UTF8_BOM)  # files joined with `cat` keep theirs
         if size <= max_row_bytes and not raw.strip():
             continue
         text = raw[:RAW_KEPT].decode("utf-8", "replace")
@@ -265,9 +264,15 @@ def parse_records(
 def check_prompt_columns(path: Path, fmt: str, columns: dict[str, str] | None) -> None:
     """Refuse a table input (CSV, Parquet, saved dataset) in which no row can run because no column gives a row its
     `prompt` or `messages`, naming the columns it has and the mapping that would use one. Read from the header or
-    schema alone, before a single row is parsed. A file whose header the reader refuses, and a mapping to a column
-    the file lacks, are left to the reader, which names the problem."""
+    schema alone, before a single row is parsed. A CSV file separated by semicolons or tabs (its header one column
+    holding them) is refused as such, not with a mapping to that one column. A file whose header the reader
+    refuses, and a mapping to a column the file lacks, are left to the reader, which names the problem."""
     names = formats.columns_of(path, fmt)
+    if fmt == "csv" and names and (separator := formats.other_separator(names)):
+        raise InvalidInput(
+            f"the CSV header (line 1) is one column, {names[0][:200]!r}: the file looks separated by {separator}, "
+            f"not commas; {formats.NOT_COMMAS}"
+        )
     if not names or not any(n.strip() for n in names) or len(set(names)) < len(names):
         return  # no header, an empty one or a repeated name: the reader refuses the file with its own reason
     if any(theirs not in names for theirs in (columns or {}).values()):
@@ -400,7 +405,7 @@ def _parse_record(idx: int, record: Record, fmt: str, spec: Any = None) -> Parse
             record.pos,
             fallback_id,
             record.raw,
-            "custom_id must be a non-empty string of at most 255 printable characters",
+            "custom_id must be a non-empty string of at most 255 printable characters" + _not(custom_id, str),
             where,
             record.data,
         )
@@ -436,7 +441,7 @@ def _csv_cells(obj: dict[str, Any]) -> dict[str, Any]:
             except ValueError:
                 raise ValueError("the messages column must hold a JSON list of {role, content} objects") from None
         elif key in ("messages", "prompt") and value == "":
-            continue
+            out[key] = None  # an empty cell: a row with no other prompt says which one is empty
         else:
             out[key] = value
     return out
@@ -499,7 +504,10 @@ def _encodable(obj: Any) -> bool:
 
 
 def _row_input(obj: dict[str, Any], spec: Any = None) -> dict[str, Any]:
+    empty = [repr(k) for k in ("prompt", "messages") if k in obj and obj[k] is None]
     prompt, messages = obj.pop("prompt", None), obj.pop("messages", None)
+    if prompt is None and messages is None and empty:  # a null, or an empty CSV cell, in the prompt's column
+        raise ValueError(f"{ONE_OF}; this row's {' and '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
     if (prompt is None) == (messages is None):
         raise ValueError(ONE_OF)
     params = _row_params({k: obj.pop(k) for k in PARAMS.intersection(obj)}, spec)

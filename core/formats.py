@@ -59,7 +59,7 @@ def location(fmt: str) -> str:
 
 def detect(path: Path, filename: str = "") -> str:
     """The format of a stored input: by its first bytes (Parquet and zip magic, an OpenAI batch first line, a
-    JSON object), then by the file name's extension (.csv, .tsv is refused); plain text that is not JSON is CSV
+    JSON object), then by the file name's extension (.csv; .tsv is refused); plain text that is not JSON is CSV
     when its first line has a comma."""
     with open(path, "rb") as stream:
         head = stream.read(4)
@@ -81,7 +81,24 @@ def detect(path: Path, filename: str = "") -> str:
         except ValueError:
             return "jsonl"  # its rows fail with their JSON error
         return "openai" if isinstance(obj, dict) and {"url", "body"} <= obj.keys() else "jsonl"
+    if name.endswith(".tsv"):
+        raise InvalidInput(f"a tab-separated (.tsv) file is not read: {NOT_COMMAS}")
     return "csv" if "," in text else "jsonl"
+
+
+NOT_COMMAS = (
+    "a CSV input here is comma separated (RFC 4180 quoting): save it with commas (pandas: "
+    "df.to_csv(path, index=False)) or as JSONL"
+)
+SEPARATORS = {"\t": "tabs", ";": "semicolons", "|": "pipes"}
+
+
+def other_separator(header: list[str]) -> str | None:
+    """'semicolons' (or tabs, pipes) when a CSV header read with commas is one column holding that separator: a
+    file saved by a spreadsheet with another separator, whose every row would be read as one cell."""
+    if len(header) != 1:
+        return None
+    return next((name for sep, name in SEPARATORS.items() if sep in header[0]), None)
 
 
 def _first_line(stream: BinaryIO, limit: int = 1 << 20) -> bytes:

@@ -288,7 +288,12 @@ def retry(job_id: str, *, owner: str | None, failed_only: bool, by: str) -> None
         if not rerun and job.kind == "finetune" and rows:
             raise NothingToRetry(_cannot_train_again(job_id, rows[0].error or ""))
         if not rerun:
-            raise NothingToRetry(_nothing_to_retry(job_id, len(rows), failed_only))
+            left = 0
+            if failed_only:  # rows a cancel left: the plain retry runs them
+                left = session.scalar(
+                    select(func.count()).where(JobRow.job_id == job_id, JobRow.state == RowState.pending.value)
+                )
+            raise NothingToRetry(_nothing_to_retry(job_id, len(rows), failed_only) + _unfinished(job_id, left or 0))
         for row in rerun:
             row.state, row.error, row.output, row.finish_reason = RowState.pending.value, None, None, None
             row.logprobs = None
@@ -330,6 +335,16 @@ def _nothing_to_retry(job_id: str, kept: int, failed_only: bool) -> str:
     return (
         f"job {job_id}: {rows} refused for their input (at submit, or by the worker) and cannot be retried; fix "
         f"the input (`gpujobs results {job_id} --errors` names each row's line and problem) and submit it again"
+    )
+
+
+def _unfinished(job_id: str, left: int) -> str:
+    """What `retry --failed-only` leaves of a cancelled job, and how to run it ('' when nothing)."""
+    if not left:
+        return ""
+    return (
+        f"; its {counted(left, 'row')} a cancel left unfinished "
+        f"{'runs' if left == 1 else 'run'} with `gpujobs retry {job_id}` (without --failed-only)"
     )
 
 
@@ -540,11 +555,35 @@ def maybe_finalize(session: Session, job_id: str) -> bool:
     failed_shards = session.scalars(
         select(Shard).where(Shard.job_id == job_id, Shard.state == ShardState.failed.value)
     ).all()
+    left = _left_by_cancel(session, job_id)
     if failed_shards:
         fail(session, job, _shards_error(failed_shards), **totals)
+    elif left:
+        reason = (
+            f"{counted(left, 'row')} {'was' if left == 1 else 'were'} not run: a cancel stopped them and `retry "
+            f"--failed-only` re-runs failed rows only; `gpujobs retry {job_id}` runs them"
+        )
+        transition(session, job, JobState.cancelled, reason=reason, finished_at=now(), **totals)
     else:
         transition(session, job, JobState.succeeded, reason=_summary(totals), finished_at=now(), **totals)
     return True
+
+
+def _left_by_cancel(session: Session, job_id: str) -> int:
+    """Pending rows of the job's cancelled shards: rows a cancel stopped that `retry --failed-only` did not re-open,
+    which no run of this job will do."""
+    cancelled = (
+        select(Shard.id)
+        .where(
+            Shard.job_id == JobRow.job_id,
+            Shard.state == ShardState.cancelled.value,
+            JobRow.idx >= Shard.row_start,
+            JobRow.idx < Shard.row_end,
+        )
+        .exists()
+    )
+    stmt = select(func.count()).where(JobRow.job_id == job_id, JobRow.state == RowState.pending.value, cancelled)
+    return session.scalar(stmt) or 0
 
 
 def _shards_error(failed: list[Shard]) -> str:

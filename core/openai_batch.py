@@ -254,9 +254,13 @@ def completion_logprobs(content: list[dict[str, Any]] | None) -> dict[str, Any] 
 def openai_error_record(row: Any, *, job_id: str) -> dict[str, Any]:
     """A line of the OpenAI Batch error file for a failed row (`row` is a `core.models.JobRow`).
 
-    A row refused by the checks before any GPU time (it never reached a worker) answers 400
-    `invalid_request_error`; a row that failed in the engine answers 500 `server_error`."""
-    invalid = row.worker is None
+    A row refused by the checks before any GPU time (it never reached a worker, and its error names its place)
+    answers 400 `invalid_request_error`; a row that failed in the engine, or with its shard (a worker lost on every
+    attempt: it never reached a worker either), answers 500 `server_error`."""
+    error_text = row.error or ""
+    invalid = (
+        row.worker is None and not row.executions and error_text.startswith((f"line {row.line}: ", f"row {row.line}: "))
+    )
     status = 400 if invalid else 500
     error = {
         "message": row.error or "failed",

@@ -8,6 +8,7 @@ Job states map one to one onto the OpenAI Batch states (queued has no OpenAI twi
 
     queued → validating → running → finalizing → succeeded | failed
     any live state → cancelling → cancelled
+    finalizing → cancelled (a `retry --failed-only` of a cancelled job, while rows the cancel left are not run)
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ JOB_TRANSITIONS: dict[JobState, tuple[JobState, ...]] = {
     # a job fails at validation, when its shards cannot run, or while finalizing
     J.failed: (J.queued, J.validating, J.running, J.finalizing),
     J.cancelling: LIVE_JOB_STATES,
-    J.cancelled: (J.cancelling,),
+    # finalizing: a `retry --failed-only` of a cancelled job ends cancelled again while rows the cancel left remain
+    J.cancelled: (J.cancelling, J.finalizing),
     # `gpujobs retry` re-opens a finished job under the same id
     J.queued: (J.succeeded, J.failed, J.cancelled),
 }

@@ -24,8 +24,9 @@ def jsonl_chunks(records: Iterable[dict[str, Any]], chunk_rows: int = 500) -> It
 
 
 def cell(value: Any) -> Any:
-    """A value for one CSV or Parquet cell: text and numbers as they are, lists and objects JSON-encoded."""
-    if value is None or isinstance(value, (str, int, float)):
+    """A value for one CSV or Parquet cell: text and numbers as they are, booleans, lists and objects JSON-encoded
+    (`true`, as the row had it, not Python's `True`)."""
+    if value is None or (isinstance(value, (str, int, float)) and not isinstance(value, bool)):
         return value
     return json.dumps(value, ensure_ascii=False)
 
@@ -35,10 +36,17 @@ def csv_chunks(records: Iterable[dict[str, Any]], columns: list[str], chunk_rows
     every key it wants, see `table_columns`)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(columns)
+    # A lone carriage return ends a line for CSV readers, but the writer quotes only what holds a character of its
+    # "\n" terminator: a cell with one would go out bare and split its row. Such a row has every cell quoted.
+    quoted = csv.writer(buffer, lineterminator="\n", quoting=csv.QUOTE_ALL)
+
+    def write(cells: list[Any]) -> None:
+        (quoted if any(isinstance(v, str) and "\r" in v for v in cells) else writer).writerow(cells)
+
+    write(columns)
     count = 0
     for record in records:
-        writer.writerow(["" if (v := cell(record.get(c))) is None else v for c in columns])
+        write(["" if (v := cell(record.get(c))) is None else v for c in columns])
         count += 1
         if count % chunk_rows == 0:
             yield buffer.getvalue().encode()
@@ -86,7 +94,7 @@ def _typed(value: Any, kind: str) -> Any:
         return [str(v) for v in value] if isinstance(value, list) else [str(value)]
     if kind in ("int", "float"):
         return value
-    return value if isinstance(value, str) else cell(value) if not isinstance(value, (int, float)) else str(value)
+    return value if isinstance(value, str) else str(cell(value))
 
 
 class _Drain(io.RawIOBase):

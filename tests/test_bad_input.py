@@ -968,9 +968,14 @@ def test_a_row_at_the_size_limit_is_kept_and_one_byte_more_is_not(ending):
 
 
 def test_a_byte_order_mark_at_the_start_is_not_part_of_the_first_row(api, model):
-    """A UTF-8 file saved with a BOM (Windows editors) parses; the first row is not failed for it."""
-    job = api.submit({"model": str(model), "input": api.upload(b"\xef\xbb\xbf" + lines({"prompt": "hi"})), "gpus": 0})
+    """A UTF-8 file saved with a BOM (Windows editors) parses; the first row is not failed for it, nor is the first
+    row of a second such file joined to it (`cat a.jsonl b.jsonl`)."""
+    bom = b"\xef\xbb\xbf"
+    job = api.submit({"model": str(model), "input": api.upload(bom + lines({"prompt": "hi"})), "gpus": 0})
     assert job.json()["rows"] == {"total": 1, "succeeded": 0, "failed": 0, "pending": 1}
+    joined = bom + lines({"prompt": "hi"}) + bom + lines({"prompt": "ho"})
+    job = api.submit({"model": str(model), "input": api.upload(joined), "gpus": 0})
+    assert job.json()["rows"] == {"total": 2, "succeeded": 0, "failed": 0, "pending": 2}
 
 
 def test_a_dataset_of_only_bad_rows_is_refused_and_stores_nothing(api, model):

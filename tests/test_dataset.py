@@ -82,6 +82,7 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
         (b"null", "expected a JSON object, got NoneType"),
         (b'{"custom_id": "c", "tag": 1}', ONE_OF),
         (b'{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}', ONE_OF),
+        (b'{"prompt": null, "tag": 1}', f"{ONE_OF}; this row's 'prompt' is empty"),
         (b'{"prompt": ""}', "'prompt' must be a non-empty string"),
         (b'{"prompt": 5}', "'prompt' must be a non-empty string, not a number"),
         (b'{"messages": []}', "'messages' must be a non-empty list of {role, content} objects"),
@@ -101,7 +102,8 @@ def test_pass_through_keys_are_kept_under_extra_and_overrides_under_params():
         ),
         (b'{"prompt": "x", "stop": 5}', "invalid per-row parameter: stop: Input should be a valid list, not 5"),
         (b'{"prompt": "x", "custom_id": ""}', CUSTOM_ID),
-        (b'{"prompt": "x", "custom_id": 7}', CUSTOM_ID),
+        (b'{"prompt": "x", "custom_id": 7}', f"{CUSTOM_ID}, not a number"),
+        (b'{"prompt": "x", "custom_id": ["a"]}', f"{CUSTOM_ID}, not a list"),
         (b'{"prompt": "x", "custom_id": "' + b"c" * 256 + b'"}', CUSTOM_ID),
     ],
 )

@@ -306,7 +306,8 @@ def test_csv_rows_with_a_column_mapping(tmp_path):
     assert rows[1].input["prompt"] == "A prompt\nover two lines" and rows[1].input["params"] == {"stop": ["a", "b"]}
     assert [r.error for r in rows[2:5]] == [
         "line 6: has 6 fields, the header has 5: quote fields that hold commas or line breaks",
-        "line 7: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)",
+        "line 7: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages); this row's "
+        "'prompt' is empty",
         "line 8: invalid per-row parameter: max_new_tokens: Input should be a valid integer, not 'many'",
     ]
     assert rows[5].error is None and rows[5].input["extra"] == {"topic": "no id"}
@@ -376,8 +377,15 @@ def test_parquet_rows_are_numbered_from_0_and_typed_cells_kept(tmp_path):
     rows = parse(path, "parquet", {"prompt": "q", "custom_id": "id"})
     assert [(r.line, r.custom_id) for r in rows] == [(0, "10"), (1, "11"), (2, "12")]
     assert rows[0].input == {"prompt": "Hi", "params": {"temperature": 0.5}, "extra": {"score": 1.5}}
-    assert rows[1].error == "row 1: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages)"
+    assert rows[1].error == (
+        "row 1: a row needs exactly one of 'prompt' (a string) or 'messages' (a list of messages); this row's "
+        "'prompt' is empty"
+    )
     assert rows[2].error == "row 2: invalid per-row parameter: temperature: Input should be greater than or equal to 0"
+    floats = parse(parquet_file(tmp_path / "f.parquet", {"prompt": ["a"], "custom_id": [1.0]}), "parquet")
+    assert floats[0].error == (  # pandas stores an integer column with a null as floats
+        "row 0: custom_id must be a non-empty string of at most 255 printable characters, not a number"
+    )
     messages = parquet_file(tmp_path / "m.parquet", {"messages": [[{"role": "user", "content": "hi"}]]})
     assert parse(messages, "parquet")[0].input["messages"] == [{"role": "user", "content": "hi"}]
 
@@ -501,6 +509,33 @@ def test_a_table_without_a_prompt_column_is_refused_at_submit_naming_its_columns
     refused(api, {"model": str(model), "input": str(path), "gpus": 0}, 422, message)  # an admin's server path
     ok = api.submit({"model": str(model), "input": file_id, "gpus": 0, "input_columns": {"prompt": "question"}})
     assert ok.status_code == 201 and ok.json()["rows"] == {"total": 2, "succeeded": 0, "failed": 0, "pending": 2}
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        (
+            "q.csv",
+            "prompt;id\r\nWhat is 2+2?;a\r\n",
+            "the CSV header (line 1) is one column, 'prompt;id': the file looks separated by semicolons, not commas",
+        ),
+        (
+            "q.csv",
+            "question\tid\nWhat is 2+2?\ta\n",
+            "the CSV header (line 1) is one column, 'question\\tid': the file looks separated by tabs, not commas",
+        ),
+        ("q.tsv", "prompt\tid\nWhat is 2+2?\ta\n", "a tab-separated (.tsv) file is not read"),
+    ],
+)
+def test_a_table_separated_by_semicolons_or_tabs_is_refused_saying_so(api, model, tmp_path, name, data, message):
+    """A spreadsheet's CSV saved with semicolons or tabs reads as one column: the submit says the file is not
+    comma separated and how to save it, instead of offering a mapping to that one column (or reading a .tsv as
+    JSONL lines that all fail); a mapping does not hide it."""
+    file_id = api.upload(data.encode(), name)
+    for columns in ({}, {"input_columns": {"prompt": "question"}}):
+        response = api.submit({"model": str(model), "input": file_id, "gpus": 0, **columns})
+        assert response.status_code == 422, response.text
+        assert message in error_of(response)[1] and "save it with commas" in error_of(response)[1], response.text
 
 
 def test_the_cli_and_the_client_refuse_a_dataset_no_row_can_run_and_leave_no_upload(
@@ -709,6 +744,24 @@ def test_results_in_every_format_and_order(api, model):
     assert bad.status_code == 422 and "format" in error_of(bad)[1]
 
 
+def test_the_openai_error_file_tells_rows_refused_at_submit_from_rows_failed_with_their_shard(api, model):
+    """A row refused at submit is a 400 invalid_request_error; rows a failed shard left (they never reached a
+    worker either: the worker was lost on every attempt) are a 500 server_error, as a row failed in the engine, so
+    an OpenAI client retries them instead of taking its request for invalid."""
+    from core.store import fail_pending_rows
+
+    data = lines({"prompt": "a"}, {"prompt": "b"}, {"prompt": 7})
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    with session_scope() as session:
+        fail_pending_rows(session, job["id"], 0, 3, "gave up after 3 attempts: the worker was lost each time")
+    out = [json.loads(x) for x in get(api, job["id"], format="openai", errors=True).text.splitlines()]
+    assert [(r["custom_id"], r["response"]["status_code"], r["response"]["body"]["error"]["type"]) for r in out] == [
+        ("line-1", 500, "server_error"),
+        ("line-2", 500, "server_error"),
+        ("line-3", 400, "invalid_request_error"),
+    ]
+
+
 def test_with_input_puts_the_prompt_or_messages_beside_the_output_in_every_format(api, model):
     """`with_input=true` adds each row's prompt (or messages) to JSONL records, OpenAI output and error lines, and
     as columns after `line` to CSV and Parquet (messages as JSON text); without it no format carries them."""
@@ -779,6 +832,72 @@ def test_table_results_keep_pass_through_columns_and_parquet_rows(api, model, tm
         "topic": "b",
         "n": "2",
     }
+
+
+def test_pass_through_keys_named_like_result_keys_come_back_under_extra_in_every_format(api, model):
+    """A row's own `output`, `error`, `extra` and (in a line-numbered input) `row` keys are neither overwritten nor
+    dropped: JSONL keeps the result's keys and puts the row's colliding ones under `extra`; CSV and Parquet have one
+    `extra` column (a readable Parquet file) and `row` as a plain column."""
+    data = lines(
+        {"prompt": "p", "output": "gold", "error": "none", "extra": "mine", "row": 5, "topic": "t"},
+        {"prompt": "q", "extra": {"k": 1}},
+    )
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "A", 1: "B"})
+    jsonl = [json.loads(x) for x in get(api, job["id"]).text.splitlines()]
+    assert [(r["output"], r["extra"], r["row"] if "row" in r else None) for r in jsonl] == [
+        ("A", {"output": "gold", "error": "none", "extra": "mine"}, 5),
+        ("B", {"extra": {"k": 1}}, None),
+    ]
+    table = list(csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text)))
+    header = next(csv.reader(io.StringIO(get(api, job["id"], format="csv").text)))
+    assert header.count("extra") == 1 and "row" in header
+    assert [(r["output"], json.loads(r["extra"]), r["row"], r["topic"]) for r in table] == [
+        ("A", {"output": "gold", "error": "none", "extra": "mine"}, "5", "t"),
+        ("B", {"extra": {"k": 1}}, "", ""),
+    ]
+    parquet = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet").content)).to_pylist()
+    assert [(r["output"], json.loads(r["extra"]), r["row"]) for r in parquet] == [
+        ("A", {"output": "gold", "error": "none", "extra": "mine"}, "5"),
+        ("B", {"extra": {"k": 1}}, None),
+    ]
+
+
+def test_boolean_pass_through_values_are_json_text_in_csv_and_parquet(api, model, tmp_path):
+    """A JSONL row's `true` and a Parquet input's boolean column come back as `true`/`false` (JSON, like the lists
+    and objects beside them), not Python's `True`; numbers stay as written and a null is an empty cell."""
+    data = lines({"prompt": "p", "flag": True, "n": 3, "x": 1.5, "nil": None}, {"prompt": "q", "flag": False})
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "A", 1: "B"})
+    table = list(csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text)))
+    assert [(r["flag"], r["n"], r["x"], r["nil"]) for r in table] == [("true", "3", "1.5", ""), ("false", "", "", "")]
+    parquet = pq.read_table(io.BytesIO(get(api, job["id"], format="parquet").content)).to_pylist()
+    assert [(r["flag"], r["n"], r["nil"]) for r in parquet] == [("true", "3", None), ("false", None, None)]
+
+    path = parquet_file(tmp_path / "b.parquet", {"prompt": ["x", "y"], "ok": [True, None]})
+    job = api.submit({"model": str(model), "input": api.upload(path.read_bytes(), "b.parquet"), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "X", 1: "Y"})
+    assert [r["ok"] for r in csv.DictReader(io.StringIO(get(api, job["id"], format="csv").text))] == ["true", ""]
+
+
+def test_csv_results_keep_a_lone_carriage_return_inside_its_cell(api, model, tmp_path):
+    """An output, prompt or pass-through value holding a lone \\r (old Mac line ends, terminal output) is quoted in
+    CSV results: read back, every row is one record with its text unchanged, as in JSONL."""
+    data = lines(
+        {"prompt": "a\rb", "v": "cr\ronly"},
+        {"prompt": "c", "v": "crlf\r\nend"},
+        {"prompt": "d", "v": "plain"},
+    )
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "out\r", 1: "x", 2: "y"})
+    text = get(api, job["id"], format="csv", with_input=True).text
+    table = list(csv.DictReader(io.StringIO(text, newline="")))
+    assert [(r["custom_id"], r["prompt"], r["output"], r["v"]) for r in table] == [
+        ("line-1", "a\rb", "out\r", "cr\ronly"),
+        ("line-2", "c", "x", "crlf\r\nend"),
+        ("line-3", "d", "y", "plain"),
+    ]
+    assert text.splitlines()[-1] == "line-3,3,d,y,length,3,4,plain"  # other rows as before: quoted only where needed
 
 
 # --- through a real worker and the CLI ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from core.errors import CannotTrain, NothingToRetry
 from core.models import Job, JobRow, Shard, Worker
 from core.spec import GenerateSpec
 from tests.conftest import wait_for
+from tests.test_leases import messages
 
 
 def write_dataset(path, n: int) -> str:
@@ -143,7 +144,7 @@ def test_cancel_stops_running_work_and_keeps_finished_rows(tmp_path, jobs_env, s
 
 def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_model):
     """After a cancel, `retry` re-runs the unfinished rows under the same id; `--failed-only` has nothing to do
-    for rows a cancel left pending."""
+    for rows a cancel left pending, and its refusal says how many there are and that the plain retry runs them."""
     worker = spawn_worker([])
     job = service.submit(
         owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 120), shard_rows=40)
@@ -151,6 +152,13 @@ def test_retry_reopens_the_same_job_id(tmp_path, jobs_env, spawn_worker, tiny_mo
     wait_for(lambda: row_counts(job["id"]).get("succeeded", 0) >= 4, 120, "first rows", procs=[worker])
     service.cancel(job["id"], owner=None, by="t")
     wait_for(lambda: job_state(job["id"]) == "cancelled", 15, "cancelled", procs=[worker])
+    left = row_counts(job["id"])["pending"]
+    with pytest.raises(NothingToRetry) as refused:  # no failed row: says what a plain retry would run
+        service.retry(job["id"], owner=None, failed_only=True, by="t")
+    assert str(refused.value) == (
+        f"job {job['id']} has no rows to retry (--failed-only); its {left} rows a cancel left unfinished run with "
+        f"`gpujobs retry {job['id']}` (without --failed-only)"
+    )
     retried = service.retry(job["id"], owner=None, failed_only=False, by="t")
     assert retried["id"] == job["id"] and retried["retries"] == 1
     wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the retried job", procs=[worker])
@@ -193,6 +201,46 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
             session.execute(select(JobRow.idx, JobRow.executions).where(JobRow.job_id == job["id"])).all()
         )
     assert executions == {0: 1, 1: 2, 2: 0}
+
+
+def test_retry_failed_only_of_a_cancelled_job_ends_cancelled_while_rows_it_left_are_not_run(
+    tmp_path, jobs_env, spawn_worker, tiny_model
+):
+    """A job cancelled with a row failed in the engine and rows still pending: `retry --failed-only` re-runs the
+    failed row's shard only, and the job ends `cancelled` again, saying how many rows are not run and how to run
+    them, not `succeeded` with rows no run will ever do; a plain `retry` then runs them."""
+    worker = spawn_worker([])
+    model = tmp_path / "strict-template"
+    shutil.copytree(tiny_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(
+        "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool "
+        "message') }}{%- endif %}" + template
+    )
+    data = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"} for i in range(120)]
+    rows[1] = {"messages": [{"role": "tool", "content": "hi"}], "custom_id": "r1"}
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = service.submit(owner="t", spec_data=long_spec(model, str(data), shard_rows=40))
+    wait_for(lambda: row_counts(job["id"]).get("failed", 0) == 1, 120, "the failed row", procs=[worker])
+    service.cancel(job["id"], owner=None, by="t")
+    wait_for(lambda: job_state(job["id"]) == "cancelled", 15, "cancelled", procs=[worker])
+    pending = row_counts(job["id"]).get("pending", 0)
+    assert pending > 40  # shards 1 and 2 never ran
+
+    service.retry(job["id"], owner=None, failed_only=True, by="t")
+    wait_for(lambda: job_state(job["id"]) in ("succeeded", "failed", "cancelled"), 120, "the retry", procs=[worker])
+    with session_scope() as session:
+        state = session.get(Job, job["id"]).state
+    assert state == "cancelled"
+    assert row_counts(job["id"]).get("pending", 0) > 0
+    last = messages(job["id"], "state")[-1]
+    assert last.startswith("job → cancelled: ") and "rows were not run" in last, last
+    assert f"`gpujobs retry {job['id']}` runs them" in last, last
+
+    service.retry(job["id"], owner=None, failed_only=False, by="t")
+    wait_for(lambda: job_state(job["id"]) == "succeeded", 120, "the full retry", procs=[worker])
+    assert row_counts(job["id"]) == {"succeeded": 119, "failed": 1}
 
 
 def test_retry_failed_only_keeps_rows_that_fail_the_same_way_and_says_so(tmp_path, jobs_env, spawn_worker, tiny_model):
