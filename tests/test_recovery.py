@@ -53,6 +53,19 @@ def row_counts(job_id: str) -> dict[str, int]:
         )
 
 
+def strict_template_model(tmp_path, tiny_model):
+    """A copy of the tiny model whose chat template refuses a conversation that starts with a tool message: such a
+    row fails in the engine, on the worker, while the others run."""
+    model = tmp_path / "strict-template"
+    shutil.copytree(tiny_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(
+        "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool "
+        "message') }}{%- endif %}" + template
+    )
+    return model
+
+
 def job_state(job_id: str) -> str:
     with session_scope() as session:
         return session.get(Job, job_id).state
@@ -170,13 +183,7 @@ def test_retry_failed_only_reruns_rows_that_failed_in_the_engine(tmp_path, jobs_
     succeeded shard; `retry --failed-only` re-opens that shard, re-runs only that row (it fails again, for the same
     reason) and the job ends succeeded with retries=1; structurally invalid rows are never re-run."""
     worker = spawn_worker([])
-    model = tmp_path / "strict-template"
-    shutil.copytree(tiny_model, model)
-    template = (model / "chat_template.jinja").read_text()
-    (model / "chat_template.jinja").write_text(
-        "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool "
-        "message') }}{%- endif %}" + template
-    )
+    model = strict_template_model(tmp_path, tiny_model)
     data = tmp_path / "d.jsonl"
     data.write_text(
         "\n".join(
@@ -210,13 +217,7 @@ def test_retry_failed_only_of_a_cancelled_job_ends_cancelled_while_rows_it_left_
     failed row's shard only, and the job ends `cancelled` again, saying how many rows are not run and how to run
     them, not `succeeded` with rows no run will ever do; a plain `retry` then runs them."""
     worker = spawn_worker([])
-    model = tmp_path / "strict-template"
-    shutil.copytree(tiny_model, model)
-    template = (model / "chat_template.jinja").read_text()
-    (model / "chat_template.jinja").write_text(
-        "{%- if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot start with a tool "
-        "message') }}{%- endif %}" + template
-    )
+    model = strict_template_model(tmp_path, tiny_model)
     data = tmp_path / "d.jsonl"
     rows = [{"prompt": f"Row {i}: tell me about the sky.", "custom_id": f"r{i}"} for i in range(120)]
     rows[1] = {"messages": [{"role": "tool", "content": "hi"}], "custom_id": "r1"}

@@ -460,15 +460,7 @@ def prefill_write_row(torch, da, rows: int, length: int) -> dict:
         for cache, x in zip(pages[way], (k, v)):
             da.write_prefill(cache, None, page, offset, x)
 
-    before = da.PREFILL_WRITE
-    try:
-        da.PREFILL_WRITE = False
-        put_ms = timed(torch, partial(write, "index_put"))
-        da.PREFILL_WRITE = True
-        kernel_ms = timed(torch, partial(write, "kernel"))
-    finally:
-        da.PREFILL_WRITE = before
-    torch.cuda.synchronize()
+    put_ms, kernel_ms = timed_off_on(torch, da, "PREFILL_WRITE", partial(write, "index_put"), partial(write, "kernel"))
     same = all(torch.equal(a, b) for a, b in zip(pages["index_put"], pages["kernel"]))
     gb = 8 * k.numel() / 1e9  # K and V, 2 bytes a value, read once and written once
     row = {"rows": rows, "length": length, "index_put_ms": round(put_ms, 4), "kernel_ms": round(kernel_ms, 4)}
@@ -479,6 +471,20 @@ def prefill_write_row(torch, da, rows: int, length: int) -> dict:
         row |= quantized_prefill_write(torch, da, kind, dtype, k, v, page, offset, rows * per + 1)
     print(row, flush=True)
     return row
+
+
+def timed_off_on(torch, da, flag: str, off, on) -> tuple[float, float]:
+    """Milliseconds of `off` with decode_attention's `flag` off, then of `on` with it on; the flag as it was after."""
+    before = getattr(da, flag)
+    try:
+        setattr(da, flag, False)
+        off_ms = timed(torch, off)
+        setattr(da, flag, True)
+        on_ms = timed(torch, on)
+    finally:
+        setattr(da, flag, before)
+    torch.cuda.synchronize()
+    return off_ms, on_ms
 
 
 def quantized_prefill_write(torch, da, kind: str, dtype, k, v, page, offset, n_pages: int) -> dict:
@@ -494,15 +500,9 @@ def quantized_prefill_write(torch, da, kind: str, dtype, k, v, page, offset, n_p
     def write(way: str) -> None:
         held[way] = [da.write_prefill(*cache, page, offset, x) for cache, x in zip(caches[way], (k, v))]
 
-    before = da.QUANT_PREFILL_WRITE
-    try:
-        da.QUANT_PREFILL_WRITE = False
-        torch_ms = timed(torch, partial(write, "torch"))
-        da.QUANT_PREFILL_WRITE = True
-        kernel_ms = timed(torch, partial(write, "kernel"))
-    finally:
-        da.QUANT_PREFILL_WRITE = before
-    torch.cuda.synchronize()
+    torch_ms, kernel_ms = timed_off_on(
+        torch, da, "QUANT_PREFILL_WRITE", partial(write, "torch"), partial(write, "kernel")
+    )
     pairs = list(zip(caches["torch"], caches["kernel"]))
     same_bytes = all(torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) for a, b in pairs)
     same_scales = all(torch.equal(a[1], b[1]) for a, b in pairs)
