@@ -5,7 +5,8 @@ their place in the file; `parse_dataset` turns each into a stored row. A bad row
 failed row that names its place and the problem (`line 7: …`, 1-based physical line, for jsonl, openai and csv;
 `row 6: …`, 0-based, for parquet and saved datasets), and the other rows run. Blank lines are skipped (they are
 not rows) but still count for line numbers. Whole-file problems (empty, duplicate custom_ids, too many rows, a
-column mapping naming a missing column, an unreadable Parquet file) refuse the submission.
+column mapping naming a missing column, or mapping `prompt` to another column of a table that has its own
+`prompt`, an unreadable Parquet file) refuse the submission.
 
 A good row is stored as `{"prompt": str} | {"messages": [...]}` plus `"params"` (per-row overrides of the
 sampling parameters) and `"extra"` (every other key, returned unchanged with the row's result); a row of an
@@ -231,6 +232,8 @@ def read_jsonl(
             )
             continue
         obj, error = _decode_line(raw)
+        if obj is not None and (clash := formats.clashes(obj, columns, "the row also has a key")):
+            obj, error = None, clash
         yield Record(line_no, formats.map_columns(obj, columns) if obj is not None else None, text, error)
 
 

@@ -14,7 +14,9 @@ Inputs (`input_format` in the spec; `auto` picks one from the content, then the 
 Where a record is: jsonl, openai and csv give the 1-based physical `line` (csv counts the header, a record that
 spans lines is at its first line); parquet and hf give the 0-based `row`. `input_columns` maps our names to the
 file's (`{"prompt": "question", "custom_id": "id"}`) for jsonl, csv, parquet and hf; a column named like one of
-ours is used as it is, every other column is kept and returned unchanged with the row's result.
+ours is used as it is, every other column is kept and returned unchanged with the row's result. A file (or a
+JSONL row) with a column named like one of ours that the mapping takes from another column (a `prompt` column
+beside `prompt=question`) is refused (a failed row in JSONL), rather than one of the two dropped.
 
 Outputs (`OUTPUT_FORMATS`): our JSONL, the OpenAI Batch output and error files, CSV and Parquet, written by
 core/writers.py. An OpenAI Batch line, read as our row or written from one, is core/openai_batch.py.
@@ -126,7 +128,8 @@ class Record:
 
 def map_columns(data: dict[str, Any], columns: dict[str, str] | None) -> dict[str, Any]:
     """Rename the file's columns to ours (`columns` = {ours: theirs}); a column mapped to a name of ours is not
-    also kept under its own name."""
+    also kept under its own name. A column already named like a name mapped elsewhere would be dropped: the
+    readers refuse it first (`clashes`)."""
     if not columns:
         return data
     out = {k: v for k, v in data.items() if k not in columns.values() and k not in columns}
@@ -137,7 +140,8 @@ def map_columns(data: dict[str, Any], columns: dict[str, str] | None) -> dict[st
 
 
 def check_columns(available: Iterable[str], columns: dict[str, str] | None, what: str) -> None:
-    """Refuse a mapping that names a column the file does not have (the whole submission: every row would fail)."""
+    """Refuse a mapping that names a column the file does not have (the whole submission: every row would fail),
+    and one that maps a name of ours to a column while the file has a column of that name (`clashes`)."""
     names = list(available)
     missing = [f"{ours}={theirs}" for ours, theirs in (columns or {}).items() if theirs not in names]
     if missing:
@@ -145,6 +149,24 @@ def check_columns(available: Iterable[str], columns: dict[str, str] | None, what
             f"input_columns {', '.join(missing)}: the {what} has no such column; its columns are "
             f"{', '.join(map(repr, names)) or 'none'}"
         )
+    if clash := clashes(names, columns, f"the {what} also has a column"):
+        raise InvalidInput(clash)
+
+
+def clashes(names: Iterable[str], columns: dict[str, str] | None, has: str) -> str | None:
+    """Why a mapping cannot apply to a file (or JSONL row) that already has a column named like a name of ours
+    mapped to another column (`prompt=question` beside a `prompt` column), or None. Mapping would drop that
+    column, and which of the two the user meant as the prompt is a guess: refused, naming both."""
+    used = set((columns or {}).values())
+    found = [(ours, theirs) for ours, theirs in (columns or {}).items() if ours in names and ours not in used]
+    if not found:
+        return None
+    return "; ".join(
+        f"input_columns {ours}={theirs}: {has} named {ours!r}, which the mapping would drop (a row takes its "
+        f"{ours} from one column): rename or drop {ours!r} or {theirs!r} in the file, or leave the mapping out "
+        f"to use {ours!r}"
+        for ours, theirs in found
+    )
 
 
 TABLE_NAMES = {"csv": "CSV file", "parquet": "Parquet file", "hf": "saved dataset"}

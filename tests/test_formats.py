@@ -477,6 +477,54 @@ def test_table_inputs_through_the_api(api, model, tmp_path):
     )
 
 
+CLASH = (
+    "input_columns prompt=question: the {what} also has a {col} named 'prompt', which the mapping would drop (a row "
+    "takes its prompt from one column): rename or drop 'prompt' or 'question' in the file, or leave the mapping out "
+    "to use 'prompt'"
+)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "hf"])
+def test_mapping_prompt_to_a_column_beside_the_files_own_prompt_column_is_refused(tmp_path, fmt):
+    """--column prompt=question on a table that also has a `prompt` column refuses the file naming both columns,
+    instead of silently dropping the file's own `prompt`; a mapping that uses that `prompt` column is fine."""
+    data = {"prompt": ["You are terse."], "question": ["What is 2+2?"]}
+    path = {
+        "csv": lambda: write(tmp_path / "q.csv", "prompt,question\nYou are terse.,What is 2+2?\n"),
+        "parquet": lambda: parquet_file(tmp_path / "q.parquet", data),
+        "hf": lambda: packed(saved_dataset(tmp_path / "ds", pa.table(data)), tmp_path / "q.zip"),
+    }[fmt]()
+    with pytest.raises(InvalidInput) as info:
+        parse(path, fmt, {"prompt": "question"})
+    what = {"csv": "CSV header (line 1)", "parquet": "Parquet file", "hf": "saved dataset"}[fmt]
+    assert str(info.value) == CLASH.format(what=what, col="column")
+    rows = parse(path, fmt, {"prompt": "question", "custom_id": "prompt"})
+    assert rows[0].custom_id == "You are terse." and rows[0].input["prompt"] == "What is 2+2?"
+
+
+def test_a_jsonl_row_with_its_own_prompt_beside_the_mapped_key_fails_alone(tmp_path):
+    """JSONL keys vary by row: a row with both `prompt` and the mapped `question` fails naming both; the others
+    run."""
+    path = write(tmp_path / "q.jsonl", lines({"prompt": "You are terse.", "question": "Hi?"}, {"question": "Yo?"}))
+    rows = parse(path, "jsonl", {"prompt": "question"})
+    assert [r.error for r in rows] == ["line 1: " + CLASH.format(what="row", col="key"), None]
+    assert rows[1].input["prompt"] == "Yo?"
+
+
+def test_the_cli_refuses_a_column_mapping_beside_the_files_own_column(tmp_path, jobs_env, api_server, model):
+    """`gpujobs submit generate --column prompt=question` on a CSV that also has a `prompt` column exits 2 with
+    the reason on stderr, nothing on stdout, and no job."""
+    url, token, _ = api_server
+    env = dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN=token)
+    path = write(tmp_path / "q.csv", "prompt,question\nYou are terse.,What is 2+2?\n")
+    args = ("--model", str(model), "--input", str(path), "--column", "prompt=question", "--gpus", "0")
+    result = jobs(env, "submit", "generate", *args)
+    message = CLASH.format(what="CSV header (line 1)", col="column")
+    assert (result.returncode, result.stderr, result.stdout) == (2, f"Error: {message}\n", "")
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(Job)) == 0
+
+
 HINT = (
     'map the column that holds the prompt with --column prompt=question (spec: "input_columns": {"prompt": '
     '"question"}), or messages=COLUMN for chat messages'
