@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -13,6 +12,7 @@ import click
 
 from api.cli_base import cli, client, emit, job_exit_code, json_option
 from api.cli_jobs import wait_with_progress
+from core import writers
 from core.errors import InvalidInput, JobsError
 from core.settings import Settings, get_settings
 from core.slices import parse_slice, parse_slices, worker_command, worker_env
@@ -332,7 +332,7 @@ def demo(examples: str, host: str, port: int, keep_running: bool) -> None:
     out = settings.home / "demo" / f"results-{job['id']}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = list(api.results(job["id"]))
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    out.write_text("".join(map(writers.jsonl_line, rows)), encoding="utf-8")
     for r in rows:
         click.echo(f"  {r['custom_id']:<12} {r['output']!r}", err=True)
     click.echo(

@@ -11,11 +11,24 @@ import json
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+# Line breaks to line-based readers (Python's str.splitlines(), JavaScript's line terminators, httpx's iter_lines)
+# that json.dumps leaves raw, since JSON allows them in strings; every other one (\v, \f, \x1c-\x1e) it escapes.
+LINE_BREAKS = (("\u0085", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
+def jsonl_line(record: Any) -> str:
+    """One JSONL line: UTF-8 text as it is, but no character a line-based reader splits on, so a row with U+2028 in
+    its output is still one line (and json.loads reads the same text back). Outside strings JSON has none of them."""
+    text = json.dumps(record, ensure_ascii=False)
+    for char, escape in LINE_BREAKS:
+        text = text.replace(char, escape)
+    return text + "\n"
+
 
 def jsonl_chunks(records: Iterable[dict[str, Any]], chunk_rows: int = 500) -> Iterator[bytes]:
     buffer: list[str] = []
     for record in records:
-        buffer.append(json.dumps(record, ensure_ascii=False) + "\n")
+        buffer.append(jsonl_line(record))
         if len(buffer) >= chunk_rows:
             yield "".join(buffer).encode()
             buffer.clear()

@@ -948,6 +948,39 @@ def test_csv_results_keep_a_lone_carriage_return_inside_its_cell(api, model, tmp
     assert text.splitlines()[-1] == "line-3,3,d,y,length,3,4,plain"  # other rows as before: quoted only where needed
 
 
+# Every character str.splitlines() splits on besides \n and \r; JSON escapes the control ones but not these three.
+BREAKS = "a\u2028b\u2029c\x85d\x0be\x0cf\x1cg"
+
+
+def test_jsonl_results_escape_unicode_line_separators(api, model):
+    """An output, prompt or pass-through value holding U+2028, U+2029 or U+0085 (valid JSON, but a line break to
+    str.splitlines(), JavaScript and httpx's iter_lines) is escaped in JSONL results and the OpenAI output and error
+    files: each row is one line, and json.loads gives the text back unchanged."""
+    data = lines({"prompt": "p" + BREAKS, "v": BREAKS}, {"prompt": "q"}, {"prompt": BREAKS, "max_new_tokens": 2})
+    job = api.submit({"model": str(model), "input": api.upload(data), "gpus": 0}).json()
+    finish_rows(job["id"], {0: "out" + BREAKS, 1: ["x" + BREAKS, "y"]})
+    with session_scope() as session:  # a row failed in the engine, its error holding them too
+        session.execute(
+            update(JobRow)
+            .where(JobRow.job_id == job["id"], JobRow.idx == 2)
+            .values(state="failed", error="engine broke: " + BREAKS, worker="w1")
+        )
+    for params in ({}, {"format": "openai"}, {"errors": True}, {"format": "openai", "errors": True}):
+        text = get(api, job["id"], with_input=True, **params).text
+        assert "\\u2028" in text and "\\u2029" in text and "\\u0085" in text, params
+        assert len(text.splitlines()) == (1 if params.get("errors") else 2), params
+        assert [json.loads(line) for line in text.splitlines()] == [json.loads(line) for line in text.split("\n")[:-1]]
+    ours = [json.loads(line) for line in get(api, job["id"], with_input=True).text.splitlines()]
+    assert [(r["prompt"], r.get("v"), r["output"]) for r in ours] == [
+        ("p" + BREAKS, BREAKS, "out" + BREAKS),
+        ("q", None, ["x" + BREAKS, "y"]),
+    ]
+    (error,) = [json.loads(line) for line in get(api, job["id"], errors=True, with_input=True).text.splitlines()]
+    assert (error["prompt"], error["error"]) == (BREAKS, "engine broke: " + BREAKS)
+    openai = [json.loads(line) for line in get(api, job["id"], format="openai").text.splitlines()]
+    assert [c["text"] for r in openai for c in r["response"]["body"]["choices"]] == ["out" + BREAKS, "x" + BREAKS, "y"]
+
+
 # --- through a real worker and the CLI ------------------------------------------------------------------------
 
 
