@@ -18,8 +18,10 @@ since the worker gives the same one, and so is the worker's refusal of fine-tune
 (`too_long_to_train`): `retry_can_change` knows both, and every other refusal of a fine-tune for its spec and input
 (`core.errors.CannotTrain`, whose message starts with CANNOT_TRAIN).
 
-Limits (settings): a row longer than `JOBS_MAX_ROW_BYTES` becomes a failed row and only its first bytes are kept
-(it is never read into memory whole); a dataset of more than `JOBS_MAX_ROWS` rows is refused as a whole.
+Limits (settings): a row of more than `JOBS_MAX_ROW_BYTES` UTF-8 bytes becomes a failed row (`formats.too_big`:
+its place, size and the limit) and only its first bytes are kept (a JSONL line is never read into memory whole).
+Every format counts bytes alike: a JSONL line or CSV record as in the file, line ending excluded; a Parquet or
+saved-dataset row as its JSON line. A dataset of more than `JOBS_MAX_ROWS` rows is refused as a whole.
 """
 
 from __future__ import annotations
@@ -223,13 +225,7 @@ def read_jsonl(
             continue
         text = raw[:RAW_KEPT].decode("utf-8", "replace")
         if size > max_row_bytes:
-            yield Record(
-                line_no,
-                None,
-                text,
-                f"row of {size} bytes exceeds the limit of {max_row_bytes} bytes "
-                "(JOBS_MAX_ROW_BYTES): shorten the row or split it",
-            )
+            yield Record(line_no, None, text, formats.too_big(size, max_row_bytes))
             continue
         obj, error = _decode_line(raw)
         if obj is not None and (clash := formats.clashes(obj, columns, "the row also has a key")):

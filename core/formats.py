@@ -126,6 +126,16 @@ class Record:
     error: str | None = None
 
 
+def too_big(size: int, limit: int) -> str:
+    """The reason a row over JOBS_MAX_ROW_BYTES fails, the same for every format (its place is put before it)."""
+    return f"row of {size} bytes exceeds the limit of {limit} bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it"
+
+
+def utf8_size(text: str) -> int:
+    """Bytes of text read from a file (bytes that were not UTF-8 kept as surrogates count as what they were)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogateescape"))
+
+
 def map_columns(data: dict[str, Any], columns: dict[str, str] | None) -> dict[str, Any]:
     """Rename the file's columns to ours (`columns` = {ours: theirs}); a column mapped to a name of ours is not
     also kept under its own name. A column already named like a name mapped elsewhere would be dropped: the
@@ -201,10 +211,26 @@ def columns_of(path: Path, fmt: str) -> list[str] | None:
 
 def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row_bytes: int) -> Iterator[Record]:
     """CSV records: the header names the columns. A record with a wrong number of fields, invalid UTF-8 or more
-    than `max_row_bytes` is a failed record; a broken quote that swallows the rest of the file refuses it."""
+    than `max_row_bytes` (its bytes in the file, quotes and inner line breaks included, its line ending not, as a
+    JSONL line's) is a failed record; a broken quote that swallows the rest of the file refuses it, and so does a
+    single field longer than the limit (the reader stops inside it, and cannot tell where its record ends)."""
     text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline="")
-    csv.field_size_limit(max(csv.field_size_limit(), max_row_bytes + 1))
-    reader = csv.reader(text, strict=True)
+    csv.field_size_limit(max(csv.field_size_limit(), max_row_bytes + 1))  # characters: a field over it is over in bytes
+    consumed: list[int] = []  # bytes of the physical lines read for the record being read, line endings included
+    ending = [0]  # characters of the last one's line ending
+
+    def physical_lines() -> Iterator[str]:
+        for line in text:
+            consumed.append(utf8_size(line))
+            ending[0] = len(line) - len(line.rstrip("\r\n"))
+            yield line
+
+    def record_size() -> int:
+        size = sum(consumed) - ending[0]
+        consumed.clear()
+        return size
+
+    reader = csv.reader(physical_lines(), strict=True)
     try:
         header = next(reader, None)
         if header is None or not any(h.strip() for h in header):
@@ -218,9 +244,9 @@ def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row
                 + (f"; repeated: {', '.join(map(repr, dupes))}" if dupes else "")
             )
         check_columns(header, columns, "CSV header (line 1)")
-        last = reader.line_num
+        last, _ = reader.line_num, record_size()
         for fields in reader:
-            start, last = last + 1, reader.line_num
+            start, last, size = last + 1, reader.line_num, record_size()
             if not fields or fields == [""]:
                 continue  # a blank line is not a record
             raw = ",".join(fields)[:RAW_KEPT]
@@ -232,19 +258,19 @@ def read_csv(stream: BinaryIO, *, columns: dict[str, str] | None = None, max_row
                     f"has {len(fields)} fields, the header has {len(header)}: "
                     "quote fields that hold commas or line breaks",
                 )
-            elif sum(len(f) for f in fields) > max_row_bytes:
-                yield Record(
-                    start,
-                    None,
-                    _clean(raw),
-                    f"row of more than {max_row_bytes} bytes exceeds the limit "
-                    "(JOBS_MAX_ROW_BYTES): shorten the row or split it",
-                )
+            elif size > max_row_bytes:
+                yield Record(start, None, _clean(raw), too_big(size, max_row_bytes))
             elif any(_bad_text(f) for f in fields):
                 yield Record(start, None, _clean(raw), "not valid UTF-8: save the file as UTF-8")
             else:
                 yield Record(start, map_columns(dict(zip(header, fields)), columns), raw)
     except csv.Error as exc:
+        if "field larger than field limit" in str(exc):
+            raise InvalidInput(
+                f"the CSV file cannot be read at line {reader.line_num}: a field there is longer than the row limit "
+                f"of {max_row_bytes} bytes (JOBS_MAX_ROW_BYTES), or a quote that is never closed swallows the rest "
+                "of the file: shorten the row, or fix the quoting"
+            ) from None
         raise InvalidInput(
             f"the CSV file cannot be read at line {reader.line_num}: {exc} (a quote that is never "
             "closed swallows the rest of the file): fix the quoting"
@@ -376,15 +402,9 @@ def _arrow_records(
             except ValueError as exc:
                 yield Record(row, None, _clean(repr(data)[:RAW_KEPT]), str(exc))
                 continue
-            text = json.dumps(clean, ensure_ascii=False)
-            if max_row_bytes is not None and len(text) > max_row_bytes:
-                yield Record(
-                    row,
-                    None,
-                    text[:RAW_KEPT],
-                    f"row of more than {max_row_bytes} bytes exceeds the limit "
-                    "(JOBS_MAX_ROW_BYTES): shorten the row or split it",
-                )
+            text = json.dumps(clean, ensure_ascii=False)  # the row as a JSONL line: what its size is counted in
+            if max_row_bytes is not None and (size := utf8_size(text)) > max_row_bytes:
+                yield Record(row, None, text[:RAW_KEPT], too_big(size, max_row_bytes))
                 continue
             yield Record(row, map_columns(clean, columns), text[:RAW_KEPT])
 

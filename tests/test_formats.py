@@ -406,11 +406,55 @@ def test_parquet_refusals(tmp_path):
     rows = list(parse_dataset(big, "parquet", spec=parse_spec({"model": "m", "input": "x"}), max_row_bytes=200))
     assert [r.error for r in rows] == [
         None,
-        "row 1: row of more than 200 bytes exceeds the limit (JOBS_MAX_ROW_BYTES): shorten the row or split it",
+        "row 1: row of 314 bytes exceeds the limit of 200 bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it",
     ]
     broken = write(tmp_path / "broken.parquet", path.read_bytes()[:40])
     with pytest.raises(InvalidInput, match="the Parquet file cannot be read .*: write it again with pyarrow or pandas"):
         parse(broken, "parquet")
+
+
+LIMIT = "exceeds the limit of 200 bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "size"),
+    [("jsonl", 314), ("csv", 300), ("parquet", 314), ("hf", 314)],  # JSONL and tables: {"prompt": "…"}, 14 more
+)
+def test_every_format_counts_the_row_limit_in_utf8_bytes(tmp_path, fmt, size):
+    """JOBS_MAX_ROW_BYTES is bytes in every format: a prompt of 150 'é' (150 characters, 300 UTF-8 bytes) is over
+    a limit of 200 as a JSONL line, a CSV record (its bytes in the file) and a Parquet or saved-dataset row (as a
+    JSON line), and the error gives its place, its size and the limit; 60 'é' (120 bytes) is under it."""
+    prompts = ["é" * 60, "é" * 150]
+    path = {
+        "jsonl": lambda: write(
+            tmp_path / "r.jsonl", "".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n" for p in prompts)
+        ),
+        "csv": lambda: write(tmp_path / "r.csv", "prompt\n" + "".join(p + "\n" for p in prompts)),
+        "parquet": lambda: parquet_file(tmp_path / "r.parquet", {"prompt": prompts}),
+        "hf": lambda: packed(saved_dataset(tmp_path / "ds", pa.table({"prompt": prompts})), tmp_path / "r.zip"),
+    }[fmt]()
+    rows = list(parse_dataset(path, fmt, spec=parse_spec({"model": "m", "input": "x"}), max_row_bytes=200))
+    place = {"jsonl": "line 2", "csv": "line 3"}.get(fmt, "row 1")
+    assert [r.error for r in rows] == [None, f"{place}: row of {size} bytes {LIMIT}"]
+
+
+def test_a_csv_row_limit_counts_its_bytes_in_the_file_and_a_field_over_it_refuses_the_file(tmp_path):
+    """A quoted CSV record over two lines counts its quotes and inner line break, not its line ending (as a JSONL
+    line); a single field longer than the CSV reader can hold refuses the file saying so, not as bad quoting only."""
+    data = 'prompt,id\r\n"a\r\nb ""q""",1\r\n\r\nxyz,2'
+    rows = list(parse_dataset(write(tmp_path / "q.csv", data), "csv", max_row_bytes=13))
+    assert [(r.line, r.error) for r in rows] == [
+        (2, "line 2: row of 14 bytes exceeds the limit of 13 bytes (JOBS_MAX_ROW_BYTES): shorten the row or split it"),
+        (5, None),
+    ]
+    big = write(tmp_path / "big.csv", "prompt\nok\n" + "x" * (csv.field_size_limit() + 1) + "\nfine\n")
+    with pytest.raises(InvalidInput) as info:
+        list(parse_dataset(big, "csv", max_row_bytes=1000))
+    assert str(info.value) == (
+        "the CSV file cannot be read at line 3: a field there is longer than the row limit of 1000 bytes "
+        "(JOBS_MAX_ROW_BYTES), or a quote that is never closed swallows the rest of the file: shorten the row, or fix "
+        "the quoting"
+    )
 
 
 def test_a_saved_dataset_is_packed_and_read_across_its_arrow_files(tmp_path):
