@@ -27,7 +27,7 @@ from core.dataset import (
     too_many_rows,
 )
 from core.db import session_scope
-from core.errors import Forbidden, InvalidInput, JobsError, NoSuchPath, Unschedulable
+from core.errors import Forbidden, InvalidInput, JobsError, NoSuchPath, Unschedulable, naming
 from core.jobs import NewJob
 from core.queue import ping_redis, queue_for
 from core.settings import get_settings
@@ -64,17 +64,26 @@ def generation(owner: str, spec: GenerateSpec, *, admin: bool = False) -> NewJob
     (a fine-tune still running makes it wait), and its input (the owner's, within the row limit, format detected,
     and for a table a column that gives rows their prompt: `core.dataset.check_prompt_columns`)."""
     _check_sampling(spec)
-    spec = model(spec)
+    with naming("model"):
+        spec = model(spec)
     hub_check = service_models.check(spec)  # a Hub model or adapter: resolved to a commit, config and tokenizer read
     spec = hub_check.spec
     ping_redis()
     with session_scope() as session:
         gpus = slice_size(session, spec)
         notes: list[str] = []  # an adapter file's check, for the job's events
-        waits = bool(spec.adapter) and adapters.check_for_generation(
-            session, ref=spec.adapter, owner=owner, admin=admin, model=spec.model, revision=spec.revision, notes=notes
-        )
-        fmt = dataset(session, owner, spec.input, fmt=spec.input_format)
+        with naming("adapter"):
+            waits = bool(spec.adapter) and adapters.check_for_generation(
+                session,
+                ref=spec.adapter,
+                owner=owner,
+                admin=admin,
+                model=spec.model,
+                revision=spec.revision,
+                notes=notes,
+            )
+        with naming("input"):
+            fmt = dataset(session, owner, spec.input, fmt=spec.input_format)
         spec = _with_input_format(spec, fmt)
         check_prompt_columns(files.source(session, spec.input, owner=owner)[0], fmt, spec.input_columns)
     return NewJob(
@@ -93,15 +102,19 @@ def finetune(owner: str, spec: FinetuneSpec) -> NewJob:
     """A fine-tune: its base model, its chained generation spec (parsed now; submitted once the fine-tune is
     stored), the slice that runs it, and its training and validation files (the owner's, within the row limit,
     each file's format detected on its own). Their rows are checked as they are stored (`core.jobs`)."""
-    spec = model(spec)
+    with naming("model"):
+        spec = model(spec)
     hub_check = service_models.check(spec)  # a Hub base: resolved to a commit, its config read
     spec = hub_check.spec
     then = _then_generate_spec(spec)
     ping_redis()
     with session_scope() as session:
         gpus = slice_size(session, spec)
-        refs = [spec.input] + ([spec.validation_input] if spec.validation_input else [])
-        inputs = [(ref, file_format(dataset(session, owner, ref, fmt=spec.file_format))) for ref in refs]
+        inputs = []
+        for field in ("input", "validation_input"):
+            if ref := getattr(spec, field):
+                with naming(field):
+                    inputs.append((ref, file_format(dataset(session, owner, ref, fmt=spec.file_format))))
     return NewJob(
         owner=owner,
         spec=spec,
@@ -118,7 +131,8 @@ def priority(spec: Spec, *, may_prioritize: bool) -> None:
     if spec.priority == "high" and not may_prioritize:
         raise Forbidden(
             "priority high needs a token with the priority or admin scope (`gpujobs tokens create "
-            "--owner NAME --scope user --scope priority`): submit with priority normal or low"
+            "--owner NAME --scope user --scope priority`): submit with priority normal or low",
+            param="priority",
         )
 
 
@@ -134,7 +148,8 @@ def _then_generate_spec(spec: FinetuneSpec) -> dict[str, Any] | None:
     ):
         raise InvalidInput(
             f"invalid finetune spec: then_generate: {', '.join(taken)}: the chained job is a generation job on the "
-            "fine-tune's base model with the adapter it trains: leave them out"
+            "fine-tune's base model with the adapter it trains: leave them out",
+            param=f"then_generate.{taken[0]}",
         )
     data = {k: getattr(spec, k) for k in INHERITED if getattr(spec, k) is not None}
     data.update(given, kind="generate", model=spec.model, adapter="job_pending")
@@ -145,7 +160,8 @@ def _then_generate_spec(spec: FinetuneSpec) -> dict[str, Any] | None:
         _check_sampling(parsed)
     except InvalidInput as exc:
         raise InvalidInput(
-            f"invalid finetune spec: then_generate: {str(exc).removeprefix('invalid generate spec: ')}"
+            f"invalid finetune spec: then_generate: {str(exc).removeprefix('invalid generate spec: ')}",
+            param=f"then_generate.{exc.param}" if exc.param else "then_generate",
         ) from None
     return data
 
@@ -175,7 +191,8 @@ def model(spec: Spec) -> Spec:
     if spec.trust_remote_code and not settings.allow_remote_code:
         raise Forbidden(
             "trust_remote_code is disabled on this server (JOBS_ALLOW_REMOTE_CODE): use a model that "
-            "transformers supports natively"
+            "transformers supports natively",
+            param="trust_remote_code",
         )
     if not spec.model.strip():
         raise InvalidInput("model is empty: give a local model directory or a Hub id (org/name)")
@@ -185,7 +202,8 @@ def model(spec: Spec) -> Spec:
     if adapter and hub.is_hub_id(adapter) and roots and not hub.allowed(adapter):
         raise InvalidInput(
             f"adapter {adapter!r}: this server takes Hub repos only where JOBS_HUB_MODELS lists them "
-            "(its models come from JOBS_MODEL_ROOTS): upload the adapter instead (--adapter DIR)"
+            "(its models come from JOBS_MODEL_ROOTS): upload the adapter instead (--adapter DIR)",
+            param="adapter",
         )
     if not path.is_absolute() and HUB_ID.match(spec.model) and not path.exists():
         if not roots or hub.allowed(spec.model):
@@ -239,13 +257,14 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
     ref, fmt = spec_data.get("input"), spec_data.get("input_format", "auto")
     missing = InvalidInput(
         "model is missing: name one (--model, or `model:` in the spec); only OpenAI batch lines "
-        "may name it instead, in body.model"
+        "may name it instead, in body.model",
+        param="model",
     )
     if not isinstance(ref, str) or not ref.strip():
         return spec_data  # the spec check says what is missing
     if fmt not in ("auto", "openai"):
         raise missing
-    with session_scope() as session:
+    with session_scope() as session, naming("input"):
         if ref.startswith("file_"):
             file = files.get(session, ref, owner=owner)
             path, name = files.absolute(file), file.filename
@@ -258,12 +277,14 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
     if not models and unnamed is None:  # empty, CSV, plain prompts, not UTF-8: no line to take a model from
         raise InvalidInput(
             f"{name!r} holds no OpenAI batch line: each line must be a JSON object with custom_id, method, url and "
-            "body, the model in body.model"
+            "body, the model in body.model",
+            param="input",
         )
     if not models:
         raise InvalidInput(
             "model is missing: the job names none and no OpenAI batch line names one in body.model: "
-            "name one (--model, or `model:` in the spec)"
+            "name one (--model, or `model:` in the spec)",
+            param="body.model",
         )
     (first, first_line), *others = models.items()
     if others:
@@ -271,12 +292,14 @@ def _model_from_input(owner: str, spec_data: Any) -> Any:
         raise InvalidInput(
             f"lines {first_line} and {second_line} name different models ({first!r} and {second!r}) "
             "in body.model: when the job names no model every line must name the same one; or name "
-            "the model in the job (--model)"
+            "the model in the job (--model)",
+            param="body.model",
         )
     if unnamed is not None:
         raise InvalidInput(
             f"line {unnamed} names no body.model while line {first_line} names {first!r}: when the job "
-            "names no model every line must name the same one; or name the model in the job (--model)"
+            "names no model every line must name the same one; or name the model in the job (--model)",
+            param="body.model",
         )
     return {**spec_data, "model": _allowed_model(first)}
 
@@ -292,7 +315,8 @@ def _allowed_model(name: str) -> str:
     raise InvalidInput(
         f"body.model {name!r} is not a model directory under the model roots "
         f"({os.pathsep.join(map(str, roots))}): name one of those directories, or name the model in "
-        "the job (--model)"
+        "the job (--model)",
+        param="body.model",
     )
 
 
@@ -377,12 +401,18 @@ def _with_input_format(spec: GenerateSpec, fmt: str) -> GenerateSpec:
     if unknown:
         raise InvalidInput(
             f"input_columns {', '.join(map(repr, unknown))}: map one of prompt, messages, custom_id "
-            f"or a sampling parameter ({', '.join(sorted(PARAMS))}) to a column of the file"
+            f"or a sampling parameter ({', '.join(sorted(PARAMS))}) to a column of the file",
+            param="input_columns",
         )
     if columns and fmt == "openai":
-        raise InvalidInput("input_columns does not apply to OpenAI batch lines (their keys are fixed): leave it out")
+        raise InvalidInput(
+            "input_columns does not apply to OpenAI batch lines (their keys are fixed): leave it out",
+            param="input_columns",
+        )
     if "prompt" in columns and "messages" in columns:
-        raise InvalidInput("input_columns maps both prompt and messages: a row is one or the other")
+        raise InvalidInput(
+            "input_columns maps both prompt and messages: a row is one or the other", param="input_columns"
+        )
     return spec.model_copy(update={"input_format": fmt})
 
 

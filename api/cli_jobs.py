@@ -426,20 +426,37 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
 )
 @json_option()
 def workers(all_: bool, as_json: bool) -> None:
-    """Registered workers: state (online, lost: no heartbeat, offline: stopped), restarts of their slot, slice,
-    GPUs and heartbeat age; for a stopped worker its exit code and why it stopped."""
-    emit(client().workers(all=all_), as_json, lambda ws: [click.echo(worker_line(w)) for w in ws])
+    """Registered workers, a header row, then one row each: state (online, lost: no heartbeat, offline: stopped),
+    restarts of their slot, queues, when last seen (its heartbeat, or its stop), and its GPUs or, for a stopped
+    worker, its exit code and why it stopped. `--json`: what each registered, no header."""
+
+    def table(ws: list[dict[str, Any]]) -> None:
+        if not ws:
+            more = "" if all_ else " (--all: also those stopped long ago)"
+            click.echo(f"no workers{more}: start one with `gpujobs up` or `gpujobs worker`", err=True)
+            return
+        width = max(len("worker"), *(len(w["name"]) for w in ws))
+        click.echo(f"{'worker':<{width}}  {'state':<7} {'restarts':>8} {'queues':<8} {'last seen':>10}  gpus or exit")
+        for w in ws:
+            click.echo(worker_line(w, width))
+
+    emit(client().workers(all=all_), as_json, table)
 
 
-def worker_line(w: dict) -> str:
-    gpus = ", ".join(f"{g['name']} ({g['uuid']})" for g in w["gpus"]) or "CPU"
-    restarts = f"  restarts={w['restarts']}" if w.get("restarts") else ""
-    line = f"{w['name']}  {w['state']:<7}{restarts} queues={','.join(w['queues'])}"
+def worker_line(w: dict, width: int) -> str:
+    """A row of `workers`: a live worker's heartbeat age and GPUs, a stopped one's stop age, exit code and reason."""
+    queues = ",".join(w["queues"])
+    line = f"{w['name']:<{width}}  {w['state']:<7} {w.get('restarts') or 0:>8} {queues:<8}"
     if w["state"] != "offline":
-        return f"{line}  heartbeat {time.time() - w['heartbeat_at']:.0f}s ago  {gpus}"
-    stopped = time.time() - (w.get("stopped_at") or w["heartbeat_at"])
+        gpus = ", ".join(f"{g['name']} ({g['uuid']})" for g in w["gpus"]) or "CPU"
+        return f"{line} {_ago(w['heartbeat_at']):>10}  {gpus}"
     code = f"exit {w['exit_code']}" if w.get("exit_code") is not None else "stopped"
-    return f"{line}  {code} {stopped:.0f}s ago" + (f": {w['reason']}" if w.get("reason") else "")
+    reason = f": {w['reason']}" if w.get("reason") else ""
+    return f"{line} {_ago(w.get('stopped_at') or w['heartbeat_at']):>10}  {code}{reason}"
+
+
+def _ago(at: float) -> str:
+    return f"{time.time() - at:.0f}s ago"
 
 
 @cli.command()

@@ -7,6 +7,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -218,7 +219,8 @@ def tokens_create(owner: str, scopes: tuple[str, ...], name: str | None) -> None
 @tokens.command("list")
 @json_option()
 def tokens_list(as_json: bool) -> None:
-    """List tokens (ids, owners, scopes; never the secrets)."""
+    """List tokens, a header row, then one row each: id, owner, scopes, active or revoked, name (never the
+    secrets). `--json`: the same fields, no header."""
     from core import auth
     from core.db import session_scope
 
@@ -227,16 +229,17 @@ def tokens_list(as_json: bool) -> None:
             {"id": t.id, "owner": t.owner, "scopes": t.scopes, "name": t.name, "revoked": t.revoked_at is not None}
             for t in auth.list_tokens(session)
         ]
-    emit(
-        rows,
-        as_json,
-        lambda ts: [
-            click.echo(
-                f"{t['id']}  {t['owner']:<16} {t['scopes']:<20} {'revoked' if t['revoked'] else ''} {t['name'] or ''}"
-            )
-            for t in ts
-        ],
-    )
+
+    def table(ts: list[dict[str, Any]]) -> None:
+        if not ts:
+            click.echo("no tokens: create one with `gpujobs tokens create --owner NAME`", err=True)
+            return
+        click.echo(f"{'token':<16}  {'owner':<16} {'scopes':<20} {'state':<7} name")
+        for t in ts:
+            state = "revoked" if t["revoked"] else "active"
+            click.echo(f"{t['id']:<16}  {t['owner']:<16} {t['scopes']:<20} {state:<7} {t['name'] or ''}".rstrip())
+
+    emit(rows, as_json, table)
 
 
 @tokens.command("revoke")

@@ -34,9 +34,11 @@ How it maps (choices that clients see, hence written down here):
   matching exception (`openai.BadRequestError`, `NotFoundError`, …). An invalid request (a field missing or
   invalid, a bad query parameter, a body that is not JSON or not sent as JSON, a request our checks refuse) is a
   400 `invalid_request_error` whose `param` names the field where one is known (code `missing_required_parameter`
-  for a missing one); the other statuses are ours (401 with code `invalid_api_key`, 403, 404, 405, 409, 413), each
-  an `invalid_request_error`, and a 5xx a `server_error`. The message is our own, saying what to do. Elsewhere the
-  API keeps its own body (api/app.py).
+  for a missing one). The submit checks a batch shares with POST /jobs name the spec's field, which
+  `create_batch` turns into the request's (`BATCH_PARAMS`: `input_file_id`, `metadata.priority`, `body.model`) or
+  leaves as the lines' (`custom_id`, `body.max_tokens`: a batch whose every line is refused). The other statuses
+  are ours (401 with code `invalid_api_key`, 403, 404, 405, 409, 413), each an `invalid_request_error`, and a 5xx a
+  `server_error`. The message is our own, saying what to do. Elsewhere the API keeps its own body (api/app.py).
 - `metadata.priority` (`low`, `normal`, `high`) is the job's priority (core/scheduling.py); `high` needs a token
   with the priority or admin scope, like any submit. It stays in the batch's metadata too.
 - `request_counts` are the job's rows: total, succeeded (`completed`), failed; `usage` its tokens.
@@ -61,7 +63,7 @@ from starlette.concurrency import run_in_threadpool
 from api import access, results, service, views
 from core import files
 from core.db import session_scope
-from core.errors import Conflict, IllegalTransition, InvalidInput, NotFound
+from core.errors import Conflict, IllegalTransition, InvalidInput, JobsError, NotFound
 from core.jobs import BATCH_EXPIRED_BY, batch_deadline
 from core.models import File as StoredFile
 from core.models import Job, JobEvent
@@ -84,6 +86,10 @@ STATUS = {
 OUTPUT, ERRORS = "-output", "-errors"
 BATCH_PURPOSES = ("batch", "input")  # stored purposes shown as OpenAI's "batch" (POST /files stores "input")
 PREFIX = "/v1"
+# the batch request's field that stands for a spec field a submit check names (api/checks.py): a batch's input is
+# its input_file_id, its priority its metadata.priority, its model the lines' body.model; the lines' own fields
+# (custom_id, body.max_tokens) and metadata keep their names
+BATCH_PARAMS = {"input": "input_file_id", "priority": "metadata.priority", "model": "body.model"}
 # OpenAI's error type by status where it is neither invalid_request_error (4xx) nor server_error (5xx); no error of
 # ours answers 429 today, one that comes will read as OpenAI's
 ERROR_TYPES = {429: "rate_limit_error"}
@@ -305,9 +311,13 @@ class BatchRequest(BaseModel):
 @router.post("/batches")
 async def create_batch(who: Who, request: BatchRequest) -> dict[str, Any]:
     spec = await run_in_threadpool(batch_spec, who, request)
-    job = await run_in_threadpool(
-        service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin, may_prioritize=who.may_prioritize
-    )
+    try:
+        job = await run_in_threadpool(
+            service.submit, owner=who.owner, spec_data=spec, admin=who.is_admin, may_prioritize=who.may_prioritize
+        )
+    except JobsError as exc:  # the submit checks name the spec's field: `param` names the request's
+        exc.param = BATCH_PARAMS.get(exc.param, exc.param)
+        raise
     return await run_in_threadpool(_view, who, job["id"])
 
 
@@ -356,7 +366,8 @@ def check_urls(path, endpoint: str) -> None:
             if url is not None and url != endpoint:
                 raise InvalidInput(
                     f"line {line_no} has url {url!r} but the batch's endpoint is {endpoint!r}: every "
-                    "line of a batch must use the batch's endpoint"
+                    "line of a batch must use the batch's endpoint",
+                    param="url",
                 )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from core import adapters, hub, hub_download, model_cache, registry
 from core.db import session_scope
-from core.errors import Conflict, HubUnreachable, InvalidInput, NoAccess, Unschedulable
+from core.errors import Conflict, HubUnreachable, InvalidInput, NoAccess, Unschedulable, naming
 from core.settings import get_settings
 from core.spec import Spec
 
@@ -74,9 +74,11 @@ def check(spec: Spec) -> HubCheck:
         return result
     fleet = Fleet.now()
     if model_is_hub:
-        _check_model(result, fleet)
+        with naming("model"):
+            _check_model(result, fleet)
     if adapter_is_hub:
-        _check_adapter(result, fleet)
+        with naming("adapter"):
+            _check_adapter(result, fleet)
     return result
 
 

@@ -36,10 +36,10 @@ from typing import Any, BinaryIO, get_args
 from pydantic import ValidationError
 
 from core import formats, openai_batch, structured
-from core.errors import CANNOT_TRAIN, InvalidInput
+from core.errors import CANNOT_TRAIN, FieldError, InvalidInput
 from core.formats import Record
 from core.settings import get_settings
-from core.spec import SamplingParams, describe, sampling_of
+from core.spec import SamplingParams, describe, first_field, sampling_of
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 RAW_KEPT = 2000  # bytes of a bad row kept for `results --errors`
@@ -154,6 +154,7 @@ class ParsedRow:
     custom_id: str
     input: dict[str, Any] | None
     error: str | None = None
+    param: str | None = None  # the field at fault in a failed row, where one is (an OpenAI line's `body.n`)
 
 
 def parse_jsonl(
@@ -249,7 +250,8 @@ def parse_records(
         if row.custom_id in seen:
             raise InvalidInput(
                 f"duplicate custom_id {row.custom_id!r} on {where}s {seen[row.custom_id]} and {record.pos}: "
-                "custom_ids must be unique within a dataset"
+                "custom_ids must be unique within a dataset",
+                param="custom_id",
             )
         seen[row.custom_id] = record.pos
         yield row
@@ -284,14 +286,19 @@ def check_prompt_columns(path: Path, fmt: str, columns: dict[str, str] | None) -
     )
 
 
-def nothing_runs(total: int, first_error: str | None, keys: Iterable[str], fmt: str) -> InvalidInput:
+def nothing_runs(
+    total: int, first_error: str | None, keys: Iterable[str], fmt: str, *, param: str | None = None
+) -> InvalidInput:
     """The refusal of a dataset whose every row is invalid (at submit, or too long for the model): no job is made
-    of it. When rows lack a prompt, the keys the rows have and the mapping that would use one are named."""
+    of it. When rows lack a prompt, the keys the rows have and the mapping that would use one are named. `param`:
+    the field at fault in the first row, where its check named one."""
     message = f"no row of the dataset can run ({total} rows, every one invalid); the first: {first_error}"
     names = [k for k in keys if k != "raw"]
     if fmt != "openai" and first_error and ONE_OF in first_error and names:
-        return InvalidInput(f"{message}; the rows' keys are {', '.join(map(repr, names))}: {_map_hint(names, None)}")
-    return InvalidInput(f"{message}: fix the dataset and submit it again")
+        return InvalidInput(
+            f"{message}; the rows' keys are {', '.join(map(repr, names))}: {_map_hint(names, None)}", param=param
+        )
+    return InvalidInput(f"{message}: fix the dataset and submit it again", param=param)
 
 
 def _map_hint(names: list[str], columns: dict[str, str] | None) -> str:
@@ -454,7 +461,8 @@ def _openai_row(idx: int, record: Record, obj: dict[str, Any], spec: Any) -> Par
     except ValueError as exc:
         custom_id = obj.get("custom_id")
         ok = isinstance(custom_id, str) and 0 < len(custom_id) <= 255 and custom_id.isprintable()
-        return _bad(idx, record.pos, custom_id if ok else fallback_id, record.raw, str(exc))
+        param = getattr(exc, "param", None)
+        return _bad(idx, record.pos, custom_id if ok else fallback_id, record.raw, str(exc), param=param)
     if len(request.custom_id) > 255 or not request.custom_id.isprintable():
         return _bad(
             idx,
@@ -462,11 +470,15 @@ def _openai_row(idx: int, record: Record, obj: dict[str, Any], spec: Any) -> Par
             fallback_id,
             record.raw,
             "custom_id must be a non-empty string of at most 255 printable characters",
+            param="custom_id",
         )
     try:
         row = _row_input({request.kind: request.content, **request.params}, spec)
     except ValueError as exc:
-        return _bad(idx, record.pos, request.custom_id, record.raw, f"{exc} (in body)")
+        # a line without its messages (or prompt) has that field at fault; otherwise the check names one, or none
+        ours = request.kind if request.content is None else getattr(exc, "param", None)
+        param = openai_batch.body_param(ours, obj.get("body"))
+        return _bad(idx, record.pos, request.custom_id, record.raw, f"{exc} (in body)", param=param)
     row["openai"] = {"url": request.url, "model": request.model}
     return ParsedRow(idx, record.pos, request.custom_id, row)
 
@@ -512,7 +524,7 @@ def _row_input(obj: dict[str, Any], spec: Any = None) -> dict[str, Any]:
     params = _row_params({k: obj.pop(k) for k in PARAMS.intersection(obj)}, spec)
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError("'prompt' must be a non-empty string" + _not(prompt, str))
+            raise FieldError("'prompt' must be a non-empty string" + _not(prompt, str), param="prompt")
         return {"prompt": prompt, "params": params, "extra": obj}
     return {"messages": _check_messages(messages), "params": params, "extra": obj}
 
@@ -528,7 +540,7 @@ def _row_params(params: dict[str, Any], spec: Any) -> dict[str, Any]:
     try:
         params = SamplingParams.model_validate(params, strict=True).model_dump(exclude_none=True)
     except ValidationError as exc:
-        raise ValueError(f"invalid per-row parameter: {describe(exc)}") from None
+        raise FieldError(f"invalid per-row parameter: {describe(exc)}", param=first_field(exc)) from None
     do_sample, temperature = params.get("do_sample"), params.get("temperature")
     if spec is not None:  # the row's parameters over the job's, as the worker will use them
         do_sample = spec.do_sample if do_sample is None else do_sample
@@ -556,18 +568,31 @@ def _not(value: Any, expected: type) -> str:
 
 def _check_messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list of {role, content} objects" + _not(messages, list))
+        raise FieldError(
+            "'messages' must be a non-empty list of {role, content} objects" + _not(messages, list), param="messages"
+        )
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) and 'content'")
+            raise FieldError(
+                f"messages[{i}] must be an object with 'role' (one of {', '.join(ROLES)}) and 'content'",
+                param=f"messages[{i}]",
+            )
     return messages
 
 
 def _bad(
-    idx: int, pos: int, custom_id: str, raw: str, reason: str, where: str = "line", data: dict[str, Any] | None = None
+    idx: int,
+    pos: int,
+    custom_id: str,
+    raw: str,
+    reason: str,
+    where: str = "line",
+    data: dict[str, Any] | None = None,
+    *,
+    param: str | None = None,
 ) -> ParsedRow:
     """A failed row: its reason with its line (or row), only the start of the record's text, and the record's
     pass-through keys (`extra`, from its `data` where it was read), which its error record carries like a result."""
     extra = {k: v for k, v in (data or {}).items() if k not in NOT_PASSED_THROUGH}
     stored = {"raw": raw[:RAW_KEPT], **({"extra": extra} if extra else {})}
-    return ParsedRow(idx, pos, custom_id, stored, f"{where} {pos}: {reason}")
+    return ParsedRow(idx, pos, custom_id, stored, f"{where} {pos}: {reason}", param)

@@ -5,6 +5,9 @@ Every message says what was wrong and what to do about it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class JobsError(Exception):
     """Base of every error we raise on purpose. `param`: the request field at fault, where one is (OpenAI's error
@@ -21,6 +24,16 @@ class InvalidInput(JobsError):
     """A spec, a dataset or a request that cannot be accepted as it is."""
 
     http_status = 422
+
+
+class FieldError(ValueError):
+    """A ValueError that names the field at fault (`param`, as a JobsError's), for the checks that report through
+    ValueError: an OpenAI batch line's (core/openai_batch.py) and a row's (core/dataset.py), whose failed row keeps
+    it (`ParsedRow.param`)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class NotFound(JobsError):
@@ -144,6 +157,17 @@ class GpuConflict(JobsError):
 
 class StartInterrupted(JobsError):
     """SIGINT, SIGTERM or SIGHUP arrived while the stack was starting (what was started is stopped)."""
+
+
+@contextmanager
+def naming(param: str) -> Iterator[None]:
+    """A request's fault raised inside (invalid, not found, forbidden) names the field `param` unless it names one
+    already: the submit checks of a spec field (api/checks.py), which /v1 answers with OpenAI's `param`."""
+    try:
+        yield
+    except (InvalidInput, NotFound, Forbidden) as exc:
+        exc.param = exc.param or param
+        raise
 
 
 class PortInUse(RuntimeError):

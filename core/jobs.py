@@ -147,7 +147,8 @@ def _open_generation(session: Session, new: NewJob) -> _Opened:
     rows = checked.rows(parse_dataset(files.absolute(file), spec.input_format, spec=spec, columns=spec.input_columns))
     total, failed, first_error = insert_rows(session, job.id, rows)
     if failed == total:  # nothing could run: refused, and the transaction (job, rows, a copied input) rolls back
-        raise nothing_runs(total, first_error, checked.extra_keys, spec.input_format)
+        param = checked.first_failed.param if checked.first_failed else None
+        raise nothing_runs(total, first_error, checked.extra_keys, spec.input_format, param=param)
     job.rows_total = total
     job.metrics = {"input": checked.summary(), **new.metrics}
     add_event(session, job.id, f"submitted by {new.owner}: {total} rows, {failed} invalid, queue {job.queue}")

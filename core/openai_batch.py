@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import logprob_store
+from core.errors import FieldError
 
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
@@ -72,7 +73,8 @@ class OpenAIRequest:
 
 
 def openai_request(obj: dict[str, Any], *, n_param: str | None = "num_return_sequences") -> OpenAIRequest:
-    """One OpenAI Batch input line as our row; raises ValueError saying what is wrong.
+    """One OpenAI Batch input line as our row; raises a FieldError saying what is wrong and naming the line's
+    field at fault (`body.n`, `custom_id`).
 
     `max_tokens`/`max_completion_tokens` become `max_new_tokens`; `temperature`, `top_p`, `stop`, `seed` keep their
     names; `n` becomes `n_param` (None: only n = 1 is accepted). A parameter the body leaves out takes the
@@ -80,23 +82,24 @@ def openai_request(obj: dict[str, Any], *, n_param: str | None = "num_return_seq
     """
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise ValueError("an OpenAI batch line needs a 'custom_id' (a non-empty string)")
+        raise FieldError("an OpenAI batch line needs a 'custom_id' (a non-empty string)", param="custom_id")
     if obj.get("method", "POST") != "POST":
-        raise ValueError(f"method {obj.get('method')!r}: OpenAI batch lines use POST")
+        raise FieldError(f"method {obj.get('method')!r}: OpenAI batch lines use POST", param="method")
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise ValueError(
-            f"unknown key(s) {', '.join(map(repr, unknown))}: an OpenAI batch line has custom_id, method, url and body"
+        raise FieldError(
+            f"unknown key(s) {', '.join(map(repr, unknown))}: an OpenAI batch line has custom_id, method, url and body",
+            param=unknown[0],
         )
     url, body = obj.get("url"), obj.get("body")
     if url not in OPENAI_URLS:
-        raise ValueError(f"url {url!r} is not supported: use /v1/chat/completions or /v1/completions")
+        raise FieldError(f"url {url!r} is not supported: use /v1/chat/completions or /v1/completions", param="url")
     if not isinstance(body, dict):
-        raise ValueError("'body' must be an object with the request (messages or prompt, max_tokens, …)")
+        raise FieldError("'body' must be an object with the request (messages or prompt, max_tokens, …)", param="body")
     kind = OPENAI_URLS[url]
     other = "prompt" if kind == "messages" else "messages"
     if other in body:
-        raise ValueError(f"body.{other} does not belong to {url}: use body.{kind}")
+        raise FieldError(f"body.{other} does not belong to {url}: use body.{kind}", param=f"body.{other}")
     content = body.get(kind)
     if kind == "messages":
         content = _openai_messages(content)
@@ -106,7 +109,7 @@ def openai_request(obj: dict[str, Any], *, n_param: str | None = "num_return_seq
     params.update(_openai_logprobs(body, kind))
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
-        raise ValueError("body.model must be a non-empty string")
+        raise FieldError("body.model must be a non-empty string", param="body.model")
     return OpenAIRequest(custom_id, kind, content, params, url, model)
 
 
@@ -121,7 +124,8 @@ def _openai_messages(messages: Any) -> Any:
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts
             ):
-                raise ValueError(f"body.messages[{i}].content: only text parts are supported here")
+                where = f"body.messages[{i}].content"
+                raise FieldError(f"{where}: only text parts are supported here", param=where)
             msg = {**msg, "content": "".join(p["text"] for p in parts)}
         if isinstance(msg, dict):
             msg = {k: v for k, v in msg.items() if k != "name"}
@@ -137,10 +141,16 @@ def _openai_logprobs(body: dict[str, Any], kind: str) -> dict[str, Any]:
         return {}
     if kind == "messages":
         if not isinstance(value, bool):
-            raise ValueError("body.logprobs on /v1/chat/completions is true or false (top_logprobs says how many)")
+            raise FieldError(
+                "body.logprobs on /v1/chat/completions is true or false (top_logprobs says how many)",
+                param="body.logprobs",
+            )
         return {"logprobs": value}
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError("body.logprobs on /v1/completions is the number of most likely tokens to return (0-20)")
+        raise FieldError(
+            "body.logprobs on /v1/completions is the number of most likely tokens to return (0-20)",
+            param="body.logprobs",
+        )
     return {"logprobs": True, "top_logprobs": value}
 
 
@@ -148,29 +158,57 @@ def _openai_params(body: dict[str, Any], n_param: str | None) -> dict[str, Any]:
     params = {ours: body[theirs] for theirs, ours in _OPENAI_PARAMS.items() if theirs in body}
     if body.get("guided_json") is not None:
         if "response_format" in body:
-            raise ValueError("give body.response_format or body.guided_json, not both")
+            raise FieldError("give body.response_format or body.guided_json, not both", param="body.guided_json")
         schema = body["guided_json"]
         schema = json.loads(schema) if isinstance(schema, str) else schema
         params["response_format"] = {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
     limits = {k: body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None}
     if len(set(map(json.dumps, limits.values()))) > 1:
-        raise ValueError("body.max_tokens and body.max_completion_tokens differ: give one of them")
+        raise FieldError(
+            "body.max_tokens and body.max_completion_tokens differ: give one of them",
+            param="body.max_completion_tokens",
+        )
     if limits:
         params["max_new_tokens"] = next(iter(limits.values()))
     n = body.get("n")
     if n is not None and n != 1:
         if n_param is None:
-            raise ValueError(f"body.n = {n!r}: this server returns one choice per request; send n = 1")
+            raise FieldError(f"body.n = {n!r}: this server returns one choice per request; send n = 1", param="body.n")
         params[n_param] = n
     for key, allowed in _OPENAI_NEUTRAL.items():
         if key in body and body[key] not in allowed:
-            raise ValueError(f"body.{key} = {json.dumps(body[key])} is not supported by this server: leave it out")
+            raise FieldError(
+                f"body.{key} = {json.dumps(body[key])} is not supported by this server: leave it out",
+                param=f"body.{key}",
+            )
     unknown = sorted(set(body) - set(_OPENAI_PARAMS) - set(_OPENAI_NEUTRAL) - set(_OPENAI_IGNORED))
     if unknown:
-        raise ValueError(
-            f"body key(s) {', '.join(map(repr, unknown))} are not supported by this server: leave them out"
+        raise FieldError(
+            f"body key(s) {', '.join(map(repr, unknown))} are not supported by this server: leave them out",
+            param=f"body.{unknown[0]}",
         )
     return params
+
+
+# our row fields that a line's body gives under other names (the first name the body holds, else the first)
+_BODY_NAMES = {
+    "max_new_tokens": ("max_completion_tokens", "max_tokens"),
+    "num_return_sequences": ("n",),
+    "top_logprobs": ("top_logprobs", "logprobs"),  # /v1/completions' logprobs is the number of top tokens
+    "response_format": ("response_format", "guided_json"),
+}
+
+
+def body_param(ours: str | None, body: Any) -> str | None:
+    """The line's body field behind a field of our row (`max_new_tokens` → `body.max_tokens`), for the `param` of a
+    row refused by our row checks (core/dataset.py); None for None (a rule over several fields)."""
+    if not ours:
+        return None
+    head, dot, rest = ours.partition(".")
+    names = _BODY_NAMES.get(head, (head,))
+    body = body if isinstance(body, dict) else {}
+    theirs = next((name for name in names if body.get(name) is not None), names[0])
+    return f"body.{theirs}{dot}{rest}"
 
 
 def outputs_of(value: Any) -> list[str]:

@@ -165,6 +165,7 @@ class InputCheck:
         self.too_long = 0
         self.several = (getattr(spec, "num_return_sequences", None) or 1) > 1  # some row has several outputs
         self.logprobs = bool(getattr(spec, "logprobs", None))  # some row asks for log-probabilities
+        self.first_failed: ParsedRow | None = None  # its `param` names the field at fault when no row can run
 
     def rows(self, rows: Iterable[ParsedRow]) -> Iterator[ParsedRow]:
         buffer: list[ParsedRow] = []
@@ -184,12 +185,12 @@ class InputCheck:
         for row in rows:  # a failed row's error record carries its pass-through keys too
             if len(self.extra_keys) < EXTRA_KEYS_KEPT:
                 self.extra_keys.update(dict.fromkeys((row.input or {}).get("extra", {})))
-        if self.tokens is None or not good:
-            return rows
-        for row, problem in zip(good, self.tokens.problems([r.input for r in good], self.spec)):
-            if problem:
-                row.error = f"{self.where} {row.line}: {problem}"
-                self.too_long += 1
+        if self.tokens is not None and good:
+            for row, problem in zip(good, self.tokens.problems([r.input for r in good], self.spec)):
+                if problem:
+                    row.error = f"{self.where} {row.line}: {problem}"
+                    self.too_long += 1
+        self.first_failed = self.first_failed or next((r for r in rows if r.error is not None), None)
         return rows
 
     def summary(self) -> dict[str, Any]:

@@ -556,14 +556,20 @@ def parse_spec(data: dict[str, Any]) -> Spec:
     kind = data.get("kind", "generate")
     model = KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise InvalidInput(f"unknown job kind {kind!r}: use 'generate' or 'finetune'")
+        raise InvalidInput(f"unknown job kind {kind!r}: use 'generate' or 'finetune'", param="kind")
     data = {k: whole_number(v) for k, v in data.items()}
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
         other = "finetune" if kind == "generate" else "generate"
         hint = {other: set(KINDS[other].model_fields) - set(model.model_fields), "near": set(model.model_fields)}
-        raise InvalidInput(f"invalid {kind} spec: {describe(exc, hint)}") from None
+        raise InvalidInput(f"invalid {kind} spec: {describe(exc, hint)}", param=first_field(exc)) from None
+
+
+def first_field(exc: ValidationError) -> str | None:
+    """The field of the first problem (`metadata.run`; None for a rule over several fields), for the error's
+    `param`."""
+    return ".".join(str(p) for p in exc.errors()[0]["loc"]) or None
 
 
 def whole_number(value: Any) -> Any:

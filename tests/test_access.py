@@ -444,7 +444,8 @@ def test_a_route_added_later_without_protection_fails_these_probes(world):
 
 def test_tokens_are_stored_as_sha256_only_and_a_revoked_token_gets_401(jobs_env):
     """`gpujobs tokens create` prints a secret that appears nowhere in the tokens table (only its SHA-256 does),
-    `tokens list` never shows it, and after `tokens revoke` the token gets 401 with a message saying so."""
+    `tokens list` never shows it (a header row, then a row per token; `--json` no header), and after `tokens revoke`
+    the token gets 401 with a message saying so."""
 
     def gpujobs(*args: str) -> str:
         result = subprocess.run(
@@ -453,6 +454,7 @@ def test_tokens_are_stored_as_sha256_only_and_a_revoked_token_gets_401(jobs_env)
         assert result.returncode == 0, result.stderr
         return result.stdout
 
+    assert gpujobs("tokens", "list") == ""  # none yet: stderr says so, no header alone
     secret = gpujobs("tokens", "create", "--owner", "carol", "--scope", "user", "--name", "laptop").strip()
     assert secret.startswith("jt_") and len(secret) > 40
     with session_scope() as session:
@@ -466,11 +468,19 @@ def test_tokens_are_stored_as_sha256_only_and_a_revoked_token_gets_401(jobs_env)
     client = TestClient(app, headers={"Authorization": f"Bearer {secret}"})
     assert client.get("/jobs").status_code == 200
     token_id = json.loads(gpujobs("tokens", "list", "--json"))[0]["id"]
+    assert gpujobs("tokens", "list").splitlines()[1].split()[:4] == [token_id, "carol", "user", "active"]
     gpujobs("tokens", "revoke", token_id)
     refused = client.get("/jobs")
     assert refused.status_code == 401
     assert "revoked" in refused.json()["error"]["message"]
-    assert json.loads(gpujobs("tokens", "list", "--json"))[0]["revoked"] is True
+    assert json.loads(gpujobs("tokens", "list", "--json")) == [  # no header: JSON as before
+        {"id": token_id, "owner": "carol", "scopes": "user", "name": "laptop", "revoked": True}
+    ]
+    header, row = gpujobs("tokens", "list").splitlines()
+    assert header.split() == ["token", "owner", "scopes", "state", "name"]
+    assert row.split() == [token_id, "carol", "user", "revoked", "laptop"] and row.index("revoked") == header.index(
+        "state"
+    )
 
 
 def test_token_owner_and_scopes_are_checked_when_created(jobs_env):

@@ -505,9 +505,14 @@ def test_a_retry_starts_a_new_run_that_status_and_events_show_apart_from_the_old
 
 def test_read_commands_say_what_they_show(tmp_path, cli_env):
     """`results` says on stderr how many rows it gave ("0 failed rows", "1 failed row"), also for CSV (a quoted
-    line break is one row); `list` has a header row; counts agree in number ("1 shard"); `submit generate --help`
-    names every input format; a path that is neither here nor on the API's host says where each was looked for."""
+    line break is one row); `list` and `workers` have a header row (`--json` none); counts agree in number ("1
+    shard"); `submit generate --help` names every input format; a path that is neither here nor on the API's host
+    says where each was looked for."""
+    from core import registry
+    from core.db import session_scope
     from tests.test_bad_input import fake_model
+
+    assert jobs(cli_env, "workers", check=True).stdout == ""  # none yet: stderr says so, no header alone
 
     model = fake_model(tmp_path / "model")
     data = write_rows(tmp_path / "d.jsonl", [{"prompt": 'hi\nthere, "you"'}, "{broken"])
@@ -574,6 +579,26 @@ def test_read_commands_say_what_they_show(tmp_path, cli_env):
         "sent as a path on the API's host; there: dataset path 'nosuch.csv' does not exist on the API's host "
         "(looked for "
     )
+
+    gpu = {"name": "NVIDIA H100", "uuid": "GPU-1"}
+    with session_scope() as session:  # a live worker and a stopped one, registered as workers register
+        registry.register(session, name="w1-cpu@a", host="a", pid=1, slice="", queues=["cpu"], gpus=[], capabilities={})
+        registry.register(
+            session, name="w2-gpu0@b", host="b", pid=2, slice="0", queues=["gpu1"], gpus=[gpu], capabilities={}
+        )
+        registry.stopped(session, "w2-gpu0@b", exit_code=-9, reason="killed by SIGKILL")
+    header, *lines = jobs(cli_env, "workers", check=True).stdout.splitlines()
+    assert header.split() == ["worker", "state", "restarts", "queues", "last", "seen", "gpus", "or", "exit"]
+    rows = {line.split()[0]: line for line in lines}
+    assert rows["w1-cpu@a"].split()[1:4] == ["online", "0", "cpu"] and rows["w1-cpu@a"].endswith("s ago  CPU")
+    assert rows["w2-gpu0@b"].split()[1:4] == ["offline", "0", "gpu1"]
+    assert rows["w2-gpu0@b"].endswith("s ago  exit -9: killed by SIGKILL")
+    assert {header.index("state")} == {line.index(line.split()[1]) for line in lines}  # the columns line up
+    listed = json.loads(jobs(cli_env, "workers", "--json", check=True).stdout)  # no header: JSON as before
+    assert sorted((w["name"], w["state"], w["gpus"]) for w in listed) == [
+        ("w1-cpu@a", "online", []),
+        ("w2-gpu0@b", "offline", [gpu]),
+    ]
 
 
 def test_the_readmes_tables_have_as_many_cells_as_their_headers():

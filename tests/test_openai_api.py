@@ -340,6 +340,58 @@ def test_the_body_guard_answers_v1_in_openai_shape(jobs_env):
     )
 
 
+def test_batch_create_names_the_field_the_shared_submit_checks_refuse(tmp_path, jobs_env):
+    """The submit checks a batch shares with POST /jobs name the field at fault, so /v1 fills OpenAI's `param` in
+    the batch's terms: the lines' body.model, metadata.priority (refused by the spec check and by the token's
+    scope), a line's url, and when every line is refused the first line's field (body.max_tokens, custom_id); POST
+    /jobs keeps its own body."""
+    from fastapi.testclient import TestClient
+
+    from api.app import app
+    from core import registry
+
+    with session_scope() as session:
+        headers = {"Authorization": f"Bearer {auth.create_token(session, owner='ann', scopes=['user'])}"}
+        registry.register(  # a live CPU worker, as one registers: the checks after the slice's run
+            session, name="cpu", host="h", pid=1, slice="", queues=["cpu"], gpus=[], capabilities={}
+        )
+    model = tmp_path / "model"  # a saved model to the submit checks (no worker loads it)
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    (model / "model.safetensors").write_bytes(b"")
+    client = TestClient(app)
+
+    def create(lines, **request) -> dict:
+        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        upload = client.post("/v1/files", headers=headers, files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})
+        body = {"input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        answer = client.post("/v1/batches", headers=headers, json=body | request)
+        assert set(answer.json()) == {"error"} and set(answer.json()["error"]) == OPENAI_ERROR, answer.text
+        return {"status": answer.status_code, **answer.json()["error"]}
+
+    def line(custom_id: str, **body) -> dict:
+        return chat_line(custom_id, "hi", **{"model": str(model), **body})
+
+    for lines, request, status, param, message in (
+        ([line("a"), line("b", model="/elsewhere")], {}, 400, "body.model", "name different models"),
+        ([line("a", model="/nowhere/model")], {}, 404, "body.model", "'/nowhere/model' does not exist"),
+        ([line("a")], {"metadata": {"priority": "urgent"}}, 400, "metadata.priority", "priority: Input should be"),
+        ([line("a")], {"metadata": {"priority": "high"}}, 403, "metadata.priority", "priority or admin scope"),
+        ([line("a"), {**line("b"), "url": "/v1/completions"}], {}, 400, "url", "line 2 has url '/v1/completions'"),
+        ([line("a", max_tokens=0), line("b", max_tokens=0)], {}, 400, "body.max_tokens", "no row of the dataset can"),
+        ([line("a", n=0)], {}, 400, "body.n", "line 1: invalid per-row parameter: num_return_sequences"),
+        ([line("a"), line("a")], {}, 400, "custom_id", "duplicate custom_id 'a' on lines 1 and 2"),
+    ):
+        error = create(lines, **request)
+        assert (error["status"], error["type"], error["param"]) == (status, "invalid_request_error", param), error
+        assert message in error["message"], error
+
+    spec = {"model": str(model), "input": "file_000000000000", "priority": "urgent"}
+    refused = client.post("/jobs", headers=headers, json=spec)
+    assert refused.status_code == 422 and set(refused.json()["error"]) == {"type", "message"}, refused.text
+    assert "priority: Input should be" in refused.json()["error"]["message"]
+
+
 def test_files_list_pages_filters_and_shows_only_the_callers_files(tmp_path, api_server):
     """files.list(): the caller's stored files (an uploaded batch file and one of POST /files alike, purpose
     `batch`), newest first; `limit` pages with has_more and the client's auto-paging follows `after`; order=asc;

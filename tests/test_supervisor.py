@@ -221,8 +221,13 @@ def test_up_detach_restarts_a_killed_worker_and_down_stops_every_process(tmp_pat
             "lost": 0.0,
             "offline": 1.0,
         }
-        table = jobs(env, "workers", "--all", check=True).stdout
-        assert "restarts=1" in table and "exit -9" in table and "killed by SIGKILL" in table
+        header, *lines = jobs(env, "workers", "--all", check=True).stdout.splitlines()
+        assert header.split()[:4] == ["worker", "state", "restarts", "queues"]
+        rows = {line.split()[0]: line for line in lines}
+        assert rows[new["name"]].split()[1:3] == ["online", "1"]
+        assert rows[killed["name"]].split()[1] == "offline" and rows[killed["name"]].endswith(
+            "exit -9: killed by SIGKILL"
+        )
     finally:
         down = jobs(env, "down")
     assert down.returncode == 0, down.stderr
