@@ -139,8 +139,9 @@ def worker(gpus: str, loglevel: str) -> None:
     when it exits: `gpujobs supervise`, systemd or compose do that.
 
     Sets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES on the worker's own environment; refuses to
-    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus. A worker that joined the local
-    stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Supervised workers".
+    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus, and exits 77 when Redis refuses the
+    password of JOBS_REDIS_URL (never retried). A worker that joined the local stack's Redis exits (69) when that
+    stack is stopped. Exit codes: README, "Supervised workers".
     """
     from api import stack
 

@@ -5,17 +5,19 @@ and its reason into its registration (`workers.exit_code`, `workers.reason`) bef
 says why a worker is gone. These numbers are a contract with supervisors and users' scripts: never reuse one for
 another meaning.
 
-| code | name          | meaning                                                              | restart? |
-| ---- | ------------- | -------------------------------------------------------------------- | -------- |
-| 0    | OK            | stopped when asked (SIGTERM, `gpujobs down`); shard handed back       | no (a)   |
-| 1    | (Python)      | an unexpected crash (the traceback is in the worker's log)           | yes      |
-| 2    | USAGE         | a bad command line (argparse)                                        | no       |
-| 5    | ENV_MISMATCH  | CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER contradict the slice         | no       |
-| 6    | SLICE_MISSING | the slice's GPUs are not visible (no CUDA, or fewer devices)          | no       |
-| 69   | STACK_GONE    | its local stack was stopped (`gpujobs down`: its Redis is gone)       | yes (b)  |
-| 70   | STALLED       | no engine progress within the stall bound; the shard was handed back | yes      |
-| 72   | BROKEN        | its engine or training code does not import in this process; the     | yes      |
-|      |               | shard it held was handed back without counting the attempt           |          |
+| code | name           | meaning                                                              | restart? |
+| ---- | -------------- | -------------------------------------------------------------------- | -------- |
+| 0    | OK             | stopped when asked (SIGTERM, `gpujobs down`); shard handed back       | no (a)   |
+| 1    | (Python)       | an unexpected crash (the traceback is in the worker's log)           | yes      |
+| 2    | USAGE          | a bad command line (argparse)                                        | no       |
+| 5    | ENV_MISMATCH   | CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER contradict the slice         | no       |
+| 6    | SLICE_MISSING  | the slice's GPUs are not visible (no CUDA, or fewer devices)          | no       |
+| 69   | STACK_GONE     | its local stack was stopped (`gpujobs down`: its Redis is gone)       | yes (b)  |
+| 70   | STALLED        | no engine progress within the stall bound; the shard was handed back | yes      |
+| 72   | BROKEN         | its engine or training code does not import in this process; the     | yes      |
+|      |                | shard it held was handed back without counting the attempt           |          |
+| 77   | BROKER_REFUSED | Redis refused the credentials of JOBS_REDIS_URL (a wrong password or | no       |
+|      |                | user, or none for a Redis that requires one): worker/broker.py       |          |
 
 (a) `gpujobs up`'s supervisor restarts a worker that exited 0 without being asked to stop.
 (b) under `gpujobs up` the whole stack stops with it (api/supervisor.py).
@@ -27,9 +29,12 @@ EX_UNAVAILABLE. 72 (sysexits' EX_OSFILE: a file the program needs is missing or 
 import its engine or training code (worker/preload.py): at start-up, or at job time when a shard failed and the
 modules no longer import (issue 27: two threads' imports raced and left sys.modules broken). The worker's fault,
 not the job's: the shard goes back without counting the attempt, and a fresh process usually imports them whole
-(an install that is broken for good exits 72 at every start, and the restart cap keeps its slot down). Codes 2, 5
-and 6 are start refusals: the same command on the same host fails the same way, so restarting it only loops; fix
-the host or the launcher. A process killed by a signal has no code of its own (the shell shows 128 + the signal: 137 for SIGKILL,
+(an install that is broken for good exits 72 at every start, and the restart cap keeps its slot down). 77 is
+sysexits' EX_NOPERM: Redis answered and refused this worker's credentials, at start-up or at a reconnect (its
+password changed meanwhile); neither waiting nor a restart with the same JOBS_REDIS_URL fixes that (a Redis that is
+down or unreachable is not this: Celery retries it, then 1). Codes 2, 5, 6 and 77 are configuration errors: the
+same command on the same host fails the same way, so restarting it only loops; fix the host, the launcher or
+JOBS_REDIS_URL. A process killed by a signal has no code of its own (the shell shows 128 + the signal: 137 for SIGKILL,
 e.g. the kernel's out-of-memory killer); restart it.
 """
 
@@ -43,6 +48,7 @@ SLICE_MISSING = 6
 STACK_GONE = 69
 STALLED = 70
 BROKEN = 72
+BROKER_REFUSED = 77
 
 MEANINGS = {
     OK: "stopped",
@@ -53,8 +59,9 @@ MEANINGS = {
     STACK_GONE: "its stack's Redis is gone",
     STALLED: "engine stalled",
     BROKEN: "its engine or training code does not import",
+    BROKER_REFUSED: "Redis refused its password: fix JOBS_REDIS_URL",
 }
-CONFIGURATION = frozenset({USAGE, ENV_MISMATCH, SLICE_MISSING})  # restarting cannot fix these
+CONFIGURATION = frozenset({USAGE, ENV_MISMATCH, SLICE_MISSING, BROKER_REFUSED})  # restarting cannot fix these
 
 
 def describe(code: int) -> str:
