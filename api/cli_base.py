@@ -9,7 +9,8 @@ Exit codes (a contract for scripts; see README):
     finished, `cancel` of one that has, `results` of a fine-tune)    3 server, Redis or database unreachable
     4 succeeded with some failed rows
     5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
-    130 `gpujobs up` interrupted while starting (it stopped what it started)
+    130 Ctrl-C: `gpujobs up` interrupted while starting (it stopped what it started), or a wait (`wait`, `--wait`,
+    `events --follow`) stopped: the job goes on
 
 Why 124 for a timeout: a script must tell "the job failed" (1) from "I stopped waiting" (the job may still
 succeed); 124 is what coreutils' `timeout(1)` exits with when its command outlived it, so scripts that already
@@ -34,7 +35,7 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 def exit_code_for(exc: errors.JobsError) -> int:
     if isinstance(exc, errors.GpuConflict):
         return EXIT_GPU_CONFLICT
-    if isinstance(exc, errors.StartInterrupted):
+    if isinstance(exc, (errors.StartInterrupted, errors.WaitInterrupted)):
         return EXIT_INTERRUPTED
     if isinstance(exc, errors.WaitTimeout):
         return EXIT_TIMEOUT

@@ -17,7 +17,7 @@ import click
 
 from api.cli_base import Seconds, cli, client, emit, job_exit_code, json_option
 from api.client import job_path
-from core.errors import InvalidInput
+from core.errors import InvalidInput, WaitInterrupted
 from core.hub import human_bytes
 from core.text import counted
 
@@ -33,8 +33,12 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[str, Any]:
+    """Wait for the job with a progress bar on stderr; Ctrl-C stops the wait, not the job (WaitInterrupted: 130)."""
     job_path(job_id)  # a bad id is refused before the bar draws anything
-    with click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar:
+    with (
+        watching(job_id),
+        click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar,
+    ):
 
         def update(job: dict[str, Any]) -> None:
             rows = job["rows"]
@@ -43,6 +47,19 @@ def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[s
             bar.label = f"{job_id} {job['state']}"
 
         return api.wait(job_id, on_update=update, timeout=timeout)
+
+
+@contextlib.contextmanager
+def watching(job_id: str, what: str = "waiting for", again: str = "gpujobs wait {id}"):
+    """Ctrl-C inside ends only the watching: the job goes on on the workers, so the command exits 130 (not 1, a
+    failed job's code) saying how to watch it again, rather than with click's "Aborted!"."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise WaitInterrupted(
+            f"interrupted: stopped {what} {job_id}; Ctrl-C does not cancel the job: watch it again with "
+            f"`{again.format(id=job_id)}`, or stop it with `gpujobs cancel {job_id}`"
+        ) from None
 
 
 def describe(job: dict[str, Any]) -> None:
@@ -228,7 +245,7 @@ def list_jobs(state: str | None, limit: int, after: str | None, as_json: bool) -
 @json_option("print the finished job as JSON")
 def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows,
-    2 no such job of yours, 124 when --timeout passed first (the job goes on)."""
+    2 no such job of yours, 124 when --timeout passed first, 130 on Ctrl-C (the job goes on after both)."""
     job = wait_with_progress(client(), job_id, timeout=timeout)
     emit(job, as_json, describe)
     raise SystemExit(job_exit_code(job))
@@ -332,7 +349,9 @@ class RecordCount:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
+@click.option(
+    "--follow", "-f", is_flag=True, help="keep printing new events until the job ends (Ctrl-C: 130, the job goes on)"
+)
 @click.option(
     "--run",
     "run",
@@ -350,7 +369,7 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     starts one) has its own; the current run's are shown, each training step once."""
     if run and all_runs:
         raise InvalidInput("give --run N or --all-runs, not both")
-    api, after = client(), 0
+    api = client()
     current = api.job(job_id).get("run", 1)
     if run and run > current:
         raise InvalidInput(
@@ -361,29 +380,30 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     if current > 1 and not run and not all_runs:
         click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
     scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}
-    ended = False  # seen in a terminal state: one more read gets the events its end wrote, then stop
-    while True:
-        batch, more = api.events_page(job_id, after=after, **scope)
-        for e in batch:
-            after = e["id"]
-            if as_json:
-                click.echo(json.dumps(e, default=str))
-            else:
-                stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-                tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + (
-                    "(superseded) " if e.get("superseded") else ""
-                )
-                click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
-        if more:
-            continue  # the next page at once
-        if not follow or (run and run < current) or (ended and not batch):
-            return
-        if not batch:
-            # the state and its event are one transaction: a page read before it and a state read after it would
-            # otherwise end the follow without the job's last events
-            ended = api.job(job_id)["state"] in TERMINAL
-            if not ended:
-                time.sleep(1.0)
+    after, ended = 0, False  # ended: seen in a terminal state: one more read gets the events its end wrote, then stop
+    with watching(job_id, "following", "gpujobs events {id} --follow"):  # as Ctrl-C ends `tail -f`: 130
+        while True:
+            batch, more = api.events_page(job_id, after=after, **scope)
+            for e in batch:
+                after = e["id"]
+                if as_json:
+                    click.echo(json.dumps(e, default=str))
+                else:
+                    stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+                    tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + (
+                        "(superseded) " if e.get("superseded") else ""
+                    )
+                    click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
+            if more:
+                continue  # the next page at once
+            if not follow or (run and run < current) or (ended and not batch):
+                return
+            if not batch:
+                # the state and its event are one transaction: a page read before it and a state read after it would
+                # otherwise end the follow without the job's last events
+                ended = api.job(job_id)["state"] in TERMINAL
+                if not ended:
+                    time.sleep(1.0)
 
 
 @cli.command()
@@ -401,7 +421,9 @@ def cancel(job_id: str, as_json: bool) -> None:
     is_flag=True,
     help="re-run only failed rows, not rows a cancel left unfinished (the job then ends cancelled again)",
 )
-@click.option("--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code")
+@click.option(
+    "--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code (Ctrl-C: 130, it goes on)"
+)
 @json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     """Re-open a finished job under the same id and re-run its failed rows. A job that has not finished is
@@ -410,7 +432,11 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     api = client()
     job = api.retry(job_id, failed_only=failed_only)
     if wait_:
-        job = wait_with_progress(api, job_id)
+        try:
+            job = wait_with_progress(api, job_id)
+        except WaitInterrupted:
+            emit(job, as_json, lambda j: click.echo(j["id"]))  # retried all the same: said as without --wait
+            raise
     emit(job, as_json, lambda j: click.echo(j["id"]))
     if wait_:
         raise SystemExit(job_exit_code(job))

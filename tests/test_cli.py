@@ -246,6 +246,52 @@ def test_cancelled_job_waits_with_exit_1(tmp_path, cli_env, tiny_model):
     assert again.returncode == 2 and "already cancelled" in again.stderr
 
 
+def test_ctrl_c_stops_a_wait_with_130_and_the_job_goes_on(tmp_path, cli_env, tiny_model):
+    """Ctrl-C (SIGINT) during `submit --wait`, `wait` and `events --follow` exits 130, not 1 (a failed job's code,
+    with click's "Aborted!"): stderr says the job goes on and how to watch it again, `submit --wait` has printed the
+    job's id on stdout all the same (`ID=$(…)` keeps it), and the job is still running."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 2)
+    submit = ["submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", "--wait"]
+    code, out, err = interrupted(cli_env, tmp_path, submit, lambda o, e: e.startswith("job_"))  # no worker: it runs on
+    job_id = out.strip()
+    assert (code, out) == (130, f"{job_id}\n") and job_id.startswith("job_"), (code, out, err)
+    assert f"Ctrl-C does not cancel the job: watch it again with `gpujobs wait {job_id}`" in err and "Abort" not in err
+    code, out, err = interrupted(cli_env, tmp_path, ["wait", job_id], lambda o, e: e.startswith(job_id))
+    assert (code, out) == (130, "") and f"`gpujobs wait {job_id}`" in err, (code, out, err)
+    code, out, err = interrupted(cli_env, tmp_path, ["events", job_id, "--follow"], lambda o, e: "submitted" in o)
+    assert code == 130 and f"watch it again with `gpujobs events {job_id} --follow`" in err, (code, out, err)
+    assert json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)["state"] == "running"
+
+
+def interrupted(env, tmp_path, args, ready) -> tuple[int, str, str]:
+    """`gpujobs ARGS` sent SIGINT once `ready(stdout, stderr)`; its exit code, stdout and stderr. Its output goes
+    to files (a pipe nobody reads could block it); SIGINT is restored to its default in the child, so Python
+    installs its KeyboardInterrupt handler whatever this process inherited."""
+    import signal
+
+    from tests.conftest import Proc, wait_for
+
+    out, err = tmp_path / "interrupted.out", tmp_path / "interrupted.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "api", *args],
+            env=env,
+            cwd=ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    try:
+        wait_for(lambda: ready(out.read_text(), err.read_text()), 60, f"{args} to start", procs=[Proc(popen, err)])
+        popen.send_signal(signal.SIGINT)
+        popen.wait(60)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+    return popen.returncode, out.read_text(), err.read_text()
+
+
 def ignore_job_control_signals() -> None:
     """What a non-interactive shell does to a command it starts in the background (`cmd &`), and nohup to SIGHUP."""
     import signal
