@@ -11,6 +11,7 @@ Exit codes (a contract for scripts; see README):
     5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
     130 Ctrl-C: `gpujobs up` interrupted while starting (it stopped what it started), or a wait (`wait`, `--wait`,
     `events --follow`) stopped: the job goes on
+    141 (killed by SIGPIPE, as `cat`) the reader of the output went away: `gpujobs results ID | head -1`
 
 Why 124 for a timeout: a script must tell "the job failed" (1) from "I stopped waiting" (the job may still
 succeed); 124 is what coreutils' `timeout(1)` exits with when its command outlived it, so scripts that already
@@ -19,9 +20,13 @@ handle `timeout` read it the same way, and it is far from the small codes above 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
-from typing import Any
+import os
+import signal
+import sys
+from typing import Any, NoReturn
 
 import click
 
@@ -76,6 +81,23 @@ class Group(click.Group):
             where = exc.ctx.command_path if exc.ctx else ctx.command_path
             click.echo(f"Error: {exc.format_message().rstrip('.')} (see `{where} -h`)", err=True)
             ctx.exit(EXIT_USAGE)
+        except OSError as exc:
+            if exc.errno != errno.EPIPE:
+                raise
+            reader_gone()
+
+
+def reader_gone() -> NoReturn:
+    """The reader of our output went away (`gpujobs results ID | head -1`): end as `cat` does, silently and killed
+    by SIGPIPE (a shell says 141), not with click's exit 1, which scripts read as a failed job. Python ignores
+    SIGPIPE (a write to the closed pipe raises instead), so the default is put back and the signal sent; stdout and
+    stderr point at /dev/null first, so that nothing buffered for the pipe is written, or complained about, after."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(devnull, stream.fileno())
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    raise SystemExit(128 + signal.SIGPIPE)  # SIGPIPE blocked: the code a shell would report
 
 
 class Seconds(click.ParamType):

@@ -299,6 +299,7 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str,
         for chunk in chunks:
             out.write(chunk)
             records.feed(chunk)
+        out.flush()  # here, where a reader gone (`| head`) ends the command quietly (cli_base.reader_gone), not at exit
     rows = records.records(output)
     noun = "failed row" if errors else "finished row"
     what = f"{records.size} bytes of Parquet" if rows is None else counted(rows, noun)

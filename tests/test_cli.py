@@ -292,6 +292,36 @@ def interrupted(env, tmp_path, args, ready) -> tuple[int, str, str]:
     return popen.returncode, out.read_text(), err.read_text()
 
 
+def test_a_reader_that_goes_away_ends_the_command_silently_as_cat(tmp_path, cli_env, tiny_model):
+    """`results ID | head -1` and `events ID | head -1`: once the reader has gone, the command ends as `cat` does,
+    killed by SIGPIPE (a shell's 141) with nothing on stderr; it exited 1 (a failed job's code). The server is
+    none the worse: the whole results come after."""
+    import signal
+
+    from core.db import session_scope
+    from core.store import add_event
+
+    rows = [{"prompt": "hi"}] + ["{not json"] * 3000  # 3,000 failed rows at submit: 300 kB of --errors, no worker
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()
+    with session_scope() as session:
+        for i in range(2000):
+            add_event(session, job_id, f"note {i}")
+    for args in (["results", job_id, "--errors"], ["events", job_id], ["events", job_id, "--json"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api", *args], env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        first = proc.stdout.readline()
+        proc.stdout.close()  # `head -1` has its line and exits
+        err = proc.stderr.read().decode()
+        assert (proc.wait(60), err) == (-signal.SIGPIPE, ""), args
+        assert first.strip(), args
+    whole = jobs(cli_env, "results", job_id, "--errors", check=True)
+    assert len(whole.stdout.splitlines()) == 3000 and whole.stderr == "3000 failed rows\n", whole.stderr
+
+
 def ignore_job_control_signals() -> None:
     """What a non-interactive shell does to a command it starts in the background (`cmd &`), and nohup to SIGHUP."""
     import signal
