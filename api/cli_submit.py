@@ -179,7 +179,8 @@ def common_submit_options(kind: str):
         click.option(
             "--input",
             "input_",
-            help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path",
+            help="dataset: a local file or save_to_disk directory (uploaded; also a pipe: /dev/stdin, <(…)), a "
+            "file_… id, or a server path",
         ),
         click.option("--name", help="a label for the job"),
         click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),

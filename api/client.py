@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 
 import httpx
 
-from api.packing import pack_saved_dataset
+from api.packing import pack_saved_dataset, spooled
 from core import errors
 from core.settings import get_settings
 
@@ -109,12 +109,15 @@ class Client:
         return self._json("GET", "/healthz")
 
     def upload(self, path: str | Path) -> dict[str, Any]:
-        """Store a local file (or a `save_to_disk` directory, packed into one zip) on the server; its `id` names it
-        in a spec."""
+        """Store a local file (or a `save_to_disk` directory, packed into one zip; or what a pipe such as /dev/stdin
+        holds) on the server; its `id` names it in a spec."""
         path = Path(path)
         if path.is_dir():
             with pack_saved_dataset(path) as packed:
                 return self.upload(packed)
+        if path.exists() and not path.is_file():  # a pipe: /dev/stdin, `<(…)`
+            with spooled(path) as copy:
+                return self.upload(copy)
         with open(path, "rb") as stream:
             file = self._json("POST", "/files", files={"file": (path.name, stream)}, timeout=LONG)
         if self._fresh is not None:

@@ -322,6 +322,31 @@ def test_a_reader_that_goes_away_ends_the_command_silently_as_cat(tmp_path, cli_
     assert len(whole.stdout.splitlines()) == 3000 and whole.stderr == "3000 failed rows\n", whole.stderr
 
 
+def test_a_dataset_read_from_a_pipe_is_uploaded_whole(tmp_path, cli_env, tiny_model):
+    """`--input /dev/stdin` fed by a pipe (as bash's `<(…)` is) uploads what the pipe holds: it failed with h11's
+    traceback ("Too much data for declared Content-Length": a pipe's size is 0 until read). An empty pipe is an
+    empty dataset: refused (exit 2), and nothing is left behind."""
+    from sqlalchemy import func, select
+
+    from core.db import session_scope
+    from core.models import File
+
+    def submit(data: bytes) -> subprocess.CompletedProcess:
+        args = ["submit", "generate", "--model", str(tiny_model), "--input", "/dev/stdin", "--gpus", "0"]
+        return subprocess.run(
+            [sys.executable, "-m", "api", *args], input=data, env=cli_env, cwd=ROOT, capture_output=True, timeout=120
+        )
+
+    piped = submit(b"".join(json.dumps({"prompt": f"hi {i}"}).encode() + b"\n" for i in range(5000)))
+    assert piped.returncode == 0, piped.stderr
+    job = json.loads(jobs(cli_env, "status", piped.stdout.decode().strip(), "--json", check=True).stdout)
+    assert job["rows"]["total"] == 5000
+    empty = submit(b"")
+    assert empty.returncode == 2 and b"the dataset is empty" in empty.stderr, empty.stderr
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(File)) == 1  # the piped job's only
+
+
 def ignore_job_control_signals() -> None:
     """What a non-interactive shell does to a command it starts in the background (`cmd &`), and nohup to SIGHUP."""
     import signal
