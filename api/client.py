@@ -76,7 +76,7 @@ class Result(TypedDict, total=False):
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0):
         settings = get_settings()
-        self.url = (url or settings.api_url).rstrip("/")
+        self.url = checked_url((url or settings.api_url).rstrip("/"))
         self.token = token or settings.token
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -339,6 +339,25 @@ def job_path(job_id: str, what: str = "job") -> str:
             f"`gpujobs submit` prints){hint}"
         )
     return job_id
+
+
+def checked_url(url: str) -> str:
+    """The API's URL once it is an http(s) URL with a host: a mistyped one (`127.0.0.1:8765`, `http://[::1`) is
+    the caller's mistake (InvalidInput), said once, rather than httpx's traceback or a "cannot reach" that sends
+    them to start a server."""
+    try:
+        parsed = httpx.URL(url)
+        problem = (
+            None if parsed.scheme in ("http", "https") and parsed.host else "it needs http:// or https:// and a host"
+        )
+    except httpx.InvalidURL as exc:
+        problem = str(exc)
+    if problem:
+        raise errors.InvalidInput(
+            f"{url!r} is not a URL of the jobs API ({problem}): give http://HOST:PORT, e.g. http://127.0.0.1:8765, "
+            "in --api-url or JOBS_API_URL"
+        )
+    return url
 
 
 def print_progress(job: Job) -> None:

@@ -66,6 +66,17 @@ def test_unreachable_server_exits_3(tmp_path, jobs_env):
     assert "jobs up" in result.stderr
 
 
+def test_a_malformed_api_url_exits_2_in_one_line(jobs_env):
+    """An API URL that is no http(s) URL is the caller's mistake: one line naming it and where to fix it, exit 2.
+    `http://[::1` gave httpx's traceback (exit 1), and `127.0.0.1:8765` (no scheme) "cannot reach" (exit 3)."""
+    for url in ("http://[::1", "127.0.0.1:8765", "localhost:8765", "ftp://example.com"):
+        result = jobs(dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN="x"), "list")
+        assert result.returncode == 2, (url, result.stderr)
+        assert result.stderr.startswith(f"Error: {url!r} is not a URL of the jobs API (") and result.stderr.endswith(
+            "give http://HOST:PORT, e.g. http://127.0.0.1:8765, in --api-url or JOBS_API_URL\n"
+        ), result.stderr
+
+
 def test_wrong_token_exits_2(jobs_env, api_server):
     """A wrong token is refused with a message naming JOBS_TOKEN."""
     url, _, _ = api_server
