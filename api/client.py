@@ -103,7 +103,7 @@ class Client:
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs).json()
+        return _body(self._request(method, path, **kwargs))
 
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/healthz")
@@ -184,7 +184,7 @@ class Client:
 
     def _page(self, path: str, params: dict[str, Any]) -> tuple[list[Any], bool]:
         response = self._request("GET", path, params=params)
-        return response.json(), response.headers.get("X-Has-More") == "true"
+        return _body(response), response.headers.get("X-Has-More") == "true"
 
     def results(self, job_id: str, *, errors: bool = False, with_input: bool = False) -> Iterator[Result]:
         """Finished rows (failed rows with `errors`) in input order, also while the job runs; `with_input` puts
@@ -192,7 +192,7 @@ class Client:
         params = {"errors": errors} | ({"with_input": True} if with_input else {})
         try:
             with self.http.stream("GET", f"/jobs/{job_path(job_id)}/results", params=params) as response:
-                if response.status_code >= 400:
+                if response.status_code >= 400 or _media_type(response) == "text/html":
                     response.read()
                     raise _error(response)
                 for line in response.iter_lines():
@@ -216,7 +216,7 @@ class Client:
         params = {"errors": errors, "format": format, "order": order} | ({"with_input": True} if with_input else {})
         try:
             with self.http.stream("GET", f"/jobs/{job_path(job_id)}/results", params=params, timeout=LONG) as response:
-                if response.status_code >= 400:
+                if response.status_code >= 400 or _media_type(response) == "text/html":  # a page: not our results
                     response.read()
                     raise _error(response)
                 yield from response.iter_bytes()
@@ -385,6 +385,30 @@ BY_STATUS = {
 }
 
 
+def _body(response: httpx.Response) -> Any:
+    """A success's JSON body; a body that is no JSON comes from another server than the jobs API."""
+    try:
+        return response.json()
+    except ValueError:
+        raise _not_the_api(response) from None
+
+
+def _media_type(response: httpx.Response) -> str:
+    return response.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _not_the_api(response: httpx.Response) -> errors.ServiceUnavailable:
+    """An answer that is not the jobs API's (every error of the API has a JSON body with `error`): a proxy in front of
+    an API that is down (502, 503, 504), or another server at the URL (an HTML page, a 404 of its own). The jobs API
+    was not reached there (exit 3); the URL and what to check are said, not the page, which a terminal cannot show."""
+    request = response.request
+    return errors.ServiceUnavailable(
+        f"{request.method} {request.url} answered HTTP {response.status_code} "
+        f"({_media_type(response) or 'no content type'}), which is not the jobs API's answer: check that "
+        "--api-url / JOBS_API_URL is the jobs API's address and that the API runs there (`gpujobs up` starts one)"
+    )
+
+
 def _error(response: httpx.Response) -> errors.JobsError:
     """Rebuild our exception type from the API's error body, so the CLI maps it to the same exit code."""
     try:
@@ -393,8 +417,8 @@ def _error(response: httpx.Response) -> errors.JobsError:
         if "code" in body:  # OpenAI's body: its type says little, its status what ours would have said
             kind = BY_STATUS.get(response.status_code, "JobsError")
     except (ValueError, KeyError, TypeError):
-        kind, message = "JobsError", f"HTTP {response.status_code}: {response.text[:500]}"
-        if response.status_code == 422:
-            kind = "InvalidInput"
+        if response.status_code == 422:  # a request refused as FastAPI refuses one: ours, from an older API
+            return errors.InvalidInput(f"HTTP 422: {response.text[:500]}")
+        return _not_the_api(response)
     cls = getattr(errors, kind, errors.JobsError)
     return cls(message) if isinstance(cls, type) and issubclass(cls, errors.JobsError) else errors.JobsError(message)

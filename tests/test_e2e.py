@@ -77,6 +77,44 @@ def test_a_malformed_api_url_exits_2_in_one_line(jobs_env):
         ), result.stderr
 
 
+def test_an_answer_that_is_not_the_jobs_apis_exits_3_naming_the_url(jobs_env):
+    """Another server at the URL (an HTML 404, a single-page app's 200) or a proxy in front of an API that is down
+    (an HTML 502): one line naming the request and what to check, exit 3. The page itself was printed (exit 1), or
+    for a 200 page, json's traceback, or `results` wrote the page as the results."""
+    import http.server
+    import threading
+
+    class Pages(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # the path's first part is the status to answer: /404/jobs/… answers 404
+            body = b"<html><body><h1>Bad Gateway</h1></body></html>"
+            self.send_response(int(self.path.split("/")[1]))
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for status, args in (
+            (404, ["list"]),
+            (502, ["status", "job_0123456789ab"]),
+            (200, ["list"]),
+            (200, ["results", "job_0123456789ab"]),
+        ):
+            url = f"http://127.0.0.1:{server.server_address[1]}/{status}"
+            result = jobs(dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN="x"), *args)
+            assert (result.returncode, result.stdout) == (3, ""), (status, args, result.stdout, result.stderr)
+            [line] = result.stderr.splitlines()
+            assert line.startswith(f"Error: GET {url}/") and f"answered HTTP {status} (text/html)" in line, line
+            assert "check that --api-url / JOBS_API_URL is the jobs API's address" in line, line
+    finally:
+        server.shutdown()
+
+
 def test_wrong_token_exits_2(jobs_env, api_server):
     """A wrong token is refused with a message naming JOBS_TOKEN."""
     url, _, _ = api_server
