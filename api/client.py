@@ -95,9 +95,7 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise errors.ServiceUnavailable(
-                f"cannot reach the jobs API at {self.url} ({exc}): start one with `gpujobs up`, or set JOBS_API_URL"
-            ) from exc
+            raise errors_unreachable(self.url, exc) from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
@@ -370,7 +368,10 @@ def print_progress(job: Job) -> None:
 
 
 def errors_unreachable(url: str, exc: Exception) -> errors.ServiceUnavailable:
-    return errors.ServiceUnavailable(f"cannot reach the jobs API at {url} ({exc}): start one with `gpujobs up`")
+    """One message for every request, streamed or not: where the API should be, and both ways to put it there."""
+    return errors.ServiceUnavailable(
+        f"cannot reach the jobs API at {url} ({exc}): start one with `gpujobs up`, or set JOBS_API_URL"
+    )
 
 
 # Our exception type by status, for an error in OpenAI's shape (under /v1: api/openai_api.py), whose type is OpenAI's

@@ -59,11 +59,14 @@ def test_submit_wait_results_through_the_cli(tmp_path, jobs_env, api_server, spa
 
 
 def test_unreachable_server_exits_3(tmp_path, jobs_env):
-    """With no API listening, every command says how to start one and exits 3."""
+    """With no API listening, every command (also `results`, which streams) names the URL, says how to start one
+    or point elsewhere, and exits 3."""
     env = dict(jobs_env.env, JOBS_API_URL="http://127.0.0.1:9", JOBS_TOKEN="x")
-    result = jobs(env, "list")
-    assert result.returncode == 3
-    assert "jobs up" in result.stderr
+    for args in (["list"], ["results", "job_0123456789ab"]):
+        result = jobs(env, *args)
+        assert result.returncode == 3, (args, result.stderr)
+        assert result.stderr.startswith("Error: cannot reach the jobs API at http://127.0.0.1:9 ("), result.stderr
+        assert result.stderr.endswith(": start one with `gpujobs up`, or set JOBS_API_URL\n"), result.stderr
 
 
 def test_a_malformed_api_url_exits_2_in_one_line(jobs_env):
