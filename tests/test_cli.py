@@ -347,6 +347,49 @@ def test_a_dataset_read_from_a_pipe_is_uploaded_whole(tmp_path, cli_env, tiny_mo
         assert session.scalar(select(func.count()).select_from(File)) == 1  # the piped job's only
 
 
+def test_models_pull_wait_writes_a_line_per_change_off_a_terminal(tmp_path, cli_env):
+    """`models pull --workers all --wait` with stderr not a terminal (a log file, CI) writes a line each time the
+    hosts' state changes, and stdout holds the JSON alone: it redrew one line with carriage returns every second,
+    which a log keeps as one line of every redraw."""
+    from sqlalchemy import select
+
+    from core import model_cache, registry
+    from core.db import session_scope
+    from core.models import CachedModel
+    from tests.conftest import Proc, wait_for
+
+    with session_scope() as session:  # a live worker's registration, with the Hugging Face cache of its host
+        hub = {"hub": {"cache": str(tmp_path / "cache")}}
+        registry.register(
+            session, name="w1", host="host-t", pid=os.getpid(), slice="", queues=["cpu"], gpus=[], capabilities=hub
+        )
+    err = tmp_path / "pull.err"
+    args = ["models", "pull", "acme/tiny", "--workers", "all", "--wait", "--json"]
+    with open(err, "w") as stderr:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "api", *args], env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr
+        )
+    proc = Proc(popen, err)
+
+    def move_to(state: str, **values) -> None:
+        with session_scope() as session:
+            row = session.scalars(select(CachedModel).where(CachedModel.repo == "acme/tiny")).one()
+            model_cache.update_row(session, row.id, state=state, **values)
+
+    try:
+        wait_for(lambda: "pull_requested" in err.read_text(), 60, "the pull's first progress", procs=[proc])
+        move_to("downloading", bytes_done=1024, bytes_total=4096)
+        wait_for(lambda: "downloading" in err.read_text(), 60, "the download's progress", procs=[proc])
+        move_to("ready", bytes=4096, files=3)
+        out = popen.communicate(timeout=60)[0]
+    finally:
+        proc.stop()
+    assert popen.returncode == 0 and [r["state"] for r in json.loads(out)] == ["ready"]
+    lines = err.read_text().split("\n")
+    assert "\r" not in err.read_text() and lines[0] == "host-t: pull_requested", lines
+    assert lines[1].startswith("host-t: downloading 1") and lines[2:] == [""], lines
+
+
 def ignore_job_control_signals() -> None:
     """What a non-interactive shell does to a command it starts in the background (`cmd &`), and nohup to SIGHUP."""
     import signal
