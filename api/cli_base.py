@@ -82,9 +82,13 @@ class Group(click.Group):
             click.echo(f"Error: {exc.format_message().rstrip('.')} (see `{where} -h`)", err=True)
             ctx.exit(EXIT_USAGE)
         except OSError as exc:
-            if exc.errno != errno.EPIPE:
+            if exc.errno == errno.EPIPE:
+                reader_gone()
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            reader_gone()
+            where = f" ({exc.filename})" if exc.filename else ""  # none for stdout (`results ID > out.jsonl`)
+            click.echo(f"Error: {exc.strerror}{where}: free some space, or write elsewhere", err=True)
+            ctx.exit(EXIT_FAILED)
 
 
 def reader_gone() -> NoReturn:

@@ -347,6 +347,24 @@ def test_a_dataset_read_from_a_pipe_is_uploaded_whole(tmp_path, cli_env, tiny_mo
         assert session.scalar(select(func.count()).select_from(File)) == 1  # the piped job's only
 
 
+def test_a_full_disk_under_stdout_is_one_line_not_a_traceback(tmp_path, cli_env, tiny_model):
+    """`results ID > out.jsonl` or `list > jobs.txt` on a full disk (/dev/full) says so in one line and exits 1;
+    it ended with a traceback."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] + ["{not json"] * 100)
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()
+    for args in (["results", job_id, "--errors"], ["list"], ["status", job_id, "--json"]):
+        with open("/dev/full", "w") as full:
+            ran = subprocess.run(
+                [sys.executable, "-m", "api", *args], env=cli_env, cwd=ROOT, stdout=full, stderr=subprocess.PIPE
+            )
+        assert (ran.returncode, ran.stderr.decode()) == (
+            1,
+            "Error: No space left on device: free some space, or write elsewhere\n",
+        ), args
+
+
 def test_models_pull_wait_writes_a_line_per_change_off_a_terminal(tmp_path, cli_env):
     """`models pull --workers all --wait` with stderr not a terminal (a log file, CI) writes a line each time the
     hosts' state changes, and stdout holds the JSON alone: it redrew one line with carriage returns every second,
