@@ -257,7 +257,8 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     "--output",
     "-o",
     type=click.Path(dir_okay=False),
-    help="write here (replaced only once every row has come; - is stdout), not to stdout",
+    help="write here, not to stdout: a file is replaced only once every row has come; a FIFO or device "
+    "(/dev/stdout, >(…)) is written as it is; - is stdout",
 )
 @click.option("--errors", is_flag=True, help="failed rows (with their line and error) instead of results")
 @click.option(
@@ -289,21 +290,33 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str,
         raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")
     chunks = client().download(job_id, format=fmt, errors=errors, order=order, with_input=with_input)
     records = RecordCount(fmt)
-    if output:
-        with replacing(Path(output)) as out:
-            for chunk in chunks:
-                out.write(chunk)
-                records.feed(chunk)
-    else:
-        out = click.get_binary_stream("stdout")
+    with opened(output) as (out, regular):
         for chunk in chunks:
             out.write(chunk)
             records.feed(chunk)
         out.flush()  # here, where a reader gone (`| head`) ends the command quietly (cli_base.reader_gone), not at exit
-    rows = records.records(output)
+    rows = records.records(output if regular else None)
     noun = "failed row" if errors else "finished row"
     what = f"{records.size} bytes of Parquet" if rows is None else counted(rows, noun)
     click.echo(what + (f" written to {output}" if output else ""), err=True)
+
+
+@contextlib.contextmanager
+def opened(output: str | None):
+    """Where `results` writes, and whether it is a regular file: stdout; a regular file, made or replaced whole
+    (`replacing`; through a symbolic link, its target, so the link stays); or, written as it is, what is no regular
+    file (/dev/stdout, /dev/null, a FIFO, bash's `>(…)`), which a rename over it would have replaced with one."""
+    if output is None:
+        yield click.get_binary_stream("stdout"), False
+        return
+    path = Path(output)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if path.exists() and not target.is_file():
+        with open(path, "wb") as out:
+            yield out, False
+        return
+    with replacing(target) as out:
+        yield out, True
 
 
 @contextlib.contextmanager

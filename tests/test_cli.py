@@ -763,6 +763,45 @@ def test_read_commands_say_what_they_show(tmp_path, cli_env):
     ]
 
 
+def test_results_o_writes_a_fifo_in_place_and_a_links_target(tmp_path, cli_env):
+    """`results -o` replaces only a regular file: a FIFO (as bash's `>(…)`, /dev/stdout or a device) is written as
+    it is, and a symbolic link's target is replaced, the link kept. The rename over the path made either a regular
+    file (as root, `-o /dev/null` replaced /dev/null), and as another user it failed with a traceback."""
+    import stat
+
+    from tests.test_bad_input import fake_model
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] + ["{broken"] * 3)
+    job_id = jobs(
+        cli_env,
+        "submit",
+        "generate",
+        "--model",
+        str(fake_model(tmp_path / "model")),
+        "--input",
+        data,
+        "--gpus",
+        "0",
+        check=True,
+    ).stdout.strip()  # no worker: 3 failed rows at submit
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open before the writer, which then does not block
+    try:
+        written = jobs(cli_env, "results", job_id, "--errors", "-o", str(fifo), check=True)
+        assert written.stderr == f"3 failed rows written to {fifo}\n"
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        assert len(os.read(reader, 1 << 16).splitlines()) == 3
+    finally:
+        os.close(reader)
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text("old\n")
+    link.symlink_to(target.name)
+    jobs(cli_env, "results", job_id, "--errors", "-o", str(link), check=True)
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 3
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
 def test_the_readmes_tables_have_as_many_cells_as_their_headers():
     """Every row of every table in README.md has the cells its header names (the exit-code table's row for 6 had a
     stray third cell)."""
