@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -322,17 +323,25 @@ def opened(output: str | None):
 @contextlib.contextmanager
 def replacing(path: Path):
     """A file written beside `path` and renamed over it once complete: a download that fails (a wrong id, the API
-    gone, the connection cut) leaves a file already there as it was, and never a part of the results."""
+    gone, the connection cut) leaves a file already there as it was, and never a part of the results. It gets the
+    mode of the file it replaces, or a new file's (0666 less the umask, as `> path` gives), not mkstemp's 0600."""
     if not path.parent.is_dir():
         raise InvalidInput(f"-o {path}: there is no folder {str(path.parent)!r}: create it first")
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
+        os.fchmod(fd, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as out:
             yield out
         os.replace(temp, path)
     except BaseException:
         os.unlink(temp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading it means setting it: put back at once
+    os.umask(mask)
+    return mask
 
 
 class RecordCount:

@@ -802,6 +802,43 @@ def test_results_o_writes_a_fifo_in_place_and_a_links_target(tmp_path, cli_env):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
 
 
+def test_results_o_makes_a_file_with_the_umasks_mode_and_keeps_a_replaced_files(tmp_path, cli_env):
+    """A file `results -o` makes has the mode `> file` would give it (0666 less the umask: 0644 under 022), and a
+    file it replaces keeps its own (0640 stays 0640); both were 0600, the temporary file's, so another user or a
+    web server could no longer read results that a script rewrote."""
+    import stat
+
+    from tests.test_bad_input import fake_model
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}, "{broken"])
+    job_id = jobs(
+        cli_env,
+        "submit",
+        "generate",
+        "--model",
+        str(fake_model(tmp_path / "model")),
+        "--input",
+        data,
+        "--gpus",
+        "0",
+        check=True,
+    ).stdout.strip()
+
+    def results_o(path, umask: int) -> int:
+        subprocess.run(
+            [sys.executable, "-m", "api", "results", job_id, "--errors", "-o", str(path)],
+            env=cli_env, cwd=ROOT, check=True, capture_output=True, preexec_fn=lambda: os.umask(umask),
+        )  # fmt: skip
+        return stat.S_IMODE(path.stat().st_mode)
+
+    assert results_o(tmp_path / "new.jsonl", 0o022) == 0o644
+    assert results_o(tmp_path / "private.jsonl", 0o077) == 0o600
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("old\n")
+    kept.chmod(0o640)
+    assert results_o(kept, 0o022) == 0o640 and kept.read_text().count("\n") == 1 and "invalid JSON" in kept.read_text()
+
+
 def test_the_readmes_tables_have_as_many_cells_as_their_headers():
     """Every row of every table in README.md has the cells its header names (the exit-code table's row for 6 had a
     stray third cell)."""
