@@ -35,6 +35,7 @@ from core import errors
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
 EXIT_TIMEOUT = 124
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; 8.1 shows the help itself
 
 
 def exit_code_for(exc: errors.JobsError) -> int:
@@ -77,6 +78,9 @@ class Group(click.Group):
         except errors.JobsError as exc:
             click.echo(f"Error: {exc}", err=True)
             ctx.exit(exit_code_for(exc))
+        except NO_ARGS_IS_HELP as exc:  # `gpujobs submit` alone: the group's help, not "Error: Usage: …" around it
+            exc.show()
+            ctx.exit(EXIT_USAGE)
         except click.UsageError as exc:  # click would print its usage line and a help hint on three more lines
             where = exc.ctx.command_path if exc.ctx else ctx.command_path
             click.echo(f"Error: {exc.format_message().rstrip('.')} (see `{where} -h`)", err=True)

@@ -919,6 +919,16 @@ def test_each_submit_command_offers_only_what_its_kind_takes():
         assert examples and set(examples) <= set(model.model_fields), (kind, examples)
 
 
+def test_a_group_without_its_command_shows_its_help_not_an_error_around_it():
+    """`gpujobs submit` (or `models`, `quota`…) without a command prints the group's help on stderr and exits 2 (a
+    usage error); it printed "Error: Usage: …" with the whole help inside and "(see `gpujobs submit -h`)" after."""
+    for group in ("submit", "models", "quota", "tokens", "adapters", "db"):
+        shown = jobs(dict(os.environ), group)
+        assert (shown.returncode, shown.stdout) == (2, ""), group
+        assert shown.stderr.startswith(f"Usage: gpujobs {group} [OPTIONS] COMMAND [ARGS]...\n"), shown.stderr
+        assert "Error" not in shown.stderr and "Commands:" in shown.stderr, shown.stderr
+
+
 def test_demo_names_the_example_files_it_lacks_before_starting_anything(tmp_path):
     """`gpujobs demo --examples DIR` reads four files from DIR; its help named two, and a folder built from the help
     failed after the stack had started and the model had been built. A missing file is now refused at once (exit
