@@ -9,7 +9,9 @@ Exit codes (a contract for scripts; see README):
     finished, `cancel` of one that has, `results` of a fine-tune)    3 server, Redis or database unreachable
     4 succeeded with some failed rows
     5 CUDA_VISIBLE_DEVICES contradicts --gpus    124 `wait --timeout` gave up: the job goes on
-    130 `gpujobs up` interrupted while starting (it stopped what it started)
+    130 Ctrl-C: `gpujobs up` interrupted while starting (it stopped what it started), or a wait (`wait`, `--wait`,
+    `events --follow`) stopped: the job goes on
+    141 (killed by SIGPIPE, as `cat`) the reader of the output went away: `gpujobs results ID | head -1`
 
 Why 124 for a timeout: a script must tell "the job failed" (1) from "I stopped waiting" (the job may still
 succeed); 124 is what coreutils' `timeout(1)` exits with when its command outlived it, so scripts that already
@@ -18,9 +20,13 @@ handle `timeout` read it the same way, and it is far from the small codes above 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
-from typing import Any
+import os
+import signal
+import sys
+from typing import Any, NoReturn
 
 import click
 
@@ -29,12 +35,13 @@ from core import errors
 EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_PARTIAL, EXIT_GPU_CONFLICT, EXIT_INTERRUPTED = 1, 2, 3, 4, 5, 130
 EXIT_TIMEOUT = 124
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2; 8.1 shows the help itself
 
 
 def exit_code_for(exc: errors.JobsError) -> int:
     if isinstance(exc, errors.GpuConflict):
         return EXIT_GPU_CONFLICT
-    if isinstance(exc, errors.StartInterrupted):
+    if isinstance(exc, (errors.StartInterrupted, errors.WaitInterrupted)):
         return EXIT_INTERRUPTED
     if isinstance(exc, errors.WaitTimeout):
         return EXIT_TIMEOUT
@@ -71,10 +78,34 @@ class Group(click.Group):
         except errors.JobsError as exc:
             click.echo(f"Error: {exc}", err=True)
             ctx.exit(exit_code_for(exc))
+        except NO_ARGS_IS_HELP as exc:  # `gpujobs submit` alone: the group's help, not "Error: Usage: …" around it
+            exc.show()
+            ctx.exit(EXIT_USAGE)
         except click.UsageError as exc:  # click would print its usage line and a help hint on three more lines
             where = exc.ctx.command_path if exc.ctx else ctx.command_path
             click.echo(f"Error: {exc.format_message().rstrip('.')} (see `{where} -h`)", err=True)
             ctx.exit(EXIT_USAGE)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:
+                reader_gone()
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" ({exc.filename})" if exc.filename else ""  # none for stdout (`results ID > out.jsonl`)
+            click.echo(f"Error: {exc.strerror}{where}: free some space, or write elsewhere", err=True)
+            ctx.exit(EXIT_FAILED)
+
+
+def reader_gone() -> NoReturn:
+    """The reader of our output went away (`gpujobs results ID | head -1`): end as `cat` does, silently and killed
+    by SIGPIPE (a shell says 141), not with click's exit 1, which scripts read as a failed job. Python ignores
+    SIGPIPE (a write to the closed pipe raises instead), so the default is put back and the signal sent; stdout and
+    stderr point at /dev/null first, so that nothing buffered for the pipe is written, or complained about, after."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(devnull, stream.fileno())
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+    raise SystemExit(128 + signal.SIGPIPE)  # SIGPIPE blocked: the code a shell would report
 
 
 class Seconds(click.ParamType):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -17,7 +18,7 @@ import click
 
 from api.cli_base import Seconds, cli, client, emit, job_exit_code, json_option
 from api.client import job_path
-from core.errors import InvalidInput
+from core.errors import InvalidInput, WaitInterrupted
 from core.hub import human_bytes
 from core.text import counted
 
@@ -33,8 +34,12 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[str, Any]:
+    """Wait for the job with a progress bar on stderr; Ctrl-C stops the wait, not the job (WaitInterrupted: 130)."""
     job_path(job_id)  # a bad id is refused before the bar draws anything
-    with click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar:
+    with (
+        watching(job_id),
+        click.progressbar(length=1, label=job_id, file=click.get_text_stream("stderr"), show_pos=True) as bar,
+    ):
 
         def update(job: dict[str, Any]) -> None:
             rows = job["rows"]
@@ -43,6 +48,19 @@ def wait_with_progress(api, job_id: str, timeout: float | None = None) -> dict[s
             bar.label = f"{job_id} {job['state']}"
 
         return api.wait(job_id, on_update=update, timeout=timeout)
+
+
+@contextlib.contextmanager
+def watching(job_id: str, what: str = "waiting for", again: str = "gpujobs wait {id}"):
+    """Ctrl-C inside ends only the watching: the job goes on on the workers, so the command exits 130 (not 1, a
+    failed job's code) saying how to watch it again, rather than with click's "Aborted!"."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise WaitInterrupted(
+            f"interrupted: stopped {what} {job_id}; Ctrl-C does not cancel the job: watch it again with "
+            f"`{again.format(id=job_id)}`, or stop it with `gpujobs cancel {job_id}`"
+        ) from None
 
 
 def describe(job: dict[str, Any]) -> None:
@@ -228,7 +246,7 @@ def list_jobs(state: str | None, limit: int, after: str | None, as_json: bool) -
 @json_option("print the finished job as JSON")
 def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     """Wait for a job to end (progress on stderr); exit 0 succeeded, 1 failed/cancelled, 4 with failed rows,
-    2 no such job of yours, 124 when --timeout passed first (the job goes on)."""
+    2 no such job of yours, 124 when --timeout passed first, 130 on Ctrl-C (the job goes on after both)."""
     job = wait_with_progress(client(), job_id, timeout=timeout)
     emit(job, as_json, describe)
     raise SystemExit(job_exit_code(job))
@@ -240,7 +258,8 @@ def wait(job_id: str, timeout: float | None, as_json: bool) -> None:
     "--output",
     "-o",
     type=click.Path(dir_okay=False),
-    help="write here (replaced only once every row has come; - is stdout), not to stdout",
+    help="write here, not to stdout: a file is replaced only once every row has come; a FIFO or device "
+    "(/dev/stdout, >(…)) is written as it is; - is stdout",
 )
 @click.option("--errors", is_flag=True, help="failed rows (with their line and error) instead of results")
 @click.option(
@@ -272,36 +291,57 @@ def results(job_id: str, output: str | None, errors: bool, fmt: str, order: str,
         raise InvalidInput("Parquet is binary: write it to a file with -o FILE (or pipe stdout)")
     chunks = client().download(job_id, format=fmt, errors=errors, order=order, with_input=with_input)
     records = RecordCount(fmt)
-    if output:
-        with replacing(Path(output)) as out:
-            for chunk in chunks:
-                out.write(chunk)
-                records.feed(chunk)
-    else:
-        out = click.get_binary_stream("stdout")
+    with opened(output) as (out, regular):
         for chunk in chunks:
             out.write(chunk)
             records.feed(chunk)
-    rows = records.records(output)
+        out.flush()  # here, where a reader gone (`| head`) ends the command quietly (cli_base.reader_gone), not at exit
+    rows = records.records(output if regular else None)
     noun = "failed row" if errors else "finished row"
     what = f"{records.size} bytes of Parquet" if rows is None else counted(rows, noun)
     click.echo(what + (f" written to {output}" if output else ""), err=True)
 
 
 @contextlib.contextmanager
+def opened(output: str | None):
+    """Where `results` writes, and whether it is a regular file: stdout; a regular file, made or replaced whole
+    (`replacing`; through a symbolic link, its target, so the link stays); or, written as it is, what is no regular
+    file (/dev/stdout, /dev/null, a FIFO, bash's `>(…)`), which a rename over it would have replaced with one."""
+    if output is None:
+        yield click.get_binary_stream("stdout"), False
+        return
+    path = Path(output)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if path.exists() and not target.is_file():
+        with open(path, "wb") as out:
+            yield out, False
+        return
+    with replacing(target) as out:
+        yield out, True
+
+
+@contextlib.contextmanager
 def replacing(path: Path):
     """A file written beside `path` and renamed over it once complete: a download that fails (a wrong id, the API
-    gone, the connection cut) leaves a file already there as it was, and never a part of the results."""
+    gone, the connection cut) leaves a file already there as it was, and never a part of the results. It gets the
+    mode of the file it replaces, or a new file's (0666 less the umask, as `> path` gives), not mkstemp's 0600."""
     if not path.parent.is_dir():
         raise InvalidInput(f"-o {path}: there is no folder {str(path.parent)!r}: create it first")
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
+        os.fchmod(fd, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as out:
             yield out
         os.replace(temp, path)
     except BaseException:
         os.unlink(temp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading it means setting it: put back at once
+    os.umask(mask)
+    return mask
 
 
 class RecordCount:
@@ -332,7 +372,9 @@ class RecordCount:
 
 @cli.command()
 @click.argument("job_id")
-@click.option("--follow", "-f", is_flag=True, help="keep printing new events until the job ends")
+@click.option(
+    "--follow", "-f", is_flag=True, help="keep printing new events until the job ends (Ctrl-C: 130, the job goes on)"
+)
 @click.option(
     "--run",
     "run",
@@ -350,7 +392,7 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     starts one) has its own; the current run's are shown, each training step once."""
     if run and all_runs:
         raise InvalidInput("give --run N or --all-runs, not both")
-    api, after = client(), 0
+    api = client()
     current = api.job(job_id).get("run", 1)
     if run and run > current:
         raise InvalidInput(
@@ -361,29 +403,30 @@ def events(job_id: str, follow: bool, run: int | None, all_runs: bool, as_json: 
     if current > 1 and not run and not all_runs:
         click.echo(f"(run {current} of job {job_id}: earlier runs with --run N or --all-runs)", err=True)
     scope = {"run": None, "superseded": True} if all_runs else {"run": run or "current"}
-    ended = False  # seen in a terminal state: one more read gets the events its end wrote, then stop
-    while True:
-        batch, more = api.events_page(job_id, after=after, **scope)
-        for e in batch:
-            after = e["id"]
-            if as_json:
-                click.echo(json.dumps(e, default=str))
-            else:
-                stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
-                tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + (
-                    "(superseded) " if e.get("superseded") else ""
-                )
-                click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
-        if more:
-            continue  # the next page at once
-        if not follow or (run and run < current) or (ended and not batch):
-            return
-        if not batch:
-            # the state and its event are one transaction: a page read before it and a state read after it would
-            # otherwise end the follow without the job's last events
-            ended = api.job(job_id)["state"] in TERMINAL
-            if not ended:
-                time.sleep(1.0)
+    after, ended = 0, False  # ended: seen in a terminal state: one more read gets the events its end wrote, then stop
+    with watching(job_id, "following", "gpujobs events {id} --follow"):  # as Ctrl-C ends `tail -f`: 130
+        while True:
+            batch, more = api.events_page(job_id, after=after, **scope)
+            for e in batch:
+                after = e["id"]
+                if as_json:
+                    click.echo(json.dumps(e, default=str))
+                else:
+                    stamp = time.strftime("%H:%M:%S", time.localtime(e["ts"]))
+                    tags = (f"[run {e.get('run', 1)}] " if all_runs else "") + (
+                        "(superseded) " if e.get("superseded") else ""
+                    )
+                    click.echo(f"{stamp} {e['level']:<5} {tags}{e['message']}")
+            if more:
+                continue  # the next page at once
+            if not follow or (run and run < current) or (ended and not batch):
+                return
+            if not batch:
+                # the state and its event are one transaction: a page read before it and a state read after it would
+                # otherwise end the follow without the job's last events
+                ended = api.job(job_id)["state"] in TERMINAL
+                if not ended:
+                    time.sleep(1.0)
 
 
 @cli.command()
@@ -401,7 +444,9 @@ def cancel(job_id: str, as_json: bool) -> None:
     is_flag=True,
     help="re-run only failed rows, not rows a cancel left unfinished (the job then ends cancelled again)",
 )
-@click.option("--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code")
+@click.option(
+    "--wait", "wait_", is_flag=True, help="wait for the retried job; exit with its code (Ctrl-C: 130, it goes on)"
+)
 @json_option("print the job as JSON")
 def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     """Re-open a finished job under the same id and re-run its failed rows. A job that has not finished is
@@ -410,7 +455,11 @@ def retry(job_id: str, failed_only: bool, wait_: bool, as_json: bool) -> None:
     api = client()
     job = api.retry(job_id, failed_only=failed_only)
     if wait_:
-        job = wait_with_progress(api, job_id)
+        try:
+            job = wait_with_progress(api, job_id)
+        except WaitInterrupted:
+            emit(job, as_json, lambda j: click.echo(j["id"]))  # retried all the same: said as without --wait
+            raise
     emit(job, as_json, lambda j: click.echo(j["id"]))
     if wait_:
         raise SystemExit(job_exit_code(job))

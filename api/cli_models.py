@@ -183,12 +183,15 @@ def _report(api, repo: str, rows: list[dict[str, Any]], wait_: bool, as_json: bo
 
 
 def _wait(api, repo: str, places: set[tuple[str, str]]) -> list[dict[str, Any]]:
-    """Until no row of `repo` in these places is requested or in flight; progress on stderr."""
+    """Until no row of `repo` in these places is requested or in flight; progress on stderr: one line redrawn on a
+    terminal, else a line each time it changes (a log file or a CI page shows no carriage return as one)."""
+    tty, shown = click.get_text_stream("stderr").isatty(), None
     while True:
         rows = [r for r in api.models(repo=repo) if (r["host"], r["cache_dir"]) in places]
         busy = [r for r in rows if r["state"] in IN_FLIGHT]
         if not busy:
-            click.echo("", err=True)
+            if tty and shown is not None:
+                click.echo("", err=True)
             return rows
         summary = "; ".join(
             f"{r['host']}: {r['state']}"
@@ -199,5 +202,9 @@ def _wait(api, repo: str, places: set[tuple[str, str]]) -> list[dict[str, Any]]:
             )
             for r in busy
         )
-        click.echo(f"\r{summary}", err=True, nl=False)
+        if tty:
+            click.echo(f"\r{summary:<{len(shown or '')}}", err=True, nl=False)  # over all of a longer one
+        elif summary != shown:
+            click.echo(summary, err=True)
+        shown = summary
         time.sleep(1.0)

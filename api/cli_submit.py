@@ -17,7 +17,7 @@ import yaml
 
 from api.cli_base import cli, client, emit, job_exit_code, json_option
 from api.cli_jobs import wait_with_progress
-from core.errors import Forbidden, InvalidInput, JobsError
+from core.errors import Forbidden, InvalidInput, JobsError, WaitInterrupted
 from core.hub import HUB_ID
 
 
@@ -179,7 +179,8 @@ def common_submit_options(kind: str):
         click.option(
             "--input",
             "input_",
-            help="dataset: a local file or save_to_disk directory (uploaded), a file_… id, or a server path",
+            help="dataset: a local file or save_to_disk directory (uploaded; also a pipe: /dev/stdin, <(…)), a "
+            "file_… id, or a server path",
         ),
         click.option("--name", help="a label for the job"),
         click.option("--gpus", type=click.IntRange(0, 64), help="slice size: 0 = CPU (default: smallest live slice)"),
@@ -228,7 +229,9 @@ def common_submit_options(kind: str):
             + ("engine=continuous, num_return_sequences=4" if generate else "warmup_steps=10, liger=off"),
         ),
         click.option(
-            "--wait", is_flag=True, help="wait for the job, with a progress bar on stderr; exit with its code"
+            "--wait",
+            is_flag=True,
+            help="wait for the job, with a progress bar on stderr; exit with its code (Ctrl-C: 130, the job goes on)",
         ),
         json_option("print the job as JSON instead of its id"),
     ]
@@ -280,7 +283,8 @@ def _model_in_lines(kind: str, spec: dict[str, Any]) -> bool:
 
 def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
     """Submit and print the job's id. A fine-tune's chained job (`then_generate`) is named on stderr; with --wait
-    both ids are printed (the fine-tune's first), both are waited for, and the exit code is the chain's."""
+    both ids are printed (the fine-tune's first), both are waited for, and the exit code is the chain's (130 with
+    the ids printed all the same when Ctrl-C stops the wait)."""
     api, server_path = client(), _server_path(spec.get("input"))
     try:
         with api.removed_if_refused():  # a refused submit leaves none of the files it uploaded behind
@@ -292,15 +296,21 @@ def finish_submit(spec: dict[str, Any], wait: bool, as_json: bool) -> None:
     chained = (job.get("metrics") or {}).get("then_generate_job")
     if chained and not wait:
         click.echo(f"then-generate: {chained} runs once {job['id']} has trained its adapter", err=True)
-    if wait:
-        job = wait_with_progress(api, job["id"])
-    if wait and chained:
-        then = wait_with_progress(api, chained)
-        emit({**job, "chained_job": then}, as_json, lambda j: click.echo(f"{j['id']}\n{chained}"))
-        raise SystemExit(chain_exit_code(job, then))
-    emit(job, as_json, lambda j: click.echo(j["id"]))
-    if wait:
-        raise SystemExit(job_exit_code(job))
+    if not wait:
+        emit(job, as_json, lambda j: click.echo(j["id"]))
+        return
+    try:
+        ended = wait_with_progress(api, job["id"])
+        then = wait_with_progress(api, chained) if chained else None
+    except WaitInterrupted:
+        # the job exists and goes on: stdout still gets the ids --wait prints, so `ID=$(…)` has them
+        emit(job, as_json, lambda j: click.echo(j["id"] + (f"\n{chained}" if chained else "")))
+        raise
+    if then is not None:
+        emit({**ended, "chained_job": then}, as_json, lambda j: click.echo(f"{j['id']}\n{chained}"))
+        raise SystemExit(chain_exit_code(ended, then))
+    emit(ended, as_json, lambda j: click.echo(j["id"]))
+    raise SystemExit(job_exit_code(ended))
 
 
 def chain_exit_code(finetune: dict[str, Any], then: dict[str, Any]) -> int:

@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 
 import httpx
 
-from api.packing import pack_saved_dataset
+from api.packing import pack_saved_dataset, spooled
 from core import errors
 from core.settings import get_settings
 
@@ -76,7 +76,7 @@ class Result(TypedDict, total=False):
 class Client:
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 60.0):
         settings = get_settings()
-        self.url = (url or settings.api_url).rstrip("/")
+        self.url = checked_url((url or settings.api_url).rstrip("/"))
         self.token = token or settings.token
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -95,26 +95,27 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise errors.ServiceUnavailable(
-                f"cannot reach the jobs API at {self.url} ({exc}): start one with `gpujobs up`, or set JOBS_API_URL"
-            ) from exc
+            raise errors_unreachable(self.url, exc) from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs).json()
+        return _body(self._request(method, path, **kwargs))
 
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/healthz")
 
     def upload(self, path: str | Path) -> dict[str, Any]:
-        """Store a local file (or a `save_to_disk` directory, packed into one zip) on the server; its `id` names it
-        in a spec."""
+        """Store a local file (or a `save_to_disk` directory, packed into one zip; or what a pipe such as /dev/stdin
+        holds) on the server; its `id` names it in a spec."""
         path = Path(path)
         if path.is_dir():
             with pack_saved_dataset(path) as packed:
                 return self.upload(packed)
+        if path.exists() and not path.is_file():  # a pipe: /dev/stdin, `<(…)`
+            with spooled(path) as copy:
+                return self.upload(copy)
         with open(path, "rb") as stream:
             file = self._json("POST", "/files", files={"file": (path.name, stream)}, timeout=LONG)
         if self._fresh is not None:
@@ -181,7 +182,7 @@ class Client:
 
     def _page(self, path: str, params: dict[str, Any]) -> tuple[list[Any], bool]:
         response = self._request("GET", path, params=params)
-        return response.json(), response.headers.get("X-Has-More") == "true"
+        return _body(response), response.headers.get("X-Has-More") == "true"
 
     def results(self, job_id: str, *, errors: bool = False, with_input: bool = False) -> Iterator[Result]:
         """Finished rows (failed rows with `errors`) in input order, also while the job runs; `with_input` puts
@@ -189,7 +190,7 @@ class Client:
         params = {"errors": errors} | ({"with_input": True} if with_input else {})
         try:
             with self.http.stream("GET", f"/jobs/{job_path(job_id)}/results", params=params) as response:
-                if response.status_code >= 400:
+                if response.status_code >= 400 or _media_type(response) == "text/html":
                     response.read()
                     raise _error(response)
                 for line in response.iter_lines():
@@ -213,7 +214,7 @@ class Client:
         params = {"errors": errors, "format": format, "order": order} | ({"with_input": True} if with_input else {})
         try:
             with self.http.stream("GET", f"/jobs/{job_path(job_id)}/results", params=params, timeout=LONG) as response:
-                if response.status_code >= 400:
+                if response.status_code >= 400 or _media_type(response) == "text/html":  # a page: not our results
                     response.read()
                     raise _error(response)
                 yield from response.iter_bytes()
@@ -338,6 +339,25 @@ def job_path(job_id: str, what: str = "job") -> str:
     return job_id
 
 
+def checked_url(url: str) -> str:
+    """The API's URL once it is an http(s) URL with a host: a mistyped one (`127.0.0.1:8765`, `http://[::1`) is
+    the caller's mistake (InvalidInput), said once, rather than httpx's traceback or a "cannot reach" that sends
+    them to start a server."""
+    try:
+        parsed = httpx.URL(url)
+        problem = (
+            None if parsed.scheme in ("http", "https") and parsed.host else "it needs http:// or https:// and a host"
+        )
+    except httpx.InvalidURL as exc:
+        problem = str(exc)
+    if problem:
+        raise errors.InvalidInput(
+            f"{url!r} is not a URL of the jobs API ({problem}): give http://HOST:PORT, e.g. http://127.0.0.1:8765, "
+            "in --api-url or JOBS_API_URL"
+        )
+    return url
+
+
 def print_progress(job: Job) -> None:
     rows = job["rows"]
     done = rows["succeeded"] + rows["failed"]
@@ -348,7 +368,10 @@ def print_progress(job: Job) -> None:
 
 
 def errors_unreachable(url: str, exc: Exception) -> errors.ServiceUnavailable:
-    return errors.ServiceUnavailable(f"cannot reach the jobs API at {url} ({exc}): start one with `gpujobs up`")
+    """One message for every request, streamed or not: where the API should be, and both ways to put it there."""
+    return errors.ServiceUnavailable(
+        f"cannot reach the jobs API at {url} ({exc}): start one with `gpujobs up`, or set JOBS_API_URL"
+    )
 
 
 # Our exception type by status, for an error in OpenAI's shape (under /v1: api/openai_api.py), whose type is OpenAI's
@@ -363,6 +386,30 @@ BY_STATUS = {
 }
 
 
+def _body(response: httpx.Response) -> Any:
+    """A success's JSON body; a body that is no JSON comes from another server than the jobs API."""
+    try:
+        return response.json()
+    except ValueError:
+        raise _not_the_api(response) from None
+
+
+def _media_type(response: httpx.Response) -> str:
+    return response.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _not_the_api(response: httpx.Response) -> errors.ServiceUnavailable:
+    """An answer that is not the jobs API's (every error of the API has a JSON body with `error`): a proxy in front of
+    an API that is down (502, 503, 504), or another server at the URL (an HTML page, a 404 of its own). The jobs API
+    was not reached there (exit 3); the URL and what to check are said, not the page, which a terminal cannot show."""
+    request = response.request
+    return errors.ServiceUnavailable(
+        f"{request.method} {request.url} answered HTTP {response.status_code} "
+        f"({_media_type(response) or 'no content type'}), which is not the jobs API's answer: check that "
+        "--api-url / JOBS_API_URL is the jobs API's address and that the API runs there (`gpujobs up` starts one)"
+    )
+
+
 def _error(response: httpx.Response) -> errors.JobsError:
     """Rebuild our exception type from the API's error body, so the CLI maps it to the same exit code."""
     try:
@@ -371,8 +418,8 @@ def _error(response: httpx.Response) -> errors.JobsError:
         if "code" in body:  # OpenAI's body: its type says little, its status what ours would have said
             kind = BY_STATUS.get(response.status_code, "JobsError")
     except (ValueError, KeyError, TypeError):
-        kind, message = "JobsError", f"HTTP {response.status_code}: {response.text[:500]}"
-        if response.status_code == 422:
-            kind = "InvalidInput"
+        if response.status_code == 422:  # a request refused as FastAPI refuses one: ours, from an older API
+            return errors.InvalidInput(f"HTTP 422: {response.text[:500]}")
+        return _not_the_api(response)
     cls = getattr(errors, kind, errors.JobsError)
     return cls(message) if isinstance(cls, type) and issubclass(cls, errors.JobsError) else errors.JobsError(message)

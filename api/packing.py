@@ -1,10 +1,11 @@
 """Packing a directory for upload (uploads are single files): a dataset saved with `Dataset.save_to_disk` becomes one
-zip that the API reads with pyarrow (`core.formats.read_hf`). Used by the CLI and by `api.client.Client`; no httpx
-and no click here, so either may import it cheaply."""
+zip that the API reads with pyarrow (`core.formats.read_hf`); a pipe (`/dev/stdin`, bash's `<(…)`) becomes a file.
+Used by the CLI and by `api.client.Client`; no httpx and no click here, so either may import it cheaply."""
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -34,3 +35,15 @@ def pack_saved_dataset(folder: Path):
                 if path.is_file() and (path.suffix in (".arrow", ".json")):
                     archive.write(path, path.name)
         yield packed
+
+
+@contextlib.contextmanager
+def spooled(stream: Path):
+    """What a pipe (or another file that is not a regular one: `--input /dev/stdin`, `--input <(jq …)`) holds, read
+    to its end into a temporary file of the same name (removed afterwards): an upload states its size before its
+    body, and a pipe has none until it is read (httpx sent a Content-Length of 0, then failed on the bytes after)."""
+    with tempfile.TemporaryDirectory(prefix="gpujobs-") as tmp:
+        copy = Path(tmp) / (stream.name or "input")
+        with open(stream, "rb") as source, open(copy, "wb") as target:
+            shutil.copyfileobj(source, target)
+        yield copy

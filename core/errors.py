@@ -139,6 +139,11 @@ class WaitTimeout(JobsError):
     http_status = 504
 
 
+class WaitInterrupted(JobsError):
+    """Ctrl-C (SIGINT) stopped a wait or a follow; the job goes on. The CLI exits 130 (128 + SIGINT, as a shell
+    reports a command that SIGINT ended), not 1, which scripts read as "the job failed"."""
+
+
 class LeaseLost(JobsError):
     """This worker no longer holds the shard's lease: someone else owns the work now."""
 

@@ -246,6 +246,168 @@ def test_cancelled_job_waits_with_exit_1(tmp_path, cli_env, tiny_model):
     assert again.returncode == 2 and "already cancelled" in again.stderr
 
 
+def test_ctrl_c_stops_a_wait_with_130_and_the_job_goes_on(tmp_path, cli_env, tiny_model):
+    """Ctrl-C (SIGINT) during `submit --wait`, `wait` and `events --follow` exits 130, not 1 (a failed job's code,
+    with click's "Aborted!"): stderr says the job goes on and how to watch it again, `submit --wait` has printed the
+    job's id on stdout all the same (`ID=$(…)` keeps it), and the job is still running."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] * 2)
+    submit = ["submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", "--wait"]
+    code, out, err = interrupted(cli_env, tmp_path, submit, lambda o, e: e.startswith("job_"))  # no worker: it runs on
+    job_id = out.strip()
+    assert (code, out) == (130, f"{job_id}\n") and job_id.startswith("job_"), (code, out, err)
+    assert f"Ctrl-C does not cancel the job: watch it again with `gpujobs wait {job_id}`" in err and "Abort" not in err
+    code, out, err = interrupted(cli_env, tmp_path, ["wait", job_id], lambda o, e: e.startswith(job_id))
+    assert (code, out) == (130, "") and f"`gpujobs wait {job_id}`" in err, (code, out, err)
+    code, out, err = interrupted(cli_env, tmp_path, ["events", job_id, "--follow"], lambda o, e: "submitted" in o)
+    assert code == 130 and f"watch it again with `gpujobs events {job_id} --follow`" in err, (code, out, err)
+    assert json.loads(jobs(cli_env, "status", job_id, "--json", check=True).stdout)["state"] == "running"
+
+
+def interrupted(env, tmp_path, args, ready) -> tuple[int, str, str]:
+    """`gpujobs ARGS` sent SIGINT once `ready(stdout, stderr)`; its exit code, stdout and stderr. Its output goes
+    to files (a pipe nobody reads could block it); SIGINT is restored to its default in the child, so Python
+    installs its KeyboardInterrupt handler whatever this process inherited."""
+    import signal
+
+    from tests.conftest import Proc, wait_for
+
+    out, err = tmp_path / "interrupted.out", tmp_path / "interrupted.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "api", *args],
+            env=env,
+            cwd=ROOT,
+            stdout=stdout,
+            stderr=stderr,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    try:
+        wait_for(lambda: ready(out.read_text(), err.read_text()), 60, f"{args} to start", procs=[Proc(popen, err)])
+        popen.send_signal(signal.SIGINT)
+        popen.wait(60)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+    return popen.returncode, out.read_text(), err.read_text()
+
+
+def test_a_reader_that_goes_away_ends_the_command_silently_as_cat(tmp_path, cli_env, tiny_model):
+    """`results ID | head -1` and `events ID | head -1`: once the reader has gone, the command ends as `cat` does,
+    killed by SIGPIPE (a shell's 141) with nothing on stderr; it exited 1 (a failed job's code). The server is
+    none the worse: the whole results come after."""
+    import signal
+
+    from core.db import session_scope
+    from core.store import add_event
+
+    rows = [{"prompt": "hi"}] + ["{not json"] * 3000  # 3,000 failed rows at submit: 300 kB of --errors, no worker
+    data = write_rows(tmp_path / "d.jsonl", rows)
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()
+    with session_scope() as session:
+        for i in range(2000):
+            add_event(session, job_id, f"note {i}")
+    for args in (["results", job_id, "--errors"], ["events", job_id], ["events", job_id, "--json"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "api", *args], env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        first = proc.stdout.readline()
+        proc.stdout.close()  # `head -1` has its line and exits
+        err = proc.stderr.read().decode()
+        assert (proc.wait(60), err) == (-signal.SIGPIPE, ""), args
+        assert first.strip(), args
+    whole = jobs(cli_env, "results", job_id, "--errors", check=True)
+    assert len(whole.stdout.splitlines()) == 3000 and whole.stderr == "3000 failed rows\n", whole.stderr
+
+
+def test_a_dataset_read_from_a_pipe_is_uploaded_whole(tmp_path, cli_env, tiny_model):
+    """`--input /dev/stdin` fed by a pipe (as bash's `<(…)` is) uploads what the pipe holds: it failed with h11's
+    traceback ("Too much data for declared Content-Length": a pipe's size is 0 until read). An empty pipe is an
+    empty dataset: refused (exit 2), and nothing is left behind."""
+    from sqlalchemy import func, select
+
+    from core.db import session_scope
+    from core.models import File
+
+    def submit(data: bytes) -> subprocess.CompletedProcess:
+        args = ["submit", "generate", "--model", str(tiny_model), "--input", "/dev/stdin", "--gpus", "0"]
+        return subprocess.run(
+            [sys.executable, "-m", "api", *args], input=data, env=cli_env, cwd=ROOT, capture_output=True, timeout=120
+        )
+
+    piped = submit(b"".join(json.dumps({"prompt": f"hi {i}"}).encode() + b"\n" for i in range(5000)))
+    assert piped.returncode == 0, piped.stderr
+    job = json.loads(jobs(cli_env, "status", piped.stdout.decode().strip(), "--json", check=True).stdout)
+    assert job["rows"]["total"] == 5000
+    empty = submit(b"")
+    assert empty.returncode == 2 and b"the dataset is empty" in empty.stderr, empty.stderr
+    with session_scope() as session:
+        assert session.scalar(select(func.count()).select_from(File)) == 1  # the piped job's only
+
+
+def test_a_full_disk_under_stdout_is_one_line_not_a_traceback(tmp_path, cli_env, tiny_model):
+    """`results ID > out.jsonl` or `list > jobs.txt` on a full disk (/dev/full) says so in one line and exits 1;
+    it ended with a traceback."""
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] + ["{not json"] * 100)
+    job_id = jobs(
+        cli_env, "submit", "generate", "--model", str(tiny_model), "--input", data, "--gpus", "0", check=True
+    ).stdout.strip()
+    for args in (["results", job_id, "--errors"], ["list"], ["status", job_id, "--json"]):
+        with open("/dev/full", "w") as full:
+            ran = subprocess.run(
+                [sys.executable, "-m", "api", *args], env=cli_env, cwd=ROOT, stdout=full, stderr=subprocess.PIPE
+            )
+        assert (ran.returncode, ran.stderr.decode()) == (
+            1,
+            "Error: No space left on device: free some space, or write elsewhere\n",
+        ), args
+
+
+def test_models_pull_wait_writes_a_line_per_change_off_a_terminal(tmp_path, cli_env):
+    """`models pull --workers all --wait` with stderr not a terminal (a log file, CI) writes a line each time the
+    hosts' state changes, and stdout holds the JSON alone: it redrew one line with carriage returns every second,
+    which a log keeps as one line of every redraw."""
+    from sqlalchemy import select
+
+    from core import model_cache, registry
+    from core.db import session_scope
+    from core.models import CachedModel
+    from tests.conftest import Proc, wait_for
+
+    with session_scope() as session:  # a live worker's registration, with the Hugging Face cache of its host
+        hub = {"hub": {"cache": str(tmp_path / "cache")}}
+        registry.register(
+            session, name="w1", host="host-t", pid=os.getpid(), slice="", queues=["cpu"], gpus=[], capabilities=hub
+        )
+    err = tmp_path / "pull.err"
+    args = ["models", "pull", "acme/tiny", "--workers", "all", "--wait", "--json"]
+    with open(err, "w") as stderr:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "api", *args], env=cli_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr
+        )
+    proc = Proc(popen, err)
+
+    def move_to(state: str, **values) -> None:
+        with session_scope() as session:
+            row = session.scalars(select(CachedModel).where(CachedModel.repo == "acme/tiny")).one()
+            model_cache.update_row(session, row.id, state=state, **values)
+
+    try:
+        wait_for(lambda: "pull_requested" in err.read_text(), 60, "the pull's first progress", procs=[proc])
+        move_to("downloading", bytes_done=1024, bytes_total=4096)
+        wait_for(lambda: "downloading" in err.read_text(), 60, "the download's progress", procs=[proc])
+        move_to("ready", bytes=4096, files=3)
+        out = popen.communicate(timeout=60)[0]
+    finally:
+        proc.stop()
+    assert popen.returncode == 0 and [r["state"] for r in json.loads(out)] == ["ready"]
+    lines = err.read_text().split("\n")
+    assert "\r" not in err.read_text() and lines[0] == "host-t: pull_requested", lines
+    assert lines[1].startswith("host-t: downloading 1") and lines[2:] == [""], lines
+
+
 def ignore_job_control_signals() -> None:
     """What a non-interactive shell does to a command it starts in the background (`cmd &`), and nohup to SIGHUP."""
     import signal
@@ -601,6 +763,82 @@ def test_read_commands_say_what_they_show(tmp_path, cli_env):
     ]
 
 
+def test_results_o_writes_a_fifo_in_place_and_a_links_target(tmp_path, cli_env):
+    """`results -o` replaces only a regular file: a FIFO (as bash's `>(…)`, /dev/stdout or a device) is written as
+    it is, and a symbolic link's target is replaced, the link kept. The rename over the path made either a regular
+    file (as root, `-o /dev/null` replaced /dev/null), and as another user it failed with a traceback."""
+    import stat
+
+    from tests.test_bad_input import fake_model
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] + ["{broken"] * 3)
+    job_id = jobs(
+        cli_env,
+        "submit",
+        "generate",
+        "--model",
+        str(fake_model(tmp_path / "model")),
+        "--input",
+        data,
+        "--gpus",
+        "0",
+        check=True,
+    ).stdout.strip()  # no worker: 3 failed rows at submit
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open before the writer, which then does not block
+    try:
+        written = jobs(cli_env, "results", job_id, "--errors", "-o", str(fifo), check=True)
+        assert written.stderr == f"3 failed rows written to {fifo}\n"
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+        assert len(os.read(reader, 1 << 16).splitlines()) == 3
+    finally:
+        os.close(reader)
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text("old\n")
+    link.symlink_to(target.name)
+    jobs(cli_env, "results", job_id, "--errors", "-o", str(link), check=True)
+    assert link.is_symlink() and len(target.read_text().splitlines()) == 3
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+def test_results_o_makes_a_file_with_the_umasks_mode_and_keeps_a_replaced_files(tmp_path, cli_env):
+    """A file `results -o` makes has the mode `> file` would give it (0666 less the umask: 0644 under 022), and a
+    file it replaces keeps its own (0640 stays 0640); both were 0600, the temporary file's, so another user or a
+    web server could no longer read results that a script rewrote."""
+    import stat
+
+    from tests.test_bad_input import fake_model
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}, "{broken"])
+    job_id = jobs(
+        cli_env,
+        "submit",
+        "generate",
+        "--model",
+        str(fake_model(tmp_path / "model")),
+        "--input",
+        data,
+        "--gpus",
+        "0",
+        check=True,
+    ).stdout.strip()
+
+    def results_o(path, umask: int) -> int:
+        subprocess.run(
+            [sys.executable, "-m", "api", "results", job_id, "--errors", "-o", str(path)],
+            env=cli_env, cwd=ROOT, check=True, capture_output=True, preexec_fn=lambda: os.umask(umask),
+        )  # fmt: skip
+        return stat.S_IMODE(path.stat().st_mode)
+
+    assert results_o(tmp_path / "new.jsonl", 0o022) == 0o644
+    assert results_o(tmp_path / "private.jsonl", 0o077) == 0o600
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("old\n")
+    kept.chmod(0o640)
+    assert results_o(kept, 0o022) == 0o640 and kept.read_text().count("\n") == 1 and "invalid JSON" in kept.read_text()
+
+
 def test_the_readmes_tables_have_as_many_cells_as_their_headers():
     """Every row of every table in README.md has the cells its header names (the exit-code table's row for 6 had a
     stray third cell)."""
@@ -679,6 +917,16 @@ def test_each_submit_command_offers_only_what_its_kind_takes():
         ), (kind, methods)
         examples = re.findall(r"(\w+)=", params["sets"].help.split("e.g.")[1])
         assert examples and set(examples) <= set(model.model_fields), (kind, examples)
+
+
+def test_a_group_without_its_command_shows_its_help_not_an_error_around_it():
+    """`gpujobs submit` (or `models`, `quota`…) without a command prints the group's help on stderr and exits 2 (a
+    usage error); it printed "Error: Usage: …" with the whole help inside and "(see `gpujobs submit -h`)" after."""
+    for group in ("submit", "models", "quota", "tokens", "adapters", "db"):
+        shown = jobs(dict(os.environ), group)
+        assert (shown.returncode, shown.stdout) == (2, ""), group
+        assert shown.stderr.startswith(f"Usage: gpujobs {group} [OPTIONS] COMMAND [ARGS]...\n"), shown.stderr
+        assert "Error" not in shown.stderr and "Commands:" in shown.stderr, shown.stderr
 
 
 def test_demo_names_the_example_files_it_lacks_before_starting_anything(tmp_path):

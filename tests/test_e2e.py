@@ -59,11 +59,63 @@ def test_submit_wait_results_through_the_cli(tmp_path, jobs_env, api_server, spa
 
 
 def test_unreachable_server_exits_3(tmp_path, jobs_env):
-    """With no API listening, every command says how to start one and exits 3."""
+    """With no API listening, every command (also `results`, which streams) names the URL, says how to start one
+    or point elsewhere, and exits 3."""
     env = dict(jobs_env.env, JOBS_API_URL="http://127.0.0.1:9", JOBS_TOKEN="x")
-    result = jobs(env, "list")
-    assert result.returncode == 3
-    assert "jobs up" in result.stderr
+    for args in (["list"], ["results", "job_0123456789ab"]):
+        result = jobs(env, *args)
+        assert result.returncode == 3, (args, result.stderr)
+        assert result.stderr.startswith("Error: cannot reach the jobs API at http://127.0.0.1:9 ("), result.stderr
+        assert result.stderr.endswith(": start one with `gpujobs up`, or set JOBS_API_URL\n"), result.stderr
+
+
+def test_a_malformed_api_url_exits_2_in_one_line(jobs_env):
+    """An API URL that is no http(s) URL is the caller's mistake: one line naming it and where to fix it, exit 2.
+    `http://[::1` gave httpx's traceback (exit 1), and `127.0.0.1:8765` (no scheme) "cannot reach" (exit 3)."""
+    for url in ("http://[::1", "127.0.0.1:8765", "localhost:8765", "ftp://example.com"):
+        result = jobs(dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN="x"), "list")
+        assert result.returncode == 2, (url, result.stderr)
+        assert result.stderr.startswith(f"Error: {url!r} is not a URL of the jobs API (") and result.stderr.endswith(
+            "give http://HOST:PORT, e.g. http://127.0.0.1:8765, in --api-url or JOBS_API_URL\n"
+        ), result.stderr
+
+
+def test_an_answer_that_is_not_the_jobs_apis_exits_3_naming_the_url(jobs_env):
+    """Another server at the URL (an HTML 404, a single-page app's 200) or a proxy in front of an API that is down
+    (an HTML 502): one line naming the request and what to check, exit 3. The page itself was printed (exit 1), or
+    for a 200 page, json's traceback, or `results` wrote the page as the results."""
+    import http.server
+    import threading
+
+    class Pages(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # the path's first part is the status to answer: /404/jobs/… answers 404
+            body = b"<html><body><h1>Bad Gateway</h1></body></html>"
+            self.send_response(int(self.path.split("/")[1]))
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for status, args in (
+            (404, ["list"]),
+            (502, ["status", "job_0123456789ab"]),
+            (200, ["list"]),
+            (200, ["results", "job_0123456789ab"]),
+        ):
+            url = f"http://127.0.0.1:{server.server_address[1]}/{status}"
+            result = jobs(dict(jobs_env.env, JOBS_API_URL=url, JOBS_TOKEN="x"), *args)
+            assert (result.returncode, result.stdout) == (3, ""), (status, args, result.stdout, result.stderr)
+            [line] = result.stderr.splitlines()
+            assert line.startswith(f"Error: GET {url}/") and f"answered HTTP {status} (text/html)" in line, line
+            assert "check that --api-url / JOBS_API_URL is the jobs API's address" in line, line
+    finally:
+        server.shutdown()
 
 
 def test_wrong_token_exits_2(jobs_env, api_server):
