@@ -62,7 +62,7 @@ def run(
     others: Rows = []
     groups: dict[Any, list[fastgen.Seq]] = {}
     eos = eos_ids(loaded)
-    state = prepared_state(loaded, eos, progress=progress, kv_cache_dtype=spec.kv_cache_dtype)
+    state = prepared_state(loaded, eos, progress=progress, sampling=(), kv_cache_dtype=spec.kv_cache_dtype)
     for item in prepare(loaded, spec, rows, started):
         if isinstance(item, RowResult):
             ready.append(item)
@@ -168,7 +168,12 @@ def prepared_state(
     """The fast engine's state for this model, prepared once per cache type (cache, compiled layers, CUDA graphs of
     the modes in `sampling`: see `fastgen.prepare`). The worker calls it right after loading a model the fast
     engine will run (through `generate.prepare_engine`, with the loading job's mode and cache type), so that cost is
-    load time, not a job's."""
+    load time, not a job's. A run that finds no state (another engine released it, or the job asks for another
+    cache type) makes one with no graph captured ahead (`sampling=()`): each bucket's is captured when a step first
+    needs it, so a shard pays only for the buckets its rows use. A job mixing greedy rows with rows the padded
+    engine runs (top_p, top_k, repetition_penalty) builds the state again in every shard: capturing all 32 graphs
+    each time took 8.2 s of each ~22 s shard of the GPU soak's `mixed` step on an H100
+    (ops/bench/results/2026-12-08-h100-session58), where its 64 greedy rows used 7 buckets."""
     graphs = _fast_graphs(loaded)
     return fastgen.prepare(
         loaded,
@@ -227,7 +232,7 @@ def _run_fast(
         finished: set[int] = set()
         engine = None
         try:
-            state = prepared_state(loaded, eos, fraction, progress, kv_cache_dtype=kv_cache_dtype)
+            state = prepared_state(loaded, eos, fraction, progress, sampling=(), kv_cache_dtype=kv_cache_dtype)
             graphs = _fast_graphs(loaded)
             engine = fastgen.Engine(
                 loaded,
