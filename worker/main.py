@@ -9,14 +9,15 @@ lets it run on: what a stuck or slow worker is doing, even inside a C call (ops/
 passes its time limit). SIGUSR2, because Celery takes SIGUSR1 for a Python-level dump that waits for the main
 thread to come back to Python.
 
-The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state
-offline: it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
-(exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), or its engine or training code
-does not import (exits.BROKEN, 72: restartable, a fresh process may import it whole). A stalled engine ends the
-process with exits.STALLED (70; worker/runtime.py); a worker of a local stack that was stopped leaves with
-exits.STACK_GONE (69; worker/stackwatch.py). Celery's worker may end itself with 1 (a Redis that stayed away past
-JOBS_BROKER_RETRIES reconnects): the registration then keeps the code and Celery's reason. Each exit ends with one
-log line: `worker NAME exits with code N (why)`.
+The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state offline:
+it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
+(exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), its JOBS_ARTIFACTS is not the
+store's artifacts directory (exits.WRONG_ARTIFACTS, 78; core/artifacts.py, which also adopts the directory of a
+store that has none yet), or its engine or training code does not import (exits.BROKEN, 72: restartable, a fresh
+process may import it whole). A stalled engine ends the process with exits.STALLED (70; worker/runtime.py); a worker
+of a local stack that was stopped leaves with exits.STACK_GONE (69; worker/stackwatch.py). Celery's worker may end
+itself with 1 (a Redis that stayed away past JOBS_BROKER_RETRIES reconnects): the registration then keeps the code
+and Celery's reason. Each exit ends with one log line: `worker NAME exits with code N (why)`.
 
 The start-up order, each step before the next: the checks and every heavy import in the main thread
 (worker/preload.py has the order and why), then the other threads (models, heartbeat, flex_attention probe, stack
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 
 from celery import signals
 
-from core import exits
+from core import artifacts, exits
+from core.errors import WrongArtifacts
 from core.logs import setup_logging
 from core.queue import queue_for
 
@@ -153,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s=1 (tests only): starting although %s", MISSING_GPUS_OK, problem)
     elif problem:
         return refuse(where, exits.SLICE_MISSING, problem)
+    try:  # before any work: a worker on another directory than the store's would keep its outputs to itself
+        artifacts.verify(get_settings().artifacts, host=host)
+    except WrongArtifacts as exc:
+        return refuse(where, exits.WRONG_ARTIFACTS, str(exc))
     try:  # every heavy import, in this thread, before any other thread starts (worker/preload.py: the order, why)
         preload.preload()
     except preload.Broken as exc:
