@@ -63,8 +63,8 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME.
 
     A worker that exits is restarted with backoff; a slot whose worker exited JOBS_RESTART_LIMIT times within
-    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 6, 78), stays down and `gpujobs workers`
-    says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
+    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 6, 77, 78), stays down and `gpujobs
+    workers` says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
     Exit codes: 0 stopped on request (or detached and healthy), 1 the stack failed to start or a part of it
     exited, 2 --port is in use (nothing was started) or JOBS_ARTIFACTS is not the store's artifacts directory,
     5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted while starting.
@@ -139,8 +139,10 @@ def worker(gpus: str, loglevel: str) -> None:
     when it exits: `gpujobs supervise`, systemd or compose do that.
 
     Sets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES on the worker's own environment; refuses to
-    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus. A worker that joined the local
-    stack's Redis exits (69) when that stack is stopped. Exit codes: README, "Supervised workers".
+    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus, exits 77 when Redis refuses the
+    password of JOBS_REDIS_URL (never retried) and 78 when JOBS_ARTIFACTS is not the store's artifacts directory.
+    A worker that joined the local stack's Redis exits (69) when that
+    stack is stopped. Exit codes: README, "Supervised workers".
     """
     from api import stack
 

@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # a pytest plugin imported it first: its thread count is already fixed
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from tests.services import postgres_url, private_postgres, redis_server  # noqa: E402, F401
+from tests.services import locked_redis, postgres_url, private_postgres, redis_server  # noqa: E402, F401
 
 ROOT = Path(__file__).resolve().parent.parent
 

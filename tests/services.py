@@ -11,6 +11,8 @@ go green by skipping.
   no persistence. `.url` (redis-py), `.broker_url` (Celery/kombu), `.port`, `.proc`,
   `.kill()`, `.start()`, `.restart()` (SIGKILL, then a fresh empty server on the SAME port),
   `.client()` (a redis.Redis).
+- `locked_redis` (function scope): a private redis-server that requires a password (`requirepass`, as
+  compose.yaml's Redis does); `.url(password)` is its URL with that password (None: with none).
 - `postgres_url` (function scope): a fresh database on the server named by
   `JOBS_TEST_POSTGRES_URL` (e.g. `postgresql+psycopg://postgres@127.0.0.1:55432/postgres`),
   dropped afterwards; yields its SQLAlchemy URL string.
@@ -115,6 +117,42 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisHand
         yield handle
     finally:
         handle.stop()
+
+
+class LockedRedis:
+    """A redis-server of a test's own that requires `password`."""
+
+    def __init__(self, workdir: Path, password: str):
+        import redis
+
+        self.server = embedded.start_redis(workdir)  # it pings the new server without a password: set one after
+        self.password = password
+        redis.Redis.from_url(self.server.url).config_set("requirepass", password)
+
+    def url(self, password: str | None) -> str:
+        credentials = "" if password is None else f":{password}@"
+        return f"redis://{credentials}127.0.0.1:{self.server.port}/0"
+
+    def client(self, password: str | None = None):
+        import redis
+
+        return redis.Redis.from_url(self.url(self.password if password is None else password))
+
+    def stop(self) -> None:
+        embedded.stop_process(self.server.proc)
+
+
+@pytest.fixture
+def locked_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockedRedis]:
+    try:
+        embedded.find_redis_server()
+    except RuntimeError as exc:
+        require_service("redis-server", str(exc))
+    server = LockedRedis(tmp_path_factory.mktemp("locked-redis"), password="right-password")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

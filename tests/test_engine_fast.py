@@ -475,7 +475,7 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
     # a prefill chunk's quantized write in one kernel (QUANT_PREFILL_WRITE): the bytes and scales of write_pages over
     # the pages rows own (row 2's positions past 128 go to the trash page 0, as above), and its returned values. fp8:
     # values that need no rounding (see the step's write above); int8: any values, ties among them
-    da.QUANT_PREFILL_WRITE = True  # off by default until measured on a GPU
+    assert da.QUANT_PREFILL_WRITE  # the default
     grid = torch.randint(0, 256, (3, 150, 2, dim), dtype=torch.uint8).view(da.FP8).float().nan_to_num(0)
     grid = grid.clamp(-448, 448)
     grid[..., 3] = 448.0
@@ -496,7 +496,6 @@ for dtype, dim in ((torch.float32, 32), (torch.float16, 32), (torch.float32, 24)
         again8, again_scales = torch.zeros_like(got8), torch.zeros_like(got_scales)
         assert torch.equal(da.write_prefill(again8, again_scales, *at, xs), want_held)
         da.QUANT_PREFILL_WRITE = True
-    da.QUANT_PREFILL_WRITE = False
 print("kernel ok")
 """
 
@@ -666,11 +665,11 @@ da.FOLD_WRITE, da.PREFILL_WRITE = False, True
 info = {}  # an fp8 cache: the write kernel and the kernel's fp8 pages; the memorized answer stays exact
 fp8 = run(spec(engine="fast", kv_cache_dtype="fp8"), info)
 assert info["fast"]["kv_cache_dtype"] == "fp8" and fp8[0] == padded[0], (fp8, padded)
-assert not da.QUANT_PREFILL_WRITE  # an int8 cache's prefill chunks by write_pages (the default), or by the kernel
+assert da.QUANT_PREFILL_WRITE  # an int8 cache's prefill chunks by the kernel (the default), or by write_pages
 int8 = run(spec(engine="fast", kv_cache_dtype="int8"))
-da.QUANT_PREFILL_WRITE = True
-assert run(spec(engine="fast", kv_cache_dtype="int8")) == int8 and int8[0] == padded[0], (int8, padded)
 da.QUANT_PREFILL_WRITE = False
+assert run(spec(engine="fast", kv_cache_dtype="int8")) == int8 and int8[0] == padded[0], (int8, padded)
+da.QUANT_PREFILL_WRITE = True
 print("engine ok")
 """
 
@@ -718,7 +717,7 @@ def test_the_engine_on_the_triton_kernel_equals_the_padded_engine(tiny_model):
     as the padded engine, with admission into 3 slots (each prefill chunk's K/V by the prefill write kernel, the
     default), also with the step's K/V written by the decode kernel (FOLD_WRITE) and each chunk's by index_put;
     with an fp8 cache, the memorized answer; with an int8 cache, the same results whether each chunk's quantized
-    K/V is written by torch's operations (the default) or by the prefill write kernel (QUANT_PREFILL_WRITE)."""
+    K/V is written by the prefill write kernel (QUANT_PREFILL_WRITE, the default) or by torch's operations."""
     interpreted(ENGINE_SCRIPT, "engine ok", tiny_model, timeout=600)
 
 

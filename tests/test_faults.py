@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from api import service, views
+from core import exits
 from core.db import session_scope
 from core.models import JobRow, Worker
 from tests.conftest import reset_caches, wait_for
@@ -131,6 +132,74 @@ def test_a_worker_whose_redis_stays_away_past_its_reconnects_exits_1_and_says_wh
     assert (row.state, row.exit_code) == ("offline", 1), row.reason
     assert row.reason.startswith("exit code 1: Unrecoverable error") and "connect" in row.reason.lower(), row.reason
     assert "exits with code 1" in worker.tail(5)
+
+
+def worker_rows(pid: int) -> list[Worker]:
+    with session_scope() as session:
+        return list(session.scalars(select(Worker).where(Worker.pid == pid)).all())
+
+
+def test_a_worker_whose_redis_refuses_its_password_exits_77_at_once_and_is_never_online(
+    jobs_env, locked_redis, spawn_worker
+):
+    """A wrong password in JOBS_REDIS_URL is not retried: the worker exits 77 before it loads anything, with one
+    line naming the URL (password masked) and JOBS_REDIS_URL to fix, and its only registration is offline with that
+    reason (`gpujobs workers` never showed it online)."""
+    url = locked_redis.url("wrong-password")
+    worker = spawn_worker([], wait=False, JOBS_REDIS_URL=url)
+    assert worker.popen.wait(180) == exits.BROKER_REFUSED, worker.tail()  # the bound is a safety net only
+    masked = f"redis://:**@127.0.0.1:{locked_redis.server.port}/0"
+    log = worker.log.read_text()
+    [line] = [x for x in log.splitlines() if "refused this worker's credentials" in x]
+    assert f"refusing to start (exit 77): Redis at {masked} refused this worker's credentials" in line, line
+    assert "invalid username-password pair" in line and "JOBS_REDIS_URL" in line
+    assert "wrong-password" not in log and "Trying again" not in log
+    [row] = worker_rows(worker.pid)
+    assert (row.state, row.exit_code) == ("offline", exits.BROKER_REFUSED)
+    assert row.reason.startswith(f"refused to start: Redis at {masked} refused this worker's credentials"), row.reason
+    [shown] = [w for w in views.workers(all=True) if w["pid"] == worker.pid]
+    assert (shown["state"], shown["exit_code"]) == ("offline", 77)
+
+
+def test_a_worker_whose_redis_password_changes_exits_77_at_its_reconnect_instead_of_retrying(
+    jobs_env, locked_redis, spawn_worker
+):
+    """A worker that started with the right password, whose Redis then changes it and drops its connections, exits 77
+    at its first refused reconnect (not JOBS_BROKER_RETRIES retries over 45 minutes), offline with the reason."""
+    worker = spawn_worker([], JOBS_REDIS_URL=locked_redis.url(locked_redis.password))
+    locked_redis.client().config_set("requirepass", "rotated-password")
+    locked_redis.client("rotated-password").client_kill_filter(_type="normal", skipme=True)
+    assert worker.popen.wait(180) == exits.BROKER_REFUSED, worker.tail()
+    [row] = worker_rows(worker.pid)
+    assert (row.state, row.exit_code) == ("offline", exits.BROKER_REFUSED)
+    masked = f"redis://:**@127.0.0.1:{locked_redis.server.port}/0"
+    assert row.reason.startswith(f"Redis at {masked} refused this worker's credentials"), row.reason
+    assert f"exits with code {exits.BROKER_REFUSED}" in worker.tail(5)
+    assert locked_redis.password not in worker.log.read_text()
+
+
+def test_only_refused_credentials_end_a_worker_a_redis_that_is_down_is_left_to_the_retries(
+    jobs_env, locked_redis, monkeypatch
+):
+    """The start-up check: a wrong password and no password (NOAUTH) are refusals, with the URL masked; the right
+    password is none, and neither is a Redis that is not there (Celery's retries handle that, as before)."""
+    from core.queue import get_app
+    from worker import broker
+
+    def refusal(url: str) -> str | None:
+        monkeypatch.setenv("JOBS_REDIS_URL", url)
+        reset_caches()
+        return broker.refusal(get_app())
+
+    port = locked_redis.server.port
+    assert "(invalid username-password pair" in refusal(locked_redis.url("wrong"))
+    assert f"Redis at redis://:**@127.0.0.1:{port}/0 refused" in refusal(locked_redis.url("wrong"))
+    assert f"Redis at redis://127.0.0.1:{port}/0 refused this worker's credentials (Authentication required" in (
+        refusal(locked_redis.url(None))
+    )
+    assert refusal(locked_redis.url(locked_redis.password)) is None
+    locked_redis.stop()
+    assert refusal(locked_redis.url("wrong")) is None
 
 
 def test_postgres_down_for_seconds_mid_job_the_job_completes(

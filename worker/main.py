@@ -9,17 +9,21 @@ lets it run on: what a stuck or slow worker is doing, even inside a C call (ops/
 passes its time limit). SIGUSR2, because Celery takes SIGUSR1 for a Python-level dump that waits for the main
 thread to come back to Python.
 
-The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state offline:
-it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
-(exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), its JOBS_ARTIFACTS is not the
-store's artifacts directory (exits.WRONG_ARTIFACTS, 78; core/artifacts.py, which also adopts the directory of a
-store that has none yet), or its engine or training code does not import (exits.BROKEN, 72: restartable, a fresh
-process may import it whole). A stalled engine ends the process with exits.STALLED (70; worker/runtime.py); a worker
-of a local stack that was stopped leaves with exits.STACK_GONE (69; worker/stackwatch.py). Celery's worker may end
-itself with 1 (a Redis that stayed away past JOBS_BROKER_RETRIES reconnects): the registration then keeps the code
-and Celery's reason. Each exit ends with one log line: `worker NAME exits with code N (why)`.
+The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state
+offline: it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
+(exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), Redis refuses the credentials
+of JOBS_REDIS_URL (exits.BROKER_REFUSED, 77: checked with one connection; worker/broker.py), its JOBS_ARTIFACTS is
+not the store's artifacts directory (exits.WRONG_ARTIFACTS, 78; core/artifacts.py, which also adopts the directory
+of a store that has none yet), or its engine or training code does not import (exits.BROKEN, 72: restartable, a
+fresh process may import it whole). A stalled engine ends the process with exits.STALLED (70; worker/runtime.py); a
+worker of a local stack that was stopped leaves with exits.STACK_GONE (69; worker/stackwatch.py); a reconnect that
+Redis refuses for its credentials ends it with 77, not retried. Celery's worker may end itself with 1 (a Redis that
+stayed away past JOBS_BROKER_RETRIES reconnects): the registration then keeps the code and Celery's reason. Each
+exit ends with one log line: `worker NAME exits with code N (why)`.
 
-The start-up order, each step before the next: the checks and every heavy import in the main thread
+The start-up order, each step before the next: the cheap checks in the main thread (environment, slice, then the
+broker's credentials, then the artifacts directory: the broker's check only reads, the artifacts check may adopt a
+directory, so a worker Redis refuses never adopts one), then every heavy import in the main thread
 (worker/preload.py has the order and why), then the other threads (models, heartbeat, flex_attention probe, stack
 watch) with the QLoRA probe and the registration, then Celery's solo pool in the main thread.
 
@@ -155,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s=1 (tests only): starting although %s", MISSING_GPUS_OK, problem)
     elif problem:
         return refuse(where, exits.SLICE_MISSING, problem)
-    try:  # before any work: a worker on another directory than the store's would keep its outputs to itself
+    from core.queue import get_app
+    from worker import broker
+
+    refusal = broker.refusal(get_app())  # one connection, before torch's imports: a wrong password ends it here
+    if refusal:
+        return refuse(where, exits.BROKER_REFUSED, refusal)
+    try:  # after the broker (which changes nothing), before any work: another directory would keep outputs to itself
         artifacts.verify(get_settings().artifacts, host=host)
     except WrongArtifacts as exc:
         return refuse(where, exits.WRONG_ARTIFACTS, str(exc))
@@ -178,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     signals.worker_shutting_down.connect(lambda **_: runtime.shutting_down.set(), weak=False)
     survive_broker_loss_with_unacked_messages()
     event_heartbeats_never_block()
+    refused: list[str] = []  # why Redis refused this worker's credentials at a reconnect (77), if it did
+    broker.stop_on_refused_credentials(refused.append)
     controllers = []  # Celery's WorkController: worker_main() drops its exit status (stackwatch's 69), we keep it
     signals.worker_init.connect(lambda sender, **_: controllers.append(sender), weak=False)
     gave_up = GaveUp()
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         code = (controllers[0].exitcode if controllers else None) or 0
     finally:
-        runtime.stop(exit_code=code or None, reason=exit_reason(code, gave_up.message))
+        runtime.stop(exit_code=code or None, reason=refused[-1] if refused else exit_reason(code, gave_up.message))
     log.info("worker %s exits with code %d (%s)", name, code, exits.describe(code))
     return code
 

@@ -12,11 +12,13 @@ these modules is a dictionary lookup: nothing is left to race.
 
 The start-up order (worker/main.py runs it; each step ends before the next begins):
 
-1. main thread: settings, the environment and slice checks, then `preload()`: REQUIRED, then OPTIONAL (where
-   installed), then `check()`, then on a GPU host what Inductor's first compile would otherwise do in the first
-   job: the source hashes its caches are keyed by (`hash_sources`), its code generators' registration and the
-   modules it imports lazily (`import_compiler`). A failure ends the process at once (`Broken`): its registration
-   says why and it exits with exits.BROKEN (72); a supervisor starts a fresh one.
+1. main thread: settings, the environment and slice checks, the broker's credentials (worker/broker.py: one
+   connection; refused, the worker exits 77), the artifacts directory (core/artifacts.py: not the store's, the
+   worker exits 78), then `preload()`: REQUIRED, then OPTIONAL (where installed), then
+   `check()`, then on a GPU host what Inductor's first compile would otherwise do in the first job: the source
+   hashes its caches are keyed by (`hash_sources`), its code generators' registration and the modules it imports
+   lazily (`import_compiler`). A failure ends the process at once (`Broken`): its registration says why and it
+   exits with exits.BROKEN (72); a supervisor starts a fresh one.
 2. main thread: the Hugging Face cache scan, then the models thread (worker/hubfetch.py); the QLoRA probe
    (bitsandbytes is imported: one small 4-bit matmul) and the registration; then the heartbeat and the
    flex_attention probe's thread (worker/runtime.py; the compile runs in a child process) and the stack watch.
