@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
@@ -42,9 +44,9 @@ from api.access import Caller, Credentials, OneFile
 from api.limits import BodyGuard, error_response
 from api.openapi import errors
 from api.results import export, readable
-from core import auth, files, formats, scheduling
+from core import artifacts, auth, files, formats, scheduling
 from core.db import check_reachable, session_scope
-from core.errors import Forbidden, InvalidInput, JobsError
+from core.errors import Forbidden, InvalidInput, JobsError, ServiceUnavailable, WrongArtifacts
 from core.hub import HUB_ID
 from core.queue import ping_redis
 from core.spec import whole_number
@@ -90,10 +92,26 @@ def _refuse_unknown_query(request: Request) -> None:
     raise InvalidInput(f"unknown query parameter{plural} {named} for {request.method} {route.path}: {takes}")
 
 
+@asynccontextmanager
+async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    """Serve only from the store's artifacts directory (core/artifacts.py; a fresh store adopts this one): an API
+    on another would keep uploads where no worker reads them. A store that cannot be reached yet is no reason to
+    refuse: /healthz and every request say so, and the workers check their own directory when they start."""
+    try:
+        await run_in_threadpool(artifacts.verify)
+    except WrongArtifacts as exc:
+        log.error("refusing to start: %s", exc)
+        raise
+    except ServiceUnavailable as exc:
+        log.warning("could not check the artifacts directory against the store: %s", exc)
+    yield
+
+
 app = FastAPI(
     title="gpujobs",
     summary="Queued generation and LoRA fine-tune jobs on GPU workers",
     version="0.1.0",
+    lifespan=lifespan,
 )
 app.router.route_class = KnownQueryRoute  # before the routes below are declared
 app.add_middleware(BodyGuard)  # a body's size, and past a few KiB its token, checked before it is read (api/limits.py)

@@ -56,6 +56,7 @@ def exit_code_for(exc: errors.JobsError) -> int:
             errors.Forbidden,
             errors.NotFound,  # a mistyped or foreign id: `wait "$ID" || resubmit` must not read it as a failed job
             errors.Conflict,  # a command the job's state refuses: `retry` of a running job, `cancel` of an ended one
+            errors.WrongArtifacts,  # `up` with a JOBS_ARTIFACTS that is not the store's: a setting to fix
         ),
     ):
         return EXIT_USAGE

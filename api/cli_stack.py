@@ -63,11 +63,11 @@ def up(gpus: str | None, host: str, port: int, detach: bool) -> None:
     """Start the local stack: Redis, migrations, the API and pinned workers, all under $JOBS_HOME.
 
     A worker that exits is restarted with backoff; a slot whose worker exited JOBS_RESTART_LIMIT times within
-    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 6), stays down and `gpujobs workers`
-    says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
+    JOBS_RESTART_WINDOW seconds, or with a configuration error (exit 2, 5, 6, 77, 78), stays down and `gpujobs
+    workers` says why. In the foreground, Ctrl-C (or SIGTERM, SIGHUP) stops everything; so does `gpujobs down`.
     Exit codes: 0 stopped on request (or detached and healthy), 1 the stack failed to start or a part of it
-    exited, 2 --port is in use (nothing was started), 5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted
-    while starting.
+    exited, 2 --port is in use (nothing was started) or JOBS_ARTIFACTS is not the store's artifacts directory,
+    5 CUDA_VISIBLE_DEVICES contradicts --gpus, 130 interrupted while starting.
     """
     from api import stack
     from api.supervisor import StopSignals
@@ -139,8 +139,9 @@ def worker(gpus: str, loglevel: str) -> None:
     when it exits: `gpujobs supervise`, systemd or compose do that.
 
     Sets CUDA_DEVICE_ORDER=PCI_BUS_ID and CUDA_VISIBLE_DEVICES on the worker's own environment; refuses to
-    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus, and exits 77 when Redis refuses the
-    password of JOBS_REDIS_URL (never retried). A worker that joined the local stack's Redis exits (69) when that
+    start (exit 5) when an inherited CUDA_VISIBLE_DEVICES contradicts --gpus, exits 77 when Redis refuses the
+    password of JOBS_REDIS_URL (never retried) and 78 when JOBS_ARTIFACTS is not the store's artifacts directory.
+    A worker that joined the local stack's Redis exits (69) when that
     stack is stopped. Exit codes: README, "Supervised workers".
     """
     from api import stack
@@ -188,6 +189,22 @@ def db_upgrade() -> None:
 
     upgrade()
     click.echo(f"database at head: {get_settings().database_url.split('@')[-1]}", err=True)
+
+
+@db.command("adopt-artifacts")
+@click.option("--force", is_flag=True, help="adopt it even where it holds another store's marker (that store is gone)")
+def db_adopt_artifacts(force: bool) -> None:
+    """Make this host's JOBS_ARTIFACTS the store's artifacts directory (a repair).
+
+    Every worker, the API and `gpujobs up` check that their JOBS_ARTIFACTS is the store's (its `.gpujobs-store`
+    marker); a store adopts the first directory checked. Run this where the store's files really are when the
+    wrong one was adopted, or the directory was replaced or restored: a directory with any other marker, or none,
+    is refused from then on (a worker exits 78).
+    """
+    from core import artifacts
+
+    store = artifacts.adopt(force=force)
+    click.echo(f"{get_settings().artifacts} is the artifacts directory of store {store}", err=True)
 
 
 @cli.group()

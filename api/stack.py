@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from api.supervisor import StopSignals, Supervisor
-from core import auth
+from core import artifacts, auth
 from core.db import session_scope, upgrade
 from core.embedded import start_redis
 from core.errors import GpuConflict, InvalidInput, JobsError, StartInterrupted
@@ -153,8 +153,9 @@ def check_port(host: str, port: int) -> None:
 
 
 def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
-    """Start Redis (unless JOBS_REDIS_URL is set), migrate, start the API; write stack.json step by step (a failure
-    half-way leaves stack.json listing what `down` must stop). Workers: `start_workers`."""
+    """Start Redis (unless JOBS_REDIS_URL is set), migrate, check the artifacts directory (core/artifacts.py), start
+    the API; write stack.json step by step (a failure half-way leaves stack.json listing what `down` must stop).
+    Workers: `start_workers`."""
     settings = get_settings()
     for d in (settings.home, settings.run_dir, settings.logs_dir, settings.artifacts):
         d.mkdir(parents=True, exist_ok=True)
@@ -171,6 +172,7 @@ def up(*, host: str, port: int, log=print, interrupted=lambda: False) -> dict:
     _check(interrupted)
     reset()
     upgrade()
+    artifacts.verify(settings.artifacts)  # adopted by a fresh store; another store's, or not the store's: refused
     ensure_token()
     _check(interrupted)
     api_cmd = [

@@ -14,8 +14,8 @@ their shards back), then the API, then Redis, and removes stack.json. It never r
 Restart policy (settings `JOBS_RESTART_*`): a worker that exits is started again after a backoff of
 JOBS_RESTART_BACKOFF seconds (1), doubling with each exit in the window up to JOBS_RESTART_BACKOFF_MAX (60); a slot
 whose worker exited JOBS_RESTART_LIMIT times (5) within JOBS_RESTART_WINDOW seconds (600) stays down. A
-configuration error (exit 2, 5, 6 or 77) will not heal by itself: its slot stays down at once. The reason is written
-on the worker's registration (`gpujobs workers` shows it), the new worker's registration counts its slot's
+configuration error (exit 2, 5, 6, 77 or 78) will not heal by itself: its slot stays down at once. The reason is
+written on the worker's registration (`gpujobs workers` shows it), the new worker's registration counts its slot's
 restarts (JOBS_WORKER_RESTARTS), and /metrics exports them (gpujobs_worker_restarts_total).
 
 Worker exit codes: core/exits.py (a contract with README and the systemd unit's RestartPreventExitStatus); a

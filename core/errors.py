@@ -160,6 +160,11 @@ class GpuConflict(JobsError):
     """The inherited CUDA_VISIBLE_DEVICES contradicts the requested slice (api/stack.py)."""
 
 
+class WrongArtifacts(JobsError):
+    """This process's JOBS_ARTIFACTS is not the store's artifacts directory (core/artifacts.py): a worker refuses to
+    start (exit 78, core/exits.py), `gpujobs up` and the API too (the CLI exits 2, a setting to fix)."""
+
+
 class StartInterrupted(JobsError):
     """SIGINT, SIGTERM or SIGHUP arrived while the stack was starting (what was started is stopped)."""
 

@@ -302,3 +302,18 @@ class CachedModel(Base):
         UniqueConstraint("host", "cache_dir", "repo", "commit", name="uq_cached_models_place"),
         Index("ix_cached_models_repo", "repo"),
     )
+
+
+class StoreIdentity(Base):
+    """The store's one row (0011; core/artifacts.py): its random id, made by the migration, and the artifacts
+    directory it adopted: the `mark` that directory's marker file holds, and where and when it was adopted (for the
+    message that names it to a process whose JOBS_ARTIFACTS is another directory). No mark: none adopted yet."""
+
+    __tablename__ = "store_identity"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    artifacts_mark: Mapped[str | None] = mapped_column(String(40))
+    artifacts_path: Mapped[str | None] = mapped_column(Text)
+    artifacts_host: Mapped[str | None] = mapped_column(String(255))
+    artifacts_adopted_at: Mapped[float | None] = mapped_column(Float)

@@ -14,8 +14,8 @@
 # on its own environment.
 #
 # The supervisor restarts a worker that exits, as `jobs up` does: after 1 s, doubling up to 60 s; a slice whose
-# worker exited 5 times in 10 minutes, or with a configuration error (exit 2, 5, 6, 77), stays down: its supervisor
-# exits 1, `status` shows it dead, and `jobs workers` says why (JOBS_RESTART_* settings change the limits).
+# worker exited 5 times in 10 minutes, or with a configuration error (exit 2, 5, 6, 77, 78), stays down: its
+# supervisor exits 1, `status` shows it dead, and `jobs workers` says why (JOBS_RESTART_* settings change the limits).
 #
 # Refuses (nothing is started) when two slices share a GPU, when a slice overlaps a worker already running
 # from this JOBS_HOME, or when an inherited CUDA_VISIBLE_DEVICES does not contain every slice.

@@ -522,7 +522,7 @@ def test_worker_unit_takes_its_slice_from_the_instance_name():
 
 def test_worker_unit_restarts_a_failed_worker_except_configuration_errors_within_a_cap():
     """The worker unit restarts a worker that failed (a crash, a kill, a stall), never one that exited with a
-    configuration error (2, 5, 6, 77: core/exits.py's CONFIGURATION), and gives up after 5 starts in 10 minutes."""
+    configuration error (2, 5, 6, 77, 78: core/exits.py's CONFIGURATION), and gives up after 5 starts in 10 minutes."""
     from core.exits import CONFIGURATION
 
     unit = "gpujobs-worker@.service"

@@ -54,6 +54,7 @@ def test_models_define_the_expected_tables():
         "cached_models",
         "quotas",
         "shard_runs",
+        "store_identity",
     }
 
 
@@ -84,6 +85,43 @@ def test_migrated_indexes_and_constraints_match_the_models(blank_url):
         assert {
             (tuple(fk.parent.name for fk in c.elements), c.referred_table.name) for c in table.foreign_key_constraints
         } == fks, name
+
+
+def test_each_store_gets_its_own_random_id_once_also_when_upgraded_from_0010(blank_url, tmp_path):
+    """0011 gives a store one `store_identity` row with a random id and no artifacts directory adopted yet (the first
+    process that checks one adopts it: core/artifacts.py); a later upgrade keeps it; another store (here one
+    upgraded from 0010 with a job in it) gets another id."""
+    from sqlalchemy import select, text
+
+    from core.db import session_scope
+    from core.models import StoreIdentity
+
+    def identities(url: str) -> list[tuple]:
+        with session_scope(url) as session:
+            return session.execute(select(StoreIdentity.id, StoreIdentity.artifacts_mark)).all()
+
+    db.upgrade(blank_url)
+    [(first, mark)] = identities(blank_url)
+    assert first.startswith("store_") and len(first) == len("store_") + 16 and mark is None
+    db.upgrade(blank_url)
+    assert identities(blank_url) == [(first, None)]
+
+    older = f"sqlite:///{tmp_path / 'older.db'}"
+    try:
+        db.upgrade(older, "0010")
+        with db.get_engine(older).begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, kind, state, owner, spec, queue, gpus, rows_total, rows_succeeded, "
+                    "rows_failed, prompt_tokens, completion_tokens, created_at, retries) VALUES ('job_1', "
+                    "'generate', 'succeeded', 'o', '{}', 'cpu', 0, 0, 0, 0, 0, 0, 0, 0)"
+                )
+            )
+        db.upgrade(older)
+        [(second, mark)] = identities(older)
+        assert second.startswith("store_") and second != first and mark is None
+    finally:
+        db.dispose()
 
 
 def test_downgrade_to_base_and_upgrade_again(blank_url):

@@ -65,10 +65,10 @@ def test_the_limit_th_exit_within_the_window_keeps_the_slot_down_with_the_reason
     )
 
 
-@pytest.mark.parametrize("code", [2, 5, 6, 77])
+@pytest.mark.parametrize("code", [2, 5, 6, 77, 78])
 def test_a_configuration_error_is_not_restarted(code):
-    """Exit 2 (bad arguments), 5 (CUDA_VISIBLE_DEVICES conflict), 6 (slice not present) and 77 (Redis refused the
-    password) stay down at once."""
+    """Exit 2 (bad arguments), 5 (CUDA_VISIBLE_DEVICES conflict), 6 (slice not present), 77 (Redis refused the
+    password) and 78 (JOBS_ARTIFACTS is not the store's artifacts directory) stay down at once."""
     delay, outcome = decide(code, [0.0], 0.0, Policy(), HINT)
     assert delay is None and outcome.startswith("a configuration error, not restarted")
 
@@ -80,6 +80,7 @@ def test_exit_codes_are_described_in_words():
     assert describe(6) == "its GPU slice is not present"
     assert describe(69) == "its stack's Redis is gone"
     assert describe(77) == "Redis refused its password: fix JOBS_REDIS_URL"
+    assert describe(78) == "its JOBS_ARTIFACTS is not the store's artifacts directory"
 
 
 # --- real worker processes under a Supervisor in this process --------------------------------------------------
@@ -126,6 +127,28 @@ def test_a_worker_exiting_with_the_missing_slice_code_is_not_restarted(tmp_path,
     assert worker["reason"] == (
         f"its GPU slice is not present; a configuration error, not restarted: fix it, then {HINT}"
     )
+
+
+def test_a_worker_on_another_artifacts_directory_is_not_restarted_and_workers_says_why(tmp_path, supervise):
+    """A worker whose JOBS_ARTIFACTS is not the store's artifacts directory (the store adopted another: a host
+    without the shared mount) refuses to start with exit 78 and is not started again; `gpujobs workers` lists it
+    offline with exit 78, the directory it had, the store's, and the fix."""
+    from core import artifacts
+
+    artifacts.verify()  # the store adopts this test's artifacts directory
+    elsewhere = tmp_path / "not-mounted" / "artifacts"
+    sup = supervise(Policy(limit=5, window=600, backoff=0.1, backoff_max=1), JOBS_ARTIFACTS=str(elsewhere))
+    reason = until_down(sup, 240, tmp_path)
+    assert reason == (
+        "exit 78 (its JOBS_ARTIFACTS is not the store's artifacts directory): a configuration error, not "
+        f"restarted: fix it, then {HINT}"
+    )
+    assert sup.slots[0].restarts == 0 and sup.slots[0].proc is None
+    [worker] = views.workers(all=True)
+    assert (worker["state"], worker["exit_code"], worker["restarts"]) == ("offline", 78, 0)
+    assert worker["reason"].startswith(f"refused to start: JOBS_ARTIFACTS={elsewhere} on host "), worker["reason"]
+    assert f"the store's artifacts directory is {os.environ['JOBS_ARTIFACTS']} " in worker["reason"]
+    assert worker["reason"].endswith(f"; a configuration error, not restarted: fix it, then {HINT}")
 
 
 def test_a_worker_whose_redis_refuses_its_password_is_not_restarted_and_its_slot_says_why(

@@ -123,9 +123,9 @@ def test_stuck_at_names_the_innermost_frame_and_the_innermost_of_ours():
 
 
 def test_exit_codes_say_whether_a_supervisor_restarts_the_worker():
-    """Start refusals (5, 6, 77: Redis refused the password) and a clean stop (0) are not restarted; a stall (70), a
-    broken import (72), a crash (1) and a kill are."""
-    assert [exits.restartable(c) for c in (0, 5, 6, 77)] == [False, False, False, False]
+    """Configuration errors (5, 6, 77: Redis refused the password, 78: the wrong artifacts directory) and a clean
+    stop (0) are not restarted; a stall (70), a broken import (72), a crash (1) and a kill are."""
+    assert [exits.restartable(c) for c in (0, 5, 6, 77, 78)] == [False, False, False, False, False]
     assert [exits.restartable(c) for c in (70, 72, 1, -9)] == [True, True, True, True]
     assert exits.describe(-9) == "killed by SIGKILL" and exits.describe(exits.STALLED) == "engine stalled"
 

@@ -12,18 +12,20 @@ thread to come back to Python.
 The worker refuses to start, with a message on stderr, its reason and exit code in its registration (state
 offline: it never serves a queue) and the exit code of core/exits.py, when the environment contradicts the slice
 (exits.ENV_MISMATCH, 5), the slice's GPUs are not visible (exits.SLICE_MISSING, 6), Redis refuses the credentials
-of JOBS_REDIS_URL (exits.BROKER_REFUSED, 77: checked with one connection before the heavy imports; worker/broker.py),
-or its engine or training code does not import (exits.BROKEN, 72: restartable, a fresh process may import it
-whole). A stalled engine ends the process with exits.STALLED (70; worker/runtime.py); a worker of a local stack
-that was stopped leaves with exits.STACK_GONE (69; worker/stackwatch.py); a reconnect that Redis refuses for its
-credentials ends it with 77, not retried. Celery's worker may end itself with 1 (a Redis that stayed away past
-JOBS_BROKER_RETRIES reconnects): the registration then keeps the code and Celery's reason. Each exit ends with one
-log line: `worker NAME exits with code N (why)`.
+of JOBS_REDIS_URL (exits.BROKER_REFUSED, 77: checked with one connection; worker/broker.py), its JOBS_ARTIFACTS is
+not the store's artifacts directory (exits.WRONG_ARTIFACTS, 78; core/artifacts.py, which also adopts the directory
+of a store that has none yet), or its engine or training code does not import (exits.BROKEN, 72: restartable, a
+fresh process may import it whole). A stalled engine ends the process with exits.STALLED (70; worker/runtime.py); a
+worker of a local stack that was stopped leaves with exits.STACK_GONE (69; worker/stackwatch.py); a reconnect that
+Redis refuses for its credentials ends it with 77, not retried. Celery's worker may end itself with 1 (a Redis that
+stayed away past JOBS_BROKER_RETRIES reconnects): the registration then keeps the code and Celery's reason. Each
+exit ends with one log line: `worker NAME exits with code N (why)`.
 
-The start-up order, each step before the next: the checks (the broker's credentials among them) and every heavy
-import in the main thread (worker/preload.py has the order and why), then the other threads (models, heartbeat,
-flex_attention probe, stack watch) with the QLoRA probe and the registration, then Celery's solo pool in the main
-thread.
+The start-up order, each step before the next: the cheap checks in the main thread (environment, slice, then the
+broker's credentials, then the artifacts directory: the broker's check only reads, the artifacts check may adopt a
+directory, so a worker Redis refuses never adopts one), then every heavy import in the main thread
+(worker/preload.py has the order and why), then the other threads (models, heartbeat, flex_attention probe, stack
+watch) with the QLoRA probe and the registration, then Celery's solo pool in the main thread.
 
 Tests only: JOBS_TEST_MISSING_GPUS_OK=1 starts a worker whose slice's GPUs are missing anyway (it registers its
 queue and fails GPU jobs at load), so CI on a CPU host can run the launchers' GPU-slice workers (tests/test_deploy.py).
@@ -42,7 +44,8 @@ from dataclasses import dataclass
 
 from celery import signals
 
-from core import exits
+from core import artifacts, exits
+from core.errors import WrongArtifacts
 from core.logs import setup_logging
 from core.queue import queue_for
 
@@ -162,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     refusal = broker.refusal(get_app())  # one connection, before torch's imports: a wrong password ends it here
     if refusal:
         return refuse(where, exits.BROKER_REFUSED, refusal)
+    try:  # after the broker (which changes nothing), before any work: another directory would keep outputs to itself
+        artifacts.verify(get_settings().artifacts, host=host)
+    except WrongArtifacts as exc:
+        return refuse(where, exits.WRONG_ARTIFACTS, str(exc))
     try:  # every heavy import, in this thread, before any other thread starts (worker/preload.py: the order, why)
         preload.preload()
     except preload.Broken as exc:

@@ -13,7 +13,8 @@ these modules is a dictionary lookup: nothing is left to race.
 The start-up order (worker/main.py runs it; each step ends before the next begins):
 
 1. main thread: settings, the environment and slice checks, the broker's credentials (worker/broker.py: one
-   connection; refused, the worker exits 77), then `preload()`: REQUIRED, then OPTIONAL (where installed), then
+   connection; refused, the worker exits 77), the artifacts directory (core/artifacts.py: not the store's, the
+   worker exits 78), then `preload()`: REQUIRED, then OPTIONAL (where installed), then
    `check()`, then on a GPU host what Inductor's first compile would otherwise do in the first job: the source
    hashes its caches are keyed by (`hash_sources`), its code generators' registration and the modules it imports
    lazily (`import_compiler`). A failure ends the process at once (`Broken`): its registration says why and it
