@@ -45,7 +45,7 @@ from core import auth
 from core.db import session_scope
 from core.errors import ServiceUnavailable, Unauthorized
 from core.models import JobRow
-from core.queue import redis_url
+from core.queue import redis_client
 from core.store import get_job, now
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -168,7 +168,7 @@ def _redis() -> Iterator[Any]:
     """A Redis client for one step; an outage is ServiceUnavailable (503), with where to look."""
     import redis
 
-    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=3, socket_timeout=3)
+    client = redis_client(socket_connect_timeout=3, socket_timeout=3)
     try:
         yield client
     except (redis.RedisError, OSError) as exc:

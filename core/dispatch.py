@@ -24,7 +24,7 @@ from core import registry, scheduling
 from core.db import session_scope
 from core.errors import IllegalTransition, ServiceUnavailable
 from core.models import Job, Shard
-from core.queue import TASK_RUN_SHARD, waiting_messages
+from core.queue import TASK_RUN_SHARD, redis_client, waiting_messages
 from core.queue import send as send_task
 from core.settings import get_settings
 from core.states import JobState, ShardState
@@ -131,11 +131,9 @@ def _claim_broker_epoch() -> bool:
 
     That process re-sends every queued shard; duplicate messages are harmless (a claim is idempotent).
     """
-    import redis
-
     # a connect timeout too: the reaper runs in the heartbeat thread, which must not wait on an unreachable host
     # for the kernel's SYN retries (about 2 min) while the lease it renews expires
-    client = redis.Redis.from_url(get_settings().redis_url, socket_connect_timeout=5, socket_timeout=5)
+    client = redis_client(socket_connect_timeout=5, socket_timeout=5)
     return bool(client.set(BROKER_EPOCH_KEY, str(now()), nx=True))
 
 

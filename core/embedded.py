@@ -9,7 +9,8 @@ Two URL forms, because redis-py and kombu/celery spell a unix socket differently
     unix socket  url        = "unix:///abs/path.sock?db=0"       (redis.Redis.from_url)
                  broker_url = "redis+socket:///abs/path.sock"    (celery broker_url and result_backend)
 
-`RedisServer.url` is for redis-py, `RedisServer.broker_url` for Celery/kombu.
+`RedisServer.url` is for redis-py, `RedisServer.broker_url` for Celery/kombu. JOBS_REDIS_URL takes either spelling
+(core/queue.py gives each library its own).
 """
 
 from __future__ import annotations

@@ -8,11 +8,19 @@ Why these settings (see docs/design.md for the long version):
 - The Redis visibility timeout is far above the longest task (12 h). It only guards against double delivery;
   recovery of a dead worker's shard is the reaper's job (SQL leases, seconds), never Redis's.
 - Queues by slice size: `cpu`, `gpu1`, `gpu2`, ... A worker consumes the queue of its own slice size.
+
+JOBS_REDIS_URL is read by two libraries that spell a Redis on a unix socket differently: redis-py
+`unix://[:PASSWORD@]/PATH.sock?db=DB`, Celery/kombu `redis+socket://[:PASSWORD@]/PATH.sock?virtual_host=DB` (kombu
+reads no `db=` there: it uses database 0), and each refuses the other's. Either spelling is accepted: `broker_url()`
+gives Celery its own, `redis_client()` (through `client_url()`) gives redis-py its own. Before, a worker given
+`redis+socket://` failed every heartbeat in redis-py ("Redis URL must specify one of ..."), and Celery refused
+`unix://` ("No such transport").
 """
 
 from __future__ import annotations
 
 from functools import cache
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 from celery import Celery
 
@@ -26,19 +34,91 @@ def queue_for(gpus: int) -> str:
     return "cpu" if gpus == 0 else f"gpu{gpus}"
 
 
+REDIS_URL_FORMS = (
+    "redis://[:PASSWORD@]HOST:PORT/DB, rediss://[:PASSWORD@]HOST:PORT/DB (TLS), or for a unix socket "
+    "unix://[:PASSWORD@]/ABS/PATH.sock?db=DB or redis+socket://[:PASSWORD@]/ABS/PATH.sock?virtual_host=DB"
+)
+
+
 def redis_url() -> str:
+    """JOBS_REDIS_URL as given, checked to be one of REDIS_URL_FORMS (`broker_url`/`client_url` convert it)."""
     url = get_settings().redis_url
     if not url:
         raise ServiceUnavailable(
             "no Redis is configured: start the local stack with `gpujobs up`, or set JOBS_REDIS_URL"
         )
+    unix_socket(url)
     return url
+
+
+def unix_socket(url: str) -> tuple[str, str, str, dict[str, str]] | None:
+    """(credentials, path, db, other query parameters) of a unix socket URL in either spelling; None for a TCP one.
+    Anything else raises ServiceUnavailable naming the accepted forms."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in ("redis", "rediss"):
+        return None
+    if scheme not in ("unix", "redis+socket"):
+        raise ServiceUnavailable(f"JOBS_REDIS_URL={masked(url)!r} is not a Redis URL: give {REDIS_URL_FORMS}")
+    parts = urlsplit(url)
+    credentials, _, host = parts.netloc.rpartition("@")
+    if host or not parts.path.startswith("/"):
+        raise ServiceUnavailable(
+            f"JOBS_REDIS_URL={masked(url)!r}: a unix socket URL names no host, only the socket's absolute path "
+            f"(three slashes: {scheme}:///run/redis.sock); give {REDIS_URL_FORMS}"
+        )
+    query = dict(parse_qsl(parts.query))
+    if not credentials and ("password" in query or "username" in query):  # redis-py also reads them from the query
+        user, password = query.pop("username", ""), query.pop("password", "")
+        credentials = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+    dbs = {query.pop(key) for key in ("db", "virtual_host") if key in query} or {"0"}
+    if len(dbs) > 1 or not next(iter(dbs)).isdigit():
+        raise ServiceUnavailable(
+            f"JOBS_REDIS_URL={masked(url)!r}: give the database once, as a whole number (?db=DB or ?virtual_host=DB)"
+        )
+    return (credentials + "@" if credentials else ""), parts.path, dbs.pop(), query
+
+
+def broker_url(url: str | None = None) -> str:
+    """`url` (default JOBS_REDIS_URL) as Celery/kombu read it: a unix socket as redis+socket://...?virtual_host=DB."""
+    url = url or redis_url()
+    socket = unix_socket(url)
+    if socket is None:
+        return url
+    credentials, path, db, query = socket
+    return f"redis+socket://{credentials}{path}?{urlencode({'virtual_host': db, **query})}"
+
+
+def client_url(url: str | None = None) -> str:
+    """`url` (default JOBS_REDIS_URL) as redis-py reads it: a unix socket as unix://...?db=DB."""
+    url = url or redis_url()
+    socket = unix_socket(url)
+    if socket is None:
+        return url
+    credentials, path, db, query = socket
+    return f"unix://{credentials}{path}?{urlencode({'db': db, **query})}"
+
+
+def redis_client(**kwargs):
+    """A redis-py client of JOBS_REDIS_URL (whichever spelling it has); `kwargs` go to `Redis.from_url`."""
+    import redis
+
+    return redis.Redis.from_url(client_url(), **kwargs)
+
+
+def masked(url: str) -> str:
+    """`url` as a log may show it: each password replaced by `**`, the query (which may hold one) left out."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    def one(part: str) -> str:
+        return maybe_sanitize_url(part) if "://" in part else part.rpartition("@")[2]  # no scheme: no credentials
+
+    return ";".join(one(part) for part in url.split(";"))  # kombu's failover list: one URL each
 
 
 @cache
 def get_app() -> Celery:
     settings = get_settings()
-    app = Celery("gpujobs", broker=redis_url(), set_as_current=False)
+    app = Celery("gpujobs", broker=broker_url(), set_as_current=False)
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],
@@ -89,9 +169,9 @@ def ping_redis() -> None:
 
     url = redis_url()
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping()
+        redis_client(socket_connect_timeout=3, socket_timeout=3).ping()
     except (redis.RedisError, OSError) as exc:
-        safe = url.split("@")[-1]
+        safe = masked(url)
         raise ServiceUnavailable(
             f"Redis at {safe} cannot be reached ({exc}): start the local stack with `gpujobs up`, or check JOBS_REDIS_URL"
         ) from exc
@@ -102,9 +182,7 @@ KOMBU_PRIORITY_KEYS = ("", "\x06\x163", "\x06\x166", "\x06\x169")  # kombu's Red
 
 def waiting_messages(queue: str) -> int:
     """Messages waiting in Redis for `queue` (kombu keeps one list per priority step)."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url(), socket_connect_timeout=5, socket_timeout=5)
+    client = redis_client(socket_connect_timeout=5, socket_timeout=5)
     return sum(client.llen(queue + suffix) for suffix in KOMBU_PRIORITY_KEYS)
 
 

@@ -13,6 +13,8 @@ go green by skipping.
   `.client()` (a redis.Redis).
 - `locked_redis` (function scope): a private redis-server that requires a password (`requirepass`, as
   compose.yaml's Redis does); `.url(password)` is its URL with that password (None: with none).
+- `socket_redis` (function scope): a private redis-server on a unix socket only (no TCP), requiring a password;
+  `.path` is its socket, `.password` its password.
 - `postgres_url` (function scope): a fresh database on the server named by
   `JOBS_TEST_POSTGRES_URL` (e.g. `postgresql+psycopg://postgres@127.0.0.1:55432/postgres`),
   dropped afterwards; yields its SQLAlchemy URL string.
@@ -21,6 +23,8 @@ go green by skipping.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -149,6 +153,41 @@ def locked_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LockedRed
     except RuntimeError as exc:
         require_service("redis-server", str(exc))
     server = LockedRedis(tmp_path_factory.mktemp("locked-redis"), password="right-password")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class SocketRedis:
+    """A redis-server of a test's own on a unix socket (in a short directory: a socket path has at most 107 bytes)."""
+
+    def __init__(self, password: str):
+        import redis
+
+        self.workdir = Path(tempfile.mkdtemp(prefix="gpujobs-redis-"))
+        self.path = self.workdir / "redis.sock"
+        self.server = embedded.start_redis(self.workdir, unix_socket=self.path)
+        self.password = password
+        redis.Redis.from_url(self.server.url).config_set("requirepass", password)
+
+    def client(self, db: int = 0):
+        import redis
+
+        return redis.Redis(unix_socket_path=str(self.path), password=self.password, db=db)
+
+    def stop(self) -> None:
+        embedded.stop_process(self.server.proc)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def socket_redis() -> Iterator[SocketRedis]:
+    try:
+        embedded.find_redis_server()
+    except RuntimeError as exc:
+        require_service("redis-server", str(exc))
+    server = SocketRedis(password="socket-password")
     try:
         yield server
     finally:

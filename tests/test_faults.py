@@ -1,5 +1,6 @@
 """Faults with real processes: a shard that kills its worker every time, SIGTERM mid-shard, Redis's visibility
-timeout shorter than a shard, and a Redis restart mid-job. Each has a stated outcome and loses nothing."""
+timeout shorter than a shard, and a Redis restart mid-job. Each has a stated outcome and loses nothing. Also the
+JOBS_REDIS_URL a worker is given: a password Redis refuses, a unix socket in either library's spelling."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from sqlalchemy import select
 from api import service, views
 from core import exits
 from core.db import session_scope
+from core.errors import ServiceUnavailable
 from core.models import JobRow, Worker
+from core.queue import REDIS_URL_FORMS, broker_url, client_url, masked
 from tests.conftest import reset_caches, wait_for
+from tests.services import socket_redis  # noqa: F401
 from tests.test_recovery import job_state, long_spec, row_counts, write_dataset
 
 
@@ -200,6 +204,78 @@ def test_only_refused_credentials_end_a_worker_a_redis_that_is_down_is_left_to_t
     assert refusal(locked_redis.url(locked_redis.password)) is None
     locked_redis.stop()
     assert refusal(locked_redis.url("wrong")) is None
+
+
+def test_a_unix_socket_url_in_either_spelling_becomes_each_librarys_own_with_its_password_and_database():
+    """redis-py reads unix://[:PASSWORD@]/PATH?db=DB and kombu redis+socket://[:PASSWORD@]/PATH?virtual_host=DB (its
+    `db=` there is ignored: database 0); each refuses the other's. Either is accepted and turned into both, keeping
+    the password (also redis-py's ?password=) and the database; a TCP URL stays as it is."""
+    from redis.connection import parse_url
+
+    both = ("unix://:p%40ss@/run/r.sock?db=2", "redis+socket://:p%40ss@/run/r.sock?virtual_host=2")
+    for url in both + ("unix:///run/r.sock?password=p%40ss&db=2", "redis+socket://:p%40ss@/run/r.sock?db=2"):
+        assert client_url(url) == "unix://:p%40ss@/run/r.sock?db=2", url
+        assert broker_url(url) == "redis+socket://:p%40ss@/run/r.sock?virtual_host=2", url
+        assert broker_url(client_url(url)) == broker_url(url) and client_url(broker_url(url)) == client_url(url)
+        assert "p@ss" not in masked(url) and "p%40ss" not in masked(url)
+    parsed = parse_url(client_url(both[1]))
+    assert (parsed["path"], parsed["password"], parsed["db"]) == ("/run/r.sock", "p@ss", 2)
+    assert client_url("unix://app:pw@/r.sock") == "unix://app:pw@/r.sock?db=0"
+    assert broker_url("unix://app:pw@/r.sock") == "redis+socket://app:pw@/r.sock?virtual_host=0"
+    for url in ("redis://:pw@10.0.0.5:6379/3", "rediss://:pw@redis.example:6380/0"):
+        assert client_url(url) == broker_url(url) == url
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://:pw@10.0.0.5:6379/0", "is not a Redis URL: give redis://"),
+        ("10.0.0.5:6379", "is not a Redis URL: give redis://"),
+        ("unix://run/redis.sock", "names no host, only the socket's absolute path (three slashes: unix:///run/"),
+        ("redis+socket:///r.sock?db=1&virtual_host=2", "give the database once, as a whole number"),
+        ("unix:///r.sock?db=one", "give the database once, as a whole number"),
+    ],
+)
+def test_a_redis_url_of_no_accepted_form_is_refused_naming_the_forms(url, says):
+    """Neither redis://, rediss://, unix:// nor redis+socket:// (or a socket URL with a host, or two databases): one
+    error naming the accepted forms, the password masked, instead of one library's error on every heartbeat."""
+    with pytest.raises(ServiceUnavailable, match="JOBS_REDIS_URL=") as caught:
+        broker_url(url)
+    assert says in str(caught.value) and "pw" not in str(caught.value)
+    if "not a Redis URL" in says:
+        assert REDIS_URL_FORMS in str(caught.value)
+
+
+@pytest.mark.parametrize("scheme", ["unix", "redis+socket"])
+def test_a_worker_on_a_unix_socket_redis_runs_a_job_in_either_spelling_of_jobs_redis_url(
+    tmp_path, jobs_env, socket_redis, spawn_worker, tiny_model, monkeypatch, scheme
+):
+    """JOBS_REDIS_URL of a Redis on a unix socket, with a password and database 1, in redis-py's spelling
+    (unix://...?db=1) or kombu's (redis+socket://...?virtual_host=1): the submit, the worker's Celery consumer and its
+    heartbeat's reaper (redis-py) all reach it; the job succeeds, the worker is online and its log has no error; every
+    key (kombu's and ours) is in database 1."""
+    db = "db" if scheme == "unix" else "virtual_host"
+    url = f"{scheme}://:{socket_redis.password}@{socket_redis.path}?{db}=1"
+    monkeypatch.setenv("JOBS_REDIS_URL", url)
+    reset_caches()
+    worker = spawn_worker([], JOBS_REDIS_URL=url)
+    job = service.submit(owner="t", spec_data=long_spec(tiny_model, write_dataset(tmp_path / "d.jsonl", 4)))
+    wait_for(lambda: job_state(job["id"]) in ("succeeded", "failed"), 180, "the job", procs=[worker])
+    assert views.get(job["id"], owner=None)["state"] == "succeeded"
+
+    def beat() -> float:
+        [shown] = [w for w in views.workers() if w["pid"] == worker.pid]
+        assert shown["state"] == "online", shown
+        return shown["heartbeat_at"]
+
+    # a beat recorded after this one means the reaper of this one (redis-py, after the beat's SQL write) has run
+    first = beat()
+    wait_for(lambda: beat() > first, 60, "the worker's next heartbeat", procs=[worker])
+    log = worker.log.read_text()
+    assert "heartbeat of" not in log and "Traceback" not in log and " ERROR " not in log, worker.tail(60)
+    assert socket_redis.client(db=0).dbsize() == 0
+    keys = {k.decode() for k in socket_redis.client(db=1).keys()}
+    assert "gpujobs:broker-epoch" in keys and any(k.startswith("_kombu.binding.") for k in keys), keys
 
 
 def test_postgres_down_for_seconds_mid_job_the_job_completes(

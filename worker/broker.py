@@ -23,6 +23,7 @@ from collections.abc import Callable
 from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError
 
 from core import exits
+from core.queue import masked
 
 log = logging.getLogger(__name__)
 # what Redis answers to refused credentials, for an error that reached us without redis-py's class (kombu re-raises
@@ -43,19 +44,13 @@ def refused(exc: BaseException | None) -> bool:
     return False
 
 
-def masked(url: str) -> str:
-    """`url` as a log may show it: each password replaced by `**`, the query (which may hold one) left out."""
-    from kombu.utils.url import maybe_sanitize_url
-
-    return ";".join(maybe_sanitize_url(part) for part in url.split(";"))  # kombu's failover list: one URL each
-
-
 def message(url: str, exc: BaseException) -> str:
     """One line: which broker refused (`url`, its password masked), what it said and what to do."""
     said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (
         f"Redis at {masked(url)} refused this worker's credentials ({said}): set the password Redis requires in "
-        "JOBS_REDIS_URL (redis://:PASSWORD@HOST:PORT/DB, or redis://USER:PASSWORD@... for an ACL user), then start "
+        "JOBS_REDIS_URL (redis://:PASSWORD@HOST:PORT/DB, unix://:PASSWORD@/PATH.sock?db=DB for a unix socket, or "
+        "redis://USER:PASSWORD@... for an ACL user), then start "
         f"the worker again; not retried (exit {exits.BROKER_REFUSED})"
     )
 
