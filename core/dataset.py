@@ -99,10 +99,16 @@ def retry_can_change(row: Any, spec: Any) -> bool:
     return True
 
 
-def fast_unsupported(params: dict[str, Any]) -> str | None:
-    """The sampling parameter (effective, `sampling_of`) the fast engine cannot run, or None."""
+def fast_unsupported(params: dict[str, Any], filtered: bool = False) -> str | None:
+    """The sampling parameter (effective, `sampling_of`) the fast engine cannot run, or None. `filtered`: it samples
+    with top_p and top_k (worker/engines/fastgen.py FILTERED_SAMPLING, which the worker passes). The submit check
+    (`engine_problem`) cannot import the worker to read that flag, so it judges by its default, off until a GPU has
+    measured it: under `engine: fast` such rows are refused at submit, and under `auto` they run padded or, where a
+    worker's flag is on, fast. The default here follows the flag's (tests/test_engine_fast.py checks it)."""
     if params.get("repetition_penalty") is not None:
         return "repetition_penalty"
+    if filtered:
+        return None
     if params.get("do_sample") and params.get("top_p") not in (None, 1, 1.0):
         return "top_p"
     if params.get("do_sample") and params.get("top_k") not in (None, 0):

@@ -23,6 +23,7 @@ import torch
 
 from core import logprob_store
 from core.capability import missing
+from core.dataset import fast_unsupported
 from core.errors import InvalidInput
 from core.spec import GenerateSpec
 from tests.conftest import qa_pairs
@@ -241,6 +242,88 @@ def test_unsupported_sampling_fails_under_fast_and_runs_padded_under_auto(loaded
     events: list[str] = []
     run_auto(loaded, tiny_model, rows, events.append, kv_cache_dtype="fp8")
     assert events == ["kv_cache_dtype fp8 not applied to 2 rows the fast engine cannot run"]
+
+
+def decode_extras(monkeypatch) -> list[tuple[str, ...]]:
+    """The extras of every decode step the fast engine runs from now on (in the test)."""
+    calls: list[tuple[str, ...]] = []
+    real = fastgen.Engine._decode
+
+    def spy(self, batch, sample, extras=(), phase=None):
+        calls.append(extras)
+        return real(self, batch, sample, extras, phase)
+
+    monkeypatch.setattr(fastgen.Engine, "_decode", spy)
+    return calls
+
+
+def test_top_k_1_sampling_gives_the_greedy_outputs_through_filtered_steps(loaded, tiny_model, slots, monkeypatch):
+    """fastgen.FILTERED_SAMPLING on: rows sampling at temperature 1 with top_k 1 give the greedy outputs, in 3 slots
+    (rows wait and refill freed slots), and beside a plain sampled row whose slot one of them is moved down into
+    (each slot's top_k follows its row); such steps are "filtered", and a greedy job runs none."""
+    monkeypatch.setattr(fastgen, "FILTERED_SAMPLING", True)
+    slots(3)
+    calls = decode_extras(monkeypatch)
+    rows = ragged_rows()
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=24)
+    greedy = run(loaded, spec, rows)
+    assert calls and not any("filtered" in extras for extras in calls)
+    top_k_1 = [(i, {**r, "params": {**r["params"], "temperature": 1.0, "top_k": 1}}) for i, r in rows]
+    assert fields(run(loaded, spec, top_k_1)) == fields(greedy)
+    assert any("filtered" in extras for extras in calls)
+    # the plain row (the longest: slot 0) ends first; the row in slot 2 is then moved down into slot 0
+    spec = make_spec(tiny_model, engine="fast", max_new_tokens=20, ignore_eos=True, seed=3)
+    prompts = [(1, "hello"), (2, "What is")]
+    greedy = run(loaded, spec, [(i, row(p)) for i, p in prompts])
+    plain = (0, row("the " * 25, temperature=1.0, max_new_tokens=2))
+    sampled = run(loaded, spec, [plain] + [(i, row(p, temperature=1.0, top_k=1)) for i, p in prompts])
+    assert fields({i: sampled[i] for i in greedy}) == fields(greedy) and sampled[0].completion_tokens == 2
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_top_p_and_top_k_rows_run_on_the_fast_engine_only_with_the_flag(loaded, tiny_model, slots, monkeypatch, flag):
+    """Under auto, the fast engine keeps the rows that sample with top_p or top_k where FILTERED_SAMPLING is on
+    (none returned to the padded engine, the job's record is the fast engine's), and returns them as before where it
+    is off; repetition_penalty is returned either way."""
+    monkeypatch.setattr(fastgen, "FILTERED_SAMPLING", flag)
+    slots(4)
+    q = qa_pairs()[0][0]
+    rows = [(0, row(q)), (1, row(q, temperature=0.7, top_p=0.9)), (2, row(q, temperature=0.7, top_k=5))]
+    rows += [(3, row(q, temperature=0.7, top_p=0.5, top_k=3)), (4, row(q, repetition_penalty=1.1))]
+    info: dict = {}
+    results = fast.run(
+        loaded,
+        make_spec(tiny_model, max_new_tokens=6),
+        rows,
+        batch_rows=1,
+        should_stop=lambda: False,
+        on_event=print,
+        info=info,
+        progress=Progress(),
+    )
+    done: dict = {}
+    while True:
+        try:
+            done.update((r.idx, r) for r in next(results))
+        except StopIteration as stop:
+            left = [i for i, _ in stop.value]
+            break
+    assert left == ([4] if flag else [1, 2, 3, 4])
+    assert sorted(done) == ([0, 1, 2, 3] if flag else [0])
+    assert all(r.error is None and r.output for r in done.values())
+    assert info["fast"]["steps"] > 0 and info["fast"]["runs"] == 1
+
+
+def test_the_submit_check_judges_top_p_and_top_k_as_the_fast_engines_default_does():
+    """core/dataset.py cannot import the worker: its `fast_unsupported` takes `filtered` (the worker passes
+    fastgen.FILTERED_SAMPLING) and its default, which the submit check uses, is the flag's default."""
+    import inspect
+
+    default = inspect.signature(fast_unsupported).parameters["filtered"].default
+    assert default is fastgen.FILTERED_SAMPLING
+    params = {"do_sample": True, "top_p": 0.9, "top_k": None, "repetition_penalty": None}
+    assert fast_unsupported(params, filtered=True) is None and fast_unsupported(params, filtered=False) == "top_p"
+    assert fast_unsupported({**params, "repetition_penalty": 1.1}, filtered=True) == "repetition_penalty"
 
 
 def test_an_fp8_cache_that_engine_auto_does_not_run_is_an_event_of_the_job(loaded, tiny_model):
@@ -1220,6 +1303,20 @@ def test_profile_gen_flips_a_decode_kernel_setting_to_a_number(monkeypatch):
     with pytest.raises(SystemExit) as refused:
         profile_gen.main(["g1", "--flip", "pages", "--out", "/dev/null"])
     assert refused.value.code == 2
+
+
+def test_profile_gen_flips_filtered_sampling_and_refuses_spec_fields_that_are_no_spec():
+    """--flip filtered_sampling turns fastgen.FILTERED_SAMPLING (off) on; --spec's fields (the runs' sampling) are
+    refused before anything loads where they are not a JSON object of valid spec fields."""
+    from ops.bench import profile_gen
+
+    targets = profile_gen.FLIPS["filtered_sampling"]
+    (flag,) = [profile_gen.Flag(importlib.import_module(m), *rest) for m, *rest in targets]
+    assert flag.name == "worker.engines.fastgen.FILTERED_SAMPLING" and flag.other(flag.get()) is True
+    for bad in ('{"top_p": 2}', "[1]", "top_p"):
+        with pytest.raises(SystemExit) as refused:
+            profile_gen.main(["g1", "--spec", bad, "--out", "/dev/null"])
+        assert refused.value.code == 2
 
 
 def test_profile_gen_counts_where_the_host_waits_on_the_device():

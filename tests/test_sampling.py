@@ -167,3 +167,58 @@ def test_a_seed_repeats_samples_for_the_same_engine_and_batching_and_per_row_wit
     by_itself = _sampled_outputs(tmp_path, prompts[2:3], "e", **alone)
     assert by_itself["Spiders have"] == together["Spiders have"]
     assert len(set(together.values())) > 1  # sampled: the rows are not all the same text
+
+
+def warped(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What transformers' `generate` samples from: its warpers in its order (temperature, top_k, top_p), softmaxed."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits[None].double() / temperature
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(dim=-1)[0]
+
+
+def test_top_k_1_and_a_tiny_top_p_pick_the_argmax_and_greedy_rows_stay_greedy():
+    """The filtered pick (`fastgen.Engine._pick` with top_k/top_p) of top_k 1, or of a top_p too small for a second
+    token, is the argmax, whatever the draw; a greedy row (temperature 0) beside them stays the argmax."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(60, 100, generator=gen) * 3
+    top_k = torch.tensor([1, 0, 1] * 20)
+    top_p = torch.tensor([1.0, 1e-4, 0.5] * 20)
+    temp = torch.tensor([1.0, 2.0, 0.0] * 20)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        assert torch.equal(fastgen.Engine._pick(logits, temp, True, top_k, top_p), logits.argmax(dim=-1))
+
+
+def test_top_k_and_top_p_samples_follow_transformers_warpers_each_row_with_its_own():
+    """Rows of one batch, each with its own top_k and top_p (ties at the k-th value, a grammar-masked row), sample
+    from the distribution transformers' TemperatureLogitsWarper, TopKLogitsWarper then TopPLogitsWarper leave:
+    tokens they filter out are never drawn, and the counts fit the rest (chi-square at p = 1e-4, seeded)."""
+    base = torch.tensor([2.0, 1.5, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    masked = base.clone()
+    masked[[0, 4]] = float("-inf")  # a grammar's mask: -inf before the pick
+    temperature, draws = 0.8, 4000
+    # (logits, top_k, top_p): off, a tie at the k-th value (3 kept), top_p alone (3, 5 kept), both (3, 5 kept),
+    # both and top_p alone over the tokens a mask left (2, 3 kept)
+    cases = [(base, 0, 1.0), (base, 2, 1.0), (base, 0, 0.6), (base, 0, 0.9), (base, 4, 0.8), (base, 6, 0.95)]
+    cases += [(masked, 3, 0.7), (masked, 0, 0.85)]
+    logits = torch.stack([c[0] for c in cases] * draws)
+    top_k = torch.tensor([c[1] for c in cases] * draws)
+    top_p = torch.tensor([c[2] for c in cases] * draws)
+    torch.manual_seed(5)
+    picked = fastgen.Engine._pick(logits, torch.full((len(logits),), temperature), True, top_k, top_p)
+    kept = []
+    for i, (row, k, p) in enumerate(cases):
+        want = warped(row, temperature, k, p)
+        counts = collections.Counter(picked[i :: len(cases)].tolist())
+        assert all(want[t] > 0 for t in counts), (k, p, "a filtered token was drawn", counts)
+        stat, critical = fit(counts, want)
+        assert stat < critical, (k, p, stat, critical)
+        kept.append(int((want > 0).sum()))
+    assert kept == [10, 3, 3, 5, 3, 5, 2, 3]  # the cases filter what their comments say
+    unfiltered = collections.Counter(picked[2 :: len(cases)].tolist())  # the test can fail: top_p 0.6's draws do
+    assert fit(unfiltered, warped(base, temperature, 0, 1.0))[0] > 100  # not fit the unfiltered distribution

@@ -7,8 +7,8 @@ next, so a crash loses at most one micro-batch. Four engines run the rows (spec 
 - `fast` (worker/engines/fast.py, the engine itself worker/engines/fastgen.py): continuous batching over a paged
   KV cache sized once from free memory, a Triton decode attention that reads each row's real context only, decode
   steps captured as CUDA graphs and the decoder layers compiled, all prepared when the worker loads the model
-  (`prepare_engine`). Rows asking for top_p, top_k or repetition_penalty, or longer than the cache holds, run
-  padded under `auto` (`run_engine`) and fail under `fast`.
+  (`prepare_engine`). Rows asking for repetition_penalty (or top_p or top_k while `fastgen.FILTERED_SAMPLING` is
+  off), or longer than the cache holds, run padded under `auto` (`run_engine`) and fail under `fast`.
 - `padded` (worker/engines/padded.py): micro-batches of `batch_rows` rows, left-padded, through `model.generate`.
 - `continuous` (worker/engines/continuous.py): transformers' continuous batching, driven through its manager so
   results stream out as rows finish.

@@ -19,6 +19,9 @@ interleaved, each way with the CUDA graphs it captured itself (its first run, co
 `flipped` (median and spread of the flipped runs) and `flip_gain`: the median as it is over the flipped median.
 A name may flip several flags at once (`prefill_both`): the levers together, for a call that has time for one pair.
 A setting that is a number (`pages`: the decode kernel's pages a step) is flipped to `--flip-to`'s value.
+`--spec` sets fields of the runs' spec: `--spec '{"engine": "auto", "temperature": 1, "top_p": 0.9}' --flip
+filtered_sampling` runs G1's rows sampling with top_p on the padded engine (the flag as it is, off) and on the fast
+engine's filtered steps (flipped), in one process.
 
 `--syncs`: one more warm run under CUDA's sync debug mode (with `--flip`, one each way: `flipped_syncs`), counting
 the torch calls that made the host wait on the device, by where in this repository they came from (`syncs`; a
@@ -32,6 +35,7 @@ import collections
 import cProfile
 import importlib
 import io
+import json
 import pstats
 import sys
 import time
@@ -51,6 +55,8 @@ FLIPS = {  # --flip NAME: the flags it flips, as (module, flag)
     "fold_write": [("worker.engines.decode_attention", "FOLD_WRITE")],  # the step's K/V write in the decode kernel
     "prefill_write": [("worker.engines.decode_attention", "PREFILL_WRITE")],  # a prefill chunk's K/V write kernel
     "sync_free": [("worker.engines.fastgen", "SYNC_FREE")],  # the slot state written without waiting for the GPU
+    # top_k/top_p rows on the fast engine (its "filtered" steps) rather than padded: with --spec's top_p, engine auto
+    "filtered_sampling": [("worker.engines.fastgen", "FILTERED_SAMPLING")],
     "prefill_both": [("worker.engines.decode_attention", "PREFILL_WRITE"), ("worker.engines.fastgen", "SYNC_FREE")],
     # a quantized cache's prefill write kernel (with --kv-cache-dtype fp8 or int8)
     "quant_prefill_write": [("worker.engines.decode_attention", "QUANT_PREFILL_WRITE")],
@@ -123,15 +129,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flip-to", type=int, help="the value a numeric --flip (pages, warps) is set to")
     p.add_argument("--syncs", action="store_true", help="also a warm run that counts where the host waits on CUDA")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "int8"], default="auto", help="the spec's cache type")
+    p.add_argument(
+        "--spec",
+        type=json.loads,
+        default={},
+        help='fields of the runs\' spec, a JSON object: {"engine": "auto", "temperature": 1, "top_p": 0.9}',
+    )
     args = p.parse_args(argv)
     numeric = args.flip and any(len(target) == 3 for target in FLIPS[args.flip])
     if numeric and args.flip_to is None:
         p.error(f"--flip {args.flip} is a number: give the value to flip it to with --flip-to")
+    from core.spec import GenerateSpec
+
+    if not isinstance(args.spec, dict):
+        p.error(f"--spec takes a JSON object of spec fields, not {args.spec!r}")
+    fields = {"ignore_eos": True, "engine": "fast", "kv_cache_dtype": args.kv_cache_dtype, **args.spec}
+    try:
+        spec = GenerateSpec(model=str(args.model), input="x", **fields)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        p.error(f"--spec: {exc}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     import torch
 
-    from core.spec import GenerateSpec
     from worker import generate as engine
     from worker.engines import fastgen, slot_state
     from worker.loader import Loaded
@@ -141,11 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     built_s = harness.ensure_model(args.model, *build)
     model, tok = harness.load_plain(args.model, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     loaded = Loaded(model, tok, model.device, {})
-    spec = GenerateSpec(
-        model=str(args.model), input="x", ignore_eos=True, engine="fast", kv_cache_dtype=args.kv_cache_dtype
-    )
     report: dict = {"commit": harness.commit_info(), "machine": harness.machine(), "model_built_s": built_s}
     report["kv_cache_dtype"] = args.kv_cache_dtype
+    report["spec"] = args.spec
     if not cuda:
         fastgen.COMPILE_BACKEND = "eager"
 

@@ -3,10 +3,11 @@
 The engine itself is worker/engines/fastgen.py (continuous batching over a paged KV cache sized once from free
 memory, decode steps captured as CUDA graphs, the decoder layers compiled, all prepared when the worker loads the
 model: `prepared_state`), its resident state worker/engines/slot_state.py, its attention
-worker/engines/paged_attention.py with the decode kernel worker/engines/decode_attention.py. Greedy and temperature sampling;
-rows asking for top_p, top_k or repetition_penalty, or longer than the cache holds, are returned to the dispatcher
-to run padded under `auto` (worker/generate.py `run_engine`), and fail under `fast`. Finished rows are yielded
-`batch_rows` at a time as they finish.
+worker/engines/paged_attention.py with the decode kernel worker/engines/decode_attention.py. Greedy and temperature sampling
+(top_k and top_p under `fastgen.FILTERED_SAMPLING`); rows asking for repetition_penalty, or for top_p or top_k
+while that flag is off, or longer than the cache holds, are returned to the dispatcher to run padded under `auto`
+(worker/generate.py `run_engine`), and fail under `fast`. Finished rows are yielded `batch_rows` at a time as they
+finish.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ transformers model and replaces only the attention (worker/engines/paged_attenti
   padding, causal SDPA with grouped K/V), writes their K/V into their pages and samples their first token.
 - **Decode** runs one token for every running slot: K/V written at each slot's position, attention over each
   slot's real length only (worker/engines/decode_attention.py: a Triton kernel over the pages on CUDA), the next token
-  picked on the GPU (greedy argmax, or temperature sampling by the exponential race `argmax(p / E)`, E ~ Exp(1)).
+  picked on the GPU (greedy argmax, or temperature sampling by the exponential race `argmax(p / E)`, E ~ Exp(1);
+  with top_k / top_p, over the distribution they leave, `_filter`).
   On CUDA the whole step is a CUDA graph per batch bucket, replayed: one launch per step. Rows whose prompts start
   from one cached prefix (the prefix cache, worker/engines/pages.py) have its K/V read once a step for all of them
   (the cascade: `CASCADE`, `Engine._choose_shared`), not once per row.
@@ -28,8 +29,8 @@ transformers model and replaces only the attention (worker/engines/paged_attenti
   smaller bucket. The host books each step's tokens one step behind the GPU (see `Engine.run`).
 
 What it does not do (rows that ask for it run on the padded engine under `engine: auto`, and fail with a message
-saying so under `engine: fast`): top_p, top_k and repetition_penalty; rows longer than the page table
-(`slot_state.max_len`); models with sliding-window layers, split over several GPUs (device_map auto) or
+saying so under `engine: fast`): repetition_penalty, and top_p and top_k unless `FILTERED_SAMPLING`; rows longer
+than the page table (`slot_state.max_len`); models with sliding-window layers, split over several GPUs (device_map auto) or
 post-processing their logits; attention kernels other than sdpa/sdpa_gqa/eager (the job asked for a specific kernel,
 which this engine would replace). Stop strings are cut after the fact, as in the continuous engine. `seed` reseeds
 torch before each group of rows with the same seed; sampled outputs depend on how rows share steps, as in every
@@ -94,6 +95,14 @@ SIZE_OBLIVIOUS = True  # compile every size alike (`_size_oblivious`); turned of
 CASCADE = True
 CASCADE_MIN_READS = 4096
 CAPTURE_WARMUPS = 2  # runs of a step on a side stream before it is captured (the first compiles its Triton kernels)
+# On: rows sampling with top_k or top_p run here (`row_problem`) rather than padded (~15x slower on a GPU). Their
+# steps are a third mode ("filtered", `_filter`: a sort over the vocabulary per step, captured per bucket when first
+# needed), so greedy and plain sampling steps stay as they were. Off: built and checked on CPU only, in a session with
+# no GPU, so neither its CUDA-graph capture nor its cost has been measured: the sort at G1's 1024 slots x 151,936
+# fp32 logits, and its temporaries beyond the GRAPH_BYTES_PER_VOCAB reserved (docs/design.md, the fast engine's
+# "top_k and top_p", says what to measure before turning it on). core/dataset.py's submit check refuses top_p/top_k under
+# `engine: fast` as this flag's default does (`fast_unsupported`'s `filtered`).
+FILTERED_SAMPLING = False
 
 
 # --- what the engine can run ----------------------------------------------------------------------------------
@@ -126,8 +135,10 @@ def model_problem(model) -> str | None:
 
 
 def row_problem(params: dict[str, Any]) -> str | None:
-    """Why a row's sampling parameters need another engine, or None (core/dataset.py: submit checks it too)."""
-    return fast_unsupported(params)
+    """Why a row's sampling parameters need another engine, or None. core/dataset.py makes the same check at submit
+    (core imports no worker code, so it cannot read FILTERED_SAMPLING: it judges top_p/top_k by the flag's default,
+    and a test keeps the two in step)."""
+    return fast_unsupported(params, filtered=FILTERED_SAMPLING)
 
 
 def buckets(slots: int) -> list[int]:
@@ -228,6 +239,11 @@ class Seq:
         return len(self.row.ids) + self.row.params["max_new_tokens"]
 
     @property
+    def filtered(self) -> bool:
+        """It samples with top_k or top_p: its steps are "filtered" ones (`_filter`)."""
+        return _filters(self.row.params) != NO_FILTER
+
+    @property
     def pages_needed(self) -> int:
         return math.ceil(self.need / PAGE)
 
@@ -286,6 +302,7 @@ class Engine:
         self.check_first = False  # some sequence of this run is checked (`run`)
         self._checked_seqs: list[Seq] = []
         self.check_stopped = False  # the run's model refused too many checked tokens: masked from then on
+        self.filtering = False  # some sequence of this run samples with top_k or top_p (`run`)
         self.prefill_s = 0.0
         self.decode_s = 0.0
         # where the host's time goes (`record`): waiting for a decode step's tokens (part of decode_s), booking them
@@ -333,14 +350,28 @@ class Engine:
             logits[:, self.eos_index] = cols.masked_fill(no_eos[:, None], float("-inf"))
         return logits
 
-    def _pick(self, logits: torch.Tensor, temp: torch.Tensor, sample: bool) -> torch.Tensor:
+    @staticmethod
+    def _pick(
+        logits: torch.Tensor,
+        temp: torch.Tensor,
+        sample: bool,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Next tokens: argmax (on the model's logits: bf16 to fp32 is exact, so the same token as plain generate's
-        fp32 argmax), or for rows with temp > 0 a sample from softmax(logits / temp) in fp32."""
+        fp32 argmax), or for rows with temp > 0 a sample from softmax(logits / temp) in fp32; given each row's
+        `top_k` and `top_p` (a "filtered" step), from what they leave of it (`_filter`)."""
         if not sample:
             return logits.argmax(dim=-1)
         scaled = logits.float() / temp.clamp_min(1e-6)[:, None]
+        order = None
+        if top_k is not None:
+            scaled, order = _filter(scaled, top_k, top_p)
         race = scaled - torch.empty_like(scaled).exponential_().log()  # argmax(p / E) samples p
-        return torch.where(temp > 0, race.argmax(dim=-1), logits.argmax(dim=-1))
+        picked = race.argmax(dim=-1)
+        if order is not None:  # a place in the sorted row: its token
+            picked = order.gather(1, picked[:, None])[:, 0]
+        return torch.where(temp > 0, picked, logits.argmax(dim=-1))
 
     def prefill(self, seqs: list[Seq]) -> torch.Tensor:
         """Run the prompts of `seqs` (slots and pages already assigned), fill their pages, page-table rows and
@@ -360,6 +391,9 @@ class Engine:
         slots_last = _to(device, [[s.slot for s in seqs], [n - 1 for n in lengths]], torch.long)
         slots, last = slots_last[0], slots_last[1]
         temps = _to(device, [_temperature(s.row.params, self.loaded) for s in seqs], torch.float32)
+        filters = [_filters(s.row.params) for s in seqs]
+        top_k = _to(device, [k for k, _ in filters], torch.long)
+        top_p = _to(device, [p for _, p in filters], torch.float32)
         no_eos = _to(device, [bool(s.row.params["ignore_eos"]) for s in seqs], torch.bool)
         # a tensor of its own, as in decode steps (`logits`): Dynamo guards on whether a layer's input is a view and
         # on its strides, and an expanded view here made every compiled layer compile once more per layout
@@ -379,7 +413,7 @@ class Engine:
             grammar.fill(bits, [(i, s.guide) for i, s in enumerate(seqs) if s.guide])
             masked = grammar.apply(logits, bits.to(device))
         sample = any(s.row.params["do_sample"] for s in seqs)
-        first = self._pick(masked, temps, sample)
+        first = self._pick(masked, temps, sample, *((top_k, top_p) if any(f != NO_FILTER for f in filters) else ()))
         self.prefill_lp = None  # read by _launch_prefill right after this call
         if any(s.lp is not None for s in seqs):
             self.prefill_lp = logprobs.step(logits, first, logprobs.TOP)
@@ -391,6 +425,8 @@ class Engine:
         else:
             st.active[slots] = 1  # waits for the GPU on torch 2.11 (SYNC_FREE)
         st.temp[slots] = temps
+        st.top_k[slots] = top_k
+        st.top_p[slots] = top_p
         st.no_eos[slots] = no_eos
         return first
 
@@ -416,8 +452,9 @@ class Engine:
         """One decode step over slots 0..batch-1: the next token of every active slot fed back as its input.
 
         With `extras` (only for a batch where some row asks): "grammar" masks the logits with the bitmask the host
-        put in `outputs["bitmask"]`, "logprobs" writes the unmasked logits' log-probabilities into `outputs`. A
-        step with a grammar runs in two phases (`Engine.run`): "forward" (the logits, kept in `outputs["logits"]`),
+        put in `outputs["bitmask"]`, "logprobs" writes the unmasked logits' log-probabilities into `outputs` (the
+        model's distribution, before any mask, temperature, top_k or top_p), "filtered" samples with each slot's
+        top_k and top_p (`_filter`). A step with a grammar runs in two phases (`Engine.run`): "forward" (the logits, kept in `outputs["logits"]`),
         then "choose" (mask, pick, logprobs) once the host has the masks: its grammar work overlaps the forward."""
         st = self.state
         if phase == "choose":
@@ -432,7 +469,8 @@ class Engine:
         else:  # the mask in place unless the logprobs read the unmasked logits below
             bits = st.outputs["bitmask"][:batch] if "grammar" in extras else None
             masked = logits if bits is None else grammar.apply(logits, bits, inplace="logprobs" not in extras)
-            st.tok[:batch] = self._pick(masked, st.temp[:batch], sample)
+            filters = (st.top_k[:batch], st.top_p[:batch]) if "filtered" in extras else ()
+            st.tok[:batch] = self._pick(masked, st.temp[:batch], sample, *filters)
         if "logprobs" in extras:
             for name, value in zip(("picked", "values", "ids"), logprobs.step(logits, st.tok[:batch], logprobs.TOP)):
                 st.outputs[name][:batch] = value
@@ -517,7 +555,7 @@ class Engine:
         rows and inputs (their K/V stay). Under SYNC_FREE a dozen kernels for any number of slots, without
         waiting for the GPU; else slot by slot."""
         st = self.state
-        bufs = (st.table, st.tok, st.pos, st.active, st.temp, st.no_eos)
+        bufs = (st.table, st.tok, st.pos, st.active, st.temp, st.top_k, st.top_p, st.no_eos)
         if SYNC_FREE:
             index = _to(st.tok.device, [src, dst], torch.long)
             for buf in bufs:
@@ -594,6 +632,7 @@ class Engine:
         self._cascade_pages, self._sharing = (), 0
         self._checked_seqs = [s for s in seqs if s.guide is not None and s.guide.checks]  # grammar.CHECK_FIRST
         self.check_first = bool(self._checked_seqs)
+        self.filtering = any(s.filtered for s in seqs)
         self.pool.start_run()
         loop = self._loop(queue, free, should_stop)
         try:
@@ -678,6 +717,7 @@ class Engine:
                 ("grammar", any(s.guide and not s.guide.checking for s in seqs)),
                 ("logprobs", any(s.lp is not None for s in seqs)),
                 ("cascade", len(self._cascade_pages) * self._sharing >= CASCADE_MIN_READS),
+                ("filtered", self.filtering and any(s.filtered for s in seqs)),
             )
             if asked
         )
@@ -1102,6 +1142,33 @@ def _raise_recompile_limit(limit: int = 64) -> None:
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     if getattr(config, name) < limit:
         setattr(config, name, limit)
+
+
+NO_FILTER = (0, 1.0)  # (top_k, top_p) that filter nothing
+
+
+def _filters(params: dict[str, Any]) -> tuple[int, float]:
+    """A row's (top_k, top_p): NO_FILTER unless it samples (generate ignores them in greedy decoding). Its own
+    parameters only, as `row_problem` judges them: None is off, not the model's generation_config."""
+    if not params["do_sample"]:
+        return NO_FILTER
+    return int(params.get("top_k") or 0), float(params.get("top_p") or 1.0)
+
+
+def _filter(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `scaled` (fp32 logits / temperature, grammar-masked ones -inf) sorted descending, with -inf where
+    transformers' TopKLogitsWarper then TopPLogitsWarper filter it (generate's order, after the temperature), and
+    the token at each sorted place. top_k > 0 keeps the values at least its k-th largest (ties with it too, as the
+    warper's `<`); top_p < 1 then keeps, of what is left, the smallest most probable prefix whose probabilities
+    reach top_p: each token whose more probable ones sum to less than top_p (the first always). One sort of static
+    shape, no host sync: a CUDA graph captures it."""
+    scaled, order = scaled.sort(dim=-1, descending=True)
+    kth = scaled.gather(1, (top_k - 1).clamp(0, scaled.shape[1] - 1)[:, None])
+    scaled.masked_fill_((top_k > 0)[:, None] & (scaled < kth), float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # the probability of the tokens sorted before each
+    scaled.masked_fill_((top_p < 1)[:, None] & (before >= top_p[:, None]), float("-inf"))
+    return scaled, order
 
 
 def _temperature(params: dict[str, Any], loaded) -> float:

@@ -54,6 +54,8 @@ class SlotState:
     pos: torch.Tensor  # (slots,) where that token's K/V goes = its position (0 for a free slot)
     active: torch.Tensor  # (slots,) long 1/0
     temp: torch.Tensor  # (slots,) sampling temperature, 0 = greedy
+    top_k: torch.Tensor  # (slots,) long: a sampled row's top_k, 0 = off (fastgen's "filtered" steps)
+    top_p: torch.Tensor  # (slots,) float32: its top_p, 1.0 = off
     no_eos: torch.Tensor  # (slots,) bool: ignore_eos rows, whose EOS logits are masked (as min_new_tokens does)
     lengths: torch.Tensor  # (slots,) int32, attention length of the step being run
     write_page: torch.Tensor  # (slots,) long: the page the step writes each slot's K/V into
@@ -244,6 +246,8 @@ def state_for(
         pos=zeros(torch.long),
         active=zeros(torch.long),
         temp=zeros(torch.float32),
+        top_k=zeros(torch.long),
+        top_p=torch.ones(slots, dtype=torch.float32, device=device),
         no_eos=zeros(torch.bool),
         lengths=zeros(torch.int32),
         write_page=zeros(torch.long),
