@@ -80,22 +80,22 @@ def unix_socket(url: str) -> tuple[str, str, str, dict[str, str]] | None:
 
 def broker_url(url: str | None = None) -> str:
     """`url` (default JOBS_REDIS_URL) as Celery/kombu read it: a unix socket as redis+socket://...?virtual_host=DB."""
-    url = url or redis_url()
-    socket = unix_socket(url)
-    if socket is None:
-        return url
-    credentials, path, db, query = socket
-    return f"redis+socket://{credentials}{path}?{urlencode({'virtual_host': db, **query})}"
+    return _spelled(url, "redis+socket", "virtual_host")
 
 
 def client_url(url: str | None = None) -> str:
     """`url` (default JOBS_REDIS_URL) as redis-py reads it: a unix socket as unix://...?db=DB."""
+    return _spelled(url, "unix", "db")
+
+
+def _spelled(url: str | None, scheme: str, db_key: str) -> str:
+    """`url` (default JOBS_REDIS_URL) with a unix socket spelled `scheme://…?db_key=DB`; a TCP URL as it is."""
     url = url or redis_url()
     socket = unix_socket(url)
     if socket is None:
         return url
     credentials, path, db, query = socket
-    return f"unix://{credentials}{path}?{urlencode({'db': db, **query})}"
+    return f"{scheme}://{credentials}{path}?{urlencode({db_key: db, **query})}"
 
 
 def redis_client(**kwargs):

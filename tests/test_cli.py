@@ -763,27 +763,23 @@ def test_read_commands_say_what_they_show(tmp_path, cli_env):
     ]
 
 
+def failed_rows_job(tmp_path, cli_env, failed: int) -> str:
+    """A job of one good row and `failed` unreadable ones on a CPU slice no worker serves: its failed rows are
+    there at submit (`results --errors`), and nothing else changes."""
+    from tests.test_bad_input import fake_model
+
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] + ["{broken"] * failed)
+    command = ["submit", "generate", "--model", str(fake_model(tmp_path / "model")), "--input", data, "--gpus", "0"]
+    return jobs(cli_env, *command, check=True).stdout.strip()
+
+
 def test_results_o_writes_a_fifo_in_place_and_a_links_target(tmp_path, cli_env):
     """`results -o` replaces only a regular file: a FIFO (as bash's `>(…)`, /dev/stdout or a device) is written as
     it is, and a symbolic link's target is replaced, the link kept. The rename over the path made either a regular
     file (as root, `-o /dev/null` replaced /dev/null), and as another user it failed with a traceback."""
     import stat
 
-    from tests.test_bad_input import fake_model
-
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}] + ["{broken"] * 3)
-    job_id = jobs(
-        cli_env,
-        "submit",
-        "generate",
-        "--model",
-        str(fake_model(tmp_path / "model")),
-        "--input",
-        data,
-        "--gpus",
-        "0",
-        check=True,
-    ).stdout.strip()  # no worker: 3 failed rows at submit
+    job_id = failed_rows_job(tmp_path, cli_env, 3)
     fifo = tmp_path / "rows.fifo"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # open before the writer, which then does not block
@@ -808,21 +804,7 @@ def test_results_o_makes_a_file_with_the_umasks_mode_and_keeps_a_replaced_files(
     web server could no longer read results that a script rewrote."""
     import stat
 
-    from tests.test_bad_input import fake_model
-
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "hi"}, "{broken"])
-    job_id = jobs(
-        cli_env,
-        "submit",
-        "generate",
-        "--model",
-        str(fake_model(tmp_path / "model")),
-        "--input",
-        data,
-        "--gpus",
-        "0",
-        check=True,
-    ).stdout.strip()
+    job_id = failed_rows_job(tmp_path, cli_env, 1)
 
     def results_o(path, umask: int) -> int:
         subprocess.run(
